@@ -1,0 +1,162 @@
+"""Model configuration: one small frozen dataclass, validated on construction.
+
+Training and run settings live apart, in :mod:`jaxformer.train_config`; modes such
+as ``dtype`` are changed with :func:`dataclasses.replace`, never by mutation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+import jax.numpy as jnp
+
+NormPosition = Literal["post", "pre"]
+_FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TransformerConfig:
+    """Hyper-parameters of the encoder-decoder Transformer (Vaswani et al. 2017, §3).
+
+    Attributes:
+      src_vocab_size: number of source token ids V_src; ids must lie in [0, V_src).
+      tgt_vocab_size: number of target token ids V; the logits have V entries.
+      d_model: model width D (§3.1); must be divisible by ``num_heads``.
+      num_heads: attention heads H (§3.2.2); per-head width K = D / H.
+      d_ff: hidden width F of the position-wise feed-forward network (§3.3).
+      num_encoder_layers: N encoder layers.
+      num_decoder_layers: N decoder layers.
+      dropout_rate: residual and embedding dropout P_drop (§5.4), in [0, 1).
+      attention_dropout_rate: dropout on attention weights (tensor2tensor; not in
+        the paper), in [0, 1).
+      max_len: longest source or target sequence, the rows of the positional table.
+      pad_id: the padding id; padding masks are built from it, never from a literal 0.
+      share_embeddings: one table for source, target and the output projection
+        (§3.4); requires ``src_vocab_size == tgt_vocab_size``.
+      norm_position: ``"post"`` = LayerNorm(x + Sublayer(x)) as in the paper (§3.1);
+        ``"pre"`` = x + Sublayer(LayerNorm(x)) with a final LayerNorm per stack.
+      dtype: compute dtype name (``"float32"``, ``"bfloat16"``, ``"float16"``).
+        Softmax and the loss always run in float32.
+      param_dtype: parameter dtype name (float32 by default).
+
+    Raises:
+      ValueError: on any inconsistent or out-of-range field; the message names the
+        field(s), their values and the fix.
+    """
+
+    src_vocab_size: int
+    tgt_vocab_size: int
+    d_model: int = 512
+    num_heads: int = 8
+    d_ff: int = 2048
+    num_encoder_layers: int = 6
+    num_decoder_layers: int = 6
+    dropout_rate: float = 0.1
+    attention_dropout_rate: float = 0.0
+    max_len: int = 256
+    pad_id: int = 0
+    share_embeddings: bool = False
+    norm_position: NormPosition = "post"
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+
+    def __post_init__(self):
+        positive = ("src_vocab_size", "tgt_vocab_size", "d_model", "num_heads", "d_ff",
+                    "num_encoder_layers", "num_decoder_layers", "max_len")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"TransformerConfig.{name} must be a positive int, got {value!r}.")
+        if self.d_model % self.num_heads:
+            raise ValueError(
+                f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}: "
+                f"each head gets d_model / num_heads dimensions; choose d_model as a "
+                f"multiple of num_heads (e.g. d_model={self.num_heads * max(1, round(self.d_model / self.num_heads))}).")
+        for name in ("dropout_rate", "attention_dropout_rate"):
+            rate = getattr(self, name)
+            if not 0.0 <= rate < 1.0:
+                raise ValueError(f"TransformerConfig.{name} must be in [0, 1), got {rate!r}.")
+        if self.norm_position not in ("post", "pre"):
+            raise ValueError(f"norm_position must be 'post' (paper) or 'pre', got {self.norm_position!r}.")
+        for name in ("dtype", "param_dtype"):
+            if getattr(self, name) not in _FLOAT_DTYPES:
+                raise ValueError(f"TransformerConfig.{name} must be one of {_FLOAT_DTYPES}, "
+                                 f"got {getattr(self, name)!r}.")
+        if self.share_embeddings and self.src_vocab_size != self.tgt_vocab_size:
+            raise ValueError(
+                f"share_embeddings=True needs one joint vocabulary, but src_vocab_size="
+                f"{self.src_vocab_size} != tgt_vocab_size={self.tgt_vocab_size}; "
+                f"use a joint tokenizer or set share_embeddings=False.")
+        largest = min(self.src_vocab_size, self.tgt_vocab_size)
+        if not 0 <= self.pad_id < largest:
+            raise ValueError(f"pad_id={self.pad_id} must be a valid id in [0, {largest}).")
+
+    @property
+    def head_dim(self) -> int:
+        """Per-head width K = d_model / num_heads (d_k = d_v in the paper)."""
+        return self.d_model // self.num_heads
+
+    @property
+    def compute_dtype(self) -> Any:
+        return jnp.dtype(self.dtype)
+
+    @property
+    def parameter_dtype(self) -> Any:
+        return jnp.dtype(self.param_dtype)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable fields (for ``config.json`` and checkpoints)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, fields: dict[str, Any]) -> TransformerConfig:
+        """Inverse of :meth:`to_dict`; unknown keys raise ``ValueError``."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(fields) - known
+        if unknown:
+            raise ValueError(f"Unknown TransformerConfig fields {sorted(unknown)}; known: {sorted(known)}.")
+        return cls(**fields)
+
+    def replace(self, **changes) -> TransformerConfig:
+        """A copy with ``changes`` applied (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+# Presets. ``base``/``big`` follow the paper's Table 3; vocab sizes are filled in
+# from the tokenizer by :func:`preset`.
+PRESETS: dict[str, dict[str, Any]] = {
+    # Tests: small enough to compile and run in milliseconds.
+    "tiny": dict(d_model=32, num_heads=4, d_ff=64, num_encoder_layers=2,
+                 num_decoder_layers=2, dropout_rate=0.0, max_len=64),
+    # CPU default training (tuned for a 2-core machine, see README).
+    "small": dict(d_model=256, num_heads=4, d_ff=1024, num_encoder_layers=3,
+                  num_decoder_layers=3, dropout_rate=0.1, max_len=128, share_embeddings=True),
+    # Paper Table 3, "base": ~65M parameters with a shared 37k vocabulary.
+    "base": dict(d_model=512, num_heads=8, d_ff=2048, num_encoder_layers=6,
+                 num_decoder_layers=6, dropout_rate=0.1, max_len=256, share_embeddings=True),
+    # Paper Table 3, "big": ~213M parameters with a shared 37k vocabulary.
+    "big": dict(d_model=1024, num_heads=16, d_ff=4096, num_encoder_layers=6,
+                num_decoder_layers=6, dropout_rate=0.3, max_len=256, share_embeddings=True),
+}
+
+
+def preset(name: str, *, src_vocab_size: int, tgt_vocab_size: int | None = None,
+           **overrides) -> TransformerConfig:
+    """Builds a named preset (``tiny``, ``small``, ``base``, ``big``).
+
+    Args:
+      name: preset name.
+      src_vocab_size: source vocabulary size (the tokenizer's).
+      tgt_vocab_size: target vocabulary size; defaults to ``src_vocab_size``.
+      **overrides: any :class:`TransformerConfig` field.
+
+    Raises:
+      ValueError: unknown preset name or invalid field.
+    """
+    if name not in PRESETS:
+        raise ValueError(f"Unknown preset {name!r}; choose one of {sorted(PRESETS)}.")
+    fields = dict(PRESETS[name])
+    fields.update(overrides)
+    return TransformerConfig(src_vocab_size=src_vocab_size,
+                             tgt_vocab_size=tgt_vocab_size or src_vocab_size, **fields)

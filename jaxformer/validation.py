@@ -1,0 +1,63 @@
+"""Host-side checks of token-id inputs at the public entry points.
+
+JAX clamps or wraps out-of-range gather indices silently, so an id outside
+``[0, vocab)`` would otherwise give a wrong answer without an error. The checks
+here run in two places:
+
+* Always (at trace time, no cost at run time): rank, integer dtype, length
+  ``<= max_len``, matching batch sizes.
+* Only on concrete arrays (eager ``model.apply``, or on the host before a jitted
+  step): the value range. Inside ``jax.jit`` values are unknown, so jaxformer's own
+  jitted loops (training, evaluation, translation) call :func:`check_token_ids` on
+  the host batch before dispatch.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+
+def _is_traced(x) -> bool:
+    return isinstance(x, jax.core.Tracer)
+
+
+def check_token_ids(tokens, *, name: str, vocab_size: int, max_len: int | None = None) -> None:
+    """Validates a batch of token ids ``[B, L]``.
+
+    Args:
+      tokens: integer array ``[B, L]`` (NumPy, JAX, or a tracer).
+      name: argument name used in the error message (``"src"``, ``"tgt"``).
+      vocab_size: ids must lie in ``[0, vocab_size)``.
+      max_len: if given, ``L`` must be at most this.
+
+    Raises:
+      ValueError: wrong rank, float dtype, too long, or (for concrete arrays) an id
+        out of range; the message names the argument and the fix.
+    """
+    shape = getattr(tokens, "shape", None)
+    if shape is None or len(shape) != 2:
+        raise ValueError(f"{name} must be integer token ids of rank 2 [batch, length], "
+                         f"got shape {shape}. Add a batch axis with {name}[None] for one sentence.")
+    if not np.issubdtype(np.dtype(tokens.dtype), np.integer):
+        raise ValueError(f"{name} must hold integer token ids, got dtype {tokens.dtype}; "
+                         f"convert with {name}.astype(jnp.int32) only if the values are ids.")
+    if max_len is not None and shape[1] > max_len:
+        raise ValueError(f"{name} has length {shape[1]} > max_len={max_len}: truncate the "
+                         f"sequence or build the model with a larger max_len.")
+    if _is_traced(tokens) or tokens.size == 0:
+        return
+    values = np.asarray(tokens)
+    low, high = int(values.min()), int(values.max())
+    if low < 0 or high >= vocab_size:
+        bad = values[(values < 0) | (values >= vocab_size)]
+        raise ValueError(f"{name} holds token ids outside [0, {vocab_size}): e.g. {bad[:5].tolist()} "
+                         f"(min {low}, max {high}). Check that the tokenizer and the model config "
+                         f"use the same vocabulary.")
+
+
+def check_same_batch(src, tgt) -> None:
+    """Raises ``ValueError`` when ``src`` and ``tgt`` differ in batch size."""
+    if src.shape[0] != tgt.shape[0]:
+        raise ValueError(f"src and tgt must have the same batch size, got src {src.shape} "
+                         f"and tgt {tgt.shape}.")
