@@ -1,0 +1,355 @@
+"""Parallel corpora, deterministic splits, the sentencepiece tokenizer and batching.
+
+The data path of the main job: corpus → :func:`split_pairs` → :class:`Tokenizer`
+(trained on the train split) → :func:`bucket_batches` → a grain pipeline whose
+iterator state is checkpointed with the model.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import gzip
+import hashlib
+import importlib.resources
+import io
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import grain
+import numpy as np
+
+PAIRS = ("en-de", "en-fr", "en-zh")
+Pair = tuple[str, str]
+
+
+# ---------------------------------------------------------------------- reading
+@dataclasses.dataclass
+class DataReport:
+    """Counts of what was read, skipped (by reason) and kept; printed at start."""
+
+    read: int = 0
+    kept: int = 0
+    skipped: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+    def skip(self, reason: str) -> None:
+        self.skipped[reason] += 1
+
+    def summary(self, name: str) -> str:
+        parts = ", ".join(f"{n} {r}" for r, n in sorted(self.skipped.items())) or "none"
+        return f"{name}: read {self.read} lines, kept {self.kept} pairs, skipped: {parts}"
+
+
+def _open_bytes(path: Path):
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"Corpus file {str(path)!r} does not exist; check the path.")
+    if not os.access(path, os.R_OK):
+        raise PermissionError(f"Corpus file {str(path)!r} is not readable; check its permissions.")
+    raw = path.open("rb")
+    return gzip.open(raw) if path.suffix == ".gz" else raw
+
+
+def _decode_line(raw: bytes, report: DataReport) -> str | None:
+    try:
+        return raw.decode("utf-8").rstrip("\r\n")
+    except UnicodeDecodeError:
+        report.skip("invalid UTF-8")
+        return None
+
+
+def _clean(text: str) -> str:
+    return " ".join(text.split())
+
+
+def read_tsv(path: str | os.PathLike, report: DataReport | None = None) -> tuple[list[Pair], DataReport]:
+    """Reads ``source<TAB>target`` lines (plain or ``.gz``).
+
+    Malformed lines are skipped and counted in the report, never fatal: no tab,
+    an empty side, invalid UTF-8, more than one tab.
+
+    Returns:
+      ``(pairs, report)``.
+
+    Raises:
+      FileNotFoundError / PermissionError: the path is missing or unreadable.
+      ValueError: no usable pair at all.
+    """
+    report = report or DataReport()
+    pairs: list[Pair] = []
+    with _open_bytes(Path(path)) as f:
+        for raw in f:
+            report.read += 1
+            line = _decode_line(raw, report)
+            if line is None:
+                continue
+            if not line.strip():
+                report.skip("blank line")
+                continue
+            fields = line.split("\t")
+            if len(fields) != 2:
+                report.skip("no tab" if len(fields) == 1 else "more than one tab")
+                continue
+            src, tgt = _clean(fields[0]), _clean(fields[1])
+            if not src or not tgt:
+                report.skip("empty side")
+                continue
+            pairs.append((src, tgt))
+    report.kept = len(pairs)
+    if not pairs:
+        raise ValueError(f"No usable sentence pair in {str(path)!r} ({report.summary('corpus')}). "
+                         f"Expected UTF-8 lines 'source<TAB>target'.")
+    return pairs, report
+
+
+def read_aligned(src_path: str | os.PathLike, tgt_path: str | os.PathLike) -> tuple[list[Pair], DataReport]:
+    """Reads two line-aligned text files (source and target), one sentence per line.
+
+    Raises:
+      ValueError: the files have different line counts, or no usable pair.
+    """
+    report = DataReport()
+    with _open_bytes(Path(src_path)) as fs, _open_bytes(Path(tgt_path)) as ft:
+        src_lines, tgt_lines = fs.read().splitlines(), ft.read().splitlines()
+    if len(src_lines) != len(tgt_lines):
+        raise ValueError(f"{src_path} has {len(src_lines)} lines but {tgt_path} has {len(tgt_lines)}; "
+                         f"aligned files need one sentence per line each.")
+    pairs: list[Pair] = []
+    for raw_src, raw_tgt in zip(src_lines, tgt_lines):
+        report.read += 1
+        src, tgt = _decode_line(raw_src, report), _decode_line(raw_tgt, report)
+        if src is None or tgt is None:
+            continue
+        src, tgt = _clean(src), _clean(tgt)
+        if not src or not tgt:
+            report.skip("empty side")
+            continue
+        pairs.append((src, tgt))
+    report.kept = len(pairs)
+    if not pairs:
+        raise ValueError(f"No usable sentence pair in {src_path} / {tgt_path}.")
+    return pairs, report
+
+
+def builtin_corpus_path(pair: str) -> Path:
+    """Path of a corpus shipped with the package (``en-de``, ``en-fr``, ``en-zh``)."""
+    if pair not in PAIRS:
+        raise ValueError(f"Unknown language pair {pair!r}; shipped pairs: {', '.join(PAIRS)}.")
+    return Path(str(importlib.resources.files("jaxformer") / "corpora" / f"{pair}.tsv.gz"))
+
+
+# ---------------------------------------------------------------------- split
+def _unit_hash(text: str) -> float:
+    digest = hashlib.sha256(text.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0**64
+
+
+def split_pairs(pairs: Sequence[Pair], dev_size: int = 1000, test_size: int = 1000
+                ) -> dict[str, list[Pair]]:
+    """Deterministic train/dev/test split by hashing the source sentence.
+
+    A source sentence always lands in the same split, so a duplicated source can
+    never sit in both train and test. The expected dev and test sizes are
+    ``dev_size`` and ``test_size`` (exact counts vary slightly with the hash).
+
+    Raises:
+      ValueError: a split would be empty (too small a corpus).
+    """
+    n = len(pairs)
+    if n < 3:
+        raise ValueError(f"A corpus of {n} pairs cannot be split into train/dev/test.")
+    dev_frac = min(dev_size / n, 0.25)
+    test_frac = min(test_size / n, 0.25)
+    splits: dict[str, list[Pair]] = {"train": [], "dev": [], "test": []}
+    for pair in pairs:
+        u = _unit_hash(pair[0])
+        name = "dev" if u < dev_frac else "test" if u < dev_frac + test_frac else "train"
+        splits[name].append(pair)
+    for name, items in splits.items():
+        if not items:
+            raise ValueError(f"The {name} split is empty ({n} pairs in all); give a larger corpus "
+                             f"or explicit --dev-file/--test-file.")
+    return splits
+
+
+# ---------------------------------------------------------------------- tokenizer
+class Tokenizer:
+    """A joint sentencepiece vocabulary for source and target.
+
+    Special ids are read from the model (pad, unk, bos, eos); the rest of the code
+    takes them from here, never as literals.
+    """
+
+    def __init__(self, model_file: str | os.PathLike):
+        import sentencepiece as spm
+
+        path = Path(model_file)
+        if not path.exists():
+            raise FileNotFoundError(f"Tokenizer model {str(path)!r} does not exist.")
+        self.model_file = path
+        self.sp = spm.SentencePieceProcessor(model_file=str(path))
+        self.pad_id, self.unk_id = self.sp.pad_id(), self.sp.unk_id()
+        self.bos_id, self.eos_id = self.sp.bos_id(), self.sp.eos_id()
+        if min(self.pad_id, self.bos_id, self.eos_id) < 0:
+            raise ValueError(f"{path}: the sentencepiece model needs pad, bos and eos ids.")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.sp.get_piece_size()
+
+    def encode(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids (no bos/eos) for each text."""
+        return self.sp.encode(list(texts))
+
+    def decode(self, ids: Iterable[Sequence[int]]) -> list[str]:
+        """Detokenized text; stops at the first eos and drops pad/bos."""
+        out = []
+        for seq in ids:
+            seq = [int(t) for t in seq]
+            if self.eos_id in seq:
+                seq = seq[: seq.index(self.eos_id)]
+            out.append(self.sp.decode([t for t in seq if t not in (self.pad_id, self.bos_id)]))
+        return out
+
+    @staticmethod
+    def train(sentences: Iterable[str], model_dir: str | os.PathLike, vocab_size: int = 8000,
+              seed_sentences: int = 200_000) -> Tokenizer:
+        """Trains a unigram sentencepiece model on ``sentences`` into ``model_dir/spm.model``.
+
+        Ids: pad 0, unk 1, bos 2, eos 3.
+        """
+        import sentencepiece as spm
+
+        model_dir = Path(model_dir)
+        model_dir.mkdir(parents=True, exist_ok=True)
+        buffer = io.BytesIO()
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(list(sentences)), model_writer=buffer, vocab_size=vocab_size,
+            model_type="unigram", character_coverage=0.9995, pad_id=0, unk_id=1, bos_id=2,
+            eos_id=3, input_sentence_size=seed_sentences, shuffle_input_sentence=True,
+            num_threads=os.cpu_count() or 1, minloglevel=2, hard_vocab_limit=False)
+        path = model_dir / "spm.model"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(buffer.getvalue())
+        tmp.replace(path)
+        return Tokenizer(path)
+
+
+# ---------------------------------------------------------------------- batching
+@dataclasses.dataclass(frozen=True)
+class Examples:
+    """Tokenized pairs: ragged id lists, without bos/eos."""
+
+    src: list[list[int]]
+    tgt: list[list[int]]
+
+    def __len__(self):
+        return len(self.src)
+
+
+def tokenize_pairs(pairs: Sequence[Pair], tokenizer: Tokenizer, max_len: int,
+                   report: DataReport | None = None) -> Examples:
+    """Encodes pairs; drops (and counts) those that do not fit ``max_len``.
+
+    A pair fits when the source has at most ``max_len`` ids and the target plus one
+    (bos for the decoder input, eos for the output) at most ``max_len``.
+    """
+    src = tokenizer.encode([p[0] for p in pairs])
+    tgt = tokenizer.encode([p[1] for p in pairs])
+    keep_src, keep_tgt = [], []
+    for s, t in zip(src, tgt):
+        if len(s) > max_len or len(t) + 1 > max_len:
+            if report is not None:
+                report.skip(f"longer than {max_len} tokens")
+            continue
+        keep_src.append(s)
+        keep_tgt.append(t)
+    if report is not None:
+        report.kept = len(keep_src)
+    if not keep_src:
+        raise ValueError(f"Every pair is longer than max_len={max_len} tokens; raise --max-len.")
+    return Examples(keep_src, keep_tgt)
+
+
+def bucket_boundaries(max_len: int, step: int = 16) -> tuple[int, ...]:
+    """Padded lengths: multiples of ``step`` up to 64, then ×1.5 steps up to ``max_len``.
+
+    Few buckets mean few compiles (each costs seconds on a CPU) at the price of
+    some padding; ``max_len`` is always the last boundary.
+    """
+    bounds = [b for b in range(step, min(64, max_len) + 1, step)] or [max_len]
+    while bounds[-1] < max_len:
+        bounds.append(min(max_len, int(bounds[-1] * 1.5) // step * step))
+    return tuple(bounds)
+
+
+def bucket_batches(examples: Examples, batch_tokens: int, boundaries: Sequence[int],
+                   seed: int, row_multiple: int = 1) -> list[tuple[int, np.ndarray]]:
+    """Groups examples into fixed-shape batches by padded length.
+
+    Each example goes to the smallest bucket ``L`` that holds both its source and
+    its target plus one. A bucket's batches all have ``rows(L) = batch_tokens // L``
+    rows (rounded down to ``row_multiple``), so the step compiles once per bucket.
+    A bucket's last batch is filled with index -1 (all-pad rows, zero weight).
+
+    Returns:
+      a list of ``(L, indices [rows])``, in a seeded random order.
+    """
+    rng = np.random.default_rng(seed)
+    lengths = np.array([max(len(s), len(t) + 1) for s, t in zip(examples.src, examples.tgt)])
+    bucket_of = np.searchsorted(np.asarray(boundaries), lengths)
+    batches = []
+    for b, length in enumerate(boundaries):
+        members = np.flatnonzero(bucket_of == b)
+        if members.size == 0:
+            continue
+        rows = max(row_multiple, batch_tokens // length // row_multiple * row_multiple)
+        members = rng.permutation(members)
+        for start in range(0, members.size, rows):
+            chunk = members[start:start + rows]
+            if chunk.size < rows:
+                chunk = np.concatenate([chunk, np.full(rows - chunk.size, -1)])
+            batches.append((int(length), chunk))
+    order = rng.permutation(len(batches))
+    return [batches[i] for i in order]
+
+
+def collate(examples: Examples, length: int, indices: np.ndarray, *, pad_id: int, bos_id: int,
+            eos_id: int) -> dict[str, np.ndarray]:
+    """Builds one padded batch; teacher forcing is explicit here.
+
+    Returns:
+      ``src [b, L]``, ``tgt_in [b, L]`` (bos y1 … yn), ``tgt_out [b, L]`` (y1 … yn eos),
+      all int32; index -1 gives an all-pad row.
+    """
+    rows = len(indices)
+    src = np.full((rows, length), pad_id, np.int32)
+    tgt_in = np.full((rows, length), pad_id, np.int32)
+    tgt_out = np.full((rows, length), pad_id, np.int32)
+    for r, i in enumerate(indices):
+        if i < 0:
+            continue
+        s, t = examples.src[i], examples.tgt[i]
+        src[r, : len(s)] = s
+        tgt_in[r, : len(t) + 1] = [bos_id, *t]
+        tgt_out[r, : len(t) + 1] = [*t, eos_id]
+    return {"src": src, "tgt_in": tgt_in, "tgt_out": tgt_out}
+
+
+def train_dataset(examples: Examples, *, batch_tokens: int, boundaries: Sequence[int], seed: int,
+                  pad_id: int, bos_id: int, eos_id: int, row_multiple: int = 1) -> grain.IterDataset:
+    """An endless, deterministic, checkpointable grain pipeline of padded batches.
+
+    Batches are formed once by :func:`bucket_batches`; grain shuffles their order
+    anew every epoch. ``iter(dataset)`` has ``get_state``/``set_state`` for
+    checkpointing (see :mod:`jaxformer.checkpoints`).
+    """
+    batches = bucket_batches(examples, batch_tokens, boundaries, seed, row_multiple)
+
+    def build(item):
+        length, indices = item
+        return collate(examples, length, indices, pad_id=pad_id, bos_id=bos_id, eos_id=eos_id)
+
+    return (grain.MapDataset.source(batches).seed(seed).shuffle().repeat(None).map(build)
+            .to_iter_dataset())

@@ -1,0 +1,111 @@
+"""The run (training) configuration and its command line, both from one typed dataclass."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Everything about a run that is not the architecture.
+
+    Model fields left ``None`` come from the preset (:data:`jaxformer.config.PRESETS`).
+    """
+
+    # Where and what.
+    workdir: str = "runs/en-de"
+    pair: str = "en-de"
+    train_file: str | None = None      # source<TAB>target lines (.tsv or .tsv.gz)
+    src_file: str | None = None        # or two aligned text files
+    tgt_file: str | None = None
+    dev_file: str | None = None        # optional explicit dev/test TSV files
+    test_file: str | None = None
+    # Model.
+    preset: str = "small"
+    d_model: int | None = None
+    num_heads: int | None = None
+    d_ff: int | None = None
+    num_layers: int | None = None      # encoder and decoder layers alike
+    dropout_rate: float | None = None
+    max_len: int | None = None
+    norm_position: str | None = None
+    dtype: str | None = None
+    vocab_size: int = 8000
+    max_train_len: int | None = None  # drop (and count) longer training pairs; default max_len
+    # Optimisation (§5.3, §5.4).
+    batch_tokens: int = 4096           # padded source tokens per batch
+    max_steps: int = 100_000
+    max_minutes: float | None = None   # wall-clock budget of the training loop
+    warmup_steps: int = 4000
+    lr_scale: float = 1.0
+    label_smoothing: float = 0.1
+    grad_clip: float | None = None
+    seed: int = 0
+    # Evaluation, logging, checkpoints.
+    eval_every: int = 1000
+    dev_bleu_sentences: int = 300      # dev sentences decoded at each periodic eval
+    eval_batch_size: int = 64
+    log_every: int = 50
+    checkpoint_every: int = 1000
+    keep_checkpoints: int = 3
+    num_samples: int = 5               # dev sentences written to samples.txt per eval
+    progress: bool = True
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def model_overrides(self) -> dict[str, Any]:
+        """The model fields set on the command line."""
+        names = ("d_model", "num_heads", "d_ff", "dropout_rate", "max_len", "norm_position", "dtype")
+        out = {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+        if self.num_layers is not None:
+            out.update(num_encoder_layers=self.num_layers, num_decoder_layers=self.num_layers)
+        return out
+
+
+# The defaults of `python train.py`: a CPU run of a few minutes (see README).
+DEFAULT_CPU_RUN = dict(max_minutes=7.0, max_steps=100_000)
+
+
+def _base_type(tp) -> type:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0]
+    return tp
+
+
+def build_parser(defaults: dict[str, Any] | None = None, description: str = "") -> argparse.ArgumentParser:
+    """An argparse parser with one ``--flag`` per :class:`TrainConfig` field."""
+    parser = argparse.ArgumentParser(description=description,
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    hints = typing.get_type_hints(TrainConfig)
+    defaults = defaults or {}
+    for field in dataclasses.fields(TrainConfig):
+        flag = "--" + field.name.replace("_", "-")
+        default = defaults.get(field.name, field.default)
+        kind = _base_type(hints[field.name])
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+        else:
+            parser.add_argument(flag, type=kind, default=default, metavar=kind.__name__.upper())
+    parser.add_argument("--fresh", action="store_true",
+                        help="start a new run even if the workdir holds checkpoints "
+                             "(moves the old checkpoints aside)")
+    return parser
+
+
+def from_args(args: argparse.Namespace) -> TrainConfig:
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    return TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def save_json(path: Path, payload: dict[str, Any]) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
+    tmp.replace(path)

@@ -1,0 +1,379 @@
+"""The main job: train a translator, evaluate BLEU, checkpoint, resume.
+
+``train.py`` is a thin entry point; everything here is importable and tested.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import sacrebleu
+from tqdm import tqdm
+
+from jaxformer import data as data_lib
+from jaxformer.checkpoints import RunCheckpoints
+from jaxformer.config import TransformerConfig, preset
+from jaxformer.decoding import greedy_translate
+from jaxformer.model import Transformer
+from jaxformer.run_config import TrainConfig, save_json
+from jaxformer.training import (add_metrics, create_train_state, jit_eval_step, jit_train_step,
+                                make_optimizer, transformer_schedule)
+from jaxformer.validation import check_token_ids
+
+
+def log(message: str) -> None:
+    tqdm.write(message)
+
+
+# ---------------------------------------------------------------------- data
+def load_splits(cfg: TrainConfig) -> tuple[dict[str, list[data_lib.Pair]], str]:
+    """Reads the corpus named by ``cfg`` and splits it; prints the data report.
+
+    Returns:
+      ``(splits, target_language)``.
+    """
+    if cfg.train_file and (cfg.src_file or cfg.tgt_file):
+        raise ValueError("Give either --train-file or --src-file/--tgt-file, not both.")
+    if bool(cfg.src_file) != bool(cfg.tgt_file):
+        raise ValueError("--src-file and --tgt-file go together.")
+    if cfg.train_file:
+        pairs, report = data_lib.read_tsv(cfg.train_file)
+        name = cfg.train_file
+    elif cfg.src_file:
+        pairs, report = data_lib.read_aligned(cfg.src_file, cfg.tgt_file)
+        name = f"{cfg.src_file} + {cfg.tgt_file}"
+    else:
+        path = data_lib.builtin_corpus_path(cfg.pair)
+        pairs, report = data_lib.read_tsv(path)
+        name = f"shipped {cfg.pair} corpus (LibreOffice help, MPL-2.0)"
+    log(report.summary(name))
+    explicit = {}
+    for split, path in (("dev", cfg.dev_file), ("test", cfg.test_file)):
+        if path:
+            explicit[split], rep = data_lib.read_tsv(path)
+            log(rep.summary(f"{split} file {path}"))
+    splits = data_lib.split_pairs(pairs, dev_size=0 if "dev" in explicit else 1000,
+                                  test_size=0 if "test" in explicit else 1000) \
+        if not explicit else _split_with_explicit(pairs, explicit)
+    log("split: " + ", ".join(f"{k} {len(v)}" for k, v in splits.items()))
+    target_language = cfg.pair.split("-")[1] if not (cfg.train_file or cfg.src_file) else "xx"
+    return splits, target_language
+
+
+def _split_with_explicit(pairs, explicit):
+    if "dev" in explicit and "test" in explicit:
+        return {"train": list(pairs), **explicit}
+    held = data_lib.split_pairs(pairs, dev_size=1000, test_size=1000)
+    return {"train": held["train"] + held["dev" if "dev" in explicit else "test"],
+            "dev": explicit.get("dev", held["dev"]), "test": explicit.get("test", held["test"])}
+
+
+def load_or_train_tokenizer(workdir: Path, train_pairs: Sequence[data_lib.Pair],
+                            vocab_size: int) -> data_lib.Tokenizer:
+    """The run's tokenizer: loaded from ``workdir/tokenizer`` or trained on the train split."""
+    model_file = workdir / "tokenizer" / "spm.model"
+    if model_file.exists():
+        return data_lib.Tokenizer(model_file)
+    start = time.perf_counter()
+    sentences = [s for pair in train_pairs for s in pair]
+    tokenizer = data_lib.Tokenizer.train(sentences, model_file.parent, vocab_size=vocab_size)
+    log(f"trained sentencepiece ({tokenizer.vocab_size} pieces) in {time.perf_counter() - start:.1f}s")
+    return tokenizer
+
+
+# ---------------------------------------------------------------------- evaluation
+class Evaluator:
+    """Dev/test evaluation: teacher-forced loss and greedy-decoding BLEU."""
+
+    def __init__(self, model: Transformer, tokenizer: data_lib.Tokenizer, *, batch_size: int,
+                 target_language: str, smoothing: float):
+        self.model, self.tokenizer = model, tokenizer
+        self.batch_size = batch_size
+        # Coarse buckets: each is one compile of the decode loop and of the eval step.
+        self.boundaries = data_lib.bucket_boundaries(model.config.max_len, step=32)
+        self.eval_step = jit_eval_step(model, smoothing)
+        tokenize = "zh" if target_language == "zh" else "13a"
+        self.bleu = sacrebleu.metrics.BLEU(tokenize=tokenize)
+
+    def _length_batches(self, lengths):
+        order = np.argsort(lengths, kind="stable")
+        buckets = np.searchsorted(np.asarray(self.boundaries), np.asarray(lengths)[order])
+        for b in np.unique(buckets):
+            members = order[buckets == b]
+            for start in range(0, members.size, self.batch_size):
+                yield self.boundaries[b], members[start:start + self.batch_size]
+
+    def translate(self, params: Any, sources: Sequence[str]) -> list[str]:
+        """Greedy translations of ``sources`` in input order (sources longer than
+        ``max_len`` tokens are truncated)."""
+        c = self.model.config
+        ids = [s[: c.max_len] for s in self.tokenizer.encode(sources)]
+        out: list[str] = [""] * len(ids)
+        for length, members in self._length_batches([max(1, len(s)) for s in ids]):
+            src = np.full((self.batch_size, length), c.pad_id, np.int32)
+            for r, i in enumerate(members):
+                src[r, : len(ids[i])] = ids[i]
+            check_token_ids(src, name="src", vocab_size=c.src_vocab_size, max_len=c.max_len)
+            max_decode_len = min(length + 50, c.max_len)
+            hyp = greedy_translate(self.model, params, jnp.asarray(src), max_decode_len=max_decode_len,
+                                   bos_id=self.tokenizer.bos_id, eos_id=self.tokenizer.eos_id)
+            texts = self.tokenizer.decode(np.asarray(hyp)[: len(members)])
+            for i, text in zip(members, texts):
+                out[i] = text
+        return out
+
+    def loss(self, params: Any, examples: data_lib.Examples) -> dict[str, float]:
+        """Teacher-forced per-token loss and perplexity on tokenized pairs."""
+        totals = None
+        lengths = [max(len(s), len(t) + 1) for s, t in zip(examples.src, examples.tgt)]
+        for length, members in self._length_batches(lengths):
+            indices = np.concatenate([members, np.full(self.batch_size - members.size, -1)])
+            batch = data_lib.collate(examples, length, indices, pad_id=self.model.config.pad_id,
+                                     bos_id=self.tokenizer.bos_id, eos_id=self.tokenizer.eos_id)
+            totals = add_metrics(totals, self.eval_step(params, batch))
+        totals = jax.device_get(totals)
+        tokens = max(float(totals["tokens"]), 1.0)
+        return {"loss": float(totals["loss_sum"]) / tokens,
+                "ppl": math.exp(min(float(totals["nll_sum"]) / tokens, 50.0)),
+                "accuracy": float(totals["correct"]) / tokens}
+
+    def score(self, hypotheses: Sequence[str], references: Sequence[str]) -> float:
+        return float(self.bleu.corpus_score(list(hypotheses), [list(references)]).score)
+
+
+# ---------------------------------------------------------------------- run directory
+def _model_config(cfg: TrainConfig, tokenizer: data_lib.Tokenizer) -> TransformerConfig:
+    return preset(cfg.preset, src_vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id,
+                  **cfg.model_overrides())
+
+
+def check_resume_compatible(saved: dict[str, Any], model_config: TransformerConfig) -> None:
+    """Raises ``ValueError`` naming every architecture field that differs from the saved run."""
+    saved_model = saved.get("model", {})
+    differing = {k: (saved_model.get(k), v) for k, v in model_config.to_dict().items()
+                 if saved_model.get(k) != v}
+    if differing:
+        fields = ", ".join(f"{k}: saved {a!r} vs now {b!r}" for k, (a, b) in sorted(differing.items()))
+        raise ValueError(f"The run directory holds checkpoints of another architecture ({fields}). "
+                         f"Use the same flags to resume, another --workdir, or --fresh to start over.")
+
+
+def prepare_workdir(workdir: Path, fresh: bool) -> None:
+    """Creates the run directory (clear error if impossible); ``fresh`` moves old checkpoints aside."""
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+        probe = workdir / ".write-test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise OSError(f"Cannot write the run directory {str(workdir)!r}: {e}. "
+                      f"Choose a writable --workdir.") from e
+    if fresh:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        for name in ("checkpoints", "best", "config.json", "metrics.jsonl"):
+            if (workdir / name).exists():
+                shutil.move(str(workdir / name), str(workdir / f"{name}.old-{stamp}"))
+
+
+def write_plots(workdir: Path) -> None:
+    """``plots/loss.png``, ``plots/lr.png`` and ``plots/bleu.png`` from ``metrics.jsonl``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines() if line]
+    plots = workdir / "plots"
+    plots.mkdir(exist_ok=True)
+    series = {
+        "loss": [("train", "train/loss"), ("dev", "dev/loss")],
+        "lr": [("learning rate", "train/lr")],
+        "bleu": [("dev BLEU", "dev/bleu")],
+    }
+    for name, curves in series.items():
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for label, key in curves:
+            points = [(r["step"], r[key]) for r in rows if key in r]
+            if points:
+                ax.plot(*zip(*points), label=label, marker="o" if name == "bleu" else None)
+        ax.set_xlabel("step")
+        ax.set_ylabel(name)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(plots / f"{name}.png", dpi=100)
+        plt.close(fig)
+
+
+class MetricsLog:
+    """``metrics.jsonl`` plus TensorBoard events, one record per call."""
+
+    def __init__(self, workdir: Path):
+        from tensorboardX import SummaryWriter
+
+        self.path = workdir / "metrics.jsonl"
+        self.writer = SummaryWriter(str(workdir / "tensorboard"))
+
+    def write(self, step: int, values: dict[str, float]) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps({"step": step, **values}) + "\n")
+        for key, value in values.items():
+            self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+# ---------------------------------------------------------------------- the main job
+def train(cfg: TrainConfig, *, fresh: bool = False) -> dict[str, Any]:
+    """Trains, evaluates and checkpoints one run; resumes if the workdir has a checkpoint.
+
+    Returns:
+      the final results (also written to ``workdir/results.json``).
+
+    Raises:
+      ValueError / FileNotFoundError / OSError: bad corpus, bad paths, or an
+        incompatible checkpoint; all before any compile.
+    """
+    t_start = time.perf_counter()
+    workdir = Path(cfg.workdir)
+    prepare_workdir(workdir, fresh)
+    splits, target_language = load_splits(cfg)
+    tokenizer = load_or_train_tokenizer(workdir, splits["train"], cfg.vocab_size)
+    model_config = _model_config(cfg, tokenizer)
+    checkpoints = RunCheckpoints(workdir, keep=cfg.keep_checkpoints)
+    config_path = workdir / "config.json"
+    if checkpoints.latest_step() is not None and config_path.exists():
+        check_resume_compatible(json.loads(config_path.read_text()), model_config)
+    run_record = {"model": model_config.to_dict(), "train": cfg.to_dict(),
+                  "tokenizer": {"file": "tokenizer/spm.model", "pad_id": tokenizer.pad_id,
+                                "bos_id": tokenizer.bos_id, "eos_id": tokenizer.eos_id,
+                                "unk_id": tokenizer.unk_id, "vocab_size": tokenizer.vocab_size},
+                  "target_language": target_language}
+    save_json(config_path, run_record)
+    log("config: " + json.dumps(run_record["model"]))
+
+    report = data_lib.DataReport(read=len(splits["train"]))
+    max_train_len = min(cfg.max_train_len or model_config.max_len, model_config.max_len)
+    train_examples = data_lib.tokenize_pairs(splits["train"], tokenizer, max_train_len, report)
+    log(report.summary("train tokens"))
+    dev_examples = data_lib.tokenize_pairs(splits["dev"], tokenizer, model_config.max_len)
+    boundaries = data_lib.bucket_boundaries(max_train_len)
+    dataset = data_lib.train_dataset(train_examples, batch_tokens=cfg.batch_tokens,
+                                     boundaries=boundaries, seed=cfg.seed, pad_id=tokenizer.pad_id,
+                                     bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id,
+                                     row_multiple=jax.local_device_count())
+    iterator = iter(dataset)
+
+    model = Transformer(model_config)
+    schedule = transformer_schedule(model_config.d_model, cfg.warmup_steps, cfg.lr_scale)
+    tx = make_optimizer(schedule, cfg.grad_clip)
+    root_key = jax.random.key(cfg.seed)
+    init_key, dropout_key = jax.random.split(root_key)
+    state = create_train_state(model, init_key, tx)
+    num_params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
+    log(f"model: {num_params / 1e6:.2f}M parameters, preset {cfg.preset!r}")
+    start_step = checkpoints.latest_step()
+    if start_step is not None:
+        state = checkpoints.restore(start_step, jax.eval_shape(lambda: state), iterator)
+        log(f"resumed from {workdir / 'checkpoints'} at step {int(state.step)}")
+
+    train_step = jit_train_step(model, cfg.label_smoothing)
+    evaluator = Evaluator(model, tokenizer, batch_size=cfg.eval_batch_size,
+                          target_language=target_language, smoothing=cfg.label_smoothing)
+    metrics_log = MetricsLog(workdir)
+    dev_subset = splits["dev"][: cfg.dev_bleu_sentences]
+    best_bleu = -1.0
+
+    def evaluate(step: int) -> float:
+        nonlocal best_bleu
+        t0 = time.perf_counter()
+        dev_loss = evaluator.loss(state.params, dev_examples)
+        hyps = evaluator.translate(state.params, [p[0] for p in dev_subset])
+        bleu = evaluator.score(hyps, [p[1] for p in dev_subset])
+        metrics_log.write(step, {"dev/loss": dev_loss["loss"], "dev/ppl": dev_loss["ppl"],
+                                 "dev/accuracy": dev_loss["accuracy"], "dev/bleu": bleu})
+        with (workdir / "samples.txt").open("a") as f:
+            f.write(f"== step {step} dev BLEU {bleu:.2f}\n")
+            for (src, ref), hyp in list(zip(dev_subset, hyps))[: cfg.num_samples]:
+                f.write(f"SRC: {src}\nREF: {ref}\nHYP: {hyp}\n\n")
+        if bleu > best_bleu:
+            best_bleu = bleu
+            checkpoints.save_best(step, state.params, bleu)
+        log(f"step {step}: dev loss {dev_loss['loss']:.3f} ppl {dev_loss['ppl']:.1f} "
+            f"BLEU {bleu:.2f} ({len(dev_subset)} sentences, {time.perf_counter() - t0:.0f}s)")
+        return bleu
+
+    step = int(state.step)
+    deadline = None if cfg.max_minutes is None else t_start + 60 * cfg.max_minutes
+    bar = tqdm(total=cfg.max_steps, initial=step, disable=not cfg.progress, dynamic_ncols=True,
+               desc="train", unit="step")
+    totals, last_log_time, last_log_step = None, time.perf_counter(), step
+    stopped_by = "max_steps"
+    while step < cfg.max_steps:
+        if deadline is not None and time.perf_counter() > deadline:
+            stopped_by = "max_minutes"
+            break
+        batch = next(iterator)
+        state, metrics = train_step(state, batch, dropout_key)
+        totals = add_metrics(totals, metrics)
+        step += 1
+        bar.update(1)
+        if step % cfg.log_every == 0:
+            values = jax.device_get(totals)   # the one host sync every log_every steps
+            tokens = max(float(values["tokens"]), 1.0)
+            now = time.perf_counter()
+            record = {"train/loss": float(values["loss_sum"]) / tokens,
+                      "train/nll": float(values["nll_sum"]) / tokens,
+                      "train/accuracy": float(values["correct"]) / tokens,
+                      "train/grad_norm": float(values["grad_norm"]) / float(values["steps"]),
+                      "train/lr": float(schedule(step - 1)),
+                      "train/tokens_per_s": tokens / max(now - last_log_time, 1e-9)}
+            metrics_log.write(step, record)
+            bar.set_postfix(loss=f"{record['train/loss']:.3f}", tok_s=f"{record['train/tokens_per_s']:.0f}")
+            totals, last_log_time, last_log_step = None, now, step
+        if step % cfg.eval_every == 0:
+            evaluate(step)
+        if step % cfg.checkpoint_every == 0:
+            checkpoints.save(step, state, iterator)
+    bar.close()
+    del last_log_step
+    if checkpoints.latest_step() != step:
+        checkpoints.save(step, state, iterator)
+    if step % cfg.eval_every != 0 or best_bleu < 0:
+        evaluate(step)
+    checkpoints.wait()
+    log(f"training stopped at step {step} ({stopped_by}); best dev BLEU {best_bleu:.2f}")
+
+    params, best_step, _ = checkpoints.restore_params(jax.eval_shape(lambda: state))
+    t0 = time.perf_counter()
+    hyps = evaluator.translate(params, [p[0] for p in splits["test"]])
+    refs = [p[1] for p in splits["test"]]
+    test_bleu = evaluator.score(hyps, refs)
+    signature = str(evaluator.bleu.get_signature())
+    results = {"test_bleu": test_bleu, "sacrebleu_signature": signature, "best_step": best_step,
+               "best_dev_bleu": best_bleu, "final_step": step, "stopped_by": stopped_by,
+               "test_sentences": len(refs), "num_params": int(num_params),
+               "wall_minutes": (time.perf_counter() - t_start) / 60}
+    save_json(workdir / "results.json", results)
+    with (workdir / "test_hypotheses.txt").open("w") as f:
+        f.write("\n".join(hyps) + "\n")
+    log(f"test BLEU {test_bleu:.2f} on {len(refs)} sentences (greedy, step {best_step}, "
+        f"{time.perf_counter() - t0:.0f}s) {signature}")
+    metrics_log.close()
+    write_plots(workdir)
+    checkpoints.close()
+    for example in splits["test"][:3]:
+        log(f"  {example[0]}\n  → {evaluator.translate(params, [example[0]])[0]}")
+    log(f"total wall time {results['wall_minutes']:.1f} min; run directory {workdir}")
+    return results
