@@ -2,9 +2,17 @@
 
 from jaxformer.attention import MultiHeadAttention, scaled_dot_product_attention
 from jaxformer.config import PRESETS, TransformerConfig, preset
-from jaxformer.layers import (AddNorm, Decoder, DecoderLayer, Embedding, Encoder, EncoderLayer,
-                              PositionalEncoding, PositionwiseFeedForward,
-                              sinusoidal_positional_encoding)
+from jaxformer.layers import (
+                              AddNorm,
+                              Decoder,
+                              DecoderLayer,
+                              Embedding,
+                              Encoder,
+                              EncoderLayer,
+                              PositionalEncoding,
+                              PositionwiseFeedForward,
+                              sinusoidal_positional_encoding,
+)
 from jaxformer.masks import create_causal_mask, create_decoder_mask, create_padding_mask
 from jaxformer.model import DecodeCache, LayerCache, Transformer
 from jaxformer.validation import check_token_ids

@@ -143,7 +143,7 @@ class MultiHeadAttention(nn.Module):
             q_BHTK, k_BHSK, v_BHSK, mask, dropout_rate=c.attention_dropout_rate, dropout_rng=rng)
         self.sow("intermediates", "attention_weights", weights_BHTS)
         out_BTD = jnp.einsum("BHTK,HKD->BTD", out_BHTK, self.out_kernel.astype(c.compute_dtype))
-        out_BTD = out_BTD + self.out_bias.astype(c.compute_dtype)
+        out_BTD = out_BTD + self.out_bias.astype(c.compute_dtype)[None, None, :]
         chex.assert_shape(out_BTD, (q_BHTK.shape[0], q_BHTK.shape[2], c.d_model))
         return out_BTD
 

@@ -76,14 +76,7 @@ def greedy_translate(model: Transformer, params: Any, src_BS: jax.Array, *, max_
 
     Compiles once per (B, S, max_decode_len). Returns int32 ``[B, M]``.
     """
-    variables = {"params": params}
-    encoder_output = model.apply(variables, src_BS, method=Transformer.encode)
-    cache = model.apply(variables, encoder_output, src_BS, max_decode_len,
-                        method=Transformer.init_cache)
-
-    def tokens_to_logits(ids_B1, cache):
-        return model.apply(variables, ids_B1, cache, method=Transformer.decode_step)
-
+    tokens_to_logits, cache = _model_callback(model, params, src_BS, max_decode_len)
     return greedy_search(tokens_to_logits, cache, batch_size=src_BS.shape[0], bos_id=bos_id,
                          eos_id=eos_id, pad_id=model.config.pad_id, max_decode_len=max_decode_len)
 
@@ -199,11 +192,14 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: Any, *, batch_size: int
         new_last = jnp.take_along_axis(top_token, live_pick, axis=1)
         cache = _gather_beams(cache, jnp.take_along_axis(top_beam, live_pick, axis=1), batch_size)
 
-        # New finished: merge the old ones with the candidates that ended here.
-        ended_scores = jnp.where(is_eos & alive, top_logprobs / length_penalty(step + 1, alpha), NEG_INF)
+        # New finished: merge the old ones with the candidates that ended here. As in
+        # fairseq, only an eos among the top k candidates finishes a hypothesis, so
+        # beam size 1 is exactly greedy decoding.
+        ended = is_eos & alive & (jnp.arange(2 * k) < k)[None, :]
+        ended_scores = jnp.where(ended, top_logprobs / length_penalty(step + 1, alpha), NEG_INF)
         merged_scores = jnp.concatenate([state["finished_scores"], ended_scores], axis=1)
         merged_seqs = jnp.concatenate([state["finished_seqs"], top_seqs], axis=1)
-        merged_flags = jnp.concatenate([state["finished_flags"], is_eos & alive], axis=1)
+        merged_flags = jnp.concatenate([state["finished_flags"], ended], axis=1)
         new_finished_scores, finished_pick = jax.lax.top_k(jnp.where(merged_flags, merged_scores, NEG_INF), k)
         return dict(
             step=step + 1, live_seqs=new_live_seqs, live_logprobs=new_live_logprobs, last_ids=new_last,
@@ -269,3 +265,48 @@ def sample(tokens_to_logits: TokensToLogits, cache: Any, rng: jax.Array, *, batc
 
     return _autoregress(tokens_to_logits, cache, pick, batch_size=batch_size, bos_id=bos_id,
                         eos_id=eos_id, pad_id=pad_id, max_decode_len=max_decode_len)
+
+
+def _model_callback(model: Transformer, params: Any, src_BS: jax.Array, max_decode_len: int,
+                    beam_size: int = 1):
+    """Encodes once, builds the cache (tiled over beams) and the ``tokens_to_logits`` callback."""
+    variables = {"params": params}
+    encoder_output = model.apply(variables, src_BS, method=Transformer.encode)
+    cache = model.apply(variables, encoder_output, src_BS, max_decode_len, method=Transformer.init_cache)
+    if beam_size > 1:
+        cache = tile_beams(cache, beam_size)
+
+    def tokens_to_logits(ids, cache):
+        return model.apply(variables, ids, cache, method=Transformer.decode_step)
+
+    return tokens_to_logits, cache
+
+
+@functools.partial(jax.jit, static_argnames=("model", "max_decode_len", "bos_id", "eos_id",
+                                             "beam_size", "alpha", "extra_len"))
+def beam_translate(model: Transformer, params: Any, src_BS: jax.Array, *, beam_size: int,
+                   max_decode_len: int, bos_id: int, eos_id: int, alpha: float = 0.6,
+                   extra_len: int = 50) -> tuple[jax.Array, jax.Array]:
+    """Beam search translation of ``src [B,S]``; each output is at most its source
+    length + ``extra_len`` tokens (paper §6.1), capped by ``max_decode_len``.
+
+    Returns ``(sequences [B, k, M], scores [B, k])``, best first.
+    """
+    src_lengths = jnp.sum(src_BS != model.config.pad_id, axis=1)
+    tokens_to_logits, cache = _model_callback(model, params, src_BS, max_decode_len, beam_size)
+    return beam_search(tokens_to_logits, cache, batch_size=src_BS.shape[0], beam_size=beam_size,
+                       bos_id=bos_id, eos_id=eos_id, pad_id=model.config.pad_id,
+                       max_decode_len=max_decode_len, alpha=alpha,
+                       max_lengths=src_lengths + extra_len)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "max_decode_len", "bos_id", "eos_id",
+                                             "temperature", "top_k", "top_p"))
+def sample_translate(model: Transformer, params: Any, src_BS: jax.Array, rng: jax.Array, *,
+                     max_decode_len: int, bos_id: int, eos_id: int, temperature: float = 1.0,
+                     top_k: int | None = None, top_p: float | None = None) -> jax.Array:
+    """Sampled translations of ``src [B,S]`` → int32 ``[B, M]`` (see :func:`sample`)."""
+    tokens_to_logits, cache = _model_callback(model, params, src_BS, max_decode_len)
+    return sample(tokens_to_logits, cache, rng, batch_size=src_BS.shape[0], bos_id=bos_id,
+                  eos_id=eos_id, pad_id=model.config.pad_id, max_decode_len=max_decode_len,
+                  temperature=temperature, top_k=top_k, top_p=top_p)

@@ -141,6 +141,9 @@ class Transformer(nn.Module):
 
         Training mode: ``deterministic=False`` with a ``"dropout"`` rng in ``apply``.
         """
+        c = self.config
+        check_token_ids(src, name="src", vocab_size=c.src_vocab_size, max_len=c.max_len)
+        check_token_ids(tgt, name="tgt", vocab_size=c.tgt_vocab_size, max_len=c.max_len)
         check_same_batch(src, tgt)
         encoder_output = self.encode(src, deterministic=deterministic)
         return self.decode(encoder_output, src, tgt, deterministic=deterministic)
@@ -184,7 +187,6 @@ class Transformer(nn.Module):
           ``(logits [B, V] float, cache advanced by one position)``. Equal to the
           teacher-forced :meth:`decode` logits at that position.
         """
-        c = self.config
         chex.assert_shape(ids_B1, (cache.src_mask.shape[0], 1))
         x_B1D = self.positional_encoding(self.tgt_embedding(ids_B1), True, offset=cache.index)
         y_B1D, layers = self.decoder.step(x_B1D, cache.layers, cache.index, cache.src_mask)

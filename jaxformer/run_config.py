@@ -36,10 +36,10 @@ class TrainConfig:
     max_len: int | None = None
     norm_position: str | None = None
     dtype: str | None = None
-    vocab_size: int = 8000
+    vocab_size: int = 4000
     max_train_len: int | None = None  # drop (and count) longer training pairs; default max_len
     # Optimisation (§5.3, §5.4).
-    batch_tokens: int = 4096           # padded source tokens per batch
+    batch_tokens: int = 2048           # padded tokens per batch (rows × bucket length)
     max_steps: int = 100_000
     max_minutes: float | None = None   # wall-clock budget of the training loop
     warmup_steps: int = 4000
@@ -51,6 +51,8 @@ class TrainConfig:
     eval_every: int = 1000
     dev_bleu_sentences: int = 300      # dev sentences decoded at each periodic eval
     eval_batch_size: int = 64
+    beam_size: int = 4                 # dev/test BLEU decoding; 1 = greedy
+    alpha: float = 0.6                 # GNMT length penalty (§6.1)
     log_every: int = 50
     checkpoint_every: int = 1000
     keep_checkpoints: int = 3
@@ -69,8 +71,10 @@ class TrainConfig:
         return out
 
 
-# The defaults of `python train.py`: a CPU run of a few minutes (see README).
-DEFAULT_CPU_RUN = dict(max_minutes=7.0, max_steps=100_000)
+# The defaults of `python train.py`: a CPU run of under 10 minutes (see README), the
+# result of a sweep over model width, batch size and learning rate on 2 cores.
+DEFAULT_CPU_RUN = dict(max_minutes=6.5, max_steps=100_000, warmup_steps=150, lr_scale=1.5,
+                       max_train_len=64, eval_every=400, dev_bleu_sentences=200)
 
 
 def _base_type(tp) -> type:

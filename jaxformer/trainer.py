@@ -22,11 +22,17 @@ from tqdm import tqdm
 from jaxformer import data as data_lib
 from jaxformer.checkpoints import RunCheckpoints
 from jaxformer.config import TransformerConfig, preset
-from jaxformer.decoding import greedy_translate
+from jaxformer.decoding import beam_translate, greedy_translate, sample_translate
 from jaxformer.model import Transformer
 from jaxformer.run_config import TrainConfig, save_json
-from jaxformer.training import (add_metrics, create_train_state, jit_eval_step, jit_train_step,
-                                make_optimizer, transformer_schedule)
+from jaxformer.training import (
+    add_metrics,
+    create_train_state,
+    jit_eval_step,
+    jit_train_step,
+    make_optimizer,
+    transformer_schedule,
+)
 from jaxformer.validation import check_token_ids
 
 
@@ -92,7 +98,7 @@ def load_or_train_tokenizer(workdir: Path, train_pairs: Sequence[data_lib.Pair],
 
 # ---------------------------------------------------------------------- evaluation
 class Evaluator:
-    """Dev/test evaluation: teacher-forced loss and greedy-decoding BLEU."""
+    """Dev/test evaluation and batched translation: teacher-forced loss, decoding, BLEU."""
 
     def __init__(self, model: Transformer, tokenizer: data_lib.Tokenizer, *, batch_size: int,
                  target_language: str, smoothing: float):
@@ -112,24 +118,64 @@ class Evaluator:
             for start in range(0, members.size, self.batch_size):
                 yield self.boundaries[b], members[start:start + self.batch_size]
 
-    def translate(self, params: Any, sources: Sequence[str]) -> list[str]:
-        """Greedy translations of ``sources`` in input order (sources longer than
-        ``max_len`` tokens are truncated)."""
+    def _decode(self, sources: Sequence[str], decode_batch) -> list[list[tuple[str, float]]]:
+        """Sorts sources by length into fixed-shape batches, decodes each with
+        ``decode_batch(src [b, L], max_decode_len) -> (ids [b, n, M], scores [b, n])`` and
+        restores the input order. Sources longer than ``max_len`` tokens are truncated."""
         c = self.model.config
         ids = [s[: c.max_len] for s in self.tokenizer.encode(sources)]
-        out: list[str] = [""] * len(ids)
+        out: list[list[tuple[str, float]]] = [[] for _ in ids]
         for length, members in self._length_batches([max(1, len(s)) for s in ids]):
             src = np.full((self.batch_size, length), c.pad_id, np.int32)
             for r, i in enumerate(members):
                 src[r, : len(ids[i])] = ids[i]
             check_token_ids(src, name="src", vocab_size=c.src_vocab_size, max_len=c.max_len)
-            max_decode_len = min(length + 50, c.max_len)
-            hyp = greedy_translate(self.model, params, jnp.asarray(src), max_decode_len=max_decode_len,
-                                   bos_id=self.tokenizer.bos_id, eos_id=self.tokenizer.eos_id)
-            texts = self.tokenizer.decode(np.asarray(hyp)[: len(members)])
-            for i, text in zip(members, texts):
-                out[i] = text
+            hyps, scores = jax.device_get(decode_batch(jnp.asarray(src), min(length + 50, c.max_len)))
+            for r, i in enumerate(members):
+                texts = self.tokenizer.decode(hyps[r])
+                out[i] = list(zip(texts, (float(x) for x in scores[r])))
         return out
+
+    def translate_n_best(self, params: Any, sources: Sequence[str], *, beam_size: int = 4,
+                         alpha: float = 0.6) -> list[list[tuple[str, float]]]:
+        """Beam search: for each source, ``beam_size`` (translation, score) pairs, best first."""
+        bos, eos = self.tokenizer.bos_id, self.tokenizer.eos_id
+
+        def decode_batch(src, max_decode_len):
+            return beam_translate(self.model, params, src, beam_size=beam_size, alpha=alpha,
+                                  max_decode_len=max_decode_len, bos_id=bos, eos_id=eos)
+
+        return self._decode(sources, decode_batch)
+
+    def translate(self, params: Any, sources: Sequence[str], *, beam_size: int = 1,
+                  alpha: float = 0.6) -> list[str]:
+        """Best translation of each source, in input order: greedy for ``beam_size=1``,
+        else beam search with the GNMT length penalty α."""
+        if beam_size > 1:
+            return [n_best[0][0] for n_best in self.translate_n_best(params, sources,
+                                                                     beam_size=beam_size, alpha=alpha)]
+        bos, eos = self.tokenizer.bos_id, self.tokenizer.eos_id
+
+        def decode_batch(src, max_decode_len):
+            hyp = greedy_translate(self.model, params, src, max_decode_len=max_decode_len,
+                                   bos_id=bos, eos_id=eos)
+            return hyp[:, None], jnp.zeros(hyp.shape[:1] + (1,))
+
+        return [n_best[0][0] for n_best in self._decode(sources, decode_batch)]
+
+    def sample(self, params: Any, sources: Sequence[str], rng: jax.Array, *, temperature: float = 1.0,
+               top_k: int | None = None, top_p: float | None = None) -> list[str]:
+        """One sampled translation per source (see :func:`jaxformer.decoding.sample`)."""
+        bos, eos = self.tokenizer.bos_id, self.tokenizer.eos_id
+        counter = iter(range(1 << 30))
+
+        def decode_batch(src, max_decode_len):
+            hyp = sample_translate(self.model, params, src, jax.random.fold_in(rng, next(counter)),
+                                   max_decode_len=max_decode_len, bos_id=bos, eos_id=eos,
+                                   temperature=temperature, top_k=top_k, top_p=top_p)
+            return hyp[:, None], jnp.zeros(hyp.shape[:1] + (1,))
+
+        return [n_best[0][0] for n_best in self._decode(sources, decode_batch)]
 
     def loss(self, params: Any, examples: data_lib.Examples) -> dict[str, float]:
         """Teacher-forced per-token loss and perplexity on tokenized pairs."""
@@ -299,7 +345,8 @@ def train(cfg: TrainConfig, *, fresh: bool = False) -> dict[str, Any]:
         nonlocal best_bleu
         t0 = time.perf_counter()
         dev_loss = evaluator.loss(state.params, dev_examples)
-        hyps = evaluator.translate(state.params, [p[0] for p in dev_subset])
+        hyps = evaluator.translate(state.params, [p[0] for p in dev_subset], beam_size=cfg.beam_size,
+                                   alpha=cfg.alpha)
         bleu = evaluator.score(hyps, [p[1] for p in dev_subset])
         metrics_log.write(step, {"dev/loss": dev_loss["loss"], "dev/ppl": dev_loss["ppl"],
                                  "dev/accuracy": dev_loss["accuracy"], "dev/bleu": bleu})
@@ -357,23 +404,26 @@ def train(cfg: TrainConfig, *, fresh: bool = False) -> dict[str, Any]:
 
     params, best_step, _ = checkpoints.restore_params(jax.eval_shape(lambda: state))
     t0 = time.perf_counter()
-    hyps = evaluator.translate(params, [p[0] for p in splits["test"]])
+    hyps = evaluator.translate(params, [p[0] for p in splits["test"]], beam_size=cfg.beam_size,
+                               alpha=cfg.alpha)
     refs = [p[1] for p in splits["test"]]
     test_bleu = evaluator.score(hyps, refs)
     signature = str(evaluator.bleu.get_signature())
+    decoding = "greedy" if cfg.beam_size == 1 else f"beam {cfg.beam_size}, alpha {cfg.alpha}"
     results = {"test_bleu": test_bleu, "sacrebleu_signature": signature, "best_step": best_step,
+               "decoding": decoding,
                "best_dev_bleu": best_bleu, "final_step": step, "stopped_by": stopped_by,
                "test_sentences": len(refs), "num_params": int(num_params),
                "wall_minutes": (time.perf_counter() - t_start) / 60}
     save_json(workdir / "results.json", results)
     with (workdir / "test_hypotheses.txt").open("w") as f:
         f.write("\n".join(hyps) + "\n")
-    log(f"test BLEU {test_bleu:.2f} on {len(refs)} sentences (greedy, step {best_step}, "
+    log(f"test BLEU {test_bleu:.2f} on {len(refs)} sentences ({decoding}, step {best_step}, "
         f"{time.perf_counter() - t0:.0f}s) {signature}")
     metrics_log.close()
     write_plots(workdir)
     checkpoints.close()
-    for example in splits["test"][:3]:
-        log(f"  {example[0]}\n  → {evaluator.translate(params, [example[0]])[0]}")
+    for (source, reference), hypothesis in list(zip(splits["test"], hyps))[:3]:
+        log(f"  {source}\n  → {hypothesis}\n  (reference: {reference})")
     log(f"total wall time {results['wall_minutes']:.1f} min; run directory {workdir}")
     return results

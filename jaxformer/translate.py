@@ -1,8 +1,12 @@
 """Translate with a trained run: ``python -m jaxformer.translate --workdir RUN "sentence"``.
 
 Reads sentences from the arguments, or one per line from ``--input FILE`` or stdin,
-and prints one translation per line in input order. Uses the best checkpoint by dev
-BLEU (else the latest), the run's tokenizer and config.
+sorts them by length into batches, and prints one detokenized translation per line
+in input order. Uses the best checkpoint by dev BLEU (else the latest), the run's
+tokenizer and config. Decoding: beam search (``--beam-size``, default 4, GNMT
+length penalty ``--alpha``), ``--n-best`` lists with scores, or ``--sample`` with
+``--temperature/--top-k/--top-p``. ``--attention-png`` draws the cross-attention of
+the first sentence.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from jaxformer.checkpoints import RunCheckpoints
 from jaxformer.config import TransformerConfig
@@ -40,20 +46,76 @@ class Translator:
         record = json.loads(config_path.read_text())
         self.config = TransformerConfig.from_dict(record["model"])
         self.tokenizer = Tokenizer(workdir / record["tokenizer"]["file"])
-        model = Transformer(self.config)
+        self.model = Transformer(self.config)
         tx = make_optimizer(transformer_schedule(self.config.d_model, 1))
-        abstract_state = jax.eval_shape(lambda: create_train_state(model, jax.random.key(0), tx))
+        abstract_state = jax.eval_shape(lambda: create_train_state(self.model, jax.random.key(0), tx))
         checkpoints = RunCheckpoints(workdir)
         try:
             self.params, self.step, self.kind = checkpoints.restore_params(abstract_state)
         finally:
             checkpoints.close()
-        self.evaluator = Evaluator(model, self.tokenizer, batch_size=batch_size,
+        self.evaluator = Evaluator(self.model, self.tokenizer, batch_size=batch_size,
                                    target_language=record.get("target_language", "xx"), smoothing=0.0)
 
-    def __call__(self, sentences: list[str]) -> list[str]:
-        """Translations of ``sentences``, in order (greedy decoding)."""
-        return self.evaluator.translate(self.params, sentences)
+    def __call__(self, sentences: list[str], *, beam_size: int = 4, alpha: float = 0.6) -> list[str]:
+        """Best translations of ``sentences``, in order (``beam_size=1`` = greedy)."""
+        return self.evaluator.translate(self.params, sentences, beam_size=beam_size, alpha=alpha)
+
+    def n_best(self, sentences: list[str], *, beam_size: int = 4, alpha: float = 0.6):
+        """``beam_size`` (translation, score) pairs per sentence, best first."""
+        return self.evaluator.translate_n_best(self.params, sentences, beam_size=beam_size, alpha=alpha)
+
+    def sample(self, sentences: list[str], *, seed: int = 0, temperature: float = 1.0,
+               top_k: int | None = None, top_p: float | None = None) -> list[str]:
+        return self.evaluator.sample(self.params, sentences, jax.random.key(seed),
+                                     temperature=temperature, top_k=top_k, top_p=top_p)
+
+    def cross_attention(self, source: str, translation: str, layer: int | None = None,
+                        head: int | None = None):
+        """Cross-attention weights of one sentence pair, teacher-forced.
+
+        Args:
+          layer: decoder layer index, or ``None`` = average over layers.
+          head: head index, or ``None`` = average over heads.
+
+        Returns:
+          ``(weights [T, S] float32, source pieces [S], target pieces [T])``.
+        """
+        tok = self.tokenizer
+        src_ids = tok.encode([source])[0][: self.config.max_len]
+        tgt_ids = tok.encode([translation])[0][: self.config.max_len - 1]
+        src = jnp.asarray([src_ids], jnp.int32)
+        tgt_in = jnp.asarray([[tok.bos_id, *tgt_ids]], jnp.int32)
+        _, state = self.model.apply({"params": self.params}, src, tgt_in, mutable=["intermediates"])
+        layers = state["intermediates"]["decoder"]
+        stack = np.stack([np.asarray(layers[f"layer_{i}"]["cross_attention"]["attention_weights"][0][0])
+                          for i in range(self.config.num_decoder_layers)])      # [N, H, T, S]
+        stack = stack.mean(axis=0) if layer is None else stack[layer]
+        weights = stack.mean(axis=0) if head is None else stack[head]
+        src_pieces = [tok.sp.id_to_piece(i) for i in src_ids]
+        tgt_pieces = [tok.sp.id_to_piece(i) for i in [*tgt_ids, tok.eos_id]]
+        return weights, src_pieces, tgt_pieces
+
+
+def save_attention_png(path: str | Path, weights, src_pieces, tgt_pieces, title: str = "") -> None:
+    """Heat map of cross-attention ``weights [T, S]``: source pieces × target pieces."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    height, width = weights.shape
+    fig, ax = plt.subplots(figsize=(max(4, 0.45 * width + 2), max(3, 0.4 * height + 1.5)))
+    image = ax.imshow(weights, cmap="viridis", aspect="auto", vmin=0.0)
+    ax.set_xticks(range(width), src_pieces, rotation=90)
+    ax.set_yticks(range(height), tgt_pieces[:height])
+    ax.set_xlabel("source")
+    ax.set_ylabel("target")
+    ax.set_title(title)
+    fig.colorbar(image, ax=ax)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main(argv=None) -> None:
@@ -62,8 +124,23 @@ def main(argv=None) -> None:
     parser.add_argument("--workdir", required=True, help="run directory written by train.py")
     parser.add_argument("--input", help="file with one sentence per line (default: stdin)")
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--beam-size", type=int, default=4, help="1 = greedy")
+    parser.add_argument("--alpha", type=float, default=0.6, help="GNMT length penalty exponent")
+    parser.add_argument("--n-best", type=int, default=1,
+                        help="print this many hypotheses per sentence with scores (<= beam size)")
+    parser.add_argument("--sample", action="store_true", help="sample instead of beam search")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=0, help="rng seed for --sample")
+    parser.add_argument("--attention-png", help="write the first sentence's cross-attention heat map")
+    parser.add_argument("--layer", type=int, default=None, help="decoder layer for the heat map "
+                        "(default: mean over layers)")
+    parser.add_argument("--head", type=int, default=None, help="head for the heat map (default: mean)")
     parser.add_argument("sentences", nargs="*", help="sentences to translate")
     args = parser.parse_args(argv)
+    if args.beam_size < 1 or not 1 <= args.n_best <= args.beam_size:
+        parser.error("need --beam-size >= 1 and 1 <= --n-best <= --beam-size")
     translator = Translator(args.workdir, batch_size=args.batch_size)
     print(f"[{translator.kind} checkpoint, step {translator.step}]", file=sys.stderr)
     if args.sentences:
@@ -72,8 +149,27 @@ def main(argv=None) -> None:
         stream = open(args.input, encoding="utf-8") if args.input else sys.stdin
         with stream:
             lines = [line.rstrip("\n") for line in stream]
-    for translation in translator([line if line.strip() else "" for line in lines]):
-        print(translation)
+    if args.sample:
+        outputs = translator.sample(lines, seed=args.seed, temperature=args.temperature,
+                                    top_k=args.top_k, top_p=args.top_p)
+        print("\n".join(outputs))
+    elif args.n_best > 1:
+        results = translator.n_best(lines, beam_size=args.beam_size, alpha=args.alpha)
+        for i, n_best in enumerate(results):
+            for translation, score in n_best[: args.n_best]:
+                print(f"{i}\t{score:.4f}\t{translation}")
+        outputs = [n_best[0][0] for n_best in results]
+    else:
+        outputs = translator(lines, beam_size=args.beam_size, alpha=args.alpha)
+        print("\n".join(outputs))
+    if args.attention_png and lines:
+        weights, src_pieces, tgt_pieces = translator.cross_attention(lines[0], outputs[0],
+                                                                     args.layer, args.head)
+        which = (f"layer {args.layer}" if args.layer is not None else "mean of layers") + ", " + \
+                (f"head {args.head}" if args.head is not None else "mean of heads")
+        save_attention_png(args.attention_png, weights, src_pieces, tgt_pieces,
+                           title=f"cross-attention ({which})")
+        print(f"wrote {args.attention_png}", file=sys.stderr)
 
 
 if __name__ == "__main__":

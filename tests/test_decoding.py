@@ -1,0 +1,174 @@
+"""Greedy, beam search and sampling against stubs with known answers, and the model."""
+
+import itertools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxformer as jf
+from jaxformer import decoding
+
+PAD, BOS, EOS = 0, 1, 2
+VOCAB = 5          # pad, bos, eos and two real tokens 3, 4
+
+
+def _stub(table):
+    """tokens_to_logits whose log-probs depend on (step, previous token) only."""
+    table = jnp.asarray(table, jnp.float32)        # [M, V(prev), V(next)]
+
+    def tokens_to_logits(ids_B1, cache):
+        logits = table[cache["index"], ids_B1[:, 0]]
+        return logits, {"index": cache["index"] + 1}
+
+    return tokens_to_logits
+
+
+def _random_table(seed, max_len):
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(size=(max_len, VOCAB, VOCAB)) * 2.0
+    return np.asarray(jax.nn.log_softmax(jnp.asarray(logits)), np.float64)
+
+
+def _exhaustive(table, max_len, alpha):
+    """Every hypothesis ending in eos within max_len, scored like the beam search."""
+    hyps = []
+    for n in range(1, max_len + 1):
+        for body in itertools.product((3, 4), repeat=n - 1):
+            seq, prev, logp = (*body, EOS), BOS, 0.0
+            for t, tok in enumerate(seq):
+                logp += table[t, prev, tok]
+                prev = tok
+            hyps.append((logp / ((5 + n) / 6) ** alpha, seq))
+    return sorted(hyps, reverse=True)
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.6, 1.5])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_beam_search_equals_exhaustive_search(seed, alpha):
+    # At most 4 live prefixes × 3 tokens = 12 candidates per step: with k = 12 every
+    # candidate is within the top k, so the beam search is exhaustive.
+    max_len, k = 4, 12
+    table = _random_table(seed, max_len)
+    seqs, scores = jax.jit(lambda: decoding.beam_search(
+        _stub(table), {"index": jnp.zeros((), jnp.int32)}, batch_size=1, beam_size=k, bos_id=BOS,
+        eos_id=EOS, pad_id=PAD, max_decode_len=max_len, alpha=alpha))()
+    expected = _exhaustive(table, max_len, alpha)[:k]
+    for rank, (score, seq) in enumerate(expected):
+        got = [int(t) for t in np.asarray(seqs[0, rank]) if t != PAD]
+        assert tuple(got) == seq, (rank, got, seq)
+        np.testing.assert_allclose(float(scores[0, rank]), score, rtol=1e-5)
+
+
+def test_beam_size_one_equals_greedy():
+    for seed in range(5):
+        table = _random_table(seed, 6)
+        cache = {"index": jnp.zeros((), jnp.int32)}
+        greedy = decoding.greedy_search(_stub(table), cache, batch_size=1, bos_id=BOS, eos_id=EOS,
+                                        pad_id=PAD, max_decode_len=6)
+        beam, _ = decoding.beam_search(_stub(table), cache, batch_size=1, beam_size=1, bos_id=BOS,
+                                       eos_id=EOS, pad_id=PAD, max_decode_len=6, alpha=0.0)
+        np.testing.assert_array_equal(np.asarray(beam[:, 0]), np.asarray(greedy))
+
+
+def test_length_penalty_lets_a_longer_hypothesis_beat_an_early_eos():
+    # Step 0: eos 0.4, token 3 0.6. Step 1 after token 3: eos 0.638.
+    # log 0.4 = -0.916 beats log 0.6 + log 0.638 = -0.960 without a penalty, but
+    # with α = 0.6: -0.960 / ((5+2)/6)^0.6 = -0.875 > -0.916 / 1.
+    eps = 1e-6
+    table = np.full((3, VOCAB, VOCAB), np.log(eps))
+    table[0, BOS, [EOS, 3]] = np.log([0.4, 0.6])
+    table[1, 3, [EOS, 4]] = np.log([0.638, 0.362])
+    table[2, :, EOS] = 0.0
+    cache = {"index": jnp.zeros((), jnp.int32)}
+    run = lambda alpha: decoding.beam_search(  # noqa: E731
+        _stub(table), cache, batch_size=1, beam_size=2, bos_id=BOS, eos_id=EOS, pad_id=PAD,
+        max_decode_len=3, alpha=alpha)[0][0, 0]
+    assert [int(t) for t in run(0.0)] == [EOS, PAD, PAD]
+    assert [int(t) for t in run(0.6)] == [3, EOS, PAD]
+
+
+def test_per_sentence_length_limit_forces_eos():
+    table = np.zeros((8, VOCAB, VOCAB))
+    table[:, :, EOS] = -20.0                 # eos is very unlikely
+    seqs, _ = decoding.beam_search(_stub(table), {"index": jnp.zeros((), jnp.int32)}, batch_size=2,
+                                   beam_size=2, bos_id=BOS, eos_id=EOS, pad_id=PAD, max_decode_len=8,
+                                   max_lengths=jnp.array([3, 8]))
+    lengths = np.sum(np.asarray(seqs[:, 0]) != PAD, axis=1)
+    np.testing.assert_array_equal(lengths, [3, 8])
+    assert int(seqs[0, 0, 2]) == EOS and int(seqs[1, 0, 7]) == EOS
+
+
+def test_sampling_is_reproducible_and_cold_sampling_is_greedy():
+    table = _random_table(3, 6)
+    cache = {"index": jnp.zeros((), jnp.int32)}
+    kwargs = dict(batch_size=16, bos_id=BOS, eos_id=EOS, pad_id=PAD, max_decode_len=6)
+    stub = _stub(table)
+    a = decoding.sample(stub, cache, jax.random.key(0), **kwargs)
+    b = decoding.sample(stub, cache, jax.random.key(0), **kwargs)
+    c = decoding.sample(stub, cache, jax.random.key(1), **kwargs)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert not np.array_equal(np.asarray(a), np.asarray(c))
+    greedy = decoding.greedy_search(stub, cache, **kwargs)
+    np.testing.assert_array_equal(np.asarray(decoding.sample(stub, cache, jax.random.key(0),
+                                                             temperature=0.0, **kwargs)), greedy)
+    cold = decoding.sample(stub, cache, jax.random.key(5), temperature=1e-4, **kwargs)
+    np.testing.assert_array_equal(np.asarray(cold), np.asarray(greedy))
+    # top_k=1 and a tiny top_p are greedy too.
+    for extra in (dict(top_k=1), dict(top_p=1e-6)):
+        np.testing.assert_array_equal(
+            np.asarray(decoding.sample(stub, cache, jax.random.key(9), **extra, **kwargs)), greedy)
+    with pytest.raises(ValueError, match="top_p"):
+        decoding.sample(stub, cache, jax.random.key(0), top_p=1.5, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    config = jf.preset("tiny", src_vocab_size=23, max_len=24, pad_id=PAD)
+    model = jf.Transformer(config)
+    params = model.init(jax.random.key(3), jnp.ones((1, 4), jnp.int32), jnp.ones((1, 4), jnp.int32))
+    # Scale the output projection up so the random model's argmax is far from ties.
+    params = jax.tree_util.tree_map(lambda x: x, params["params"])
+    return model, params
+
+
+def test_cached_decoding_matches_the_full_forward_pass(tiny_model):
+    model, params = tiny_model
+    src = jnp.array([[5, 6, 7, 8, 0, 0], [9, 10, 11, 12, 13, 14]])
+    tgt = jnp.array([[BOS, 4, 6, 8, 10, 12, 14], [BOS, 5, 7, 9, 11, 13, 15]])
+    full = model.apply({"params": params}, src, tgt)
+    tokens_to_logits, cache = decoding._model_callback(model, params, src, tgt.shape[1])
+    for t in range(tgt.shape[1]):
+        logits, cache = tokens_to_logits(tgt[:, t:t + 1], cache)
+        np.testing.assert_allclose(np.asarray(logits), np.asarray(full[:, t]), atol=1e-5, rtol=1e-5)
+
+
+def test_a_sentence_decodes_the_same_alone_in_a_batch_and_padded(tiny_model):
+    model, params = tiny_model
+    sentence = [5, 6, 7, 8]
+    alone = jnp.array([sentence])
+    batch = jnp.array([[9, 10, 11, 12, 13, 14, 0, 0], sentence + [0] * 4, [15, 16, 0, 0, 0, 0, 0, 0]])
+    kw = dict(max_decode_len=10, bos_id=BOS, eos_id=EOS)
+    g_alone = decoding.greedy_translate(model, params, alone, **kw)
+    g_batch = decoding.greedy_translate(model, params, batch, **kw)
+    np.testing.assert_array_equal(np.asarray(g_alone[0]), np.asarray(g_batch[1]))
+    b_alone, s_alone = decoding.beam_translate(model, params, alone, beam_size=3, **kw)
+    b_batch, s_batch = decoding.beam_translate(model, params, batch, beam_size=3, **kw)
+    np.testing.assert_array_equal(np.asarray(b_alone[0]), np.asarray(b_batch[1]))
+    np.testing.assert_allclose(np.asarray(s_alone[0]), np.asarray(s_batch[1]), rtol=1e-5)
+
+
+def test_decode_loop_compiles_once_per_shape(tiny_model):
+    model, params = tiny_model
+    calls = chex.assert_max_traces(decoding.greedy_search, n=2)
+    original = decoding.greedy_search
+    decoding.greedy_search = calls
+    try:
+        jax.clear_caches()
+        kw = dict(max_decode_len=6, bos_id=BOS, eos_id=EOS)
+        for src in ([[5, 6, 7]], [[8, 9, 10]], [[5, 6, 7, 8, 9]], [[1 + 4, 6, 7, 8, 9]]):
+            decoding.greedy_translate(model, params, jnp.array(src), **kw)
+    finally:
+        decoding.greedy_search = original

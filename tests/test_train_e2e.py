@@ -1,0 +1,89 @@
+"""End to end: train.py on a slice of the shipped corpus, then resume (issue: the main job)."""
+
+import json
+
+import pytest
+
+from jaxformer import data
+from jaxformer.run_config import TrainConfig
+from jaxformer.trainer import train
+
+
+@pytest.fixture(scope="module")
+def corpus_slice(tmp_path_factory):
+    pairs, _ = data.read_tsv(data.builtin_corpus_path("en-de"))
+    path = tmp_path_factory.mktemp("corpus") / "slice.tsv"
+    short = [p for p in pairs if len(p[0]) < 60 and len(p[1]) < 60][:2500]
+    path.write_text("".join(f"{s}\t{t}\n" for s, t in short))
+    return path
+
+
+def _config(workdir, corpus, max_steps):
+    return TrainConfig(workdir=str(workdir), train_file=str(corpus), preset="tiny", vocab_size=400,
+                       max_len=32, batch_tokens=512, max_steps=max_steps, warmup_steps=30,
+                       lr_scale=2.0, eval_every=30, dev_bleu_sentences=40, eval_batch_size=32,
+                       log_every=10, checkpoint_every=30, progress=False)
+
+
+def test_train_checkpoints_and_resumes(tmp_path, corpus_slice, capsys):
+    workdir = tmp_path / "run"
+    first = train(_config(workdir, corpus_slice, 60))
+    assert first["final_step"] == 60
+    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["train/loss"] for r in rows if "train/loss" in r]
+    assert losses[-1] < losses[0] - 0.5, losses
+    assert any("dev/bleu" in r for r in rows) and any("dev/loss" in r for r in rows)
+    for name in ("config.json", "tokenizer/spm.model", "results.json", "samples.txt",
+                 "plots/loss.png", "plots/lr.png", "plots/bleu.png"):
+        assert (workdir / name).exists(), name
+    assert sorted(p.name for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == ["30", "60"]
+    assert list((workdir / "tensorboard").iterdir())
+    results = json.loads((workdir / "results.json").read_text())
+    assert "nrefs:1" in results["sacrebleu_signature"] and results["test_sentences"] > 0
+    capsys.readouterr()
+
+    second = train(_config(workdir, corpus_slice, 90))
+    out = capsys.readouterr().out
+    assert "resumed" in out and "at step 60" in out
+    assert second["final_step"] == 90
+    steps = [json.loads(line)["step"] for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert min(s for s in steps if s > 60) == 70, "the resumed run must continue, not start over"
+
+    # Resuming with another architecture names the differing field.
+    with pytest.raises(ValueError, match="d_model"):
+        train(TrainConfig(**{**_config(workdir, corpus_slice, 100).to_dict(), "d_model": 48}))
+
+
+def test_translate_cli_uses_the_run(tmp_path, corpus_slice, capsys):
+    from jaxformer.translate import main
+
+    workdir = tmp_path / "run"
+    train(_config(workdir, corpus_slice, 30))
+    capsys.readouterr()
+    sentences = ["Click OK.", "Choose Format - Cells.", "Enter the name of the new table."]
+    main(["--workdir", str(workdir), "--beam-size", "1", *sentences])
+    greedy = capsys.readouterr().out.splitlines()
+    assert len(greedy) == 3
+    # Order is restored after length sorting: each line equals its sentence decoded alone.
+    for sentence, line in zip(sentences, greedy):
+        main(["--workdir", str(workdir), "--beam-size", "1", sentence])
+        assert capsys.readouterr().out.splitlines() == [line]
+
+    main(["--workdir", str(workdir), "--beam-size", "3", "--n-best", "3", *sentences[:2]])
+    rows = [line.split("\t") for line in capsys.readouterr().out.splitlines()]
+    assert [r[0] for r in rows] == ["0", "0", "0", "1", "1", "1"]
+    scores = [float(r[1]) for r in rows[:3]]
+    assert scores == sorted(scores, reverse=True)
+
+    png = tmp_path / "attention.png"
+    main(["--workdir", str(workdir), "--sample", "--temperature", "0.7", "--top-k", "5",
+          "--attention-png", str(png), sentences[0]])
+    assert len(capsys.readouterr().out.splitlines()) == 1
+    assert png.stat().st_size > 1000
+
+    (tmp_path / "input.txt").write_text("\n".join(sentences) + "\n")
+    main(["--workdir", str(workdir), "--beam-size", "1", "--input", str(tmp_path / "input.txt")])
+    assert capsys.readouterr().out.splitlines() == greedy
+
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        main(["--workdir", str(tmp_path / "nowhere"), "x"])
