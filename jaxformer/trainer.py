@@ -387,7 +387,10 @@ def train(cfg: TrainConfig, *, fresh: bool = False) -> dict[str, Any]:
                       "train/lr": float(schedule(step - 1)),
                       "train/tokens_per_s": tokens / max(now - last_log_time, 1e-9)}
             metrics_log.write(step, record)
-            bar.set_postfix(loss=f"{record['train/loss']:.3f}", tok_s=f"{record['train/tokens_per_s']:.0f}")
+            postfix = dict(loss=f"{record['train/loss']:.3f}", tok_s=f"{record['train/tokens_per_s']:.0f}")
+            if deadline is not None:   # the time budget, not max_steps, bounds this run
+                postfix["left"] = f"{max(0.0, deadline - now) / 60:.1f}min"
+            bar.set_postfix(postfix)
             totals, last_log_time, last_log_step = None, now, step
         if step % cfg.eval_every == 0:
             evaluate(step)
