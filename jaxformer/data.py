@@ -63,6 +63,23 @@ def _clean(text: str) -> str:
     return " ".join(text.split())
 
 
+def _add_pair(pairs: list[Pair], src: str, tgt: str, report: DataReport) -> None:
+    """Appends the whitespace-normalised pair, or counts it as having an empty side."""
+    src, tgt = _clean(src), _clean(tgt)
+    if not src or not tgt:
+        report.skip("empty side")
+    else:
+        pairs.append((src, tgt))
+
+
+def _finish(pairs: list[Pair], report: DataReport, name: str, expected: str) -> tuple[list[Pair], DataReport]:
+    report.kept = len(pairs)
+    if not pairs:
+        raise ValueError(f"No usable sentence pair in {name} ({report.summary('corpus')}). "
+                         f"Expected {expected}.")
+    return pairs, report
+
+
 def read_tsv(path: str | os.PathLike, report: DataReport | None = None) -> tuple[list[Pair], DataReport]:
     """Reads ``source<TAB>target`` lines (plain or ``.gz``).
 
@@ -91,16 +108,8 @@ def read_tsv(path: str | os.PathLike, report: DataReport | None = None) -> tuple
             if len(fields) != 2:
                 report.skip("no tab" if len(fields) == 1 else "more than one tab")
                 continue
-            src, tgt = _clean(fields[0]), _clean(fields[1])
-            if not src or not tgt:
-                report.skip("empty side")
-                continue
-            pairs.append((src, tgt))
-    report.kept = len(pairs)
-    if not pairs:
-        raise ValueError(f"No usable sentence pair in {str(path)!r} ({report.summary('corpus')}). "
-                         f"Expected UTF-8 lines 'source<TAB>target'.")
-    return pairs, report
+            _add_pair(pairs, fields[0], fields[1], report)
+    return _finish(pairs, report, repr(str(path)), "UTF-8 lines 'source<TAB>target'")
 
 
 def read_aligned(src_path: str | os.PathLike, tgt_path: str | os.PathLike) -> tuple[list[Pair], DataReport]:
@@ -119,17 +128,9 @@ def read_aligned(src_path: str | os.PathLike, tgt_path: str | os.PathLike) -> tu
     for raw_src, raw_tgt in zip(src_lines, tgt_lines):
         report.read += 1
         src, tgt = _decode_line(raw_src, report), _decode_line(raw_tgt, report)
-        if src is None or tgt is None:
-            continue
-        src, tgt = _clean(src), _clean(tgt)
-        if not src or not tgt:
-            report.skip("empty side")
-            continue
-        pairs.append((src, tgt))
-    report.kept = len(pairs)
-    if not pairs:
-        raise ValueError(f"No usable sentence pair in {src_path} / {tgt_path}.")
-    return pairs, report
+        if src is not None and tgt is not None:
+            _add_pair(pairs, src, tgt, report)
+    return _finish(pairs, report, f"{src_path} / {tgt_path}", "one UTF-8 sentence per line in each file")
 
 
 def builtin_corpus_path(pair: str) -> Path:
