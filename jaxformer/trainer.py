@@ -307,7 +307,8 @@ def train(cfg: TrainConfig, *, fresh: bool = False) -> dict[str, Any]:
                                 "unk_id": tokenizer.unk_id, "vocab_size": tokenizer.vocab_size},
                   "target_language": target_language}
     save_json(config_path, run_record)
-    log("config: " + json.dumps(run_record["model"]))
+    log("model config: " + json.dumps(run_record["model"]))
+    log("run config: " + json.dumps({k: v for k, v in cfg.to_dict().items() if v is not None}))
 
     report = data_lib.DataReport(read=len(splits["train"]))
     max_train_len = min(cfg.max_train_len or model_config.max_len, model_config.max_len)

@@ -85,7 +85,9 @@ def create_train_state(model: Transformer, rng: chex.PRNGKey, tx: optax.Gradient
     """Initialises parameters (float32 unless the config says otherwise) and Adam state."""
     ids = jnp.ones(example_shape, jnp.int32)
     params = jax.jit(model.init)(rng, ids, ids)["params"]
-    return TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+    state = TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+    # A Python-int step would be traced as a weak type and recompile on the second step.
+    return state.replace(step=jnp.zeros((), jnp.int32))
 
 
 def _batch_loss(params, batch, rng, *, model: Transformer, smoothing: float, deterministic: bool):

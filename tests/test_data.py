@@ -127,3 +127,30 @@ def test_grain_pipeline_is_checkpointable_and_reshuffles(tokenizer):
     resumed.set_state(state)
     for want in expected:
         np.testing.assert_array_equal(next(resumed)["src"], want)
+
+
+def test_train_step_compiles_once_per_bucket_and_never_after_the_first_epoch(tokenizer):
+    """The grain pipeline's fixed shapes bound the compiles by the number of buckets."""
+    import jax
+
+    import jaxformer as jf
+    from jaxformer.training import create_train_state, jit_train_step, make_optimizer, transformer_schedule
+
+    pairs, _ = data.read_tsv(data.builtin_corpus_path("en-de"))
+    examples = data.tokenize_pairs(pairs[:400], tokenizer, max_len=32)
+    boundaries = data.bucket_boundaries(32)
+    batches = data.bucket_batches(examples, 512, boundaries, seed=0)
+    per_epoch = len(batches)
+    config = jf.preset("tiny", src_vocab_size=tokenizer.vocab_size, max_len=32)
+    model = jf.Transformer(config)
+    state = create_train_state(model, jax.random.key(0), make_optimizer(transformer_schedule(32, 10)))
+    step = jit_train_step(model, 0.1)
+    it = iter(data.train_dataset(examples, batch_tokens=512, boundaries=boundaries, seed=0,
+                                 pad_id=0, bos_id=2, eos_id=3))
+    for _ in range(per_epoch):
+        state, _ = step(state, next(it), jax.random.key(1))
+    after_first_epoch = step._cache_size()
+    assert after_first_epoch <= len(boundaries)
+    for _ in range(per_epoch):
+        state, _ = step(state, next(it), jax.random.key(1))
+    assert step._cache_size() == after_first_epoch, "no new compile after the first epoch"
