@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import grain
-import jax
 import orbax.checkpoint as ocp
 
 
@@ -83,7 +82,3 @@ class RunCheckpoints:
         self.latest.close()
         self.best.close()
 
-
-def abstract(tree: Any) -> Any:
-    """``jax.ShapeDtypeStruct`` leaves for an orbax restore target."""
-    return jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, tree)

@@ -67,15 +67,14 @@ def load_splits(cfg: TrainConfig) -> tuple[dict[str, list[data_lib.Pair]], str]:
         if path:
             explicit[split], rep = data_lib.read_tsv(path)
             log(rep.summary(f"{split} file {path}"))
-    splits = data_lib.split_pairs(pairs, dev_size=0 if "dev" in explicit else 1000,
-                                  test_size=0 if "test" in explicit else 1000) \
-        if not explicit else _split_with_explicit(pairs, explicit)
+    splits = _split_with_explicit(pairs, explicit) if explicit else data_lib.split_pairs(pairs)
     log("split: " + ", ".join(f"{k} {len(v)}" for k, v in splits.items()))
     target_language = cfg.pair.split("-")[1] if not (cfg.train_file or cfg.src_file) else "xx"
     return splits, target_language
 
 
 def _split_with_explicit(pairs, explicit):
+    """Explicit dev/test files replace the hashed split's; the rest goes to train."""
     if "dev" in explicit and "test" in explicit:
         return {"train": list(pairs), **explicit}
     held = data_lib.split_pairs(pairs, dev_size=1000, test_size=1000)
@@ -366,7 +365,7 @@ def train(cfg: TrainConfig, *, fresh: bool = False) -> dict[str, Any]:
     deadline = None if cfg.max_minutes is None else t_start + 60 * cfg.max_minutes
     bar = tqdm(total=cfg.max_steps, initial=step, disable=not cfg.progress, dynamic_ncols=True,
                desc="train", unit="step")
-    totals, last_log_time, last_log_step = None, time.perf_counter(), step
+    totals, last_log_time = None, time.perf_counter()
     stopped_by = "max_steps"
     while step < cfg.max_steps:
         if deadline is not None and time.perf_counter() > deadline:
@@ -392,13 +391,12 @@ def train(cfg: TrainConfig, *, fresh: bool = False) -> dict[str, Any]:
             if deadline is not None:   # the time budget, not max_steps, bounds this run
                 postfix["left"] = f"{max(0.0, deadline - now) / 60:.1f}min"
             bar.set_postfix(postfix)
-            totals, last_log_time, last_log_step = None, now, step
+            totals, last_log_time = None, now
         if step % cfg.eval_every == 0:
             evaluate(step)
         if step % cfg.checkpoint_every == 0:
             checkpoints.save(step, state, iterator)
     bar.close()
-    del last_log_step
     if checkpoints.latest_step() != step:
         checkpoints.save(step, state, iterator)
     if step % cfg.eval_every != 0 or best_bleu < 0:

@@ -154,3 +154,26 @@ def test_train_step_compiles_once_per_bucket_and_never_after_the_first_epoch(tok
     for _ in range(per_epoch):
         state, _ = step(state, next(it), jax.random.key(1))
     assert step._cache_size() == after_first_epoch, "no new compile after the first epoch"
+
+
+def test_explicit_dev_and_test_files_replace_the_hashed_split(tmp_path):
+    from jaxformer.run_config import TrainConfig
+    from jaxformer.trainer import load_splits
+
+    pairs, _ = data.read_tsv(data.builtin_corpus_path("en-de"))
+    write = lambda path, items: path.write_text("".join(f"{s}\t{t}\n" for s, t in items))  # noqa: E731
+    write(tmp_path / "train.tsv", pairs[:3000])
+    write(tmp_path / "dev.tsv", pairs[5000:5040])
+    write(tmp_path / "test.tsv", pairs[6000:6030])
+    both, target = load_splits(TrainConfig(train_file=str(tmp_path / "train.tsv"),
+                                           dev_file=str(tmp_path / "dev.tsv"),
+                                           test_file=str(tmp_path / "test.tsv")))
+    assert both["dev"] == pairs[5000:5040] and both["test"] == pairs[6000:6030]
+    assert len(both["train"]) == 3000
+    dev_only, _ = load_splits(TrainConfig(train_file=str(tmp_path / "train.tsv"),
+                                          dev_file=str(tmp_path / "dev.tsv")))
+    assert dev_only["dev"] == pairs[5000:5040]
+    assert dev_only["test"] and not {s for s, _ in dev_only["test"]} & {s for s, _ in dev_only["train"]}
+    assert len(dev_only["train"]) + len(dev_only["test"]) == 3000
+    with pytest.raises(ValueError, match="not both"):
+        load_splits(TrainConfig(train_file="a.tsv", src_file="b.txt", tgt_file="c.txt"))
