@@ -11,7 +11,10 @@ from jaxformer.trainer import train
 def main(argv=None):
     parser = build_parser(DEFAULT_CPU_RUN, description=__doc__)
     args = parser.parse_args(argv)
-    train(from_args(args), fresh=args.fresh)
+    try:
+        train(from_args(args), fresh=args.fresh)
+    except (ValueError, OSError) as e:   # bad data, paths or checkpoints: a message, not a traceback
+        parser.exit(2, f"train.py: error: {e}\n")
 
 
 if __name__ == "__main__":

@@ -141,7 +141,10 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.beam_size < 1 or not 1 <= args.n_best <= args.beam_size:
         parser.error("need --beam-size >= 1 and 1 <= --n-best <= --beam-size")
-    translator = Translator(args.workdir, batch_size=args.batch_size)
+    try:
+        translator = Translator(args.workdir, batch_size=args.batch_size)
+    except (ValueError, OSError) as e:
+        parser.exit(2, f"translate: error: {e}\n")
     print(f"[{translator.kind} checkpoint, step {translator.step}]", file=sys.stderr)
     if args.sentences:
         lines = args.sentences

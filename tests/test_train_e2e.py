@@ -85,5 +85,7 @@ def test_translate_cli_uses_the_run(tmp_path, corpus_slice, capsys):
     main(["--workdir", str(workdir), "--beam-size", "1", "--input", str(tmp_path / "input.txt")])
     assert capsys.readouterr().out.splitlines() == greedy
 
-    with pytest.raises(FileNotFoundError, match="config.json"):
+    with pytest.raises(SystemExit) as exit_info:
         main(["--workdir", str(tmp_path / "nowhere"), "x"])
+    assert exit_info.value.code == 2
+    assert "config.json" in capsys.readouterr().err
