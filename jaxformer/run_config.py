@@ -95,9 +95,11 @@ def build_parser(defaults: dict[str, Any] | None = None, description: str = "") 
         default = defaults.get(field.name, field.default)
         kind = _base_type(hints[field.name])
         if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
+                                help="default: %(default)s")
         else:
-            parser.add_argument(flag, type=kind, default=default, metavar=kind.__name__.upper())
+            parser.add_argument(flag, type=kind, default=default, metavar=kind.__name__.upper(),
+                                help="default: %(default)s")
     parser.add_argument("--fresh", action="store_true",
                         help="start a new run even if the workdir holds checkpoints "
                              "(moves the old checkpoints aside)")

@@ -339,7 +339,10 @@ def train(cfg: TrainConfig, *, fresh: bool = False) -> dict[str, Any]:
                           target_language=target_language, smoothing=cfg.label_smoothing)
     metrics_log = MetricsLog(workdir)
     dev_subset = splits["dev"][: cfg.dev_bleu_sentences]
-    best_bleu = -1.0
+    # On resume the best score so far comes from the run's own record, not from zero.
+    earlier = [json.loads(line) for line in metrics_log.path.read_text().splitlines()
+               if line] if start_step is not None and metrics_log.path.exists() else []
+    best_bleu = max([r["dev/bleu"] for r in earlier if "dev/bleu" in r], default=-1.0)
 
     def evaluate(step: int) -> float:
         nonlocal best_bleu
