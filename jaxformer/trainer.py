@@ -375,6 +375,10 @@ def train(cfg: TrainConfig, *, fresh: bool = False) -> dict[str, Any]:
             stopped_by = "max_minutes"
             break
         batch = next(iterator)
+        # Host-side id check before dispatch (jit would clamp bad ids silently); numpy, no sync.
+        for name, vocab in (("src", model_config.src_vocab_size), ("tgt_in", model_config.tgt_vocab_size),
+                            ("tgt_out", model_config.tgt_vocab_size)):
+            check_token_ids(batch[name], name=name, vocab_size=vocab, max_len=model_config.max_len)
         state, metrics = train_step(state, batch, dropout_key)
         totals = add_metrics(totals, metrics)
         step += 1
