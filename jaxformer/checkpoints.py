@@ -3,10 +3,21 @@
 Layout under ``<workdir>``: ``checkpoints/<step>/{state,data}`` keeps the last N
 steps (train state + grain iterator state); ``best/<step>/params`` keeps the
 parameters with the best dev BLEU. Everything is data (arrays, JSON); no pickle.
+
+Crash safety comes from orbax: a step is written under a temporary name and renamed
+into place only when complete, so a process killed mid-save (even by SIGKILL)
+leaves at most a ``<step>.orbax-checkpoint-tmp*`` folder, which is ignored and
+cleaned up on the next start. A step that is complete but unreadable (a corrupted
+or truncated file) is reported, moved to ``<workdir>/corrupt/`` and the previous
+step is used (:meth:`RunCheckpoints.restore_latest`).
 """
 
 from __future__ import annotations
 
+import shutil
+import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,18 +25,38 @@ import grain
 import orbax.checkpoint as ocp
 
 
+class CheckpointError(OSError):
+    """No checkpoint of the run directory can be read."""
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0][:200] if text else ''}"
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
 class RunCheckpoints:
     """The two checkpoint managers of a run directory."""
 
-    def __init__(self, workdir: str | Path, keep: int = 3):
-        workdir = Path(workdir).absolute()
+    def __init__(self, workdir: str | Path, keep: int = 3, read_only: bool = False):
+        """Opens (creates unless ``read_only``) ``workdir/checkpoints`` and ``workdir/best``.
+
+        The trainer cleans up half-written steps left by a killed process; a reader
+        (``read_only=True``, e.g. the translate CLI beside a running trainer) never
+        touches the folders.
+        """
+        self.workdir = workdir = Path(workdir).absolute()
+        common = dict(create=not read_only, read_only=read_only, cleanup_tmp_directories=not read_only)
         self.latest = ocp.CheckpointManager(
             workdir / "checkpoints", item_names=("state", "data"),
-            options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
+            options=ocp.CheckpointManagerOptions(max_to_keep=keep, **common))
         self.best = ocp.CheckpointManager(
             workdir / "best", item_names=("params",),
             options=ocp.CheckpointManagerOptions(max_to_keep=1, best_fn=lambda m: m["bleu"],
-                                                 best_mode="max", create=True))
+                                                 best_mode="max", **common))
 
     def latest_step(self) -> int | None:
         return self.latest.latest_step()
@@ -43,36 +74,110 @@ class RunCheckpoints:
             data=grain.checkpoint.CheckpointRestore(data_iterator)))
         return restored.state
 
+    def restore_latest(self, abstract_state: Any, data_iterator: Any,
+                       report: Callable[[str], None] = _stderr) -> tuple[Any, int] | None:
+        """Restores the newest readable step; unreadable newer steps are set aside.
+
+        Each step, newest first, is restored into ``abstract_state``'s structure (and
+        the iterator's position). A step that fails to read is reported; once an
+        older step restores, the unreadable newer ones are moved to
+        ``<workdir>/corrupt/<step>-<time>`` (kept, never deleted) so training can
+        write those steps again.
+
+        Returns:
+          ``(state, step)``, or ``None`` when the run has no checkpoint yet.
+
+        Raises:
+          CheckpointError: checkpoints exist but none is readable; nothing is moved
+            or overwritten.
+        """
+        steps = sorted(self.latest.all_steps(), reverse=True)
+        failures: list[tuple[int, str]] = []
+        for step in steps:
+            try:
+                state = self.restore(step, abstract_state, data_iterator)
+            except Exception as error:  # any failure to read means this step is unusable
+                failures.append((step, _first_line(error)))
+                report(f"checkpoint step {step} is unreadable ({failures[-1][1]}); "
+                       f"trying an older one")
+                continue
+            for bad, _ in failures:
+                self._set_aside(self.latest.directory / str(bad), f"{bad}")
+            if failures:
+                self.latest.reload()
+                report(f"moved unreadable step(s) {[b for b, _ in failures]} to "
+                       f"{self.workdir / 'corrupt'}; resuming from step {step}")
+            return state, step
+        if failures:
+            details = "; ".join(f"step {s}: {e}" for s, e in failures)
+            raise CheckpointError(
+                f"No readable checkpoint in {self.latest.directory} ({details}). Nothing was "
+                f"changed. Start over with --fresh (moves these aside) or use another --workdir.")
+        return None
+
+    def _set_aside(self, path: Path, name: str) -> None:
+        target = self.workdir / "corrupt" / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        target.parent.mkdir(exist_ok=True)
+        shutil.move(str(path), str(target))
+
     def save_best(self, step: int, params: Any, bleu: float) -> None:
+        if step in self.best.all_steps():   # re-evaluating a step after a resume
+            return
         self.best.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params)),
                        metrics={"bleu": float(bleu)})
 
     def best_step(self) -> int | None:
         return self.best.best_step()
 
-    def restore_params(self, abstract_state: Any) -> tuple[Any, int, str]:
-        """Parameters to translate with: the best by dev BLEU, else the latest state's.
+    def best_bleu(self) -> float | None:
+        """Dev BLEU of the best checkpoint, as recorded with it (``None`` if none)."""
+        step = self.best.best_step()
+        if step is None:
+            return None
+        metrics = self.best.metrics(step)
+        return None if not metrics else float(metrics["bleu"])
+
+    def restore_params(self, abstract_params: Any, report: Callable[[str], None] = _stderr
+                       ) -> tuple[Any, int, str]:
+        """Parameters to translate with: the best by dev BLEU, else the newest readable
+        training checkpoint's (an unreadable one is reported and skipped).
+
+        Only the parameters are read (a partial restore), so the optimizer the run
+        used does not matter.
 
         Args:
-          abstract_state: the train state's structure (``jax.eval_shape`` of it).
+          abstract_params: the parameters' structure (``jax.eval_shape`` of them).
 
         Returns:
           ``(params, step, "best" | "latest")``.
 
         Raises:
           FileNotFoundError: the run directory has no checkpoint.
+          CheckpointError: it has checkpoints, but none is readable.
         """
         step = self.best.best_step()
         if step is not None:
-            restored = self.best.restore(step, args=ocp.args.Composite(
-                params=ocp.args.StandardRestore(abstract_state.params)))
-            return restored.params, step, "best"
-        step = self.latest.latest_step()
-        if step is None:
-            raise FileNotFoundError("No checkpoint in this run directory; train first.")
-        restored = self.latest.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state)))
-        return restored.state.params, step, "latest"
+            try:
+                restored = self.best.restore(step, args=ocp.args.Composite(
+                    params=ocp.args.StandardRestore(abstract_params)))
+                return restored.params, step, "best"
+            except Exception as error:  # fall back to the training checkpoints
+                report(f"best checkpoint step {step} is unreadable ({_first_line(error)}); "
+                       f"using the latest training checkpoint")
+        target = {"params": abstract_params}
+        failures = []
+        for step in sorted(self.latest.all_steps(), reverse=True):
+            try:
+                restored = self.latest.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+                    item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                    partial_restore=True)))
+                return restored.state["params"], step, "latest"
+            except Exception as error:
+                failures.append(f"step {step}: {_first_line(error)}")
+                report(f"checkpoint step {step} is unreadable ({failures[-1]})")
+        if failures:
+            raise CheckpointError(f"No readable checkpoint in {self.workdir} ({'; '.join(failures)}).")
+        raise FileNotFoundError("No checkpoint in this run directory; train first.")
 
     def wait(self) -> None:
         self.latest.wait_until_finished()

@@ -74,7 +74,8 @@ class TrainConfig:
 # The defaults of `python train.py`: a CPU run of under 10 minutes (see README), the
 # result of a sweep over model width, batch size and learning rate on 2 cores.
 DEFAULT_CPU_RUN = dict(max_minutes=7.0, max_steps=100_000, warmup_steps=150, lr_scale=0.5,
-                       max_train_len=64, eval_every=400, dev_bleu_sentences=200)
+                       max_train_len=64, eval_every=400, dev_bleu_sentences=200,
+                       checkpoint_every=200)   # a SIGKILL loses at most ~2 minutes
 
 
 def _base_type(tp) -> type:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import signal
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -279,9 +281,84 @@ class MetricsLog:
         self.writer.close()
 
 
+# ---------------------------------------------------------------------- nothing lost
+class Preempted(Exception):
+    """Training stopped on SIGTERM/SIGINT after checkpointing the current step."""
+
+    def __init__(self, signum: int, step: int, message: str):
+        super().__init__(message)
+        self.signum, self.step = signum, step
+
+
+class TrainingDiverged(RuntimeError):
+    """Every update of a logging window had a non-finite loss or gradient norm."""
+
+
+class PreemptionGuard:
+    """Turns SIGTERM and SIGINT into a flag that the training loop checks between steps.
+
+    A preemptible machine sends SIGTERM some seconds before it is taken away; Ctrl-C
+    sends SIGINT. Either lets the current step finish, then the trainer writes a
+    checkpoint and stops. A second SIGINT stops at once (``KeyboardInterrupt``); the
+    last complete checkpoint is still there (orbax writes steps atomically). Outside
+    the main thread (where Python cannot install handlers) the guard does nothing.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum, frame):
+        if self.received is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.received = signum
+
+    def __enter__(self) -> PreemptionGuard:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+
+def _set_aside_metrics_after(path: Path, step: int) -> None:
+    """On resume, moves ``metrics.jsonl`` rows after the restored ``step`` (written by a
+    run that stopped before its next checkpoint; those steps are about to be redone) to
+    ``metrics.redone.jsonl``, so the curves never show a step twice."""
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    stale = [line for line in lines if json.loads(line)["step"] > step]
+    if stale:
+        with path.with_name("metrics.redone.jsonl").open("a") as f:
+            f.write("\n".join(stale) + "\n")
+        path.write_text("".join(line + "\n" for line in lines if json.loads(line)["step"] <= step))
+
+
 # ---------------------------------------------------------------------- the main job
+def _resume_record(config_path: Path, run_record: dict[str, Any], resumed: bool) -> dict[str, Any]:
+    """The run record to write: on resume, earlier run settings are kept in a history
+    and changes are reported (the architecture was checked before)."""
+    if not (resumed and config_path.exists()):
+        return run_record
+    saved = json.loads(config_path.read_text())
+    changed = {k: (saved.get("train", {}).get(k), v) for k, v in run_record["train"].items()
+               if k != "progress" and saved.get("train", {}).get(k) != v}
+    if changed:
+        log("resuming with changed run settings: " +
+            ", ".join(f"{k} {a!r} → {b!r}" for k, (a, b) in sorted(changed.items())))
+    history = saved.get("train_history", []) + ([saved["train"]] if changed and "train" in saved else [])
+    return {**run_record, "train_history": history} if history else run_record
+
+
 def train(cfg: TrainConfig, *, fresh: bool = False) -> dict[str, Any]:
     """Trains, evaluates and checkpoints one run; resumes if the workdir has a checkpoint.
+
+    Resume is exact: the checkpoint holds the step, parameters, optimizer state and
+    the data iterator's position, and dropout keys are ``fold_in(seed key, step)``,
+    so N steps in one go equal N/2 + N/2 across a restart, bit for bit on CPU.
 
     Returns:
       the final results (also written to ``workdir/results.json``).
@@ -289,6 +366,10 @@ def train(cfg: TrainConfig, *, fresh: bool = False) -> dict[str, Any]:
     Raises:
       ValueError / FileNotFoundError / OSError: bad corpus, bad paths, or an
         incompatible checkpoint; all before any compile.
+      CheckpointError: checkpoints exist but none is readable (nothing is changed).
+      Preempted: SIGTERM/SIGINT; the current step was checkpointed first.
+      TrainingDiverged: a whole logging window of non-finite updates (all skipped);
+        the last checkpoint is intact.
     """
     t_start = time.perf_counter()
     workdir = Path(cfg.workdir)
@@ -300,14 +381,6 @@ def train(cfg: TrainConfig, *, fresh: bool = False) -> dict[str, Any]:
     config_path = workdir / "config.json"
     if checkpoints.latest_step() is not None and config_path.exists():
         check_resume_compatible(json.loads(config_path.read_text()), model_config)
-    run_record = {"model": model_config.to_dict(), "train": cfg.to_dict(),
-                  "tokenizer": {"file": "tokenizer/spm.model", "pad_id": tokenizer.pad_id,
-                                "bos_id": tokenizer.bos_id, "eos_id": tokenizer.eos_id,
-                                "unk_id": tokenizer.unk_id, "vocab_size": tokenizer.vocab_size},
-                  "target_language": target_language}
-    save_json(config_path, run_record)
-    log("model config: " + json.dumps(run_record["model"]))
-    log("run config: " + json.dumps({k: v for k, v in cfg.to_dict().items() if v is not None}))
 
     report = data_lib.DataReport(read=len(splits["train"]))
     max_train_len = min(cfg.max_train_len or model_config.max_len, model_config.max_len)
@@ -329,20 +402,33 @@ def train(cfg: TrainConfig, *, fresh: bool = False) -> dict[str, Any]:
     state = create_train_state(model, init_key, tx)
     num_params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
     log(f"model: {num_params / 1e6:.2f}M parameters, preset {cfg.preset!r}")
-    start_step = checkpoints.latest_step()
-    if start_step is not None:
-        state = checkpoints.restore(start_step, jax.eval_shape(lambda: state), iterator)
+    # Restore before writing anything: if no checkpoint is readable, the run dir is untouched.
+    restored = checkpoints.restore_latest(jax.eval_shape(lambda: state), iterator, report=log)
+    start_step = None
+    if restored is not None:
+        state, start_step = restored
         log(f"resumed from {workdir / 'checkpoints'} at step {int(state.step)}")
+
+    run_record = {"model": model_config.to_dict(), "train": cfg.to_dict(),
+                  "tokenizer": {"file": "tokenizer/spm.model", "pad_id": tokenizer.pad_id,
+                                "bos_id": tokenizer.bos_id, "eos_id": tokenizer.eos_id,
+                                "unk_id": tokenizer.unk_id, "vocab_size": tokenizer.vocab_size},
+                  "target_language": target_language}
+    save_json(config_path, _resume_record(config_path, run_record, start_step is not None))
+    log("model config: " + json.dumps(run_record["model"]))
+    log("run config: " + json.dumps({k: v for k, v in cfg.to_dict().items() if v is not None}))
 
     train_step = jit_train_step(model, cfg.label_smoothing)
     evaluator = Evaluator(model, tokenizer, batch_size=cfg.eval_batch_size,
                           target_language=target_language, smoothing=cfg.label_smoothing)
+    metrics_path = workdir / "metrics.jsonl"
+    if start_step is not None and metrics_path.exists():
+        _set_aside_metrics_after(metrics_path, start_step)
     metrics_log = MetricsLog(workdir)
     dev_subset = splits["dev"][: cfg.dev_bleu_sentences]
-    # On resume the best score so far comes from the run's own record, not from zero.
-    earlier = [json.loads(line) for line in metrics_log.path.read_text().splitlines()
-               if line] if start_step is not None and metrics_log.path.exists() else []
-    best_bleu = max([r["dev/bleu"] for r in earlier if "dev/bleu" in r], default=-1.0)
+    # On resume the best score so far is the one recorded with the best checkpoint.
+    best_bleu = checkpoints.best_bleu()
+    best_bleu = -1.0 if best_bleu is None else best_bleu
 
     def evaluate(step: int) -> float:
         nonlocal best_bleu
@@ -370,48 +456,72 @@ def train(cfg: TrainConfig, *, fresh: bool = False) -> dict[str, Any]:
                desc="train", unit="step")
     totals, last_log_time = None, time.perf_counter()
     stopped_by = "max_steps"
-    while step < cfg.max_steps:
-        if deadline is not None and time.perf_counter() > deadline:
-            stopped_by = "max_minutes"
-            break
-        batch = next(iterator)
-        # Host-side id check before dispatch (jit would clamp bad ids silently); numpy, no sync.
-        for name, vocab in (("src", model_config.src_vocab_size), ("tgt_in", model_config.tgt_vocab_size),
-                            ("tgt_out", model_config.tgt_vocab_size)):
-            check_token_ids(batch[name], name=name, vocab_size=vocab, max_len=model_config.max_len)
-        state, metrics = train_step(state, batch, dropout_key)
-        totals = add_metrics(totals, metrics)
-        step += 1
-        bar.update(1)
-        if step % cfg.log_every == 0:
-            values = jax.device_get(totals)   # the one host sync every log_every steps
-            tokens = max(float(values["tokens"]), 1.0)
-            now = time.perf_counter()
-            record = {"train/loss": float(values["loss_sum"]) / tokens,
-                      "train/nll": float(values["nll_sum"]) / tokens,
-                      "train/accuracy": float(values["correct"]) / tokens,
-                      "train/grad_norm": float(values["grad_norm"]) / float(values["steps"]),
-                      "train/lr": float(schedule(step - 1)),
-                      "train/tokens_per_s": tokens / max(now - last_log_time, 1e-9)}
-            metrics_log.write(step, record)
-            postfix = dict(loss=f"{record['train/loss']:.3f}", tok_s=f"{record['train/tokens_per_s']:.0f}")
-            if deadline is not None:   # the time budget, not max_steps, bounds this run
-                postfix["left"] = f"{max(0.0, deadline - now) / 60:.1f}min"
-            bar.set_postfix(postfix)
-            totals, last_log_time = None, now
-        if step % cfg.eval_every == 0:
-            evaluate(step)
-        if step % cfg.checkpoint_every == 0:
+    with PreemptionGuard() as guard:
+        while step < cfg.max_steps:
+            if guard.received is not None:
+                stopped_by = signal.Signals(guard.received).name
+                break
+            if deadline is not None and time.perf_counter() > deadline:
+                stopped_by = "max_minutes"
+                break
+            batch = next(iterator)
+            # Host-side id check before dispatch (jit would clamp bad ids silently); numpy, no sync.
+            for name, vocab in (("src", model_config.src_vocab_size),
+                                ("tgt_in", model_config.tgt_vocab_size),
+                                ("tgt_out", model_config.tgt_vocab_size)):
+                check_token_ids(batch[name], name=name, vocab_size=vocab, max_len=model_config.max_len)
+            state, metrics = train_step(state, batch, dropout_key)
+            totals = add_metrics(totals, metrics)
+            step += 1
+            bar.update(1)
+            if step % cfg.log_every == 0:
+                values = jax.device_get(totals)   # the one host sync every log_every steps
+                diverged = _finite_report(values, step, checkpoints.latest_step())
+                if diverged:
+                    bar.close()
+                    checkpoints.wait()
+                    checkpoints.close()
+                    metrics_log.close()
+                    raise TrainingDiverged(diverged)
+                tokens = max(float(values["tokens"]), 1.0)
+                applied = max(float(values["steps"] - values["skipped"]), 1.0)
+                now = time.perf_counter()
+                record = {"train/loss": float(values["loss_sum"]) / tokens,
+                          "train/nll": float(values["nll_sum"]) / tokens,
+                          "train/accuracy": float(values["correct"]) / tokens,
+                          "train/grad_norm": float(values["grad_norm"]) / applied,
+                          "train/skipped": float(values["skipped"]),
+                          "train/lr": float(schedule(step - 1)),
+                          "train/tokens_per_s": tokens / max(now - last_log_time, 1e-9)}
+                metrics_log.write(step, record)
+                postfix = dict(loss=f"{record['train/loss']:.3f}",
+                               tok_s=f"{record['train/tokens_per_s']:.0f}")
+                if deadline is not None:   # the time budget, not max_steps, bounds this run
+                    postfix["left"] = f"{max(0.0, deadline - now) / 60:.1f}min"
+                bar.set_postfix(postfix)
+                totals, last_log_time = None, now
+            if step % cfg.eval_every == 0:
+                evaluate(step)
+            if step % cfg.checkpoint_every == 0:
+                checkpoints.save(step, state, iterator)
+        bar.close()
+        if checkpoints.latest_step() != step:
             checkpoints.save(step, state, iterator)
-    bar.close()
-    if checkpoints.latest_step() != step:
-        checkpoints.save(step, state, iterator)
+        checkpoints.wait()
+        if guard.received is not None:
+            checkpoints.close()
+            metrics_log.close()
+            message = (f"{stopped_by} received: stopped at step {step} with a checkpoint in "
+                       f"{workdir / 'checkpoints'}. Run the same command again to resume from there.")
+            log(message)
+            raise Preempted(guard.received, step, message)
+
     if step % cfg.eval_every != 0 or best_bleu < 0:
         evaluate(step)
     checkpoints.wait()
     log(f"training stopped at step {step} ({stopped_by}); best dev BLEU {best_bleu:.2f}")
 
-    params, best_step, _ = checkpoints.restore_params(jax.eval_shape(lambda: state))
+    params, best_step, _ = checkpoints.restore_params(jax.eval_shape(lambda: state.params), report=log)
     t0 = time.perf_counter()
     hyps = evaluator.translate(params, [p[0] for p in splits["test"]], beam_size=cfg.beam_size,
                                alpha=cfg.alpha)
@@ -436,3 +546,20 @@ def train(cfg: TrainConfig, *, fresh: bool = False) -> dict[str, Any]:
         log(f"  {source}\n  → {hypothesis}\n  (reference: {reference})")
     log(f"total wall time {results['wall_minutes']:.1f} min; run directory {workdir}")
     return results
+
+
+def _finite_report(values: dict[str, Any], step: int, last_checkpoint: int | None) -> str | None:
+    """Logs skipped non-finite updates; returns the error message when a whole logging
+    window was skipped (the run cannot make progress), else ``None``."""
+    skipped, window = int(values["skipped"]), int(values["steps"])
+    if skipped == 0:
+        return None
+    if skipped < window:
+        log(f"step {step}: skipped {skipped} of the last {window} updates (non-finite loss or "
+            f"gradient norm); parameters were left unchanged for those steps")
+        return None
+    where = (f"the last checkpoint (step {last_checkpoint}) is intact" if last_checkpoint is not None
+             else "no checkpoint was written")
+    return (f"Training diverged: all {window} updates up to step {step} had a non-finite loss or "
+            f"gradient norm and were skipped; {where}. Lower --lr-scale, set --grad-clip or use "
+            f"--dtype float32, then run again to resume from the last checkpoint (or --fresh).")

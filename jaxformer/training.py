@@ -108,25 +108,41 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], rng: chex.PRNGKey
                model: Transformer, smoothing: float) -> tuple[TrainState, Metrics]:
     """One optimizer update; pure. Jit it with the statics bound (see :func:`jit_train_step`).
 
+    Non-finite guard: when the loss or the gradient norm is NaN/inf (an overflow, a
+    bad batch, a diverging run), the update is skipped — parameters and optimizer
+    state stay as they were, only ``step`` advances (the batch is consumed) — and the
+    step is reported in ``metrics["skipped"]``. Its loss sums are zeroed so the
+    running averages stay finite. Detection costs one ``jnp.where`` per parameter and
+    no host sync; the host reads ``skipped`` with the other metrics every
+    ``log_every`` steps (see :func:`jaxformer.trainer.train`).
+
     Args:
       state: the train state (donated by the jitted wrapper).
       batch: ``src [B,S]``, ``tgt_in [B,T]``, ``tgt_out [B,T]`` int32.
       rng: the run's root dropout key; this step uses ``fold_in(rng, state.step)``.
 
     Returns:
-      ``(new_state, metrics)``, metrics as sums (``loss_sum``, ``nll_sum``,
-      ``correct``) with the denominator ``tokens``, plus ``grad_norm`` and ``lr``-free
-      ``finite`` (1.0 when loss and gradients are finite).
+      ``(new_state, metrics)``, metrics as float32 sums (``loss_sum``, ``nll_sum``,
+      ``correct``) with the denominator ``tokens``, plus ``grad_norm``, ``steps``
+      (1) and ``skipped`` (1 when the update was skipped as non-finite, else 0).
     """
     dropout_rng = jax.random.fold_in(rng, state.step)
     grad_fn = jax.value_and_grad(
         functools.partial(_batch_loss, model=model, smoothing=smoothing, deterministic=False),
         has_aux=True)
-    (_, metrics), grads = grad_fn(state.params, batch, dropout_rng)
+    (loss, metrics), grads = grad_fn(state.params, batch, dropout_rng)
     grad_norm = optax.global_norm(grads)
-    new_state = state.apply_gradients(grads=grads)
-    metrics = dict(metrics, grad_norm=grad_norm, steps=jnp.ones((), jnp.float32))
-    return new_state, metrics
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    updated = state.apply_gradients(grads=grads)
+    # Keep the old parameters and optimizer state where the update is not finite.
+    new_state = updated.replace(
+        params=jax.tree_util.tree_map(functools.partial(jnp.where, finite), updated.params, state.params),
+        opt_state=jax.tree_util.tree_map(functools.partial(jnp.where, finite), updated.opt_state,
+                                         state.opt_state))
+    metrics = jax.tree_util.tree_map(lambda m: jnp.where(finite, m, jnp.zeros_like(m)),
+                                     dict(metrics, grad_norm=grad_norm))
+    skipped = 1.0 - finite.astype(jnp.float32)
+    return new_state, dict(metrics, steps=jnp.ones((), jnp.float32), skipped=skipped)
 
 
 def eval_step(params: Any, batch: dict[str, jax.Array], *, model: Transformer,

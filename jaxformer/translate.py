@@ -24,7 +24,6 @@ from jaxformer.checkpoints import RunCheckpoints
 from jaxformer.config import TransformerConfig
 from jaxformer.data import Tokenizer
 from jaxformer.model import Transformer
-from jaxformer.training import create_train_state, make_optimizer, transformer_schedule
 
 
 class Translator:
@@ -47,11 +46,12 @@ class Translator:
         self.config = TransformerConfig.from_dict(record["model"])
         self.tokenizer = Tokenizer(workdir / record["tokenizer"]["file"])
         self.model = Transformer(self.config)
-        tx = make_optimizer(transformer_schedule(self.config.d_model, 1))
-        abstract_state = jax.eval_shape(lambda: create_train_state(self.model, jax.random.key(0), tx))
-        checkpoints = RunCheckpoints(workdir)
+        ids = jnp.ones((1, 8), jnp.int32)
+        abstract_params = jax.eval_shape(
+            lambda: self.model.init(jax.random.key(0), ids, ids)["params"])
+        checkpoints = RunCheckpoints(workdir, read_only=True)
         try:
-            self.params, self.step, self.kind = checkpoints.restore_params(abstract_state)
+            self.params, self.step, self.kind = checkpoints.restore_params(abstract_params)
         finally:
             checkpoints.close()
         self.evaluator = Evaluator(self.model, self.tokenizer, batch_size=batch_size,
