@@ -34,6 +34,25 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0][:200] if text else ''}"
 
 
+def _ignore_stray_read_callbacks() -> None:
+    """After a failed restore, tensorstore still completes the other reads it had in
+    flight and calls back into orbax's event loop, which is closed by then; each call
+    would print a "RuntimeError: Event loop is closed" traceback. Those (and only those)
+    are dropped; every other unraisable exception reaches the previous hook."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_jaxformer_filter", False):
+        return
+
+    def hook(unraisable):
+        error = unraisable.exc_value
+        if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
+                and unraisable.object is None):
+            previous(unraisable)
+
+    hook._jaxformer_filter = True
+    sys.unraisablehook = hook
+
+
 def _stderr(message: str) -> None:
     print(message, file=sys.stderr)
 
@@ -49,7 +68,8 @@ class RunCheckpoints:
         touches the folders.
         """
         self.workdir = workdir = Path(workdir).absolute()
-        common = dict(create=not read_only, read_only=read_only, cleanup_tmp_directories=not read_only)
+        # (Not orbax's own read_only option: it logs warnings on every open.)
+        common = dict(create=not read_only, cleanup_tmp_directories=not read_only)
         self.latest = ocp.CheckpointManager(
             workdir / "checkpoints", item_names=("state", "data"),
             options=ocp.CheckpointManagerOptions(max_to_keep=keep, **common))
@@ -97,6 +117,7 @@ class RunCheckpoints:
             try:
                 state = self.restore(step, abstract_state, data_iterator)
             except Exception as error:  # any failure to read means this step is unusable
+                _ignore_stray_read_callbacks()
                 failures.append((step, _first_line(error)))
                 report(f"checkpoint step {step} is unreadable ({failures[-1][1]}); "
                        f"trying an older one")
@@ -162,6 +183,7 @@ class RunCheckpoints:
                     params=ocp.args.StandardRestore(abstract_params)))
                 return restored.params, step, "best"
             except Exception as error:  # fall back to the training checkpoints
+                _ignore_stray_read_callbacks()
                 report(f"best checkpoint step {step} is unreadable ({_first_line(error)}); "
                        f"using the latest training checkpoint")
         target = {"params": abstract_params}
@@ -173,6 +195,7 @@ class RunCheckpoints:
                     partial_restore=True)))
                 return restored.state["params"], step, "latest"
             except Exception as error:
+                _ignore_stray_read_callbacks()
                 failures.append(f"step {step}: {_first_line(error)}")
                 report(f"checkpoint step {step} is unreadable ({failures[-1]})")
         if failures:

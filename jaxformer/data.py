@@ -189,7 +189,12 @@ class Tokenizer:
         if not path.exists():
             raise FileNotFoundError(f"Tokenizer model {str(path)!r} does not exist.")
         self.model_file = path
-        self.sp = spm.SentencePieceProcessor(model_file=str(path))
+        try:
+            self.sp = spm.SentencePieceProcessor(model_file=str(path))
+        except (RuntimeError, OSError) as e:
+            raise ValueError(f"Tokenizer model {str(path)!r} is unreadable ({e}). It must be the "
+                             f"sentencepiece model the run was trained with: restore it, or start "
+                             f"a new run (--fresh or another --workdir).") from e
         self.pad_id, self.unk_id = self.sp.pad_id(), self.sp.unk_id()
         self.bos_id, self.eos_id = self.sp.bos_id(), self.sp.eos_id()
         if min(self.pad_id, self.bos_id, self.eos_id) < 0:

@@ -9,6 +9,7 @@ import json
 import math
 import shutil
 import signal
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -215,7 +216,8 @@ def check_resume_compatible(saved: dict[str, Any], model_config: TransformerConf
 
 
 def prepare_workdir(workdir: Path, fresh: bool) -> None:
-    """Creates the run directory (clear error if impossible); ``fresh`` moves old checkpoints aside."""
+    """Creates the run directory (clear error if impossible); ``fresh`` moves the previous
+    run's files (checkpoints, tokenizer, logs) into ``old-<time>/``."""
     try:
         workdir.mkdir(parents=True, exist_ok=True)
         probe = workdir / ".write-test"
@@ -224,11 +226,16 @@ def prepare_workdir(workdir: Path, fresh: bool) -> None:
     except OSError as e:
         raise OSError(f"Cannot write the run directory {str(workdir)!r}: {e}. "
                       f"Choose a writable --workdir.") from e
-    if fresh:
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        for name in ("checkpoints", "best", "config.json", "metrics.jsonl"):
-            if (workdir / name).exists():
-                shutil.move(str(workdir / name), str(workdir / f"{name}.old-{stamp}"))
+    if fresh:   # nothing is deleted: the previous run moves to old-<time>/
+        names = ("checkpoints", "best", "config.json", "metrics.jsonl", "metrics.redone.jsonl",
+                 "tokenizer", "tensorboard", "plots", "samples.txt", "results.json",
+                 "test_hypotheses.txt", "corrupt")
+        present = [n for n in names if (workdir / n).exists()]
+        if present:
+            old = Path(tempfile.mkdtemp(prefix=f"old-{time.strftime('%Y%m%d-%H%M%S')}-", dir=workdir))
+            for name in present:
+                shutil.move(str(workdir / name), str(old / name))
+            log(f"--fresh: moved the previous run's files to {old}")
 
 
 def write_plots(workdir: Path) -> None:

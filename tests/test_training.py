@@ -157,3 +157,33 @@ def test_dropout_key_folds_in_step():
     assert float(ma["loss_sum"]) == float(mb["loss_sum"])
     c, mc = step(state.replace(step=state.step + 1), batch, jax.random.key(7))
     assert float(ma["loss_sum"]) != float(mc["loss_sum"])
+
+
+def test_non_finite_update_is_skipped_and_reported():
+    """Forced overflow: huge weights make the logits inf, so loss and gradients are NaN.
+    The guarded step leaves params and Adam state bit-identical, advances ``step`` and
+    reports the skip; the metric sums stay finite."""
+    config = jf.preset("tiny", src_vocab_size=16, max_len=16)
+    model = jf.Transformer(config)
+    tx = make_optimizer(transformer_schedule(config.d_model, 10))
+    state = create_train_state(model, jax.random.key(0), tx)
+    step = jit_train_step(model, smoothing=0.1)
+    batch = _copy_batch(np.random.default_rng(0), 4, 6, 16, 2, 3, 0)
+    state, metrics = step(state, batch, jax.random.key(1))   # one good update first
+    assert float(metrics["skipped"]) == 0.0
+
+    healthy = jax.tree_util.tree_map(jnp.copy, state)   # the step donates what it is given
+    poisoned = state.replace(params=jax.tree_util.tree_map(lambda p: p * 1e30, state.params))
+    params_before = jax.device_get(poisoned.params)
+    opt_before = jax.device_get(poisoned.opt_state)
+    new_state, metrics = step(poisoned, batch, jax.random.key(1))
+    assert float(metrics["skipped"]) == 1.0 and float(metrics["steps"]) == 1.0
+    assert int(new_state.step) == 2
+    chex.assert_trees_all_equal(jax.device_get(new_state.params), params_before)
+    chex.assert_trees_all_equal(jax.device_get(new_state.opt_state), opt_before)
+    for name in ("loss_sum", "nll_sum", "tokens", "grad_norm"):
+        assert float(metrics[name]) == 0.0, name
+
+    # The same batch from the healthy state updates normally.
+    _, metrics = step(healthy, batch, jax.random.key(1))
+    assert float(metrics["skipped"]) == 0.0 and np.isfinite(float(metrics["loss_sum"]))

@@ -1,0 +1,269 @@
+"""Nothing lost (issue #6): exact resume, preemption, unreadable checkpoints, the
+non-finite guard, and bad input caught before any compile.
+
+The runs are tiny (tiny preset, 12 steps, explicit 12-sentence dev/test files), share
+one tokenizer, and compare checkpoints bit for bit.
+"""
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import chex
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from jaxformer import data, trainer
+from jaxformer.checkpoints import CheckpointError, RunCheckpoints
+from jaxformer.run_config import TrainConfig
+from jaxformer.trainer import PreemptionGuard, TrainingDiverged, train
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    pairs, _ = data.read_tsv(data.builtin_corpus_path("en-de"))
+    short = [p for p in pairs if len(p[0]) < 60 and len(p[1]) < 60]
+    root = tmp_path_factory.mktemp("corpus")
+    out = {}
+    for name, chunk in (("train", short[:2000]), ("dev", short[2000:2012]), ("test", short[2012:2024])):
+        out[name] = root / f"{name}.tsv"
+        out[name].write_text("".join(f"{s}\t{t}\n" for s, t in chunk))
+    return out
+
+
+def _config(workdir, files, max_steps, **overrides):
+    return TrainConfig(**{**dict(
+        workdir=str(workdir), train_file=str(files["train"]), dev_file=str(files["dev"]),
+        test_file=str(files["test"]), preset="tiny", vocab_size=300, max_len=32, dropout_rate=0.1,
+        batch_tokens=512, max_steps=max_steps, warmup_steps=10, lr_scale=1.0, eval_every=1000,
+        dev_bleu_sentences=12, eval_batch_size=16, beam_size=1, log_every=2, checkpoint_every=4,
+        progress=False), **overrides})
+
+
+def _state_at(workdir, step):
+    """The raw saved train state (step, params, opt_state) as NumPy arrays."""
+    return ocp.StandardCheckpointer().restore(Path(workdir).absolute() / "checkpoints" / str(step) / "state")
+
+
+def _new_workdir(tmp_path, reference):
+    """A run directory that starts with the reference run's tokenizer (same vocabulary)."""
+    workdir = tmp_path / "run"
+    shutil.copytree(reference / "tokenizer", workdir / "tokenizer")
+    return workdir
+
+
+def _snapshot(workdir):
+    return {str(p.relative_to(workdir)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(Path(workdir).rglob("*")) if p.is_file()}
+
+
+def _train_log_steps(workdir):
+    rows = [json.loads(line) for line in (Path(workdir) / "metrics.jsonl").read_text().splitlines()]
+    return [r["step"] for r in rows if "train/loss" in r]
+
+
+def _corrupt_step(workdir, step):
+    for path in (Path(workdir) / "checkpoints" / str(step) / "state").rglob("*"):
+        if path.is_file() and path.parent.name == "d":
+            path.write_bytes(path.read_bytes()[:7])
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, files):
+    """12 uninterrupted steps with dropout on; checkpoints at 4, 8, 12."""
+    workdir = tmp_path_factory.mktemp("reference") / "run"
+    result = train(_config(workdir, files, 12))
+    assert result["final_step"] == 12
+    return workdir
+
+
+_CHILD = """
+import os, runpy, signal, sys
+from jaxformer import trainer
+real = trainer.jit_train_step
+def jit_train_step(*args, **kwargs):
+    step, calls = real(*args, **kwargs), [0]
+    def stepped(*a, **k):
+        calls[0] += 1
+        if calls[0] == int(os.environ["SIGNAL_AT_STEP"]):
+            os.kill(os.getpid(), signal.SIGTERM)   # as a preempting scheduler would
+        return step(*a, **k)
+    return stepped
+trainer.jit_train_step = jit_train_step
+sys.argv = ["train.py", *sys.argv[1:]]
+runpy.run_path(os.path.join(os.environ["REPO"], "train.py"), run_name="__main__")
+"""
+
+
+def _argv(cfg):
+    out = []
+    for key, value in cfg.to_dict().items():
+        if value is None or key == "progress":
+            continue
+        out += [f"--{key.replace('_', '-')}", str(value)]
+    return out + ["--no-progress"]
+
+
+def test_sigterm_checkpoints_exits_and_the_resumed_run_equals_an_uninterrupted_one(
+        tmp_path, files, reference):
+    workdir = _new_workdir(tmp_path, reference)
+    cfg = _config(workdir, files, 12)
+    child = subprocess.run([sys.executable, "-c", _CHILD, *_argv(cfg)], capture_output=True, text=True,
+                           env={**os.environ, "SIGNAL_AT_STEP": "6", "REPO": str(REPO)}, timeout=600)
+    assert child.returncode == 128 + signal.SIGTERM, child.stderr[-2000:]
+    assert "SIGTERM received: stopped at step 6" in child.stdout + child.stderr
+    assert "Run the same command again to resume" in child.stdout + child.stderr
+    assert RunCheckpoints(workdir, read_only=True).latest_step() == 6   # not a checkpoint_every step
+
+    result = train(cfg)   # a new process would do the same: everything comes from the files
+    assert result["final_step"] == 12
+    chex.assert_trees_all_equal(_state_at(workdir, 12), _state_at(reference, 12))
+    assert _train_log_steps(workdir) == [2, 4, 6, 8, 10, 12], "every step is logged once"
+
+
+def test_unreadable_latest_checkpoint_is_reported_and_the_previous_one_used(
+        tmp_path, files, reference, capsys):
+    workdir = _new_workdir(tmp_path, reference)
+    train(_config(workdir, files, 8))
+    _corrupt_step(workdir, 8)
+    capsys.readouterr()
+    result = train(_config(workdir, files, 12))
+    out = capsys.readouterr().out
+    assert "checkpoint step 8 is unreadable" in out and "at step 4" in out
+    assert [p.name.split("-")[0] for p in (workdir / "corrupt").iterdir()] == ["8"]   # kept, not deleted
+    assert result["final_step"] == 12
+    chex.assert_trees_all_equal(_state_at(workdir, 12), _state_at(reference, 12))
+    # Metrics of the redone steps 5-8 moved aside; the log never repeats a step.
+    assert _train_log_steps(workdir) == [2, 4, 6, 8, 10, 12]
+    redone = [json.loads(line)["step"]
+              for line in (workdir / "metrics.redone.jsonl").read_text().splitlines()]
+    assert set(redone) >= {6, 8}
+
+    # No readable checkpoint at all: a clear error, and not one file changes.
+    for step in RunCheckpoints(workdir, read_only=True).latest.all_steps():
+        _corrupt_step(workdir, step)
+    before = _snapshot(workdir)
+    with pytest.raises(CheckpointError, match="No readable checkpoint.*--fresh"):
+        train(_config(workdir, files, 16))
+    assert _snapshot(workdir) == before
+
+
+def test_diverging_run_stops_with_a_clear_error_and_keeps_the_last_checkpoint(
+        tmp_path, files, reference, capsys):
+    workdir = tmp_path / "run"
+    shutil.copytree(reference, workdir)
+    checkpoint_12 = {k: v for k, v in _snapshot(workdir).items() if k.startswith("checkpoints/12/")}
+    # Resume with an absurd learning rate: the first update overflows the weights, the
+    # following losses are NaN and every update is skipped.
+    with pytest.raises(TrainingDiverged, match="non-finite.*last checkpoint \\(step 12\\) is intact"):
+        train(_config(workdir, files, 40, lr_scale=1e30))
+    assert "changed run settings: lr_scale 1.0 → 1e+30" in capsys.readouterr().out
+    assert RunCheckpoints(workdir, read_only=True).latest_step() == 12
+    assert {k: v for k, v in _snapshot(workdir).items() if k.startswith("checkpoints/12/")} == checkpoint_12
+    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert all(np.isfinite(r["train/loss"]) for r in rows if "train/loss" in r)
+
+
+def test_half_written_step_is_ignored_and_cleaned_up(tmp_path):
+    """What SIGKILL during an async save leaves: orbax's temporary folder, never a step."""
+    checkpoints = RunCheckpoints(tmp_path)
+    iterator = iter(data.train_dataset(data.Examples([[5, 6]] * 4, [[7]] * 4), batch_tokens=8,
+                                       boundaries=(4,), seed=0, pad_id=0, bos_id=2, eos_id=3))
+    state = {"w": jnp.arange(4.0)}
+    for step in (1, 2):
+        next(iterator)
+        checkpoints.save(step, {"w": state["w"] + step}, iterator)
+    checkpoints.wait()
+    checkpoints.close()
+    shutil.copytree(tmp_path / "checkpoints" / "2", tmp_path / "checkpoints" / "3.orbax-checkpoint-tmp-17")
+    (tmp_path / "checkpoints" / "3.orbax-checkpoint-tmp-17" / "state" / "_METADATA").unlink()
+
+    reopened = RunCheckpoints(tmp_path)
+    assert reopened.latest_step() == 2
+    restored, step = reopened.restore_latest({"w": jnp.zeros(4)}, iterator)
+    assert step == 2 and np.array_equal(restored["w"], np.arange(4.0) + 2)
+    reopened.wait()
+    reopened.close()
+    assert not list((tmp_path / "checkpoints").glob("*tmp*"))
+
+
+def test_signal_guard_sets_a_flag_and_a_second_ctrl_c_stops_at_once():
+    previous = signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        with PreemptionGuard() as guard:
+            os.kill(os.getpid(), signal.SIGINT)
+            assert guard.received == signal.SIGINT      # the loop finishes its step, then saves
+            os.kill(os.getpid(), signal.SIGINT)         # impatient user: stop now
+    assert signal.getsignal(signal.SIGINT) is previous
+
+
+def test_checkpoints_and_tokenizer_are_data_not_pickle(reference):
+    # A pickle starts with the PROTO opcode 0x80 and a protocol number 2-5.
+    pickled = [str(p) for p in reference.rglob("*")
+               if p.is_file() and p.read_bytes()[:2] in (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")]
+    assert not pickled
+    sources = "".join(p.read_text() for p in (REPO / "jaxformer").rglob("*.py"))
+    assert not re.search(r"import (c?pickle|dill|cloudpickle)|pickle\.loads?\(|allow_pickle=True", sources)
+
+
+@pytest.mark.parametrize("problem", ["missing train file", "workdir is a file", "empty dev file",
+                                     "corrupt tokenizer", "malformed test file"])
+def test_bad_paths_and_files_fail_before_any_compile(tmp_path, files, monkeypatch, capsys, problem):
+    import runpy
+
+    def no_compile(*args, **kwargs):
+        raise AssertionError("compiled a train step before reporting the problem")
+
+    monkeypatch.setattr(trainer, "jit_train_step", no_compile)
+    cfg = _config(tmp_path / "run", files, 4)
+    if problem == "missing train file":
+        cfg = TrainConfig(**{**cfg.to_dict(), "train_file": str(tmp_path / "nope.tsv")})
+        expected = "does not exist"
+    elif problem == "workdir is a file":
+        (tmp_path / "file").write_text("x")
+        cfg = TrainConfig(**{**cfg.to_dict(), "workdir": str(tmp_path / "file")})
+        expected = "Choose a writable --workdir"
+    elif problem == "empty dev file":
+        (tmp_path / "dev.tsv").write_text("")
+        cfg = TrainConfig(**{**cfg.to_dict(), "dev_file": str(tmp_path / "dev.tsv")})
+        expected = "No usable sentence pair"
+    elif problem == "corrupt tokenizer":
+        (tmp_path / "run" / "tokenizer").mkdir(parents=True)
+        (tmp_path / "run" / "tokenizer" / "spm.model").write_bytes(b"not a model")
+        expected = "spm.model' is unreadable"
+    else:
+        (tmp_path / "test.tsv").write_bytes(b"no tab\n\xff\xfe\tbroken\n")
+        cfg = TrainConfig(**{**cfg.to_dict(), "test_file": str(tmp_path / "test.tsv")})
+        expected = "No usable sentence pair.*1 invalid UTF-8, 1 no tab"
+    monkeypatch.setattr(sys, "argv", ["train.py", *_argv(cfg)])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(str(REPO / "train.py"), run_name="__main__")
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert re.search(expected, err), err
+
+
+def test_translator_falls_back_to_the_latest_checkpoint_when_best_is_unreadable(
+        tmp_path, reference, capsys):
+    from jaxformer.translate import Translator
+
+    workdir = tmp_path / "run"
+    shutil.copytree(reference, workdir)
+    assert Translator(workdir).kind == "best"
+    for path in (workdir / "best").rglob("*"):
+        if path.is_file() and path.parent.name == "d":
+            path.write_bytes(b"")
+    translator = Translator(workdir)
+    assert (translator.kind, translator.step) == ("latest", 12)
+    assert "best checkpoint step 12 is unreadable" in capsys.readouterr().err
