@@ -141,10 +141,25 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.beam_size < 1 or not 1 <= args.n_best <= args.beam_size:
         parser.error("need --beam-size >= 1 and 1 <= --n-best <= --beam-size")
+    if args.batch_size < 1:
+        parser.error("--batch-size must be at least 1")
+    if args.sample and (args.temperature <= 0 or (args.top_k is not None and args.top_k < 1)
+                        or (args.top_p is not None and not 0 < args.top_p <= 1)):
+        parser.error("sampling needs --temperature > 0, --top-k >= 1 and 0 < --top-p <= 1")
+    if args.input and not Path(args.input).is_file():
+        parser.exit(2, f"translate: error: --input file {args.input!r} does not exist\n")
+    if args.attention_png and not Path(args.attention_png).absolute().parent.is_dir():
+        parser.exit(2, f"translate: error: the folder of --attention-png {args.attention_png!r} "
+                       f"does not exist\n")
     try:
         translator = Translator(args.workdir, batch_size=args.batch_size)
     except (ValueError, OSError) as e:
         parser.exit(2, f"translate: error: {e}\n")
+    for flag, value, count in (("--layer", args.layer, translator.config.num_decoder_layers),
+                               ("--head", args.head, translator.config.num_heads)):
+        if value is not None and not 0 <= value < count:
+            parser.exit(2, f"translate: error: {flag} {value} is out of range; this model has "
+                           f"{count} (0..{count - 1})\n")
     print(f"[{translator.kind} checkpoint, step {translator.step}]", file=sys.stderr)
     if args.sentences:
         lines = args.sentences
@@ -152,21 +167,35 @@ def main(argv=None) -> None:
         stream = open(args.input, encoding="utf-8") if args.input else sys.stdin
         with stream:
             lines = [line.rstrip("\n") for line in stream]
+    # Empty lines stay empty (and keep the output aligned with the input).
+    todo = [i for i, line in enumerate(lines) if line.strip()]
+    sources = [lines[i] for i in todo]
+    too_long = sum(len(ids) > translator.config.max_len for ids in translator.tokenizer.encode(sources))
+    if too_long:
+        print(f"warning: {too_long} sentence(s) longer than max_len={translator.config.max_len} tokens "
+              f"were truncated to it", file=sys.stderr)
+
+    def aligned(values, empty):
+        out = [empty] * len(lines)
+        for i, value in zip(todo, values):
+            out[i] = value
+        return out
+
     if args.sample:
-        outputs = translator.sample(lines, seed=args.seed, temperature=args.temperature,
-                                    top_k=args.top_k, top_p=args.top_p)
+        outputs = aligned(translator.sample(sources, seed=args.seed, temperature=args.temperature,
+                                            top_k=args.top_k, top_p=args.top_p), "")
         print("\n".join(outputs))
     elif args.n_best > 1:
-        results = translator.n_best(lines, beam_size=args.beam_size, alpha=args.alpha)
+        results = aligned(translator.n_best(sources, beam_size=args.beam_size, alpha=args.alpha), [])
         for i, n_best in enumerate(results):
             for translation, score in n_best[: args.n_best]:
                 print(f"{i}\t{score:.4f}\t{translation}")
-        outputs = [n_best[0][0] for n_best in results]
+        outputs = [n_best[0][0] if n_best else "" for n_best in results]
     else:
-        outputs = translator(lines, beam_size=args.beam_size, alpha=args.alpha)
+        outputs = aligned(translator(sources, beam_size=args.beam_size, alpha=args.alpha), "")
         print("\n".join(outputs))
-    if args.attention_png and lines:
-        weights, src_pieces, tgt_pieces = translator.cross_attention(lines[0], outputs[0],
+    if args.attention_png and sources:
+        weights, src_pieces, tgt_pieces = translator.cross_attention(sources[0], outputs[todo[0]],
                                                                      args.layer, args.head)
         which = (f"layer {args.layer}" if args.layer is not None else "mean of layers") + ", " + \
                 (f"head {args.head}" if args.head is not None else "mean of heads")

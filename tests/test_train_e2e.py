@@ -85,7 +85,22 @@ def test_translate_cli_uses_the_run(tmp_path, corpus_slice, capsys):
     main(["--workdir", str(workdir), "--beam-size", "1", "--input", str(tmp_path / "input.txt")])
     assert capsys.readouterr().out.splitlines() == greedy
 
-    with pytest.raises(SystemExit) as exit_info:
-        main(["--workdir", str(tmp_path / "nowhere"), "x"])
-    assert exit_info.value.code == 2
-    assert "config.json" in capsys.readouterr().err
+    # An empty input line gives an empty output line; the others are unchanged.
+    (tmp_path / "gaps.txt").write_text(f"{sentences[0]}\n\n{sentences[1]}\n")
+    main(["--workdir", str(workdir), "--beam-size", "1", "--input", str(tmp_path / "gaps.txt")])
+    assert capsys.readouterr().out.splitlines() == [greedy[0], "", greedy[1]]
+
+    bad_calls = {
+        "config.json": ["--workdir", str(tmp_path / "nowhere"), "x"],
+        "--layer 9 is out of range": ["--workdir", str(workdir), "--attention-png",
+                                      str(tmp_path / "a.png"), "--layer", "9", "x"],
+        "--input file": ["--workdir", str(workdir), "--input", str(tmp_path / "missing.txt")],
+        "folder of --attention-png": ["--workdir", str(workdir), "--attention-png",
+                                      str(tmp_path / "no" / "a.png"), "x"],
+        "--temperature > 0": ["--workdir", str(workdir), "--sample", "--temperature", "0", "x"],
+    }
+    for message, argv in bad_calls.items():
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err
