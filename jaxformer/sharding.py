@@ -226,6 +226,15 @@ def shard_batch(batch: Mapping[str, np.ndarray], sharding: NamedSharding) -> dic
     return out
 
 
+def to_host(tree: Any) -> Any:
+    """NumPy copies of a tree of arrays, gathered from every process when sharded across them."""
+    if jax.process_count() == 1:
+        return jax.device_get(tree)
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.process_allgather(tree, tiled=True)
+
+
 def abstract_state(state: Any) -> Any:
     """``ShapeDtypeStruct`` tree of ``state`` that keeps each array's sharding.
 

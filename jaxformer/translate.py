@@ -48,7 +48,11 @@ class Translator:
         self.tokenizer = Tokenizer(workdir / record["tokenizer"]["file"])
         self.model = Transformer(self.config)
         tx = make_optimizer(transformer_schedule(self.config.d_model, 1))
-        abstract_state = jax.eval_shape(lambda: create_train_state(self.model, jax.random.key(0), tx))
+        # Restore onto one device, whatever mesh the run was trained on.
+        one_device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        abstract_state = jax.tree_util.tree_map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one_device),
+            jax.eval_shape(lambda: create_train_state(self.model, jax.random.key(0), tx)))
         checkpoints = RunCheckpoints(workdir)
         try:
             self.params, self.step, self.kind = checkpoints.restore_params(abstract_state)
