@@ -116,11 +116,29 @@ def create_sharded_train_state(model: Transformer, rng: chex.PRNGKey, tx: optax.
         the ``model`` axis.
     """
     init = functools.partial(_boxed_train_state, model, tx, example_shape)
-    shardings = tree_shardings(jax.eval_shape(init, rng), mesh)
-    layout = Layout(mesh=mesh, state=shardings)
+    _, layout = abstract_train_state(model, tx, mesh, example_shape)
     state = jax.jit(lambda r: nn.unbox(init(r)), in_shardings=layout.replicated,
-                    out_shardings=shardings)(rng)
+                    out_shardings=layout.state)(rng)
     return state, layout
+
+
+def abstract_train_state(model: Transformer, tx: optax.GradientTransformation, mesh: jax.sharding.Mesh,
+                         example_shape: tuple[int, int] = (1, 8)) -> tuple[Any, Layout]:
+    """The train state's shapes, dtypes and shardings on ``mesh``, without computing it.
+
+    Returns:
+      ``(abstract_state, layout)``: a tree of ``jax.ShapeDtypeStruct`` with shardings
+      (an orbax restore target) and the :class:`Layout`.
+
+    Raises:
+      ValueError: as :func:`create_sharded_train_state`.
+    """
+    boxed = jax.eval_shape(functools.partial(_boxed_train_state, model, tx, example_shape),
+                           jax.random.key(0))
+    shardings = tree_shardings(boxed, mesh)
+    abstract = jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                      nn.unbox(boxed), shardings)
+    return abstract, Layout(mesh=mesh, state=shardings)
 
 
 def _batch_loss(params, batch, rng, *, model: Transformer, smoothing: float, deterministic: bool):
