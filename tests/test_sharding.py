@@ -246,9 +246,10 @@ def test_dot_product_attention_backend_matches_the_reference_core():
 
     config = _config()
     src, tgt = _batch()["src"], _batch()["tgt_in"]
-    params = nn.unbox(jf.Transformer(config).init(jax.random.key(0), src, tgt)["params"])
-    reference = jf.Transformer(config).apply({"params": params}, src, tgt)
-    fused = jf.Transformer(config.replace(attention_backend="xla")).apply({"params": params}, src, tgt)
+    params = nn.unbox(jax.jit(jf.Transformer(config).init)(jax.random.key(0), src, tgt)["params"])
+    reference = jax.jit(jf.Transformer(config).apply)({"params": params}, src, tgt)   # jit: eager is slow
+    fused_model = jf.Transformer(config.replace(attention_backend="xla"))
+    fused = jax.jit(fused_model.apply)({"params": params}, src, tgt)
     np.testing.assert_allclose(fused, reference, atol=1e-5)
     with pytest.raises(ValueError, match="attention_backend"):
         config.replace(attention_backend="flash")
