@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer.config import TransformerConfig
+from jaxformer.sharding import constrain
 
 
 def _single_head_attention(q_TK, k_SK, v_SK, mask_TS, keep_TS):
@@ -86,13 +87,56 @@ def scaled_dot_product_attention(q, k, v, mask=None, *, dropout_rate: float = 0.
     return out, weights
 
 
+def fused_dot_product_attention(q, k, v, mask=None, *, implementation: str | None = None):
+    """The same attention as :func:`scaled_dot_product_attention`, by :func:`jax.nn.dot_product_attention`.
+
+    XLA's implementation on any device, cuDNN's flash attention on NVIDIA GPUs
+    (``implementation="cudnn"``, bfloat16/float16 only). Scores and softmax run in
+    float32. A query row whose mask is all False yields zeros (the fused kernels
+    would return the mean of ``v``). No dropout, no weights.
+
+    Args:
+      q: queries ``[B, H, T, K]``.
+      k, v: keys and values ``[B, H, S, K]``.
+      mask: optional bool mask broadcastable to ``[B, H, T, S]`` (True = attend).
+      implementation: ``None`` (JAX picks), ``"xla"`` or ``"cudnn"``.
+
+    Returns:
+      outputs ``[B, H, T, K]`` in ``v.dtype``.
+
+    Raises:
+      ValueError: wrong ranks or a non-boolean mask.
+    """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 4:
+            raise ValueError(f"fused_dot_product_attention: {name} must have rank 4 "
+                             f"[B, H, L, K], got shape {x.shape}.")
+    batch, heads, q_len, head_dim = q.shape
+    kv_len = k.shape[2]
+    chex.assert_shape([k, v], (batch, heads, kv_len, head_dim))
+    if mask is not None and mask.dtype != jnp.bool_:
+        raise ValueError(f"mask must be boolean (True = may attend), got dtype {mask.dtype}.")
+    to_BLHK = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731  (the fused API's layout)
+    out_BTHK = jax.nn.dot_product_attention(to_BLHK(q), to_BLHK(k), to_BLHK(v), mask=mask,
+                                            implementation=implementation)
+    out_BHTK = jnp.swapaxes(out_BTHK, 1, 2)
+    if mask is not None:
+        any_key_BHT1 = jnp.broadcast_to(jnp.any(mask, axis=-1, keepdims=True),
+                                        (batch, heads, q_len, 1))
+        out_BHTK = jnp.where(any_key_BHT1, out_BHTK, jnp.zeros((), out_BHTK.dtype))
+    chex.assert_shape(out_BHTK, (batch, heads, q_len, head_dim))
+    return out_BHTK
+
+
 class MultiHeadAttention(nn.Module):
     """Multi-head attention (§3.2.2), head axes explicit in the weights.
 
     Parameters: ``query``/``key``/``value`` kernels ``[D, H, K]`` with biases ``[H, K]``,
     ``out`` kernel ``[H, K, D]`` with bias ``[D]``. The attention weights are sown
     into the ``"intermediates"`` collection as ``attention_weights`` ``[B, H, T, S]``
-    when that collection is mutable (``apply(..., mutable=["intermediates"])``).
+    when that collection is mutable (``apply(..., mutable=["intermediates"])``) and
+    ``config.attention_backend == "reference"`` (the fused backends return no weights).
+    Logical axes: kernels ``(embed, heads, kv)`` / ``(heads, kv, embed)``.
     """
 
     config: TransformerConfig
@@ -100,23 +144,26 @@ class MultiHeadAttention(nn.Module):
     def setup(self):
         c = self.config
         shape_in = (c.d_model, c.num_heads, c.head_dim)
-        init = nn.initializers.xavier_uniform(in_axis=0, out_axis=(1, 2))
-        zeros = nn.initializers.zeros_init()
+        init = nn.with_logical_partitioning(nn.initializers.xavier_uniform(in_axis=0, out_axis=(1, 2)),
+                                            ("embed", "heads", "kv"))
+        bias = nn.with_logical_partitioning(nn.initializers.zeros_init(), ("heads", "kv"))
         self.query_kernel = self.param("query_kernel", init, shape_in, c.parameter_dtype)
         self.key_kernel = self.param("key_kernel", init, shape_in, c.parameter_dtype)
         self.value_kernel = self.param("value_kernel", init, shape_in, c.parameter_dtype)
-        self.query_bias = self.param("query_bias", zeros, shape_in[1:], c.parameter_dtype)
-        self.key_bias = self.param("key_bias", zeros, shape_in[1:], c.parameter_dtype)
-        self.value_bias = self.param("value_bias", zeros, shape_in[1:], c.parameter_dtype)
-        out_init = nn.initializers.xavier_uniform(in_axis=(0, 1), out_axis=2)
+        self.query_bias = self.param("query_bias", bias, shape_in[1:], c.parameter_dtype)
+        self.key_bias = self.param("key_bias", bias, shape_in[1:], c.parameter_dtype)
+        self.value_bias = self.param("value_bias", bias, shape_in[1:], c.parameter_dtype)
+        out_init = nn.with_logical_partitioning(
+            nn.initializers.xavier_uniform(in_axis=(0, 1), out_axis=2), ("heads", "kv", "embed"))
         self.out_kernel = self.param("out_kernel", out_init, shape_in[1:] + (c.d_model,),
                                      c.parameter_dtype)
-        self.out_bias = self.param("out_bias", zeros, (c.d_model,), c.parameter_dtype)
+        out_bias = nn.with_logical_partitioning(nn.initializers.zeros_init(), ("embed",))
+        self.out_bias = self.param("out_bias", out_bias, (c.d_model,), c.parameter_dtype)
 
     def _project(self, x_BLD, kernel_DHK, bias_HK):
         dtype = self.config.compute_dtype
         y = jnp.einsum("BLD,DHK->BHLK", x_BLD.astype(dtype), kernel_DHK.astype(dtype))
-        return y + bias_HK.astype(dtype)[None, :, None, :]
+        return constrain(y + bias_HK.astype(dtype)[None, :, None, :], ("batch", "heads", "length", "kv"))
 
     def project_query(self, x_BTD):
         """Queries ``[B, H, T, K]`` from ``[B, T, D]``."""
@@ -136,14 +183,19 @@ class MultiHeadAttention(nn.Module):
     def attend(self, q_BHTK, k_BHSK, v_BHSK, mask, deterministic: bool):
         """Attention of projected heads, then the output projection → ``[B, T, D]``."""
         c = self.config
-        rng = None
-        if not deterministic and c.attention_dropout_rate > 0.0:
-            rng = self.make_rng("dropout")
-        out_BHTK, weights_BHTS = scaled_dot_product_attention(
-            q_BHTK, k_BHSK, v_BHSK, mask, dropout_rate=c.attention_dropout_rate, dropout_rng=rng)
-        self.sow("intermediates", "attention_weights", weights_BHTS)
+        if c.attention_backend == "reference":
+            rng = None
+            if not deterministic and c.attention_dropout_rate > 0.0:
+                rng = self.make_rng("dropout")
+            out_BHTK, weights_BHTS = scaled_dot_product_attention(
+                q_BHTK, k_BHSK, v_BHSK, mask, dropout_rate=c.attention_dropout_rate, dropout_rng=rng)
+            self.sow("intermediates", "attention_weights", weights_BHTS)
+        else:
+            out_BHTK = fused_dot_product_attention(q_BHTK, k_BHSK, v_BHSK, mask,
+                                                   implementation=c.attention_backend)
         out_BTD = jnp.einsum("BHTK,HKD->BTD", out_BHTK, self.out_kernel.astype(c.compute_dtype))
         out_BTD = out_BTD + self.out_bias.astype(c.compute_dtype)[None, None, :]
+        out_BTD = constrain(out_BTD, ("batch", "length", "embed"))
         chex.assert_shape(out_BTD, (q_BHTK.shape[0], q_BHTK.shape[2], c.d_model))
         return out_BTD
 

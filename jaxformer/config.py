@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 NormPosition = Literal["post", "pre"]
 _FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("reference", "xla", "cudnn")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -39,6 +40,13 @@ class TransformerConfig:
       dtype: compute dtype name (``"float32"``, ``"bfloat16"``, ``"float16"``).
         Softmax and the loss always run in float32.
       param_dtype: parameter dtype name (float32 by default).
+      attention_backend: ``"reference"`` (the vmapped core of
+        :func:`jaxformer.scaled_dot_product_attention`, which can sow attention
+        weights), or :func:`jax.nn.dot_product_attention` with ``"xla"`` (any device)
+        or ``"cudnn"`` (flash attention on NVIDIA GPUs; bfloat16/float16 only). The
+        fused backends return no weights and need ``attention_dropout_rate == 0``.
+      remat: recompute each encoder/decoder layer's activations in the backward pass
+        (``nn.remat``): less memory, about one extra forward pass of compute.
 
     Raises:
       ValueError: on any inconsistent or out-of-range field; the message names the
@@ -60,6 +68,8 @@ class TransformerConfig:
     norm_position: NormPosition = "post"
     dtype: str = "float32"
     param_dtype: str = "float32"
+    attention_backend: str = "reference"
+    remat: bool = False
 
     def __post_init__(self):
         positive = ("src_vocab_size", "tgt_vocab_size", "d_model", "num_heads", "d_ff",
@@ -84,6 +94,14 @@ class TransformerConfig:
             if getattr(self, name) not in _FLOAT_DTYPES:
                 raise ValueError(f"TransformerConfig.{name} must be one of {_FLOAT_DTYPES}, "
                                  f"got {getattr(self, name)!r}.")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                             f"got {self.attention_backend!r}.")
+        if self.attention_backend != "reference" and self.attention_dropout_rate > 0.0:
+            raise ValueError(
+                f"attention_backend={self.attention_backend!r} (jax.nn.dot_product_attention) has no "
+                f"attention dropout, but attention_dropout_rate={self.attention_dropout_rate}; "
+                f"use attention_backend='reference' or attention_dropout_rate=0.")
         if self.share_embeddings and self.src_vocab_size != self.tgt_vocab_size:
             raise ValueError(
                 f"share_embeddings=True needs one joint vocabulary, but src_vocab_size="

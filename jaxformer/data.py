@@ -344,17 +344,31 @@ def collate(examples: Examples, length: int, indices: np.ndarray, *, pad_id: int
 
 
 def train_dataset(examples: Examples, *, batch_tokens: int, boundaries: Sequence[int], seed: int,
-                  pad_id: int, bos_id: int, eos_id: int, row_multiple: int = 1) -> grain.IterDataset:
+                  pad_id: int, bos_id: int, eos_id: int, row_multiple: int = 1,
+                  process_index: int = 0, process_count: int = 1) -> grain.IterDataset:
     """An endless, deterministic, checkpointable grain pipeline of padded batches.
 
     Batches are formed once by :func:`bucket_batches`; grain shuffles their order
     anew every epoch. ``iter(dataset)`` has ``get_state``/``set_state`` for
     checkpointing (see :mod:`jaxformer.checkpoints`).
+
+    Multi-process runs: every process plans the same global batches (same seed,
+    same order, so all processes step through the same bucket shapes in lockstep)
+    but collates only its own contiguous block of rows, ``rows / process_count``
+    of them; :func:`jaxformer.sharding.shard_batch` assembles the global batch.
+
+    Raises:
+      ValueError: ``row_multiple`` is not a multiple of ``process_count``.
     """
+    if not 0 <= process_index < process_count or row_multiple % process_count:
+        raise ValueError(f"process {process_index} of {process_count}: row_multiple={row_multiple} "
+                         f"must be a multiple of the process count.")
     batches = bucket_batches(examples, batch_tokens, boundaries, seed, row_multiple)
 
     def build(item):
         length, indices = item
+        share = len(indices) // process_count
+        indices = indices[process_index * share:(process_index + 1) * share]
         return collate(examples, length, indices, pad_id=pad_id, bos_id=bos_id, eos_id=eos_id)
 
     return (grain.MapDataset.source(batches).seed(seed).shuffle().repeat(None).map(build)

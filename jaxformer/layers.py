@@ -14,6 +14,19 @@ import numpy as np
 
 from jaxformer.attention import MultiHeadAttention
 from jaxformer.config import TransformerConfig
+from jaxformer.sharding import constrain
+
+
+def _partitioned(init, *names):
+    """``init`` whose parameter carries logical axis names (see :mod:`jaxformer.sharding`)."""
+    return nn.with_logical_partitioning(init, names)
+
+
+def layer_norm(config: TransformerConfig, name: str | None = None) -> nn.LayerNorm:
+    """LayerNorm over D (statistics in float32), scale and bias on the ``embed`` axis."""
+    return nn.LayerNorm(epsilon=1e-6, dtype=config.compute_dtype, param_dtype=config.parameter_dtype,
+                        scale_init=_partitioned(nn.initializers.ones_init(), "embed"),
+                        bias_init=_partitioned(nn.initializers.zeros_init(), "embed"), name=name)
 
 
 def sinusoidal_positional_encoding(max_len: int, d_model: int) -> np.ndarray:
@@ -42,7 +55,7 @@ class Embedding(nn.Module):
     def setup(self):
         c = self.config
         self.embedding = self.param(
-            "embedding", nn.initializers.normal(stddev=c.d_model ** -0.5),
+            "embedding", _partitioned(nn.initializers.normal(stddev=c.d_model ** -0.5), "vocab", "embed"),
             (self.vocab_size, c.d_model), c.parameter_dtype)
 
     def __call__(self, ids_BL):
@@ -51,14 +64,14 @@ class Embedding(nn.Module):
         x = jnp.take(self.embedding, ids_BL, axis=0).astype(c.compute_dtype)
         x = x * jnp.asarray(np.sqrt(c.d_model), c.compute_dtype)
         chex.assert_shape(x, ids_BL.shape + (c.d_model,))
-        return x
+        return constrain(x, ("batch", "length", "embed"))
 
     def attend(self, x_BLD):
         """Logits with the shared table as output projection: ``[B, L, V]``."""
         c = self.config
         logits = jnp.einsum("BLD,VD->BLV", x_BLD, self.embedding.astype(c.compute_dtype))
         chex.assert_shape(logits, x_BLD.shape[:2] + (self.vocab_size,))
-        return logits
+        return constrain(logits, ("batch", "length", "vocab"))
 
 
 class PositionalEncoding(nn.Module):
@@ -95,11 +108,14 @@ class PositionwiseFeedForward(nn.Module):
     @nn.compact
     def __call__(self, x_BLD):
         c = self.config
-        dense = dict(dtype=c.compute_dtype, param_dtype=c.parameter_dtype,
-                     kernel_init=nn.initializers.xavier_uniform())
-        hidden_BLF = nn.relu(nn.Dense(c.d_ff, name="w1", **dense)(x_BLD))
+        dense = dict(dtype=c.compute_dtype, param_dtype=c.parameter_dtype)
+        xavier, zeros = nn.initializers.xavier_uniform(), nn.initializers.zeros_init()
+        hidden_BLF = nn.relu(nn.Dense(c.d_ff, name="w1", kernel_init=_partitioned(xavier, "embed", "mlp"),
+                                      bias_init=_partitioned(zeros, "mlp"), **dense)(x_BLD))
+        hidden_BLF = constrain(hidden_BLF, ("batch", "length", "mlp"))
         chex.assert_shape(hidden_BLF, x_BLD.shape[:2] + (c.d_ff,))
-        out_BLD = nn.Dense(c.d_model, name="w2", **dense)(hidden_BLF)
+        out_BLD = nn.Dense(c.d_model, name="w2", kernel_init=_partitioned(xavier, "mlp", "embed"),
+                           bias_init=_partitioned(zeros, "embed"), **dense)(hidden_BLF)
         chex.assert_shape(out_BLD, x_BLD.shape)
         return out_BLD
 
@@ -119,7 +135,7 @@ class AddNorm(nn.Module):
 
     def setup(self):
         c = self.config
-        self.norm = nn.LayerNorm(epsilon=1e-6, dtype=c.compute_dtype, param_dtype=c.parameter_dtype)
+        self.norm = layer_norm(c)
         self.dropout = nn.Dropout(c.dropout_rate)
 
     def sublayer_input(self, x):
@@ -217,10 +233,11 @@ class Encoder(nn.Module):
 
     def setup(self):
         c = self.config
-        self.layers = [EncoderLayer(c, name=f"layer_{i}") for i in range(c.num_encoder_layers)]
+        # remat: `deterministic` (argument 3, counting self) is a Python bool, so static.
+        layer = nn.remat(EncoderLayer, static_argnums=(3,)) if c.remat else EncoderLayer
+        self.layers = [layer(c, name=f"layer_{i}") for i in range(c.num_encoder_layers)]
         if c.norm_position == "pre":
-            self.final_norm = nn.LayerNorm(epsilon=1e-6, dtype=c.compute_dtype,
-                                           param_dtype=c.parameter_dtype)
+            self.final_norm = layer_norm(c)
 
     def __call__(self, x_BSD, src_mask, deterministic: bool):
         for layer in self.layers:
@@ -241,10 +258,11 @@ class Decoder(nn.Module):
 
     def setup(self):
         c = self.config
-        self.layers = [DecoderLayer(c, name=f"layer_{i}") for i in range(c.num_decoder_layers)]
+        # remat wraps __call__ only (training); `step` (decoding) runs as is.
+        layer = nn.remat(DecoderLayer, static_argnums=(5,)) if c.remat else DecoderLayer
+        self.layers = [layer(c, name=f"layer_{i}") for i in range(c.num_decoder_layers)]
         if c.norm_position == "pre":
-            self.final_norm = nn.LayerNorm(epsilon=1e-6, dtype=c.compute_dtype,
-                                           param_dtype=c.parameter_dtype)
+            self.final_norm = layer_norm(c)
 
     def _final(self, x):
         return self.final_norm(x) if self.config.norm_position == "pre" else x

@@ -25,6 +25,7 @@ from flax import struct
 from jaxformer.config import TransformerConfig
 from jaxformer.layers import Decoder, Embedding, Encoder, PositionalEncoding
 from jaxformer.masks import create_decoder_mask, create_padding_mask
+from jaxformer.sharding import constrain
 from jaxformer.validation import check_same_batch, check_token_ids
 
 
@@ -85,8 +86,11 @@ class Transformer(nn.Module):
         self.encoder = Encoder(c)
         self.decoder = Decoder(c)
         if not c.share_embeddings:
-            self.output_projection = nn.Dense(c.tgt_vocab_size, dtype=c.compute_dtype,
-                                              param_dtype=c.parameter_dtype, name="output_projection")
+            self.output_projection = nn.Dense(
+                c.tgt_vocab_size, dtype=c.compute_dtype, param_dtype=c.parameter_dtype,
+                kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "vocab")),
+                bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), ("vocab",)),
+                name="output_projection")
 
     # ------------------------------------------------------------------ encoder
     def encode(self, src, *, deterministic: bool = True):
@@ -111,7 +115,7 @@ class Transformer(nn.Module):
         if c.share_embeddings:
             logits = self.tgt_embedding.attend(decoder_output_BLD)
         else:
-            logits = self.output_projection(decoder_output_BLD)
+            logits = constrain(self.output_projection(decoder_output_BLD), ("batch", "length", "vocab"))
         chex.assert_shape(logits, decoder_output_BLD.shape[:2] + (c.tgt_vocab_size,))
         return logits
 

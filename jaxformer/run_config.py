@@ -35,7 +35,9 @@ class TrainConfig:
     dropout_rate: float | None = None
     max_len: int | None = None
     norm_position: str | None = None
-    dtype: str | None = None
+    dtype: str | None = None          # compute dtype; bfloat16 on GPU/TPU (params stay float32)
+    attention_backend: str | None = None   # reference | xla | cudnn (jax.nn.dot_product_attention)
+    remat: bool | None = None          # recompute layer activations in the backward pass
     vocab_size: int = 4000
     max_train_len: int | None = None  # drop (and count) longer training pairs; default max_len
     # Optimisation (§5.3, §5.4).
@@ -46,6 +48,13 @@ class TrainConfig:
     lr_scale: float = 1.0
     label_smoothing: float = 0.1
     grad_clip: float | None = None
+    grad_accum_steps: int = 1          # micro-batches per update (batch_tokens is per update)
+    # Scaling out (README, "Scaling out").
+    mesh: str | None = None            # e.g. "data=4,model=2"; default: every device on data
+    distributed: bool = False          # jax.distributed.initialize() with cluster auto-detection
+    coordinator_address: str | None = None   # host:port of process 0 (multi-process runs)
+    num_processes: int | None = None
+    process_id: int | None = None
     seed: int = 0
     # Evaluation, logging, checkpoints.
     eval_every: int = 1000
@@ -64,7 +73,8 @@ class TrainConfig:
 
     def model_overrides(self) -> dict[str, Any]:
         """The model fields set on the command line."""
-        names = ("d_model", "num_heads", "d_ff", "dropout_rate", "max_len", "norm_position", "dtype")
+        names = ("d_model", "num_heads", "d_ff", "dropout_rate", "max_len", "norm_position", "dtype",
+                 "attention_backend", "remat")
         out = {n: getattr(self, n) for n in names if getattr(self, n) is not None}
         if self.num_layers is not None:
             out.update(num_encoder_layers=self.num_layers, num_decoder_layers=self.num_layers)

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -23,6 +24,7 @@ import sacrebleu
 from tqdm import tqdm
 
 from jaxformer import data as data_lib
+from jaxformer import sharding as sharding_lib
 from jaxformer.checkpoints import RunCheckpoints
 from jaxformer.config import TransformerConfig, preset
 from jaxformer.decoding import beam_translate, greedy_translate, sample_translate
@@ -30,7 +32,7 @@ from jaxformer.model import Transformer
 from jaxformer.run_config import TrainConfig, save_json
 from jaxformer.training import (
     add_metrics,
-    create_train_state,
+    create_sharded_train_state,
     jit_eval_step,
     jit_train_step,
     make_optimizer,
@@ -89,8 +91,19 @@ def load_or_train_tokenizer(workdir: Path, train_pairs: Sequence[data_lib.Pair],
                             vocab_size: int) -> data_lib.Tokenizer:
     """The run's tokenizer: loaded from ``workdir/tokenizer`` or trained on the train split."""
     model_file = workdir / "tokenizer" / "spm.model"
+    if jax.process_count() > 1:   # process 0 trains it; the others wait and load the same file
+        from jax.experimental import multihost_utils
+
+        if jax.process_index() == 0 and not model_file.exists():
+            _train_tokenizer(model_file, train_pairs, vocab_size)
+        multihost_utils.sync_global_devices("tokenizer")
     if model_file.exists():
         return data_lib.Tokenizer(model_file)
+    return _train_tokenizer(model_file, train_pairs, vocab_size)
+
+
+def _train_tokenizer(model_file: Path, train_pairs: Sequence[data_lib.Pair],
+                     vocab_size: int) -> data_lib.Tokenizer:
     start = time.perf_counter()
     sentences = [s for pair in train_pairs for s in pair]
     tokenizer = data_lib.Tokenizer.train(sentences, model_file.parent, vocab_size=vocab_size)
@@ -103,14 +116,22 @@ class Evaluator:
     """Dev/test evaluation and batched translation: teacher-forced loss, decoding, BLEU."""
 
     def __init__(self, model: Transformer, tokenizer: data_lib.Tokenizer, *, batch_size: int,
-                 target_language: str, smoothing: float):
+                 target_language: str, smoothing: float, layout: sharding_lib.Layout | None = None):
         self.model, self.tokenizer = model, tokenizer
+        self.layout = layout
         self.batch_size = batch_size
         # Coarse buckets: each is one compile of the decode loop and of the eval step.
         self.boundaries = data_lib.bucket_boundaries(model.config.max_len, step=32)
-        self.eval_step = jit_eval_step(model, smoothing)
+        self.eval_step = jit_eval_step(model, smoothing, layout=layout)
         tokenize = "zh" if target_language == "zh" else "13a"
         self.bleu = sacrebleu.metrics.BLEU(tokenize=tokenize)
+
+    def _place(self, batch):
+        """This process's block of rows of a (whole, host) batch, as global sharded arrays."""
+        rows = next(iter(batch.values())).shape[0] // jax.process_count()
+        start = jax.process_index() * rows
+        return sharding_lib.shard_batch({k: v[start:start + rows] for k, v in batch.items()},
+                                        self.layout.batch)
 
     def _length_batches(self, lengths):
         order = np.argsort(lengths, kind="stable")
@@ -132,7 +153,8 @@ class Evaluator:
             for r, i in enumerate(members):
                 src[r, : len(ids[i])] = ids[i]
             check_token_ids(src, name="src", vocab_size=c.src_vocab_size, max_len=c.max_len)
-            hyps, scores = jax.device_get(decode_batch(jnp.asarray(src), min(length + 50, c.max_len)))
+            src = self._place({"src": src})["src"] if self.layout else jnp.asarray(src)
+            hyps, scores = sharding_lib.to_host(decode_batch(src, min(length + 50, c.max_len)))
             for r, i in enumerate(members):
                 texts = self.tokenizer.decode(hyps[r])
                 out[i] = list(zip(texts, (float(x) for x in scores[r])))
@@ -187,7 +209,7 @@ class Evaluator:
             indices = np.concatenate([members, np.full(self.batch_size - members.size, -1)])
             batch = data_lib.collate(examples, length, indices, pad_id=self.model.config.pad_id,
                                      bos_id=self.tokenizer.bos_id, eos_id=self.tokenizer.eos_id)
-            totals = add_metrics(totals, self.eval_step(params, batch))
+            totals = add_metrics(totals, self.eval_step(params, self._place(batch) if self.layout else batch))
         totals = jax.device_get(totals)
         tokens = max(float(totals["tokens"]), 1.0)
         return {"loss": float(totals["loss_sum"]) / tokens,
@@ -207,8 +229,11 @@ def _model_config(cfg: TrainConfig, tokenizer: data_lib.Tokenizer) -> Transforme
 def check_resume_compatible(saved: dict[str, Any], model_config: TransformerConfig) -> None:
     """Raises ``ValueError`` naming every architecture field that differs from the saved run."""
     saved_model = saved.get("model", {})
-    differing = {k: (saved_model.get(k), v) for k, v in model_config.to_dict().items()
-                 if saved_model.get(k) != v}
+    # How the weights are computed (attention kernel, remat) may change between runs;
+    # a field missing from an older run's record has its default.
+    defaults = {f.name: f.default for f in dataclasses.fields(TransformerConfig)}
+    differing = {k: (saved_model.get(k, defaults[k]), v) for k, v in model_config.to_dict().items()
+                 if k not in ("attention_backend", "remat") and saved_model.get(k, defaults[k]) != v}
     if differing:
         fields = ", ".join(f"{k}: saved {a!r} vs now {b!r}" for k, (a, b) in sorted(differing.items()))
         raise ValueError(f"The run directory holds checkpoints of another architecture ({fields}). "
@@ -379,6 +404,9 @@ def train(cfg: TrainConfig, *, fresh: bool = False) -> dict[str, Any]:
         the last checkpoint is intact.
     """
     t_start = time.perf_counter()
+    sharding_lib.initialize_distributed(cfg.coordinator_address, cfg.num_processes, cfg.process_id,
+                                        auto=cfg.distributed)
+    mesh = sharding_lib.make_mesh(cfg.mesh)   # a bad --mesh fails here, before any data work
     workdir = Path(cfg.workdir)
     prepare_workdir(workdir, fresh)
     splits, target_language = load_splits(cfg)
@@ -398,7 +426,10 @@ def train(cfg: TrainConfig, *, fresh: bool = False) -> dict[str, Any]:
     dataset = data_lib.train_dataset(train_examples, batch_tokens=cfg.batch_tokens,
                                      boundaries=boundaries, seed=cfg.seed, pad_id=tokenizer.pad_id,
                                      bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id,
-                                     row_multiple=jax.local_device_count())
+                                     row_multiple=math.lcm(mesh.shape["data"] * cfg.grad_accum_steps,
+                                                           jax.process_count()),
+                                     process_index=jax.process_index(),
+                                     process_count=jax.process_count())
     iterator = iter(dataset)
 
     model = Transformer(model_config)
@@ -406,11 +437,11 @@ def train(cfg: TrainConfig, *, fresh: bool = False) -> dict[str, Any]:
     tx = make_optimizer(schedule, cfg.grad_clip)
     root_key = jax.random.key(cfg.seed)
     init_key, dropout_key = jax.random.split(root_key)
-    state = create_train_state(model, init_key, tx)
+    state, layout = create_sharded_train_state(model, init_key, tx, mesh)
     num_params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
     log(f"model: {num_params / 1e6:.2f}M parameters, preset {cfg.preset!r}")
     # Restore before writing anything: if no checkpoint is readable, the run dir is untouched.
-    restored = checkpoints.restore_latest(jax.eval_shape(lambda: state), iterator, report=log)
+    restored = checkpoints.restore_latest(sharding_lib.abstract_state(state), iterator, report=log)
     start_step = None
     if restored is not None:
         state, start_step = restored
@@ -425,9 +456,10 @@ def train(cfg: TrainConfig, *, fresh: bool = False) -> dict[str, Any]:
     log("model config: " + json.dumps(run_record["model"]))
     log("run config: " + json.dumps({k: v for k, v in cfg.to_dict().items() if v is not None}))
 
-    train_step = jit_train_step(model, cfg.label_smoothing)
+    train_step = jit_train_step(model, cfg.label_smoothing, layout=layout,
+                                grad_accum_steps=cfg.grad_accum_steps)
     evaluator = Evaluator(model, tokenizer, batch_size=cfg.eval_batch_size,
-                          target_language=target_language, smoothing=cfg.label_smoothing)
+                          target_language=target_language, smoothing=cfg.label_smoothing, layout=layout)
     metrics_path = workdir / "metrics.jsonl"
     if start_step is not None and metrics_path.exists():
         _set_aside_metrics_after(metrics_path, start_step)
@@ -477,7 +509,8 @@ def train(cfg: TrainConfig, *, fresh: bool = False) -> dict[str, Any]:
                                 ("tgt_in", model_config.tgt_vocab_size),
                                 ("tgt_out", model_config.tgt_vocab_size)):
                 check_token_ids(batch[name], name=name, vocab_size=vocab, max_len=model_config.max_len)
-            state, metrics = train_step(state, batch, dropout_key)
+            state, metrics = train_step(state, sharding_lib.shard_batch(batch, layout.batch),
+                                        dropout_key)
             totals = add_metrics(totals, metrics)
             step += 1
             bar.update(1)
@@ -528,7 +561,8 @@ def train(cfg: TrainConfig, *, fresh: bool = False) -> dict[str, Any]:
     checkpoints.wait()
     log(f"training stopped at step {step} ({stopped_by}); best dev BLEU {best_bleu:.2f}")
 
-    params, best_step, _ = checkpoints.restore_params(jax.eval_shape(lambda: state.params), report=log)
+    params, best_step, _ = checkpoints.restore_params(sharding_lib.abstract_state(state).params,
+                                                      report=log)
     t0 = time.perf_counter()
     hyps = evaluator.translate(params, [p[0] for p in splits["test"]], beam_size=cfg.beam_size,
                                alpha=cfg.alpha)

@@ -19,6 +19,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import linen as nn
 
 from jaxformer.checkpoints import RunCheckpoints
 from jaxformer.config import TransformerConfig
@@ -47,8 +48,11 @@ class Translator:
         self.tokenizer = Tokenizer(workdir / record["tokenizer"]["file"])
         self.model = Transformer(self.config)
         ids = jnp.ones((1, 8), jnp.int32)
-        abstract_params = jax.eval_shape(
-            lambda: self.model.init(jax.random.key(0), ids, ids)["params"])
+        # Restore onto one device, whatever mesh the run was trained on.
+        one_device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        abstract_params = jax.tree_util.tree_map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one_device),
+            jax.eval_shape(lambda: nn.unbox(self.model.init(jax.random.key(0), ids, ids)["params"])))
         checkpoints = RunCheckpoints(workdir, read_only=True)
         try:
             self.params, self.step, self.kind = checkpoints.restore_params(abstract_params)

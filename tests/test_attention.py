@@ -6,6 +6,7 @@ Sizes are distinct so a swapped axis fails: B=2, H=3, T=5, S=7, K=11 (D=33).
 from __future__ import annotations
 
 import chex
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -179,7 +180,7 @@ def test_project_query_key_value_shapes_and_values():
     # eval_shape: a compiled init (random initialisers) costs seconds on CPU.
     shapes = jax.eval_shape(lambda x: mha.init(jax.random.key(0), x,
                                                method=MultiHeadAttention.project_key_value), ctx_BSD)
-    p = shapes["params"]
+    p = nn.unbox(shapes["params"])   # plain shapes, without the logical-axis boxes
     chex.assert_shape([p["query_kernel"], p["key_kernel"], p["value_kernel"]], (D, H, K))
     chex.assert_shape([p["query_bias"], p["key_bias"], p["value_bias"]], (H, K))
     chex.assert_shape(p["out_kernel"], (H, K, D))

@@ -3,6 +3,7 @@
 import itertools
 
 import chex
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -129,7 +130,7 @@ def tiny_model():
     config = jf.preset("tiny", src_vocab_size=23, max_len=24, pad_id=PAD)
     model = jf.Transformer(config)
     params = model.init(jax.random.key(3), jnp.ones((1, 4), jnp.int32), jnp.ones((1, 4), jnp.int32))
-    return model, params["params"]
+    return model, nn.unbox(params["params"])
 
 
 def test_cached_decoding_matches_the_full_forward_pass(tiny_model):

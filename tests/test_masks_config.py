@@ -6,6 +6,7 @@ import dataclasses
 import json
 
 import chex
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -110,7 +111,7 @@ def test_positional_table_is_not_a_parameter():
     c = jaxformer.preset("tiny", src_vocab_size=31, tgt_vocab_size=29)
     shapes = jax.eval_shape(jaxformer.Transformer(c).init, jax.random.key(0),
                             jnp.ones((2, 5), jnp.int32), jnp.ones((2, 7), jnp.int32))
-    leaves = jax.tree_util.tree_leaves_with_path(shapes["params"])
+    leaves = jax.tree_util.tree_leaves_with_path(nn.unbox(shapes["params"]))
     for path, leaf in leaves:
         assert leaf.shape != (1, c.max_len, c.d_model), jax.tree_util.keystr(path)
         assert "positional" not in jax.tree_util.keystr(path)

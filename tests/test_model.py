@@ -80,7 +80,7 @@ def _random_params(config: TransformerConfig, seed: int):
             value = rng.standard_normal(shape) / np.sqrt(shape[0])
         return jnp.asarray(value, jnp.float32)
 
-    return jax.tree_util.tree_map_with_path(fill, shapes)
+    return jax.tree_util.tree_map_with_path(fill, nn.unbox(shapes))
 
 
 @functools.cache

@@ -108,10 +108,12 @@ runpy.run_path(os.path.join(os.environ["REPO"], "train.py"), run_name="__main__"
 def _argv(cfg):
     out = []
     for key, value in cfg.to_dict().items():
-        if value is None or key == "progress":
-            continue
-        out += [f"--{key.replace('_', '-')}", str(value)]
-    return out + ["--no-progress"]
+        flag = f"--{key.replace('_', '-')}"
+        if isinstance(value, bool):
+            out.append(flag if value else f"--no-{flag[2:]}")
+        elif value is not None:
+            out += [flag, str(value)]
+    return out
 
 
 def test_sigterm_checkpoints_exits_and_the_resumed_run_equals_an_uninterrupted_one(
