@@ -42,7 +42,14 @@ from jaxformer.validation import check_token_ids
 
 
 def log(message: str) -> None:
-    tqdm.write(message)
+    """Prints above the progress bar; in a multi-process run only process 0 speaks."""
+    if jax.process_index() == 0:
+        tqdm.write(message)
+
+
+def _is_main_process() -> bool:
+    """Process 0 writes the run's logs and records; every process writes checkpoints."""
+    return jax.process_index() == 0
 
 
 # ---------------------------------------------------------------------- data
@@ -245,13 +252,13 @@ def prepare_workdir(workdir: Path, fresh: bool) -> None:
     run's files (checkpoints, tokenizer, logs) into ``old-<time>/``."""
     try:
         workdir.mkdir(parents=True, exist_ok=True)
-        probe = workdir / ".write-test"
+        probe = workdir / f".write-test-{jax.process_index()}"
         probe.write_text("ok")
         probe.unlink()
     except OSError as e:
         raise OSError(f"Cannot write the run directory {str(workdir)!r}: {e}. "
                       f"Choose a writable --workdir.") from e
-    if fresh:   # nothing is deleted: the previous run moves to old-<time>/
+    if fresh and _is_main_process():   # nothing is deleted: the previous run moves to old-<time>/
         names = ("checkpoints", "best", "config.json", "metrics.jsonl", "metrics.redone.jsonl",
                  "tokenizer", "tensorboard", "plots", "samples.txt", "results.json",
                  "test_hypotheses.txt", "corrupt")
@@ -287,22 +294,25 @@ def write_plots(workdir: Path) -> None:
         ax.set_xlabel("step")
         ax.set_ylabel(name)
         ax.grid(alpha=0.3)
-        ax.legend()
+        if ax.lines:   # a run too short to log has nothing to label
+            ax.legend()
         fig.tight_layout()
         fig.savefig(plots / f"{name}.png", dpi=100)
         plt.close(fig)
 
 
 class MetricsLog:
-    """``metrics.jsonl`` plus TensorBoard events, one record per call."""
+    """``metrics.jsonl`` plus TensorBoard events, one record per call (process 0 only)."""
 
     def __init__(self, workdir: Path):
         from tensorboardX import SummaryWriter
 
         self.path = workdir / "metrics.jsonl"
-        self.writer = SummaryWriter(str(workdir / "tensorboard"))
+        self.writer = SummaryWriter(str(workdir / "tensorboard")) if _is_main_process() else None
 
     def write(self, step: int, values: dict[str, float]) -> None:
+        if self.writer is None:
+            return
         with self.path.open("a") as f:
             f.write(json.dumps({"step": step, **values}) + "\n")
         for key, value in values.items():
@@ -310,7 +320,8 @@ class MetricsLog:
         self.writer.flush()
 
     def close(self) -> None:
-        self.writer.close()
+        if self.writer is not None:
+            self.writer.close()
 
 
 # ---------------------------------------------------------------------- nothing lost
@@ -409,6 +420,10 @@ def train(cfg: TrainConfig, *, fresh: bool = False) -> dict[str, Any]:
     mesh = sharding_lib.make_mesh(cfg.mesh)   # a bad --mesh fails here, before any data work
     workdir = Path(cfg.workdir)
     prepare_workdir(workdir, fresh)
+    if jax.process_count() > 1:   # every process sees the directory after --fresh moved things
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("workdir")
     splits, target_language = load_splits(cfg)
     tokenizer = load_or_train_tokenizer(workdir, splits["train"], cfg.vocab_size)
     model_config = _model_config(cfg, tokenizer)
@@ -452,7 +467,8 @@ def train(cfg: TrainConfig, *, fresh: bool = False) -> dict[str, Any]:
                                 "bos_id": tokenizer.bos_id, "eos_id": tokenizer.eos_id,
                                 "unk_id": tokenizer.unk_id, "vocab_size": tokenizer.vocab_size},
                   "target_language": target_language}
-    save_json(config_path, _resume_record(config_path, run_record, start_step is not None))
+    if _is_main_process():
+        save_json(config_path, _resume_record(config_path, run_record, start_step is not None))
     log("model config: " + json.dumps(run_record["model"]))
     log("run config: " + json.dumps({k: v for k, v in cfg.to_dict().items() if v is not None}))
 
@@ -461,7 +477,7 @@ def train(cfg: TrainConfig, *, fresh: bool = False) -> dict[str, Any]:
     evaluator = Evaluator(model, tokenizer, batch_size=cfg.eval_batch_size,
                           target_language=target_language, smoothing=cfg.label_smoothing, layout=layout)
     metrics_path = workdir / "metrics.jsonl"
-    if start_step is not None and metrics_path.exists():
+    if start_step is not None and metrics_path.exists() and _is_main_process():
         _set_aside_metrics_after(metrics_path, start_step)
     metrics_log = MetricsLog(workdir)
     dev_subset = splits["dev"][: cfg.dev_bleu_sentences]
@@ -478,10 +494,11 @@ def train(cfg: TrainConfig, *, fresh: bool = False) -> dict[str, Any]:
         bleu = evaluator.score(hyps, [p[1] for p in dev_subset])
         metrics_log.write(step, {"dev/loss": dev_loss["loss"], "dev/ppl": dev_loss["ppl"],
                                  "dev/accuracy": dev_loss["accuracy"], "dev/bleu": bleu})
-        with (workdir / "samples.txt").open("a") as f:
-            f.write(f"== step {step} dev BLEU {bleu:.2f}\n")
-            for (src, ref), hyp in list(zip(dev_subset, hyps))[: cfg.num_samples]:
-                f.write(f"SRC: {src}\nREF: {ref}\nHYP: {hyp}\n\n")
+        if _is_main_process():
+            with (workdir / "samples.txt").open("a") as f:
+                f.write(f"== step {step} dev BLEU {bleu:.2f}\n")
+                for (src, ref), hyp in list(zip(dev_subset, hyps))[: cfg.num_samples]:
+                    f.write(f"SRC: {src}\nREF: {ref}\nHYP: {hyp}\n\n")
         if bleu > best_bleu:
             best_bleu = bleu
             checkpoints.save_best(step, state.params, bleu)
@@ -575,13 +592,14 @@ def train(cfg: TrainConfig, *, fresh: bool = False) -> dict[str, Any]:
                "best_dev_bleu": best_bleu, "final_step": step, "stopped_by": stopped_by,
                "test_sentences": len(refs), "num_params": int(num_params),
                "wall_minutes": (time.perf_counter() - t_start) / 60}
-    save_json(workdir / "results.json", results)
-    with (workdir / "test_hypotheses.txt").open("w") as f:
-        f.write("\n".join(hyps) + "\n")
+    if _is_main_process():
+        save_json(workdir / "results.json", results)
+        (workdir / "test_hypotheses.txt").write_text("\n".join(hyps) + "\n")
     log(f"test BLEU {test_bleu:.2f} on {len(refs)} sentences ({decoding}, step {best_step}, "
         f"{time.perf_counter() - t0:.0f}s) {signature}")
     metrics_log.close()
-    write_plots(workdir)
+    if _is_main_process():
+        write_plots(workdir)
     checkpoints.close()
     for (source, reference), hypothesis in list(zip(splits["test"], hyps))[:3]:
         log(f"  {source}\n  → {hypothesis}\n  (reference: {reference})")
