@@ -57,14 +57,14 @@ def command(workdir: Path, files: dict[str, Path], steps: int, every: int) -> li
             "--log-every", "5", "--checkpoint-every", str(every), "--no-progress"]
 
 
-def newest_checkpoint(workdir: Path) -> tuple[int | None, bool]:
-    """(newest complete step, whether a half-written step folder exists)."""
+def newest_checkpoint(workdir: Path) -> tuple[int | None, set[str]]:
+    """(newest complete step, names of half-written step folders)."""
     folder = workdir / "checkpoints"
     if not folder.exists():
-        return None, False
+        return None, set()
     names = [p.name for p in folder.iterdir()]
     steps = [int(n) for n in names if n.isdigit()]
-    return (max(steps) if steps else None), any("orbax-checkpoint-tmp" in n for n in names)
+    return (max(steps) if steps else None), {n for n in names if "orbax-checkpoint-tmp" in n}
 
 
 def final_state(workdir: Path, step: int):
@@ -89,54 +89,49 @@ def main(argv=None) -> int:
     files = write_corpus(root)
     reference, soaked = root / "reference", root / "soaked"
     t0 = time.perf_counter()
-    proc = subprocess.Popen(command(reference, files, args.steps, args.checkpoint_every), env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    startup = None
-    while proc.poll() is None:   # start-up time: until the first checkpoint exists
-        if startup is None and newest_checkpoint(reference)[0] is not None:
-            startup = time.perf_counter() - t0
-        time.sleep(0.05)
-    if proc.returncode != 0:
-        print(proc.stderr.read().decode()[-3000:])
-        return 1
-    total = time.perf_counter() - t0
-    startup = startup or total
-    print(f"reference: {args.steps} steps uninterrupted in {total:.0f}s "
-          f"(first checkpoint after {startup:.0f}s)")
+    subprocess.run(command(reference, files, args.steps, args.checkpoint_every), env=env, check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    print(f"reference: {args.steps} steps uninterrupted in {time.perf_counter() - t0:.0f}s")
     shutil.copytree(reference / "tokenizer", soaked / "tokenizer")   # the same vocabulary
-    # Kill moments: some during start-up, most while training and saving; on average
-    # the kills let ~80% of the training happen before the final uninterrupted life.
-    train_time = max(total - startup, 1.0)
 
-    def kill_delay(rng: random.Random) -> float:
-        return startup * rng.uniform(0.6, 1.0) + rng.uniform(0.0, 1.6 * train_time / args.kills)
-
+    # Kill moments by progress, not by the clock (start-up time varies with the load):
+    # every 4th life dies during start-up; the others once a random number of new
+    # steps is checkpointed, plus 0-300 ms, which lands in a train step or a save.
     rng = random.Random(args.seed)
-    kills, finished_early, mid_save = 0, 0, 0
+    kills, mid_save = 0, 0
+    budget = args.steps * 0.8 / args.kills   # new steps per life, on average
     while kills < args.kills:
-        delay = kill_delay(rng)
-        before, _ = newest_checkpoint(soaked)
+        before, tmp_before = newest_checkpoint(soaked)
+        during_startup = kills % 4 == 3
+        target = (before or 0) + max(1, round(rng.uniform(0.2, 1.8) * budget))
+        start = time.perf_counter()
         proc = subprocess.Popen(command(soaked, files, args.steps, args.checkpoint_every), env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        try:
-            proc.wait(timeout=delay)
-        except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
-            kills += 1
-            after, tmp_left = newest_checkpoint(soaked)
-            mid_save += tmp_left
-            print(f"kill {kills:2d}: SIGKILL {delay:5.1f}s after start; newest complete checkpoint "
-                  f"{before} -> {after}{'; killed mid-save (temporary folder left)' if tmp_left else ''}")
-            continue
-        if proc.returncode != 0:
-            print(proc.stderr.read().decode()[-3000:])
-            print(f"FAIL: a restart exited with status {proc.returncode}")
-            return 1
-        finished_early += 1
-        print(f"the run finished before its kill ({delay:.1f}s); restarting it from scratch")
-        shutil.rmtree(soaked)
-        shutil.copytree(reference / "tokenizer", soaked / "tokenizer")
+        while proc.poll() is None:
+            newest, _ = newest_checkpoint(soaked)
+            if during_startup and time.perf_counter() - start > rng.uniform(1.0, 4.0):
+                break
+            if not during_startup and newest is not None and newest >= target:
+                time.sleep(rng.uniform(0.0, 0.3))
+                break
+            time.sleep(0.01)
+        if proc.poll() is not None:
+            if proc.returncode != 0:
+                print(proc.stderr.read().decode()[-3000:])
+                print(f"FAIL: a restart exited with status {proc.returncode}")
+                return 1
+            print("the run finished before its kill; stopping the kills here")
+            break
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        kills += 1
+        after, tmp_after = newest_checkpoint(soaked)
+        tmp_left = bool(tmp_after - tmp_before)   # a save this life started and never finished
+        mid_save += tmp_left
+        moment = "during start-up" if during_startup else "while training"
+        print(f"kill {kills:2d}: SIGKILL {moment}, {time.perf_counter() - start:5.1f}s after start; "
+              f"newest complete checkpoint {before} -> {after}"
+              f"{'; killed mid-save (temporary folder left)' if tmp_left else ''}")
     subprocess.run(command(soaked, files, args.steps, args.checkpoint_every), env=env, check=True,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -146,8 +141,7 @@ def main(argv=None) -> int:
     ref_leaves, soak_leaves = jax.tree_util.tree_leaves(ref_state), jax.tree_util.tree_leaves(soak_state)
     same_tree = jax.tree_util.tree_structure(ref_state) == jax.tree_util.tree_structure(soak_state)
     equal = same_tree and all(np.array_equal(a, b) for a, b in zip(ref_leaves, soak_leaves))
-    print(f"{kills} kills ({mid_save} mid-save), {finished_early} runs finished before their kill; "
-          f"total {time.perf_counter() - t0:.0f}s")
+    print(f"{kills} kills ({mid_save} mid-save); total {time.perf_counter() - t0:.0f}s")
     if equal:
         print(f"PASS: after {kills} SIGKILLs the final state at step {args.steps} equals the "
               f"uninterrupted run's bit for bit ({len(ref_leaves)} arrays: step, params, Adam moments)")
