@@ -35,10 +35,11 @@ def _first_line(error: BaseException) -> str:
 
 
 def _ignore_stray_read_callbacks() -> None:
-    """After a failed restore, tensorstore still completes the other reads it had in
+    """When a restore fails, tensorstore still completes the other reads it had in
     flight and calls back into orbax's event loop, which is closed by then; each call
     would print a "RuntimeError: Event loop is closed" traceback. Those (and only those)
-    are dropped; every other unraisable exception reaches the previous hook."""
+    are dropped; every other unraisable exception reaches the previous hook. Installed
+    before restores that may meet an unreadable checkpoint."""
     previous = sys.unraisablehook
     if getattr(previous, "_jaxformer_filter", False):
         return
@@ -112,6 +113,7 @@ class RunCheckpoints:
             or overwritten.
         """
         steps = sorted(self.latest.all_steps(), reverse=True)
+        _ignore_stray_read_callbacks()   # before the first read: a failing one can fire them at once
         failures: list[tuple[int, str]] = []
         for step in steps:
             try:
@@ -176,6 +178,7 @@ class RunCheckpoints:
           FileNotFoundError: the run directory has no checkpoint.
           CheckpointError: it has checkpoints, but none is readable.
         """
+        _ignore_stray_read_callbacks()
         step = self.best.best_step()
         if step is not None:
             try:
