@@ -318,7 +318,7 @@ def train(cfg: TrainConfig, *, fresh: bool = False) -> dict[str, Any]:
     dataset = data_lib.train_dataset(train_examples, batch_tokens=cfg.batch_tokens,
                                      boundaries=boundaries, seed=cfg.seed, pad_id=tokenizer.pad_id,
                                      bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id,
-                                     row_multiple=jax.local_device_count())
+                                     row_multiple=jax.local_device_count(), pack=cfg.pack)
     iterator = iter(dataset)
 
     model = Transformer(model_config)
