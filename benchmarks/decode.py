@@ -18,6 +18,16 @@ decoder over the whole prefix at every step (what implementations without a KV c
 do); "cached" is ``Transformer.decode_step`` with the explicit cache, cross-attention
 K/V computed once. Timings are the median of --repeats runs after one warm-up run
 (which compiles).
+
+Model FLOPs (analytic, as in ``train_step.py``; both sides do the same work), with
+``k`` beams, output length M and a cache of M positions::
+
+    encoder   = 2·B·S·(N_enc·(4D² + 2DF) + N_dec·2D²) + B·N_enc·4S²D
+    per step  = 2·B·k·(N_dec·(6D² + 2DF) + D·V) + B·k·N_dec·(4MD + 4SD)
+    total     = encoder + M · per step
+
+The printed GFLOP/s and fraction of a float32 ``N×N`` matmul (``--matmul-size``)
+show how far each decoder is from the machine's limit.
 """
 
 from __future__ import annotations
@@ -66,6 +76,22 @@ def run(model, params, src, *, out_len, beam_size, cached):
     if beam_size == 1:
         return decoding.greedy_search(tokens_to_logits, cache, **common)
     return decoding.beam_search(tokens_to_logits, cache, beam_size=beam_size, **common)[0]
+
+
+def decode_flops(*, batch, beam, src_len, out_len, d_model, d_ff, vocab, layers) -> float:
+    """Model FLOPs of one decode (the formula of the module docstring)."""
+    d, f = d_model, d_ff
+    encoder = (2 * batch * src_len * (layers * (4 * d * d + 2 * d * f) + layers * 2 * d * d)
+               + batch * layers * 4 * src_len ** 2 * d)
+    per_step = (2 * batch * beam * (layers * (6 * d * d + 2 * d * f) + d * vocab)
+                + batch * beam * layers * (4 * out_len * d + 4 * src_len * d))
+    return encoder + out_len * per_step
+
+
+def matmul_flops_per_s(n: int, repeats: int) -> float:
+    a = jnp.ones((n, n), jnp.float32)
+    dot = jax.jit(jnp.dot)
+    return 2 * n ** 3 / median_seconds(lambda: dot(a, a).block_until_ready(), repeats)
 
 
 def usable_cores() -> int:
@@ -125,6 +151,7 @@ def main():
     parser.add_argument("--out-len", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=usable_cores(), help="torch threads")
+    parser.add_argument("--matmul-size", type=int, default=2048)
     parser.add_argument("--no-hf", action="store_true", help="skip Hugging Face transformers")
     parser.add_argument("--no-uncached", action="store_true", help="skip the uncached jaxformer runs")
     parser.add_argument("--quick", action="store_true", help="1 repeat and no uncached runs")
@@ -144,7 +171,16 @@ def main():
           f"{config.num_encoder_layers}+{config.num_decoder_layers} layers, shared vocab {args.vocab}, "
           f"batch {args.batch}, source {args.src_len}, {args.out_len} forced output tokens, "
           f"median of {args.repeats} after a warm-up, {usable_cores()} usable cores", flush=True)
+    matmul = matmul_flops_per_s(args.matmul_size, max(args.repeats, 3))
+    print(f"matmul f32 {args.matmul_size}^3 (jax): {matmul / 1e9:.1f} GFLOP/s", flush=True)
     results = {}
+
+    def rate(beam, tokens_per_s):
+        flops = decode_flops(batch=args.batch, beam=beam, src_len=args.src_len, out_len=args.out_len,
+                             d_model=args.d_model, d_ff=args.d_ff, vocab=args.vocab, layers=args.layers)
+        per_s = flops * tokens_per_s / (args.batch * args.out_len)
+        return f"{flops / 1e9:5.1f} GFLOP, {per_s / 1e9:5.1f} GFLOP/s = {per_s / matmul:4.0%} of matmul"
+
     for beam in (1, 4):
         name = "greedy" if beam == 1 else f"beam {beam}"
         for cached in (True, False) if not args.no_uncached else (True,):
@@ -153,7 +189,8 @@ def main():
             seconds = median_seconds(lambda fn=fn: jax.block_until_ready(fn()), args.repeats)
             results[beam, cached] = args.batch * args.out_len / seconds
             print(f"jaxformer {name:7s} {'cached' if cached else 'uncached':8s} {seconds * 1000:8.1f} ms  "
-                  f"{results[beam, cached]:9.0f} output tokens/s", flush=True)
+                  f"{results[beam, cached]:9.0f} output tokens/s"
+                  + (f"  ({rate(beam, results[beam, cached])})" if cached else ""), flush=True)
         if not args.no_hf:
             try:
                 results[beam, "hf"] = hf_tokens_per_s(args, src_np, beam)
@@ -163,7 +200,8 @@ def main():
             else:
                 ms = args.batch * args.out_len / results[beam, "hf"] * 1000
                 print(f"hf generate {name:7s}          {ms:8.1f} ms  "
-                      f"{results[beam, 'hf']:9.0f} output tokens/s", flush=True)
+                      f"{results[beam, 'hf']:9.0f} output tokens/s  ({rate(beam, results[beam, 'hf'])})",
+                      flush=True)
     for beam, target in ((1, 3.0), (4, 2.0)):
         name = "greedy" if beam == 1 else f"beam {beam}"
         if (beam, False) in results:
