@@ -289,7 +289,7 @@ def write_tsv_gz(path: Path, pairs: list[tuple[str, str]]) -> None:
                 # normalize() already removed tabs/newlines; be defensive.
                 src = src.replace("\t", " ").replace("\n", " ")
                 tgt = tgt.replace("\t", " ").replace("\n", " ")
-                gz.write(f"{src}\t{tgt}\n".encode("utf-8"))
+                gz.write(f"{src}\t{tgt}\n".encode())
     os.replace(tmp, path)
 
 
