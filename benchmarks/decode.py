@@ -1,19 +1,40 @@
-"""Decoding throughput: cached vs uncached, greedy and beam 4, in one run.
+"""Decoding throughput: jaxformer greedy and beam 4 against Hugging Face ``generate``.
 
-    python benchmarks/decode.py [--batch 32 --src-len 32 --out-len 32 --preset small]
+    python benchmarks/decode.py                # the issue's sizes, batch 32, ~3 minutes
+    python benchmarks/decode.py --quick        # 1 repeat, no uncached runs
+    python benchmarks/decode.py --no-hf        # jaxformer only
 
-Output tokens/s = batch × out-len / seconds (beam search counts the B best outputs,
-not the B·k hypotheses). EOS is disabled so every run produces exactly out-len
-tokens. "Uncached" re-runs the teacher-forced decoder over the whole prefix at every
-step (what implementations without a KV cache do); "cached" is
-``Transformer.decode_step`` with the explicit cache, cross-attention K/V computed once.
-Timings are the median of --repeats runs after one compile run.
+Model (both sides, random initialisation): D 256, 4 heads, F 1024, 3+3 layers, a
+shared vocabulary of 8000 with tied output projection, post-norm, ReLU, sinusoidal
+positions. Hugging Face side: ``MarianMTModel(MarianConfig(...))`` in eval mode under
+``torch.inference_mode``, ``generate(max_new_tokens=L, min_new_tokens=L, num_beams=k,
+do_sample=False)`` with its KV cache, ``torch.set_num_threads`` = the usable cores.
+
+Output tokens/s = batch × out-len / seconds, encoder included (beam search counts the B
+best outputs, not the B·k hypotheses). EOS never ends a sequence early, so every run
+produces exactly out-len tokens: jaxformer gets an EOS id that is never produced;
+``generate`` gets ``min_new_tokens`` = out-len. "Uncached" re-runs the teacher-forced
+decoder over the whole prefix at every step (what implementations without a KV cache
+do); "cached" is ``Transformer.decode_step`` with the explicit cache, cross-attention
+K/V computed once. Timings are the median of --repeats runs after one warm-up run
+(which compiles).
+
+Model FLOPs (analytic, as in ``train_step.py``; both sides do the same work), with
+``k`` beams, output length M and a cache of M positions::
+
+    encoder   = 2·B·S·(N_enc·(4D² + 2DF) + N_dec·2D²) + B·N_enc·4S²D
+    per step  = 2·B·k·(N_dec·(6D² + 2DF) + D·V) + B·k·N_dec·(4MD + 4SD)
+    total     = encoder + M · per step
+
+The printed GFLOP/s and fraction of a float32 ``N×N`` matmul (``--matmul-size``)
+show how far each decoder is from the machine's limit.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import os
 import statistics
 import time
 
@@ -57,42 +78,137 @@ def run(model, params, src, *, out_len, beam_size, cached):
     return decoding.beam_search(tokens_to_logits, cache, beam_size=beam_size, **common)[0]
 
 
+def decode_flops(*, batch, beam, src_len, out_len, d_model, d_ff, vocab, layers) -> float:
+    """Model FLOPs of one decode (the formula of the module docstring)."""
+    d, f = d_model, d_ff
+    encoder = (2 * batch * src_len * (layers * (4 * d * d + 2 * d * f) + layers * 2 * d * d)
+               + batch * layers * 4 * src_len ** 2 * d)
+    per_step = (2 * batch * beam * (layers * (6 * d * d + 2 * d * f) + d * vocab)
+                + batch * beam * layers * (4 * out_len * d + 4 * src_len * d))
+    return encoder + out_len * per_step
+
+
+def matmul_flops_per_s(n: int, repeats: int) -> float:
+    a = jnp.ones((n, n), jnp.float32)
+    dot = jax.jit(jnp.dot)
+    return 2 * n ** 3 / median_seconds(lambda: dot(a, a).block_until_ready(), repeats)
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def median_seconds(fn, repeats: int) -> float:
+    fn()                                   # warm-up (compiles)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def hf_tokens_per_s(args, src_np, beam_size: int) -> float:
+    """Output tokens/s of ``MarianMTModel.generate`` at the same sizes (random init)."""
+    import torch
+    from transformers import MarianConfig, MarianMTModel
+
+    torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
+    config = MarianConfig(
+        vocab_size=args.vocab, d_model=args.d_model, encoder_layers=args.layers,
+        decoder_layers=args.layers, encoder_attention_heads=args.heads,
+        decoder_attention_heads=args.heads, encoder_ffn_dim=args.d_ff, decoder_ffn_dim=args.d_ff,
+        activation_function="relu", max_position_embeddings=max(args.src_len, args.out_len) + 2,
+        scale_embedding=True, pad_token_id=0, eos_token_id=3, decoder_start_token_id=2,
+        forced_eos_token_id=None, dropout=0.0)
+    model = MarianMTModel(config).eval()
+    src = torch.from_numpy(src_np).long()
+    mask = torch.ones_like(src)
+
+    def generate():
+        with torch.inference_mode():
+            out = model.generate(input_ids=src, attention_mask=mask, max_new_tokens=args.out_len,
+                                 min_new_tokens=args.out_len, num_beams=beam_size, do_sample=False,
+                                 num_return_sequences=1)
+        # +1: generate returns the decoder start token too.
+        assert out.shape == (args.batch, args.out_len + 1), out.shape
+        return out
+
+    return args.batch * args.out_len / median_seconds(generate, args.repeats)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="small")
+    parser.add_argument("--d-model", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--d-ff", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=3, help="encoder and decoder layers each")
     parser.add_argument("--vocab", type=int, default=8000)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--src-len", type=int, default=32)
     parser.add_argument("--out-len", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=usable_cores(), help="torch threads")
+    parser.add_argument("--matmul-size", type=int, default=2048)
+    parser.add_argument("--no-hf", action="store_true", help="skip Hugging Face transformers")
+    parser.add_argument("--no-uncached", action="store_true", help="skip the uncached jaxformer runs")
+    parser.add_argument("--quick", action="store_true", help="1 repeat and no uncached runs")
     args = parser.parse_args()
-    config = jf.preset(args.preset, src_vocab_size=args.vocab, max_len=max(args.src_len, args.out_len))
+    if args.quick:
+        args.repeats, args.no_uncached = 1, True
+    config = jf.TransformerConfig(
+        src_vocab_size=args.vocab, tgt_vocab_size=args.vocab, d_model=args.d_model,
+        num_heads=args.heads, d_ff=args.d_ff, num_encoder_layers=args.layers,
+        num_decoder_layers=args.layers, dropout_rate=0.0, share_embeddings=True,
+        norm_position="post", max_len=max(args.src_len, args.out_len))
     model = jf.Transformer(config)
-    src = jnp.asarray(np.random.default_rng(0).integers(4, args.vocab, (args.batch, args.src_len)), jnp.int32)
+    src_np = np.random.default_rng(0).integers(4, args.vocab, (args.batch, args.src_len)).astype(np.int32)
+    src = jnp.asarray(src_np)
     params = jax.jit(model.init)(jax.random.key(0), src, src)["params"]
-    print(f"{jax.devices()[0].platform}: preset {args.preset} (d_model {config.d_model}, "
-          f"{config.num_encoder_layers}+{config.num_decoder_layers} layers), vocab {args.vocab}, "
-          f"batch {args.batch}, source {args.src_len}, {args.out_len} forced output tokens")
+    print(f"config: {jax.devices()[0].platform}, D {config.d_model}, H {config.num_heads}, F {config.d_ff}, "
+          f"{config.num_encoder_layers}+{config.num_decoder_layers} layers, shared vocab {args.vocab}, "
+          f"batch {args.batch}, source {args.src_len}, {args.out_len} forced output tokens, "
+          f"median of {args.repeats} after a warm-up, {usable_cores()} usable cores", flush=True)
+    matmul = matmul_flops_per_s(args.matmul_size, max(args.repeats, 3))
+    print(f"matmul f32 {args.matmul_size}^3 (jax): {matmul / 1e9:.1f} GFLOP/s", flush=True)
     results = {}
+
+    def rate(beam, tokens_per_s):
+        flops = decode_flops(batch=args.batch, beam=beam, src_len=args.src_len, out_len=args.out_len,
+                             d_model=args.d_model, d_ff=args.d_ff, vocab=args.vocab, layers=args.layers)
+        per_s = flops * tokens_per_s / (args.batch * args.out_len)
+        return f"{flops / 1e9:5.1f} GFLOP, {per_s / 1e9:5.1f} GFLOP/s = {per_s / matmul:4.0%} of matmul"
+
     for beam in (1, 4):
-        for cached in (True, False):
+        name = "greedy" if beam == 1 else f"beam {beam}"
+        for cached in (True, False) if not args.no_uncached else (True,):
             fn = functools.partial(run, model, params, src, out_len=args.out_len, beam_size=beam,
                                    cached=cached)
-            jax.block_until_ready(fn())
-            times = []
-            for _ in range(args.repeats):
-                start = time.perf_counter()
-                jax.block_until_ready(fn())
-                times.append(time.perf_counter() - start)
-            seconds = statistics.median(times)
+            seconds = median_seconds(lambda fn=fn: jax.block_until_ready(fn()), args.repeats)
             results[beam, cached] = args.batch * args.out_len / seconds
-            name = "greedy" if beam == 1 else f"beam {beam}"
-            print(f"{name:7s} {'cached' if cached else 'uncached':8s} {seconds * 1000:8.1f} ms  "
-                  f"{results[beam, cached]:9.0f} output tokens/s", flush=True)
-    for beam in (1, 4):
-        print(f"{'greedy' if beam == 1 else f'beam {beam}'}: cached / uncached = "
-              f"{results[beam, True] / results[beam, False]:.1f}x")
+            print(f"jaxformer {name:7s} {'cached' if cached else 'uncached':8s} {seconds * 1000:8.1f} ms  "
+                  f"{results[beam, cached]:9.0f} output tokens/s"
+                  + (f"  ({rate(beam, results[beam, cached])})" if cached else ""), flush=True)
+        if not args.no_hf:
+            try:
+                results[beam, "hf"] = hf_tokens_per_s(args, src_np, beam)
+            except ImportError as e:
+                print(f"transformers: not installed ({e}); pip install '.[bench]'")
+                args.no_hf = True
+            else:
+                ms = args.batch * args.out_len / results[beam, "hf"] * 1000
+                print(f"hf generate {name:7s}          {ms:8.1f} ms  "
+                      f"{results[beam, 'hf']:9.0f} output tokens/s  ({rate(beam, results[beam, 'hf'])})",
+                      flush=True)
+    for beam, target in ((1, 3.0), (4, 2.0)):
+        name = "greedy" if beam == 1 else f"beam {beam}"
+        if (beam, False) in results:
+            print(f"{name}: jaxformer cached / uncached = {results[beam, True] / results[beam, False]:.1f}x")
+        if (beam, "hf") in results:
+            print(f"ratio {name}: jaxformer / transformers generate = "
+                  f"{results[beam, True] / results[beam, 'hf']:.2f}x [target >= {target:.0f}x]")
 
 
 if __name__ == "__main__":

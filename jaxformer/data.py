@@ -321,6 +321,103 @@ def bucket_batches(examples: Examples, batch_tokens: int, boundaries: Sequence[i
     return [batches[i] for i in order]
 
 
+def example_lengths(examples: Examples) -> tuple[np.ndarray, np.ndarray]:
+    """Token counts per example: source ids and target ids + 1 (bos in, eos out)."""
+    return (np.array([len(s) for s in examples.src], np.int64),
+            np.array([len(t) + 1 for t in examples.tgt], np.int64))
+
+
+def pack_batches(examples: Examples, batch_tokens: int, length: int, seed: int,
+                 row_multiple: int = 1) -> list[tuple[int, np.ndarray]]:
+    """Packs several sentence pairs into each row of one fixed shape (sequence packing).
+
+    Every row has ``length`` source and ``length`` target positions and holds whole
+    pairs, concatenated on both sides (pair j of a row is segment j + 1, see
+    :func:`collate_packed`). Rows are filled best-fit over a random order of the
+    pairs sorted longest first, so only a few per cent of the positions stay padding
+    and the train step compiles once. A batch has ``rows = batch_tokens // length``
+    rows (rounded down to ``row_multiple``); the last batch is filled with empty rows.
+
+    Returns:
+      a list of ``(length, indices [rows, P])`` in a seeded random order: row r holds
+      the examples ``indices[r]`` that are ``>= 0``, in order (P = the most pairs of
+      any row; -1 fills).
+
+    Raises:
+      ValueError: an example does not fit ``length``.
+    """
+    rng = np.random.default_rng(seed)
+    src_len, tgt_len = example_lengths(examples)
+    if src_len.size and max(src_len.max(), tgt_len.max()) > length:
+        raise ValueError(f"An example has more than length={length} source ids or target ids + 1; "
+                         f"drop longer pairs first (tokenize_pairs with max_len={length}).")
+    order = rng.permutation(len(src_len))
+    order = order[np.argsort(-np.maximum(src_len, tgt_len)[order], kind="stable")]
+    # Open rows grouped by their free space (source, target): best fit = the fitting
+    # group with the least free space left, found on a (length+1)² table.
+    open_rows: dict[tuple[int, int], list[int]] = collections.defaultdict(list)
+    count = np.zeros((length + 1, length + 1), np.int64)
+    waste = np.add.outer(np.arange(length + 1), np.arange(length + 1))
+    rows: list[list[int]] = []
+    for i in order:
+        need_s, need_t = int(src_len[i]), int(tgt_len[i])
+        fits = count[need_s:, need_t:] > 0
+        if fits.any():
+            free_s, free_t = np.unravel_index(np.argmin(np.where(fits, waste[need_s:, need_t:], 1 << 30)),
+                                              fits.shape)
+            free_s, free_t = int(free_s) + need_s, int(free_t) + need_t
+            row = open_rows[free_s, free_t].pop()
+            count[free_s, free_t] -= 1
+        else:
+            free_s, free_t, row = length, length, len(rows)
+            rows.append([])
+        rows[row].append(int(i))
+        free_s, free_t = free_s - need_s, free_t - need_t
+        open_rows[free_s, free_t].append(row)
+        count[free_s, free_t] += 1
+    per_batch = max(row_multiple, batch_tokens // length // row_multiple * row_multiple)
+    width = max((len(r) for r in rows), default=1)
+    table = np.full((-(-len(rows) // per_batch) * per_batch, width), -1, np.int64)
+    for r, members in enumerate(rng.permutation(len(rows))):
+        table[r, : len(rows[members])] = rows[members]
+    return [(length, table[start:start + per_batch]) for start in range(0, len(table), per_batch)]
+
+
+def padding_fraction(examples: Examples, batches: Sequence[tuple[int, np.ndarray]]) -> dict[str, float]:
+    """Pad positions / processed positions of ``batches`` (bucketed or packed), per side and both."""
+    src_len, tgt_len = example_lengths(examples)
+    processed = sum(length * len(idx) for length, idx in batches)
+    real_src = sum(int(src_len[idx[idx >= 0]].sum()) for _, idx in batches)
+    real_tgt = sum(int(tgt_len[idx[idx >= 0]].sum()) for _, idx in batches)
+    return {"src": 1 - real_src / processed, "tgt": 1 - real_tgt / processed,
+            "both": 1 - (real_src + real_tgt) / (2 * processed)}
+
+
+def collate_packed(examples: Examples, length: int, indices: np.ndarray, *, pad_id: int, bos_id: int,
+                   eos_id: int) -> dict[str, np.ndarray]:
+    """Builds one packed batch from :func:`pack_batches` rows.
+
+    Returns:
+      the :func:`collate` arrays plus ``src_segments`` / ``tgt_segments`` ``[rows, L]``
+      int32: 1, 2, … for the pairs of a row in order (a pair's source and target have
+      the same number), 0 on padding. The model builds its masks and positions from them.
+    """
+    rows = len(indices)
+    out = {name: np.full((rows, length), pad_id, np.int32) for name in ("src", "tgt_in", "tgt_out")}
+    out.update({name: np.zeros((rows, length), np.int32) for name in ("src_segments", "tgt_segments")})
+    for r, members in enumerate(indices):
+        at_s = at_t = 0
+        for segment, i in enumerate(members[members >= 0], start=1):
+            s, t = examples.src[i], examples.tgt[i]
+            out["src"][r, at_s:at_s + len(s)] = s
+            out["src_segments"][r, at_s:at_s + len(s)] = segment
+            out["tgt_in"][r, at_t:at_t + len(t) + 1] = [bos_id, *t]
+            out["tgt_out"][r, at_t:at_t + len(t) + 1] = [*t, eos_id]
+            out["tgt_segments"][r, at_t:at_t + len(t) + 1] = segment
+            at_s, at_t = at_s + len(s), at_t + len(t) + 1
+    return out
+
+
 def collate(examples: Examples, length: int, indices: np.ndarray, *, pad_id: int, bos_id: int,
             eos_id: int) -> dict[str, np.ndarray]:
     """Builds one padded batch; teacher forcing is explicit here.
@@ -345,17 +442,20 @@ def collate(examples: Examples, length: int, indices: np.ndarray, *, pad_id: int
 
 def train_dataset(examples: Examples, *, batch_tokens: int, boundaries: Sequence[int], seed: int,
                   pad_id: int, bos_id: int, eos_id: int, row_multiple: int = 1,
-                  process_index: int = 0, process_count: int = 1) -> grain.IterDataset:
+                  process_index: int = 0, process_count: int = 1, pack: bool = False
+                  ) -> grain.IterDataset:
     """An endless, deterministic, checkpointable grain pipeline of padded batches.
 
-    Batches are formed once by :func:`bucket_batches`; grain shuffles their order
-    anew every epoch. ``iter(dataset)`` has ``get_state``/``set_state`` for
-    checkpointing (see :mod:`jaxformer.checkpoints`).
+    Batches are formed once, by :func:`bucket_batches` or, with ``pack``, by
+    :func:`pack_batches` into rows of the last boundary (one shape, a few per cent of
+    padding; the batches then carry segment ids). Grain shuffles their order anew
+    every epoch. ``iter(dataset)`` has ``get_state``/``set_state`` for checkpointing
+    (see :mod:`jaxformer.checkpoints`).
 
     Multi-process runs: every process plans the same global batches (same seed,
-    same order, so all processes step through the same bucket shapes in lockstep)
-    but collates only its own contiguous block of rows, ``rows / process_count``
-    of them; :func:`jaxformer.sharding.shard_batch` assembles the global batch.
+    same order, so all processes step through the same shapes in lockstep) but
+    collates only its own contiguous block of rows, ``rows / process_count`` of them;
+    :func:`jaxformer.sharding.shard_batch` assembles the global batch.
 
     Raises:
       ValueError: ``row_multiple`` is not a multiple of ``process_count``.
@@ -363,13 +463,17 @@ def train_dataset(examples: Examples, *, batch_tokens: int, boundaries: Sequence
     if not 0 <= process_index < process_count or row_multiple % process_count:
         raise ValueError(f"process {process_index} of {process_count}: row_multiple={row_multiple} "
                          f"must be a multiple of the process count.")
-    batches = bucket_batches(examples, batch_tokens, boundaries, seed, row_multiple)
+    if pack:
+        batches = pack_batches(examples, batch_tokens, boundaries[-1], seed, row_multiple)
+    else:
+        batches = bucket_batches(examples, batch_tokens, boundaries, seed, row_multiple)
+    build_batch = collate_packed if pack else collate
 
     def build(item):
         length, indices = item
         share = len(indices) // process_count
         indices = indices[process_index * share:(process_index + 1) * share]
-        return collate(examples, length, indices, pad_id=pad_id, bos_id=bos_id, eos_id=eos_id)
+        return build_batch(examples, length, indices, pad_id=pad_id, bos_id=bos_id, eos_id=eos_id)
 
     return (grain.MapDataset.source(batches).seed(seed).shuffle().repeat(None).map(build)
             .to_iter_dataset())

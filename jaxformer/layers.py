@@ -84,14 +84,22 @@ class PositionalEncoding(nn.Module):
         self.table = sinusoidal_positional_encoding(c.max_len, c.d_model)  # [1, max_len, D]
         self.dropout = nn.Dropout(c.dropout_rate)
 
-    def __call__(self, x_BLD, deterministic: bool, offset=0):
-        """Adds PE rows ``offset .. offset+L-1``; ``offset`` may be traced (decoding)."""
+    def __call__(self, x_BLD, deterministic: bool, offset=0, positions_BL=None):
+        """Adds PE rows ``offset .. offset+L-1``; ``offset`` may be traced (decoding).
+
+        ``positions_BL`` (int ``[B, L]``, packed rows) gives each position's row instead.
+        """
         length = x_BLD.shape[1]
         chex.assert_shape(self.table, (1, self.config.max_len, self.config.d_model))
         pe_1LD = jnp.asarray(self.table)
-        pe_1LD = (pe_1LD[:, :length] if isinstance(offset, int) and offset == 0
-                  else _dynamic_rows(pe_1LD, offset, length))
-        chex.assert_shape(pe_1LD, (1, length, self.config.d_model))
+        if positions_BL is not None:
+            chex.assert_shape(positions_BL, x_BLD.shape[:2])
+            pe_1LD = jnp.take(pe_1LD[0], positions_BL, axis=0)       # [B, L, D]
+        elif isinstance(offset, int) and offset == 0:
+            pe_1LD = pe_1LD[:, :length]
+        else:
+            pe_1LD = _dynamic_rows(pe_1LD, offset, length)
+        chex.assert_shape(pe_1LD, (None, length, self.config.d_model))
         x = x_BLD + pe_1LD.astype(x_BLD.dtype)
         return self.dropout(x, deterministic=deterministic)
 

@@ -8,6 +8,7 @@ the config (``pad_id``), never a literal 0.
 from __future__ import annotations
 
 import chex
+import jax
 import jax.numpy as jnp
 
 
@@ -55,3 +56,33 @@ def create_decoder_mask(tgt: chex.Array, pad_id: int) -> chex.Array:
     mask = create_causal_mask(length)[None, None] & create_padding_mask(tgt, pad_id)
     chex.assert_shape(mask, (batch, 1, length, length))
     return mask
+
+
+def create_segment_mask(query_segments: chex.Array, key_segments: chex.Array) -> chex.Array:
+    """Packed rows: a query may attend only to keys of its own segment (sentence).
+
+    Args:
+      query_segments: int ``[B, Tq]``, the segment number of each query position.
+      key_segments: int ``[B, Tk]``.
+
+    Returns:
+      bool ``[B, 1, Tq, Tk]``; combine with the padding or decoder mask by ``&``.
+    """
+    chex.assert_rank([query_segments, key_segments], 2)
+    mask = query_segments[:, None, :, None] == key_segments[:, None, None, :]
+    chex.assert_shape(mask, (query_segments.shape[0], 1, query_segments.shape[1], key_segments.shape[1]))
+    return mask
+
+
+def segment_positions(segments: chex.Array) -> chex.Array:
+    """Positions that restart at 0 where the segment number changes: int32 ``[B, L]``.
+
+    ``[[1, 1, 1, 2, 2, 0]]`` → ``[[0, 1, 2, 0, 1, 0]]`` (padding gets some position;
+    it is masked out everywhere).
+    """
+    chex.assert_rank(segments, 2)
+    index = jnp.arange(segments.shape[1], dtype=jnp.int32)[None, :]
+    starts = jnp.concatenate([jnp.ones_like(segments[:, :1], jnp.bool_),
+                              segments[:, 1:] != segments[:, :-1]], axis=1)
+    start_of_segment = jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
+    return index - start_of_segment

@@ -24,7 +24,7 @@ from flax import struct
 
 from jaxformer.config import TransformerConfig
 from jaxformer.layers import Decoder, Embedding, Encoder, PositionalEncoding
-from jaxformer.masks import create_decoder_mask, create_padding_mask
+from jaxformer.masks import create_decoder_mask, create_padding_mask, create_segment_mask, segment_positions
 from jaxformer.sharding import constrain
 from jaxformer.validation import check_same_batch, check_token_ids
 
@@ -93,8 +93,11 @@ class Transformer(nn.Module):
                 name="output_projection")
 
     # ------------------------------------------------------------------ encoder
-    def encode(self, src, *, deterministic: bool = True):
+    def encode(self, src, *, deterministic: bool = True, src_segments=None):
         """Source ids ``[B, S]`` int → ``encoder_output [B, S, D]``.
+
+        ``src_segments`` (int ``[B, S]``, packed rows; see :func:`jaxformer.data.collate_packed`):
+        each position attends only within its segment, positions restart per segment.
 
         Raises:
           ValueError: bad rank/dtype, ``S > max_len``, or ids out of range.
@@ -103,7 +106,12 @@ class Transformer(nn.Module):
         check_token_ids(src, name="src", vocab_size=c.src_vocab_size, max_len=c.max_len)
         batch, src_len = src.shape
         src_mask = create_padding_mask(src, c.pad_id)
-        src_x = self.positional_encoding(self.src_embedding(src), deterministic)
+        positions = None
+        if src_segments is not None:
+            chex.assert_shape(src_segments, src.shape)
+            src_mask = src_mask & create_segment_mask(src_segments, src_segments)
+            positions = segment_positions(src_segments)
+        src_x = self.positional_encoding(self.src_embedding(src), deterministic, positions_BL=positions)
         chex.assert_shape(src_x, (batch, src_len, c.d_model))
         encoder_output = self.encoder(src_x, src_mask, deterministic)
         chex.assert_shape(encoder_output, (batch, src_len, c.d_model))
@@ -119,11 +127,14 @@ class Transformer(nn.Module):
         chex.assert_shape(logits, decoder_output_BLD.shape[:2] + (c.tgt_vocab_size,))
         return logits
 
-    def decode(self, encoder_output, src, tgt, *, deterministic: bool = True):
+    def decode(self, encoder_output, src, tgt, *, deterministic: bool = True, src_segments=None,
+               tgt_segments=None):
         """Teacher-forced decoder: ``encoder_output [B,S,D]``, src ids ``[B,S]``
         (for the padding mask), target input ids ``[B,T]`` → ``logits [B,T,V]``.
 
-        ``tgt`` is the already shifted decoder input (``bos y1 y2 …``).
+        ``tgt`` is the already shifted decoder input (``bos y1 y2 …``). Packed rows
+        give both ``src_segments [B,S]`` and ``tgt_segments [B,T]``: target segment j
+        attends only to itself (causally) and to source segment j.
         """
         c = self.config
         check_token_ids(tgt, name="tgt", vocab_size=c.tgt_vocab_size, max_len=c.max_len)
@@ -132,7 +143,16 @@ class Transformer(nn.Module):
         chex.assert_shape(encoder_output, (batch, src.shape[1], c.d_model))
         src_mask = create_padding_mask(src, c.pad_id)
         tgt_mask = create_decoder_mask(tgt, c.pad_id)
-        tgt_x = self.positional_encoding(self.tgt_embedding(tgt), deterministic)
+        positions = None
+        if (src_segments is None) != (tgt_segments is None):
+            raise ValueError("Packed decoding needs both src_segments and tgt_segments, or neither.")
+        if tgt_segments is not None:
+            chex.assert_shape(src_segments, src.shape)
+            chex.assert_shape(tgt_segments, tgt.shape)
+            src_mask = src_mask & create_segment_mask(tgt_segments, src_segments)   # [B,1,T,S]
+            tgt_mask = tgt_mask & create_segment_mask(tgt_segments, tgt_segments)   # [B,1,T,T]
+            positions = segment_positions(tgt_segments)
+        tgt_x = self.positional_encoding(self.tgt_embedding(tgt), deterministic, positions_BL=positions)
         chex.assert_shape(tgt_x, (batch, tgt_len, c.d_model))
         decoder_output = self.decoder(tgt_x, encoder_output, tgt_mask, src_mask, deterministic)
         chex.assert_shape(decoder_output, (batch, tgt_len, c.d_model))
@@ -140,17 +160,21 @@ class Transformer(nn.Module):
         chex.assert_shape(logits, (batch, tgt_len, c.tgt_vocab_size))
         return logits
 
-    def __call__(self, src, tgt, *, deterministic: bool = True):
+    def __call__(self, src, tgt, *, deterministic: bool = True, src_segments=None, tgt_segments=None):
         """``src [B,S]``, shifted target input ``tgt [B,T]`` → ``logits [B,T,V]``.
 
         Training mode: ``deterministic=False`` with a ``"dropout"`` rng in ``apply``.
+        Packed rows (several sentence pairs per row): pass ``src_segments`` and
+        ``tgt_segments`` (see :meth:`decode`); each pair then gets exactly the logits
+        it would get alone.
         """
         c = self.config
         check_token_ids(src, name="src", vocab_size=c.src_vocab_size, max_len=c.max_len)
         check_token_ids(tgt, name="tgt", vocab_size=c.tgt_vocab_size, max_len=c.max_len)
         check_same_batch(src, tgt)
-        encoder_output = self.encode(src, deterministic=deterministic)
-        return self.decode(encoder_output, src, tgt, deterministic=deterministic)
+        encoder_output = self.encode(src, deterministic=deterministic, src_segments=src_segments)
+        return self.decode(encoder_output, src, tgt, deterministic=deterministic,
+                           src_segments=src_segments, tgt_segments=tgt_segments)
 
     # --------------------------------------------------------- cached decoding
     def init_cache(self, encoder_output, src, max_decode_len: int) -> DecodeCache:

@@ -42,6 +42,8 @@ class TrainConfig:
     max_train_len: int | None = None  # drop (and count) longer training pairs; default max_len
     # Optimisation (§5.3, §5.4).
     batch_tokens: int = 2048           # padded tokens per batch (rows × bucket length)
+    pack: bool = True                  # pack pairs into rows of max_train_len (one compile,
+                                       # ~8% padding); --no-pack = length buckets (~35%)
     max_steps: int = 100_000
     max_minutes: float | None = None   # wall-clock budget of the training loop
     warmup_steps: int = 4000

@@ -444,7 +444,7 @@ def train(cfg: TrainConfig, *, fresh: bool = False) -> dict[str, Any]:
                                      row_multiple=math.lcm(mesh.shape["data"] * cfg.grad_accum_steps,
                                                            jax.process_count()),
                                      process_index=jax.process_index(),
-                                     process_count=jax.process_count())
+                                     process_count=jax.process_count(), pack=cfg.pack)
     iterator = iter(dataset)
 
     model = Transformer(model_config)

@@ -143,8 +143,10 @@ def abstract_train_state(model: Transformer, tx: optax.GradientTransformation, m
 
 def _batch_loss(params, batch, rng, *, model: Transformer, smoothing: float, deterministic: bool):
     pad_id = model.config.pad_id
+    # Packed batches (jaxformer.data.collate_packed) carry segment ids; bucketed ones do not.
     logits = model.apply({"params": params}, batch["src"], batch["tgt_in"],
-                         deterministic=deterministic, rngs={"dropout": rng})
+                         deterministic=deterministic, rngs={"dropout": rng},
+                         src_segments=batch.get("src_segments"), tgt_segments=batch.get("tgt_segments"))
     chex.assert_shape(logits, batch["tgt_out"].shape + (model.config.tgt_vocab_size,))
     weights = (batch["tgt_out"] != pad_id).astype(jnp.float32)
     loss_sum, nll_sum = label_smoothed_cross_entropy(logits, batch["tgt_out"], weights, smoothing)
@@ -208,7 +210,8 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], rng: chex.PRNGKey
 
     Args:
       state: the train state (donated by the jitted wrapper).
-      batch: ``src [B,S]``, ``tgt_in [B,T]``, ``tgt_out [B,T]`` int32.
+      batch: ``src [B,S]``, ``tgt_in [B,T]``, ``tgt_out [B,T]`` int32; packed batches
+        also ``src_segments [B,S]`` and ``tgt_segments [B,T]``.
       rng: the run's root dropout key; this step uses ``fold_in(rng, state.step)``.
       grad_accum_steps: split the batch into this many micro-batches, run them one
         after another (a ``lax.scan``: activations of one micro-batch in memory) and
