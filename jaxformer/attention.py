@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer.config import TransformerConfig
+from jaxformer.dropout import keep_mask
 from jaxformer.sharding import constrain
 
 
@@ -74,8 +75,8 @@ def scaled_dot_product_attention(q, k, v, mask=None, *, dropout_rate: float = 0.
         except ValueError as e:
             raise ValueError(f"mask of shape {mask.shape} does not broadcast to scores {full}.") from e
     if dropout_rng is not None and dropout_rate > 0.0:
-        keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, full)
-        keep = keep.astype(jnp.float32) / (1.0 - dropout_rate)
+        keep, keep_probability = keep_mask(dropout_rng, dropout_rate, full)
+        keep = keep.astype(jnp.float32) / keep_probability
     else:
         keep = jnp.ones((), jnp.float32)
         keep = jnp.broadcast_to(keep, full)

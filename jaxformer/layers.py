@@ -14,6 +14,7 @@ import numpy as np
 
 from jaxformer.attention import MultiHeadAttention
 from jaxformer.config import TransformerConfig
+from jaxformer.dropout import Dropout
 from jaxformer.sharding import constrain
 
 
@@ -82,7 +83,7 @@ class PositionalEncoding(nn.Module):
     def setup(self):
         c = self.config
         self.table = sinusoidal_positional_encoding(c.max_len, c.d_model)  # [1, max_len, D]
-        self.dropout = nn.Dropout(c.dropout_rate)
+        self.dropout = Dropout(c.dropout_rate)
 
     def __call__(self, x_BLD, deterministic: bool, offset=0, positions_BL=None):
         """Adds PE rows ``offset .. offset+L-1``; ``offset`` may be traced (decoding).
@@ -144,7 +145,7 @@ class AddNorm(nn.Module):
     def setup(self):
         c = self.config
         self.norm = layer_norm(c)
-        self.dropout = nn.Dropout(c.dropout_rate)
+        self.dropout = Dropout(c.dropout_rate)
 
     def sublayer_input(self, x):
         """What the sub-layer sees: ``x`` (post-norm) or ``LayerNorm(x)`` (pre-norm)."""

@@ -150,7 +150,11 @@ def _batch_loss(params, batch, rng, *, model: Transformer, smoothing: float, det
     chex.assert_shape(logits, batch["tgt_out"].shape + (model.config.tgt_vocab_size,))
     weights = (batch["tgt_out"] != pad_id).astype(jnp.float32)
     loss_sum, nll_sum = label_smoothed_cross_entropy(logits, batch["tgt_out"], weights, smoothing)
-    correct = jnp.sum((jnp.argmax(logits, -1) == batch["tgt_out"]) * weights)
+    # Correct when the reference token has the largest logit (a tie counts as correct):
+    # a max, which XLA shares with log_softmax's, instead of a separate argmax pass.
+    logits_f32 = logits.astype(jnp.float32)
+    reference_logit = jnp.take_along_axis(logits_f32, batch["tgt_out"][..., None], axis=-1)[..., 0]
+    correct = jnp.sum((reference_logit >= jnp.max(logits_f32, axis=-1)) * weights)
     tokens = jnp.sum(weights)
     # Mean over real target tokens; sums go out as metrics so averages stay exact.
     return loss_sum / jnp.maximum(tokens, 1.0), {

@@ -227,3 +227,22 @@ def test_paper_presets_parameter_count(name, D, F, paper, loose, capsys):
 def test_unknown_preset():
     with pytest.raises(ValueError, match="tiny"):
         jaxformer.preset("huge", src_vocab_size=100)
+
+
+@pytest.mark.parametrize("rate", [0.1, 0.3])
+def test_dropout_keeps_one_minus_rate_and_is_unbiased(rate):
+    from jaxformer.dropout import dropout, keep_mask
+
+    shape = (7, 11, 1001)                     # odd size: the last 16-bit half-word is dropped
+    keep, keep_probability = keep_mask(jax.random.key(0), rate, shape)
+    assert keep.shape == shape and keep.dtype == jnp.bool_
+    assert abs(keep_probability - (1 - rate)) <= 2.0 ** -16
+    assert abs(float(keep.mean()) - keep_probability) < 3e-3
+    other, _ = keep_mask(jax.random.key(1), rate, shape)
+    assert 0.05 < float(jnp.mean(keep != other))      # another key, another mask
+    x = jnp.full(shape, 2.0)
+    y = dropout(x, rate, jax.random.key(0))
+    assert set(np.unique(np.asarray(y)).tolist()) == {0.0, float(np.float32(2.0 / keep_probability))}
+    assert abs(float(y.mean()) - 2.0) < 0.02
+    with pytest.raises(ValueError, match="dropout rate"):
+        keep_mask(jax.random.key(0), 1.0, shape)
