@@ -34,13 +34,11 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _common import add_model_arguments, matmul_flops_per_s, median_seconds, usable_cores
 
 import jaxformer as jf
 from jaxformer import decoding
@@ -88,24 +86,10 @@ def decode_flops(*, batch, beam, src_len, out_len, d_model, d_ff, vocab, layers)
     return encoder + out_len * per_step
 
 
-def matmul_flops_per_s(n: int, repeats: int) -> float:
-    a = jnp.ones((n, n), jnp.float32)
-    dot = jax.jit(jnp.dot)
-    return 2 * n ** 3 / median_seconds(lambda: dot(a, a).block_until_ready(), repeats)
 
 
-def usable_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def median_seconds(fn, repeats: int) -> float:
-    fn()                                   # warm-up (compiles)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def hf_tokens_per_s(args, src_np, beam_size: int) -> float:
@@ -135,19 +119,13 @@ def hf_tokens_per_s(args, src_np, beam_size: int) -> float:
         assert out.shape == (args.batch, args.out_len + 1), out.shape
         return out
 
-    return args.batch * args.out_len / median_seconds(generate, args.repeats)
+    return args.batch * args.out_len / median_seconds(generate, args.repeats, warmup=True)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--d-model", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--d-ff", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=3, help="encoder and decoder layers each")
-    parser.add_argument("--vocab", type=int, default=8000)
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--src-len", type=int, default=32)
+    add_model_arguments(parser, batch=32)
     parser.add_argument("--out-len", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=usable_cores(), help="torch threads")
@@ -186,7 +164,7 @@ def main():
         for cached in (True, False) if not args.no_uncached else (True,):
             fn = functools.partial(run, model, params, src, out_len=args.out_len, beam_size=beam,
                                    cached=cached)
-            seconds = median_seconds(lambda fn=fn: jax.block_until_ready(fn()), args.repeats)
+            seconds = median_seconds(lambda fn=fn: jax.block_until_ready(fn()), args.repeats, warmup=True)
             results[beam, cached] = args.batch * args.out_len / seconds
             print(f"jaxformer {name:7s} {'cached' if cached else 'uncached':8s} {seconds * 1000:8.1f} ms  "
                   f"{results[beam, cached]:9.0f} output tokens/s"

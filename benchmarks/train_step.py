@@ -54,6 +54,8 @@ import subprocess
 import sys
 import time
 
+from _common import add_model_arguments, matmul_flops_per_s, usable_cores
+
 # Known bf16 dense peaks (TFLOP/s), for MFU on accelerators.
 KNOWN_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L4": 121.0, "TPU v4": 275.0,
                      "TPU v5e": 197.0, "TPU v5p": 459.0}
@@ -86,17 +88,8 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024   # KiB on Linux
 
 
-def usable_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def median_seconds(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def make_batch(args, seed=0):
@@ -110,15 +103,6 @@ def make_batch(args, seed=0):
 
 
 # ---------------------------------------------------------------------- JAX
-def matmul_flops_per_s(n: int, repeats: int) -> float:
-    import jax
-    import jax.numpy as jnp
-
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
-    dot = jax.jit(jnp.dot)
-    dot(a, b).block_until_ready()
-    return 2 * n ** 3 / median_seconds(lambda: dot(a, b).block_until_ready(), repeats)
 
 
 def run_jax(args) -> dict:
@@ -243,13 +227,7 @@ def run_torch(args) -> dict:
 def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--d-model", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--d-ff", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=3, help="encoder and decoder layers each")
-    parser.add_argument("--vocab", type=int, default=8000)
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--src-len", type=int, default=32)
+    add_model_arguments(parser, batch=64)
     parser.add_argument("--tgt-len", type=int, default=32)
     parser.add_argument("--dropout", type=float, default=0.1)
     parser.add_argument("--attention-dropout", type=float, default=0.1,

@@ -1,0 +1,47 @@
+"""Helpers shared by the benchmark scripts (run as ``python benchmarks/<script>.py``)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def median_seconds(fn, repeats: int, warmup: bool = False) -> float:
+    """Median wall time of ``fn()`` over ``repeats`` calls (after one untimed call if ``warmup``)."""
+    if warmup:
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def matmul_flops_per_s(n: int, repeats: int) -> float:
+    """The machine's limit: FLOP/s of a jitted float32 ``N×N`` by ``N×N`` ``jnp.dot`` (2·N³ FLOPs)."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
+    dot = jax.jit(jnp.dot)
+    return 2 * n ** 3 / median_seconds(lambda: dot(a, b).block_until_ready(), repeats, warmup=True)
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, *, batch: int) -> None:
+    """The model-size flags both comparisons share (the issue's config by default)."""
+    parser.add_argument("--d-model", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--d-ff", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=3, help="encoder and decoder layers each")
+    parser.add_argument("--vocab", type=int, default=8000)
+    parser.add_argument("--batch", type=int, default=batch)
+    parser.add_argument("--src-len", type=int, default=32)
