@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer.model import Transformer
+from jaxformer.sharding import under_mesh
 
 TokensToLogits = Callable[[jax.Array, Any], tuple[jax.Array, Any]]
 
@@ -310,3 +311,28 @@ def sample_translate(model: Transformer, params: Any, src_BS: jax.Array, rng: ja
     return sample(tokens_to_logits, cache, rng, batch_size=src_BS.shape[0], bos_id=bos_id,
                   eos_id=eos_id, pad_id=model.config.pad_id, max_decode_len=max_decode_len,
                   temperature=temperature, top_k=top_k, top_p=top_p)
+
+
+def jit_decoder(decoder: Callable, model: Transformer, layout: Any = None, **static) -> Callable:
+    """One of :func:`greedy_translate`, :func:`beam_translate`, :func:`sample_translate`
+    with ``model`` and its static arguments bound: ``fn(params, src_BS[, rng])``.
+
+    With a ``layout`` (:class:`jaxformer.sharding.Layout`) it is jit-compiled with
+    explicit shardings: parameters as the train state lays them out, source rows and
+    every output split over ``data``, the rng replicated; traced under the mesh.
+    Without one it is the plain jitted decoder.
+    """
+    sampled = decoder is sample_translate
+
+    def bound(params, src_BS, *rng):
+        return decoder(model, params, src_BS, *rng, **static)
+
+    if layout is None:
+        return bound
+    in_shardings = (layout.params, layout.batch) + ((layout.replicated,) if sampled else ())
+    unjitted = decoder.__wrapped__
+
+    def body(params, src_BS, *rng):
+        return unjitted(model, params, src_BS, *rng, **static)
+
+    return under_mesh(jax.jit(body, in_shardings=in_shardings, out_shardings=layout.batch), layout.mesh)

@@ -27,7 +27,7 @@ from jaxformer import data as data_lib
 from jaxformer import sharding as sharding_lib
 from jaxformer.checkpoints import RunCheckpoints
 from jaxformer.config import TransformerConfig, preset
-from jaxformer.decoding import beam_translate, greedy_translate, sample_translate
+from jaxformer.decoding import beam_translate, greedy_translate, jit_decoder, sample_translate
 from jaxformer.model import Transformer
 from jaxformer.run_config import TrainConfig, save_json
 from jaxformer.training import (
@@ -130,8 +130,17 @@ class Evaluator:
         # Coarse buckets: each is one compile of the decode loop and of the eval step.
         self.boundaries = data_lib.bucket_boundaries(model.config.max_len, step=32)
         self.eval_step = jit_eval_step(model, smoothing, layout=layout)
+        self._decoders: dict[Any, Any] = {}
         tokenize = "zh" if target_language == "zh" else "13a"
         self.bleu = sacrebleu.metrics.BLEU(tokenize=tokenize)
+
+    def _decoder(self, decoder, **static):
+        """``decoder(params, src[, rng])`` with the statics bound; under a layout, jitted with
+        explicit in/out shardings (:func:`jaxformer.decoding.jit_decoder`). Cached."""
+        key = (decoder, tuple(sorted(static.items())))
+        if key not in self._decoders:
+            self._decoders[key] = jit_decoder(decoder, self.model, self.layout, **static)
+        return self._decoders[key]
 
     def _place(self, batch):
         """This process's block of rows of a (whole, host) batch, as global sharded arrays."""
@@ -173,8 +182,8 @@ class Evaluator:
         bos, eos = self.tokenizer.bos_id, self.tokenizer.eos_id
 
         def decode_batch(src, max_decode_len):
-            return beam_translate(self.model, params, src, beam_size=beam_size, alpha=alpha,
-                                  max_decode_len=max_decode_len, bos_id=bos, eos_id=eos)
+            return self._decoder(beam_translate, beam_size=beam_size, alpha=alpha,
+                                 max_decode_len=max_decode_len, bos_id=bos, eos_id=eos)(params, src)
 
         return self._decode(sources, decode_batch)
 
@@ -188,8 +197,8 @@ class Evaluator:
         bos, eos = self.tokenizer.bos_id, self.tokenizer.eos_id
 
         def decode_batch(src, max_decode_len):
-            hyp = greedy_translate(self.model, params, src, max_decode_len=max_decode_len,
-                                   bos_id=bos, eos_id=eos)
+            hyp = self._decoder(greedy_translate, max_decode_len=max_decode_len, bos_id=bos,
+                                eos_id=eos)(params, src)
             return hyp[:, None], jnp.zeros(hyp.shape[:1] + (1,))
 
         return [n_best[0][0] for n_best in self._decode(sources, decode_batch)]
@@ -201,9 +210,9 @@ class Evaluator:
         counter = iter(range(1 << 30))
 
         def decode_batch(src, max_decode_len):
-            hyp = sample_translate(self.model, params, src, jax.random.fold_in(rng, next(counter)),
-                                   max_decode_len=max_decode_len, bos_id=bos, eos_id=eos,
-                                   temperature=temperature, top_k=top_k, top_p=top_p)
+            hyp = self._decoder(sample_translate, max_decode_len=max_decode_len, bos_id=bos, eos_id=eos,
+                                temperature=temperature, top_k=top_k, top_p=top_p,
+                                )(params, src, jax.random.fold_in(rng, next(counter)))
             return hyp[:, None], jnp.zeros(hyp.shape[:1] + (1,))
 
         return [n_best[0][0] for n_best in self._decode(sources, decode_batch)]
