@@ -30,14 +30,18 @@ class CheckpointError(OSError):
 
 
 def _first_line(error: BaseException) -> str:
+    """A one-line reason: the error's first line without TensorStore's spec dump."""
     text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0][:200] if text else ''}"
+    line = text[0].split(" See full TensorStore details")[0] if text else ""
+    return f"{type(error).__name__}: {line[:200]}"
 
 
 def _ignore_stray_read_callbacks() -> None:
     """When a restore fails, tensorstore still completes the other reads it had in
     flight and calls back into orbax's event loop, which is closed by then; each call
-    would print a "RuntimeError: Event loop is closed" traceback. Those (and only those)
+    would print a "RuntimeError: Event loop is closed" traceback, and each of orbax's
+    read coroutines that failed after the restore gave up prints its own ("Exception
+    ignored in: <coroutine ... _read_array_index_and_device_put>"). Those (and only those)
     are dropped; every other unraisable exception reaches the previous hook. Installed
     before restores that may meet an unreadable checkpoint."""
     previous = sys.unraisablehook
@@ -45,9 +49,12 @@ def _ignore_stray_read_callbacks() -> None:
         return
 
     def hook(unraisable):
-        error = unraisable.exc_value
-        if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
-                and unraisable.object is None):
+        error, source = unraisable.exc_value, unraisable.object
+        closed_loop = (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
+                       and source is None)
+        # orbax's read coroutines that failed after the restore had already given up
+        orbax_read = "orbax" in getattr(getattr(source, "cr_code", None), "co_filename", "")
+        if not (closed_loop or orbax_read):
             previous(unraisable)
 
     hook._jaxformer_filter = True

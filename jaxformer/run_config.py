@@ -70,6 +70,28 @@ class TrainConfig:
     num_samples: int = 5               # dev sentences written to samples.txt per eval
     progress: bool = True
 
+    def __post_init__(self):
+        """Rejects values that would crash later or silently do something else.
+
+        Raises:
+          ValueError: naming the flag and what it needs.
+        """
+        at_least_one = ("vocab_size", "batch_tokens", "max_steps", "warmup_steps", "grad_accum_steps",
+                        "eval_every", "dev_bleu_sentences", "eval_batch_size", "beam_size", "log_every",
+                        "checkpoint_every", "keep_checkpoints")
+        problems = [f"--{n.replace('_', '-')} must be at least 1, got {getattr(self, n)}"
+                    for n in at_least_one if getattr(self, n) < 1]
+        for name in ("max_minutes", "lr_scale", "grad_clip"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                problems.append(f"--{name.replace('_', '-')} must be positive, got {value}")
+        if not 0.0 <= self.label_smoothing < 1.0:
+            problems.append(f"--label-smoothing must be in [0, 1), got {self.label_smoothing}")
+        if self.max_train_len is not None and self.max_train_len < 2:
+            problems.append(f"--max-train-len must be at least 2, got {self.max_train_len}")
+        if problems:
+            raise ValueError("; ".join(problems) + ".")
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

@@ -8,8 +8,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -351,9 +353,10 @@ class PreemptionGuard:
 
     A preemptible machine sends SIGTERM some seconds before it is taken away; Ctrl-C
     sends SIGINT. Either lets the current step finish, then the trainer writes a
-    checkpoint and stops. A second SIGINT stops at once (``KeyboardInterrupt``); the
-    last complete checkpoint is still there (orbax writes steps atomically). Outside
-    the main thread (where Python cannot install handlers) the guard does nothing.
+    checkpoint and stops. A second SIGINT ends the process at once with status 130 and
+    one line (no traceback, no save); the last complete checkpoint is still there,
+    since orbax writes steps atomically. Outside the main thread (where Python cannot
+    install handlers) the guard does nothing.
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -364,7 +367,10 @@ class PreemptionGuard:
 
     def _handle(self, signum, frame):
         if self.received is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt
+            sys.stderr.write("second interrupt: stopped at once without saving; run the same "
+                             "command again to resume from the newest complete checkpoint\n")
+            sys.stderr.flush()
+            os._exit(128 + signal.SIGINT)
         self.received = signum
 
     def __enter__(self) -> PreemptionGuard:
@@ -390,6 +396,22 @@ def _set_aside_metrics_after(path: Path, step: int) -> None:
 
 
 # ---------------------------------------------------------------------- the main job
+def _check_batch_rows(batch_tokens: int, row_length: int, row_multiple: int) -> None:
+    """Rows of a full-length batch: ``batch_tokens // row_length``, rounded down to a multiple
+    of ``row_multiple`` (data axis × grad-accumulation steps × processes). Too small a budget is
+    an error; a rounded one is reported, so the batch is never silently another size."""
+    rows = batch_tokens // row_length
+    if rows < row_multiple:
+        raise ValueError(f"--batch-tokens {batch_tokens} gives {rows} row(s) of {row_length} tokens, but "
+                         f"a batch needs a multiple of {row_multiple} rows (data axis × "
+                         f"--grad-accum-steps × processes); use --batch-tokens "
+                         f"{row_length * row_multiple} or more.")
+    if rows % row_multiple:
+        log(f"note: a batch of {row_length}-token rows has {rows // row_multiple * row_multiple} rows, "
+            f"not {rows}: rounded down to a multiple of {row_multiple} (data axis × "
+            f"--grad-accum-steps × processes)")
+
+
 def _resume_record(config_path: Path, run_record: dict[str, Any], resumed: bool) -> dict[str, Any]:
     """The run record to write: on resume, earlier run settings are kept in a history
     and changes are reported (the architecture was checked before)."""
@@ -447,11 +469,12 @@ def train(cfg: TrainConfig, *, fresh: bool = False) -> dict[str, Any]:
     log(report.summary("train tokens"))
     dev_examples = data_lib.tokenize_pairs(splits["dev"], tokenizer, model_config.max_len)
     boundaries = data_lib.bucket_boundaries(max_train_len)
+    row_multiple = math.lcm(mesh.shape["data"] * cfg.grad_accum_steps, jax.process_count())
+    _check_batch_rows(cfg.batch_tokens, max_train_len, row_multiple)
     dataset = data_lib.train_dataset(train_examples, batch_tokens=cfg.batch_tokens,
                                      boundaries=boundaries, seed=cfg.seed, pad_id=tokenizer.pad_id,
                                      bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id,
-                                     row_multiple=math.lcm(mesh.shape["data"] * cfg.grad_accum_steps,
-                                                           jax.process_count()),
+                                     row_multiple=row_multiple,
                                      process_index=jax.process_index(),
                                      process_count=jax.process_count(), pack=cfg.pack)
     iterator = iter(dataset)
@@ -521,6 +544,20 @@ def train(cfg: TrainConfig, *, fresh: bool = False) -> dict[str, Any]:
                desc="train", unit="step")
     totals, last_log_time = None, time.perf_counter()
     stopped_by = "max_steps"
+    recent_skips = 0.0   # updates skipped as non-finite in the last logged window
+
+    def save_if_healthy(step: int) -> bool:
+        """Checkpoints unless an update was skipped since the last clean logging window: a
+        run about to diverge can have applied a finite but ruinous update just before, and
+        the rotation (keep N) would then push the last good checkpoint out."""
+        pending = 0.0 if totals is None else float(jax.device_get(totals["skipped"]))  # saves only
+        if recent_skips == 0 and pending == 0:
+            checkpoints.save(step, state, iterator)
+            return True
+        log(f"step {step}: not checkpointing, updates were skipped as non-finite since the last "
+            f"clean logging window; step {checkpoints.latest_step()} stays the newest checkpoint")
+        return False
+
     with PreemptionGuard() as guard:
         while step < cfg.max_steps:
             if guard.received is not None:
@@ -549,6 +586,7 @@ def train(cfg: TrainConfig, *, fresh: bool = False) -> dict[str, Any]:
                     checkpoints.close()
                     metrics_log.close()
                     raise TrainingDiverged(diverged)
+                recent_skips = float(values["skipped"])
                 tokens = max(float(values["tokens"]), 1.0)
                 applied = max(float(values["steps"] - values["skipped"]), 1.0)
                 now = time.perf_counter()
@@ -569,15 +607,18 @@ def train(cfg: TrainConfig, *, fresh: bool = False) -> dict[str, Any]:
             if step % cfg.eval_every == 0:
                 evaluate(step)
             if step % cfg.checkpoint_every == 0:
-                checkpoints.save(step, state, iterator)
+                save_if_healthy(step)
         bar.close()
         if checkpoints.latest_step() != step:
-            checkpoints.save(step, state, iterator)
+            save_if_healthy(step)
         checkpoints.wait()
         if guard.received is not None:
             checkpoints.close()
             metrics_log.close()
-            message = (f"{stopped_by} received: stopped at step {step} with a checkpoint in "
+            saved = checkpoints.latest_step()
+            where = ("with a checkpoint" if saved == step
+                     else f"(newest checkpoint: {'none' if saved is None else f'step {saved}'})")
+            message = (f"{stopped_by} received: stopped at step {step} {where} in "
                        f"{workdir / 'checkpoints'}. Run the same command again to resume from there.")
             log(message)
             raise Preempted(guard.received, step, message)

@@ -151,18 +151,18 @@ def main(argv=None) -> None:
                         or (args.top_p is not None and not 0 < args.top_p <= 1)):
         parser.error("sampling needs --temperature > 0, --top-k >= 1 and 0 < --top-p <= 1")
     if args.input and not Path(args.input).is_file():
-        parser.exit(2, f"translate: error: --input file {args.input!r} does not exist\n")
+        parser.exit(2, f"{parser.prog}: error: --input file {args.input!r} does not exist\n")
     if args.attention_png and not Path(args.attention_png).absolute().parent.is_dir():
-        parser.exit(2, f"translate: error: the folder of --attention-png {args.attention_png!r} "
+        parser.exit(2, f"{parser.prog}: error: the folder of --attention-png {args.attention_png!r} "
                        f"does not exist\n")
     try:
         translator = Translator(args.workdir, batch_size=args.batch_size)
     except (ValueError, OSError) as e:
-        parser.exit(2, f"translate: error: {e}\n")
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
     for flag, value, count in (("--layer", args.layer, translator.config.num_decoder_layers),
                                ("--head", args.head, translator.config.num_heads)):
         if value is not None and not 0 <= value < count:
-            parser.exit(2, f"translate: error: {flag} {value} is out of range; this model has "
+            parser.exit(2, f"{parser.prog}: error: {flag} {value} is out of range; this model has "
                            f"{count} (0..{count - 1})\n")
     print(f"[{translator.kind} checkpoint, step {translator.step}]", file=sys.stderr)
     if args.sentences:

@@ -24,7 +24,7 @@ import pytest
 from jaxformer import data, trainer
 from jaxformer.checkpoints import CheckpointError, RunCheckpoints
 from jaxformer.run_config import TrainConfig
-from jaxformer.trainer import PreemptionGuard, TrainingDiverged, train
+from jaxformer.trainer import TrainingDiverged, train
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -73,9 +73,11 @@ def _train_log_steps(workdir):
 
 
 def _corrupt_step(workdir, step):
-    for path in (Path(workdir) / "checkpoints" / str(step) / "state").rglob("*"):
-        if path.is_file() and path.parent.name == "d":
-            path.write_bytes(path.read_bytes()[:7])
+    """A torn write: the largest data file of the step cut to 100 bytes."""
+    files = [p for p in (Path(workdir) / "checkpoints" / str(step) / "state").rglob("*")
+             if p.is_file() and p.parent.name == "d"]
+    largest = max(files, key=lambda p: p.stat().st_size)
+    largest.write_bytes(largest.read_bytes()[:100])
 
 
 @pytest.fixture(scope="module")
@@ -165,11 +167,14 @@ def test_diverging_run_stops_with_a_clear_error_and_keeps_the_last_checkpoint(
     workdir = tmp_path / "run"
     shutil.copytree(reference, workdir)
     checkpoint_12 = {k: v for k, v in _snapshot(workdir).items() if k.startswith("checkpoints/12/")}
-    # Resume with an absurd learning rate: the first update overflows the weights, the
-    # following losses are NaN and every update is skipped.
+    # Resume with an absurd learning rate: update 13 is finite but blows the weights up,
+    # then every loss is NaN and each update is skipped. The window 13-16 (3 of 4 skipped)
+    # must not checkpoint those ruined weights; the window 17-20 (all skipped) stops.
     with pytest.raises(TrainingDiverged, match="non-finite.*last checkpoint \\(step 12\\) is intact"):
-        train(_config(workdir, files, 40, lr_scale=1e30))
-    assert "changed run settings: lr_scale 1.0 → 1e+30" in capsys.readouterr().out
+        train(_config(workdir, files, 40, lr_scale=1e30, log_every=4))
+    out = capsys.readouterr().out
+    assert "changed run settings:" in out and "lr_scale 1.0 → 1e+30" in out
+    assert "step 16: not checkpointing" in out
     assert RunCheckpoints(workdir, read_only=True).latest_step() == 12
     assert {k: v for k, v in _snapshot(workdir).items() if k.startswith("checkpoints/12/")} == checkpoint_12
     rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
@@ -200,13 +205,28 @@ def test_half_written_step_is_ignored_and_cleaned_up(tmp_path):
 
 
 def test_signal_guard_sets_a_flag_and_a_second_ctrl_c_stops_at_once():
-    previous = signal.getsignal(signal.SIGINT)
-    with pytest.raises(KeyboardInterrupt):
-        with PreemptionGuard() as guard:
-            os.kill(os.getpid(), signal.SIGINT)
-            assert guard.received == signal.SIGINT      # the loop finishes its step, then saves
-            os.kill(os.getpid(), signal.SIGINT)         # impatient user: stop now
-    assert signal.getsignal(signal.SIGINT) is previous
+    child = subprocess.run([sys.executable, "-c", """
+import os, signal, time
+from jaxformer.trainer import PreemptionGuard
+previous = signal.getsignal(signal.SIGINT)
+with PreemptionGuard() as guard:
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.1)
+    assert guard.received == signal.SIGINT       # the loop would finish its step, then save
+    print("flag set", flush=True)
+assert signal.getsignal(signal.SIGINT) is previous
+with PreemptionGuard() as guard:
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.1)
+    os.kill(os.getpid(), signal.SIGINT)          # impatient user: stop now
+    time.sleep(5)
+print("not reached")
+"""], capture_output=True, text=True, timeout=120)
+    assert child.returncode == 128 + signal.SIGINT
+    assert child.stdout.split() == ["flag", "set"]
+    assert child.stderr.strip().endswith("run the same command again to resume from the newest "
+                                         "complete checkpoint")
+    assert "Traceback" not in child.stderr
 
 
 def test_checkpoints_and_tokenizer_are_data_not_pickle(reference):
@@ -219,7 +239,8 @@ def test_checkpoints_and_tokenizer_are_data_not_pickle(reference):
 
 
 @pytest.mark.parametrize("problem", ["missing train file", "workdir is a file", "empty dev file",
-                                     "corrupt tokenizer", "malformed test file"])
+                                     "corrupt tokenizer", "malformed test file", "zero accumulation",
+                                     "negative budget", "batch below one row"])
 def test_bad_paths_and_files_fail_before_any_compile(tmp_path, files, monkeypatch, capsys, problem):
     import runpy
 
@@ -243,11 +264,16 @@ def test_bad_paths_and_files_fail_before_any_compile(tmp_path, files, monkeypatc
         (tmp_path / "run" / "tokenizer").mkdir(parents=True)
         (tmp_path / "run" / "tokenizer" / "spm.model").write_bytes(b"not a model")
         expected = "spm.model' is unreadable"
-    else:
+    elif problem == "malformed test file":
         (tmp_path / "test.tsv").write_bytes(b"no tab\n\xff\xfe\tbroken\n")
         cfg = TrainConfig(**{**cfg.to_dict(), "test_file": str(tmp_path / "test.tsv")})
         expected = "No usable sentence pair.*1 invalid UTF-8, 1 no tab"
-    monkeypatch.setattr(sys, "argv", ["train.py", *_argv(cfg)])
+    extra = {"zero accumulation": (["--grad-accum-steps", "0"], "--grad-accum-steps must be at least 1"),
+             "negative budget": (["--max-minutes", "-1"], "--max-minutes must be positive"),
+             "batch below one row": (["--batch-tokens", "10"], "--batch-tokens 10 gives 0 row"),
+             }.get(problem, ([], None))
+    expected = extra[1] or expected
+    monkeypatch.setattr(sys, "argv", ["train.py", *_argv(cfg), *extra[0]])
     with pytest.raises(SystemExit) as exit_info:
         runpy.run_path(str(REPO / "train.py"), run_name="__main__")
     assert exit_info.value.code == 2
