@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import grain
+import jax
 import orbax.checkpoint as ocp
 
 
@@ -146,6 +147,8 @@ class RunCheckpoints:
         return None
 
     def _set_aside(self, path: Path, name: str) -> None:
+        if jax.process_index() != 0 or not path.exists():   # one process moves shared files
+            return
         target = self.workdir / "corrupt" / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
         target.parent.mkdir(exist_ok=True)
         shutil.move(str(path), str(target))
