@@ -127,7 +127,6 @@ class RunCheckpoints:
             try:
                 state = self.restore(step, abstract_state, data_iterator)
             except Exception as error:  # any failure to read means this step is unusable
-                _ignore_stray_read_callbacks()
                 failures.append((step, _first_line(error)))
                 report(f"checkpoint step {step} is unreadable ({failures[-1][1]}); "
                        f"trying an older one")
@@ -196,7 +195,6 @@ class RunCheckpoints:
                     params=ocp.args.StandardRestore(abstract_params)))
                 return restored.params, step, "best"
             except Exception as error:  # fall back to the training checkpoints
-                _ignore_stray_read_callbacks()
                 report(f"best checkpoint step {step} is unreadable ({_first_line(error)}); "
                        f"using the latest training checkpoint")
         target = {"params": abstract_params}
@@ -208,7 +206,6 @@ class RunCheckpoints:
                     partial_restore=True)))
                 return restored.state["params"], step, "latest"
             except Exception as error:
-                _ignore_stray_read_callbacks()
                 failures.append(f"step {step}: {_first_line(error)}")
                 report(f"checkpoint step {step} is unreadable ({failures[-1]})")
         if failures:

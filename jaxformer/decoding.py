@@ -322,17 +322,13 @@ def jit_decoder(decoder: Callable, model: Transformer, layout: Any = None, **sta
     every output split over ``data``, the rng replicated; traced under the mesh.
     Without one it is the plain jitted decoder.
     """
-    sampled = decoder is sample_translate
+    fn = decoder if layout is None else decoder.__wrapped__   # jitted as is, or re-jitted below
 
     def bound(params, src_BS, *rng):
-        return decoder(model, params, src_BS, *rng, **static)
+        return fn(model, params, src_BS, *rng, **static)
 
     if layout is None:
         return bound
-    in_shardings = (layout.params, layout.batch) + ((layout.replicated,) if sampled else ())
-    unjitted = decoder.__wrapped__
-
-    def body(params, src_BS, *rng):
-        return unjitted(model, params, src_BS, *rng, **static)
-
-    return under_mesh(jax.jit(body, in_shardings=in_shardings, out_shardings=layout.batch), layout.mesh)
+    rng_sharding = (layout.replicated,) if decoder is sample_translate else ()
+    return under_mesh(jax.jit(bound, in_shardings=(layout.params, layout.batch) + rng_sharding,
+                              out_shardings=layout.batch), layout.mesh)

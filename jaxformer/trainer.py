@@ -45,7 +45,7 @@ from jaxformer.validation import check_token_ids
 
 def log(message: str) -> None:
     """Prints above the progress bar; in a multi-process run only process 0 speaks."""
-    if jax.process_index() == 0:
+    if _is_main_process():
         tqdm.write(message)
 
 
@@ -103,7 +103,7 @@ def load_or_train_tokenizer(workdir: Path, train_pairs: Sequence[data_lib.Pair],
     if jax.process_count() > 1:   # process 0 trains it; the others wait and load the same file
         from jax.experimental import multihost_utils
 
-        if jax.process_index() == 0 and not model_file.exists():
+        if _is_main_process() and not model_file.exists():
             _train_tokenizer(model_file, train_pairs, vocab_size)
         multihost_utils.sync_global_devices("tokenizer")
     if model_file.exists():
