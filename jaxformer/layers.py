@@ -74,6 +74,42 @@ class Embedding(nn.Module):
         chex.assert_shape(logits, x_BLD.shape[:2] + (self.vocab_size,))
         return constrain(logits, ("batch", "length", "vocab"))
 
+    def projection_weights(self):
+        """The tied output projection as ``(kernel [D, V], None)`` in the compute dtype (no bias)."""
+        return self.embedding.astype(self.config.compute_dtype).T, None
+
+
+class OutputProjection(nn.Module):
+    """The final linear layer to the vocabulary (Figure 1, "Linear"): ``x W + b``.
+
+    Parameters ``kernel [D, V]`` (LeCun normal) and ``bias [V]``; logical axes
+    ``(embed, vocab)``. Used when embeddings are not shared; :meth:`weights` exposes
+    both so a loss can fuse the projection (see
+    :func:`jaxformer.training.projected_cross_entropy`).
+    """
+
+    vocab_size: int
+    config: TransformerConfig
+
+    def setup(self):
+        c = self.config
+        self.kernel = self.param("kernel", _partitioned(nn.initializers.lecun_normal(), "embed", "vocab"),
+                                 (c.d_model, self.vocab_size), c.parameter_dtype)
+        self.bias = self.param("bias", _partitioned(nn.initializers.zeros_init(), "vocab"),
+                               (self.vocab_size,), c.parameter_dtype)
+
+    def weights(self):
+        """``(kernel [D, V], bias [V])`` in the compute dtype."""
+        dtype = self.config.compute_dtype
+        return self.kernel.astype(dtype), self.bias.astype(dtype)
+
+    def __call__(self, x_BLD):
+        """``[B, L, D]`` → logits ``[B, L, V]`` in the compute dtype."""
+        kernel_DV, bias_V = self.weights()
+        logits = jnp.einsum("BLD,DV->BLV", x_BLD.astype(kernel_DV.dtype), kernel_DV) + bias_V[None, None, :]
+        chex.assert_shape(logits, x_BLD.shape[:2] + (self.vocab_size,))
+        return constrain(logits, ("batch", "length", "vocab"))
+
 
 class PositionalEncoding(nn.Module):
     """Adds the sinusoidal table and applies embedding dropout (§3.5, §5.4)."""

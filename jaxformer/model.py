@@ -23,9 +23,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxformer.config import TransformerConfig
-from jaxformer.layers import Decoder, Embedding, Encoder, PositionalEncoding
+from jaxformer.layers import Decoder, Embedding, Encoder, OutputProjection, PositionalEncoding
 from jaxformer.masks import create_decoder_mask, create_padding_mask, create_segment_mask, segment_positions
-from jaxformer.sharding import constrain
 from jaxformer.validation import check_same_batch, check_token_ids
 
 
@@ -86,11 +85,7 @@ class Transformer(nn.Module):
         self.encoder = Encoder(c)
         self.decoder = Decoder(c)
         if not c.share_embeddings:
-            self.output_projection = nn.Dense(
-                c.tgt_vocab_size, dtype=c.compute_dtype, param_dtype=c.parameter_dtype,
-                kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "vocab")),
-                bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), ("vocab",)),
-                name="output_projection")
+            self.output_projection = OutputProjection(c.tgt_vocab_size, c, name="output_projection")
 
     # ------------------------------------------------------------------ encoder
     def encode(self, src, *, deterministic: bool = True, src_segments=None):
@@ -123,9 +118,19 @@ class Transformer(nn.Module):
         if c.share_embeddings:
             logits = self.tgt_embedding.attend(decoder_output_BLD)
         else:
-            logits = constrain(self.output_projection(decoder_output_BLD), ("batch", "length", "vocab"))
+            logits = self.output_projection(decoder_output_BLD)
         chex.assert_shape(logits, decoder_output_BLD.shape[:2] + (c.tgt_vocab_size,))
         return logits
+
+    def output_projection_weights(self):
+        """The final linear layer as ``(kernel [D, V], bias [V] or None)``, compute dtype.
+
+        ``logits = decoder_output @ kernel (+ bias)``. With shared embeddings the kernel
+        is the embedding table transposed and there is no bias.
+        """
+        if self.config.share_embeddings:
+            return self.tgt_embedding.projection_weights()
+        return self.output_projection.weights()
 
     def decode(self, encoder_output, src, tgt, *, deterministic: bool = True, src_segments=None,
                tgt_segments=None):
@@ -136,6 +141,15 @@ class Transformer(nn.Module):
         give both ``src_segments [B,S]`` and ``tgt_segments [B,T]``: target segment j
         attends only to itself (causally) and to source segment j.
         """
+        decoder_output = self.decoder_output(encoder_output, src, tgt, deterministic=deterministic,
+                                             src_segments=src_segments, tgt_segments=tgt_segments)
+        logits = self._logits(decoder_output)
+        chex.assert_shape(logits, tgt.shape + (self.config.tgt_vocab_size,))
+        return logits
+
+    def decoder_output(self, encoder_output, src, tgt, *, deterministic: bool = True,
+                       src_segments=None, tgt_segments=None):
+        """:meth:`decode` without the final projection: ``[B, T, D]`` (arguments as there)."""
         c = self.config
         check_token_ids(tgt, name="tgt", vocab_size=c.tgt_vocab_size, max_len=c.max_len)
         check_same_batch(src, tgt)
@@ -156,9 +170,7 @@ class Transformer(nn.Module):
         chex.assert_shape(tgt_x, (batch, tgt_len, c.d_model))
         decoder_output = self.decoder(tgt_x, encoder_output, tgt_mask, src_mask, deterministic)
         chex.assert_shape(decoder_output, (batch, tgt_len, c.d_model))
-        logits = self._logits(decoder_output)
-        chex.assert_shape(logits, (batch, tgt_len, c.tgt_vocab_size))
-        return logits
+        return decoder_output
 
     def __call__(self, src, tgt, *, deterministic: bool = True, src_segments=None, tgt_segments=None):
         """``src [B,S]``, shifted target input ``tgt [B,T]`` → ``logits [B,T,V]``.
@@ -175,6 +187,24 @@ class Transformer(nn.Module):
         encoder_output = self.encode(src, deterministic=deterministic, src_segments=src_segments)
         return self.decode(encoder_output, src, tgt, deterministic=deterministic,
                            src_segments=src_segments, tgt_segments=tgt_segments)
+
+    def features(self, src, tgt, *, deterministic: bool = True, src_segments=None, tgt_segments=None):
+        """``__call__`` stopped before the logits, for losses that fuse the projection.
+
+        Returns:
+          ``(decoder_output [B,T,D], kernel [D,V], bias [V] or None)`` with
+          ``logits = decoder_output @ kernel (+ bias)``; see
+          :func:`jaxformer.training.projected_cross_entropy`, which never builds the
+          ``[B,T,V]`` logits in the backward pass.
+        """
+        c = self.config
+        check_token_ids(src, name="src", vocab_size=c.src_vocab_size, max_len=c.max_len)
+        check_token_ids(tgt, name="tgt", vocab_size=c.tgt_vocab_size, max_len=c.max_len)
+        check_same_batch(src, tgt)
+        encoder_output = self.encode(src, deterministic=deterministic, src_segments=src_segments)
+        decoder_output = self.decoder_output(encoder_output, src, tgt, deterministic=deterministic,
+                                             src_segments=src_segments, tgt_segments=tgt_segments)
+        return (decoder_output, *self.output_projection_weights())
 
     # --------------------------------------------------------- cached decoding
     def init_cache(self, encoder_output, src, max_decode_len: int) -> DecodeCache:

@@ -15,6 +15,7 @@ from jaxformer.training import (
     jit_train_step,
     label_smoothed_cross_entropy,
     make_optimizer,
+    projected_cross_entropy,
     transformer_schedule,
 )
 
@@ -90,6 +91,62 @@ def test_pads_change_neither_loss_nor_smoothing_and_get_zero_gradient():
         lg, tgt, (tgt != pad).astype(jnp.float32), 0.1)[0])(logits)
     assert np.all(np.asarray(grad[0, 3:]) == 0.0)
     assert np.any(np.asarray(grad[0, :3]) != 0.0)
+
+
+def _unfused_loss(x, kernel, bias, targets, weights, smoothing):
+    logits = jnp.einsum("BTD,DV->BTV", x, kernel) + (0.0 if bias is None else bias[None, None, :])
+    loss_sum, nll_sum = label_smoothed_cross_entropy(logits, targets, weights, smoothing)
+    reference = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    correct = jnp.sum((reference >= jnp.max(logits, axis=-1)) * weights)
+    return loss_sum, nll_sum, correct
+
+
+@pytest.mark.parametrize("smoothing,with_bias", [(0.1, True), (0.0, True), (0.2, False)])
+def test_projected_cross_entropy_equals_projection_then_loss(smoothing, with_bias):
+    """The fused custom-VJP loss: same values and gradients (x, kernel, bias, weights) for
+    any mix of loss_sum and nll_sum cotangents, pads and repeated targets included."""
+    keys = jax.random.split(jax.random.key(0), 4)
+    batch, length, d_model, vocab = 3, 5, 8, 13
+    x = jax.random.normal(keys[0], (batch, length, d_model))
+    kernel = jax.random.normal(keys[1], (d_model, vocab))
+    bias = jax.random.normal(keys[2], (vocab,)) if with_bias else None
+    targets = jax.random.randint(keys[3], (batch, length), 0, vocab).at[0, :3].set(7)
+    weights = jnp.ones((batch, length)).at[1, 3:].set(0.0).at[2, 0].set(0.5)
+
+    fused = projected_cross_entropy(x, kernel, bias, targets, weights, smoothing)
+    plain = _unfused_loss(x, kernel, bias, targets, weights, smoothing)
+    for f, p in zip(fused, plain):
+        np.testing.assert_allclose(float(f), float(p), rtol=1e-5)
+
+    def combined(fn):   # a cotangent mix that exercises both differentiable outputs
+        def objective(x, kernel, bias, weights):
+            loss_sum, nll_sum, correct = fn(x, kernel, bias, targets, weights, smoothing)
+            return 0.7 * loss_sum - 1.3 * nll_sum + correct
+        return jax.grad(objective, argnums=(0, 1, 2, 3) if with_bias else (0, 1, 3))
+
+    args = (x, kernel, bias, weights) if with_bias else (x, kernel, weights)
+    wrap = (lambda fn: fn) if with_bias else (lambda fn: lambda x, k, w: fn(x, k, None, w))
+    fused_grads = wrap(combined(projected_cross_entropy))(*args)
+    plain_grads = wrap(combined(_unfused_loss))(*args)
+    for f, p in zip(fused_grads, plain_grads):
+        np.testing.assert_allclose(np.asarray(f), np.asarray(p), rtol=1e-4, atol=1e-5)
+    # Padded rows get no gradient.
+    assert np.all(np.asarray(fused_grads[0][1, 3:]) == 0.0)
+
+
+def test_projected_cross_entropy_bfloat16_inputs():
+    """bf16 activations and kernel: float32 results, gradients in the inputs' dtypes."""
+    x = jax.random.normal(jax.random.key(0), (2, 4, 8), jnp.bfloat16)
+    kernel = jax.random.normal(jax.random.key(1), (8, 11), jnp.bfloat16)
+    targets, weights = jnp.full((2, 4), 5), jnp.ones((2, 4))
+    out = projected_cross_entropy(x, kernel, None, targets, weights, 0.1)
+    assert all(o.dtype == jnp.float32 for o in out)
+    plain = _unfused_loss(x.astype(jnp.float32), kernel.astype(jnp.float32), None, targets, weights, 0.1)
+    np.testing.assert_allclose(float(out[0]), float(plain[0]), rtol=2e-2)
+    gx, gk = jax.grad(lambda x, k: projected_cross_entropy(x, k, None, targets, weights, 0.1)[0],
+                      argnums=(0, 1))(x, kernel)
+    assert gx.dtype == jnp.bfloat16 and gk.dtype == jnp.bfloat16
+    assert np.all(np.isfinite(np.asarray(gx, np.float32)))
 
 
 def _copy_batch(rng, batch, length, vocab, bos, eos, pad):
