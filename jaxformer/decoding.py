@@ -100,7 +100,13 @@ def _unflatten_beams(x, batch_size):
 
 
 def _gather_beams(tree, beam_indices_BN, batch_size):
-    """Picks beams ``[B, N]`` from every leaf with a flattened ``[B*k, ...]`` batch axis."""
+    """Picks beams ``[B, N]`` from every leaf with a flattened ``[B*k, ...]`` batch axis.
+
+    A cache with a ``map_beam_state(fn)`` method (:class:`jaxformer.model.DecodeCache`)
+    gathers only the leaves it names as differing between beams.
+    """
+    if hasattr(tree, "map_beam_state"):
+        return tree.map_beam_state(lambda x: _gather_beams(x, beam_indices_BN, batch_size))
 
     def gather(x):
         if x.ndim == 0:

@@ -62,6 +62,17 @@ class DecodeCache:
     src_mask: jax.Array
     index: jax.Array
 
+    def map_beam_state(self, fn) -> DecodeCache:
+        """Applies ``fn`` to the leaves that differ between the beams of one sentence.
+
+        Those are the self-attention keys/values. The source side (cross-attention
+        K/V, ``src_mask``) is the same for every beam of a sentence and ``index`` is
+        shared, so beam search reorders only the self-attention K/V (half of the
+        cache at equal source and target lengths).
+        """
+        return self.replace(layers=tuple(layer.replace(self_k=fn(layer.self_k), self_v=fn(layer.self_v))
+                                         for layer in self.layers))
+
 
 class Transformer(nn.Module):
     """Encoder-decoder Transformer; ``__call__`` = ``decode(encode(src), src, tgt)``.
