@@ -163,8 +163,11 @@ class MultiHeadAttention(nn.Module):
 
     def _project(self, x_BLD, kernel_DHK, bias_HK):
         dtype = self.config.compute_dtype
-        y = jnp.einsum("BLD,DHK->BHLK", x_BLD.astype(dtype), kernel_DHK.astype(dtype))
-        return constrain(y + bias_HK.astype(dtype)[None, :, None, :], ("batch", "heads", "length", "kv"))
+        # [B, L, H, K] first: the matmul's natural output, so the kernel is never
+        # transposed (XLA would otherwise re-transpose it at every decoding step).
+        y_BLHK = jnp.einsum("BLD,DHK->BLHK", x_BLD.astype(dtype), kernel_DHK.astype(dtype))
+        y_BHLK = jnp.swapaxes(y_BLHK + bias_HK.astype(dtype)[None, None, :, :], 1, 2)
+        return constrain(y_BHLK, ("batch", "heads", "length", "kv"))
 
     def project_query(self, x_BTD):
         """Queries ``[B, H, T, K]`` from ``[B, T, D]``."""

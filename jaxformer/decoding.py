@@ -45,6 +45,20 @@ def _autoregress(tokens_to_logits: TokensToLogits, cache: Any, pick, *, batch_si
     return out
 
 
+def first_argmax(logits_BV: jax.Array) -> jax.Array:
+    """``jnp.argmax(logits, axis=-1)`` (the first maximal id) as a max and a min, int32 ``[B]``.
+
+    Two plain reductions instead of XLA's variadic (value, index) reduce, which is
+    slow on CPU (0.6 ms for ``[32, 8000]``, about a tenth of a greedy step). A row
+    with a NaN has no maximum; it gets the last id instead of the NaN's position.
+    """
+    vocab = logits_BV.shape[-1]
+    best_B1 = jnp.max(logits_BV, axis=-1, keepdims=True)
+    ids_V = jnp.arange(vocab, dtype=jnp.int32)
+    first = jnp.min(jnp.where(logits_BV == best_B1, ids_V[None, :], vocab - 1), axis=-1)
+    return first.astype(jnp.int32)
+
+
 def greedy_search(tokens_to_logits: TokensToLogits, cache: Any, *, batch_size: int, bos_id: int,
                   eos_id: int, pad_id: int, max_decode_len: int) -> jax.Array:
     """Greedy decoding; stops early once every sequence has produced eos.
@@ -62,9 +76,9 @@ def greedy_search(tokens_to_logits: TokensToLogits, cache: Any, *, batch_size: i
     """
 
     def pick(logits_BV, step):
-        vocab_ids = jnp.arange(logits_BV.shape[-1])
+        vocab_ids = jnp.arange(logits_BV.shape[-1], dtype=jnp.int32)
         never_V = (vocab_ids == pad_id) | (vocab_ids == bos_id)
-        return jnp.argmax(jnp.where(never_V[None, :], -jnp.inf, logits_BV), axis=-1).astype(jnp.int32)
+        return first_argmax(jnp.where(never_V[None, :], -jnp.inf, logits_BV))
 
     return _autoregress(tokens_to_logits, cache, pick, batch_size=batch_size, bos_id=bos_id,
                         eos_id=eos_id, pad_id=pad_id, max_decode_len=max_decode_len)

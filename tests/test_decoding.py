@@ -209,3 +209,13 @@ def test_beam_search_reorders_the_cache_like_recomputing_the_prefix(tiny_model):
     rows = (np.arange(3)[:, None] * 4 + np.asarray(order)).reshape(-1)
     np.testing.assert_array_equal(np.asarray(moved.layers[1].self_v),
                                   np.asarray(cache.layers[1].self_v)[rows])
+
+
+def test_first_argmax_equals_argmax_ties_included():
+    logits = jax.random.normal(jax.random.key(0), (6, 50))
+    logits = logits.at[1, [7, 30]].set(9.0).at[2, :].set(0.0).at[3, 49].set(jnp.inf)
+    np.testing.assert_array_equal(np.asarray(decoding.first_argmax(logits)),
+                                  np.asarray(jnp.argmax(logits, axis=-1)))
+    assert int(decoding.first_argmax(logits)[1]) == 7        # the first of a tie
+    nan_row = decoding.first_argmax(logits.at[0, 5].set(jnp.nan))
+    assert 0 <= int(nan_row[0]) < 50                           # a valid id, never out of range
