@@ -25,6 +25,23 @@ def median_seconds(fn, repeats: int, warmup: bool = False) -> float:
     return statistics.median(times)
 
 
+def alternating_median_seconds(fns, repeats: int) -> list[float]:
+    """Median wall time of each ``fn()``, timed in turns (one untimed warm-up call each).
+
+    Turns (a, b, a, b, ...) rather than all of ``a`` then all of ``b``: a drift of the
+    machine's speed then hits every side of a ratio alike.
+    """
+    for fn in fns:
+        fn()
+    times = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, fn_times in zip(fns, times):
+            start = time.perf_counter()
+            fn()
+            fn_times.append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times]
+
+
 def matmul_flops_per_s(n: int, repeats: int) -> float:
     """The machine's limit: FLOP/s of a jitted float32 ``N×N`` by ``N×N`` ``jnp.dot`` (2·N³ FLOPs)."""
     import jax

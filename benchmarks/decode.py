@@ -17,7 +17,8 @@ produces exactly out-len tokens: jaxformer gets an EOS id that is never produced
 decoder over the whole prefix at every step (what implementations without a KV cache
 do); "cached" is ``Transformer.decode_step`` with the explicit cache, cross-attention
 K/V computed once. Timings are the median of --repeats runs after one warm-up run
-(which compiles).
+(which compiles); the sides are timed in turns (jaxformer, HF, jaxformer, ...), so a
+drift of the machine's speed hits both sides of a ratio alike.
 
 Model FLOPs (analytic, as in ``train_step.py``; both sides do the same work), with
 ``k`` beams, output length M and a cache of M positions::
@@ -38,7 +39,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _common import add_model_arguments, matmul_flops_per_s, median_seconds, usable_cores
+from _common import add_model_arguments, alternating_median_seconds, matmul_flops_per_s, usable_cores
 
 import jaxformer as jf
 from jaxformer import decoding
@@ -86,14 +87,8 @@ def decode_flops(*, batch, beam, src_len, out_len, d_model, d_ff, vocab, layers)
     return encoder + out_len * per_step
 
 
-
-
-
-
-
-
-def hf_tokens_per_s(args, src_np, beam_size: int) -> float:
-    """Output tokens/s of ``MarianMTModel.generate`` at the same sizes (random init)."""
+def hf_generate(args, src_np, beam_size: int):
+    """``MarianMTModel.generate`` at the same sizes (random init), as a no-argument callable."""
     import torch
     from transformers import MarianConfig, MarianMTModel
 
@@ -119,7 +114,7 @@ def hf_tokens_per_s(args, src_np, beam_size: int) -> float:
         assert out.shape == (args.batch, args.out_len + 1), out.shape
         return out
 
-    return args.batch * args.out_len / median_seconds(generate, args.repeats, warmup=True)
+    return generate
 
 
 def main():
@@ -161,25 +156,23 @@ def main():
 
     for beam in (1, 4):
         name = "greedy" if beam == 1 else f"beam {beam}"
-        for cached in (True, False) if not args.no_uncached else (True,):
-            fn = functools.partial(run, model, params, src, out_len=args.out_len, beam_size=beam,
-                                   cached=cached)
-            seconds = median_seconds(lambda fn=fn: jax.block_until_ready(fn()), args.repeats, warmup=True)
-            results[beam, cached] = args.batch * args.out_len / seconds
-            print(f"jaxformer {name:7s} {'cached' if cached else 'uncached':8s} {seconds * 1000:8.1f} ms  "
-                  f"{results[beam, cached]:9.0f} output tokens/s"
-                  + (f"  ({rate(beam, results[beam, cached])})" if cached else ""), flush=True)
+        sides = {cached: functools.partial(run, model, params, src, out_len=args.out_len, beam_size=beam,
+                                           cached=cached)
+                 for cached in ((True, False) if not args.no_uncached else (True,))}
+        sides = {key: (lambda fn=fn: jax.block_until_ready(fn())) for key, fn in sides.items()}
         if not args.no_hf:
             try:
-                results[beam, "hf"] = hf_tokens_per_s(args, src_np, beam)
+                sides["hf"] = hf_generate(args, src_np, beam)
             except ImportError as e:
                 print(f"transformers: not installed ({e}); pip install '.[bench]'")
                 args.no_hf = True
-            else:
-                ms = args.batch * args.out_len / results[beam, "hf"] * 1000
-                print(f"hf generate {name:7s}          {ms:8.1f} ms  "
-                      f"{results[beam, 'hf']:9.0f} output tokens/s  ({rate(beam, results[beam, 'hf'])})",
-                      flush=True)
+        # Timed in turns (jaxformer, HF, jaxformer, ...): the ratio survives a drifting machine.
+        for key, seconds in zip(sides, alternating_median_seconds(list(sides.values()), args.repeats)):
+            results[beam, key] = args.batch * args.out_len / seconds
+            label = (f"jaxformer {name:7s} {'cached' if key else 'uncached':8s}" if key != "hf"
+                     else f"hf generate {name:7s}         ")
+            print(f"{label} {seconds * 1000:8.1f} ms  {results[beam, key]:9.0f} output tokens/s"
+                  + (f"  ({rate(beam, results[beam, key])})" if key is not False else ""), flush=True)
     for beam, target in ((1, 3.0), (4, 2.0)):
         name = "greedy" if beam == 1 else f"beam {beam}"
         if (beam, False) in results:

@@ -90,10 +90,6 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024   # KiB on Linux
 
 
-
-
-
-
 def make_batch(args, seed=0):
     import numpy as np
 

@@ -358,12 +358,11 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], rng: chex.PRNGKey
         (_, metrics), grads = grad_fn(state.params, batch, dropout_rng)
     grad_norm = optax.global_norm(grads)
     finite = jnp.isfinite(metrics["loss_sum"]) & jnp.isfinite(grad_norm)
-    updated = state.apply_gradients(grads=grads)
-    # Keep the old parameters and optimizer state where the update is not finite.
-    new_state = updated.replace(
-        params=jax.tree_util.tree_map(functools.partial(jnp.where, finite), updated.params, state.params),
-        opt_state=jax.tree_util.tree_map(functools.partial(jnp.where, finite), updated.opt_state,
-                                         state.opt_state))
+    # Keep the old parameters and optimizer state when the update is not finite. A
+    # cond runs one branch: no per-element select over params and Adam moments, and
+    # the update can be written in place into the donated buffers.
+    new_state = jax.lax.cond(finite, lambda s: s.apply_gradients(grads=grads),
+                             lambda s: s.replace(step=s.step + 1), state)
     metrics = jax.tree_util.tree_map(lambda m: jnp.where(finite, m, jnp.zeros_like(m)),
                                      dict(metrics, grad_norm=grad_norm))
     skipped = 1.0 - finite.astype(jnp.float32)
