@@ -45,29 +45,9 @@ import jaxformer as jf
 from jaxformer import decoding
 
 
-def uncached_callback(model, params, src_BS, max_decode_len, beam_size=1):
-    """A ``tokens_to_logits`` whose "cache" is the token prefix: full decoder each step."""
-    variables = {"params": params}
-    encoder_output = model.apply(variables, src_BS, method=jf.Transformer.encode)
-    state = {"tokens": jnp.full((src_BS.shape[0], max_decode_len), model.config.pad_id, jnp.int32),
-             "encoder_output": encoder_output, "src": src_BS, "index": jnp.zeros((), jnp.int32)}
-    if beam_size > 1:
-        state = decoding.tile_beams(state, beam_size)
-
-    def tokens_to_logits(ids_B1, state):
-        tokens = jax.lax.dynamic_update_slice_in_dim(state["tokens"], ids_B1, state["index"], axis=1)
-        # Causal masking makes the not-yet-written positions irrelevant to position index.
-        logits = model.apply(variables, state["encoder_output"], state["src"], tokens,
-                             method=jf.Transformer.decode)
-        step_logits = jax.lax.dynamic_index_in_dim(logits, state["index"], axis=1, keepdims=False)
-        return step_logits, dict(state, tokens=tokens, index=state["index"] + 1)
-
-    return tokens_to_logits, state
-
-
 @functools.partial(jax.jit, static_argnames=("model", "out_len", "beam_size", "cached"))
 def run(model, params, src, *, out_len, beam_size, cached):
-    make = decoding._model_callback if cached else uncached_callback
+    make = decoding._model_callback if cached else decoding.uncached_model_callback
     tokens_to_logits, cache = make(model, params, src, out_len, beam_size)
     no_eos = model.config.tgt_vocab_size + 7       # an id never produced: EOS disabled
     common = dict(batch_size=src.shape[0], bos_id=2, eos_id=no_eos, pad_id=model.config.pad_id,

@@ -303,6 +303,34 @@ def _model_callback(model: Transformer, params: Any, src_BS: jax.Array, max_deco
     return tokens_to_logits, cache
 
 
+def uncached_model_callback(model: Transformer, params: Any, src_BS: jax.Array, max_decode_len: int,
+                            beam_size: int = 1):
+    """A ``tokens_to_logits`` without a K/V cache, and its initial state: the reference.
+
+    Its "cache" is the token prefix ``[B(*k), M]``: every step re-runs the teacher-forced
+    decoder over the whole prefix and returns the logits at the current position
+    (causal masking makes the unwritten positions irrelevant). Beam search reorders
+    it like any pytree. Quadratic in M; for checking cached decoding and for measuring
+    what the cache saves (``benchmarks/decode.py``).
+
+    Returns:
+      ``(tokens_to_logits, state)``, the state tiled over ``beam_size`` beams.
+    """
+    variables = {"params": params}
+    state = {"tokens": jnp.full((src_BS.shape[0], max_decode_len), model.config.pad_id, jnp.int32),
+             "encoder_output": model.apply(variables, src_BS, method=Transformer.encode),
+             "src": src_BS, "index": jnp.zeros((), jnp.int32)}
+
+    def tokens_to_logits(ids_B1, state):
+        tokens = jax.lax.dynamic_update_slice_in_dim(state["tokens"], ids_B1, state["index"], axis=1)
+        logits = model.apply(variables, state["encoder_output"], state["src"], tokens,
+                             method=Transformer.decode)
+        step_logits = jax.lax.dynamic_index_in_dim(logits, state["index"], axis=1, keepdims=False)
+        return step_logits, dict(state, tokens=tokens, index=state["index"] + 1)
+
+    return tokens_to_logits, (tile_beams(state, beam_size) if beam_size > 1 else state)
+
+
 @functools.partial(jax.jit, static_argnames=("model", "max_decode_len", "bos_id", "eos_id",
                                              "beam_size", "alpha", "extra_len"))
 def beam_translate(model: Transformer, params: Any, src_BS: jax.Array, *, beam_size: int,

@@ -173,23 +173,6 @@ def test_decode_loop_compiles_once_per_shape(tiny_model):
         decoding.greedy_search = original
 
 
-def _prefix_callback(model, params, src_BS, max_decode_len, beam_size):
-    """A ``tokens_to_logits`` without a K/V cache: the full decoder over the token prefix."""
-    variables = {"params": params}
-    state = {"tokens": jnp.full((src_BS.shape[0], max_decode_len), PAD, jnp.int32),
-             "encoder_output": model.apply(variables, src_BS, method=jf.Transformer.encode),
-             "src": src_BS, "index": jnp.zeros((), jnp.int32)}
-
-    def tokens_to_logits(ids_B1, state):
-        tokens = jax.lax.dynamic_update_slice_in_dim(state["tokens"], ids_B1, state["index"], axis=1)
-        logits = model.apply(variables, state["encoder_output"], state["src"], tokens,
-                             method=jf.Transformer.decode)
-        step_logits = jax.lax.dynamic_index_in_dim(logits, state["index"], axis=1, keepdims=False)
-        return step_logits, dict(state, tokens=tokens, index=state["index"] + 1)
-
-    return tokens_to_logits, decoding.tile_beams(state, beam_size)
-
-
 def test_beam_search_reorders_the_cache_like_recomputing_the_prefix(tiny_model):
     """The K/V cache reordered per step (self-attention K/V only; the source side is
     shared by a sentence's beams) gives the beams of a decoder re-run on each prefix."""
@@ -197,7 +180,7 @@ def test_beam_search_reorders_the_cache_like_recomputing_the_prefix(tiny_model):
     src = jnp.array([[5, 6, 7, 8, 0, 0], [9, 10, 11, 12, 13, 14], [15, 16, 17, 0, 0, 0]])
     kw = dict(batch_size=3, beam_size=4, bos_id=BOS, eos_id=EOS, pad_id=PAD, max_decode_len=9)
     cached = decoding.beam_search(*decoding._model_callback(model, params, src, 9, 4), **kw)
-    prefix = decoding.beam_search(*_prefix_callback(model, params, src, 9, 4), **kw)
+    prefix = decoding.beam_search(*decoding.uncached_model_callback(model, params, src, 9, 4), **kw)
     np.testing.assert_array_equal(np.asarray(cached[0]), np.asarray(prefix[0]))
     np.testing.assert_allclose(np.asarray(cached[1]), np.asarray(prefix[1]), rtol=1e-5)
 
