@@ -202,3 +202,16 @@ def test_first_argmax_equals_argmax_ties_included():
     assert int(decoding.first_argmax(logits)[1]) == 7        # the first of a tie
     nan_row = decoding.first_argmax(logits.at[0, 5].set(jnp.nan))
     assert 0 <= int(nan_row[0]) < 50                           # a valid id, never out of range
+
+
+@pytest.mark.parametrize("length", [4096, 4000, 300])
+def test_blocked_top_k_equals_lax_top_k_ties_and_inf_included(length):
+    rng = np.random.default_rng(length)
+    for high in (3, 50, 10_000):                 # few distinct values: ties everywhere
+        x = jnp.asarray(rng.integers(0, high, (6, length)).astype(np.float32))
+        x = x.at[0, :].set(-jnp.inf).at[1, : length // 2].set(-1e9).at[2, 7].set(jnp.inf)
+        for k in (1, 8):
+            expected = jax.lax.top_k(x, k)
+            got = decoding.blocked_top_k(x, k)
+            np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(expected[0]))
+            np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(expected[1]))
