@@ -111,6 +111,8 @@ def main():
     args = parser.parse_args()
     if args.quick:
         args.repeats, args.no_uncached = 1, True
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
     config = jf.TransformerConfig(
         src_vocab_size=args.vocab, tgt_vocab_size=args.vocab, d_model=args.d_model,
         num_heads=args.heads, d_ff=args.d_ff, num_encoder_layers=args.layers,

@@ -246,11 +246,14 @@ def main():
     parser.add_argument("--rounds", type=int, default=3,
                         help="alternating matmul / jaxformer / torch rounds (ratios: their median)")
     parser.add_argument("--skip-torch", action="store_true")
-    parser.add_argument("--quick", action="store_true", help="3 steps, 1 warm-up, 3 matmuls")
+    parser.add_argument("--quick", action="store_true", help="1 round of 3 steps, 1 warm-up, 3 matmuls")
     parser.add_argument("--only", choices=("torch",), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.quick:
         args.steps, args.warmup, args.matmul_repeats, args.rounds = 3, 1, 3, 1
+    for name in ("steps", "rounds", "matmul_repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
 
     if args.only == "torch":               # the subprocess half: one JSON line
         print(json.dumps(run_torch(args)))

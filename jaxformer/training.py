@@ -63,7 +63,13 @@ def label_smoothed_cross_entropy(logits_BTV, targets_BT, weights_BT, smoothing: 
     Returns:
       ``(loss_sum, nll_sum)`` float32 scalars: weighted sums of the smoothed loss and
       of the plain negative log-likelihood.
+
+    Raises:
+      ValueError: ``smoothing`` outside [0, 1).
     """
+    if not 0.0 <= smoothing < 1.0:
+        raise ValueError(f"smoothing must be in [0, 1) (the share of probability spread over "
+                         f"the other tokens), got {smoothing}.")
     chex.assert_rank(logits_BTV, 3)
     chex.assert_shape([targets_BT, weights_BT], logits_BTV.shape[:2])
     vocab = logits_BTV.shape[-1]
@@ -190,7 +196,13 @@ def projected_cross_entropy(decoder_output_BTD, kernel_DV, bias_V, targets_BT, w
     Returns:
       ``(loss_sum, nll_sum, correct)`` float32 scalars: weighted sums of the smoothed
       loss, of the plain NLL, and of positions whose reference has the largest logit.
+
+    Raises:
+      ValueError: ``smoothing`` outside [0, 1).
     """
+    if not 0.0 <= smoothing < 1.0:
+        raise ValueError(f"smoothing must be in [0, 1) (the share of probability spread over "
+                         f"the other tokens), got {smoothing}.")
     batch, length, d_model = decoder_output_BTD.shape
     chex.assert_shape(kernel_DV, (d_model, None))
     chex.assert_shape([targets_BT, weights_BT], (batch, length))
@@ -329,9 +341,9 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], rng: chex.PRNGKey
     bad batch, a diverging run), the update is skipped — parameters and optimizer
     state stay as they were, only ``step`` advances (the batch is consumed) — and the
     step is reported in ``metrics["skipped"]``. Its loss sums are zeroed so the
-    running averages stay finite. Detection costs one ``jnp.where`` per parameter and
-    no host sync; the host reads ``skipped`` with the other metrics every
-    ``log_every`` steps (see :func:`jaxformer.trainer.train`).
+    running averages stay finite. The choice is a ``lax.cond`` (only the taken branch
+    runs; no per-element select) and needs no host sync; the host reads ``skipped``
+    with the other metrics every ``log_every`` steps (see :func:`jaxformer.trainer.train`).
 
     Args:
       state: the train state (donated by the jitted wrapper).

@@ -202,6 +202,9 @@ def test_first_argmax_equals_argmax_ties_included():
     assert int(decoding.first_argmax(logits)[1]) == 7        # the first of a tie
     nan_row = decoding.first_argmax(logits.at[0, 5].set(jnp.nan))
     assert 0 <= int(nan_row[0]) < 50                           # a valid id, never out of range
+    assert decoding.first_argmax(logits[1]).shape == ()        # any rank, like argmax
+    np.testing.assert_array_equal(np.asarray(decoding.first_argmax(logits.reshape(2, 3, 50))),
+                                  np.asarray(jnp.argmax(logits, axis=-1)).reshape(2, 3))
 
 
 @pytest.mark.parametrize("length", [4096, 4000, 300])

@@ -101,8 +101,8 @@ def test_model_axis_must_divide_heads_ffn_and_vocab():
             mesh, jax.sharding.PartitionSpec("data")))
 
 
-def _train(mesh_spec, devices, steps=3, **train_kwargs):
-    model = jf.Transformer(_config())
+def _train(mesh_spec, devices, steps=3, config_overrides=(), **train_kwargs):
+    model = jf.Transformer(_config(**dict(config_overrides)))
     mesh = sharding.make_mesh(mesh_spec, devices)
     # SGD with momentum (state sharded like the params). Not Adam: its first steps move
     # each weight by about ±lr whatever the gradient's size, so a gradient that is 0 up
@@ -121,6 +121,18 @@ def _train(mesh_spec, devices, steps=3, **train_kwargs):
 def _reference_run():
     state, losses = _train("data=1,model=1", jax.devices()[:1])
     return jax.device_get(state.params), losses
+
+
+def test_untied_output_projection_trains_the_same_on_a_4x2_mesh():
+    """The fused projection loss with a vocabulary-sharded kernel and bias."""
+    untied = (("share_embeddings", False),)
+    ref_state, ref_losses = _train("data=1,model=1", jax.devices()[:1], config_overrides=untied)
+    state, losses = _train("data=4,model=2", jax.devices(), config_overrides=untied)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)
+    bias = state.params["output_projection"]["bias"]
+    assert bias.sharding.spec == jax.sharding.PartitionSpec("model")
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5),
+                           jax.device_get(state.params), jax.device_get(ref_state.params))
 
 
 @pytest.mark.parametrize("mesh_spec", ["data=8,model=1", "data=4,model=2", "data=2,model=4"])

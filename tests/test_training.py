@@ -134,6 +134,12 @@ def test_projected_cross_entropy_equals_projection_then_loss(smoothing, with_bia
     assert np.all(np.asarray(fused_grads[0][1, 3:]) == 0.0)
 
 
+def test_projected_cross_entropy_rejects_smoothing_outside_0_1():
+    x, kernel = jnp.ones((1, 2, 4)), jnp.ones((4, 5))
+    with pytest.raises(ValueError, match=r"smoothing must be in \[0, 1\)"):
+        projected_cross_entropy(x, kernel, None, jnp.zeros((1, 2), jnp.int32), jnp.ones((1, 2)), 1.0)
+
+
 def test_projected_cross_entropy_bfloat16_inputs():
     """bf16 activations and kernel: float32 results, gradients in the inputs' dtypes."""
     x = jax.random.normal(jax.random.key(0), (2, 4, 8), jnp.bfloat16)
