@@ -129,7 +129,8 @@ def _projected_cross_entropy_fwd(x_ND, kernel_DV, bias_V, targets_N, weights_N, 
     loss_N, nll_N, correct_N, probs_NV = _projected_loss_parts(x_ND, kernel_DV, bias_V, targets_N,
                                                              weights_N, smoothing)
     # The softmax part of d(loss)/d(logits) goes through the projection here, while
-    # the probabilities are at hand; they are not kept for the backward pass.
+    # the probabilities are at hand; the backward pass only scales these results and
+    # adds the one-hot and uniform parts (XLA may still schedule these dots late).
     weighted_NV = (probs_NV * weights_N[:, None]).astype(x_ND.dtype)
     dx_ND = jnp.dot(weighted_NV, kernel_DV.T, preferred_element_type=jnp.float32)
     dkernel_DV = jnp.dot(x_ND.T, weighted_NV, preferred_element_type=jnp.float32)
