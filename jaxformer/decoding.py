@@ -146,7 +146,10 @@ def blocked_top_k(x: jax.Array, k: int, block: int = 128) -> tuple[jax.Array, ja
     on a 2-core CPU.
 
     Returns:
-      ``(values, indices)`` of shape ``x.shape[:-1] + (k,)``, largest first.
+      ``(values, indices)`` of shape ``x.shape[:-1] + (k,)``, largest first; indices int32.
+
+    Raises:
+      ValueError: ``block < 1``.
     """
     if block < 1:
         raise ValueError(f"blocked_top_k: block must be >= 1, got {block}.")
