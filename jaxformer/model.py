@@ -191,13 +191,17 @@ class Transformer(nn.Module):
         ``tgt_segments`` (see :meth:`decode`); each pair then gets exactly the logits
         it would get alone.
         """
+        encoder_output = self._checked_encode(src, tgt, deterministic, src_segments)
+        return self.decode(encoder_output, src, tgt, deterministic=deterministic,
+                           src_segments=src_segments, tgt_segments=tgt_segments)
+
+    def _checked_encode(self, src, tgt, deterministic, src_segments):
+        """Validates both id arrays, then ``encode(src)``."""
         c = self.config
         check_token_ids(src, name="src", vocab_size=c.src_vocab_size, max_len=c.max_len)
         check_token_ids(tgt, name="tgt", vocab_size=c.tgt_vocab_size, max_len=c.max_len)
         check_same_batch(src, tgt)
-        encoder_output = self.encode(src, deterministic=deterministic, src_segments=src_segments)
-        return self.decode(encoder_output, src, tgt, deterministic=deterministic,
-                           src_segments=src_segments, tgt_segments=tgt_segments)
+        return self.encode(src, deterministic=deterministic, src_segments=src_segments)
 
     def features(self, src, tgt, *, deterministic: bool = True, src_segments=None, tgt_segments=None):
         """``__call__`` stopped before the logits, for losses that fuse the projection.
@@ -208,11 +212,7 @@ class Transformer(nn.Module):
           :func:`jaxformer.training.projected_cross_entropy`, which never builds the
           ``[B,T,V]`` logits in the backward pass.
         """
-        c = self.config
-        check_token_ids(src, name="src", vocab_size=c.src_vocab_size, max_len=c.max_len)
-        check_token_ids(tgt, name="tgt", vocab_size=c.tgt_vocab_size, max_len=c.max_len)
-        check_same_batch(src, tgt)
-        encoder_output = self.encode(src, deterministic=deterministic, src_segments=src_segments)
+        encoder_output = self._checked_encode(src, tgt, deterministic, src_segments)
         decoder_output = self.decoder_output(encoder_output, src, tgt, deterministic=deterministic,
                                              src_segments=src_segments, tgt_segments=tgt_segments)
         return (decoder_output, *self.output_projection_weights())

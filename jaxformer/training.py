@@ -67,18 +67,13 @@ def label_smoothed_cross_entropy(logits_BTV, targets_BT, weights_BT, smoothing: 
     Raises:
       ValueError: ``smoothing`` outside [0, 1).
     """
-    if not 0.0 <= smoothing < 1.0:
-        raise ValueError(f"smoothing must be in [0, 1) (the share of probability spread over "
-                         f"the other tokens), got {smoothing}.")
     chex.assert_rank(logits_BTV, 3)
     chex.assert_shape([targets_BT, weights_BT], logits_BTV.shape[:2])
-    vocab = logits_BTV.shape[-1]
+    confidence, low, normalizer = _smoothing_constants(smoothing, logits_BTV.shape[-1])
     log_probs = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
     nll_BT = -jnp.take_along_axis(log_probs, targets_BT[..., None], axis=-1)[..., 0]
     if smoothing > 0.0:
-        confidence, low = 1.0 - smoothing, smoothing / (vocab - 1)
         sum_others_BT = -jnp.sum(log_probs, axis=-1) - nll_BT
-        normalizer = -(confidence * jnp.log(confidence) + (vocab - 1) * low * jnp.log(low))
         loss_BT = confidence * nll_BT + low * sum_others_BT - normalizer
     else:
         loss_BT = nll_BT
@@ -86,7 +81,14 @@ def label_smoothed_cross_entropy(logits_BTV, targets_BT, weights_BT, smoothing: 
 
 
 def _smoothing_constants(smoothing: float, vocab: int):
-    """(confidence, low, normalizer) of the smoothed target distribution."""
+    """(confidence, low, normalizer) of the smoothed target distribution.
+
+    The normalizer is that distribution's entropy, so a perfect prediction has loss 0.
+    Raises ValueError for ``smoothing`` outside [0, 1).
+    """
+    if not 0.0 <= smoothing < 1.0:
+        raise ValueError(f"smoothing must be in [0, 1) (the share of probability spread over "
+                         f"the other tokens), got {smoothing}.")
     confidence, low = 1.0 - smoothing, smoothing / (vocab - 1)
     if not smoothing:
         return confidence, low, 0.0
@@ -131,10 +133,11 @@ def _projected_cross_entropy_fwd(x_ND, kernel_DV, bias_V, targets_N, weights_N, 
     # The softmax part of d(loss)/d(logits) goes through the projection here, while
     # the probabilities are at hand; the backward pass only scales these results and
     # adds the one-hot and uniform parts (XLA may still schedule these dots late).
-    weighted_NV = (probs_NV * weights_N[:, None]).astype(x_ND.dtype)
+    weighted_f32_NV = probs_NV * weights_N[:, None]
+    weighted_NV = weighted_f32_NV.astype(x_ND.dtype)
     dx_ND = jnp.dot(weighted_NV, kernel_DV.T, preferred_element_type=jnp.float32)
     dkernel_DV = jnp.dot(x_ND.T, weighted_NV, preferred_element_type=jnp.float32)
-    dbias_V = None if bias_V is None else jnp.sum(probs_NV * weights_N[:, None], axis=0)
+    dbias_V = None if bias_V is None else jnp.sum(weighted_f32_NV, axis=0)
     outputs = (jnp.sum(loss_N * weights_N), jnp.sum(nll_N * weights_N), jnp.sum(correct_N * weights_N))
     residuals = (x_ND, kernel_DV, bias_V, targets_N, weights_N, (loss_N, nll_N, correct_N), dx_ND,
                  dkernel_DV, dbias_V)
@@ -201,9 +204,7 @@ def projected_cross_entropy(decoder_output_BTD, kernel_DV, bias_V, targets_BT, w
     Raises:
       ValueError: ``smoothing`` outside [0, 1).
     """
-    if not 0.0 <= smoothing < 1.0:
-        raise ValueError(f"smoothing must be in [0, 1) (the share of probability spread over "
-                         f"the other tokens), got {smoothing}.")
+    _smoothing_constants(smoothing, kernel_DV.shape[-1])      # validates smoothing
     batch, length, d_model = decoder_output_BTD.shape
     chex.assert_shape(kernel_DV, (d_model, None))
     chex.assert_shape([targets_BT, weights_BT], (batch, length))
