@@ -73,11 +73,17 @@ def _train_log_steps(workdir):
 
 
 def _corrupt_step(workdir, step):
-    """A torn write: the largest data file of the step cut to 100 bytes."""
+    """A torn write: every data file of the step cut to 100 bytes.
+
+    Not just one file: OCDBT leaves superseded files in ``d/`` that the manifest no
+    longer references, so cutting one file does not make a step unreadable for sure.
+    (Cutting only the largest left a step readable once in CI; not reproduced here.)
+    """
     files = [p for p in (Path(workdir) / "checkpoints" / str(step) / "state").rglob("*")
              if p.is_file() and p.parent.name == "d"]
-    largest = max(files, key=lambda p: p.stat().st_size)
-    largest.write_bytes(largest.read_bytes()[:100])
+    assert files, f"no data files in step {step}"
+    for path in files:
+        path.write_bytes(path.read_bytes()[:100])
 
 
 @pytest.fixture(scope="module")
