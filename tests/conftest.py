@@ -13,3 +13,24 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+import pytest  # noqa: E402
+
+from jaxformer import data  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def short_corpus(tmp_path_factory):
+    """Short pairs of the shipped en-de corpus as TSV files: 2,000 train, 12 dev, 12 test.
+
+    Small enough that a tiny-preset run takes seconds; used by the resilience and the
+    multi-process trainer tests. Returns ``{"train"|"dev"|"test": Path}``.
+    """
+    pairs, _ = data.read_tsv(data.builtin_corpus_path("en-de"))
+    short = [p for p in pairs if len(p[0]) < 60 and len(p[1]) < 60]
+    root = tmp_path_factory.mktemp("corpus")
+    out = {}
+    for name, chunk in (("train", short[:2000]), ("dev", short[2000:2012]), ("test", short[2012:2024])):
+        out[name] = root / f"{name}.tsv"
+        out[name].write_text("".join(f"{s}\t{t}\n" for s, t in chunk))
+    return out

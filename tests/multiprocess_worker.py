@@ -4,6 +4,10 @@
 localhost (CPU, gloo collectives), trains a few steps on a ``data=4,model=2`` mesh over
 both processes' devices, feeding only this process's rows, and prints the losses as
 JSON. :func:`train_losses` is also the single-process reference.
+
+``python multiprocess_worker.py PORT PROCESS_ID CONFIG_JSON`` runs the whole trainer
+(:func:`jaxformer.trainer.train`, as ``train.py`` does) as one of the two processes,
+with the ``TrainConfig`` fields of ``CONFIG_JSON``, and prints its results as JSON.
 """
 
 from __future__ import annotations
@@ -59,6 +63,15 @@ if __name__ == "__main__":
 
     port, process_id = sys.argv[1], int(sys.argv[2])
     jax.config.update("jax_numpy_rank_promotion", "raise")
+    if len(sys.argv) > 3:   # the trainer initialises jax.distributed itself, from the config
+        from jaxformer.run_config import TrainConfig
+        from jaxformer.trainer import train
+
+        config = TrainConfig(**json.loads(sys.argv[3]), coordinator_address=f"localhost:{port}",
+                             num_processes=2, process_id=process_id)
+        results = train(config)
+        print(json.dumps({"process": jax.process_index(), "results": results}), flush=True)
+        sys.exit(0)
     sharding.initialize_distributed(f"localhost:{port}", num_processes=2, process_id=process_id)
     assert jax.process_count() == 2 and len(jax.devices()) == 8, jax.devices()
     print(json.dumps({"process": jax.process_index(), "losses": train_losses()}), flush=True)

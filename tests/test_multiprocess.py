@@ -1,16 +1,24 @@
-"""Two processes on localhost, 4 fake CPU devices each, train like one process (issue #5)."""
+"""Two processes on localhost, 4 fake CPU devices each, train like one process (issue #5):
+the train step alone, and the whole trainer (checkpoints, resume, evaluation, records)."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
+import orbax.checkpoint as ocp
 from multiprocess_worker import train_losses
+
+from jaxformer.run_config import TrainConfig
+from jaxformer.trainer import train
+from jaxformer.translate import Translator
 
 WORKER = Path(__file__).with_name("multiprocess_worker.py")
 TIMEOUT_S = 240   # never hang CI: both workers are killed after this
@@ -22,11 +30,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_match_one_process():
+def _run_two_processes(*args: str) -> list[tuple[dict, str]]:
+    """Runs the worker as processes 0 and 1 of one cluster.
+
+    Returns, in process order, each worker's last stdout line (JSON) and its whole stdout.
+    """
     port = _free_port()
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4",
                PYTHONPATH=os.pathsep.join([str(WORKER.parents[1]), os.environ.get("PYTHONPATH", "")]))
-    workers = [subprocess.Popen([sys.executable, str(WORKER), str(port), str(i)], env=env,
+    workers = [subprocess.Popen([sys.executable, str(WORKER), str(port), str(i), *args], env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                for i in range(2)]
     outputs = []
@@ -34,13 +46,76 @@ def test_two_processes_match_one_process():
         for worker in workers:
             out, err = worker.communicate(timeout=TIMEOUT_S)
             assert worker.returncode == 0, f"worker failed (exit {worker.returncode}):\n{err[-3000:]}"
-            outputs.append(json.loads(out.strip().splitlines()[-1]))
+            outputs.append((json.loads(out.strip().splitlines()[-1]), out))
     finally:
         for worker in workers:
             if worker.poll() is None:
                 worker.kill()
                 worker.communicate()
+    assert [o["process"] for o, _ in outputs] == [0, 1]
+    return outputs
+
+
+def test_two_processes_match_one_process():
+    outputs = [o for o, _ in _run_two_processes()]
     reference = train_losses()        # this process: 8 devices, the same data=4,model=2 mesh
-    assert sorted(o["process"] for o in outputs) == [0, 1]
     for output in outputs:
         np.testing.assert_allclose(output["losses"], reference, rtol=1e-5)
+
+
+def _params_at(workdir: Path, step: int) -> dict:
+    """The saved parameters of a step as NumPy arrays, whatever topology saved them."""
+    path = workdir / "checkpoints" / str(step) / "state"
+    checkpointer = ocp.PyTreeCheckpointer()
+    tree = checkpointer.metadata(path).item_metadata.tree
+    restore_args = jax.tree_util.tree_map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+    return checkpointer.restore(path, restore_args=restore_args)["params"]
+
+
+def _train_losses(workdir: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
+
+
+def test_two_process_trainer_resumes_and_matches_one_process(tmp_path, short_corpus, capsys):
+    """``train()`` as two processes on a data=4,model=2 mesh: both write the checkpoints, a
+    second launch resumes from them, process 0 alone logs and writes the records, the
+    losses and weights equal a one-process run on 8 devices, and a one-device
+    ``Translator`` reads the two-process checkpoints."""
+    config = dict(train_file=str(short_corpus["train"]), dev_file=str(short_corpus["dev"]),
+                  test_file=str(short_corpus["test"]), preset="tiny", vocab_size=300, max_len=32,
+                  batch_tokens=512, warmup_steps=10, eval_every=1000, dev_bleu_sentences=12,
+                  eval_batch_size=16, beam_size=1, log_every=2, checkpoint_every=4, progress=False,
+                  mesh="data=4,model=2")
+    two = tmp_path / "two"
+    first = _run_two_processes(json.dumps({**config, "workdir": str(two), "max_steps": 8}))
+    assert [o["results"]["final_step"] for o, _ in first] == [8, 8]
+    (result, out_0), (_, out_1) = _run_two_processes(
+        json.dumps({**config, "workdir": str(two), "max_steps": 12}))
+    assert "resumed" in out_0 and "at step 8" in out_0
+    assert "resumed" not in out_1 and "test BLEU" not in out_1   # process 0 alone speaks
+    assert result["results"]["final_step"] == 12
+    assert sorted(int(p.name) for p in (two / "checkpoints").iterdir() if p.name.isdigit()) == [4, 8, 12]
+    assert json.loads((two / "results.json").read_text())["final_step"] == 12
+
+    one = tmp_path / "one"   # the reference: this process, 8 devices, the same mesh and tokenizer
+    shutil.copytree(two / "tokenizer", one / "tokenizer")
+    assert train(TrainConfig(**config, workdir=str(one), max_steps=12))["final_step"] == 12
+    losses, reference = _train_losses(two), _train_losses(one)
+    assert sorted(losses) == [2, 4, 6, 8, 10, 12]   # one record per step, none repeated
+    np.testing.assert_allclose([losses[s] for s in sorted(losses)],
+                               [reference[s] for s in sorted(reference)], rtol=1e-5)
+    params = jax.tree_util.tree_flatten_with_path(_params_at(two, 12))[0]
+    reference_params = dict(jax.tree_util.tree_flatten_with_path(_params_at(one, 12))[0])
+    assert len(params) == len(reference_params)
+    for path, value in params:
+        name, expected = jax.tree_util.keystr(path), reference_params[path]
+        assert value.shape == expected.shape, name
+        # The attention key bias has a zero true gradient (it adds q·b to every key's score
+        # alike); Adam scales its round-off noise up, so only its shape is compared.
+        if not name.endswith("['key_bias']"):
+            np.testing.assert_allclose(value, expected, atol=5e-4, err_msg=name)
+
+    capsys.readouterr()
+    translator = Translator(two)
+    assert translator.step in (4, 8, 12) and len(translator(["Click OK."], beam_size=1)) == 1
