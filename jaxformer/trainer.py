@@ -349,7 +349,7 @@ class TrainingDiverged(RuntimeError):
 
 
 class PreemptionGuard:
-    """Turns SIGTERM and SIGINT into a flag that the training loop checks between steps.
+    """Turns SIGTERM and SIGINT into a stop that the training loop checks between steps.
 
     A preemptible machine sends SIGTERM some seconds before it is taken away; Ctrl-C
     sends SIGINT. Either lets the current step finish, then the trainer writes a
@@ -357,30 +357,69 @@ class PreemptionGuard:
     one line (no traceback, no save); the last complete checkpoint is still there,
     since orbax writes steps atomically. Outside the main thread (where Python cannot
     install handlers) the guard does nothing.
+
+    With several processes (``multi_process=True``) all of them must stop at the same
+    step, or the ones still training wait forever in a collective. SIGTERM is then left
+    to JAX's preemption service (installed by ``jax.distributed.initialize``), which
+    spreads the notice and picks the step (``multihost_utils.reached_preemption_sync_point``,
+    checked at every step); a SIGINT is passed on to it as a SIGTERM.
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self):
+    def __init__(self, multi_process: bool = False):
         self.received: int | None = None
+        self.multi_process = multi_process
+        self._interrupted = False
         self._previous: dict[int, Any] = {}
 
     def _handle(self, signum, frame):
-        if self.received is not None and signum == signal.SIGINT:
+        if signum == signal.SIGINT and (self._interrupted or self.received is not None):
             sys.stderr.write("second interrupt: stopped at once without saving; run the same "
                              "command again to resume from the newest complete checkpoint\n")
             sys.stderr.flush()
             os._exit(128 + signal.SIGINT)
-        self.received = signum
+        if self.multi_process:   # only SIGINT comes here: hand it to the preemption service
+            self._interrupted = True
+            os.kill(os.getpid(), signal.SIGTERM)
+        else:
+            self.received = signum
+
+    def stop_requested(self, step: int) -> bool:
+        """Whether to stop before training ``step + 1``; call it at every step.
+
+        With several processes every one must call it at every step with the same
+        ``step``; they all get ``True`` at the same step.
+        """
+        if self.multi_process and self.received is None:
+            from jax.experimental import multihost_utils
+
+            if multihost_utils.reached_preemption_sync_point(step):
+                self.received = signal.SIGTERM
+        return self.received is not None
 
     def __enter__(self) -> PreemptionGuard:
         if threading.current_thread() is threading.main_thread():
-            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+            signals = (signal.SIGINT,) if self.multi_process else self.SIGNALS
+            self._previous = {s: signal.signal(s, self._handle) for s in signals}
         return self
 
     def __exit__(self, *exc) -> None:
         for s, handler in self._previous.items():
             signal.signal(s, handler)
+
+
+def _past_deadline(deadline: float, step: int, every: int) -> bool:
+    """Whether the ``--max-minutes`` budget is spent. With several processes the clocks
+    differ, so they agree (any one past it) every ``every`` steps, on the same step."""
+    if jax.process_count() == 1:
+        return time.perf_counter() > deadline
+    if step % every:
+        return False
+    from jax.experimental import multihost_utils
+
+    past = multihost_utils.process_allgather(np.asarray(time.perf_counter() > deadline))
+    return bool(np.any(past))
 
 
 def _set_aside_metrics_after(path: Path, step: int) -> None:
@@ -558,12 +597,12 @@ def train(cfg: TrainConfig, *, fresh: bool = False) -> dict[str, Any]:
             f"clean logging window; step {checkpoints.latest_step()} stays the newest checkpoint")
         return False
 
-    with PreemptionGuard() as guard:
+    with PreemptionGuard(multi_process=jax.process_count() > 1) as guard:
         while step < cfg.max_steps:
-            if guard.received is not None:
+            if guard.stop_requested(step):
                 stopped_by = signal.Signals(guard.received).name
                 break
-            if deadline is not None and time.perf_counter() > deadline:
+            if deadline is not None and _past_deadline(deadline, step, cfg.log_every):
                 stopped_by = "max_minutes"
                 break
             batch = next(iterator)

@@ -7,7 +7,11 @@ JSON. :func:`train_losses` is also the single-process reference.
 
 ``python multiprocess_worker.py PORT PROCESS_ID CONFIG_JSON`` runs the whole trainer
 (:func:`jaxformer.trainer.train`, as ``train.py`` does) as one of the two processes,
-with the ``TrainConfig`` fields of ``CONFIG_JSON``, and prints its results as JSON.
+with the ``TrainConfig`` fields of ``CONFIG_JSON``, and prints its results as JSON
+(or, when it was preempted, the step it stopped at). With ``SIGTERM_AT_STEP=N`` in
+its environment the process sends itself SIGTERM before its N-th train step, as a
+preempting scheduler would, and from then on every step takes 0.3 s longer, so the
+preemption notice reaches the other process well before the run's last step.
 """
 
 from __future__ import annotations
@@ -64,13 +68,36 @@ if __name__ == "__main__":
     port, process_id = sys.argv[1], int(sys.argv[2])
     jax.config.update("jax_numpy_rank_promotion", "raise")
     if len(sys.argv) > 3:   # the trainer initialises jax.distributed itself, from the config
+        import os
+        import signal
+        import time
+
+        from jaxformer import trainer
         from jaxformer.run_config import TrainConfig
-        from jaxformer.trainer import train
+
+        if "SIGTERM_AT_STEP" in os.environ:
+            real_jit_train_step, signal_at = trainer.jit_train_step, int(os.environ["SIGTERM_AT_STEP"])
+
+            def jit_train_step(*args, **kwargs):
+                step, calls = real_jit_train_step(*args, **kwargs), [0]
+
+                def stepped(*a, **k):
+                    calls[0] += 1
+                    if calls[0] == signal_at:
+                        os.kill(os.getpid(), signal.SIGTERM)
+                    if calls[0] >= signal_at:
+                        time.sleep(0.3)
+                    return step(*a, **k)
+                return stepped
+            trainer.jit_train_step = jit_train_step
 
         config = TrainConfig(**json.loads(sys.argv[3]), coordinator_address=f"localhost:{port}",
                              num_processes=2, process_id=process_id)
-        results = train(config)
-        print(json.dumps({"process": jax.process_index(), "results": results}), flush=True)
+        try:
+            output = {"results": trainer.train(config)}
+        except trainer.Preempted as stop:
+            output = {"preempted_at": stop.step, "signal": signal.Signals(stop.signum).name}
+        print(json.dumps({"process": jax.process_index(), **output}), flush=True)
         sys.exit(0)
     sharding.initialize_distributed(f"localhost:{port}", num_processes=2, process_id=process_id)
     assert jax.process_count() == 2 and len(jax.devices()) == 8, jax.devices()

@@ -16,6 +16,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from multiprocess_worker import train_losses
 
+from jaxformer.checkpoints import RunCheckpoints
 from jaxformer.run_config import TrainConfig
 from jaxformer.trainer import train
 from jaxformer.translate import Translator
@@ -30,15 +31,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_two_processes(*args: str) -> list[tuple[dict, str]]:
-    """Runs the worker as processes 0 and 1 of one cluster.
+def _run_two_processes(*args: str, env_1: dict[str, str] | None = None) -> list[tuple[dict, str]]:
+    """Runs the worker as processes 0 and 1 of one cluster (``env_1``: extra environment
+    of process 1).
 
     Returns, in process order, each worker's last stdout line (JSON) and its whole stdout.
     """
     port = _free_port()
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4",
                PYTHONPATH=os.pathsep.join([str(WORKER.parents[1]), os.environ.get("PYTHONPATH", "")]))
-    workers = [subprocess.Popen([sys.executable, str(WORKER), str(port), str(i), *args], env=env,
+    workers = [subprocess.Popen([sys.executable, str(WORKER), str(port), str(i), *args],
+                                env={**env, **(env_1 or {})} if i == 1 else env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                for i in range(2)]
     outputs = []
@@ -77,36 +80,45 @@ def _train_losses(workdir: Path) -> dict[int, float]:
     return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
 
 
-def test_two_process_trainer_resumes_and_matches_one_process(tmp_path, short_corpus, capsys):
-    """``train()`` as two processes on a data=4,model=2 mesh: both write the checkpoints, a
-    second launch resumes from them, process 0 alone logs and writes the records, the
-    losses and weights equal a one-process run on 8 devices, and a one-device
-    ``Translator`` reads the two-process checkpoints."""
+def test_two_process_trainer_preempted_resumes_and_matches_one_process(
+        tmp_path, short_corpus, capsys):
+    """``train()`` as two processes on a data=4,model=2 mesh. SIGTERM reaches process 1
+    only, before its 6th step: both processes stop at the same step (JAX's preemption
+    sync point) with a checkpoint there, a second launch resumes from it, process 0
+    alone logs and writes the records, the losses and weights equal an uninterrupted
+    one-process run on 8 devices, and a one-device ``Translator`` reads the checkpoints."""
     config = dict(train_file=str(short_corpus["train"]), dev_file=str(short_corpus["dev"]),
                   test_file=str(short_corpus["test"]), preset="tiny", vocab_size=300, max_len=32,
                   batch_tokens=512, warmup_steps=10, eval_every=1000, dev_bleu_sentences=12,
                   eval_batch_size=16, beam_size=1, log_every=2, checkpoint_every=4, progress=False,
-                  mesh="data=4,model=2")
-    two = tmp_path / "two"
-    first = _run_two_processes(json.dumps({**config, "workdir": str(two), "max_steps": 8}))
-    assert [o["results"]["final_step"] for o, _ in first] == [8, 8]
+                  mesh="data=4,model=2",
+                  max_minutes=60)   # not reached; the processes agree on it every log_every steps
+    two, last = tmp_path / "two", 30
+    first = _run_two_processes(json.dumps({**config, "workdir": str(two), "max_steps": last}),
+                               env_1={"SIGTERM_AT_STEP": "6"})
+    stops = {o["preempted_at"] for o, _ in first}
+    assert len(stops) == 1 and [o["signal"] for o, _ in first] == ["SIGTERM"] * 2, first
+    stop = stops.pop()
+    assert 6 <= stop < last
+    assert RunCheckpoints(two, read_only=True).latest_step() == stop
+    assert "SIGTERM received: stopped at step" in first[0][1]
+
     (result, out_0), (_, out_1) = _run_two_processes(
-        json.dumps({**config, "workdir": str(two), "max_steps": 12}))
-    assert "resumed" in out_0 and "at step 8" in out_0
+        json.dumps({**config, "workdir": str(two), "max_steps": last}))
+    assert "resumed" in out_0 and f"at step {stop}" in out_0
     assert "resumed" not in out_1 and "test BLEU" not in out_1   # process 0 alone speaks
-    assert result["results"]["final_step"] == 12
-    assert sorted(int(p.name) for p in (two / "checkpoints").iterdir() if p.name.isdigit()) == [4, 8, 12]
-    assert json.loads((two / "results.json").read_text())["final_step"] == 12
+    assert result["results"]["final_step"] == last
+    assert json.loads((two / "results.json").read_text())["final_step"] == last
 
     one = tmp_path / "one"   # the reference: this process, 8 devices, the same mesh and tokenizer
     shutil.copytree(two / "tokenizer", one / "tokenizer")
-    assert train(TrainConfig(**config, workdir=str(one), max_steps=12))["final_step"] == 12
+    assert train(TrainConfig(**config, workdir=str(one), max_steps=last))["final_step"] == last
     losses, reference = _train_losses(two), _train_losses(one)
-    assert sorted(losses) == [2, 4, 6, 8, 10, 12]   # one record per step, none repeated
+    assert sorted(losses) == list(range(2, last + 1, 2))   # one record per step, none repeated
     np.testing.assert_allclose([losses[s] for s in sorted(losses)],
                                [reference[s] for s in sorted(reference)], rtol=1e-5)
-    params = jax.tree_util.tree_flatten_with_path(_params_at(two, 12))[0]
-    reference_params = dict(jax.tree_util.tree_flatten_with_path(_params_at(one, 12))[0])
+    params = jax.tree_util.tree_flatten_with_path(_params_at(two, last))[0]
+    reference_params = dict(jax.tree_util.tree_flatten_with_path(_params_at(one, last))[0])
     assert len(params) == len(reference_params)
     for path, value in params:
         name, expected = jax.tree_util.keystr(path), reference_params[path]
@@ -118,4 +130,4 @@ def test_two_process_trainer_resumes_and_matches_one_process(tmp_path, short_cor
 
     capsys.readouterr()
     translator = Translator(two)
-    assert translator.step in (4, 8, 12) and len(translator(["Click OK."], beam_size=1)) == 1
+    assert translator.step <= last and len(translator(["Click OK."], beam_size=1)) == 1
