@@ -66,6 +66,22 @@ def _stderr(message: str) -> None:
     print(message, file=sys.stderr)
 
 
+class _CheckpointManager(ocp.CheckpointManager):
+    """An orbax ``CheckpointManager`` that leaves JAX's preemption sync point alone.
+
+    The trainer owns the multi-process preemption protocol
+    (:class:`jaxformer.trainer.PreemptionGuard` asks
+    ``multihost_utils.reached_preemption_sync_point`` once per step). Orbax would also
+    report the step of each save to it, from ``save`` and from its background
+    finalize thread, which by then lags the training loop: a stale step reported
+    there can make the processes pick different stop steps and wait on each other
+    forever. The trainer saves explicitly when preempted, so orbax needs no signal.
+    """
+
+    def reached_preemption(self, step: int) -> bool:
+        return False
+
+
 class RunCheckpoints:
     """The two checkpoint managers of a run directory."""
 
@@ -79,10 +95,10 @@ class RunCheckpoints:
         self.workdir = workdir = Path(workdir).absolute()
         # (Not orbax's own read_only option: it logs warnings on every open.)
         common = dict(create=not read_only, cleanup_tmp_directories=not read_only)
-        self.latest = ocp.CheckpointManager(
+        self.latest = _CheckpointManager(
             workdir / "checkpoints", item_names=("state", "data"),
             options=ocp.CheckpointManagerOptions(max_to_keep=keep, **common))
-        self.best = ocp.CheckpointManager(
+        self.best = _CheckpointManager(
             workdir / "best", item_names=("params",),
             options=ocp.CheckpointManagerOptions(max_to_keep=1, best_fn=lambda m: m["bleu"],
                                                  best_mode="max", **common))

@@ -362,7 +362,11 @@ class PreemptionGuard:
     step, or the ones still training wait forever in a collective. SIGTERM is then left
     to JAX's preemption service (installed by ``jax.distributed.initialize``), which
     spreads the notice and picks the step (``multihost_utils.reached_preemption_sync_point``,
-    checked at every step); a SIGINT is passed on to it as a SIGTERM.
+    asked once per step); a SIGINT is passed on to it as a SIGTERM, so the run stops
+    as preempted (exit 143). The stop comes at the agreed step, about a second and a
+    few steps after the signal; a signal that arrives after the loop (final
+    evaluation) is only recorded by JAX and the run finishes. If JAX's preemption
+    service is turned off (``jax_enable_preemption_service``), signals are not caught.
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -371,6 +375,7 @@ class PreemptionGuard:
         self.received: int | None = None
         self.multi_process = multi_process
         self._interrupted = False
+        self._checks = 0   # sync-point ids count from 0 in every launch (see stop_requested)
         self._previous: dict[int, Any] = {}
 
     def _handle(self, signum, frame):
@@ -385,17 +390,27 @@ class PreemptionGuard:
         else:
             self.received = signum
 
-    def stop_requested(self, step: int) -> bool:
-        """Whether to stop before training ``step + 1``; call it at every step.
+    def stop_requested(self) -> bool:
+        """Whether to stop before the next step; call it once per step.
 
-        With several processes every one must call it at every step with the same
-        ``step``; they all get ``True`` at the same step.
+        With several processes every one must call it once per step, from the same
+        first step on; they all get ``True`` at the same step. The ids given to JAX's
+        sync point are this launch's check count, not the training step: a notice that
+        arrives before the first check (during a resumed run's start-up) is set to id
+        1, which a step count that starts at the restored step would never meet.
         """
         if self.multi_process and self.received is None:
             from jax.experimental import multihost_utils
 
-            if multihost_utils.reached_preemption_sync_point(step):
-                self.received = signal.SIGTERM
+            try:
+                if multihost_utils.reached_preemption_sync_point(self._checks):
+                    self.received = signal.SIGTERM
+            except RuntimeError as error:   # jax_enable_preemption_service is off
+                log(f"multi-process run without JAX's preemption service "
+                    f"({str(error).splitlines()[0]}); SIGTERM and Ctrl-C will not checkpoint")
+                self.multi_process = False
+                self.__exit__()   # give SIGINT back: one process alone must not stop
+            self._checks += 1
         return self.received is not None
 
     def __enter__(self) -> PreemptionGuard:
@@ -599,7 +614,7 @@ def train(cfg: TrainConfig, *, fresh: bool = False) -> dict[str, Any]:
 
     with PreemptionGuard(multi_process=jax.process_count() > 1) as guard:
         while step < cfg.max_steps:
-            if guard.stop_requested(step):
+            if guard.stop_requested():
                 stopped_by = signal.Signals(guard.received).name
                 break
             if deadline is not None and _past_deadline(deadline, step, cfg.log_every):

@@ -10,7 +10,8 @@ JSON. :func:`train_losses` is also the single-process reference.
 with the ``TrainConfig`` fields of ``CONFIG_JSON``, and prints its results as JSON
 (or, when it was preempted, the step it stopped at). With ``SIGTERM_AT_STEP=N`` in
 its environment the process sends itself SIGTERM before its N-th train step, as a
-preempting scheduler would, and from then on every step takes 0.3 s longer, so the
+preempting scheduler would; with ``SIGTERM_AT_STEP=restore`` right after it restored a
+checkpoint, still starting up. From then on every step takes 0.3 s longer, so the
 preemption notice reaches the other process well before the run's last step.
 """
 
@@ -75,17 +76,29 @@ if __name__ == "__main__":
         from jaxformer import trainer
         from jaxformer.run_config import TrainConfig
 
-        if "SIGTERM_AT_STEP" in os.environ:
-            real_jit_train_step, signal_at = trainer.jit_train_step, int(os.environ["SIGTERM_AT_STEP"])
+        signal_at = os.environ.get("SIGTERM_AT_STEP")
+        signalled = [False]
+        if signal_at == "restore":
+            real_restore = trainer.RunCheckpoints.restore_latest
+
+            def restore_latest(*args, **kwargs):
+                restored = real_restore(*args, **kwargs)
+                os.kill(os.getpid(), signal.SIGTERM)
+                signalled[0] = True
+                return restored
+            trainer.RunCheckpoints.restore_latest = restore_latest
+        if signal_at is not None:
+            real_jit_train_step = trainer.jit_train_step
 
             def jit_train_step(*args, **kwargs):
                 step, calls = real_jit_train_step(*args, **kwargs), [0]
 
                 def stepped(*a, **k):
                     calls[0] += 1
-                    if calls[0] == signal_at:
+                    if signal_at.isdigit() and calls[0] == int(signal_at):
                         os.kill(os.getpid(), signal.SIGTERM)
-                    if calls[0] >= signal_at:
+                        signalled[0] = True
+                    if signalled[0]:
                         time.sleep(0.3)
                     return step(*a, **k)
                 return stepped

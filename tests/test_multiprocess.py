@@ -84,27 +84,35 @@ def test_two_process_trainer_preempted_resumes_and_matches_one_process(
         tmp_path, short_corpus, capsys):
     """``train()`` as two processes on a data=4,model=2 mesh. SIGTERM reaches process 1
     only, before its 6th step: both processes stop at the same step (JAX's preemption
-    sync point) with a checkpoint there, a second launch resumes from it, process 0
-    alone logs and writes the records, the losses and weights equal an uninterrupted
-    one-process run on 8 devices, and a one-device ``Translator`` reads the checkpoints."""
+    sync point) with a checkpoint there. The second launch gets SIGTERM on process 1
+    while it is still starting up, and also stops after a step or more; the third
+    resumes and finishes. Process 0 alone logs and writes the records, the losses and
+    weights equal an uninterrupted one-process run on 8 devices, and a one-device
+    ``Translator`` reads the checkpoints."""
     config = dict(train_file=str(short_corpus["train"]), dev_file=str(short_corpus["dev"]),
                   test_file=str(short_corpus["test"]), preset="tiny", vocab_size=300, max_len=32,
                   batch_tokens=512, warmup_steps=10, eval_every=1000, dev_bleu_sentences=12,
-                  eval_batch_size=16, beam_size=1, log_every=2, checkpoint_every=4, progress=False,
+                  eval_batch_size=16, beam_size=1, checkpoint_every=4, progress=False,
                   mesh="data=4,model=2",
+                  log_every=1,      # a resume at any step leaves no partly logged window
                   max_minutes=60)   # not reached; the processes agree on it every log_every steps
     two, last = tmp_path / "two", 30
-    first = _run_two_processes(json.dumps({**config, "workdir": str(two), "max_steps": last}),
-                               env_1={"SIGTERM_AT_STEP": "6"})
-    stops = {o["preempted_at"] for o, _ in first}
-    assert len(stops) == 1 and [o["signal"] for o, _ in first] == ["SIGTERM"] * 2, first
-    stop = stops.pop()
-    assert 6 <= stop < last
-    assert RunCheckpoints(two, read_only=True).latest_step() == stop
-    assert "SIGTERM received: stopped at step" in first[0][1]
+    arguments = json.dumps({**config, "workdir": str(two), "max_steps": last})
 
-    (result, out_0), (_, out_1) = _run_two_processes(
-        json.dumps({**config, "workdir": str(two), "max_steps": last}))
+    def preempted(signal_at: str, after: int) -> int:
+        outputs = _run_two_processes(arguments, env_1={"SIGTERM_AT_STEP": signal_at})
+        stops = {o.get("preempted_at") for o, _ in outputs}
+        assert len(stops) == 1 and [o.get("signal") for o, _ in outputs] == ["SIGTERM"] * 2, outputs
+        stop = stops.pop()
+        assert after < stop < last
+        assert RunCheckpoints(two, read_only=True).latest_step() == stop
+        assert "SIGTERM received: stopped at step" in outputs[0][1]
+        return stop
+
+    stop = preempted("6", after=5)
+    stop = preempted("restore", after=stop)   # the notice comes before the first step
+
+    (result, out_0), (_, out_1) = _run_two_processes(arguments)
     assert "resumed" in out_0 and f"at step {stop}" in out_0
     assert "resumed" not in out_1 and "test BLEU" not in out_1   # process 0 alone speaks
     assert result["results"]["final_step"] == last
@@ -114,7 +122,7 @@ def test_two_process_trainer_preempted_resumes_and_matches_one_process(
     shutil.copytree(two / "tokenizer", one / "tokenizer")
     assert train(TrainConfig(**config, workdir=str(one), max_steps=last))["final_step"] == last
     losses, reference = _train_losses(two), _train_losses(one)
-    assert sorted(losses) == list(range(2, last + 1, 2))   # one record per step, none repeated
+    assert sorted(losses) == list(range(1, last + 1))   # one record per step, none repeated
     np.testing.assert_allclose([losses[s] for s in sorted(losses)],
                                [reference[s] for s in sorted(reference)], rtol=1e-5)
     params = jax.tree_util.tree_flatten_with_path(_params_at(two, last))[0]
