@@ -35,11 +35,12 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxformer import data as data_lib
+from jaxformer import batching
 from jaxformer.config import preset
+from jaxformer.corpus import load_splits
 from jaxformer.model import Transformer
 from jaxformer.run_config import DEFAULT_CPU_RUN, TrainConfig
-from jaxformer.trainer import load_or_train_tokenizer, load_splits
+from jaxformer.tokenizer import load_or_train_tokenizer
 from jaxformer.training import create_train_state, jit_train_step, make_optimizer, transformer_schedule
 from jaxformer.validation import check_token_ids
 
@@ -49,16 +50,16 @@ def prepare(cfg: TrainConfig):
     splits, _ = load_splits(cfg)
     cache = Path(tempfile.gettempdir()) / f"jaxformer-bench-{cfg.pair}-{cfg.vocab_size}"
     tokenizer = load_or_train_tokenizer(cache, splits["train"], cfg.vocab_size)
-    examples = data_lib.tokenize_pairs(splits["train"], tokenizer, cfg.max_train_len)
+    examples = batching.tokenize_pairs(splits["train"], tokenizer, cfg.max_train_len)
     return examples, tokenizer
 
 
 def epoch_batches(examples, cfg: TrainConfig, pack: bool):
-    boundaries = data_lib.bucket_boundaries(cfg.max_train_len)
+    boundaries = batching.bucket_boundaries(cfg.max_train_len)
     if pack:
-        return data_lib.pack_batches(examples, cfg.batch_tokens, boundaries[-1], cfg.seed,
+        return batching.pack_batches(examples, cfg.batch_tokens, boundaries[-1], cfg.seed,
                                      jax.local_device_count())
-    return data_lib.bucket_batches(examples, cfg.batch_tokens, boundaries, cfg.seed, jax.local_device_count())
+    return batching.bucket_batches(examples, cfg.batch_tokens, boundaries, cfg.seed, jax.local_device_count())
 
 
 def fractions_line(fractions):
@@ -74,15 +75,15 @@ def run(examples, tokenizer, cfg: TrainConfig, pack: bool, steps: int) -> dict:
                                make_optimizer(transformer_schedule(config.d_model, cfg.warmup_steps,
                                                                    cfg.lr_scale)))
     step_fn = jit_train_step(model, cfg.label_smoothing)
-    dataset = data_lib.train_dataset(examples, batch_tokens=cfg.batch_tokens,
-                                     boundaries=data_lib.bucket_boundaries(cfg.max_train_len),
+    dataset = batching.train_dataset(examples, batch_tokens=cfg.batch_tokens,
+                                     boundaries=batching.bucket_boundaries(cfg.max_train_len),
                                      seed=cfg.seed, pad_id=tokenizer.pad_id, bos_id=tokenizer.bos_id,
                                      eos_id=tokenizer.eos_id, row_multiple=jax.local_device_count(),
                                      pack=pack)
     iterator = iter(dataset)
     rng = jax.random.key(1)
     # Compile every shape first: one real batch of each (the dataset's own collate).
-    build = data_lib.collate_packed if pack else data_lib.collate
+    build = batching.collate_packed if pack else batching.collate
     start = time.perf_counter()
     for length, rows in shapes:
         indices = next(idx for L, idx in batches if (L, len(idx)) == (length, rows))
@@ -108,7 +109,7 @@ def run(examples, tokenizer, cfg: TrainConfig, pack: bool, steps: int) -> dict:
              "both": 1 - (counts["src_real"] + counts["tgt_real"]) / (2 * processed)}
     return {"batches_per_epoch": len(batches), "shapes": shapes, "compiles": step_fn._cache_size(),
             "compile_s": compile_s, "seconds": seconds, "steps": steps,
-            "epoch_padding": data_lib.padding_fraction(examples, batches), "timed_padding": timed,
+            "epoch_padding": batching.padding_fraction(examples, batches), "timed_padding": timed,
             "real_tokens_per_s": (counts["src_real"] + counts["tgt_real"]) / seconds,
             "tgt_tokens_per_s": counts["tgt_real"] / seconds,
             "loss": float(metrics["loss_sum"]) / max(float(metrics["tokens"]), 1.0)}
@@ -129,7 +130,7 @@ def main():
     examples, tokenizer = prepare(cfg)
     print(f"config: shipped {cfg.pair} train split, {len(examples)} pairs <= {cfg.max_train_len} tokens, "
           f"sentencepiece {tokenizer.vocab_size}, batch_tokens {cfg.batch_tokens}, preset {cfg.preset}, "
-          f"buckets {data_lib.bucket_boundaries(cfg.max_train_len)}, {jax.local_device_count()} device(s), "
+          f"buckets {batching.bucket_boundaries(cfg.max_train_len)}, {jax.local_device_count()} device(s), "
           f"{args.steps} timed steps ({time.perf_counter() - start:.1f}s to prepare)", flush=True)
     modes = {"bucket": [False], "pack": [True], "both": [False, True]}[args.batching]
     results = {}
@@ -139,7 +140,7 @@ def main():
             batches = epoch_batches(examples, cfg, pack)
             shapes = sorted({(length, len(idx)) for length, idx in batches})
             print(f"{name:6s}: {len(batches)} batches/epoch, {len(shapes)} shapes (= compiles), "
-                  f"padding {fractions_line(data_lib.padding_fraction(examples, batches))}")
+                  f"padding {fractions_line(batching.padding_fraction(examples, batches))}")
             continue
         r = results[name] = run(examples, tokenizer, cfg, pack, args.steps)
         print(f"{name:6s}: {r['batches_per_epoch']} batches/epoch, {r['compiles']} compiles "

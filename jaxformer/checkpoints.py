@@ -70,7 +70,7 @@ class _CheckpointManager(ocp.CheckpointManager):
     """An orbax ``CheckpointManager`` that leaves JAX's preemption sync point alone.
 
     The trainer owns the multi-process preemption protocol
-    (:class:`jaxformer.trainer.PreemptionGuard` asks
+    (:class:`jaxformer.preemption.PreemptionGuard` asks
     ``multihost_utils.reached_preemption_sync_point`` once per step). Orbax would also
     report the step of each save to it, from ``save`` and from its background
     finalize thread, which by then lags the training loop: a stale step reported

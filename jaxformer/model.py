@@ -102,7 +102,7 @@ class Transformer(nn.Module):
     def encode(self, src, *, deterministic: bool = True, src_segments=None):
         """Source ids ``[B, S]`` int → ``encoder_output [B, S, D]``.
 
-        ``src_segments`` (int ``[B, S]``, packed rows; see :func:`jaxformer.data.collate_packed`):
+        ``src_segments`` (int ``[B, S]``, packed rows; see :func:`jaxformer.batching.collate_packed`):
         each position attends only within its segment, positions restart per segment.
 
         Raises:

@@ -204,7 +204,7 @@ def shard_batch(batch: Mapping[str, np.ndarray], sharding: NamedSharding) -> dic
 
     With one process the local batch is the whole batch. With several, each process
     passes only its own contiguous block of rows (see ``process_index`` in
-    :func:`jaxformer.data.train_dataset`) and the global batch has
+    :func:`jaxformer.batching.train_dataset`) and the global batch has
     ``process_count ×`` as many rows.
 
     Args:

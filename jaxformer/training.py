@@ -281,7 +281,7 @@ def abstract_train_state(model: Transformer, tx: optax.GradientTransformation, m
 
 def _batch_loss(params, batch, rng, *, model: Transformer, smoothing: float, deterministic: bool):
     pad_id = model.config.pad_id
-    # Packed batches (jaxformer.data.collate_packed) carry segment ids; bucketed ones do not.
+    # Packed batches (jaxformer.batching.collate_packed) carry segment ids; bucketed ones do not.
     decoder_output, kernel, bias = model.apply(
         {"params": params}, batch["src"], batch["tgt_in"], deterministic=deterministic,
         rngs={"dropout": rng}, src_segments=batch.get("src_segments"),

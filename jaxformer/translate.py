@@ -23,8 +23,9 @@ from flax import linen as nn
 
 from jaxformer.checkpoints import RunCheckpoints
 from jaxformer.config import TransformerConfig
-from jaxformer.data import Tokenizer
+from jaxformer.evaluation import Evaluator
 from jaxformer.model import Transformer
+from jaxformer.tokenizer import Tokenizer
 
 
 class Translator:
@@ -36,8 +37,6 @@ class Translator:
     """
 
     def __init__(self, workdir: str | Path, batch_size: int = 32):
-        from jaxformer.trainer import Evaluator
-
         workdir = Path(workdir)
         config_path = workdir / "config.json"
         if not config_path.exists():

@@ -36,9 +36,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def write_corpus(root: Path) -> dict[str, Path]:
-    from jaxformer import data
+    from jaxformer import corpus
 
-    pairs, _ = data.read_tsv(data.builtin_corpus_path("en-de"))
+    pairs, _ = corpus.read_tsv(corpus.builtin_corpus_path("en-de"))
     short = [p for p in pairs if len(p[0]) < 60 and len(p[1]) < 60]
     files = {}
     for name, chunk in (("train", short[:3000]), ("dev", short[3000:3020]), ("test", short[3020:3040])):

@@ -16,7 +16,7 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 
 import pytest  # noqa: E402
 
-from jaxformer import data  # noqa: E402
+from jaxformer import corpus  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -26,7 +26,7 @@ def short_corpus(tmp_path_factory):
     Small enough that a tiny-preset run takes seconds; used by the resilience and the
     multi-process trainer tests. Returns ``{"train"|"dev"|"test": Path}``.
     """
-    pairs, _ = data.read_tsv(data.builtin_corpus_path("en-de"))
+    pairs, _ = corpus.read_tsv(corpus.builtin_corpus_path("en-de"))
     short = [p for p in pairs if len(p[0]) < 60 and len(p[1]) < 60]
     root = tmp_path_factory.mktemp("corpus")
     out = {}

@@ -5,22 +5,23 @@ import gzip
 import numpy as np
 import pytest
 
-from jaxformer import data
+from jaxformer import batching, corpus
+from jaxformer.tokenizer import Tokenizer
 
 
 def test_shipped_corpora_are_real_and_large():
-    for pair in data.PAIRS:
-        pairs, report = data.read_tsv(data.builtin_corpus_path(pair))
+    for pair in corpus.PAIRS:
+        pairs, report = corpus.read_tsv(corpus.builtin_corpus_path(pair))
         assert len(pairs) > 20_000, (pair, len(pairs))
         assert sum(report.skipped.values()) == 0
-    pairs, _ = data.read_tsv(data.builtin_corpus_path("en-de"))
+    pairs, _ = corpus.read_tsv(corpus.builtin_corpus_path("en-de"))
     assert ("Standard date format", "Standard-Datumsformat") in pairs
 
 
 def test_split_is_deterministic_and_sources_never_cross():
-    pairs, _ = data.read_tsv(data.builtin_corpus_path("en-de"))
-    a = data.split_pairs(pairs)
-    b = data.split_pairs(list(reversed(pairs)))
+    pairs, _ = corpus.read_tsv(corpus.builtin_corpus_path("en-de"))
+    a = corpus.split_pairs(pairs)
+    b = corpus.split_pairs(list(reversed(pairs)))
     for name in ("train", "dev", "test"):
         assert sorted(a[name]) == sorted(b[name])
     assert 800 <= len(a["dev"]) <= 1200 and 800 <= len(a["test"]) <= 1200
@@ -29,7 +30,7 @@ def test_split_is_deterministic_and_sources_never_cross():
     assert not train_sources & {s for s, _ in a["dev"]}
     # A duplicated source with another translation lands in the same split.
     twin = [("Click OK.", "Klicken Sie auf OK."), ("Click OK.", "Klicken Sie OK.")] + pairs[:100]
-    split = data.split_pairs(twin, dev_size=30, test_size=30)
+    split = corpus.split_pairs(twin, dev_size=30, test_size=30)
     homes = [name for name, items in split.items() for s, _ in items if s == "Click OK."]
     assert len(set(homes)) == 1 and len(homes) == 2
 
@@ -43,7 +44,7 @@ def test_bad_lines_are_counted_not_fatal(tmp_path):
                      b"\xff\xfe broken\tkaputt\n"
                      b"\n"
                      b"Good  morning \tGuten Morgen\n")
-    pairs, report = data.read_tsv(path)
+    pairs, report = corpus.read_tsv(path)
     assert pairs == [("Hello", "Hallo"), ("Good morning", "Guten Morgen")]
     assert report.read == 7 and report.kept == 2
     assert report.skipped == {"no tab": 1, "empty side": 1, "more than one tab": 1,
@@ -56,31 +57,31 @@ def test_empty_and_missing_corpora_raise_clear_errors(tmp_path):
     with gzip.open(empty, "wb") as f:
         f.write(b"only junk\n")
     with pytest.raises(ValueError, match="No usable sentence pair"):
-        data.read_tsv(empty)
+        corpus.read_tsv(empty)
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        data.read_tsv(tmp_path / "missing.tsv")
+        corpus.read_tsv(tmp_path / "missing.tsv")
     with pytest.raises(ValueError, match="cannot be split"):
-        data.split_pairs([("a", "b")])
+        corpus.split_pairs([("a", "b")])
     with pytest.raises(ValueError, match="Unknown language pair"):
-        data.builtin_corpus_path("en-xx")
+        corpus.builtin_corpus_path("en-xx")
 
 
 def test_aligned_files(tmp_path):
     (tmp_path / "a.en").write_text("one\ntwo\n\nfour\n")
     (tmp_path / "a.de").write_text("eins\nzwei\ndrei\nvier\n")
-    pairs, report = data.read_aligned(tmp_path / "a.en", tmp_path / "a.de")
+    pairs, report = corpus.read_aligned(tmp_path / "a.en", tmp_path / "a.de")
     assert pairs == [("one", "eins"), ("two", "zwei"), ("four", "vier")]
     assert report.skipped == {"empty side": 1}
     (tmp_path / "b.de").write_text("eins\n")
     with pytest.raises(ValueError, match="lines"):
-        data.read_aligned(tmp_path / "a.en", tmp_path / "b.de")
+        corpus.read_aligned(tmp_path / "a.en", tmp_path / "b.de")
 
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
-    pairs, _ = data.read_tsv(data.builtin_corpus_path("en-de"))
+    pairs, _ = corpus.read_tsv(corpus.builtin_corpus_path("en-de"))
     sentences = [s for p in pairs[:3000] for s in p]
-    return data.Tokenizer.train(sentences, tmp_path_factory.mktemp("tok"), vocab_size=600)
+    return Tokenizer.train(sentences, tmp_path_factory.mktemp("tok"), vocab_size=600)
 
 
 def test_tokenizer_ids_and_roundtrip(tokenizer):
@@ -91,39 +92,39 @@ def test_tokenizer_ids_and_roundtrip(tokenizer):
 
 
 def test_buckets_have_fixed_shapes_and_cover_every_example(tokenizer):
-    pairs, _ = data.read_tsv(data.builtin_corpus_path("en-de"))
-    report = data.DataReport()
-    examples = data.tokenize_pairs(pairs[:2000], tokenizer, max_len=48, report=report)
+    pairs, _ = corpus.read_tsv(corpus.builtin_corpus_path("en-de"))
+    report = corpus.DataReport()
+    examples = batching.tokenize_pairs(pairs[:2000], tokenizer, max_len=48, report=report)
     assert report.kept == len(examples) and report.kept + sum(report.skipped.values()) == 2000
-    bounds = data.bucket_boundaries(48)
+    bounds = batching.bucket_boundaries(48)
     assert bounds == (16, 32, 48)
-    batches = data.bucket_batches(examples, batch_tokens=512, boundaries=bounds, seed=0, row_multiple=8)
+    batches = batching.bucket_batches(examples, batch_tokens=512, boundaries=bounds, seed=0, row_multiple=8)
     shapes = {(length, len(idx)) for length, idx in batches}
     assert shapes == {(16, 32), (32, 16), (48, 8)}
     seen = np.concatenate([idx for _, idx in batches])
     assert sorted(seen[seen >= 0].tolist()) == list(range(len(examples)))
-    again = data.bucket_batches(examples, batch_tokens=512, boundaries=bounds, seed=0, row_multiple=8)
+    again = batching.bucket_batches(examples, batch_tokens=512, boundaries=bounds, seed=0, row_multiple=8)
     assert all(a[0] == b[0] and np.array_equal(a[1], b[1]) for a, b in zip(batches, again))
 
 
 def test_collate_shifts_targets_explicitly():
-    examples = data.Examples(src=[[5, 6, 7]], tgt=[[8, 9]])
-    batch = data.collate(examples, 4, np.array([0, -1]), pad_id=0, bos_id=2, eos_id=3)
+    examples = batching.Examples(src=[[5, 6, 7]], tgt=[[8, 9]])
+    batch = batching.collate(examples, 4, np.array([0, -1]), pad_id=0, bos_id=2, eos_id=3)
     np.testing.assert_array_equal(batch["src"], [[5, 6, 7, 0], [0, 0, 0, 0]])
     np.testing.assert_array_equal(batch["tgt_in"], [[2, 8, 9, 0], [0, 0, 0, 0]])
     np.testing.assert_array_equal(batch["tgt_out"], [[8, 9, 3, 0], [0, 0, 0, 0]])
 
 
 def test_grain_pipeline_is_checkpointable_and_reshuffles(tokenizer):
-    pairs, _ = data.read_tsv(data.builtin_corpus_path("en-de"))
-    examples = data.tokenize_pairs(pairs[:500], tokenizer, max_len=32)
+    pairs, _ = corpus.read_tsv(corpus.builtin_corpus_path("en-de"))
+    examples = batching.tokenize_pairs(pairs[:500], tokenizer, max_len=32)
     kwargs = dict(batch_tokens=256, boundaries=(16, 32), seed=3, pad_id=0, bos_id=2, eos_id=3)
-    it = iter(data.train_dataset(examples, **kwargs))
+    it = iter(batching.train_dataset(examples, **kwargs))
     for _ in range(5):
         next(it)
     state = it.get_state()
     expected = [next(it)["src"] for _ in range(3)]
-    resumed = iter(data.train_dataset(examples, **kwargs))
+    resumed = iter(batching.train_dataset(examples, **kwargs))
     resumed.set_state(state)
     for want in expected:
         np.testing.assert_array_equal(next(resumed)["src"], want)
@@ -136,16 +137,16 @@ def test_train_step_compiles_once_per_bucket_and_never_after_the_first_epoch(tok
     import jaxformer as jf
     from jaxformer.training import create_train_state, jit_train_step, make_optimizer, transformer_schedule
 
-    pairs, _ = data.read_tsv(data.builtin_corpus_path("en-de"))
-    examples = data.tokenize_pairs(pairs[:400], tokenizer, max_len=32)
-    boundaries = data.bucket_boundaries(32)
-    batches = data.bucket_batches(examples, 512, boundaries, seed=0)
+    pairs, _ = corpus.read_tsv(corpus.builtin_corpus_path("en-de"))
+    examples = batching.tokenize_pairs(pairs[:400], tokenizer, max_len=32)
+    boundaries = batching.bucket_boundaries(32)
+    batches = batching.bucket_batches(examples, 512, boundaries, seed=0)
     per_epoch = len(batches)
     config = jf.preset("tiny", src_vocab_size=tokenizer.vocab_size, max_len=32)
     model = jf.Transformer(config)
     state = create_train_state(model, jax.random.key(0), make_optimizer(transformer_schedule(32, 10)))
     step = jit_train_step(model, 0.1)
-    it = iter(data.train_dataset(examples, batch_tokens=512, boundaries=boundaries, seed=0,
+    it = iter(batching.train_dataset(examples, batch_tokens=512, boundaries=boundaries, seed=0,
                                  pad_id=0, bos_id=2, eos_id=3))
     for _ in range(per_epoch):
         state, _ = step(state, next(it), jax.random.key(1))
@@ -157,10 +158,10 @@ def test_train_step_compiles_once_per_bucket_and_never_after_the_first_epoch(tok
 
 
 def test_explicit_dev_and_test_files_replace_the_hashed_split(tmp_path):
+    from jaxformer.corpus import load_splits
     from jaxformer.run_config import TrainConfig
-    from jaxformer.trainer import load_splits
 
-    pairs, _ = data.read_tsv(data.builtin_corpus_path("en-de"))
+    pairs, _ = corpus.read_tsv(corpus.builtin_corpus_path("en-de"))
     write = lambda path, items: path.write_text("".join(f"{s}\t{t}\n" for s, t in items))  # noqa: E731
     write(tmp_path / "train.tsv", pairs[:3000])
     write(tmp_path / "dev.tsv", pairs[5000:5040])

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 
 import jaxformer as jf
-from jaxformer import data
+from jaxformer import batching
 from jaxformer.masks import create_segment_mask, segment_positions
 from jaxformer.training import _batch_loss
 
 # Source / target id lists of distinct lengths (target + 1 for bos/eos).
-EXAMPLES = data.Examples(src=[[5, 6, 7], [8, 9, 10, 11, 12], [13], [14, 15]],
+EXAMPLES = batching.Examples(src=[[5, 6, 7], [8, 9, 10, 11, 12], [13], [14, 15]],
                          tgt=[[20, 21], [22, 23, 24, 25], [26, 27, 28], [29]])
 
 
@@ -31,31 +31,32 @@ def test_segment_positions_and_mask_literals():
 
 def test_pack_batches_covers_every_example_once_with_fixed_shapes():
     rng = np.random.default_rng(0)
-    examples = data.Examples(src=[list(range(4, 4 + n)) for n in rng.integers(1, 16, 300)],
+    examples = batching.Examples(src=[list(range(4, 4 + n)) for n in rng.integers(1, 16, 300)],
                              tgt=[list(range(4, 4 + n)) for n in rng.integers(1, 16, 300)])
-    batches = data.pack_batches(examples, batch_tokens=128, length=16, seed=0, row_multiple=4)
+    batches = batching.pack_batches(examples, batch_tokens=128, length=16, seed=0, row_multiple=4)
     assert {(length, idx.shape[0]) for length, idx in batches} == {(16, 8)}
     seen = np.concatenate([idx.ravel() for _, idx in batches])
     assert sorted(seen[seen >= 0].tolist()) == list(range(len(examples)))
-    src_len, tgt_len = data.example_lengths(examples)
+    src_len, tgt_len = batching.example_lengths(examples)
     for _, idx in batches:
         for row in idx:
             members = row[row >= 0]
             assert src_len[members].sum() <= 16 and tgt_len[members].sum() <= 16
-    again = data.pack_batches(examples, batch_tokens=128, length=16, seed=0, row_multiple=4)
+    again = batching.pack_batches(examples, batch_tokens=128, length=16, seed=0, row_multiple=4)
     assert all(np.array_equal(a[1], b[1]) for a, b in zip(batches, again))
-    packed = data.padding_fraction(examples, batches)["both"]
-    bucketed = data.padding_fraction(examples, data.bucket_batches(examples, 128, (8, 16), seed=0))["both"]
+    packed = batching.padding_fraction(examples, batches)["both"]
+    bucketed_batches = batching.bucket_batches(examples, 128, (8, 16), seed=0)
+    bucketed = batching.padding_fraction(examples, bucketed_batches)["both"]
     assert packed < bucketed
 
 
 def test_pack_batches_rejects_examples_longer_than_the_row():
     with pytest.raises(ValueError, match="length=2"):
-        data.pack_batches(EXAMPLES, batch_tokens=8, length=2, seed=0)
+        batching.pack_batches(EXAMPLES, batch_tokens=8, length=2, seed=0)
 
 
 def test_collate_packed_concatenates_pairs_with_segment_ids():
-    batch = data.collate_packed(EXAMPLES, 8, np.array([[0, 2, -1], [-1, -1, -1]]),
+    batch = batching.collate_packed(EXAMPLES, 8, np.array([[0, 2, -1], [-1, -1, -1]]),
                                 pad_id=0, bos_id=2, eos_id=3)
     np.testing.assert_array_equal(batch["src"][0], [5, 6, 7, 13, 0, 0, 0, 0])
     np.testing.assert_array_equal(batch["src_segments"][0], [1, 1, 1, 2, 0, 0, 0, 0])
@@ -76,13 +77,13 @@ def _model(norm_position):
 def test_packed_logits_equal_each_pair_alone(norm_position):
     model, params = _model(norm_position)
     rows = np.array([[0, 1, 3], [2, -1, -1]])
-    packed = data.collate_packed(EXAMPLES, 12, rows, pad_id=0, bos_id=2, eos_id=3)
+    packed = batching.collate_packed(EXAMPLES, 12, rows, pad_id=0, bos_id=2, eos_id=3)
     logits = model.apply({"params": params}, packed["src"], packed["tgt_in"],
                          src_segments=packed["src_segments"], tgt_segments=packed["tgt_segments"])
     for r, members in enumerate(rows):
         at = 0
         for i in members[members >= 0]:
-            alone = data.collate(EXAMPLES, 6, np.array([i]), pad_id=0, bos_id=2, eos_id=3)
+            alone = batching.collate(EXAMPLES, 6, np.array([i]), pad_id=0, bos_id=2, eos_id=3)
             want = model.apply({"params": params}, alone["src"], alone["tgt_in"])
             n = len(EXAMPLES.tgt[i]) + 1
             np.testing.assert_allclose(logits[r, at:at + n], want[0, :n], atol=2e-5, rtol=2e-5)
@@ -91,9 +92,9 @@ def test_packed_logits_equal_each_pair_alone(norm_position):
 
 def test_packed_loss_and_gradients_equal_the_bucketed_batch():
     model, params = _model("post")
-    packed = data.collate_packed(EXAMPLES, 12, np.array([[0, 1, 3], [2, -1, -1]]),
+    packed = batching.collate_packed(EXAMPLES, 12, np.array([[0, 1, 3], [2, -1, -1]]),
                                  pad_id=0, bos_id=2, eos_id=3)
-    bucketed = data.collate(EXAMPLES, 6, np.arange(4), pad_id=0, bos_id=2, eos_id=3)
+    bucketed = batching.collate(EXAMPLES, 6, np.arange(4), pad_id=0, bos_id=2, eos_id=3)
     loss = functools.partial(_batch_loss, rng=jax.random.key(0), model=model, smoothing=0.1,
                              deterministic=True)
     (packed_loss, packed_metrics), packed_grads = jax.value_and_grad(loss, has_aux=True)(params, packed)
@@ -115,14 +116,14 @@ def test_packed_train_dataset_compiles_the_train_step_once():
     from jaxformer.training import create_train_state, jit_train_step, make_optimizer, transformer_schedule
 
     rng = np.random.default_rng(1)
-    examples = data.Examples(src=[list(rng.integers(4, 40, n)) for n in rng.integers(1, 12, 120)],
+    examples = batching.Examples(src=[list(rng.integers(4, 40, n)) for n in rng.integers(1, 12, 120)],
                              tgt=[list(rng.integers(4, 40, n)) for n in rng.integers(1, 12, 120)])
     model, _ = _model("pre")
     state = create_train_state(model, jax.random.key(0), make_optimizer(transformer_schedule(32, 10)))
     step = jit_train_step(model, 0.1)
-    it = iter(data.train_dataset(examples, batch_tokens=64, boundaries=(8, 16), seed=0, pad_id=0,
+    it = iter(batching.train_dataset(examples, batch_tokens=64, boundaries=(8, 16), seed=0, pad_id=0,
                                  bos_id=2, eos_id=3, pack=True))
-    per_epoch = len(data.pack_batches(examples, 64, 16, seed=0))
+    per_epoch = len(batching.pack_batches(examples, 64, 16, seed=0))
     for _ in range(per_epoch + 2):
         state, metrics = step(state, next(it), jax.random.key(1))
     assert step._cache_size() == 1

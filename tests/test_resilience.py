@@ -21,7 +21,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from jaxformer import data, trainer
+from jaxformer import batching, trainer
 from jaxformer.checkpoints import CheckpointError, RunCheckpoints
 from jaxformer.run_config import TrainConfig
 from jaxformer.trainer import TrainingDiverged, train
@@ -183,7 +183,7 @@ def test_diverging_run_stops_with_a_clear_error_and_keeps_the_last_checkpoint(
 def test_half_written_step_is_ignored_and_cleaned_up(tmp_path):
     """What SIGKILL during an async save leaves: orbax's temporary folder, never a step."""
     checkpoints = RunCheckpoints(tmp_path)
-    iterator = iter(data.train_dataset(data.Examples([[5, 6]] * 4, [[7]] * 4), batch_tokens=8,
+    iterator = iter(batching.train_dataset(batching.Examples([[5, 6]] * 4, [[7]] * 4), batch_tokens=8,
                                        boundaries=(4,), seed=0, pad_id=0, bos_id=2, eos_id=3))
     state = {"w": jnp.arange(4.0)}
     for step in (1, 2):
@@ -206,7 +206,7 @@ def test_half_written_step_is_ignored_and_cleaned_up(tmp_path):
 def test_signal_guard_sets_a_flag_and_a_second_ctrl_c_stops_at_once():
     child = subprocess.run([sys.executable, "-c", """
 import os, signal, time
-from jaxformer.trainer import PreemptionGuard
+from jaxformer.preemption import PreemptionGuard
 previous = signal.getsignal(signal.SIGINT)
 with PreemptionGuard() as guard:
     os.kill(os.getpid(), signal.SIGINT)

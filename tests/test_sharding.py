@@ -14,7 +14,7 @@ import optax
 import pytest
 
 import jaxformer as jf
-from jaxformer import data, sharding, training
+from jaxformer import batching, sharding, training
 from jaxformer.attention import fused_dot_product_attention
 from jaxformer.checkpoints import RunCheckpoints
 
@@ -168,17 +168,17 @@ def test_checkpoint_saved_on_4x2_restores_on_1x1_and_8x1(tmp_path):
 
 
 def test_each_process_collates_its_block_of_rows():
-    examples = data.Examples(src=[[5] * (i % 7 + 1) for i in range(40)],
+    examples = batching.Examples(src=[[5] * (i % 7 + 1) for i in range(40)],
                              tgt=[[6] * (i % 5 + 1) for i in range(40)])
     kwargs = dict(batch_tokens=64, boundaries=(8, 16), seed=3, pad_id=PAD, bos_id=BOS, eos_id=EOS,
                   row_multiple=4)
-    whole = next(iter(data.train_dataset(examples, **kwargs)))
-    parts = [next(iter(data.train_dataset(examples, **kwargs, process_index=i, process_count=2)))
+    whole = next(iter(batching.train_dataset(examples, **kwargs)))
+    parts = [next(iter(batching.train_dataset(examples, **kwargs, process_index=i, process_count=2)))
              for i in range(2)]
     for name in whole:
         np.testing.assert_array_equal(np.concatenate([p[name] for p in parts]), whole[name])
     with pytest.raises(ValueError, match="multiple of the process count"):
-        data.train_dataset(examples, **{**kwargs, "row_multiple": 3}, process_index=0, process_count=2)
+        batching.train_dataset(examples, **{**kwargs, "row_multiple": 3}, process_index=0, process_count=2)
 
 
 # ------------------------------------------------------------ precision and memory

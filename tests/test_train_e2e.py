@@ -4,14 +4,14 @@ import json
 
 import pytest
 
-from jaxformer import data
+from jaxformer import corpus
 from jaxformer.run_config import TrainConfig
 from jaxformer.trainer import train
 
 
 @pytest.fixture(scope="module")
 def corpus_slice(tmp_path_factory):
-    pairs, _ = data.read_tsv(data.builtin_corpus_path("en-de"))
+    pairs, _ = corpus.read_tsv(corpus.builtin_corpus_path("en-de"))
     path = tmp_path_factory.mktemp("corpus") / "slice.tsv"
     short = [p for p in pairs if len(p[0]) < 60 and len(p[1]) < 60][:2500]
     path.write_text("".join(f"{s}\t{t}\n" for s, t in short))

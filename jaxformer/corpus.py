@@ -1,0 +1,225 @@
+"""Parallel corpora: reading (TSV or aligned files, plain or ``.gz``) and the
+deterministic train/dev/test split.
+
+Malformed lines never stop a run: they are skipped and counted in a
+:class:`DataReport` printed at start. The split hashes the source sentence, so a
+sentence lands in the same split on every run and every host.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import gzip
+import hashlib
+import importlib.resources
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from jaxformer.logs import log
+
+if TYPE_CHECKING:
+    from jaxformer.run_config import TrainConfig
+
+PAIRS = ("en-de", "en-fr", "en-zh")
+Pair = tuple[str, str]
+
+
+@dataclasses.dataclass
+class DataReport:
+    """Counts of what was read, skipped (by reason) and kept; printed at start."""
+
+    read: int = 0
+    kept: int = 0
+    skipped: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+    def skip(self, reason: str) -> None:
+        self.skipped[reason] += 1
+
+    def summary(self, name: str) -> str:
+        parts = ", ".join(f"{n} {r}" for r, n in sorted(self.skipped.items())) or "none"
+        return f"{name}: read {self.read} lines, kept {self.kept} pairs, skipped: {parts}"
+
+
+def _open_bytes(path: Path):
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"Corpus file {str(path)!r} does not exist; check the path.")
+    if not os.access(path, os.R_OK):
+        raise PermissionError(f"Corpus file {str(path)!r} is not readable; check its permissions.")
+    raw = path.open("rb")
+    return gzip.open(raw) if path.suffix == ".gz" else raw
+
+
+def _decode_line(raw: bytes, report: DataReport) -> str | None:
+    try:
+        return raw.decode("utf-8").rstrip("\r\n")
+    except UnicodeDecodeError:
+        report.skip("invalid UTF-8")
+        return None
+
+
+def _clean(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _add_pair(pairs: list[Pair], src: str, tgt: str, report: DataReport) -> None:
+    """Appends the whitespace-normalised pair, or counts it as having an empty side."""
+    src, tgt = _clean(src), _clean(tgt)
+    if not src or not tgt:
+        report.skip("empty side")
+    else:
+        pairs.append((src, tgt))
+
+
+def _finish(pairs: list[Pair], report: DataReport, name: str, expected: str) -> tuple[list[Pair], DataReport]:
+    report.kept = len(pairs)
+    if not pairs:
+        raise ValueError(f"No usable sentence pair in {name} ({report.summary('corpus')}). "
+                         f"Expected {expected}.")
+    return pairs, report
+
+
+def read_tsv(path: str | os.PathLike, report: DataReport | None = None) -> tuple[list[Pair], DataReport]:
+    """Reads ``source<TAB>target`` lines (plain or ``.gz``).
+
+    Malformed lines are skipped and counted in the report, never fatal: no tab,
+    an empty side, invalid UTF-8, more than one tab.
+
+    Returns:
+      ``(pairs, report)``.
+
+    Raises:
+      FileNotFoundError / PermissionError: the path is missing or unreadable.
+      ValueError: no usable pair at all.
+    """
+    report = report or DataReport()
+    pairs: list[Pair] = []
+    with _open_bytes(Path(path)) as f:
+        for raw in f:
+            report.read += 1
+            line = _decode_line(raw, report)
+            if line is None:
+                continue
+            if not line.strip():
+                report.skip("blank line")
+                continue
+            fields = line.split("\t")
+            if len(fields) != 2:
+                report.skip("no tab" if len(fields) == 1 else "more than one tab")
+                continue
+            _add_pair(pairs, fields[0], fields[1], report)
+    return _finish(pairs, report, repr(str(path)), "UTF-8 lines 'source<TAB>target'")
+
+
+def read_aligned(src_path: str | os.PathLike, tgt_path: str | os.PathLike) -> tuple[list[Pair], DataReport]:
+    """Reads two line-aligned text files (source and target), one sentence per line.
+
+    Raises:
+      ValueError: the files have different line counts, or no usable pair.
+    """
+    report = DataReport()
+    with _open_bytes(Path(src_path)) as fs, _open_bytes(Path(tgt_path)) as ft:
+        src_lines, tgt_lines = fs.read().splitlines(), ft.read().splitlines()
+    if len(src_lines) != len(tgt_lines):
+        raise ValueError(f"{src_path} has {len(src_lines)} lines but {tgt_path} has {len(tgt_lines)}; "
+                         f"aligned files need one sentence per line each.")
+    pairs: list[Pair] = []
+    for raw_src, raw_tgt in zip(src_lines, tgt_lines):
+        report.read += 1
+        src, tgt = _decode_line(raw_src, report), _decode_line(raw_tgt, report)
+        if src is not None and tgt is not None:
+            _add_pair(pairs, src, tgt, report)
+    return _finish(pairs, report, f"{src_path} / {tgt_path}", "one UTF-8 sentence per line in each file")
+
+
+def builtin_corpus_path(pair: str) -> Path:
+    """Path of a corpus shipped with the package (``en-de``, ``en-fr``, ``en-zh``)."""
+    if pair not in PAIRS:
+        raise ValueError(f"Unknown language pair {pair!r}; shipped pairs: {', '.join(PAIRS)}.")
+    return Path(str(importlib.resources.files("jaxformer") / "corpora" / f"{pair}.tsv.gz"))
+
+
+def _unit_hash(text: str) -> float:
+    digest = hashlib.sha256(text.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0**64
+
+
+def split_pairs(pairs: Sequence[Pair], dev_size: int = 1000, test_size: int = 1000
+                ) -> dict[str, list[Pair]]:
+    """Deterministic train/dev/test split by hashing the source sentence.
+
+    A source sentence always lands in the same split, so a duplicated source can
+    never sit in both train and test. The expected dev and test sizes are
+    ``dev_size`` and ``test_size`` (exact counts vary slightly with the hash).
+
+    Raises:
+      ValueError: a split would be empty (too small a corpus).
+    """
+    n = len(pairs)
+    if n < 3:
+        raise ValueError(f"A corpus of {n} pairs cannot be split into train/dev/test.")
+    dev_frac = min(dev_size / n, 0.25)
+    test_frac = min(test_size / n, 0.25)
+    splits: dict[str, list[Pair]] = {"train": [], "dev": [], "test": []}
+    for pair in pairs:
+        u = _unit_hash(pair[0])
+        name = "dev" if u < dev_frac else "test" if u < dev_frac + test_frac else "train"
+        splits[name].append(pair)
+    for name, items in splits.items():
+        if not items:
+            raise ValueError(f"The {name} split is empty ({n} pairs in all); give a larger corpus "
+                             f"or explicit --dev-file/--test-file.")
+    return splits
+
+
+def load_splits(cfg: TrainConfig) -> tuple[dict[str, list[Pair]], str]:
+    """Reads the corpus named by ``cfg`` and splits it; prints the data report.
+
+    Args:
+      cfg: the run settings (``train_file``, ``src_file``/``tgt_file``, ``dev_file``,
+        ``test_file``, ``pair``).
+
+    Returns:
+      ``(splits, target_language)``: ``{"train", "dev", "test"}`` → pairs, and the
+      target language code (``"xx"`` for a user's own corpus).
+
+    Raises:
+      ValueError: conflicting corpus flags, an unusable corpus or an empty split.
+      FileNotFoundError / PermissionError: a missing or unreadable file.
+    """
+    if cfg.train_file and (cfg.src_file or cfg.tgt_file):
+        raise ValueError("Give either --train-file or --src-file/--tgt-file, not both.")
+    if bool(cfg.src_file) != bool(cfg.tgt_file):
+        raise ValueError("--src-file and --tgt-file go together.")
+    if cfg.train_file:
+        pairs, report = read_tsv(cfg.train_file)
+        name = cfg.train_file
+    elif cfg.src_file:
+        pairs, report = read_aligned(cfg.src_file, cfg.tgt_file)
+        name = f"{cfg.src_file} + {cfg.tgt_file}"
+    else:
+        path = builtin_corpus_path(cfg.pair)
+        pairs, report = read_tsv(path)
+        name = f"shipped {cfg.pair} corpus (LibreOffice help, MPL-2.0)"
+    log(report.summary(name))
+    explicit = {}
+    for split, path in (("dev", cfg.dev_file), ("test", cfg.test_file)):
+        if path:
+            explicit[split], rep = read_tsv(path)
+            log(rep.summary(f"{split} file {path}"))
+    splits = _split_with_explicit(pairs, explicit) if explicit else split_pairs(pairs)
+    log("split: " + ", ".join(f"{k} {len(v)}" for k, v in splits.items()))
+    target_language = cfg.pair.split("-")[1] if not (cfg.train_file or cfg.src_file) else "xx"
+    return splits, target_language
+
+
+def _split_with_explicit(pairs, explicit):
+    """Explicit dev/test files replace the hashed split's; the rest goes to train."""
+    if "dev" in explicit and "test" in explicit:
+        return {"train": list(pairs), **explicit}
+    held = split_pairs(pairs, dev_size=1000, test_size=1000)
+    return {"train": held["train"] + held["dev" if "dev" in explicit else "test"],
+            "dev": explicit.get("dev", held["dev"]), "test": explicit.get("test", held["test"])}

@@ -1,0 +1,142 @@
+"""Evaluation and batched translation of a trained model: teacher-forced dev loss,
+greedy / beam / sampled decoding in fixed-shape length buckets, and BLEU (sacrebleu).
+
+The trainer evaluates with it; :class:`jaxformer.translate.Translator` translates
+with it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import sacrebleu
+
+from jaxformer import sharding as sharding_lib
+from jaxformer.batching import Examples, bucket_boundaries, collate
+from jaxformer.decoding import beam_translate, greedy_translate, jit_decoder, sample_translate
+from jaxformer.model import Transformer
+from jaxformer.tokenizer import Tokenizer
+from jaxformer.training import add_metrics, jit_eval_step
+from jaxformer.validation import check_token_ids
+
+
+class Evaluator:
+    """Dev/test evaluation and batched translation: teacher-forced loss, decoding, BLEU."""
+
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, *, batch_size: int,
+                 target_language: str, smoothing: float, layout: sharding_lib.Layout | None = None):
+        self.model, self.tokenizer = model, tokenizer
+        self.layout = layout
+        self.batch_size = batch_size
+        # Coarse buckets: each is one compile of the decode loop and of the eval step.
+        self.boundaries = bucket_boundaries(model.config.max_len, step=32)
+        self.eval_step = jit_eval_step(model, smoothing, layout=layout)
+        self._decoders: dict[Any, Any] = {}
+        tokenize = "zh" if target_language == "zh" else "13a"
+        self.bleu = sacrebleu.metrics.BLEU(tokenize=tokenize)
+
+    def _decoder(self, decoder, **static):
+        """``decoder(params, src[, rng])`` with the statics bound; under a layout, jitted with
+        explicit in/out shardings (:func:`jaxformer.decoding.jit_decoder`). Cached."""
+        key = (decoder, tuple(sorted(static.items())))
+        if key not in self._decoders:
+            self._decoders[key] = jit_decoder(decoder, self.model, self.layout, **static)
+        return self._decoders[key]
+
+    def _place(self, batch):
+        """This process's block of rows of a (whole, host) batch, as global sharded arrays."""
+        rows = next(iter(batch.values())).shape[0] // jax.process_count()
+        start = jax.process_index() * rows
+        return sharding_lib.shard_batch({k: v[start:start + rows] for k, v in batch.items()},
+                                        self.layout.batch)
+
+    def _length_batches(self, lengths):
+        order = np.argsort(lengths, kind="stable")
+        buckets = np.searchsorted(np.asarray(self.boundaries), np.asarray(lengths)[order])
+        for b in np.unique(buckets):
+            members = order[buckets == b]
+            for start in range(0, members.size, self.batch_size):
+                yield self.boundaries[b], members[start:start + self.batch_size]
+
+    def _decode(self, sources: Sequence[str], decode_batch) -> list[list[tuple[str, float]]]:
+        """Sorts sources by length into fixed-shape batches, decodes each with
+        ``decode_batch(src [b, L], max_decode_len) -> (ids [b, n, M], scores [b, n])`` and
+        restores the input order. Sources longer than ``max_len`` tokens are truncated."""
+        c = self.model.config
+        ids = [s[: c.max_len] for s in self.tokenizer.encode(sources)]
+        out: list[list[tuple[str, float]]] = [[] for _ in ids]
+        for length, members in self._length_batches([max(1, len(s)) for s in ids]):
+            src = np.full((self.batch_size, length), c.pad_id, np.int32)
+            for r, i in enumerate(members):
+                src[r, : len(ids[i])] = ids[i]
+            check_token_ids(src, name="src", vocab_size=c.src_vocab_size, max_len=c.max_len)
+            src = self._place({"src": src})["src"] if self.layout else jnp.asarray(src)
+            hyps, scores = sharding_lib.to_host(decode_batch(src, min(length + 50, c.max_len)))
+            for r, i in enumerate(members):
+                texts = self.tokenizer.decode(hyps[r])
+                out[i] = list(zip(texts, (float(x) for x in scores[r])))
+        return out
+
+    def translate_n_best(self, params: Any, sources: Sequence[str], *, beam_size: int = 4,
+                         alpha: float = 0.6) -> list[list[tuple[str, float]]]:
+        """Beam search: for each source, ``beam_size`` (translation, score) pairs, best first."""
+        bos, eos = self.tokenizer.bos_id, self.tokenizer.eos_id
+
+        def decode_batch(src, max_decode_len):
+            return self._decoder(beam_translate, beam_size=beam_size, alpha=alpha,
+                                 max_decode_len=max_decode_len, bos_id=bos, eos_id=eos)(params, src)
+
+        return self._decode(sources, decode_batch)
+
+    def translate(self, params: Any, sources: Sequence[str], *, beam_size: int = 1,
+                  alpha: float = 0.6) -> list[str]:
+        """Best translation of each source, in input order: greedy for ``beam_size=1``,
+        else beam search with the GNMT length penalty α."""
+        if beam_size > 1:
+            return [n_best[0][0] for n_best in self.translate_n_best(params, sources,
+                                                                     beam_size=beam_size, alpha=alpha)]
+        bos, eos = self.tokenizer.bos_id, self.tokenizer.eos_id
+
+        def decode_batch(src, max_decode_len):
+            hyp = self._decoder(greedy_translate, max_decode_len=max_decode_len, bos_id=bos,
+                                eos_id=eos)(params, src)
+            return hyp[:, None], jnp.zeros(hyp.shape[:1] + (1,))
+
+        return [n_best[0][0] for n_best in self._decode(sources, decode_batch)]
+
+    def sample(self, params: Any, sources: Sequence[str], rng: jax.Array, *, temperature: float = 1.0,
+               top_k: int | None = None, top_p: float | None = None) -> list[str]:
+        """One sampled translation per source (see :func:`jaxformer.decoding.sample`)."""
+        bos, eos = self.tokenizer.bos_id, self.tokenizer.eos_id
+        counter = iter(range(1 << 30))
+
+        def decode_batch(src, max_decode_len):
+            hyp = self._decoder(sample_translate, max_decode_len=max_decode_len, bos_id=bos, eos_id=eos,
+                                temperature=temperature, top_k=top_k, top_p=top_p,
+                                )(params, src, jax.random.fold_in(rng, next(counter)))
+            return hyp[:, None], jnp.zeros(hyp.shape[:1] + (1,))
+
+        return [n_best[0][0] for n_best in self._decode(sources, decode_batch)]
+
+    def loss(self, params: Any, examples: Examples) -> dict[str, float]:
+        """Teacher-forced per-token loss and perplexity on tokenized pairs."""
+        totals = None
+        lengths = [max(len(s), len(t) + 1) for s, t in zip(examples.src, examples.tgt)]
+        for length, members in self._length_batches(lengths):
+            indices = np.concatenate([members, np.full(self.batch_size - members.size, -1)])
+            batch = collate(examples, length, indices, pad_id=self.model.config.pad_id,
+                                     bos_id=self.tokenizer.bos_id, eos_id=self.tokenizer.eos_id)
+            totals = add_metrics(totals, self.eval_step(params, self._place(batch) if self.layout else batch))
+        totals = jax.device_get(totals)
+        tokens = max(float(totals["tokens"]), 1.0)
+        return {"loss": float(totals["loss_sum"]) / tokens,
+                "ppl": math.exp(min(float(totals["nll_sum"]) / tokens, 50.0)),
+                "accuracy": float(totals["correct"]) / tokens}
+
+    def score(self, hypotheses: Sequence[str], references: Sequence[str]) -> float:
+        return float(self.bleu.corpus_score(list(hypotheses), [list(references)]).score)
