@@ -130,22 +130,13 @@ def kept_records(corpus: PreparedCorpus, max_len: int) -> tuple[np.ndarray, int]
     return records, int(len(fits) - records.size)
 
 
-def stream_dataset(corpus: PreparedCorpus, *, max_len: int, batch_tokens: int,
-                   boundaries: tuple[int, ...], seed: int, pad_id: int, bos_id: int, eos_id: int,
-                   row_multiple: int = 1, process_index: int = 0, process_count: int = 1,
-                   pack: bool = True, block_pairs: int = 8192) -> grain.IterDataset:
-    """An endless, deterministic, checkpointable grain pipeline of batches from prepared data.
-
-    The batches equal :func:`jaxformer.batching.train_dataset`'s in shape and meaning:
-    packed rows of ``boundaries[-1]`` with segment ids (``pack``), else length buckets.
-    Every process plans the same global batches and collates only its own contiguous
-    block of rows, ``rows / process_count`` of them.
-
-    Args:
-      corpus: the prepared training pairs.
-      max_len: longer pairs are left out (see :func:`kept_records`).
-      block_pairs: pairs planned together (see :class:`BlockPlanDataset`).
-      (the rest as :func:`jaxformer.batching.train_dataset`)
+def process_plans(corpus: PreparedCorpus, *, max_len: int, batch_tokens: int,
+                  boundaries: tuple[int, ...], seed: int, row_multiple: int = 1, process_index: int = 0,
+                  process_count: int = 1, pack: bool = True, block_pairs: int = 8192) -> grain.IterDataset:
+    """This process's share of every global batch: ``(length, record ids)`` with ids
+    ``[rows / process_count, P]`` when packing (``[rows / process_count]`` when bucketing;
+    -1 = empty). Every process plans the same global batches and takes its own contiguous
+    block of rows; only those records are ever read (by :func:`stream_dataset`).
 
     Raises:
       ValueError: ``row_multiple`` is not a multiple of ``process_count``, or no pair fits.
@@ -162,16 +153,36 @@ def stream_dataset(corpus: PreparedCorpus, *, max_len: int, batch_tokens: int,
                                     row_multiple=row_multiple)
     plans = BlockPlanDataset(corpus.src_lengths[records], corpus.tgt_lengths[records] + 1,
                              planner=planner, block_pairs=block_pairs, seed=seed)
+
+    def share(item: tuple[int, np.ndarray]) -> tuple[int, np.ndarray]:
+        length, indices = item
+        rows = len(indices) // process_count
+        mine = indices[process_index * rows:(process_index + 1) * rows]
+        return length, np.where(mine >= 0, records[np.maximum(mine, 0)], -1)
+
+    return plans.map(share)
+
+
+def stream_dataset(corpus: PreparedCorpus, *, pad_id: int, bos_id: int, eos_id: int, pack: bool = True,
+                   **plan_options: Any) -> grain.IterDataset:
+    """An endless, deterministic, checkpointable grain pipeline of batches from prepared data.
+
+    The batches equal :func:`jaxformer.batching.train_dataset`'s in shape and meaning:
+    packed rows of ``boundaries[-1]`` with segment ids (``pack``), else length buckets;
+    this process's rows only (:func:`process_plans`, which takes ``plan_options``:
+    ``max_len``, ``batch_tokens``, ``boundaries``, ``seed``, ``row_multiple``,
+    ``process_index``, ``process_count``, ``block_pairs``).
+
+    Raises:
+      ValueError: see :func:`process_plans`.
+    """
     build = batching.collate_packed if pack else batching.collate
 
     def collate(item: tuple[int, np.ndarray]) -> dict[str, np.ndarray]:
-        length, indices = item
-        share = len(indices) // process_count
-        mine = indices[process_index * share:(process_index + 1) * share]
-        return build(corpus, length, np.where(mine >= 0, records[np.maximum(mine, 0)], -1),
-                     pad_id=pad_id, bos_id=bos_id, eos_id=eos_id)
+        length, record_ids = item
+        return build(corpus, length, record_ids, pad_id=pad_id, bos_id=bos_id, eos_id=eos_id)
 
-    return plans.map(collate)
+    return process_plans(corpus, pack=pack, **plan_options).map(collate)
 
 
 def _pack(src_len, tgt_len, rng, *, batch_tokens, length, row_multiple):
