@@ -10,14 +10,17 @@ from __future__ import annotations
 import json
 import shutil
 
+import grain
 import numpy as np
 import pytest
 
 from jaxformer import batching, corpus, prepare, rundata, streaming
+from jaxformer.checkpoints import RunCheckpoints
 from jaxformer.prepared import PreparedCorpus, PreparedDataError
 from jaxformer.run_config import TrainConfig
 from jaxformer.rundir import RunDir
 from jaxformer.tokenizer import Tokenizer
+from jaxformer.trainer import train
 
 MAX_LEN = 24
 LONG = ("Klicken Sie auf OK, um die Einstellungen dieses Dialogs zu speichern und den Dialog zu "
@@ -135,11 +138,22 @@ def test_workdir_defaults_to_the_data():
     assert TrainConfig(workdir="mine", pair="en-fr").workdir == "mine"
 
 
-def test_fresh_moves_the_prepared_data_aside(corpus_file, run_dir, tmp_path):
+def test_training_on_other_data_is_refused_and_fresh_starts_over(corpus_file, run_dir, tmp_path):
+    """The trainer's check comes before any compile; ``--fresh`` moves the old data aside."""
     copy = _copy(run_dir, tmp_path)
+    checkpoints = RunCheckpoints(copy.root)   # a checkpoint of the run (its content does not matter)
+    checkpoints.save(1, {"x": np.zeros(2)}, iter(grain.MapDataset.range(3).to_iter_dataset()))
+    checkpoints.wait()
+    checkpoints.close()
+    other = tmp_path / "other.tsv"
+    other.write_text(corpus_file.read_text().replace("OK.", "Okay."))
+    with pytest.raises(ValueError, match=r"holds a run trained on other data \(corpus: .*other.tsv.*--fresh"):
+        train(_cfg(other, copy.root, preset="tiny"))
     copy.create(fresh=True)
     assert not copy.prepared.exists() and not copy.tokenizer_dir.exists()
     assert list(copy.root.glob("old-*/prepared/manifest.json"))
+    prepared = rundata.prepare_run_data(_cfg(other, copy.root), copy, has_checkpoints=False)
+    assert prepared.manifest["fingerprint"]["corpus"][0]["path"] == str(other.resolve())
 
 
 def _stream(prepared, **overrides):
