@@ -168,7 +168,7 @@ def prepare_run_data(cfg: TrainConfig, run_dir: RunDir, *, has_checkpoints: bool
 
     spec = DataSpec.from_config(cfg)
     directory, tokenizer_file = run_dir.prepared, run_dir.tokenizer_dir / "spm.model"
-    ensure_prepared(spec, directory, tokenizer_file, has_checkpoints=has_checkpoints, seed=cfg.seed,
+    ensure_prepared(spec, directory, tokenizer_file, has_checkpoints=has_checkpoints,
                     write=jax.process_index() == 0)
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
