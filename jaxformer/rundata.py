@@ -104,6 +104,19 @@ def fingerprint_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[
             for key in sorted(set(saved) | set(now)) if saved.get(key) != now.get(key)]
 
 
+def same_data(saved: dict[str, Any], now: dict[str, Any]) -> bool:
+    """Whether two fingerprints describe the same data: equal but for the files' paths (a
+    moved repository or corpus is the same data when its bytes are)."""
+    def content(value):
+        if isinstance(value, dict):
+            return {k: content(v) for k, v in value.items() if k != "path"}
+        if isinstance(value, list):
+            return [content(v) for v in value]
+        return value
+
+    return content(saved) == content(now)
+
+
 def check_prepared(spec: DataSpec, directory: Path, tokenizer_file: Path, *,
                    has_checkpoints: bool) -> tuple[dict[str, Any], str]:
     """What :func:`ensure_prepared` must do: ``"reuse"``, ``"encode"`` (same data, another
@@ -119,7 +132,7 @@ def check_prepared(spec: DataSpec, directory: Path, tokenizer_file: Path, *,
     """
     fingerprint = spec.fingerprint()
     manifest = read_manifest(directory)
-    if manifest is not None and manifest.get("fingerprint") == fingerprint:
+    if manifest is not None and same_data(manifest.get("fingerprint", {}), fingerprint):
         same_tokenizer = (tokenizer_file.exists()
                           and file_digest(tokenizer_file) == manifest["tokenizer"]["sha256"])
         return fingerprint, "reuse" if same_tokenizer else "encode"

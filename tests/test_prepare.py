@@ -90,6 +90,9 @@ def test_preparing_twice_does_no_work_and_changed_input_prepares_again(corpus_fi
     cfg = _cfg(corpus_file, copy.root)
     monkeypatch.setattr(rundata, "prepare", lambda *a, **k: pytest.fail("prepared again"))
     rundata.prepare_run_data(cfg, copy, has_checkpoints=True)   # unchanged: reused even with checkpoints
+    moved = tmp_path / "moved.tsv"
+    shutil.copy(corpus_file, moved)
+    rundata.prepare_run_data(_cfg(moved, copy.root), copy, has_checkpoints=True)   # same bytes: same data
     monkeypatch.undo()
 
     changed = tmp_path / "small.tsv"
