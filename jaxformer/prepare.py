@@ -88,11 +88,14 @@ def prepare(spec: DataSpec, directory: str | os.PathLike, tokenizer_file: str | 
     else:
         tokenizer = Tokenizer(tokenizer_file)
     del sample
+    for stale in directory.parent.glob(f"{directory.name}.partial-*"):   # left by a killed prepare
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = directory.with_name(f"{directory.name}.partial-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     read_report = DataReport()
     counts, histogram = _write_splits(spec, splitter, tokenizer, tmp, read_report)
+    read_report.kept = n
+    log(read_report.summary(spec.name))
     for name, path in explicit.items():
         pairs, rep = corpus.read_tsv(path)
         log(rep.summary(f"{name} file {path}"))
