@@ -26,6 +26,7 @@ same inputs and settings finds the manifest's fingerprint unchanged and does not
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import itertools
 import json
 import os
@@ -176,27 +177,40 @@ def _write_splits(spec: DataSpec, splitter: Splitter, tokenizer: Tokenizer, out:
     dropped: dict[str, int] = {}
     lengths: list[np.ndarray] = []
     threads = os.cpu_count() or 1
-    with (out / "train-src.bin").open("wb") as fs, (out / "train-tgt.bin").open("wb") as ft:
+
+    def encode(train: list[Pair]) -> tuple[list[list[int]], list[list[int]]]:   # releases the GIL
+        return (tokenizer.sp.encode([p[0] for p in train], num_threads=threads),
+                tokenizer.sp.encode([p[1] for p in train], num_threads=threads))
+
+    def write(src: list[list[int]], tgt: list[list[int]]) -> None:
+        src_len = np.fromiter(map(len, src), np.int64, len(src))
+        tgt_len = np.fromiter(map(len, tgt), np.int64, len(tgt))
+        keep, reasons = keep_mask(src_len, tgt_len, spec.max_tokens, spec.max_length_ratio)
+        for reason, count in reasons.items():
+            dropped[reason] = dropped.get(reason, 0) + count
+        kept = np.flatnonzero(keep)
+        for f, ids, side_len in ((fs, src, src_len), (ft, tgt, tgt_len)):
+            rows = ids if len(kept) == len(ids) else [ids[i] for i in kept]
+            f.write(np.fromiter(itertools.chain.from_iterable(rows), dtype,
+                                int(side_len[kept].sum())).tobytes())
+        lengths.append(np.stack([src_len[kept], tgt_len[kept]], axis=1))
+
+    # Chunk k is encoded in a thread (sentencepiece releases the GIL) while this thread
+    # reads and splits chunk k + 1; chunks are written in order.
+    with ((out / "train-src.bin").open("wb") as fs, (out / "train-tgt.bin").open("wb") as ft,
+          concurrent.futures.ThreadPoolExecutor(1) as pool):
+        pending = None
         for chunk in _chunks(spec.read(report), CHUNK_PAIRS):
             train = []
             for pair in chunk:
                 name = splitter(pair[0])
                 (train if name == "train" else held[name]).append(pair)
-            if not train:
-                continue
-            src = tokenizer.sp.encode([p[0] for p in train], num_threads=threads)
-            tgt = tokenizer.sp.encode([p[1] for p in train], num_threads=threads)
-            src_len = np.fromiter(map(len, src), np.int64, len(src))
-            tgt_len = np.fromiter(map(len, tgt), np.int64, len(tgt))
-            keep, reasons = keep_mask(src_len, tgt_len, spec.max_tokens, spec.max_length_ratio)
-            for reason, count in reasons.items():
-                dropped[reason] = dropped.get(reason, 0) + count
-            kept = np.flatnonzero(keep)
-            for f, ids, side_len in ((fs, src, src_len), (ft, tgt, tgt_len)):
-                rows = ids if len(kept) == len(ids) else [ids[i] for i in kept]
-                f.write(np.fromiter(itertools.chain.from_iterable(rows), dtype,
-                                    int(side_len[kept].sum())).tobytes())
-            lengths.append(np.stack([src_len[kept], tgt_len[kept]], axis=1))
+            if train:
+                if pending is not None:
+                    write(*pending.result())
+                pending = pool.submit(encode, train)
+        if pending is not None:
+            write(*pending.result())
     all_lengths = np.concatenate(lengths) if lengths else np.zeros((0, 2), np.int64)
     if not len(all_lengths):
         raise ValueError(f"Every training pair of {spec.name} was filtered out ({dropped}); "
