@@ -32,6 +32,7 @@ import os
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -174,7 +175,8 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="100k,1M,4.5M", help=f"comma-separated, of {list(SIZES)}")
     parser.add_argument("--old-up-to", default="1M", help="largest size the old in-memory path runs at")
-    parser.add_argument("--out", default="/tmp/jaxformer-data-scale", help="corpora and run directories")
+    parser.add_argument("--out", default=str(Path(tempfile.gettempdir()) / "jaxformer-data-scale"),
+                        help="corpora and run directories")
     parser.add_argument("--steps", type=int, default=60,
                         help="timed steps per pipeline on the shipped corpus")
     parser.add_argument("--max-train-len", type=int, default=64)
