@@ -13,7 +13,7 @@ Why flat ``.bin`` files and not ArrayRecord: a record here is a few dozen small
 integers, read whole; a memory map gives random access with no per-record
 decoding or per-record framing, and the page cache, not the process, holds the
 data (measured in benchmarks/README.md, "data at scale"). Only the lengths and the
-offsets (16 bytes per pair) live in process memory.
+offsets (32 bytes a pair) live in process memory.
 """
 
 from __future__ import annotations
