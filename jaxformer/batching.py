@@ -31,22 +31,28 @@ class Examples:
 
 
 def tokenize_pairs(pairs: Sequence[Pair], tokenizer: Tokenizer, max_len: int,
-                   report: DataReport | None = None) -> Examples:
+                   report: DataReport | None = None, max_ratio: float | None = None) -> Examples:
     """Encodes pairs; drops (and counts) those that do not fit ``max_len``.
 
     A pair fits when the source has at most ``max_len`` ids and the target plus one
-    (bos for the decoder input, eos for the output) at most ``max_len``.
+    (bos for the decoder input, eos for the output) at most ``max_len``. With
+    ``max_ratio``, a pair whose id counts differ by more than that factor is dropped
+    first (Moses clean-corpus-n; the filter :mod:`jaxformer.prepare` applies).
     """
     src = tokenizer.encode([p[0] for p in pairs])
     tgt = tokenizer.encode([p[1] for p in pairs])
     keep_src, keep_tgt = [], []
     for s, t in zip(src, tgt):
-        if len(s) > max_len or len(t) + 1 > max_len:
-            if report is not None:
-                report.skip(f"longer than {max_len} tokens")
+        if max_ratio is not None and (len(s) > max_ratio * len(t) or len(t) > max_ratio * len(s)):
+            reason = f"length ratio above {max_ratio:g}"
+        elif len(s) > max_len or len(t) + 1 > max_len:
+            reason = f"longer than {max_len} tokens"
+        else:
+            keep_src.append(s)
+            keep_tgt.append(t)
             continue
-        keep_src.append(s)
-        keep_tgt.append(t)
+        if report is not None:
+            report.skip(reason)
     if report is not None:
         report.kept = len(keep_src)
     if not keep_src:
@@ -78,8 +84,15 @@ def bucket_batches(examples: Examples, batch_tokens: int, boundaries: Sequence[i
     Returns:
       a list of ``(L, indices [rows])``, in a seeded random order.
     """
-    rng = np.random.default_rng(seed)
-    lengths = np.array([max(len(s), len(t) + 1) for s, t in zip(examples.src, examples.tgt)])
+    src_len, tgt_len = example_lengths(examples)
+    return bucket_plan(src_len, tgt_len, batch_tokens, boundaries, np.random.default_rng(seed), row_multiple)
+
+
+def bucket_plan(src_len: np.ndarray, tgt_len: np.ndarray, batch_tokens: int, boundaries: Sequence[int],
+                rng: np.random.Generator, row_multiple: int = 1) -> list[tuple[int, np.ndarray]]:
+    """:func:`bucket_batches` on lengths alone: ``src_len``/``tgt_len`` ``[N]`` are the
+    source ids and the target ids + 1 of each example; indices refer to positions in them."""
+    lengths = np.maximum(src_len, tgt_len)
     bucket_of = np.searchsorted(np.asarray(boundaries), lengths)
     batches = []
     for b, length in enumerate(boundaries):
@@ -122,8 +135,18 @@ def pack_batches(examples: Examples, batch_tokens: int, length: int, seed: int,
     Raises:
       ValueError: an example does not fit ``length``.
     """
-    rng = np.random.default_rng(seed)
     src_len, tgt_len = example_lengths(examples)
+    return pack_plan(src_len, tgt_len, batch_tokens, length, np.random.default_rng(seed), row_multiple)
+
+
+def pack_plan(src_len: np.ndarray, tgt_len: np.ndarray, batch_tokens: int, length: int,
+              rng: np.random.Generator, row_multiple: int = 1) -> list[tuple[int, np.ndarray]]:
+    """:func:`pack_batches` on lengths alone: ``src_len``/``tgt_len`` ``[N]`` are the
+    source ids and the target ids + 1 of each example; indices refer to positions in them.
+
+    Raises:
+      ValueError: an example does not fit ``length``.
+    """
     if src_len.size and max(src_len.max(), tgt_len.max()) > length:
         raise ValueError(f"An example has more than length={length} source ids or target ids + 1; "
                          f"drop longer pairs first (tokenize_pairs with max_len={length}).")

@@ -13,8 +13,9 @@ import dataclasses
 import gzip
 import hashlib
 import importlib.resources
+import itertools
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -65,13 +66,13 @@ def _clean(text: str) -> str:
     return " ".join(text.split())
 
 
-def _add_pair(pairs: list[Pair], src: str, tgt: str, report: DataReport) -> None:
-    """Appends the whitespace-normalised pair, or counts it as having an empty side."""
+def _cleaned_pair(src: str, tgt: str, report: DataReport) -> Pair | None:
+    """The whitespace-normalised pair, or ``None`` (counted) if a side is empty."""
     src, tgt = _clean(src), _clean(tgt)
     if not src or not tgt:
         report.skip("empty side")
-    else:
-        pairs.append((src, tgt))
+        return None
+    return src, tgt
 
 
 def _finish(pairs: list[Pair], report: DataReport, name: str, expected: str) -> tuple[list[Pair], DataReport]:
@@ -82,21 +83,16 @@ def _finish(pairs: list[Pair], report: DataReport, name: str, expected: str) -> 
     return pairs, report
 
 
-def read_tsv(path: str | os.PathLike, report: DataReport | None = None) -> tuple[list[Pair], DataReport]:
-    """Reads ``source<TAB>target`` lines (plain or ``.gz``).
+def iter_tsv(path: str | os.PathLike, report: DataReport) -> Iterator[Pair]:
+    """Streams the usable pairs of ``source<TAB>target`` lines (plain or ``.gz``), one
+    line in memory at a time.
 
-    Malformed lines are skipped and counted in the report, never fatal: no tab,
-    an empty side, invalid UTF-8, more than one tab.
-
-    Returns:
-      ``(pairs, report)``.
+    Malformed lines are skipped and counted in ``report``, never fatal: no tab, an
+    empty side, invalid UTF-8, more than one tab. ``report.read`` counts every line.
 
     Raises:
       FileNotFoundError / PermissionError: the path is missing or unreadable.
-      ValueError: no usable pair at all.
     """
-    report = report or DataReport()
-    pairs: list[Pair] = []
     with _open_bytes(Path(path)) as f:
         for raw in f:
             report.read += 1
@@ -110,8 +106,46 @@ def read_tsv(path: str | os.PathLike, report: DataReport | None = None) -> tuple
             if len(fields) != 2:
                 report.skip("no tab" if len(fields) == 1 else "more than one tab")
                 continue
-            _add_pair(pairs, fields[0], fields[1], report)
+            pair = _cleaned_pair(fields[0], fields[1], report)
+            if pair is not None:
+                yield pair
+
+
+def read_tsv(path: str | os.PathLike, report: DataReport | None = None) -> tuple[list[Pair], DataReport]:
+    """All usable pairs of a TSV file (see :func:`iter_tsv`), in memory.
+
+    Returns:
+      ``(pairs, report)``.
+
+    Raises:
+      FileNotFoundError / PermissionError: the path is missing or unreadable.
+      ValueError: no usable pair at all.
+    """
+    report = report or DataReport()
+    pairs = list(iter_tsv(path, report))
     return _finish(pairs, report, repr(str(path)), "UTF-8 lines 'source<TAB>target'")
+
+
+def iter_aligned(src_path: str | os.PathLike, tgt_path: str | os.PathLike,
+                 report: DataReport) -> Iterator[Pair]:
+    """Streams the usable pairs of two line-aligned text files (plain or ``.gz``).
+
+    Raises:
+      ValueError: the files have different line counts (found when the shorter ends).
+      FileNotFoundError / PermissionError: a path is missing or unreadable.
+    """
+    with _open_bytes(Path(src_path)) as fs, _open_bytes(Path(tgt_path)) as ft:
+        for raw_src, raw_tgt in itertools.zip_longest(fs, ft):
+            if raw_src is None or raw_tgt is None:
+                longer = src_path if raw_tgt is None else tgt_path
+                raise ValueError(f"{src_path} and {tgt_path} have different numbers of lines ({longer} has "
+                                 f"more); aligned files need one sentence per line each.")
+            report.read += 1
+            src, tgt = _decode_line(raw_src, report), _decode_line(raw_tgt, report)
+            if src is not None and tgt is not None:
+                pair = _cleaned_pair(src, tgt, report)
+                if pair is not None:
+                    yield pair
 
 
 def read_aligned(src_path: str | os.PathLike, tgt_path: str | os.PathLike) -> tuple[list[Pair], DataReport]:
@@ -121,17 +155,7 @@ def read_aligned(src_path: str | os.PathLike, tgt_path: str | os.PathLike) -> tu
       ValueError: the files have different line counts, or no usable pair.
     """
     report = DataReport()
-    with _open_bytes(Path(src_path)) as fs, _open_bytes(Path(tgt_path)) as ft:
-        src_lines, tgt_lines = fs.read().splitlines(), ft.read().splitlines()
-    if len(src_lines) != len(tgt_lines):
-        raise ValueError(f"{src_path} has {len(src_lines)} lines but {tgt_path} has {len(tgt_lines)}; "
-                         f"aligned files need one sentence per line each.")
-    pairs: list[Pair] = []
-    for raw_src, raw_tgt in zip(src_lines, tgt_lines):
-        report.read += 1
-        src, tgt = _decode_line(raw_src, report), _decode_line(raw_tgt, report)
-        if src is not None and tgt is not None:
-            _add_pair(pairs, src, tgt, report)
+    pairs = list(iter_aligned(src_path, tgt_path, report))
     return _finish(pairs, report, f"{src_path} / {tgt_path}", "one UTF-8 sentence per line in each file")
 
 
@@ -147,9 +171,42 @@ def _unit_hash(text: str) -> float:
     return int.from_bytes(digest[:8], "big") / 2.0**64
 
 
+@dataclasses.dataclass(frozen=True)
+class Splitter:
+    """Where a pair goes: ``"train"``, ``"dev"`` or ``"test"``, by the hash of its source.
+
+    ``dev_frac``/``test_frac`` are the shares of the unit interval given to dev and
+    test; a split named in ``merged_into_train`` (one replaced by an explicit file)
+    goes to train. The same source always lands in the same split, on every run and
+    every host, whether the corpus is read whole (:func:`split_pairs`) or streamed
+    (:mod:`jaxformer.prepare`).
+    """
+
+    dev_frac: float
+    test_frac: float
+    merged_into_train: tuple[str, ...] = ()
+
+    @classmethod
+    def for_size(cls, n: int, dev_size: int = 1000, test_size: int = 1000,
+                 merged_into_train: tuple[str, ...] = ()) -> Splitter:
+        """The split of an ``n``-pair corpus with expected dev/test sizes (each at most 25%).
+
+        Raises:
+          ValueError: fewer than 3 pairs.
+        """
+        if n < 3:
+            raise ValueError(f"A corpus of {n} pairs cannot be split into train/dev/test.")
+        return cls(min(dev_size / n, 0.25), min(test_size / n, 0.25), merged_into_train)
+
+    def __call__(self, source: str) -> str:
+        u = _unit_hash(source)
+        name = "dev" if u < self.dev_frac else "test" if u < self.dev_frac + self.test_frac else "train"
+        return "train" if name in self.merged_into_train else name
+
+
 def split_pairs(pairs: Sequence[Pair], dev_size: int = 1000, test_size: int = 1000
                 ) -> dict[str, list[Pair]]:
-    """Deterministic train/dev/test split by hashing the source sentence.
+    """Deterministic train/dev/test split by hashing the source sentence (:class:`Splitter`).
 
     A source sentence always lands in the same split, so a duplicated source can
     never sit in both train and test. The expected dev and test sizes are
@@ -158,21 +215,20 @@ def split_pairs(pairs: Sequence[Pair], dev_size: int = 1000, test_size: int = 10
     Raises:
       ValueError: a split would be empty (too small a corpus).
     """
-    n = len(pairs)
-    if n < 3:
-        raise ValueError(f"A corpus of {n} pairs cannot be split into train/dev/test.")
-    dev_frac = min(dev_size / n, 0.25)
-    test_frac = min(test_size / n, 0.25)
+    splitter = Splitter.for_size(len(pairs), dev_size, test_size)
     splits: dict[str, list[Pair]] = {"train": [], "dev": [], "test": []}
     for pair in pairs:
-        u = _unit_hash(pair[0])
-        name = "dev" if u < dev_frac else "test" if u < dev_frac + test_frac else "train"
-        splits[name].append(pair)
-    for name, items in splits.items():
-        if not items:
+        splits[splitter(pair[0])].append(pair)
+    check_splits_nonempty({k: len(v) for k, v in splits.items()}, len(pairs))
+    return splits
+
+
+def check_splits_nonempty(sizes: dict[str, int], n: int) -> None:
+    """Raises ``ValueError`` naming the first empty split of an ``n``-pair corpus."""
+    for name, size in sizes.items():
+        if not size:
             raise ValueError(f"The {name} split is empty ({n} pairs in all); give a larger corpus "
                              f"or explicit --dev-file/--test-file.")
-    return splits
 
 
 def load_splits(cfg: TrainConfig) -> tuple[dict[str, list[Pair]], str]:
@@ -212,14 +268,20 @@ def load_splits(cfg: TrainConfig) -> tuple[dict[str, list[Pair]], str]:
             log(rep.summary(f"{split} file {path}"))
     splits = _split_with_explicit(pairs, explicit) if explicit else split_pairs(pairs)
     log("split: " + ", ".join(f"{k} {len(v)}" for k, v in splits.items()))
-    target_language = cfg.pair.split("-")[1] if not (cfg.train_file or cfg.src_file) else "xx"
-    return splits, target_language
+    return splits, target_language_of(cfg)
+
+
+def target_language_of(cfg: TrainConfig) -> str:
+    """The target language code of a run's data (``"xx"`` for a user's own corpus)."""
+    return cfg.pair.split("-")[1] if not (cfg.train_file or cfg.src_file) else "xx"
 
 
 def _split_with_explicit(pairs, explicit):
-    """Explicit dev/test files replace the hashed split's; the rest goes to train."""
-    if "dev" in explicit and "test" in explicit:
-        return {"train": list(pairs), **explicit}
-    held = split_pairs(pairs, dev_size=1000, test_size=1000)
-    return {"train": held["train"] + held["dev" if "dev" in explicit else "test"],
-            "dev": explicit.get("dev", held["dev"]), "test": explicit.get("test", held["test"])}
+    """Explicit dev/test files replace the hashed split's; the rest goes to train, in corpus order."""
+    splitter = Splitter.for_size(len(pairs), merged_into_train=tuple(explicit))
+    splits: dict[str, list[Pair]] = {"train": [], "dev": [], "test": []}
+    for pair in pairs:
+        splits[splitter(pair[0])].append(pair)
+    splits.update(explicit)
+    check_splits_nonempty({k: len(v) for k, v in splits.items()}, len(pairs))
+    return splits

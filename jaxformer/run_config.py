@@ -19,7 +19,7 @@ class TrainConfig:
     """
 
     # Where and what.
-    workdir: str = "runs/en-de"
+    workdir: str | None = None         # default: derived from the data (runs/en-de, runs/<file>, ...)
     pair: str = "en-de"
     train_file: str | None = None      # source<TAB>target lines (.tsv or .tsv.gz)
     src_file: str | None = None        # or two aligned text files
@@ -69,6 +69,8 @@ class TrainConfig:
     keep_checkpoints: int = 3
     num_samples: int = 5               # dev sentences written to samples.txt per eval
     progress: bool = True
+    # Data preparation (jaxformer.prepare).
+    max_length_ratio: float = 9.0      # drop pairs whose id counts differ more (Moses clean-corpus-n)
 
     def __post_init__(self):
         """Rejects values that would crash later or silently do something else.
@@ -89,8 +91,12 @@ class TrainConfig:
             problems.append(f"--label-smoothing must be in [0, 1), got {self.label_smoothing}")
         if self.max_train_len is not None and self.max_train_len < 2:
             problems.append(f"--max-train-len must be at least 2, got {self.max_train_len}")
+        if not self.max_length_ratio >= 1:
+            problems.append(f"--max-length-ratio must be at least 1, got {self.max_length_ratio}")
         if problems:
             raise ValueError("; ".join(problems) + ".")
+        if self.workdir is None:   # one run directory per data set: --pair en-fr never resumes en-de
+            object.__setattr__(self, "workdir", default_workdir(self))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -103,6 +109,24 @@ class TrainConfig:
         if self.num_layers is not None:
             out.update(num_encoder_layers=self.num_layers, num_decoder_layers=self.num_layers)
         return out
+
+
+def default_workdir(cfg: TrainConfig) -> str:
+    """``runs/<pair>`` for a shipped corpus, ``runs/<file name>`` for a user's corpus
+    (``runs/train.en-de`` for ``train.en`` + ``train.de``)."""
+    def stem(path: str) -> str:
+        name = Path(path).name.removesuffix(".gz")
+        return name.removesuffix(".tsv") if name.endswith(".tsv") else name
+
+    if cfg.train_file:
+        return f"runs/{stem(cfg.train_file)}"
+    if cfg.src_file and cfg.tgt_file:
+        src, tgt = stem(cfg.src_file), stem(cfg.tgt_file)
+        src_base, _, src_ext = src.rpartition(".")
+        tgt_base, _, tgt_ext = tgt.rpartition(".")
+        return f"runs/{src_base}.{src_ext}-{tgt_ext}" if src_base and src_base == tgt_base else \
+            f"runs/{src}-{tgt}"
+    return f"runs/{cfg.pair}"
 
 
 # The defaults of `python train.py`: a CPU run of under 10 minutes (see README), the

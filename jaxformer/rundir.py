@@ -5,6 +5,8 @@
 
   config.json       model + run settings + tokenizer record (+ train_history)
   tokenizer/        the sentencepiece model
+  prepared/         the corpus as token ids + manifest.json, the data's fingerprint
+                    (jaxformer.prepare; reused on every resume)
   checkpoints/      orbax: the last N train states with the data iterator position
   best/             orbax: the parameters with the best dev BLEU
   corrupt/          unreadable checkpoints moved aside (never deleted)
@@ -42,7 +44,7 @@ class RunDir:
         object.__setattr__(self, "root", Path(self.root))
 
     # Every name a run writes; ``fresh`` moves exactly these.
-    NAMES = ("checkpoints", "best", "corrupt", "config.json", "tokenizer", "metrics.jsonl",
+    NAMES = ("checkpoints", "best", "corrupt", "config.json", "tokenizer", "prepared", "metrics.jsonl",
              "metrics.redone.jsonl", "tensorboard", "plots", "samples.txt", "results.json",
              "test_hypotheses.txt")
 
@@ -53,6 +55,10 @@ class RunDir:
     @property
     def tokenizer_dir(self) -> Path:
         return self.root / "tokenizer"
+
+    @property
+    def prepared(self) -> Path:
+        return self.root / "prepared"
 
     @property
     def checkpoints(self) -> Path:

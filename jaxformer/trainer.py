@@ -21,15 +21,17 @@ import jax
 import optax
 
 from jaxformer import sharding as sharding_lib
-from jaxformer.batching import Examples, bucket_boundaries, tokenize_pairs, train_dataset
+from jaxformer.batching import Examples, bucket_boundaries, tokenize_pairs
 from jaxformer.checkpoints import RunCheckpoints
 from jaxformer.config import TransformerConfig, preset
-from jaxformer.corpus import DataReport, Pair, load_splits
+from jaxformer.corpus import Pair, target_language_of
 from jaxformer.evaluation import Evaluator
 from jaxformer.logs import is_main_process, log
 from jaxformer.model import Transformer
 from jaxformer.preemption import Preempted, PreemptionGuard, past_deadline
+from jaxformer.prepared import PreparedCorpus
 from jaxformer.run_config import TrainConfig, save_json
+from jaxformer.rundata import prepare_run_data
 from jaxformer.rundir import (
     MetricsLog,
     RunDir,
@@ -38,7 +40,8 @@ from jaxformer.rundir import (
     set_aside_metrics_after,
     write_plots,
 )
-from jaxformer.tokenizer import Tokenizer, load_or_train_tokenizer
+from jaxformer.streaming import kept_records, stream_dataset
+from jaxformer.tokenizer import Tokenizer
 from jaxformer.training import (
     TrainState,
     add_metrics,
@@ -58,9 +61,9 @@ class TrainingDiverged(RuntimeError):
 
 @dataclasses.dataclass
 class TrainData:
-    """The data of a run: splits (text), the training pipeline and the dev examples."""
+    """The data of a run: the dev/test pairs (text), the training pipeline and the dev examples."""
 
-    splits: dict[str, list[Pair]]
+    splits: dict[str, list[Pair]]   # "dev", "test"
     target_language: str
     iterator: Iterator[dict[str, Any]]   # a grain iterator: get_state / set_state
     dev_examples: Examples
@@ -147,16 +150,18 @@ def setup(cfg: TrainConfig, *, fresh: bool = False) -> Run:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices("workdir")
-    splits, target_language = load_splits(cfg)
-    tokenizer = load_or_train_tokenizer(run_dir.root, splits["train"], cfg.vocab_size)
+    checkpoints = RunCheckpoints(run_dir.root, keep=cfg.keep_checkpoints)
+    # Prepared once (jaxformer.prepare), reused on every resume; other data than the run's is an error.
+    prepared = prepare_run_data(cfg, run_dir, has_checkpoints=checkpoints.latest_step() is not None)
+    target_language = target_language_of(cfg)
+    tokenizer = Tokenizer(run_dir.tokenizer_dir / "spm.model")
     model_config = preset(cfg.preset, src_vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id,
                           **cfg.model_overrides())
-    checkpoints = RunCheckpoints(run_dir.root, keep=cfg.keep_checkpoints)
     saved = run_dir.read_config()
     if checkpoints.latest_step() is not None and saved is not None:
         check_resume_compatible(saved, model_config)
     row_multiple = math.lcm(mesh.shape["data"] * cfg.grad_accum_steps, jax.process_count())
-    data = build_train_data(cfg, splits, target_language, tokenizer, model_config, row_multiple)
+    data = build_train_data(cfg, prepared, target_language, tokenizer, model_config, row_multiple)
 
     model = Transformer(model_config)
     schedule = transformer_schedule(model_config.d_model, cfg.warmup_steps, cfg.lr_scale)
@@ -183,24 +188,27 @@ def setup(cfg: TrainConfig, *, fresh: bool = False) -> Run:
                best_bleu=-1.0 if best_bleu is None else best_bleu, t_start=t_start)
 
 
-def build_train_data(cfg: TrainConfig, splits: dict[str, list[Pair]], target_language: str,
+def build_train_data(cfg: TrainConfig, prepared: PreparedCorpus, target_language: str,
                      tokenizer: Tokenizer, model_config: TransformerConfig, row_multiple: int) -> TrainData:
-    """Tokenizes the splits and builds the endless training pipeline (this process's rows).
+    """The endless training pipeline over the prepared data (this process's rows, streamed
+    from disk) and the dev/test pairs.
 
     Raises:
       ValueError: no pair fits, or ``--batch-tokens`` is too small for one row per data shard.
     """
-    report = DataReport(read=len(splits["train"]))
     max_train_len = min(cfg.max_train_len or model_config.max_len, model_config.max_len)
-    train_examples = tokenize_pairs(splits["train"], tokenizer, max_train_len, report)
-    log(report.summary("train tokens"))
+    _, too_long = kept_records(prepared, max_train_len)
+    log(f"train: {len(prepared)} prepared pairs, {len(prepared) - too_long} used, {too_long} longer "
+        f"than {max_train_len} tokens left out ({prepared.manifest['name']}: "
+        f"{json.dumps(prepared.manifest['counts'])})")
+    splits = {name: prepared.held_out(name) for name in ("dev", "test")}
     dev_examples = tokenize_pairs(splits["dev"], tokenizer, model_config.max_len)
     _check_batch_rows(cfg.batch_tokens, max_train_len, row_multiple)
-    dataset: grain.IterDataset = train_dataset(
-        train_examples, batch_tokens=cfg.batch_tokens, boundaries=bucket_boundaries(max_train_len),
-        seed=cfg.seed, pad_id=tokenizer.pad_id, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id,
-        row_multiple=row_multiple, process_index=jax.process_index(),
-        process_count=jax.process_count(), pack=cfg.pack)
+    dataset: grain.IterDataset = stream_dataset(
+        prepared, max_len=max_train_len, batch_tokens=cfg.batch_tokens,
+        boundaries=bucket_boundaries(max_train_len), seed=cfg.seed, pad_id=tokenizer.pad_id,
+        bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, row_multiple=row_multiple,
+        process_index=jax.process_index(), process_count=jax.process_count(), pack=cfg.pack)
     return TrainData(splits=splits, target_language=target_language, iterator=iter(dataset),
                      dev_examples=dev_examples)
 

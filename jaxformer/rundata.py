@@ -1,0 +1,190 @@
+"""Which data a run belongs to: the data's description, its fingerprint, and the
+decision to reuse, prepare or refuse.
+
+A run directory's ``prepared/manifest.json`` records the fingerprint of the data the
+run was prepared from (:meth:`DataSpec.fingerprint`: every input file's path, size
+and SHA-256, and the settings that change the ids). On every start the fingerprint
+of the flags' data is compared with it: equal, the prepared data is reused; different
+in a run that has checkpoints, it is an error naming what differs and the fix;
+different before any checkpoint, the data is prepared again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from jaxformer import corpus
+from jaxformer.corpus import DataReport, Pair
+from jaxformer.logs import log
+from jaxformer.prepare import prepare
+from jaxformer.prepared import FORMAT_VERSION, PreparedCorpus, file_digest, read_manifest
+
+if TYPE_CHECKING:
+    from jaxformer.run_config import TrainConfig
+    from jaxformer.rundir import RunDir
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSpec:
+    """What the data of a run is: the corpus files and every setting that changes the ids.
+
+    ``corpus_files`` is one TSV file, or a source and a target file (``aligned``).
+    """
+
+    corpus_files: tuple[str, ...]
+    aligned: bool = False
+    dev_file: str | None = None
+    test_file: str | None = None
+    vocab_size: int = 4000
+    max_tokens: int = 1024
+    max_length_ratio: float = 9.0
+    name: str = ""
+
+    @classmethod
+    def from_config(cls, cfg: TrainConfig) -> DataSpec:
+        """The data named by a run's flags (``--train-file``, ``--src-file``/``--tgt-file`` or
+        ``--pair``).
+
+        Raises:
+          ValueError: conflicting corpus flags.
+        """
+        if cfg.train_file and (cfg.src_file or cfg.tgt_file):
+            raise ValueError("Give either --train-file or --src-file/--tgt-file, not both.")
+        if bool(cfg.src_file) != bool(cfg.tgt_file):
+            raise ValueError("--src-file and --tgt-file go together.")
+        common = dict(dev_file=cfg.dev_file, test_file=cfg.test_file, vocab_size=cfg.vocab_size,
+                      max_length_ratio=cfg.max_length_ratio)
+        if cfg.train_file:
+            return cls((cfg.train_file,), name=cfg.train_file, **common)
+        if cfg.src_file:
+            return cls((cfg.src_file, cfg.tgt_file), aligned=True,
+                       name=f"{cfg.src_file} + {cfg.tgt_file}", **common)
+        return cls((str(corpus.builtin_corpus_path(cfg.pair)),),
+                   name=f"shipped {cfg.pair} corpus (LibreOffice help, MPL-2.0)", **common)
+
+    def read(self, report: DataReport) -> Iterator[Pair]:
+        """Streams the corpus's usable pairs (counted in ``report``)."""
+        if self.aligned:
+            return corpus.iter_aligned(*self.corpus_files, report)
+        return corpus.iter_tsv(self.corpus_files[0], report)
+
+    def fingerprint(self) -> dict[str, Any]:
+        """Every input file's path, size and SHA-256, and the settings that change the ids.
+
+        Raises:
+          FileNotFoundError: an input file is missing.
+        """
+        def describe(path: str | None) -> dict[str, Any] | None:
+            if path is None:
+                return None
+            p = Path(path)
+            if not p.exists():
+                raise FileNotFoundError(f"Corpus file {path!r} does not exist; check the path.")
+            return {"path": str(p.resolve()), "size": p.stat().st_size, "sha256": file_digest(p)}
+
+        return {"format_version": FORMAT_VERSION, "corpus": [describe(p) for p in self.corpus_files],
+                "aligned": self.aligned, "dev_file": describe(self.dev_file),
+                "test_file": describe(self.test_file), "vocab_size": self.vocab_size,
+                "max_tokens": self.max_tokens, "max_length_ratio": self.max_length_ratio}
+
+
+def fingerprint_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """Human-readable differences between two :meth:`DataSpec.fingerprint` s (empty if equal)."""
+    def brief(value):
+        if isinstance(value, list):
+            return [brief(v) for v in value]
+        if isinstance(value, dict) and "path" in value:
+            return f"{value['path']} ({value['size']} bytes, sha256 {value['sha256'][:12]})"
+        return value
+
+    return [f"{key}: {brief(saved.get(key))!r} before, {brief(now.get(key))!r} now"
+            for key in sorted(set(saved) | set(now)) if saved.get(key) != now.get(key)]
+
+
+def same_data(saved: dict[str, Any], now: dict[str, Any]) -> bool:
+    """Whether two fingerprints describe the same data: equal but for the files' paths (a
+    moved repository or corpus is the same data when its bytes are)."""
+    def content(value):
+        if isinstance(value, dict):
+            return {k: content(v) for k, v in value.items() if k != "path"}
+        if isinstance(value, list):
+            return [content(v) for v in value]
+        return value
+
+    return content(saved) == content(now)
+
+
+def check_prepared(spec: DataSpec, directory: Path, tokenizer_file: Path, *,
+                   has_checkpoints: bool) -> tuple[dict[str, Any], str]:
+    """What :func:`ensure_prepared` must do: ``"reuse"``, ``"encode"`` (same data, another
+    tokenizer), ``"prepare"`` (no prepared data yet) or ``"retrain"`` (the data changed
+    and the run has no checkpoints: prepare it and train a new tokenizer).
+
+    Returns:
+      ``(the inputs' fingerprint, action)``.
+
+    Raises:
+      ValueError: the run has checkpoints of other data; the message names what differs
+        and the fix.
+    """
+    fingerprint = spec.fingerprint()
+    manifest = read_manifest(directory)
+    if manifest is not None and same_data(manifest.get("fingerprint", {}), fingerprint):
+        same_tokenizer = (tokenizer_file.exists()
+                          and file_digest(tokenizer_file) == manifest["tokenizer"]["sha256"])
+        return fingerprint, "reuse" if same_tokenizer else "encode"
+    if manifest is None:
+        return fingerprint, "prepare"
+    if has_checkpoints:
+        differences = "; ".join(fingerprint_differences(manifest.get("fingerprint", {}), fingerprint))
+        raise ValueError(
+            f"The run directory {str(directory.parent)!r} holds a run trained on other data "
+            f"({differences}). Resume with the data flags it was started with, choose another "
+            f"--workdir for the new data, or pass --fresh to start this run over on the new data.")
+    return fingerprint, "retrain"
+
+
+def ensure_prepared(spec: DataSpec, directory: Path, tokenizer_file: Path, *, has_checkpoints: bool,
+                    seed: int = 0, write: bool = True) -> None:
+    """Makes ``directory`` hold ``spec``'s prepared data: reused when its manifest matches,
+    else prepared (again) — see :func:`check_prepared`. With ``write=False`` (the other
+    processes of a multi-process run) only the check runs, so every process raises the
+    same error.
+
+    Raises:
+      ValueError: the run has checkpoints of other data (see :func:`check_prepared`).
+    """
+    _, action = check_prepared(spec, directory, tokenizer_file, has_checkpoints=has_checkpoints)
+    if action == "reuse":
+        log(f"prepared data: reusing {directory}")
+        return
+    if write:
+        if action == "encode":
+            log(f"prepared data: {tokenizer_file} is not the tokenizer {directory} was encoded with; "
+                f"encoding again")
+        prepare(spec, directory, tokenizer_file, retrain_tokenizer=action == "retrain", seed=seed)
+
+
+def prepare_run_data(cfg: TrainConfig, run_dir: RunDir, *, has_checkpoints: bool) -> PreparedCorpus:
+    """The prepared data of a run directory (``prepared/``, ``tokenizer/spm.model``),
+    prepared first if missing or stale. In a multi-process run process 0 prepares and the
+    others wait for it.
+
+    Raises:
+      ValueError: bad corpus flags, an unusable corpus, or checkpoints of other data.
+      PreparedDataError: a prepared file is truncated or corrupt.
+    """
+    import jax
+
+    spec = DataSpec.from_config(cfg)
+    directory, tokenizer_file = run_dir.prepared, run_dir.tokenizer_dir / "spm.model"
+    ensure_prepared(spec, directory, tokenizer_file, has_checkpoints=has_checkpoints,
+                    write=jax.process_index() == 0)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("prepared data")
+    return PreparedCorpus.open(directory)

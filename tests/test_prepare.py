@@ -1,0 +1,222 @@
+"""Prepare once, stream, know the run's data (issue #12): no model is compiled here.
+
+One tiny corpus (2,000 shipped pairs plus a few crafted bad lines) is prepared once per
+module; the tests compare it with the in-memory path, re-prepare copies of it, corrupt
+its files and stream it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import grain
+import numpy as np
+import pytest
+
+from jaxformer import batching, corpus, prepare, rundata, streaming
+from jaxformer.checkpoints import RunCheckpoints
+from jaxformer.prepared import PreparedCorpus, PreparedDataError
+from jaxformer.run_config import TrainConfig
+from jaxformer.rundir import RunDir
+from jaxformer.tokenizer import Tokenizer
+from jaxformer.trainer import train
+
+MAX_LEN = 24
+LONG = ("Klicken Sie auf OK, um die Einstellungen dieses Dialogs zu speichern und den Dialog zu "
+        "schließen, oder auf Abbrechen, um ihn ohne Änderung zu schließen.")
+CRAFTED = [f"{word}\t{LONG}" for word in ("OK.", "Yes!", "No.", "Go.", "Stop.", "Help.")]  # ratio > 9
+CRAFTED += ["\tnur Ziel", "no tab here", "Yes.\tJa."]
+
+
+@pytest.fixture(scope="module")
+def corpus_file(tmp_path_factory):
+    pairs, _ = corpus.read_tsv(corpus.builtin_corpus_path("en-de"))
+    path = tmp_path_factory.mktemp("prep") / "small.tsv"
+    path.write_text("".join(f"{s}\t{t}\n" for s, t in pairs[:2000]) + "\n".join(CRAFTED) + "\n")
+    return path
+
+
+def _cfg(corpus_file, workdir, **overrides) -> TrainConfig:
+    return TrainConfig(train_file=str(corpus_file), workdir=str(workdir), vocab_size=300, **overrides)
+
+
+@pytest.fixture(scope="module")
+def run_dir(corpus_file, tmp_path_factory):
+    """A run directory whose data is prepared (tokenizer trained by prepare)."""
+    root = RunDir(tmp_path_factory.mktemp("run") / "run")
+    root.create()
+    rundata.prepare_run_data(_cfg(corpus_file, root.root), root, has_checkpoints=False)
+    return root
+
+
+def _copy(run_dir, tmp_path) -> RunDir:
+    copy = RunDir(tmp_path / "copy")
+    shutil.copytree(run_dir.root, copy.root)
+    return copy
+
+
+def test_prepared_data_equals_the_in_memory_path(corpus_file, run_dir):
+    """Same split, same ids, same filters and counts as read_tsv + split_pairs + tokenize_pairs."""
+    pairs, read_report = corpus.read_tsv(corpus_file)
+    splits = corpus.split_pairs(pairs)
+    tokenizer = Tokenizer(run_dir.tokenizer_dir / "spm.model")
+    report = corpus.DataReport()
+    examples = batching.tokenize_pairs(splits["train"], tokenizer, MAX_LEN, report, max_ratio=9.0)
+
+    prepared = PreparedCorpus.open(run_dir.prepared)
+    records, too_long = streaming.kept_records(prepared, MAX_LEN)
+    assert [list(prepared.src[i]) for i in records] == examples.src
+    assert [list(prepared.tgt[i]) for i in records] == examples.tgt
+    counts = prepared.manifest["counts"]
+    assert counts["train_dropped"]["length ratio above 9"] == report.skipped["length ratio above 9"] >= 1
+    assert too_long == report.skipped[f"longer than {MAX_LEN} tokens"] > 0
+    assert prepared.held_out("dev") == splits["dev"] and prepared.held_out("test") == splits["test"]
+    assert prepared.manifest["read"] == dict(read_report.skipped, lines=read_report.read)
+    assert sum(prepared.manifest["length_histogram"]["src"]) == counts["train"] == len(prepared)
+
+
+def test_a_small_corpus_trains_the_tokenizer_on_every_training_pair():
+    """The reservoir keeps everything, in order, up to its size; then a uniform sample."""
+    pairs = [(str(i), str(i)) for i in range(50)]
+    assert prepare._count_and_sample(iter(pairs), 50, seed=0) == (50, pairs)
+    n, sample = prepare._count_and_sample(iter(pairs), 10, seed=0)
+    assert n == 50 and len(sample) == 10 and len(set(sample)) == 10 and sample != pairs[:10]
+
+
+def test_preparing_twice_does_no_work_and_changed_input_prepares_again(corpus_file, run_dir, tmp_path,
+                                                                       monkeypatch):
+    copy = _copy(run_dir, tmp_path)
+    cfg = _cfg(corpus_file, copy.root)
+    monkeypatch.setattr(rundata, "prepare", lambda *a, **k: pytest.fail("prepared again"))
+    rundata.prepare_run_data(cfg, copy, has_checkpoints=True)   # unchanged: reused even with checkpoints
+    moved = tmp_path / "moved.tsv"
+    shutil.copy(corpus_file, moved)
+    rundata.prepare_run_data(_cfg(moved, copy.root), copy, has_checkpoints=True)   # same bytes: same data
+    monkeypatch.undo()
+
+    changed = tmp_path / "small.tsv"
+    changed.write_text(corpus_file.read_text() + "One more sentence.\tNoch ein Satz.\n")
+    cfg = _cfg(changed, copy.root)
+    with pytest.raises(ValueError, match=r"other data \(corpus: .*--fresh"):
+        rundata.prepare_run_data(cfg, copy, has_checkpoints=True)
+    old_tokenizer = (copy.tokenizer_dir / "spm.model").read_bytes()
+    prepared = rundata.prepare_run_data(cfg, copy, has_checkpoints=False)   # no checkpoints yet: redo
+    assert prepared.manifest["fingerprint"]["corpus"][0]["path"] == str(changed.resolve())
+    total = sum(v for k, v in prepared.manifest["counts"].items() if k != "train_dropped")
+    before = PreparedCorpus.open(run_dir.prepared).manifest["counts"]
+    assert total == sum(v for k, v in before.items() if k != "train_dropped") + 1
+    assert (copy.tokenizer_dir / "spm.model").exists() and old_tokenizer   # retrained in place
+
+
+def test_other_settings_are_other_data(corpus_file, run_dir, tmp_path):
+    copy = _copy(run_dir, tmp_path)
+    with pytest.raises(ValueError, match="max_length_ratio: 9.0 before, 3.0 now"):
+        rundata.prepare_run_data(_cfg(corpus_file, copy.root, max_length_ratio=3.0), copy,
+                                 has_checkpoints=True)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete"])
+def test_a_damaged_prepared_file_is_a_clear_error(run_dir, tmp_path, damage):
+    copy = _copy(run_dir, tmp_path)
+    path = copy.prepared / "train-tgt.bin"
+    data = bytearray(path.read_bytes())
+    if damage == "truncate":
+        path.write_bytes(data[:-6])
+    elif damage == "flip":
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+    else:
+        path.unlink()
+    problem = {"truncate": "has .* bytes", "flip": "SHA-256", "delete": "is missing"}[damage]
+    with pytest.raises(PreparedDataError, match=f"train-tgt.bin.* {problem}.*run jaxformer-prepare"):
+        PreparedCorpus.open(copy.prepared)
+
+
+def test_workdir_defaults_to_the_data():
+    assert TrainConfig().workdir == "runs/en-de"
+    assert TrainConfig(pair="en-fr").workdir == "runs/en-fr"
+    assert TrainConfig(train_file="data/wmt14.en-de.tsv.gz").workdir == "runs/wmt14.en-de"
+    assert TrainConfig(src_file="d/train.en", tgt_file="d/train.de").workdir == "runs/train.en-de"
+    assert TrainConfig(workdir="mine", pair="en-fr").workdir == "mine"
+
+
+def test_training_on_other_data_is_refused_and_fresh_starts_over(corpus_file, run_dir, tmp_path):
+    """The trainer's check comes before any compile; ``--fresh`` moves the old data aside."""
+    copy = _copy(run_dir, tmp_path)
+    checkpoints = RunCheckpoints(copy.root)   # a checkpoint of the run (its content does not matter)
+    checkpoints.save(1, {"x": np.zeros(2)}, iter(grain.MapDataset.range(3).to_iter_dataset()))
+    checkpoints.wait()
+    checkpoints.close()
+    other = tmp_path / "other.tsv"
+    other.write_text(corpus_file.read_text().replace("OK.", "Okay."))
+    with pytest.raises(ValueError, match=r"holds a run trained on other data \(corpus: .*other.tsv.*--fresh"):
+        train(_cfg(other, copy.root, preset="tiny"))
+    copy.create(fresh=True)
+    assert not copy.prepared.exists() and not copy.tokenizer_dir.exists()
+    assert list(copy.root.glob("old-*/prepared/manifest.json"))
+    prepared = rundata.prepare_run_data(_cfg(other, copy.root), copy, has_checkpoints=False)
+    assert prepared.manifest["fingerprint"]["corpus"][0]["path"] == str(other.resolve())
+
+
+def _stream(prepared, **overrides):
+    options = dict(max_len=MAX_LEN, batch_tokens=4 * MAX_LEN, boundaries=(8, 16, MAX_LEN), seed=3,
+                   row_multiple=4, block_pairs=300)
+    return streaming.process_plans(prepared, **{**options, **overrides})
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_each_epoch_visits_every_kept_record_once_in_a_new_order(run_dir, pack):
+    prepared = PreparedCorpus.open(run_dir.prepared)
+    records, _ = streaming.kept_records(prepared, MAX_LEN)
+    it = iter(_stream(prepared, pack=pack))
+    epochs: list[list[int]] = [[], [], []]
+    while it.get_state()["epoch"] < 2:
+        length, ids = next(it)
+        epoch = it.get_state()["epoch"]   # the state after a batch names the batch's epoch
+        assert ids.shape[0] == (4 if pack else 4 * MAX_LEN // length // 4 * 4)
+        epochs[epoch].extend(int(i) for i in ids.ravel() if i >= 0)
+    for seen in epochs[:2]:
+        assert sorted(seen) == records.tolist()
+    assert epochs[0] != epochs[1]
+
+
+def test_processes_collate_disjoint_blocks_of_the_same_global_batches(run_dir):
+    prepared = PreparedCorpus.open(run_dir.prepared)
+    kwargs = dict(max_len=MAX_LEN, batch_tokens=4 * MAX_LEN, boundaries=(8, 16, MAX_LEN), seed=3,
+                  row_multiple=4, block_pairs=300, pad_id=0, bos_id=2, eos_id=3)
+    whole = iter(streaming.stream_dataset(prepared, **kwargs))
+    parts = [iter(streaming.stream_dataset(prepared, **kwargs, process_index=i, process_count=4))
+             for i in range(4)]
+    for _ in range(5):
+        batch = next(whole)
+        shares = [next(p) for p in parts]
+        for name, value in batch.items():
+            np.testing.assert_array_equal(np.concatenate([s[name] for s in shares]), value)
+    with pytest.raises(ValueError, match="multiple of the process count"):
+        _stream(prepared, row_multiple=6, process_index=0, process_count=4)
+
+
+def test_resume_is_exact_mid_block_mid_epoch_and_across_the_epoch_boundary(run_dir):
+    """States are saved as JSON (as grain's checkpoint handler does) and restored into a
+    fresh pipeline, as after a kill: the batches that follow are the same."""
+    prepared = PreparedCorpus.open(run_dir.prepared)
+    kwargs = dict(max_len=MAX_LEN, batch_tokens=4 * MAX_LEN, boundaries=(8, 16, MAX_LEN), seed=3,
+                  row_multiple=4, block_pairs=300, pad_id=0, bos_id=2, eos_id=3)
+    it = iter(streaming.stream_dataset(prepared, **kwargs))
+    states, batches = [], []
+    while it.get_state()["epoch"] < 1 or it.get_state()["batch"] < 3:
+        states.append(json.dumps(it.get_state()))
+        batches.append(next(it))
+    decoded = [json.loads(s) for s in states]
+    per_epoch = next(i for i, s in enumerate(decoded) if s["epoch"] == 1)       # 1 + batches of epoch 0
+    block_end = next(i for i, s in enumerate(decoded) if s["block"] == 1) - 1   # block 0 used up
+    chosen = {"mid block": 2, "block boundary": block_end, "mid epoch": per_epoch // 2,
+              "epoch boundary": per_epoch - 1, "new epoch": per_epoch + 1}
+    for where, at in chosen.items():
+        resumed = iter(streaming.stream_dataset(prepared, **kwargs))
+        resumed.set_state(json.loads(states[at]))
+        for expected in batches[at:at + 3]:
+            got = next(resumed)
+            for name in expected:
+                np.testing.assert_array_equal(got[name], expected[name], err_msg=where)
