@@ -294,7 +294,8 @@ class RunCheckpoints:
                 manager.close()
         if isinstance(which, int) and which in steps:
             return self.params_at(which, abstract_params), which, "step"
-        raise FileNotFoundError(f"No {which!r} checkpoint in {self.workdir}; it has {available}.")
+        what = f"checkpoint of step {which}" if isinstance(which, int) else f"{which!r} checkpoint"
+        raise FileNotFoundError(f"No {what} in {self.workdir}; it has {available}.")
 
     def wait(self) -> None:
         self.latest.wait_until_finished()

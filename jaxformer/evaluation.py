@@ -22,14 +22,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import sacrebleu
 
 from jaxformer import sharding as sharding_lib
 from jaxformer.batching import Examples, bucket_boundaries, collate
 from jaxformer.decoding import beam_translate, greedy_translate, jit_decoder, sample_translate
 from jaxformer.model import Transformer
 from jaxformer.tokenizer import Tokenizer
-from jaxformer.training import add_metrics, jit_eval_step
 from jaxformer.validation import check_token_ids
 
 
@@ -38,7 +36,8 @@ class Evaluator:
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, *, batch_size: int,
                  target_language: str, smoothing: float, layout: sharding_lib.Layout | None = None,
-                 tokenize: str | None = None, max_len_a: float = 1.0, max_len_b: int = 50):
+                 tokenize: str | None = None, max_len_a: float = 1.0, max_len_b: int = 50,
+                 scoring: bool = True):
         """
         Args:
           batch_size: the most sentences per decoding batch; a smaller input is padded
@@ -46,8 +45,10 @@ class Evaluator:
           target_language: ISO code (``"de"``, ``"zh"``) choosing sacrebleu's BLEU tokenizer.
           tokenize: a sacrebleu tokenizer name that overrides that choice.
           max_len_a, max_len_b: a translation has at most ``a * L + b`` tokens (fairseq's
-            ``--max-len-a/--max-len-b``), L the batch's padded source length, and never
-            more than ``max_len``.
+            ``--max-len-a/--max-len-b``) and never more than ``max_len``: L is each
+            sentence's own length in beam search, the batch's padded length in greedy
+            decoding and sampling.
+          scoring: build the BLEU/chrF scorers (the translate tool needs none).
 
         Raises:
           ValueError: an unknown tokenizer, or one whose package is missing (the
@@ -58,14 +59,17 @@ class Evaluator:
         self.batch_size = batch_size
         # Coarse buckets: each is one compile of the decode loop and of the eval step.
         self.boundaries = bucket_boundaries(model.config.max_len, step=32)
-        self.eval_step = jit_eval_step(model, smoothing, layout=layout)
+        self.smoothing = smoothing
+        self._eval_step = None   # built on first use: translation never needs it (or optax)
         self._decoders: dict[Any, Any] = {}
         self.max_len_a, self.max_len_b = max_len_a, max_len_b
         if max_len_a < 0 or max_len_b < 1 - max_len_a:
             raise ValueError(f"max_len_a={max_len_a}, max_len_b={max_len_b} allow no output token: "
                              f"need a >= 0 and a + b >= 1.")
-        self.bleu = make_bleu(target_language, tokenize)
-        self.chrf = sacrebleu.metrics.CHRF()
+        if scoring:
+            from sacrebleu.metrics import CHRF
+
+            self.bleu, self.chrf = make_bleu(target_language, tokenize), CHRF()
 
     def _decoder(self, decoder, **static):
         """``decoder(params, src[, rng])`` with the statics bound; under a layout, jitted with
@@ -128,8 +132,9 @@ class Evaluator:
         bos, eos = self.tokenizer.bos_id, self.tokenizer.eos_id
 
         def decode_batch(src, max_decode_len):
-            return self._decoder(beam_translate, beam_size=beam_size, alpha=alpha,
-                                 max_decode_len=max_decode_len, bos_id=bos, eos_id=eos)(params, src)
+            return self._decoder(beam_translate, beam_size=beam_size, alpha=alpha, len_a=self.max_len_a,
+                                 extra_len=self.max_len_b, max_decode_len=max_decode_len, bos_id=bos,
+                                 eos_id=eos)(params, src)
 
         return self._decode(sources, decode_batch)
 
@@ -165,13 +170,18 @@ class Evaluator:
 
     def loss(self, params: Any, examples: Examples) -> dict[str, float]:
         """Teacher-forced per-token loss and perplexity on tokenized pairs."""
+        from jaxformer.training import add_metrics, jit_eval_step
+
+        if self._eval_step is None:
+            self._eval_step = jit_eval_step(self.model, self.smoothing, layout=self.layout)
         totals = None
         lengths = [max(len(s), len(t) + 1) for s, t in zip(examples.src, examples.tgt)]
         for length, members in self._length_batches(lengths):
             indices = np.concatenate([members, np.full(self.batch_size - members.size, -1)])
             batch = collate(examples, length, indices, pad_id=self.model.config.pad_id,
                                      bos_id=self.tokenizer.bos_id, eos_id=self.tokenizer.eos_id)
-            totals = add_metrics(totals, self.eval_step(params, self._place(batch) if self.layout else batch))
+            batch = self._place(batch) if self.layout else batch
+            totals = add_metrics(totals, self._eval_step(params, batch))
         totals = jax.device_get(totals)
         tokens = max(float(totals["tokens"]), 1.0)
         return {"loss": float(totals["loss_sum"]) / tokens,
@@ -209,8 +219,8 @@ def _check_aligned(hypotheses: Sequence[str], references: Sequence[str]) -> None
                          f"needs one reference per hypothesis, in the same order.")
 
 
-def make_bleu(target_language: str, tokenize: str | None = None) -> sacrebleu.metrics.BLEU:
-    """sacrebleu's BLEU for ``target_language`` (its tokenizer choice) or ``tokenize``.
+def make_bleu(target_language: str, tokenize: str | None = None):
+    """sacrebleu's ``BLEU`` for ``target_language`` (its tokenizer choice) or ``tokenize``.
 
     Raises:
       ValueError: an unknown tokenizer name, or a MeCab tokenizer (``ja-mecab``,
