@@ -74,8 +74,10 @@ class RunLog:
     Records are buffered from ``__enter__`` until :meth:`open` (called once the run
     directory exists and ``--fresh`` has moved the previous run's log aside), so the
     data report and everything else printed before that is in the file too. An error
-    that ends the run is written to the file (only: the command line prints it).
-    Process 0 only; appends across resumed runs.
+    that ends the run after that is written to the file (only: the command line prints
+    it); one during setup leaves the run directory untouched.
+    Process 0 only (decided at :meth:`open`, after ``jax.distributed.initialize``);
+    appends across resumed runs.
     """
 
     def __init__(self, path: Path):
@@ -85,14 +87,19 @@ class RunLog:
         self.file: logging.FileHandler | None = None
 
     def __enter__(self) -> RunLog:
+        # No JAX call here: jax.distributed.initialize() must come before any (setup does it).
         logger.setLevel(logging.DEBUG)
-        if is_main_process():
-            logger.addHandler(self.buffer)
+        logger.addHandler(self.buffer)
         return self
 
     def open(self) -> None:
-        """Opens ``train.log`` (append) and writes the buffered records into it."""
-        if not is_main_process() or self.file is not None:
+        """Opens ``train.log`` (append) and writes the buffered records into it (process 0;
+        the other processes drop their buffer)."""
+        if self.file is not None:
+            return
+        if not is_main_process():
+            logger.removeHandler(self.buffer)
+            self.buffer.buffer.clear()
             return
         self.file = logging.FileHandler(self.path, mode="a", encoding="utf-8")
         self.file.setLevel(logging.DEBUG)
@@ -103,11 +110,10 @@ class RunLog:
         logger.addHandler(self.file)
 
     def __exit__(self, kind, error, traceback) -> None:
-        if not is_main_process():
-            return
-        if self.file is None and self.path.parent.is_dir():
-            self.open()
+        # Not opened = setup failed: the run directory stays untouched (a run without a
+        # readable checkpoint changes no file); the command line prints the error.
         logger.removeHandler(self.buffer)
+        self.buffer.buffer.clear()
         if self.file is not None:
             if error is not None:
                 self.file.handle(logger.makeRecord(LOGGER_NAME, logging.ERROR, __file__, 0,

@@ -157,6 +157,13 @@ def test_every_flag_has_help_and_help_has_no_rest_markup(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--preset", "huge"])
     assert "invalid choice" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--average-last must be in"):
+        TrainConfig(average_last=5, keep_checkpoints=3)
+
+    from jaxformer.translate import build_parser as translate_parser
+
+    text = translate_parser().format_help()
+    assert "``" not in text and ":class:" not in text and "--max-len-a" in text and "--checkpoint" in text
 
 
 def test_config_file_fills_settings_and_flags_override(tmp_path, capsys):
