@@ -93,7 +93,8 @@ def fused_dot_product_attention(q, k, v, mask=None, *, implementation: str | Non
 
     XLA's implementation on any device, cuDNN's flash attention on NVIDIA GPUs
     (``implementation="cudnn"``, bfloat16/float16 only). Scores and softmax run in
-    float32. A query row whose mask is all False yields zeros (the fused kernels
+    float32; float16 on CPU computes in float32 throughout (XLA:CPU lacks the mixed
+    float16 dot) and returns float16. A query row whose mask is all False yields zeros (the fused kernels
     would return the mean of ``v``). No dropout, no weights.
 
     Args:
@@ -118,9 +119,14 @@ def fused_dot_product_attention(q, k, v, mask=None, *, implementation: str | Non
     if mask is not None and mask.dtype != jnp.bool_:
         raise ValueError(f"mask must be boolean (True = may attend), got dtype {mask.dtype}.")
     to_BLHK = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731  (the fused API's layout)
+    out_dtype = v.dtype
+    if q.dtype == jnp.float16 and implementation != "cudnn" and jax.default_backend() == "cpu":
+        # XLA:CPU has no float16 dot with float32 accumulation, which the fused API asks
+        # for under jit ("precision F16_F16_F32 is not supported"): compute in float32.
+        q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
     out_BTHK = jax.nn.dot_product_attention(to_BLHK(q), to_BLHK(k), to_BLHK(v), mask=mask,
                                             implementation=implementation)
-    out_BHTK = jnp.swapaxes(out_BTHK, 1, 2)
+    out_BHTK = jnp.swapaxes(out_BTHK, 1, 2).astype(out_dtype)
     if mask is not None:
         any_key_BHT1 = jnp.broadcast_to(jnp.any(mask, axis=-1, keepdims=True),
                                         (batch, heads, q_len, 1))

@@ -213,20 +213,89 @@ class RunCheckpoints:
             except Exception as error:  # fall back to the training checkpoints
                 report(f"best checkpoint step {step} is unreadable ({_first_line(error)}); "
                        f"using the latest training checkpoint")
-        target = {"params": abstract_params}
         failures = []
         for step in sorted(self.latest.all_steps(), reverse=True):
             try:
-                restored = self.latest.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-                    item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-                    partial_restore=True)))
-                return restored.state["params"], step, "latest"
+                return self.params_at(step, abstract_params), step, "latest"
             except Exception as error:
                 failures.append(f"step {step}: {_first_line(error)}")
                 report(f"checkpoint step {step} is unreadable ({failures[-1]})")
         if failures:
             raise CheckpointError(f"No readable checkpoint in {self.workdir} ({'; '.join(failures)}).")
         raise FileNotFoundError("No checkpoint in this run directory; train first.")
+
+    def steps(self) -> list[int]:
+        """The training checkpoints on disk, oldest first."""
+        return sorted(self.latest.all_steps())
+
+    def params_at(self, step: int, abstract_params: Any) -> Any:
+        """Only the parameters of training checkpoint ``step`` (a partial restore: the
+        optimizer state is not read)."""
+        # A checkpointer of its own: this process's manager may already have bound the
+        # "state" item to the (whole-state) StandardCheckpointHandler by saving it.
+        target = {"params": abstract_params}
+        with ocp.PyTreeCheckpointer() as checkpointer:
+            restored = checkpointer.restore(self.latest.directory / str(step) / "state",
+                                            args=ocp.args.PyTreeRestore(
+                                                item=target, partial_restore=True,
+                                                restore_args=ocp.checkpoint_utils.construct_restore_args(target)))
+        return restored["params"]
+
+    def _averaged(self) -> ocp.CheckpointManager:
+        # Opened on use: most runs never write one, and a reader must not create the folder.
+        return _CheckpointManager(self.workdir / "averaged", item_names=("params",),
+                                  options=ocp.CheckpointManagerOptions(max_to_keep=1,
+                                                                       enable_async_checkpointing=False))
+
+    def save_averaged(self, step: int, params: Any, info: dict[str, Any]) -> None:
+        """Saves averaged parameters as ``averaged/<step>`` (the newest averaged step)
+        with ``info`` (JSON: the averaged steps, the dev BLEU) as its metrics."""
+        manager = self._averaged()
+        try:
+            for old in manager.all_steps():
+                manager.delete(old)
+            manager.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params)),
+                         metrics=info)
+            manager.wait_until_finished()
+        finally:
+            manager.close()
+
+    def restore_params_from(self, which: str | int, abstract_params: Any,
+                            report: Callable[[str], None] = _stderr) -> tuple[Any, int, str]:
+        """Parameters of one named checkpoint: ``"auto"`` (:meth:`restore_params`: best,
+        else latest), ``"best"``, ``"latest"``, ``"averaged"`` or a training step.
+
+        Returns:
+          ``(params, step, kind)``.
+
+        Raises:
+          FileNotFoundError: that checkpoint does not exist; the message lists what does.
+        """
+        if which == "auto":
+            return self.restore_params(abstract_params, report)
+        steps = self.steps()
+        available = (f"training steps {steps}" if steps else "no training checkpoints") + (
+            ", best" if self.best.best_step() is not None else "") + (
+            ", averaged" if (self.workdir / "averaged").is_dir() else "")
+        if which == "best" and self.best.best_step() is not None:
+            step = self.best.best_step()
+            return self.best.restore(step, args=ocp.args.Composite(
+                params=ocp.args.StandardRestore(abstract_params))).params, step, "best"
+        if which == "latest" and steps:
+            return self.params_at(steps[-1], abstract_params), steps[-1], "latest"
+        if which == "averaged" and (self.workdir / "averaged").is_dir():
+            manager = self._averaged()
+            try:
+                step = manager.latest_step()
+                if step is not None:
+                    return manager.restore(step, args=ocp.args.Composite(
+                        params=ocp.args.StandardRestore(abstract_params))).params, step, "averaged"
+            finally:
+                manager.close()
+        if isinstance(which, int) and which in steps:
+            return self.params_at(which, abstract_params), which, "step"
+        what = f"checkpoint of step {which}" if isinstance(which, int) else f"{which!r} checkpoint"
+        raise FileNotFoundError(f"No {what} in {self.workdir}; it has {available}.")
 
     def wait(self) -> None:
         self.latest.wait_until_finished()

@@ -17,6 +17,24 @@ import jax.numpy as jnp
 
 from jaxformer.model import Transformer
 from jaxformer.sharding import under_mesh
+from jaxformer.validation import check_token_ids
+
+
+def _host_checked(jitted: Callable) -> Callable:
+    """``jitted(model, params, src_BS, ...)`` that first checks ``src_BS``'s ids on the host
+    when they are concrete (inside jit the values are unknown and would be clamped or give
+    NaN logits silently; see :mod:`jaxformer.validation`). ``__wrapped__`` stays the
+    un-jitted function, which :func:`jit_decoder` re-jits with shardings."""
+
+    @functools.wraps(jitted)
+    def checked(model, params, src_BS, *args, **kwargs):
+        if not isinstance(src_BS, jax.Array) or src_BS.is_fully_addressable:
+            check_token_ids(src_BS, name="src_BS", vocab_size=model.config.src_vocab_size,
+                            max_len=model.config.max_len)
+        return jitted(model, params, src_BS, *args, **kwargs)
+
+    checked.__wrapped__ = jitted.__wrapped__
+    return checked
 
 TokensToLogits = Callable[[jax.Array, Any], tuple[jax.Array, Any]]
 
@@ -85,12 +103,14 @@ def greedy_search(tokens_to_logits: TokensToLogits, cache: Any, *, batch_size: i
                         eos_id=eos_id, pad_id=pad_id, max_decode_len=max_decode_len)
 
 
+@_host_checked
 @functools.partial(jax.jit, static_argnames=("model", "max_decode_len", "bos_id", "eos_id"))
 def greedy_translate(model: Transformer, params: Any, src_BS: jax.Array, *, max_decode_len: int,
                      bos_id: int, eos_id: int) -> jax.Array:
     """Encodes ``src [B,S]`` once and greedily decodes up to ``max_decode_len`` tokens.
 
-    Compiles once per (B, S, max_decode_len). Returns int32 ``[B, M]``.
+    Compiles once per (B, S, max_decode_len). Returns int32 ``[B, M]``. Raises
+    ``ValueError`` (before dispatch) for concrete ids outside ``[0, V_src)``.
     """
     tokens_to_logits, cache = _model_callback(model, params, src_BS, max_decode_len)
     return greedy_search(tokens_to_logits, cache, batch_size=src_BS.shape[0], bos_id=bos_id,
@@ -368,17 +388,20 @@ def uncached_model_callback(model: Transformer, params: Any, src_BS: jax.Array, 
     return tokens_to_logits, (tile_beams(state, beam_size) if beam_size > 1 else state)
 
 
+@_host_checked
 @functools.partial(jax.jit, static_argnames=("model", "max_decode_len", "bos_id", "eos_id",
-                                             "beam_size", "alpha", "extra_len"))
+                                             "beam_size", "alpha", "extra_len", "len_a"))
 def beam_translate(model: Transformer, params: Any, src_BS: jax.Array, *, beam_size: int,
                    max_decode_len: int, bos_id: int, eos_id: int, alpha: float = 0.6,
-                   extra_len: int = 50) -> tuple[jax.Array, jax.Array]:
-    """Beam search translation of ``src [B,S]``; each output is at most its source
-    length + ``extra_len`` tokens (paper §6.1), capped by ``max_decode_len``.
+                   extra_len: int = 50, len_a: float = 1.0) -> tuple[jax.Array, jax.Array]:
+    """Beam search translation of ``src [B,S]``; each output is at most
+    ``len_a`` × its source length + ``extra_len`` tokens (paper §6.1: a = 1, b = 50;
+    fairseq's ``--max-len-a/b``), capped by ``max_decode_len``.
 
+    Raises ``ValueError`` (before dispatch) for concrete ids outside ``[0, V_src)``.
     Returns ``(sequences [B, k, M], scores [B, k])``, best first.
     """
-    src_lengths = jnp.sum(src_BS != model.config.pad_id, axis=1)
+    src_lengths = jnp.floor(len_a * jnp.sum(src_BS != model.config.pad_id, axis=1)).astype(jnp.int32)
     tokens_to_logits, cache = _model_callback(model, params, src_BS, max_decode_len, beam_size)
     return beam_search(tokens_to_logits, cache, batch_size=src_BS.shape[0], beam_size=beam_size,
                        bos_id=bos_id, eos_id=eos_id, pad_id=model.config.pad_id,
@@ -386,6 +409,7 @@ def beam_translate(model: Transformer, params: Any, src_BS: jax.Array, *, beam_s
                        max_lengths=src_lengths + extra_len)
 
 
+@_host_checked
 @functools.partial(jax.jit, static_argnames=("model", "max_decode_len", "bos_id", "eos_id",
                                              "temperature", "top_k", "top_p"))
 def sample_translate(model: Transformer, params: Any, src_BS: jax.Array, rng: jax.Array, *,

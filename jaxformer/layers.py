@@ -204,6 +204,19 @@ class EncoderLayer(nn.Module):
         self.feed_forward_norm = AddNorm(self.config)
 
     def __call__(self, x_BSD, src_mask, deterministic: bool):
+        """One encoder layer.
+
+        Args:
+          x_BSD: the previous layer's output (or the embedded source) ``[B, S, D]`` in
+            the compute dtype.
+          src_mask: bool, broadcastable to ``[B, H, S, S]``; **True = may attend**. The
+            source padding mask ``[B, 1, 1, S]``, or ``[B, 1, S, S]`` with packed rows
+            (padding & same segment). A query with no key to attend to gets zeros.
+          deterministic: ``True`` turns dropout off (evaluation, decoding).
+
+        Returns:
+          ``[B, S, D]`` in the compute dtype.
+        """
         y = self.attention_norm.sublayer_input(x_BSD)
         x_BSD = self.attention_norm(x_BSD, self.self_attention(y, y, src_mask, deterministic),
                                     deterministic)
@@ -225,6 +238,21 @@ class DecoderLayer(nn.Module):
         self.feed_forward_norm = AddNorm(self.config)
 
     def __call__(self, x_BTD, encoder_output_BSD, tgt_mask, src_mask, deterministic: bool):
+        """One decoder layer, teacher-forced over the whole target.
+
+        Args:
+          x_BTD: the previous layer's output (or the embedded, already shifted target)
+            ``[B, T, D]``.
+          encoder_output_BSD: the encoder's output ``[B, S, D]``.
+          tgt_mask: bool, broadcastable to ``[B, H, T, T]``; **True = may attend**: causal
+            and target padding combined, ``[B, 1, T, T]`` (:func:`create_decoder_mask`).
+          src_mask: bool, broadcastable to ``[B, H, T, S]``; **True = may attend**: the
+            source padding mask ``[B, 1, 1, S]`` (``[B, 1, T, S]`` with packed rows).
+          deterministic: ``True`` turns dropout off.
+
+        Returns:
+          ``[B, T, D]`` in the compute dtype.
+        """
         y = self.self_attention_norm.sublayer_input(x_BTD)
         x_BTD = self.self_attention_norm(
             x_BTD, self.self_attention(y, y, tgt_mask, deterministic), deterministic)
@@ -285,6 +313,10 @@ class Encoder(nn.Module):
             self.final_norm = layer_norm(c)
 
     def __call__(self, x_BSD, src_mask, deterministic: bool):
+        """The encoder stack: ``x_BSD [B, S, D]`` (embedded source with positions) →
+        ``[B, S, D]``. ``src_mask``: bool broadcastable to ``[B, H, S, S]``,
+        **True = may attend** (see :meth:`EncoderLayer.__call__`). Pre-norm adds a final
+        LayerNorm."""
         for layer in self.layers:
             x_BSD = layer(x_BSD, src_mask, deterministic)
         if self.config.norm_position == "pre":
@@ -313,6 +345,10 @@ class Decoder(nn.Module):
         return self.final_norm(x) if self.config.norm_position == "pre" else x
 
     def __call__(self, x_BTD, encoder_output_BSD, tgt_mask, src_mask, deterministic: bool):
+        """The decoder stack: ``x_BTD [B, T, D]`` (embedded shifted target) and
+        ``encoder_output_BSD [B, S, D]`` → ``[B, T, D]`` (before the output projection).
+        ``tgt_mask`` bool broadcastable to ``[B, H, T, T]`` and ``src_mask`` to
+        ``[B, H, T, S]``, both **True = may attend** (see :meth:`DecoderLayer.__call__`)."""
         for layer in self.layers:
             x_BTD = layer(x_BTD, encoder_output_BSD, tgt_mask, src_mask, deterministic)
         return self._final(x_BTD)

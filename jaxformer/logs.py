@@ -1,13 +1,24 @@
-"""Run messages: one place that decides where a line goes.
+"""Run messages through Python :mod:`logging`: the console, ``train.log`` and progress.
 
-Lines are written above the progress bar (``tqdm.write``), and in a multi-process run
-only process 0 speaks.
+Every module logs to a child of the ``"jaxformer"`` logger. :func:`console_logging`
+prints INFO and above above the progress bar (``tqdm.write``, so the bar is not torn);
+:class:`RunLog` copies everything (DEBUG and above, with times) to the run's
+``train.log``. In a multi-process run only process 0 speaks and writes the file.
+:class:`Progress` is the training progress: a bar whose total follows the time budget
+when ``--max-minutes`` bounds the run, or one line per logging window.
 """
 
 from __future__ import annotations
 
+import logging
+import logging.handlers
+import time
+from pathlib import Path
+
 import jax
-from tqdm import tqdm
+
+LOGGER_NAME = "jaxformer"
+logger = logging.getLogger(LOGGER_NAME)
 
 
 def is_main_process() -> bool:
@@ -15,7 +26,156 @@ def is_main_process() -> bool:
     return jax.process_index() == 0
 
 
-def log(message: str) -> None:
-    """Prints ``message`` above the progress bar; in a multi-process run only process 0 speaks."""
-    if is_main_process():
-        tqdm.write(message)
+def log(message: str, level: int = logging.INFO) -> None:
+    """Logs ``message`` on the ``jaxformer`` logger (kept for modules that log one line)."""
+    logger.log(level, message)
+
+
+class _MainProcessOnly(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return is_main_process()
+
+
+class _TqdmHandler(logging.StreamHandler):
+    """Writes records above a running tqdm bar (``tqdm.write``) to the current stdout."""
+
+    def __init__(self):
+        super().__init__()
+        self.addFilter(_MainProcessOnly())
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm import tqdm
+
+        try:
+            tqdm.write(self.format(record))
+        except Exception:  # logging must never break the run; this is logging's own policy
+            self.handleError(record)
+
+
+def console_logging(level: int = logging.INFO) -> None:
+    """Prints ``jaxformer`` records of ``level`` and above on stdout (process 0 only).
+
+    Idempotent; the logger stops propagating to the root logger so nothing prints
+    twice. An application that configured its own handlers on ``"jaxformer"`` is left
+    alone.
+    """
+    if logger.handlers:
+        return
+    handler = _TqdmHandler()
+    handler.setLevel(level)
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    logger.propagate = False
+
+
+class RunLog:
+    """``train.log`` in the run directory: every ``jaxformer`` record (DEBUG and above).
+
+    Records are buffered from ``__enter__`` until :meth:`open` (called once the run
+    directory exists and ``--fresh`` has moved the previous run's log aside), so the
+    data report and everything else printed before that is in the file too. An error
+    that ends the run after that is written to the file (only: the command line prints
+    it); one during setup leaves the run directory untouched.
+    Process 0 only (decided at :meth:`open`, after ``jax.distributed.initialize``);
+    appends across resumed runs.
+    """
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.buffer = logging.handlers.MemoryHandler(capacity=1 << 20, flushLevel=logging.CRITICAL + 1)
+        self.buffer.setLevel(logging.DEBUG)
+        self.file: logging.FileHandler | None = None
+
+    def __enter__(self) -> RunLog:
+        # No JAX call here: jax.distributed.initialize() must come before any (setup does it).
+        logger.setLevel(logging.DEBUG)
+        logger.addHandler(self.buffer)
+        return self
+
+    def open(self) -> None:
+        """Opens ``train.log`` (append) and writes the buffered records into it (process 0;
+        the other processes drop their buffer)."""
+        if self.file is not None:
+            return
+        if not is_main_process():
+            logger.removeHandler(self.buffer)
+            self.buffer.buffer.clear()
+            return
+        self.file = logging.FileHandler(self.path, mode="a", encoding="utf-8")
+        self.file.setLevel(logging.DEBUG)
+        self.file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        self.buffer.setTarget(self.file)
+        self.buffer.flush()
+        logger.removeHandler(self.buffer)
+        logger.addHandler(self.file)
+
+    def __exit__(self, kind, error, traceback) -> None:
+        # Not opened = setup failed: the run directory stays untouched (a run without a
+        # readable checkpoint changes no file); the command line prints the error.
+        logger.removeHandler(self.buffer)
+        self.buffer.buffer.clear()
+        if self.file is not None:
+            if error is not None:
+                self.file.handle(logger.makeRecord(LOGGER_NAME, logging.ERROR, __file__, 0,
+                                                   f"stopped: {kind.__name__}: {error}", None, None))
+            logger.removeHandler(self.file)
+            self.file.close()
+
+
+class Progress:
+    """Training progress: a tqdm bar, or (``enabled=False``) one log line per window.
+
+    With a time budget (``deadline``, a ``time.perf_counter()`` value) the bar counts
+    seconds of the budget, so its total and ETA are the budget's, not ``--max-steps``'s;
+    the step is in the postfix. Without one, it counts steps up to ``max_steps``.
+    """
+
+    def __init__(self, *, enabled: bool, step: int, max_steps: int, t_start: float,
+                 deadline: float | None, file=None):
+        from tqdm import tqdm
+
+        self.enabled, self.deadline, self.t_start = enabled, deadline, t_start
+        if deadline is not None:
+            budget = max(deadline - t_start, 1.0)
+            self.bar = tqdm(total=round(budget), initial=0, disable=not enabled, dynamic_ncols=True,
+                            desc="train", unit="s", file=file,
+                            bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f}s "
+                                       "[{elapsed}<{remaining}{postfix}]")
+        else:
+            self.bar = tqdm(total=max_steps, initial=step, disable=not enabled, dynamic_ncols=True,
+                            desc="train", unit="step", file=file)
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.bar.close()
+
+    def time_left(self, now: float | None = None) -> float | None:
+        """Seconds left of the budget (``None`` without one)."""
+        if self.deadline is None:
+            return None
+        return max(0.0, self.deadline - (time.perf_counter() if now is None else now))
+
+    def step(self, step: int) -> None:
+        """After each update: the bar advances (to the elapsed seconds under a budget)."""
+        if not self.enabled:
+            return
+        if self.deadline is not None:
+            elapsed = min(time.perf_counter() - self.t_start, self.bar.total)
+            self.bar.update(elapsed - self.bar.n)   # redraws at tqdm's own rate (mininterval)
+        else:
+            self.bar.update(1)
+
+    def window(self, step: int, loss: float, tokens_per_s: float, lr: float) -> None:
+        """One logging window: the bar's postfix, and a line (printed with ``--no-progress``,
+        always in ``train.log``)."""
+        left = self.time_left()
+        line = (f"step {step} | loss {loss:.3f} | {tokens_per_s:,.0f} tok/s | lr {lr:.2e}"
+                + ("" if left is None else f" | {left / 60:.1f} min left"))
+        if self.enabled:
+            postfix = dict(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:.0f}")
+            if self.deadline is not None:
+                postfix = {"step": str(step), **postfix}
+            self.bar.set_postfix(postfix)
+        logger.log(logging.DEBUG if self.enabled else logging.INFO, line)

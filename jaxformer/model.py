@@ -255,8 +255,14 @@ class Transformer(nn.Module):
         Returns:
           ``(logits [B, V] float, cache advanced by one position)``. Equal to the
           teacher-forced :meth:`decode` logits at that position.
+
+        Raises:
+          ValueError: concrete ``ids_B1`` outside ``[0, V)`` (an id ≥ V gives NaN logits,
+            −1 wraps to the last row); traced ids are checked by the jitted decoders.
         """
         chex.assert_shape(ids_B1, (cache.src_mask.shape[0], 1))
+        # Concrete ids are range-checked here; inside jit the decoders check on the host.
+        check_token_ids(ids_B1, name="ids_B1", vocab_size=self.config.tgt_vocab_size)
         x_B1D = self.positional_encoding(self.tgt_embedding(ids_B1), True, offset=cache.index)
         y_B1D, layers = self.decoder.step(x_B1D, cache.layers, cache.index, cache.src_mask)
         logits_B1V = self._logits(y_B1D)

@@ -71,6 +71,11 @@ class TrainConfig:
     progress: bool = True
     # Data preparation (jaxformer.prepare).
     max_length_ratio: float = 9.0      # drop pairs whose id counts differ more (Moses clean-corpus-n)
+    # Scoring, early stopping, checkpoint averaging (issue 14).
+    tgt_lang: str | None = None        # target language code for scoring; default: the corpus's
+    sacrebleu_tokenize: str | None = None   # default: chosen by sacrebleu from the target language
+    patience: int | None = None        # stop after this many evaluations without a better dev BLEU
+    average_last: int | None = None    # average the last N checkpoints' params at the end (§6.1)
 
     def __post_init__(self):
         """Rejects values that would crash later or silently do something else.
@@ -89,6 +94,11 @@ class TrainConfig:
                 problems.append(f"--{name.replace('_', '-')} must be positive, got {value}")
         if not 0.0 <= self.label_smoothing < 1.0:
             problems.append(f"--label-smoothing must be in [0, 1), got {self.label_smoothing}")
+        if self.patience is not None and self.patience < 1:
+            problems.append(f"--patience must be at least 1, got {self.patience}")
+        if self.average_last is not None and not 2 <= self.average_last <= self.keep_checkpoints:
+            problems.append(f"--average-last must be in [2, --keep-checkpoints={self.keep_checkpoints}] "
+                            f"(only kept checkpoints can be averaged), got {self.average_last}")
         if self.max_train_len is not None and self.max_train_len < 2:
             problems.append(f"--max-train-len must be at least 2, got {self.max_train_len}")
         if not self.max_length_ratio >= 1:
@@ -136,6 +146,76 @@ DEFAULT_CPU_RUN = dict(max_minutes=7.0, max_steps=100_000, warmup_steps=150, lr_
                        checkpoint_every=200)   # a SIGKILL loses at most ~2 minutes
 
 
+# One line of help per flag (``--help``); a test checks every field has one.
+HELP: dict[str, str] = {
+    "workdir": "run directory: checkpoints, logs, results; an existing run is resumed "
+               "(default: runs/<pair or corpus file name>)",
+    "pair": "shipped corpus to train on when no --train-file/--src-file is given",
+    "train_file": "your corpus: source<TAB>target lines (.tsv or .tsv.gz)",
+    "src_file": "your corpus as two aligned text files: the source side",
+    "tgt_file": "your corpus as two aligned text files: the target side",
+    "dev_file": "explicit dev set (TSV) instead of a split of the corpus",
+    "test_file": "explicit test set (TSV) instead of a split of the corpus",
+    "preset": "model size; the model flags below override single fields",
+    "d_model": "model width D (default: the preset's)",
+    "num_heads": "attention heads H; must divide --d-model (default: the preset's)",
+    "d_ff": "feed-forward hidden width F (default: the preset's)",
+    "num_layers": "encoder and decoder layers each (default: the preset's)",
+    "dropout_rate": "residual and embedding dropout (default: the preset's)",
+    "max_len": "longest sequence in tokens, source or target (default: the preset's)",
+    "norm_position": "post = the paper's LayerNorm after the residual, pre = before",
+    "dtype": "compute dtype; parameters stay float32 (default: float32)",
+    "attention_backend": "reference (can return weights), xla (any device) or cudnn (NVIDIA GPUs)",
+    "remat": "recompute layer activations in the backward pass: less memory, more compute",
+    "vocab_size": "sentencepiece vocabulary size, shared by source and target",
+    "max_train_len": "drop (and count) longer training pairs, in tokens (default: --max-len)",
+    "batch_tokens": "padded tokens per update (rows x row length)",
+    "pack": "pack several pairs into each row; --no-pack uses length buckets instead",
+    "max_steps": "stop after this many updates",
+    "max_minutes": "stop after this many minutes of wall time (the progress bar follows it)",
+    "warmup_steps": "linear learning-rate warm-up steps of the paper's schedule",
+    "lr_scale": "multiplies the paper's learning-rate schedule",
+    "label_smoothing": "label smoothing epsilon of the loss, in [0, 1)",
+    "grad_clip": "clip the global gradient norm to this value (default: no clipping)",
+    "grad_accum_steps": "micro-batches per update; --batch-tokens is per update",
+    "mesh": "device mesh, e.g. data=4,model=2 (default: every device on data)",
+    "distributed": "call jax.distributed.initialize() with cluster auto-detection",
+    "coordinator_address": "host:port of process 0 in a multi-process run",
+    "num_processes": "number of processes in a multi-process run",
+    "process_id": "this process's index in a multi-process run",
+    "seed": "root random seed (initialisation, dropout, data order)",
+    "eval_every": "evaluate dev loss and BLEU every this many steps",
+    "dev_bleu_sentences": "dev sentences decoded for BLEU at each evaluation",
+    "eval_batch_size": "sentences per decoding batch in evaluation",
+    "beam_size": "beam width for dev/test BLEU; 1 = greedy",
+    "alpha": "GNMT length-penalty exponent of beam search",
+    "log_every": "log loss, tokens/s and learning rate every this many steps",
+    "checkpoint_every": "save a checkpoint every this many steps",
+    "keep_checkpoints": "training checkpoints kept on disk (the newest ones)",
+    "num_samples": "dev translations written to samples.txt at each evaluation",
+    "progress": "show a progress bar; --no-progress prints one line per --log-every steps",
+    "tgt_lang": "target language code used to pick the BLEU tokenizer (default: the corpus's)",
+    "sacrebleu_tokenize": "sacrebleu tokenizer for BLEU (default: zh, ja-mecab, ko-mecab or 13a "
+                          "by target language)",
+    "patience": "stop after this many evaluations without a better dev BLEU (default: never)",
+    "average_last": "at the end, average the last N checkpoints; kept if its dev BLEU is better",
+    "max_length_ratio": "prepare: drop pairs whose source/target token counts differ by more "
+                        "than this factor (Moses clean-corpus-n)",
+}
+
+
+def _choices() -> dict[str, tuple[str, ...]]:
+    """The fixed sets of values, read from their owners (no copy to drift)."""
+    from sacrebleu.metrics.bleu import BLEU
+
+    from jaxformer.config import _FLOAT_DTYPES, ATTENTION_BACKENDS, PRESETS
+    from jaxformer.corpus import PAIRS
+
+    return {"pair": PAIRS, "preset": tuple(PRESETS), "norm_position": ("post", "pre"),
+            "dtype": _FLOAT_DTYPES, "attention_backend": ATTENTION_BACKENDS,
+            "sacrebleu_tokenize": tuple(BLEU.TOKENIZERS)}
+
+
 def _base_type(tp) -> type:
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
@@ -143,26 +223,97 @@ def _base_type(tp) -> type:
     return tp
 
 
-def build_parser(defaults: dict[str, Any] | None = None, description: str = "") -> argparse.ArgumentParser:
-    """An argparse parser with one ``--flag`` per :class:`TrainConfig` field."""
-    parser = argparse.ArgumentParser(description=description,
+def build_parser(defaults: dict[str, Any] | None = None, description: str = "",
+                 prog: str | None = None) -> argparse.ArgumentParser:
+    """An argparse parser with one ``--flag`` per :class:`TrainConfig` field (help from
+    :data:`HELP`, choices where the set is fixed), plus ``--config FILE`` and ``--fresh``."""
+    parser = argparse.ArgumentParser(prog=prog, description=description,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--config", metavar="FILE",
+                        help="JSON or YAML file of run settings (flag names with _ or -); flags on the "
+                             "command line override it. A run's own config.json replays that run "
+                             "(give another --workdir to start a new one).")
     hints = typing.get_type_hints(TrainConfig)
+    choices = _choices()
     defaults = defaults or {}
     for field in dataclasses.fields(TrainConfig):
         flag = "--" + field.name.replace("_", "-")
         default = defaults.get(field.name, field.default)
         kind = _base_type(hints[field.name])
+        help_text = HELP.get(field.name, "")
         if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
-                                help="default: %(default)s")
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+        elif field.name in choices:
+            parser.add_argument(flag, type=kind, default=default, choices=choices[field.name],
+                                help=help_text)
         else:
             parser.add_argument(flag, type=kind, default=default, metavar=kind.__name__.upper(),
-                                help="default: %(default)s")
+                                help=help_text)
     parser.add_argument("--fresh", action="store_true",
                         help="start a new run even if the workdir holds checkpoints "
-                             "(moves the old checkpoints aside)")
+                             "(moves the old run's files aside, deletes nothing)")
     return parser
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """Run settings from a JSON or YAML file: a flat mapping of :class:`TrainConfig` field
+    names (``batch_tokens`` or ``batch-tokens``), or a run's ``config.json`` (its ``"train"``
+    record is used).
+
+    Raises:
+      ValueError: unreadable file, not a mapping, an unknown name or a value of the wrong
+        type; the message names the file, the key and the fix.
+    """
+    import yaml
+
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ValueError(f"--config {str(path)!r} cannot be read: {e}") from e
+    try:   # YAML is a superset of JSON, but JSON's own errors are clearer for .json files
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as e:
+        kind = "JSON" if path.suffix == ".json" else "YAML"
+        raise ValueError(f"--config {str(path)!r} is not valid {kind}: {e}") from e
+    if isinstance(data, dict) and isinstance(data.get("train"), dict) and "model" in data:
+        data = data["train"]   # a run's config.json: replay its settings
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {str(path)!r} must hold a mapping of setting: value, "
+                         f"got {type(data).__name__}.")
+    hints = typing.get_type_hints(TrainConfig)
+    out, problems = {}, []
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name not in hints:
+            problems.append(f"unknown setting {key!r}")
+            continue
+        kind = _base_type(hints[name])
+        ok = (value is None or (isinstance(value, kind) and not (kind is int and isinstance(value, bool)))
+              or (kind is float and isinstance(value, int) and not isinstance(value, bool)))
+        if not ok:
+            problems.append(f"{key!r} must be {kind.__name__}, got {value!r}")
+        out[name] = float(value) if kind is float and value is not None else value
+    if problems:
+        raise ValueError(f"--config {str(path)!r}: " + "; ".join(problems) +
+                         ". Settings are the flag names without dashes, e.g. batch_tokens; "
+                         "see --help.")
+    return out
+
+
+def parse_train_args(argv: list[str] | None = None, defaults: dict[str, Any] | None = None,
+                     description: str = "", prog: str | None = None
+                     ) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    """Parses a training command line: ``--config FILE`` values replace the defaults,
+    then the flags given override both. Exits with status 2 and a message on bad input."""
+    parser = build_parser(defaults, description, prog)
+    known, _ = parser.parse_known_args(argv)
+    if known.config:
+        try:
+            parser.set_defaults(**load_config_file(known.config))
+        except ValueError as e:
+            parser.error(str(e))
+    return parser, parser.parse_args(argv)
 
 
 def from_args(args: argparse.Namespace) -> TrainConfig:

@@ -9,13 +9,16 @@
                     (jaxformer.prepare; reused on every resume)
   checkpoints/      orbax: the last N train states with the data iterator position
   best/             orbax: the parameters with the best dev BLEU
+  averaged/         the mean of the last N checkpoints' parameters (--average-last), if better
   corrupt/          unreadable checkpoints moved aside (never deleted)
   metrics.jsonl     one JSON record per logged step (and metrics.redone.jsonl)
   tensorboard/      TensorBoard events
   plots/            loss, learning-rate and dev-BLEU curves
   samples.txt       dev sources, references and hypotheses at each evaluation
-  results.json      final test scores
-  test_hypotheses.txt
+  results.json      final test scores (BLEU, chrF and their sacrebleu signatures)
+  test.src test.ref test.hyp   the test sources, references and translations, one per line
+  train.log         everything the run printed, with times
+  jax_cache/        JAX's persistent compilation cache (the translate tool's compiles)
 """
 
 from __future__ import annotations
@@ -44,9 +47,9 @@ class RunDir:
         object.__setattr__(self, "root", Path(self.root))
 
     # Every name a run writes; ``fresh`` moves exactly these.
-    NAMES = ("checkpoints", "best", "corrupt", "config.json", "tokenizer", "prepared", "metrics.jsonl",
-             "metrics.redone.jsonl", "tensorboard", "plots", "samples.txt", "results.json",
-             "test_hypotheses.txt")
+    NAMES = ("checkpoints", "best", "averaged", "corrupt", "config.json", "tokenizer", "prepared",
+             "metrics.jsonl", "metrics.redone.jsonl", "tensorboard", "plots", "samples.txt",
+             "results.json", "test.src", "test.ref", "test.hyp", "train.log")
 
     @property
     def config(self) -> Path:
@@ -97,8 +100,28 @@ class RunDir:
         return self.root / "results.json"
 
     @property
-    def test_hypotheses(self) -> Path:
-        return self.root / "test_hypotheses.txt"
+    def test_src(self) -> Path:
+        return self.root / "test.src"
+
+    @property
+    def test_ref(self) -> Path:
+        return self.root / "test.ref"
+
+    @property
+    def test_hyp(self) -> Path:
+        return self.root / "test.hyp"
+
+    @property
+    def averaged(self) -> Path:
+        return self.root / "averaged"
+
+    @property
+    def log(self) -> Path:
+        return self.root / "train.log"
+
+    @property
+    def jax_cache(self) -> Path:
+        return self.root / "jax_cache"
 
     def create(self, fresh: bool = False) -> None:
         """Creates the directory (a clear error if impossible); ``fresh`` moves the previous

@@ -16,6 +16,7 @@ import jax
 
 from jaxformer.corpus import Pair
 from jaxformer.logs import log
+from jaxformer.validation import check_special_ids
 
 
 class Tokenizer:
@@ -42,6 +43,8 @@ class Tokenizer:
         self.bos_id, self.eos_id = self.sp.bos_id(), self.sp.eos_id()
         if min(self.pad_id, self.bos_id, self.eos_id) < 0:
             raise ValueError(f"{path}: the sentencepiece model needs pad, bos and eos ids.")
+        check_special_ids(pad_id=self.pad_id, bos_id=self.bos_id, eos_id=self.eos_id, unk_id=self.unk_id,
+                          source=str(path))
 
     @property
     def vocab_size(self) -> int:

@@ -25,12 +25,14 @@ from jaxformer.batching import Examples, bucket_boundaries, tokenize_pairs
 from jaxformer.checkpoints import RunCheckpoints
 from jaxformer.config import TransformerConfig, preset
 from jaxformer.corpus import Pair, target_language_of
+from jaxformer.early_stopping import EarlyStopping
 from jaxformer.evaluation import Evaluator
-from jaxformer.logs import is_main_process, log
+from jaxformer.logs import Progress, RunLog, console_logging, is_main_process, log
 from jaxformer.model import Transformer
 from jaxformer.preemption import Preempted, PreemptionGuard, past_deadline
 from jaxformer.prepared import PreparedCorpus
 from jaxformer.run_config import TrainConfig, save_json
+from jaxformer.run_eval import evaluate, final_test
 from jaxformer.rundata import prepare_run_data
 from jaxformer.rundir import (
     MetricsLog,
@@ -38,7 +40,6 @@ from jaxformer.rundir import (
     check_resume_compatible,
     resume_record,
     set_aside_metrics_after,
-    write_plots,
 )
 from jaxformer.streaming import kept_records, stream_dataset
 from jaxformer.tokenizer import Tokenizer
@@ -52,7 +53,7 @@ from jaxformer.training import (
 )
 from jaxformer.validation import check_token_ids
 
-__all__ = ["Preempted", "TrainingDiverged", "train", "setup", "train_loop", "final_test"]
+__all__ = ["Preempted", "TrainingDiverged", "train", "setup", "train_loop", "evaluate", "final_test"]
 
 
 class TrainingDiverged(RuntimeError):
@@ -89,6 +90,7 @@ class Run:
     best_bleu: float   # -1 before the first evaluation
     t_start: float
     closed: bool = False
+    early_stopping: EarlyStopping | None = None   # set from --patience in train_loop
 
     def close(self) -> None:
         """Waits for pending checkpoint saves and closes the writers (idempotent)."""
@@ -128,11 +130,14 @@ def train(cfg: TrainConfig, *, fresh: bool = False) -> dict[str, Any]:
       TrainingDiverged: a whole logging window of non-finite updates (all skipped);
         the last checkpoint is intact.
     """
-    run = setup(cfg, fresh=fresh)
-    try:
-        return final_test(run, train_loop(run))
-    finally:   # also on Preempted / TrainingDiverged: pending saves finish, files are closed
-        run.close()
+    console_logging()
+    with RunLog(RunDir(cfg.workdir).log) as run_log:   # train.log: everything printed
+        run = setup(cfg, fresh=fresh)
+        run_log.open()   # after --fresh moved the previous run's log aside
+        try:
+            return final_test(run, train_loop(run))
+        finally:   # also on Preempted / TrainingDiverged: pending saves finish, files are closed
+            run.close()
 
 
 # ---------------------------------------------------------------------- setup
@@ -180,7 +185,8 @@ def setup(cfg: TrainConfig, *, fresh: bool = False) -> Run:
     if restored is not None and is_main_process():
         set_aside_metrics_after(run_dir, start_step)
     evaluator = Evaluator(model, tokenizer, batch_size=cfg.eval_batch_size,
-                          target_language=target_language, smoothing=cfg.label_smoothing, layout=layout)
+                          target_language=cfg.tgt_lang or target_language, tokenize=cfg.sacrebleu_tokenize,
+                          smoothing=cfg.label_smoothing, layout=layout)
     best_bleu = checkpoints.best_bleu()   # on resume, the score recorded with the best checkpoint
     return Run(cfg=cfg, run_dir=run_dir, data=data, tokenizer=tokenizer, model=model, schedule=schedule,
                state=state, layout=layout, checkpoints=checkpoints, evaluator=evaluator,
@@ -256,16 +262,15 @@ def train_loop(run: Run) -> LoopState:
       Preempted: after checkpointing the step at which the signal was honoured.
       TrainingDiverged: a whole logging window of non-finite updates.
     """
-    from tqdm import tqdm
-
     cfg, c = run.cfg, run.model.config
     loop = LoopState(step=int(run.state.step), last_log_time=time.perf_counter())
     deadline = None if cfg.max_minutes is None else run.t_start + 60 * cfg.max_minutes
     train_step = jit_train_step(run.model, cfg.label_smoothing, layout=run.layout,
                                 grad_accum_steps=cfg.grad_accum_steps)
-    bar = tqdm(total=cfg.max_steps, initial=loop.step, disable=not cfg.progress, dynamic_ncols=True,
-               desc="train", unit="step")
-    with PreemptionGuard(multi_process=jax.process_count() > 1) as guard, bar:
+    run.early_stopping = EarlyStopping(cfg.patience, best=run.best_bleu if run.best_bleu >= 0 else -math.inf)
+    progress = Progress(enabled=cfg.progress, step=loop.step, max_steps=cfg.max_steps, t_start=run.t_start,
+                        deadline=deadline)
+    with PreemptionGuard(multi_process=jax.process_count() > 1) as guard, progress:
         while loop.step < cfg.max_steps:
             if guard.stop_requested():
                 loop.stopped_by = signal.Signals(guard.received).name
@@ -282,13 +287,16 @@ def train_loop(run: Run) -> LoopState:
                                             run.dropout_key)
             loop.totals = add_metrics(loop.totals, metrics)
             loop.step += 1
-            bar.update(1)
+            progress.step(loop.step)
             if loop.step % cfg.log_every == 0:
-                bar.set_postfix(_log_window(run, loop, deadline))
-            if loop.step % cfg.eval_every == 0:
-                evaluate(run, loop.step)
+                _log_window(run, loop, progress)
             if loop.step % cfg.checkpoint_every == 0:
                 _save_if_healthy(run, loop)
+            if loop.step % cfg.eval_every == 0 and run.early_stopping.update(evaluate(run, loop.step)):
+                loop.stopped_by = "early_stopping"
+                log(f"early stopping: no better dev BLEU in {cfg.patience} evaluations "
+                    f"(best {run.early_stopping.best:.2f})")
+                break
     if run.checkpoints.latest_step() != loop.step:
         _save_if_healthy(run, loop)
     run.checkpoints.wait()
@@ -297,9 +305,9 @@ def train_loop(run: Run) -> LoopState:
     return loop
 
 
-def _log_window(run: Run, loop: LoopState, deadline: float | None) -> dict[str, str]:
+def _log_window(run: Run, loop: LoopState, progress: Progress) -> None:
     """Reads the window's sums back (the one host sync every ``--log-every`` steps), writes
-    the metrics record and returns the progress-bar postfix.
+    the metrics record and reports it to the progress bar / log line.
 
     Raises:
       TrainingDiverged: every update of the window was skipped as non-finite.
@@ -321,10 +329,7 @@ def _log_window(run: Run, loop: LoopState, deadline: float | None) -> dict[str, 
               "train/tokens_per_s": tokens / max(now - loop.last_log_time, 1e-9)}
     run.metrics_log.write(loop.step, record)
     loop.totals, loop.last_log_time = None, now
-    postfix = dict(loss=f"{record['train/loss']:.3f}", tok_s=f"{record['train/tokens_per_s']:.0f}")
-    if deadline is not None:   # the time budget, not max_steps, bounds this run
-        postfix["left"] = f"{max(0.0, deadline - now) / 60:.1f}min"
-    return postfix
+    progress.window(loop.step, record["train/loss"], record["train/tokens_per_s"], record["train/lr"])
 
 
 def _save_if_healthy(run: Run, loop: LoopState) -> bool:
@@ -366,63 +371,3 @@ def _finite_report(values: dict[str, Any], step: int, last_checkpoint: int | Non
     return (f"Training diverged: all {window} updates up to step {step} had a non-finite loss or "
             f"gradient norm and were skipped; {where}. Lower --lr-scale, set --grad-clip or use "
             f"--dtype float32, then run again to resume from the last checkpoint (or --fresh).")
-
-
-# ---------------------------------------------------------------------- evaluation
-def evaluate(run: Run, step: int) -> float:
-    """Dev loss and dev BLEU (on ``--dev-bleu-sentences``) with samples; keeps the best
-    parameters by dev BLEU. Returns the BLEU."""
-    cfg, t0 = run.cfg, time.perf_counter()
-    dev_subset = run.data.splits["dev"][: cfg.dev_bleu_sentences]
-    dev_loss = run.evaluator.loss(run.state.params, run.data.dev_examples)
-    hyps = run.evaluator.translate(run.state.params, [p[0] for p in dev_subset], beam_size=cfg.beam_size,
-                                   alpha=cfg.alpha)
-    bleu = run.evaluator.score(hyps, [p[1] for p in dev_subset])
-    run.metrics_log.write(step, {"dev/loss": dev_loss["loss"], "dev/ppl": dev_loss["ppl"],
-                                 "dev/accuracy": dev_loss["accuracy"], "dev/bleu": bleu})
-    if is_main_process():
-        with run.run_dir.samples.open("a") as f:
-            f.write(f"== step {step} dev BLEU {bleu:.2f}\n")
-            for (src, ref), hyp in list(zip(dev_subset, hyps))[: cfg.num_samples]:
-                f.write(f"SRC: {src}\nREF: {ref}\nHYP: {hyp}\n\n")
-    if bleu > run.best_bleu:
-        run.best_bleu = bleu
-        run.checkpoints.save_best(step, run.state.params, bleu)
-    log(f"step {step}: dev loss {dev_loss['loss']:.3f} ppl {dev_loss['ppl']:.1f} "
-        f"BLEU {bleu:.2f} ({len(dev_subset)} sentences, {time.perf_counter() - t0:.0f}s)")
-    return bleu
-
-
-def final_test(run: Run, loop: LoopState) -> dict[str, Any]:
-    """A last dev evaluation (unless the last step had one), then test BLEU with the best
-    parameters; writes ``results.json``, the test hypotheses and the plots."""
-    cfg, step = run.cfg, loop.step
-    if step % cfg.eval_every != 0 or run.best_bleu < 0:
-        evaluate(run, step)
-    run.checkpoints.wait()
-    log(f"training stopped at step {step} ({loop.stopped_by}); best dev BLEU {run.best_bleu:.2f}")
-    params, best_step, _ = run.checkpoints.restore_params(sharding_lib.abstract_state(run.state).params,
-                                                          report=log)
-    t0 = time.perf_counter()
-    test = run.data.splits["test"]
-    hyps = run.evaluator.translate(params, [p[0] for p in test], beam_size=cfg.beam_size, alpha=cfg.alpha)
-    refs = [p[1] for p in test]
-    test_bleu = run.evaluator.score(hyps, refs)
-    signature = str(run.evaluator.bleu.get_signature())
-    decoding = "greedy" if cfg.beam_size == 1 else f"beam {cfg.beam_size}, alpha {cfg.alpha}"
-    results = {"test_bleu": test_bleu, "sacrebleu_signature": signature, "best_step": best_step,
-               "decoding": decoding, "best_dev_bleu": run.best_bleu, "final_step": step,
-               "stopped_by": loop.stopped_by, "test_sentences": len(refs),
-               "num_params": int(run.num_params), "wall_minutes": (time.perf_counter() - run.t_start) / 60}
-    if is_main_process():
-        save_json(run.run_dir.results, results)
-        run.run_dir.test_hypotheses.write_text("\n".join(hyps) + "\n")
-    log(f"test BLEU {test_bleu:.2f} on {len(refs)} sentences ({decoding}, step {best_step}, "
-        f"{time.perf_counter() - t0:.0f}s) {signature}")
-    run.close()
-    if is_main_process():
-        write_plots(run.run_dir)
-    for (source, reference), hypothesis in list(zip(test, hyps))[:3]:
-        log(f"  {source}\n  → {hypothesis}\n  (reference: {reference})")
-    log(f"total wall time {results['wall_minutes']:.1f} min; run directory {run.run_dir.root}")
-    return results

@@ -61,3 +61,24 @@ def check_same_batch(src, tgt) -> None:
     if src.shape[0] != tgt.shape[0]:
         raise ValueError(f"src and tgt must have the same batch size, got src {src.shape} "
                          f"and tgt {tgt.shape}.")
+
+
+def check_special_ids(*, pad_id: int, bos_id: int, eos_id: int, unk_id: int | None = None,
+                      source: str = "the tokenizer") -> None:
+    """Refuses special ids that collide with the padding id.
+
+    Padding is masked out of attention and of the loss, so an eos (or bos/unk) that
+    shares the pad id is never learnt and eos can never be generated; decoding then
+    runs to the length limit. Sentencepiece allows such models (``--pad_id`` defaults
+    to −1 = off, and some exports set pad = eos).
+
+    Raises:
+      ValueError: pad equals eos, bos or unk; the message names them and the fix.
+    """
+    same = [name for name, value in (("eos", eos_id), ("bos", bos_id), ("unk", unk_id))
+            if value is not None and value == pad_id]
+    if same:
+        raise ValueError(f"{source}: the pad id {pad_id} is also the {' and '.join(same)} id. Padding is "
+                         f"masked out of the loss, so that token could never be learnt or generated. "
+                         f"Train the tokenizer with a pad id of its own (sentencepiece: --pad_id=0 "
+                         f"--unk_id=1 --bos_id=2 --eos_id=3, as Tokenizer.train does).")

@@ -1,0 +1,255 @@
+"""Issue 14: the commands around the library, on one tiny run trained once for the module.
+
+The run is trained through ``jaxformer.cli.main`` with a ``--config`` file and flags, a
+learning rate too small to change a translation (dev BLEU stays flat, so ``--patience 2`` stops
+it at step 30 of 40), ``--average-last 2`` and ``--tgt-lang zh``. The tests read its
+files and run the translate command on it; one test installs the package (not
+editable) and runs both console scripts.
+"""
+
+import contextlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from jaxformer import translate as translate_lib
+from jaxformer.averaging import average_last_checkpoints
+from jaxformer.checkpoints import RunCheckpoints
+from jaxformer.cli import main as train_main
+from jaxformer.run_config import DEFAULT_CPU_RUN, TrainConfig, from_args, parse_train_args
+from jaxformer.translate import Translator
+from jaxformer.translate import main as translate_main
+
+REPO = Path(__file__).resolve().parents[1]
+SENTENCES = ["Click OK.", "Choose Format - Cells.", "Enter the name of the new table."]
+
+
+def _train_argv(files, workdir, config):
+    return ["--config", str(config), "--workdir", str(workdir), "--train-file", str(files["train"]),
+            "--dev-file", str(files["dev"]), "--test-file", str(files["test"]), "--patience", "2",
+            "--average-last", "2", "--tgt-lang", "zh", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, short_corpus):
+    """``(workdir, argv, printed)``: the trained run, its command line and its stdout."""
+    root = tmp_path_factory.mktemp("cli")
+    config = root / "tiny.yaml"
+    config.write_text("preset: tiny\nvocab_size: 300\nmax_len: 32\nbatch_tokens: 256\nmax_steps: 40\n"
+                      "warmup_steps: 10\nlr_scale: 0.0001\neval_every: 10\ncheckpoint_every: 10\n"
+                      "log_every: 5\ndev_bleu_sentences: 12\nbeam_size: 1\nmax_minutes: 10\n")
+    argv = _train_argv(short_corpus, root / "run", config)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        train_main(argv)
+    return root / "run", argv, printed.getvalue()
+
+
+@pytest.fixture(autouse=True)
+def no_process_wide_cache(monkeypatch):
+    """In-process CLI calls leave JAX's process-wide cache setting alone (the compile
+    cache is tested in subprocesses)."""
+    monkeypatch.setattr(translate_lib, "enable_compilation_cache", lambda run_dir: True)
+
+
+def test_run_stops_early_scores_with_chrf_and_the_zh_tokenizer_and_writes_test_files(run):
+    workdir, _, _ = run
+    results = json.loads((workdir / "results.json").read_text())
+    assert results["stopped_by"] == "early_stopping" and results["final_step"] == 30
+    assert "tok:zh" in results["sacrebleu_signature"]
+    assert "test_chrf" in results and results["chrf_signature"].startswith("nrefs:1|")
+    assert results["averaged"]["steps"] == [20, 30] and results["averaged"]["kept"] is False
+    assert not (workdir / "averaged").exists()   # not better than the best: not kept
+    lines = {name: (workdir / f"test.{name}").read_text().splitlines() for name in ("src", "ref", "hyp")}
+    assert len(lines["src"]) == len(lines["ref"]) == len(lines["hyp"]) == results["test_sentences"] == 12
+
+
+def test_train_log_holds_everything_printed_and_a_line_per_window(run):
+    workdir, _, printed = run
+    log = (workdir / "train.log").read_text()
+    for line in printed.splitlines():
+        assert line.strip() in log, line
+    windows = [line for line in log.splitlines() if " | loss " in line]
+    assert [line.split("step ")[1].split(" ")[0] for line in windows] == [str(s) for s in range(5, 31, 5)]
+    assert all("tok/s" in line and "lr " in line and "min left" in line for line in windows)
+    assert "test BLEU" in log and "chrF" in log and "version:" in log   # the signatures
+
+
+def test_config_json_replays_the_run_with_equal_settings(run):
+    workdir, argv, _ = run
+    _, original = parse_train_args(argv, DEFAULT_CPU_RUN)   # as jaxformer-train parses it
+    _, replay = parse_train_args(["--config", str(workdir / "config.json")], DEFAULT_CPU_RUN)
+    assert from_args(replay) == from_args(original)
+    saved = json.loads((workdir / "config.json").read_text())["train"]
+    assert from_args(replay) == TrainConfig(**saved)
+
+
+def _abstract_params(translator):
+    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), translator.params)
+
+
+def test_averaged_checkpoint_is_the_mean_and_the_translate_tool_uses_it(run, tmp_path, capsys):
+    workdir, _, _ = run
+    copy = tmp_path / "run"
+    shutil.copytree(workdir, copy)
+    translator = Translator(copy, checkpoint="latest")
+    checkpoints = RunCheckpoints(copy, read_only=True)
+    try:
+        abstract = _abstract_params(translator)
+        averaged, steps = average_last_checkpoints(checkpoints, abstract, 2)
+        parts = [checkpoints.params_at(step, abstract) for step in (20, 30)]
+        checkpoints.save_averaged(30, averaged, {"bleu": 1.0, "steps": steps})
+    finally:
+        checkpoints.close()
+    assert steps == [20, 30]
+    jax.tree_util.tree_map(lambda m, a, b: np.testing.assert_allclose(m, (np.asarray(a) + np.asarray(b)) / 2,
+                                                                      rtol=1e-6, atol=1e-7),
+                           averaged, *parts)
+    assert any(not np.allclose(a, b) for a, b in zip(jax.tree_util.tree_leaves(parts[0]),
+                                                     jax.tree_util.tree_leaves(parts[1])))
+    loaded = Translator(copy, checkpoint="averaged")
+    assert loaded.kind == "averaged"
+    jax.tree_util.tree_map(np.testing.assert_array_equal, loaded.params, averaged)
+    translate_main(["--workdir", str(copy), "--checkpoint", "averaged", "--beam-size", "1", SENTENCES[0]])
+    captured = capsys.readouterr()
+    assert "[averaged checkpoint, step 30]" in captured.err and len(captured.out.splitlines()) == 1
+
+
+def test_translate_flags_output_checkpoint_and_batches_sized_to_the_input(run, tmp_path, capsys,
+                                                                          monkeypatch):
+    from jaxformer import evaluation
+
+    workdir, _, _ = run
+    calls = []
+    real = evaluation.beam_translate
+
+    def spy(model, params, src, **static):
+        out = real(model, params, src, **static)
+        calls.append((src.shape, static, out[0].shape))
+        return out
+
+    spy.__wrapped__ = real.__wrapped__
+    monkeypatch.setattr(evaluation, "beam_translate", spy)
+    out = tmp_path / "out.txt"
+    translate_main(["--workdir", str(workdir), "--output", str(out), "--max-len-a", "0.5",
+                    "--max-len-b", "3", *SENTENCES])
+    assert len(out.read_text().splitlines()) == 3 and capsys.readouterr().out == ""
+    (src_shape, static, hyp_shape), = calls
+    assert src_shape == (4, 32)   # 3 sentences → 4 rows (a power of two), not --batch-size 32
+    assert (static["len_a"], static["extra_len"], static["max_decode_len"]) == (0.5, 3, 19)
+    assert hyp_shape[-1] == 19    # 0.5 × 32 + 3 output positions
+    calls.clear()
+    translate_main(["--workdir", str(workdir), SENTENCES[0]])
+    assert calls[0][0][0] == 1     # one sentence, one row
+    for flag, shown in (("latest", "[latest checkpoint, step 30]"), ("20", "[step checkpoint, step 20]"),
+                        ("best", "[best checkpoint, step 10]")):
+        translate_main(["--workdir", str(workdir), "--checkpoint", flag, "--beam-size", "1", "x"])
+        assert shown in capsys.readouterr().err
+    bad_calls = {"No checkpoint of step 7": ["--checkpoint", "7"],
+                 "No 'averaged' checkpoint": ["--checkpoint", "averaged"],
+                 "is not best, latest": ["--checkpoint", "newest"],
+                 "folder of --output": ["--output", str(tmp_path / "no" / "out.txt")],
+                 "--max-len-a + --max-len-b >= 1": ["--max-len-a", "0", "--max-len-b", "0"]}
+    for message, argv in bad_calls.items():
+        with pytest.raises(SystemExit) as exit_info:
+            translate_main(["--workdir", str(workdir), *argv, "x"])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err, message
+
+
+def test_translate_answers_each_stdin_line_as_it_arrives(run, tmp_path, monkeypatch):
+    workdir, _, _ = run
+    out = tmp_path / "stream.txt"
+    read_fd, write_fd = os.pipe()
+    seen_before_second = []
+
+    def user():
+        os.write(write_fd, (SENTENCES[0] + "\n").encode())
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (out.exists() and out.read_text().count("\n") >= 1):
+            time.sleep(0.05)
+        seen_before_second.append(out.exists() and out.read_text().count("\n") == 1)
+        os.write(write_fd, ("\n" + SENTENCES[1] + "\n").encode())   # an empty line stays empty
+        os.close(write_fd)
+
+    with os.fdopen(read_fd) as stdin:
+        monkeypatch.setattr(sys, "stdin", stdin)
+        thread = threading.Thread(target=user)
+        thread.start()
+        translate_main(["--workdir", str(workdir), "--beam-size", "1", "--output", str(out)])
+        thread.join()
+    assert seen_before_second == [True], "the first line was not answered before the second arrived"
+    lines = out.read_text().splitlines()
+    assert len(lines) == 3 and lines[1] == ""
+
+
+_COUNT_COMPILES = """
+import collections, sys
+import jax.monitoring
+events = collections.Counter()
+jax.monitoring.register_event_listener(lambda name, **kw: events.update([name]))
+from jaxformer.translate import main
+main(sys.argv[1:])
+print(json.dumps({k.rsplit("/", 1)[-1]: v for k, v in events.items()}), file=sys.stderr)
+""".replace("import collections, sys", "import collections, json, sys")
+
+
+def test_second_translate_invocation_compiles_nothing(run, tmp_path):
+    workdir, _, _ = run
+    copy = tmp_path / "run"
+    shutil.copytree(workdir, copy, ignore=shutil.ignore_patterns("jax_cache"))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    counts = []
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", _COUNT_COMPILES, "--workdir", str(copy), SENTENCES[0]],
+                              env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        counts.append(json.loads(done.stderr.strip().splitlines()[-1]))
+    first, second = counts
+    assert first.get("cache_misses", 0) > 0 and (copy / "jax_cache").is_dir()
+    assert second.get("cache_misses", 0) == 0, second
+    assert second.get("cache_hits", 0) == first["cache_misses"], (first, second)
+
+
+def test_console_scripts_from_a_wheel_install_train_and_translate(tmp_path, short_corpus):
+    source = tmp_path / "src"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(REPO / name, source / name)
+    shutil.copytree(REPO / "jaxformer", source / "jaxformer",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--target", str(target), str(source)], check=True, timeout=300, cwd=tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(target), "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    where = subprocess.run([sys.executable, "-c", "import jaxformer; print(jaxformer.__file__)"], env=env,
+                           capture_output=True, text=True, cwd=tmp_path, check=True).stdout
+    assert where.startswith(str(target)), where   # the installed copy, not the checkout
+    workdir = tmp_path / "run"
+    for name in ("dev", "test"):   # 4 sentences each: one decoder shape, little decoding
+        (tmp_path / f"{name}.tsv").write_text("".join(short_corpus[name].read_text().splitlines(True)[:4]))
+    train = [str(target / "bin" / "jaxformer-train"), "--workdir", str(workdir), "--train-file",
+             str(short_corpus["train"]), "--dev-file", str(tmp_path / "dev.tsv"), "--test-file",
+             str(tmp_path / "test.tsv"), "--preset", "tiny", "--vocab-size", "300", "--max-len", "32",
+             "--batch-tokens", "256", "--max-steps", "2", "--eval-every", "2", "--checkpoint-every", "2",
+             "--log-every", "1", "--beam-size", "1", "--no-progress"]
+    done = subprocess.run(train, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (workdir / "results.json").exists() and (workdir / "train.log").exists()
+    done = subprocess.run([str(target / "bin" / "jaxformer-translate"), "--workdir", str(workdir),
+                           "--beam-size", "1", *SENTENCES[:2]], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert len(done.stdout.splitlines()) == 2
+    assert "checkpoint, step 2]" in done.stderr

@@ -1,0 +1,248 @@
+"""Issue 14: the library edges (host-side id checks of the jitted decoders and of
+``decode_step``, colliding special ids, mismatched score lists, float16 fused attention
+on CPU, the layer docstrings) and the run-side units (flags and --config, logging and
+progress, early stopping, scorers, batch rows, streaming stdin)."""
+
+import io
+import json
+import logging
+import os
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxformer import Decoder, DecoderLayer, Encoder, EncoderLayer, Transformer, preset
+from jaxformer.attention import fused_dot_product_attention, scaled_dot_product_attention
+from jaxformer.decoding import beam_translate, greedy_translate, sample_translate
+from jaxformer.early_stopping import EarlyStopping
+from jaxformer.evaluation import Evaluator, make_bleu
+
+V = 13
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = Transformer(preset("tiny", src_vocab_size=V))
+    src = np.array([[3, 4, 5, 0]], np.int32)
+    params = model.init(jax.random.key(0), src, src)["params"]
+    return model, params
+
+
+@pytest.mark.parametrize("bad", [V, V + 20, -1])
+def test_jitted_decoders_check_concrete_ids_before_dispatch(tiny, bad):
+    model, params = tiny
+    src = np.array([[3, bad, 5, 0]], np.int32)
+    common = dict(max_decode_len=4, bos_id=1, eos_id=2)
+    calls = {"greedy": lambda s: greedy_translate(model, params, s, **common),
+             "beam": lambda s: beam_translate(model, params, s, beam_size=2, **common),
+             "sample": lambda s: sample_translate(model, params, s, jax.random.key(0), **common)}
+    for call in calls.values():
+        with pytest.raises(ValueError, match=rf"outside \[0, {V}\)"):
+            call(src)
+        with pytest.raises(ValueError, match=rf"outside \[0, {V}\)"):
+            call(jnp.asarray(src))   # a concrete device array is checked too
+    good = np.array([[3, 4, 5, 0]], np.int32)
+    assert greedy_translate(model, params, good, **common).shape == (1, 4)
+
+
+def test_decode_step_checks_concrete_ids(tiny):
+    model, params = tiny
+    src = jnp.array([[3, 4, 5, 0]], jnp.int32)
+    enc = model.apply({"params": params}, src, method=Transformer.encode)
+    cache = model.apply({"params": params}, enc, src, 4, method=Transformer.init_cache)
+    logits, _ = model.apply({"params": params}, jnp.array([[1]], jnp.int32), cache,
+                            method=Transformer.decode_step)
+    assert logits.shape == (1, V)
+    for bad in (V, -1):
+        with pytest.raises(ValueError, match="ids_B1 holds token ids outside"):
+            model.apply({"params": params}, jnp.array([[bad]], jnp.int32), cache,
+                        method=Transformer.decode_step)
+
+
+def test_tokenizer_with_pad_equal_to_eos_is_refused_with_the_fix(tmp_path):
+    from sentencepiece import sentencepiece_model_pb2
+
+    from jaxformer.tokenizer import Tokenizer
+
+    Tokenizer.train(["the cat sat on the mat", "a dog ran in the park"] * 40, tmp_path, vocab_size=40)
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString((tmp_path / "spm.model").read_bytes())
+    proto.trainer_spec.pad_piece = proto.trainer_spec.eos_piece   # pad = eos, as some exports do
+    bad = tmp_path / "pad_is_eos.model"
+    bad.write_bytes(proto.SerializeToString())
+    with pytest.raises(ValueError, match=r"pad id 3 is also the eos id.*--pad_id=0"):
+        Tokenizer(bad)
+
+
+def test_score_refuses_lists_of_different_lengths(tiny):
+    evaluator = Evaluator(tiny[0], None, batch_size=8, target_language="de", smoothing=0.0)
+    assert evaluator.score(["a b c d"], ["a b c d"]) == pytest.approx(100.0)
+    for hyps, refs in ((["a", "b"], ["a"]), (["a"], ["a", "b"])):
+        with pytest.raises(ValueError, match="one reference per hypothesis"):
+            evaluator.score(hyps, refs)
+        with pytest.raises(ValueError, match="one reference per hypothesis"):
+            evaluator.scores(hyps, refs)
+
+
+def test_bleu_tokenizer_follows_the_target_language():
+    def signature(bleu):
+        bleu.corpus_score(["x"], [["x"]])
+        return str(bleu.get_signature())
+
+    assert "tok:zh" in signature(make_bleu("zh"))
+    assert "tok:13a" in signature(make_bleu("de")) and "tok:13a" in signature(make_bleu("xx"))
+    assert "tok:char" in signature(make_bleu("ja", "char"))
+    with pytest.raises(ValueError, match="Unknown sacrebleu tokenizer"):
+        make_bleu("de", "nope")
+    try:
+        import MeCab  # noqa: F401
+    except ImportError:   # the usual install: a clear error instead of a wrong number
+        with pytest.raises(ValueError, match=r"sacrebleu\[ja\].*--sacrebleu-tokenize char"):
+            make_bleu("ja")
+
+
+def test_evaluator_pads_batches_to_a_power_of_two_not_the_batch_size(tiny):
+    evaluator = Evaluator(tiny[0], None, batch_size=32, target_language="de", smoothing=0.0,
+                          scoring=False, max_len_a=0.5, max_len_b=3)
+    assert [evaluator._rows(n) for n in (1, 2, 3, 5, 17, 32)] == [1, 2, 4, 8, 32, 32]
+    assert evaluator.max_decode_len(10) == 8 and evaluator.max_decode_len(1000) == 64   # capped by max_len
+    with pytest.raises(ValueError, match="allow no output token"):
+        Evaluator(tiny[0], None, batch_size=4, target_language="de", smoothing=0.0, max_len_a=0, max_len_b=0)
+
+
+def test_float16_fused_xla_attention_runs_on_cpu_under_jit_and_grad():
+    q_BHTK = jax.random.normal(jax.random.key(0), (2, 4, 3, 8)).astype(jnp.float16)
+    mask = jnp.array([True, True, False])[None, None, None, :]
+    attend = jax.jit(lambda q: fused_dot_product_attention(q, q, q, mask, implementation="xla"))
+    grad = jax.jit(jax.grad(lambda q: attend(q).astype(jnp.float32).sum()))
+    out = attend(q_BHTK)
+    q32 = q_BHTK.astype(jnp.float32)
+    reference, _ = scaled_dot_product_attention(q32, q32, q32, mask)
+    assert out.dtype == jnp.float16 and grad(q_BHTK).dtype == jnp.float16
+    np.testing.assert_allclose(np.asarray(out, np.float32), reference, atol=2e-3)
+
+
+def test_layer_calls_state_shapes_and_mask_polarity():
+    for cls in (EncoderLayer, DecoderLayer, Encoder, Decoder):
+        doc = cls.__call__.__doc__ or ""
+        assert "True = may attend" in doc and "[B, " in doc, cls.__name__
+
+
+def test_early_stopping_counts_evaluations_without_a_better_score():
+    stop = EarlyStopping(patience=2)
+    assert [stop.update(s) for s in (1.0, 2.0, 2.0, 1.5)] == [False, False, False, True]
+    assert stop.best == 2.0
+    never = EarlyStopping(patience=None)
+    assert not any(never.update(0.0) for _ in range(10))
+    with pytest.raises(ValueError, match="patience"):
+        EarlyStopping(patience=0)
+
+
+# ---------------------------------------------------------------------- flags and --config
+def test_every_flag_has_help_and_help_has_no_rest_markup(capsys):
+    import dataclasses
+
+    from jaxformer.run_config import HELP, TrainConfig, build_parser
+
+    assert {f.name for f in dataclasses.fields(TrainConfig)} <= set(HELP)
+    with pytest.raises(SystemExit):
+        build_parser(prog="jaxformer-train").parse_args(["--help"])
+    text = capsys.readouterr().out
+    assert "``" not in text and ":func:" not in text and ":class:" not in text
+    assert "{tiny,small,base,big}" in text and "{post,pre}" in text and "ja-mecab" in text
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--preset", "huge"])
+    assert "invalid choice" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--average-last must be in"):
+        TrainConfig(average_last=5, keep_checkpoints=3)
+
+    from jaxformer.translate import build_parser as translate_parser
+
+    text = translate_parser().format_help()
+    assert "``" not in text and ":class:" not in text and "--max-len-a" in text and "--checkpoint" in text
+
+
+def test_config_file_fills_settings_and_flags_override(tmp_path, capsys):
+    from jaxformer.run_config import DEFAULT_CPU_RUN, from_args, parse_train_args
+
+    (tmp_path / "run.yaml").write_text("preset: tiny\nbatch-tokens: 512\nmax_minutes: 2\npack: false\n")
+    (tmp_path / "run.json").write_text(json.dumps({"model": {}, "train": {"preset": "base", "seed": 7}}))
+    _, args = parse_train_args(["--config", str(tmp_path / "run.yaml"), "--batch-tokens", "1024"],
+                               DEFAULT_CPU_RUN)
+    cfg = from_args(args)
+    assert (cfg.preset, cfg.batch_tokens, cfg.max_minutes, cfg.pack) == ("tiny", 1024, 2.0, False)
+    assert cfg.warmup_steps == DEFAULT_CPU_RUN["warmup_steps"]   # untouched settings keep defaults
+    _, args = parse_train_args(["--config", str(tmp_path / "run.json")])   # a run's config.json
+    assert (args.preset, args.seed) == ("base", 7)
+    for text, message in (("batch_size: 3\n", "unknown setting 'batch_size'"),
+                          ("max_steps: ten\n", "'max_steps' must be int"), ("- a\n", "mapping")):
+        (tmp_path / "bad.yaml").write_text(text)
+        with pytest.raises(SystemExit) as exit_info:
+            parse_train_args(["--config", str(tmp_path / "bad.yaml")])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------- logging and progress
+def test_progress_follows_the_time_budget_and_prints_lines_without_a_bar(caplog):
+    from jaxformer.logs import Progress
+
+    start = time.perf_counter()
+    sink = io.StringIO()
+    with Progress(enabled=True, step=0, max_steps=100_000, t_start=start, deadline=start + 420,
+                  file=sink) as bar:
+        assert bar.bar.total == 420 and bar.bar.unit == "s"   # 7 minutes, not 100000 steps
+        bar.step(1)
+        assert 0 <= bar.bar.n < 60 and 360 < bar.time_left() <= 420
+    with Progress(enabled=True, step=5, max_steps=50, t_start=start, deadline=None, file=sink) as bar:
+        assert (bar.bar.total, bar.bar.n) == (50, 5)
+    with caplog.at_level(logging.INFO, logger="jaxformer"), \
+            Progress(enabled=False, step=0, max_steps=10, t_start=start, deadline=start + 120) as quiet:
+        quiet.window(50, 3.25, 1234.0, 1e-3)
+    line = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step 50")]
+    assert len(line) == 1 and all(part in line[0] for part in
+                                  ("loss 3.250", "1,234 tok/s", "lr 1.00e-03", "min left"))
+
+
+def test_run_log_keeps_everything_logged_before_and_after_it_opens(tmp_path):
+    from jaxformer.logs import RunLog, log
+
+    path = tmp_path / "train.log"
+    with pytest.raises(RuntimeError):
+        with RunLog(path) as run_log:
+            log("before the run directory exists")
+            run_log.open()
+            log("a detail", logging.DEBUG)
+            raise RuntimeError("boom")
+    text = path.read_text()
+    assert "before the run directory" in text and "a detail" in text and "RuntimeError: boom" in text
+    log("after the run")   # the file handler is gone
+    assert "after the run" not in path.read_text()
+
+
+# ---------------------------------------------------------------------- streaming stdin
+def test_arriving_lines_answers_a_line_before_the_next_is_written():
+    from jaxformer.translate import arriving_lines
+
+    read_fd, write_fd = os.pipe()
+    answered = threading.Event()
+
+    def writer():
+        os.write(write_fd, b"first\nsecond\n")
+        answered.wait(30)                       # a reader that waits for EOF never gets here
+        os.write(write_fd, b"third\r\nlast without newline")
+        os.close(write_fd)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    with os.fdopen(read_fd) as stream:
+        batches = arriving_lines(stream, max_lines=8)
+        first = next(batches)
+        answered.set()
+        rest = list(batches)
+    thread.join()
+    assert first == ["first", "second"]
+    assert [line for batch in rest for line in batch] == ["third", "last without newline"]
