@@ -199,9 +199,18 @@ def test_progress_follows_the_time_budget_and_prints_lines_without_a_bar(caplog)
         assert 0 <= bar.bar.n < 60 and 360 < bar.time_left() <= 420
     with Progress(enabled=True, step=5, max_steps=50, t_start=start, deadline=None, file=sink) as bar:
         assert (bar.bar.total, bar.bar.n) == (50, 5)
-    with caplog.at_level(logging.INFO, logger="jaxformer"), \
-            Progress(enabled=False, step=0, max_steps=10, t_start=start, deadline=start + 120) as quiet:
-        quiet.window(50, 3.25, 1234.0, 1e-3)
+    # caplog listens on the root logger, which "jaxformer" stops propagating to once a
+    # run in this process configured console logging: listen on "jaxformer" itself.
+    jaxformer_logger = logging.getLogger("jaxformer")
+    jaxformer_logger.addHandler(caplog.handler)
+    propagate, jaxformer_logger.propagate = jaxformer_logger.propagate, False   # each record once
+    try:
+        with caplog.at_level(logging.INFO, logger="jaxformer"), \
+                Progress(enabled=False, step=0, max_steps=10, t_start=start, deadline=start + 120) as quiet:
+            quiet.window(50, 3.25, 1234.0, 1e-3)
+    finally:
+        jaxformer_logger.removeHandler(caplog.handler)
+        jaxformer_logger.propagate = propagate
     line = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step 50")]
     assert len(line) == 1 and all(part in line[0] for part in
                                   ("loss 3.250", "1,234 tok/s", "lr 1.00e-03", "min left"))
