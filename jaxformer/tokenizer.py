@@ -47,9 +47,29 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.sp.get_piece_size()
 
+    # The jaxformer.marian_tokenizer.TextTokenizer interface: one joint vocabulary for both sides.
+    src_vocab_size = tgt_vocab_size = vocab_size
+
+    @property
+    def decoder_start_id(self) -> int:
+        return self.bos_id
+
     def encode(self, texts: Sequence[str]) -> list[list[int]]:
         """Token ids (no bos/eos) for each text."""
         return self.sp.encode(list(texts))
+
+    encode_source = encode_target = encode
+
+    def source_pieces(self, ids: Sequence[int]) -> list[str]:
+        return [self.sp.id_to_piece(int(i)) for i in ids]
+
+    target_pieces = source_pieces
+
+    def save_marian(self, out_dir) -> None:
+        """Writes this model as Marian tokenizer files (for a Hugging Face export)."""
+        from jaxformer.marian_tokenizer import save_joint_as_marian
+
+        save_joint_as_marian(self.model_file, Path(out_dir))
 
     def decode(self, ids: Iterable[Sequence[int]]) -> list[str]:
         """Detokenized text; stops at the first eos and drops pad/bos."""
