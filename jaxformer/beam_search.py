@@ -131,9 +131,10 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: Any, *, batch_size: int
       worst finished score: exact, as log-probabilities only fall.
     * ``"hf"``: ``generate``'s rule with ``early_stopping=False`` (transformers
       ``generation/utils.py``, ``_check_early_stop_heuristic``): the best live
-      log-probability is divided by the *current* length^α. With eos forced at M
-      (as ``forced_eos_token_id`` does) this reproduces ``generate(num_beams=k,
-      length_penalty=α)``'s sequences and ``sequences_scores``.
+      log-probability is divided by the *current* length^α. Eos is forced at M with
+      log-probability 0, as ``forced_eos_token_id`` does (``ForcedEOSTokenLogitsProcessor``).
+      This reproduces ``generate(num_beams=k, length_penalty=α)``'s sequences and
+      ``sequences_scores``.
 
     Args:
       tokens_to_logits: model callback on ``[B*k, 1]`` ids.
@@ -204,6 +205,9 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: Any, *, batch_size: int
         force = at_limit_B[:, None, None] & (jnp.arange(vocab) != eos_id)[None, None, :]
         never = ((jnp.arange(vocab) == pad_id) | (jnp.arange(vocab) == bos_id))[None, None, :]
         logp_BNV = jnp.where(force | never, NEG_INF, logp_BNV)
+        if hf:   # transformers' ForcedEOSTokenLogitsProcessor gives the forced eos log-probability 0
+            forced_eos = at_limit_B[:, None, None] & (jnp.arange(vocab) == eos_id)[None, None, :]
+            logp_BNV = jnp.where(forced_eos, 0.0, logp_BNV)
         candidates = (state["live_logprobs"][:, :, None] + logp_BNV).reshape(batch_size, k * vocab)
         top_logprobs, top_idx = blocked_top_k(candidates, 2 * k)            # [B, 2k]
         top_beam, top_token = top_idx // vocab, (top_idx % vocab).astype(jnp.int32)

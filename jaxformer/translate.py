@@ -24,8 +24,8 @@ from flax import linen as nn
 from jaxformer.checkpoints import RunCheckpoints
 from jaxformer.config import TransformerConfig
 from jaxformer.evaluation import Evaluator
+from jaxformer.marian_tokenizer import load_tokenizer
 from jaxformer.model import Transformer
-from jaxformer.tokenizer import Tokenizer
 
 
 class Translator:
@@ -44,7 +44,7 @@ class Translator:
                                     f"directory? Train one with `python train.py --workdir ...`.")
         record = json.loads(config_path.read_text())
         self.config = TransformerConfig.from_dict(record["model"])
-        self.tokenizer = Tokenizer(workdir / record["tokenizer"]["file"])
+        self.tokenizer = load_tokenizer(workdir, record)
         self.model = Transformer(self.config)
         ids = jnp.ones((1, 8), jnp.int32)
         # Restore onto one device, whatever mesh the run was trained on.
@@ -59,14 +59,28 @@ class Translator:
             checkpoints.close()
         self.evaluator = Evaluator(self.model, self.tokenizer, batch_size=batch_size,
                                    target_language=record.get("target_language", "xx"), smoothing=0.0)
+        # Decoding defaults: an imported model's generation_config (jaxformer.convert), else §6.1.
+        generation = record.get("generation", {})
+        self.defaults = {"beam_size": generation.get("beam_size", 4),
+                         "alpha": generation.get("length_penalty", 0.6),
+                         "length_normalization": generation.get("length_normalization", "gnmt")}
 
-    def __call__(self, sentences: list[str], *, beam_size: int = 4, alpha: float = 0.6) -> list[str]:
-        """Best translations of ``sentences``, in order (``beam_size=1`` = greedy)."""
-        return self.evaluator.translate(self.params, sentences, beam_size=beam_size, alpha=alpha)
+    def _options(self, beam_size, alpha, length_normalization):
+        chosen = dict(beam_size=beam_size, alpha=alpha, length_normalization=length_normalization)
+        return {k: self.defaults[k] if v is None else v for k, v in chosen.items()}
 
-    def n_best(self, sentences: list[str], *, beam_size: int = 4, alpha: float = 0.6):
+    def __call__(self, sentences: list[str], *, beam_size: int | None = None, alpha: float | None = None,
+                 length_normalization: str | None = None) -> list[str]:
+        """Best translations of ``sentences``, in order (``beam_size=1`` = greedy); options
+        left ``None`` take the run's defaults (:attr:`defaults`)."""
+        return self.evaluator.translate(self.params, sentences,
+                                        **self._options(beam_size, alpha, length_normalization))
+
+    def n_best(self, sentences: list[str], *, beam_size: int | None = None, alpha: float | None = None,
+               length_normalization: str | None = None):
         """``beam_size`` (translation, score) pairs per sentence, best first."""
-        return self.evaluator.translate_n_best(self.params, sentences, beam_size=beam_size, alpha=alpha)
+        return self.evaluator.translate_n_best(self.params, sentences,
+                                               **self._options(beam_size, alpha, length_normalization))
 
     def sample(self, sentences: list[str], *, seed: int = 0, temperature: float = 1.0,
                top_k: int | None = None, top_p: float | None = None) -> list[str]:
@@ -85,8 +99,8 @@ class Translator:
           ``(weights [T, S] float32, source pieces [S], target pieces [T])``.
         """
         tok = self.tokenizer
-        src_ids = tok.encode([source])[0][: self.config.max_len]
-        tgt_ids = tok.encode([translation])[0][: self.config.max_len - 1]
+        src_ids = tok.encode_source([source])[0][: self.config.max_len]
+        tgt_ids = tok.encode_target([translation])[0][: self.config.max_len - 1]
         src = jnp.asarray([src_ids], jnp.int32)
         tgt_in = jnp.asarray([[tok.bos_id, *tgt_ids]], jnp.int32)
         _, state = self.model.apply({"params": self.params}, src, tgt_in, mutable=["intermediates"])
@@ -95,8 +109,8 @@ class Translator:
                           for i in range(self.config.num_decoder_layers)])      # [N, H, T, S]
         stack = stack.mean(axis=0) if layer is None else stack[layer]
         weights = stack.mean(axis=0) if head is None else stack[head]
-        src_pieces = [tok.sp.id_to_piece(i) for i in src_ids]
-        tgt_pieces = [tok.sp.id_to_piece(i) for i in [*tgt_ids, tok.eos_id]]
+        src_pieces = tok.source_pieces(src_ids)
+        tgt_pieces = tok.target_pieces([*tgt_ids, tok.eos_id])
         return weights, src_pieces, tgt_pieces
 
 
@@ -127,8 +141,13 @@ def main(argv=None) -> None:
     parser.add_argument("--workdir", required=True, help="run directory written by train.py")
     parser.add_argument("--input", help="file with one sentence per line (default: stdin)")
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--beam-size", type=int, default=4, help="1 = greedy")
-    parser.add_argument("--alpha", type=float, default=0.6, help="GNMT length penalty exponent")
+    parser.add_argument("--beam-size", type=int, default=None,
+                        help="1 = greedy (default: the run's, else 4)")
+    parser.add_argument("--alpha", type=float, default=None,
+                        help="length penalty exponent (default: the run's, else 0.6)")
+    parser.add_argument("--length-normalization", choices=("gnmt", "hf"), default=None,
+                        help="gnmt: ((5+|Y|)/6)^alpha (paper); hf: |Y|^alpha with Hugging Face "
+                             "generate's stopping rule (default: the run's, else gnmt)")
     parser.add_argument("--n-best", type=int, default=1,
                         help="print this many hypotheses per sentence with scores (<= beam size)")
     parser.add_argument("--sample", action="store_true", help="sample instead of beam search")
@@ -142,7 +161,8 @@ def main(argv=None) -> None:
     parser.add_argument("--head", type=int, default=None, help="head for the heat map (default: mean)")
     parser.add_argument("sentences", nargs="*", help="sentences to translate")
     args = parser.parse_args(argv)
-    if args.beam_size < 1 or not 1 <= args.n_best <= args.beam_size:
+    if (args.beam_size is not None and args.beam_size < 1) or args.n_best < 1 \
+            or (args.beam_size is not None and args.n_best > args.beam_size):
         parser.error("need --beam-size >= 1 and 1 <= --n-best <= --beam-size")
     if args.batch_size < 1:
         parser.error("--batch-size must be at least 1")
@@ -173,7 +193,8 @@ def main(argv=None) -> None:
     # Empty lines stay empty (and keep the output aligned with the input).
     todo = [i for i, line in enumerate(lines) if line.strip()]
     sources = [lines[i] for i in todo]
-    too_long = sum(len(ids) > translator.config.max_len for ids in translator.tokenizer.encode(sources))
+    too_long = sum(len(ids) > translator.config.max_len
+                   for ids in translator.tokenizer.encode_source(sources))
     if too_long:
         print(f"warning: {too_long} sentence(s) longer than max_len={translator.config.max_len} tokens "
               f"were truncated to it", file=sys.stderr)
@@ -189,13 +210,15 @@ def main(argv=None) -> None:
                                             top_k=args.top_k, top_p=args.top_p), "")
         print("\n".join(outputs))
     elif args.n_best > 1:
-        results = aligned(translator.n_best(sources, beam_size=args.beam_size, alpha=args.alpha), [])
+        results = aligned(translator.n_best(sources, beam_size=args.beam_size, alpha=args.alpha,
+                                            length_normalization=args.length_normalization), [])
         for i, n_best in enumerate(results):
             for translation, score in n_best[: args.n_best]:
                 print(f"{i}\t{score:.4f}\t{translation}")
         outputs = [n_best[0][0] if n_best else "" for n_best in results]
     else:
-        outputs = aligned(translator(sources, beam_size=args.beam_size, alpha=args.alpha), "")
+        outputs = aligned(translator(sources, beam_size=args.beam_size, alpha=args.alpha,
+                                     length_normalization=args.length_normalization), "")
         print("\n".join(outputs))
     if args.attention_png and sources:
         weights, src_pieces, tgt_pieces = translator.cross_attention(sources[0], outputs[todo[0]],
