@@ -379,10 +379,41 @@ def test_translate_cli_prints_what_transformers_generates(converted, tokenizer_f
 
     _, model, hf_dir, run, *_ = converted
     _, pairs, _ = tokenizer_files
-    sentences = [s for s, _ in pairs[-5:]] + [">>de<< " + pairs[-6][0]]
+    short = [s for s, _ in pairs if len(s) < 24]      # sources well within max_len tokens
+    sentences = short[:5] + [">>de<< " + short[5]]
     for beam_args, hf_args in (([], {}), (["--beam-size", "4"], {"num_beams": 4})):
         _, expected = _hf_translations(model, hf_dir, sentences, **hf_args)
         main(["--workdir", str(run), *beam_args, *sentences])
-        printed = capsys.readouterr().out.rstrip("\n").split("\n")
+        printed = capsys.readouterr().out.removesuffix("\n").split("\n")   # empty lines count
         assert printed == expected
 
+
+
+def test_train_init_from_converted_run(converted, tokenizer_files, tmp_path, capsys):
+    """``train.py --init-from RUN`` fine-tunes the imported model: its tokenizer and
+    architecture, a fresh step, and the training loss falls."""
+    from jaxformer.run_config import TrainConfig
+    from jaxformer.trainer import train
+
+    name, _, _, run, config, _ = converted
+    if name != "tied":
+        pytest.skip("one variant is enough for the trainer path (each costs a trainer compile)")
+    short = [(s, t) for s, t in _pairs(2000) if len(s) < 30 and len(t) < 30]
+    tsv = tmp_path / "mine.tsv"
+    tsv.write_text("".join(f"{s}\t{t}\n" for s, t in short))
+    workdir = tmp_path / "finetuned"
+    results = train(TrainConfig(workdir=str(workdir), train_file=str(tsv), init_from=str(run),
+                                dropout_rate=0.0, batch_tokens=320, max_steps=12, warmup_steps=2,
+                                lr_scale=3.0, eval_every=1000, dev_bleu_sentences=4, eval_batch_size=8,
+                                beam_size=1, log_every=2, checkpoint_every=1000, progress=False))
+    assert "initialised from" in capsys.readouterr().out
+    assert results["final_step"] == 12
+    record = json.loads((workdir / "config.json").read_text())
+    assert record["tokenizer"]["kind"] == "marian" and (workdir / "tokenizer" / "vocab.json").exists()
+    assert TransformerConfig.from_dict(record["model"]) == config.replace(dropout_rate=0.0)
+    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["train/loss"] for r in rows if "train/loss" in r]
+    assert losses[-1] < losses[0], losses
+    with pytest.raises(ValueError, match="--d-model"):
+        train(TrainConfig(workdir=str(tmp_path / "other"), train_file=str(tsv), init_from=str(run),
+                          d_model=32, progress=False))
