@@ -56,9 +56,16 @@ def config_from_hf(hf: dict[str, Any]) -> TransformerConfig:
     if hf.get("model_type") != "marian":
         raise ConversionError(f"config.json has model_type={hf.get('model_type')!r}; only Marian "
                               f"(OPUS-MT) models convert. Is this a MarianMTModel directory?")
+    missing = [k for k in ("vocab_size", "d_model", "encoder_attention_heads", "decoder_attention_heads",
+                           "encoder_ffn_dim", "decoder_ffn_dim", "encoder_layers", "decoder_layers",
+                           "max_position_embeddings", "pad_token_id") if hf.get(k) is None]
+    if missing:
+        raise ConversionError(f"config.json lacks {missing}: not a complete MarianConfig.")
     for key, needed in _REQUIRED_HF.items():
-        if key in hf and hf[key] != needed:
-            raise ConversionError(f"config.json sets {key}={hf[key]!r}; jaxformer's Marian import "
+        # an absent scale_embedding is MarianConfig's default, False; the others are legacy keys
+        value = hf.get(key, False if key == "scale_embedding" else needed)
+        if value != needed:
+            raise ConversionError(f"config.json sets {key}={value!r}; jaxformer's Marian import "
                                   f"needs {key}={needed!r} (the OPUS-MT architecture).")
     for a, b in (("encoder_attention_heads", "decoder_attention_heads"),
                  ("encoder_ffn_dim", "decoder_ffn_dim")):
@@ -388,8 +395,9 @@ def _generation_defaults(hf_dir: Path, hf: dict[str, Any]) -> dict[str, Any]:
     gen = {**hf, **_read_json(hf_dir / "generation_config.json")}
     pad = hf["pad_token_id"]
     bad = gen.get("bad_words_ids") or [[pad]]
-    if any(len(ids) != 1 for ids in bad):
-        raise ConversionError(f"bad_words_ids={bad}: only single-token bans are supported.")
+    if any(ids != [pad] for ids in bad):
+        raise ConversionError(f"generation config bad_words_ids={bad}: jaxformer's decoders ban only "
+                              f"the pad id {pad} (and the decoder start id); other bans are not supported.")
     if gen.get("early_stopping") not in (None, False):
         print(f"note: early_stopping={gen['early_stopping']!r} in the generation config; jaxformer "
               f"reproduces generate's default (False) stopping rule", file=sys.stderr)
