@@ -127,7 +127,8 @@ class TransformerConfig:
         if self.positional_layout == "split" and self.d_model % 2:
             raise ValueError(f"positional_layout='split' needs an even d_model, got {self.d_model}.")
         if not (isinstance(self.layer_norm_epsilon, float) and 0.0 < self.layer_norm_epsilon < 1.0):
-            raise ValueError(f"layer_norm_epsilon must be a float in (0, 1), got {self.layer_norm_epsilon!r}.")
+            raise ValueError(f"layer_norm_epsilon must be a float in (0, 1), "
+                             f"got {self.layer_norm_epsilon!r}.")
         if self.share_embeddings and self.src_vocab_size != self.tgt_vocab_size:
             raise ValueError(
                 f"share_embeddings=True needs one joint vocabulary, but src_vocab_size="

@@ -26,7 +26,8 @@ def _partitioned(init, *names):
 def layer_norm(config: TransformerConfig, name: str | None = None) -> nn.LayerNorm:
     """LayerNorm over D (statistics in float32), scale and bias on the ``embed`` axis;
     ε from ``config.layer_norm_epsilon``."""
-    return nn.LayerNorm(epsilon=config.layer_norm_epsilon, dtype=config.compute_dtype, param_dtype=config.parameter_dtype,
+    return nn.LayerNorm(epsilon=config.layer_norm_epsilon, dtype=config.compute_dtype,
+                        param_dtype=config.parameter_dtype,
                         scale_init=_partitioned(nn.initializers.ones_init(), "embed"),
                         bias_init=_partitioned(nn.initializers.zeros_init(), "embed"), name=name)
 
@@ -132,7 +133,8 @@ class PositionalEncoding(nn.Module):
 
     def setup(self):
         c = self.config
-        self.table = sinusoidal_positional_encoding(c.max_len, c.d_model, c.positional_layout)  # [1, max_len, D]
+        # [1, max_len, D]
+        self.table = sinusoidal_positional_encoding(c.max_len, c.d_model, c.positional_layout)
         self.dropout = Dropout(c.dropout_rate)
 
     def __call__(self, x_BLD, deterministic: bool, offset=0, positions_BL=None):
@@ -175,8 +177,9 @@ class PositionwiseFeedForward(nn.Module):
         c = self.config
         dense = dict(dtype=c.compute_dtype, param_dtype=c.parameter_dtype)
         xavier, zeros = nn.initializers.xavier_uniform(), nn.initializers.zeros_init()
-        hidden_BLF = _ACTIVATIONS[c.activation](nn.Dense(c.d_ff, name="w1", kernel_init=_partitioned(xavier, "embed", "mlp"),
-                                      bias_init=_partitioned(zeros, "mlp"), **dense)(x_BLD))
+        w1 = nn.Dense(c.d_ff, name="w1", kernel_init=_partitioned(xavier, "embed", "mlp"),
+                      bias_init=_partitioned(zeros, "mlp"), **dense)
+        hidden_BLF = _ACTIVATIONS[c.activation](w1(x_BLD))
         hidden_BLF = constrain(hidden_BLF, ("batch", "length", "mlp"))
         chex.assert_shape(hidden_BLF, x_BLD.shape[:2] + (c.d_ff,))
         out_BLD = nn.Dense(c.d_model, name="w2", kernel_init=_partitioned(xavier, "mlp", "embed"),

@@ -150,7 +150,8 @@ class Transformer(nn.Module):
         c = self.config
         if c.share_embeddings:
             kernel_DV, _ = self.tgt_embedding.projection_weights()
-            return kernel_DV, (self.final_logits_bias.astype(c.compute_dtype) if c.final_logits_bias else None)
+            bias_V = self.final_logits_bias.astype(c.compute_dtype) if c.final_logits_bias else None
+            return kernel_DV, bias_V
         return self.output_projection.weights()
 
     def decode(self, encoder_output, src, tgt, *, deterministic: bool = True, src_segments=None,
