@@ -18,10 +18,9 @@ from jaxformer.checkpoints import RunCheckpoints
 from jaxformer.config import TransformerConfig, preset
 from jaxformer.corpus import Pair
 from jaxformer.logs import is_main_process
-from jaxformer.marian_tokenizer import load_tokenizer
 from jaxformer.run_config import TrainConfig
 from jaxformer.rundir import RunDir
-from jaxformer.tokenizer import load_or_train_tokenizer
+from jaxformer.tokenizer import load_or_train_tokenizer, load_tokenizer
 
 # How the weights are computed or regularised may change when fine-tuning; the shapes may not.
 TUNABLE_FIELDS = ("dropout_rate", "dtype", "attention_backend", "remat")

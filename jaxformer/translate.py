@@ -24,8 +24,8 @@ from flax import linen as nn
 from jaxformer.checkpoints import RunCheckpoints
 from jaxformer.config import TransformerConfig
 from jaxformer.evaluation import Evaluator
-from jaxformer.marian_tokenizer import load_tokenizer
 from jaxformer.model import Transformer
+from jaxformer.tokenizer import load_tokenizer
 
 
 class Translator:

@@ -358,7 +358,7 @@ def _hf_translations(model, hf_dir, sentences, **kwargs):
 
 
 def test_marian_tokenizer_matches_transformers(converted, tokenizer_files):
-    from jaxformer.marian_tokenizer import MarianTokenizer
+    from jaxformer.tokenizer import MarianTokenizer
 
     _, _, hf_dir, run, *_ = converted
     _, pairs, _ = tokenizer_files
