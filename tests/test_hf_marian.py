@@ -305,15 +305,15 @@ def test_interleaved_run_exports_by_permuting_d():
 
 
 def test_finetune_loss_equals_hf_and_falls(converted):
-    """Step-0 loss of our train step = HF's loss on the same batch (plain: HF's own
-    ``loss``; label-smoothed: our smoothing formula on HF's logits); then it falls."""
+    """Our loss = HF's on the same batch: plain, HF's own ``loss``; label-smoothed (ε 0.1),
+    our smoothing formula on HF's logits, at step 0 of our jitted train step; then it falls."""
     import optax
 
-    from jaxformer.training import create_train_state, jit_train_step
+    from jaxformer.training import create_train_state, jit_train_step, label_smoothed_cross_entropy
 
     _, model, _, _, config, params = converted
     config = config.replace(dropout_rate=0.0, attention_dropout_rate=0.0)
-    pad = config.pad_id
+    pad, smoothing = config.pad_id, 0.1
     src, labels = _padded_batch(config.src_vocab_size, pad, seed=4)
     tgt_in = _shift_right(labels, pad)
     tgt_out = np.where(labels == -100, pad, labels)
@@ -322,30 +322,29 @@ def test_finetune_loss_equals_hf_and_falls(converted):
     with torch.no_grad():
         hf_out = model(input_ids=torch.tensor(src), attention_mask=torch.tensor(src != pad),
                        labels=torch.tensor(labels))
-    hf_logits = hf_out.logits.double()
-    for smoothing in (0.0, 0.1):
-        tjx = Transformer(config)
-        state = create_train_state(tjx, jax.random.key(0), optax.adam(3e-3)).replace(
-            params=jax.tree_util.tree_map(jnp.array, params))   # a copy: the step donates the state
-        step = jit_train_step(tjx, smoothing)
-        losses = []
-        for i in range(6):
-            state, metrics = step(state, batch, jax.random.key(i))
-            losses.append(float(metrics["loss_sum"]) / float(metrics["tokens"]))
-        if smoothing == 0.0:
-            expected = float(hf_out.loss)
-        else:
-            logp = torch.log_softmax(hf_logits, dim=-1)
-            real = torch.tensor(labels != -100)
-            nll = -logp.gather(-1, torch.tensor(tgt_out)[..., None])[..., 0]
-            V = logp.shape[-1]
-            low = smoothing / (V - 1)
-            entropy = -((1 - smoothing) * np.log(1 - smoothing) + smoothing * np.log(low))
-            per_token = (1 - smoothing) * nll + low * (-logp.sum(-1) - nll) - entropy
-            expected = float(per_token[real].mean())
-        print(f"smoothing {smoothing}: step-0 loss {losses[0]:.6f} vs HF {expected:.6f}; then {losses[1:]}")
-        assert abs(losses[0] - expected) <= 1e-4
-        assert losses[-1] < losses[0] - 0.1
+    tjx = Transformer(config)
+    weights = jnp.asarray(labels != -100, jnp.float32)
+    logits = tjx.apply({"params": params}, batch["src"], batch["tgt_in"])
+    plain = float(label_smoothed_cross_entropy(logits, batch["tgt_out"], weights, 0.0)[0] / weights.sum())
+    print(f"plain loss {plain:.6f} vs HF {float(hf_out.loss):.6f}")
+    assert abs(plain - float(hf_out.loss)) <= 1e-4
+
+    logp = torch.log_softmax(hf_out.logits.double(), dim=-1)
+    nll = -logp.gather(-1, torch.tensor(tgt_out)[..., None])[..., 0]
+    low = smoothing / (logp.shape[-1] - 1)
+    entropy = -((1 - smoothing) * np.log(1 - smoothing) + smoothing * np.log(low))
+    per_token = (1 - smoothing) * nll + low * (-logp.sum(-1) - nll) - entropy
+    expected = float(per_token[torch.tensor(labels != -100)].mean())
+    state = create_train_state(tjx, jax.random.key(0), optax.adam(3e-3)).replace(
+        params=jax.tree_util.tree_map(jnp.array, params))   # a copy: the step donates the state
+    step = jit_train_step(tjx, smoothing)
+    losses = []
+    for i in range(4):
+        state, metrics = step(state, batch, jax.random.key(i))
+        losses.append(float(metrics["loss_sum"]) / float(metrics["tokens"]))
+    print(f"smoothed: step-0 loss {losses[0]:.6f} vs HF {expected:.6f}; then {losses[1:]}")
+    assert abs(losses[0] - expected) <= 1e-4
+    assert losses[-1] < losses[0] - 0.1
 
 
 def _hf_translations(model, hf_dir, sentences, **kwargs):
