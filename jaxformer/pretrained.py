@@ -7,6 +7,7 @@ tokenizer and parameters; a fresh optimizer and step.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -97,3 +98,14 @@ def tokenizer_and_model_config(cfg: TrainConfig, run_dir: RunDir, splits: dict[s
 
         multihost_utils.sync_global_devices("tokenizer")
     return load_tokenizer(run_dir.root, record), config, record
+
+
+def with_saved_init_from(cfg: TrainConfig, run_dir: RunDir) -> TrainConfig:
+    """``cfg`` with the ``--init-from`` its run directory was started with, when resuming
+    without the flag: the architecture and tokenizer still come from that run (a
+    sentencepiece model would otherwise be trained into the copied tokenizer folder)."""
+    saved = run_dir.read_config() or {}
+    init_from = saved.get("train", {}).get("init_from")
+    if cfg.init_from or not init_from:
+        return cfg
+    return dataclasses.replace(cfg, init_from=init_from)

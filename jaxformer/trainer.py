@@ -149,6 +149,7 @@ def setup(cfg: TrainConfig, *, fresh: bool = False) -> Run:
 
         multihost_utils.sync_global_devices("workdir")
     splits, target_language = load_splits(cfg)
+    cfg = pretrained.with_saved_init_from(cfg, run_dir)
     tokenizer, model_config, pretrained_record = pretrained.tokenizer_and_model_config(cfg, run_dir, splits)
     checkpoints = RunCheckpoints(run_dir.root, keep=cfg.keep_checkpoints)
     saved = run_dir.read_config()

@@ -416,3 +416,19 @@ def test_train_init_from_converted_run(converted, tokenizer_files, tmp_path, cap
     with pytest.raises(ValueError, match="--d-model"):
         train(TrainConfig(workdir=str(tmp_path / "other"), train_file=str(tsv), init_from=str(run),
                           d_model=32, progress=False))
+
+
+def test_resuming_a_finetuning_run_keeps_its_init_from(tmp_path):
+    """Resumed without --init-from, a fine-tuning run still takes its architecture and
+    tokenizer from the run it started from (recorded in its config.json)."""
+    from jaxformer.pretrained import with_saved_init_from
+    from jaxformer.run_config import TrainConfig
+    from jaxformer.rundir import RunDir
+
+    run_dir = RunDir(tmp_path)
+    cfg = TrainConfig(workdir=str(tmp_path), progress=False)
+    assert with_saved_init_from(cfg, run_dir) is cfg                      # a fresh run dir
+    (tmp_path / "config.json").write_text(json.dumps({"train": {"init_from": "runs/opus"}}))
+    assert with_saved_init_from(cfg, run_dir).init_from == "runs/opus"
+    explicit = TrainConfig(workdir=str(tmp_path), init_from="runs/other", progress=False)
+    assert with_saved_init_from(explicit, run_dir).init_from == "runs/other"
