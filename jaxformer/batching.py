@@ -39,8 +39,8 @@ def tokenize_pairs(pairs: Sequence[Pair], tokenizer: Tokenizer, max_len: int,
     ``max_ratio``, a pair whose id counts differ by more than that factor is dropped
     first (Moses clean-corpus-n; the filter :mod:`jaxformer.prepare` applies).
     """
-    src = tokenizer.encode([p[0] for p in pairs])
-    tgt = tokenizer.encode([p[1] for p in pairs])
+    src = tokenizer.encode_source([p[0] for p in pairs])
+    tgt = tokenizer.encode_target([p[1] for p in pairs])
     keep_src, keep_tgt = [], []
     for s, t in zip(src, tgt):
         if max_ratio is not None and (len(s) > max_ratio * len(t) or len(t) > max_ratio * len(s)):
@@ -68,7 +68,8 @@ def bucket_boundaries(max_len: int, step: int = 16) -> tuple[int, ...]:
     """
     bounds = [b for b in range(step, min(64, max_len) + 1, step)] or [max_len]
     while bounds[-1] < max_len:
-        bounds.append(min(max_len, int(bounds[-1] * 1.5) // step * step))
+        # at least one step more: ×1.5 rounded down to a step can stay put (32 → 48 → 32)
+        bounds.append(min(max_len, max(bounds[-1] + step, int(bounds[-1] * 1.5) // step * step)))
     return tuple(bounds)
 
 

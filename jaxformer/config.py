@@ -12,6 +12,8 @@ from typing import Any, Literal
 import jax.numpy as jnp
 
 NormPosition = Literal["post", "pre"]
+ACTIVATIONS = ("relu", "swish", "gelu")
+POSITIONAL_LAYOUTS = ("interleaved", "split")
 _FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("reference", "xla", "cudnn")
 
@@ -47,6 +49,17 @@ class TransformerConfig:
         fused backends return no weights and need ``attention_dropout_rate == 0``.
       remat: recompute each encoder/decoder layer's activations in the backward pass
         (``nn.remat``): less memory, about one extra forward pass of compute.
+      activation: the FFN non-linearity: ``"relu"`` (paper, Eq. 2), or, departing
+        from it for imported models, ``"swish"`` (SiLU, Marian/OPUS-MT) or ``"gelu"``
+        (exact erf form, as Hugging Face's ``"gelu"``).
+      positional_layout: ``"interleaved"`` (paper §3.5: sin on even, cos on odd
+        dimensions) or ``"split"`` (Marian: all sines in the first D/2 dimensions,
+        then all cosines, as Hugging Face's ``MarianSinusoidalPositionalEmbedding``).
+      final_logits_bias: a learned bias ``[V]`` on the *tied* output projection
+        (Marian's ``final_logits_bias``); departs from the paper, whose tied
+        projection has none. The untied projection always has its bias.
+      layer_norm_epsilon: LayerNorm ε; 1e-6 is this library's historical value,
+        Marian (PyTorch ``nn.LayerNorm``) uses 1e-5.
 
     Raises:
       ValueError: on any inconsistent or out-of-range field; the message names the
@@ -70,6 +83,10 @@ class TransformerConfig:
     param_dtype: str = "float32"
     attention_backend: str = "reference"
     remat: bool = False
+    activation: str = "relu"
+    positional_layout: str = "interleaved"
+    final_logits_bias: bool = False
+    layer_norm_epsilon: float = 1e-6
 
     def __post_init__(self):
         positive = ("src_vocab_size", "tgt_vocab_size", "d_model", "num_heads", "d_ff",
@@ -102,6 +119,16 @@ class TransformerConfig:
                 f"attention_backend={self.attention_backend!r} (jax.nn.dot_product_attention) has no "
                 f"attention dropout, but attention_dropout_rate={self.attention_dropout_rate}; "
                 f"use attention_backend='reference' or attention_dropout_rate=0.")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}.")
+        if self.positional_layout not in POSITIONAL_LAYOUTS:
+            raise ValueError(f"positional_layout must be one of {POSITIONAL_LAYOUTS}, "
+                             f"got {self.positional_layout!r}.")
+        if self.positional_layout == "split" and self.d_model % 2:
+            raise ValueError(f"positional_layout='split' needs an even d_model, got {self.d_model}.")
+        if not (isinstance(self.layer_norm_epsilon, float) and 0.0 < self.layer_norm_epsilon < 1.0):
+            raise ValueError(f"layer_norm_epsilon must be a float in (0, 1), "
+                             f"got {self.layer_norm_epsilon!r}.")
         if self.share_embeddings and self.src_vocab_size != self.tgt_vocab_size:
             raise ValueError(
                 f"share_embeddings=True needs one joint vocabulary, but src_vocab_size="

@@ -108,7 +108,7 @@ class Evaluator:
         ``decode_batch(src [b, L], max_decode_len) -> (ids [b, n, M], scores [b, n])`` and
         restores the input order. Sources longer than ``max_len`` tokens are truncated."""
         c = self.model.config
-        ids = [s[: c.max_len] for s in self.tokenizer.encode(sources)]
+        ids = [s[: c.max_len] for s in self.tokenizer.encode_source(sources)]
         out: list[list[tuple[str, float]]] = [[] for _ in ids]
         for length, members in self._length_batches([max(1, len(s)) for s in ids]):
             src = np.full((self._rows(members.size), length), c.pad_id, np.int32)
@@ -127,29 +127,36 @@ class Evaluator:
         return max(1, min(int(self.max_len_a * source_length + self.max_len_b), self.model.config.max_len))
 
     def translate_n_best(self, params: Any, sources: Sequence[str], *, beam_size: int = 4,
-                         alpha: float = 0.6) -> list[list[tuple[str, float]]]:
-        """Beam search: for each source, ``beam_size`` (translation, score) pairs, best first."""
+                         alpha: float = 0.6, length_normalization: str = "gnmt"
+                         ) -> list[list[tuple[str, float]]]:
+        """Beam search: for each source, ``beam_size`` (translation, score) pairs, best first.
+
+        ``length_normalization="hf"`` decodes as Hugging Face ``generate`` does (length^α,
+        its stopping rule, no source-length limit; :func:`jaxformer.beam_search.beam_search`).
+        """
         bos, eos = self.tokenizer.bos_id, self.tokenizer.eos_id
+        extra_len = None if length_normalization == "hf" else self.max_len_b
 
         def decode_batch(src, max_decode_len):
             return self._decoder(beam_translate, beam_size=beam_size, alpha=alpha, len_a=self.max_len_a,
-                                 extra_len=self.max_len_b, max_decode_len=max_decode_len, bos_id=bos,
-                                 eos_id=eos)(params, src)
+                                 extra_len=extra_len, length_normalization=length_normalization,
+                                 max_decode_len=max_decode_len, bos_id=bos, eos_id=eos)(params, src)
 
         return self._decode(sources, decode_batch)
 
     def translate(self, params: Any, sources: Sequence[str], *, beam_size: int = 1,
-                  alpha: float = 0.6) -> list[str]:
+                  alpha: float = 0.6, length_normalization: str = "gnmt") -> list[str]:
         """Best translation of each source, in input order: greedy for ``beam_size=1``,
-        else beam search with the GNMT length penalty α."""
+        else beam search with the length penalty α (``"gnmt"`` or ``"hf"``; with ``"hf"``
+        greedy also forces eos at the last step, as ``generate``)."""
         if beam_size > 1:
-            return [n_best[0][0] for n_best in self.translate_n_best(params, sources,
-                                                                     beam_size=beam_size, alpha=alpha)]
+            return [n_best[0][0] for n_best in self.translate_n_best(
+                params, sources, beam_size=beam_size, alpha=alpha, length_normalization=length_normalization)]
         bos, eos = self.tokenizer.bos_id, self.tokenizer.eos_id
 
         def decode_batch(src, max_decode_len):
-            hyp = self._decoder(greedy_translate, max_decode_len=max_decode_len, bos_id=bos,
-                                eos_id=eos)(params, src)
+            hyp = self._decoder(greedy_translate, max_decode_len=max_decode_len, bos_id=bos, eos_id=eos,
+                                forced_eos=length_normalization == "hf")(params, src)
             return hyp[:, None], jnp.zeros(hyp.shape[:1] + (1,))
 
         return [n_best[0][0] for n_best in self._decode(sources, decode_batch)]

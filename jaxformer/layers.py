@@ -24,26 +24,41 @@ def _partitioned(init, *names):
 
 
 def layer_norm(config: TransformerConfig, name: str | None = None) -> nn.LayerNorm:
-    """LayerNorm over D (statistics in float32), scale and bias on the ``embed`` axis."""
-    return nn.LayerNorm(epsilon=1e-6, dtype=config.compute_dtype, param_dtype=config.parameter_dtype,
+    """LayerNorm over D (statistics in float32), scale and bias on the ``embed`` axis;
+    ε from ``config.layer_norm_epsilon``."""
+    return nn.LayerNorm(epsilon=config.layer_norm_epsilon, dtype=config.compute_dtype,
+                        param_dtype=config.parameter_dtype,
                         scale_init=_partitioned(nn.initializers.ones_init(), "embed"),
                         bias_init=_partitioned(nn.initializers.zeros_init(), "embed"), name=name)
 
 
-def sinusoidal_positional_encoding(max_len: int, d_model: int) -> np.ndarray:
+def sinusoidal_positional_encoding(max_len: int, d_model: int, layout: str = "interleaved") -> np.ndarray:
     """The positional table of §3.5, a constant (not a parameter).
 
-    PE(pos, 2i) = sin(pos / 10000^(2i/d_model)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model)).
+    ``layout="interleaved"`` (paper): PE(pos, 2i) = sin(pos / 10000^(2i/d_model)),
+    PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model)). ``layout="split"`` (Marian; Hugging
+    Face ``MarianSinusoidalPositionalEmbedding.create_weight``): the same angles, the
+    sines in dimensions ``[0, D/2)`` and the cosines in ``[D/2, D)``.
 
     Returns:
       float32 NumPy array ``[1, max_len, D]``.
+
+    Raises:
+      ValueError: an unknown layout, or ``"split"`` with an odd ``d_model``.
     """
     position = np.arange(max_len, dtype=np.float64)[:, None]
     two_i = np.arange(0, d_model, 2, dtype=np.float64)
     angle = position / np.power(10000.0, two_i / d_model)
     table = np.zeros((max_len, d_model), dtype=np.float64)
-    table[:, 0::2] = np.sin(angle)
-    table[:, 1::2] = np.cos(angle[:, : d_model // 2])
+    if layout == "interleaved":
+        table[:, 0::2] = np.sin(angle)
+        table[:, 1::2] = np.cos(angle[:, : d_model // 2])
+    elif layout == "split" and d_model % 2 == 0:
+        table[:, : d_model // 2] = np.sin(angle)
+        table[:, d_model // 2:] = np.cos(angle)
+    else:
+        raise ValueError(f"positional layout {layout!r} with d_model={d_model}: use 'interleaved', "
+                         f"or 'split' with an even d_model.")
     return table[None].astype(np.float32)
 
 
@@ -118,7 +133,8 @@ class PositionalEncoding(nn.Module):
 
     def setup(self):
         c = self.config
-        self.table = sinusoidal_positional_encoding(c.max_len, c.d_model)  # [1, max_len, D]
+        # [1, max_len, D]
+        self.table = sinusoidal_positional_encoding(c.max_len, c.d_model, c.positional_layout)
         self.dropout = Dropout(c.dropout_rate)
 
     def __call__(self, x_BLD, deterministic: bool, offset=0, positions_BL=None):
@@ -145,8 +161,14 @@ def _dynamic_rows(table_1ND, offset, length):
     return jax.lax.dynamic_slice_in_dim(table_1ND, offset, length, axis=1)
 
 
+_ACTIVATIONS = {"relu": nn.relu, "swish": nn.swish,
+                # exact (erf) GELU, as torch's and Hugging Face's "gelu"; not the tanh form
+                "gelu": lambda x: nn.gelu(x, approximate=False)}
+
+
 class PositionwiseFeedForward(nn.Module):
-    """FFN(x) = max(0, x W1 + b1) W2 + b2 (§3.3, Eq. 2)."""
+    """FFN(x) = act(x W1 + b1) W2 + b2 (§3.3, Eq. 2): act = ReLU in the paper, or
+    ``config.activation`` (swish or gelu, for imported Marian models)."""
 
     config: TransformerConfig
 
@@ -155,8 +177,9 @@ class PositionwiseFeedForward(nn.Module):
         c = self.config
         dense = dict(dtype=c.compute_dtype, param_dtype=c.parameter_dtype)
         xavier, zeros = nn.initializers.xavier_uniform(), nn.initializers.zeros_init()
-        hidden_BLF = nn.relu(nn.Dense(c.d_ff, name="w1", kernel_init=_partitioned(xavier, "embed", "mlp"),
-                                      bias_init=_partitioned(zeros, "mlp"), **dense)(x_BLD))
+        w1 = nn.Dense(c.d_ff, name="w1", kernel_init=_partitioned(xavier, "embed", "mlp"),
+                      bias_init=_partitioned(zeros, "mlp"), **dense)
+        hidden_BLF = _ACTIVATIONS[c.activation](w1(x_BLD))
         hidden_BLF = constrain(hidden_BLF, ("batch", "length", "mlp"))
         chex.assert_shape(hidden_BLF, x_BLD.shape[:2] + (c.d_ff,))
         out_BLD = nn.Dense(c.d_model, name="w2", kernel_init=_partitioned(xavier, "mlp", "embed"),

@@ -45,15 +45,22 @@ def create_causal_mask(length: int) -> chex.Array:
 def create_decoder_mask(tgt: chex.Array, pad_id: int) -> chex.Array:
     """Decoder self-attention mask: causal AND target key padding.
 
+    Position 0 holds the decoder start token and is never treated as padding, even
+    when its id is ``pad_id``: Marian (and Hugging Face's ``shift_tokens_right``)
+    starts decoding with the pad id. Targets are padded on the right, so no other
+    position is affected.
+
     Args:
-      tgt: target ids ``[B, T]``.
+      tgt: target ids ``[B, T]`` (the shifted decoder input, start token first).
       pad_id: the padding id.
 
     Returns:
       bool ``[B, 1, T, T]``.
     """
     batch, length = tgt.shape
-    mask = create_causal_mask(length)[None, None] & create_padding_mask(tgt, pad_id)
+    is_start_1L = (jnp.arange(length) == 0)[None, :]
+    keys_B11T = ((tgt != pad_id) | is_start_1L)[:, None, None, :]
+    mask = create_causal_mask(length)[None, None] & keys_B11T
     chex.assert_shape(mask, (batch, 1, length, length))
     return mask
 

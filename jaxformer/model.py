@@ -97,6 +97,11 @@ class Transformer(nn.Module):
         self.decoder = Decoder(c)
         if not c.share_embeddings:
             self.output_projection = OutputProjection(c.tgt_vocab_size, c, name="output_projection")
+        elif c.final_logits_bias:
+            # Marian's bias on the tied projection (departs from the paper's tied Linear, §3.4).
+            self.final_logits_bias = self.param(
+                "final_logits_bias", nn.with_logical_partitioning(nn.initializers.zeros_init(), ("vocab",)),
+                (c.tgt_vocab_size,), c.parameter_dtype)
 
     # ------------------------------------------------------------------ encoder
     def encode(self, src, *, deterministic: bool = True, src_segments=None):
@@ -128,6 +133,8 @@ class Transformer(nn.Module):
         c = self.config
         if c.share_embeddings:
             logits = self.tgt_embedding.attend(decoder_output_BLD)
+            if c.final_logits_bias:
+                logits = logits + self.final_logits_bias.astype(logits.dtype)[None, None, :]
         else:
             logits = self.output_projection(decoder_output_BLD)
         chex.assert_shape(logits, decoder_output_BLD.shape[:2] + (c.tgt_vocab_size,))
@@ -137,10 +144,14 @@ class Transformer(nn.Module):
         """The final linear layer as ``(kernel [D, V], bias [V] or None)``, compute dtype.
 
         ``logits = decoder_output @ kernel (+ bias)``. With shared embeddings the kernel
-        is the embedding table transposed and there is no bias.
+        is the embedding table transposed and the bias is ``final_logits_bias`` if the
+        config has one, else ``None``.
         """
-        if self.config.share_embeddings:
-            return self.tgt_embedding.projection_weights()
+        c = self.config
+        if c.share_embeddings:
+            kernel_DV, _ = self.tgt_embedding.projection_weights()
+            bias_V = self.final_logits_bias.astype(c.compute_dtype) if c.final_logits_bias else None
+            return kernel_DV, bias_V
         return self.output_projection.weights()
 
     def decode(self, encoder_output, src, tgt, *, deterministic: bool = True, src_segments=None,

@@ -42,8 +42,8 @@ import numpy as np
 from jaxformer import corpus
 from jaxformer.corpus import DataReport, Pair, Splitter
 from jaxformer.logs import log
-from jaxformer.prepared import FORMAT_VERSION, file_digest
-from jaxformer.tokenizer import Tokenizer
+from jaxformer.prepared import FORMAT_VERSION, file_digest, tokenizer_digest
+from jaxformer.tokenizer import TextTokenizer, Tokenizer
 
 if TYPE_CHECKING:
     from jaxformer.rundata import DataSpec
@@ -53,7 +53,8 @@ CHUNK_PAIRS = 20_000        # pairs encoded per sentencepiece call
 
 
 def prepare(spec: DataSpec, directory: str | os.PathLike, tokenizer_file: str | os.PathLike,
-            *, retrain_tokenizer: bool = False, seed: int = 0) -> dict[str, Any]:
+            *, retrain_tokenizer: bool = False, seed: int = 0,
+            tokenizer: TextTokenizer | None = None) -> dict[str, Any]:
     """Prepares ``spec``'s corpus into ``directory`` (see the module docstring).
 
     Args:
@@ -62,6 +63,9 @@ def prepare(spec: DataSpec, directory: str | os.PathLike, tokenizer_file: str | 
       tokenizer_file: the sentencepiece model: trained on the sample and written here
         if missing (or ``retrain_tokenizer``), else used as it is.
       seed: the reservoir sample's seed.
+      tokenizer: encode with this tokenizer (e.g. the Marian tokenizer of an
+        ``--init-from`` run, whose files are ``tokenizer_file``, a folder) instead of
+        the sentencepiece model at ``tokenizer_file``; nothing is trained.
 
     Returns:
       the manifest (also written to ``directory/manifest.json``).
@@ -80,7 +84,9 @@ def prepare(spec: DataSpec, directory: str | os.PathLike, tokenizer_file: str | 
         raise ValueError(f"No usable sentence pair in {spec.name} ({report.summary('corpus')}).")
     splitter = Splitter.for_size(n, merged_into_train=tuple(explicit))
     log(f"prepare: read {spec.name}: {n} pairs in {time.perf_counter() - start:.0f}s")
-    if retrain_tokenizer or not tokenizer_file.exists():
+    if tokenizer is not None:
+        pass
+    elif retrain_tokenizer or not tokenizer_file.exists():
         t0 = time.perf_counter()
         sentences = [s for pair in sample if splitter(pair[0]) == "train" for s in pair]
         tokenizer = Tokenizer.train(sentences, tokenizer_file.parent, vocab_size=spec.vocab_size)
@@ -103,9 +109,10 @@ def prepare(spec: DataSpec, directory: str | os.PathLike, tokenizer_file: str | 
         _write_tsv(tmp / f"{name}.tsv", pairs)
         counts[name] = len(pairs)
     corpus.check_splits_nonempty({k: counts[k] for k in ("train", "dev", "test")}, n)
-    dtype = "uint16" if tokenizer.vocab_size <= 1 << 16 else "int32"
+    dtype = "uint16" if _largest_vocab(tokenizer) <= 1 << 16 else "int32"
     manifest = {"format_version": FORMAT_VERSION, "fingerprint": fingerprint, "name": spec.name,
-                "tokenizer": {"sha256": file_digest(tokenizer_file), "vocab_size": tokenizer.vocab_size},
+                "tokenizer": {"sha256": tokenizer_digest(tokenizer_file),
+                              "vocab_size": _largest_vocab(tokenizer)},
                 "dtype": dtype, "read": dict(read_report.skipped, lines=read_report.read),
                 "counts": counts, "length_histogram": histogram,
                 "files": {f.name: {"size": f.stat().st_size, "sha256": file_digest(f)}
@@ -168,17 +175,24 @@ def keep_mask(src_lengths: np.ndarray, tgt_lengths: np.ndarray, max_tokens: int,
                                      f"longer than {max_tokens} tokens": int(long_bad.sum())}
 
 
-def _write_splits(spec: DataSpec, splitter: Splitter, tokenizer: Tokenizer, out: Path,
+def _largest_vocab(tokenizer: TextTokenizer) -> int:
+    return max(tokenizer.src_vocab_size, tokenizer.tgt_vocab_size)
+
+
+def _write_splits(spec: DataSpec, splitter: Splitter, tokenizer: TextTokenizer, out: Path,
                   report: DataReport) -> tuple[dict[str, Any], dict[str, list[int]]]:
     """Second pass: dev/test pairs to TSV, training pairs encoded, filtered and appended to
     the id files. Returns the counts and the length histogram (ids per side, bins of 8)."""
-    dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.int32
+    dtype = np.uint16 if _largest_vocab(tokenizer) <= 1 << 16 else np.int32
     held: dict[str, list[Pair]] = {"dev": [], "test": []}
     dropped: dict[str, int] = {}
     lengths: list[np.ndarray] = []
     threads = os.cpu_count() or 1
 
     def encode(train: list[Pair]) -> tuple[list[list[int]], list[list[int]]]:   # releases the GIL
+        if not isinstance(tokenizer, Tokenizer):   # another kind (Marian): its own source/target rules
+            return (tokenizer.encode_source([p[0] for p in train]),
+                    tokenizer.encode_target([p[1] for p in train]))
         return (tokenizer.sp.encode([p[0] for p in train], num_threads=threads),
                 tokenizer.sp.encode([p[1] for p in train], num_threads=threads))
 

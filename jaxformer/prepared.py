@@ -43,6 +43,18 @@ def file_digest(path: Path, chunk_bytes: int = 1 << 22) -> str:
     return digest.hexdigest()
 
 
+def tokenizer_digest(path: Path) -> str:
+    """SHA-256 of a tokenizer: of its model file, or of a tokenizer folder (Marian's
+    ``source.spm``, ``target.spm``, ``vocab.json``, …) as its files' names and digests."""
+    path = Path(path)
+    if path.is_file():
+        return file_digest(path)
+    digest = hashlib.sha256()
+    for f in sorted(p for p in path.rglob("*") if p.is_file()):
+        digest.update(f"{f.relative_to(path)}\0{file_digest(f)}\n".encode())
+    return digest.hexdigest()
+
+
 def read_manifest(directory: Path) -> dict[str, Any] | None:
     """``manifest.json`` of a prepared directory, or ``None`` if there is none (or it is not JSON)."""
     path = Path(directory) / "manifest.json"

@@ -26,6 +26,7 @@ class TrainConfig:
     tgt_file: str | None = None
     dev_file: str | None = None        # optional explicit dev/test TSV files
     test_file: str | None = None
+    init_from: str | None = None       # fine-tune: architecture, tokenizer and weights of this run
     # Model.
     preset: str = "small"
     d_model: int | None = None

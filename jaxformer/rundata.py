@@ -20,11 +20,12 @@ from jaxformer import corpus
 from jaxformer.corpus import DataReport, Pair
 from jaxformer.logs import log
 from jaxformer.prepare import prepare
-from jaxformer.prepared import FORMAT_VERSION, PreparedCorpus, file_digest, read_manifest
+from jaxformer.prepared import FORMAT_VERSION, PreparedCorpus, file_digest, read_manifest, tokenizer_digest
 
 if TYPE_CHECKING:
     from jaxformer.run_config import TrainConfig
     from jaxformer.rundir import RunDir
+    from jaxformer.tokenizer import TextTokenizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,7 +135,7 @@ def check_prepared(spec: DataSpec, directory: Path, tokenizer_file: Path, *,
     manifest = read_manifest(directory)
     if manifest is not None and same_data(manifest.get("fingerprint", {}), fingerprint):
         same_tokenizer = (tokenizer_file.exists()
-                          and file_digest(tokenizer_file) == manifest["tokenizer"]["sha256"])
+                          and tokenizer_digest(tokenizer_file) == manifest["tokenizer"]["sha256"])
         return fingerprint, "reuse" if same_tokenizer else "encode"
     if manifest is None:
         return fingerprint, "prepare"
@@ -148,7 +149,7 @@ def check_prepared(spec: DataSpec, directory: Path, tokenizer_file: Path, *,
 
 
 def ensure_prepared(spec: DataSpec, directory: Path, tokenizer_file: Path, *, has_checkpoints: bool,
-                    seed: int = 0, write: bool = True) -> None:
+                    seed: int = 0, write: bool = True, tokenizer: TextTokenizer | None = None) -> None:
     """Makes ``directory`` hold ``spec``'s prepared data: reused when its manifest matches,
     else prepared (again) — see :func:`check_prepared`. With ``write=False`` (the other
     processes of a multi-process run) only the check runs, so every process raises the
@@ -165,13 +166,16 @@ def ensure_prepared(spec: DataSpec, directory: Path, tokenizer_file: Path, *, ha
         if action == "encode":
             log(f"prepared data: {tokenizer_file} is not the tokenizer {directory} was encoded with; "
                 f"encoding again")
-        prepare(spec, directory, tokenizer_file, retrain_tokenizer=action == "retrain", seed=seed)
+        prepare(spec, directory, tokenizer_file, retrain_tokenizer=action == "retrain" and tokenizer is None,
+                seed=seed, tokenizer=tokenizer)
 
 
-def prepare_run_data(cfg: TrainConfig, run_dir: RunDir, *, has_checkpoints: bool) -> PreparedCorpus:
+def prepare_run_data(cfg: TrainConfig, run_dir: RunDir, *, has_checkpoints: bool,
+                     tokenizer: TextTokenizer | None = None) -> PreparedCorpus:
     """The prepared data of a run directory (``prepared/``, ``tokenizer/spm.model``),
     prepared first if missing or stale. In a multi-process run process 0 prepares and the
-    others wait for it.
+    others wait for it. ``tokenizer``: encode with this one (fine-tuning: the ``--init-from``
+    run's, copied into ``tokenizer/``) instead of training or reading ``spm.model``.
 
     Raises:
       ValueError: bad corpus flags, an unusable corpus, or checkpoints of other data.
@@ -180,9 +184,10 @@ def prepare_run_data(cfg: TrainConfig, run_dir: RunDir, *, has_checkpoints: bool
     import jax
 
     spec = DataSpec.from_config(cfg)
-    directory, tokenizer_file = run_dir.prepared, run_dir.tokenizer_dir / "spm.model"
+    directory = run_dir.prepared
+    tokenizer_file = run_dir.tokenizer_dir if tokenizer is not None else run_dir.tokenizer_dir / "spm.model"
     ensure_prepared(spec, directory, tokenizer_file, has_checkpoints=has_checkpoints,
-                    write=jax.process_index() == 0)
+                    write=jax.process_index() == 0, tokenizer=tokenizer)
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 

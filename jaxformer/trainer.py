@@ -20,6 +20,7 @@ import grain
 import jax
 import optax
 
+from jaxformer import pretrained
 from jaxformer import sharding as sharding_lib
 from jaxformer.batching import Examples, bucket_boundaries, tokenize_pairs
 from jaxformer.checkpoints import RunCheckpoints
@@ -155,13 +156,19 @@ def setup(cfg: TrainConfig, *, fresh: bool = False) -> Run:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices("workdir")
+    cfg = pretrained.with_saved_init_from(cfg, run_dir)
     checkpoints = RunCheckpoints(run_dir.root, keep=cfg.keep_checkpoints)
-    # Prepared once (jaxformer.prepare), reused on every resume; other data than the run's is an error.
-    prepared = prepare_run_data(cfg, run_dir, has_checkpoints=checkpoints.latest_step() is not None)
+    has_checkpoints = checkpoints.latest_step() is not None
     target_language = target_language_of(cfg)
-    tokenizer = Tokenizer(run_dir.tokenizer_dir / "spm.model")
-    model_config = preset(cfg.preset, src_vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id,
-                          **cfg.model_overrides())
+    # Prepared once (jaxformer.prepare), reused on every resume; other data than the run's is an error.
+    if cfg.init_from:   # fine-tuning: that run's architecture and tokenizer encode the data
+        tokenizer, model_config, pretrained_record = pretrained.tokenizer_and_model_config(cfg, run_dir)
+        prepared = prepare_run_data(cfg, run_dir, has_checkpoints=has_checkpoints, tokenizer=tokenizer)
+    else:
+        prepared = prepare_run_data(cfg, run_dir, has_checkpoints=has_checkpoints)
+        tokenizer, pretrained_record = Tokenizer(run_dir.tokenizer_dir / "spm.model"), None
+        model_config = preset(cfg.preset, src_vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id,
+                              **cfg.model_overrides())
     saved = run_dir.read_config()
     if checkpoints.latest_step() is not None and saved is not None:
         check_resume_compatible(saved, model_config)
@@ -180,8 +187,13 @@ def setup(cfg: TrainConfig, *, fresh: bool = False) -> Run:
     if restored is not None:
         state, start_step = restored
         log(f"resumed from {run_dir.checkpoints} at step {int(state.step)}")
+    elif pretrained_record is not None:   # fine-tuning: that run's weights, a fresh optimizer and step
+        state = state.replace(params=pretrained.load_params(
+            cfg.init_from, sharding_lib.abstract_state(state).params))
+        log(f"initialised from {cfg.init_from}")
     _write_run_record(run_dir, cfg, model_config, tokenizer, target_language, saved,
-                      resumed=restored is not None)
+                      resumed=restored is not None,
+                      tokenizer_record=pretrained_record["tokenizer"] if pretrained_record else None)
     if restored is not None and is_main_process():
         set_aside_metrics_after(run_dir, start_step)
     evaluator = Evaluator(model, tokenizer, batch_size=cfg.eval_batch_size,
@@ -237,14 +249,16 @@ def _check_batch_rows(batch_tokens: int, row_length: int, row_multiple: int) -> 
 
 def _write_run_record(run_dir: RunDir, cfg: TrainConfig, model_config: TransformerConfig,
                       tokenizer: Tokenizer, target_language: str, saved: dict[str, Any] | None,
-                      resumed: bool) -> None:
+                      resumed: bool, tokenizer_record: dict[str, Any] | None = None) -> None:
     """``config.json``: the architecture, the run settings (with their history on resume)
-    and the tokenizer's special ids; what :class:`jaxformer.translate.Translator` reads."""
+    and the tokenizer's special ids (``tokenizer_record``: an --init-from run's, kept
+    as is); what :class:`jaxformer.translate.Translator` reads."""
     record = {"model": model_config.to_dict(), "train": cfg.to_dict(),
-              "tokenizer": {"file": str(run_dir.tokenizer_dir.relative_to(run_dir.root) / "spm.model"),
-                            "pad_id": tokenizer.pad_id, "bos_id": tokenizer.bos_id,
-                            "eos_id": tokenizer.eos_id, "unk_id": tokenizer.unk_id,
-                            "vocab_size": tokenizer.vocab_size},
+              "tokenizer": tokenizer_record or {
+                  "file": str(run_dir.tokenizer_dir.relative_to(run_dir.root) / "spm.model"),
+                  "pad_id": tokenizer.pad_id, "bos_id": tokenizer.bos_id,
+                  "eos_id": tokenizer.eos_id, "unk_id": tokenizer.unk_id,
+                  "vocab_size": tokenizer.vocab_size},
               "target_language": target_language}
     if is_main_process():
         save_json(run_dir.config, resume_record(saved, record, resumed))

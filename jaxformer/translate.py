@@ -39,7 +39,7 @@ from jaxformer.config import TransformerConfig
 from jaxformer.evaluation import Evaluator
 from jaxformer.model import Transformer
 from jaxformer.rundir import RunDir
-from jaxformer.tokenizer import Tokenizer
+from jaxformer.tokenizer import load_tokenizer
 
 
 class Translator:
@@ -68,7 +68,7 @@ class Translator:
                                     f"directory? Train one with `python train.py --workdir ...`.")
         record = json.loads(config_path.read_text())
         self.config = TransformerConfig.from_dict(record["model"])
-        self.tokenizer = Tokenizer(workdir / record["tokenizer"]["file"])
+        self.tokenizer = load_tokenizer(workdir, record)
         self.model = Transformer(self.config)
         ids = jnp.ones((1, 8), jnp.int32)
         # Restore onto one device, whatever mesh the run was trained on.
@@ -84,14 +84,28 @@ class Translator:
         self.evaluator = Evaluator(self.model, self.tokenizer, batch_size=batch_size, scoring=False,
                                    target_language=record.get("target_language", "xx"), smoothing=0.0,
                                    max_len_a=max_len_a, max_len_b=max_len_b)
+        # Decoding defaults: an imported model's generation_config (jaxformer.convert), else §6.1.
+        generation = record.get("generation", {})
+        self.defaults = {"beam_size": generation.get("beam_size", 4),
+                         "alpha": generation.get("length_penalty", 0.6),
+                         "length_normalization": generation.get("length_normalization", "gnmt")}
 
-    def __call__(self, sentences: list[str], *, beam_size: int = 4, alpha: float = 0.6) -> list[str]:
-        """Best translations of ``sentences``, in order (``beam_size=1`` = greedy)."""
-        return self.evaluator.translate(self.params, sentences, beam_size=beam_size, alpha=alpha)
+    def _options(self, beam_size, alpha, length_normalization):
+        chosen = dict(beam_size=beam_size, alpha=alpha, length_normalization=length_normalization)
+        return {k: self.defaults[k] if v is None else v for k, v in chosen.items()}
 
-    def n_best(self, sentences: list[str], *, beam_size: int = 4, alpha: float = 0.6):
+    def __call__(self, sentences: list[str], *, beam_size: int | None = None, alpha: float | None = None,
+                 length_normalization: str | None = None) -> list[str]:
+        """Best translations of ``sentences``, in order (``beam_size=1`` = greedy); options
+        left ``None`` take the run's defaults (:attr:`defaults`)."""
+        return self.evaluator.translate(self.params, sentences,
+                                        **self._options(beam_size, alpha, length_normalization))
+
+    def n_best(self, sentences: list[str], *, beam_size: int | None = None, alpha: float | None = None,
+               length_normalization: str | None = None):
         """``beam_size`` (translation, score) pairs per sentence, best first."""
-        return self.evaluator.translate_n_best(self.params, sentences, beam_size=beam_size, alpha=alpha)
+        return self.evaluator.translate_n_best(self.params, sentences,
+                                               **self._options(beam_size, alpha, length_normalization))
 
     def sample(self, sentences: list[str], *, seed: int = 0, temperature: float = 1.0,
                top_k: int | None = None, top_p: float | None = None) -> list[str]:
@@ -110,8 +124,8 @@ class Translator:
           ``(weights [T, S] float32, source pieces [S], target pieces [T])``.
         """
         tok = self.tokenizer
-        src_ids = tok.encode([source])[0][: self.config.max_len]
-        tgt_ids = tok.encode([translation])[0][: self.config.max_len - 1]
+        src_ids = tok.encode_source([source])[0][: self.config.max_len]
+        tgt_ids = tok.encode_target([translation])[0][: self.config.max_len - 1]
         src = jnp.asarray([src_ids], jnp.int32)
         tgt_in = jnp.asarray([[tok.bos_id, *tgt_ids]], jnp.int32)
         _, state = self.model.apply({"params": self.params}, src, tgt_in, mutable=["intermediates"])
@@ -120,8 +134,8 @@ class Translator:
                           for i in range(self.config.num_decoder_layers)])      # [N, H, T, S]
         stack = stack.mean(axis=0) if layer is None else stack[layer]
         weights = stack.mean(axis=0) if head is None else stack[head]
-        src_pieces = [tok.sp.id_to_piece(i) for i in src_ids]
-        tgt_pieces = [tok.sp.id_to_piece(i) for i in [*tgt_ids, tok.eos_id]]
+        src_pieces = tok.source_pieces(src_ids)
+        tgt_pieces = tok.target_pieces([*tgt_ids, tok.eos_id])
         return weights, src_pieces, tgt_pieces
 
 
@@ -210,8 +224,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--checkpoint", type=_parse_checkpoint, default="auto", metavar="{auto,best,latest,averaged,STEP}",
         help="parameters to use: auto = best by dev BLEU, else latest (default: auto)")
     add("--batch-size", type=int, default=32, help="most sentences per batch (default: 32)")
-    add("--beam-size", type=int, default=4, help="beam width; 1 = greedy (default: 4)")
-    add("--alpha", type=float, default=0.6, help="GNMT length penalty exponent (default: 0.6)")
+    add("--beam-size", type=int, default=None, help="beam width; 1 = greedy (default: the run's, else 4)")
+    add("--alpha", type=float, default=None,
+        help="length penalty exponent (default: the run's, else 0.6)")
+    add("--length-normalization", choices=("gnmt", "hf"), default=None,
+        help="gnmt: ((5+|Y|)/6)^alpha (paper); hf: |Y|^alpha with Hugging Face generate's stopping "
+             "rule (default: the run's, else gnmt)")
     add("--max-len-a", type=float, default=1.0, help="output limit a * source length + b: a (default: 1)")
     add("--max-len-b", type=int, default=50, help="output limit a * source length + b: b (default: 50)")
     add("--n-best", type=int, default=1,
@@ -230,7 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Flag errors, all before anything is loaded (exit status 2)."""
-    if args.beam_size < 1 or not 1 <= args.n_best <= args.beam_size:
+    if (args.beam_size is not None and args.beam_size < 1) or args.n_best < 1 \
+            or (args.beam_size is not None and args.n_best > args.beam_size):
         parser.error("need --beam-size >= 1 and 1 <= --n-best <= --beam-size")
     if args.batch_size < 1:
         parser.error("--batch-size must be at least 1")
@@ -253,7 +272,8 @@ def _translate_lines(translator: Translator, args, lines: list[str], first_index
     Returns the best translation of each line."""
     todo = [i for i, line in enumerate(lines) if line.strip()]
     sources = [lines[i] for i in todo]
-    too_long = sum(len(ids) > translator.config.max_len for ids in translator.tokenizer.encode(sources))
+    too_long = sum(len(ids) > translator.config.max_len
+                   for ids in translator.tokenizer.encode_source(sources))
     if too_long:
         print(f"warning: {too_long} sentence(s) longer than max_len={translator.config.max_len} tokens "
               f"were truncated to it", file=sys.stderr)
@@ -262,9 +282,11 @@ def _translate_lines(translator: Translator, args, lines: list[str], first_index
         results = [[(text, 0.0)] for text in translator.sample(
             sources, seed=args.seed, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)]
     elif args.n_best > 1:
-        results = translator.n_best(sources, beam_size=args.beam_size, alpha=args.alpha)
+        results = translator.n_best(sources, beam_size=args.beam_size, alpha=args.alpha,
+                                    length_normalization=args.length_normalization)
     else:
-        results = [[(text, 0.0)] for text in translator(sources, beam_size=args.beam_size, alpha=args.alpha)]
+        results = [[(text, 0.0)] for text in translator(sources, beam_size=args.beam_size, alpha=args.alpha,
+                                                       length_normalization=args.length_normalization)]
     for i, n_best in zip(todo, results):
         best[i] = n_best[0][0]
     if args.n_best > 1:

@@ -84,6 +84,21 @@ def test_decoder_mask_literal():
                                                             [1, 0, 0]])
 
 
+def test_decoder_mask_start_token_is_never_padding():
+    """Marian starts decoding with the pad id: position 0 stays attendable, later pads do not."""
+    tgt = jnp.array([[9, 5, 6, 9],
+                     [9, 7, 9, 9]], jnp.int32)
+    mask = create_decoder_mask(tgt, pad_id=9)
+    np.testing.assert_array_equal(mask[0, 0].astype(int), [[1, 0, 0, 0],
+                                                           [1, 1, 0, 0],
+                                                           [1, 1, 1, 0],
+                                                           [1, 1, 1, 0]])
+    np.testing.assert_array_equal(mask[1, 0].astype(int), [[1, 0, 0, 0],
+                                                           [1, 1, 0, 0],
+                                                           [1, 1, 0, 0],
+                                                           [1, 1, 0, 0]])
+
+
 def test_decoder_mask_shape_distinct_sizes():
     chex.assert_shape(create_decoder_mask(jnp.ones((2, 7), jnp.int32), 0), (2, 1, 7, 7))
 
@@ -157,6 +172,9 @@ def test_share_embeddings_needs_one_vocabulary():
     ("src_vocab_size", 0),
     ("pad_id", 29),        # >= tgt_vocab_size
     ("pad_id", -1),
+    ("activation", "tanh"),
+    ("positional_layout", "rotary"),
+    ("layer_norm_epsilon", 0.0),
 ])
 def test_bad_field_raises_value_error_naming_it(field, value):
     with pytest.raises(ValueError) as e:
@@ -180,6 +198,26 @@ def test_dict_round_trip():
     assert TransformerConfig.from_dict(json.loads(json.dumps(c.to_dict()))) == c
     with pytest.raises(ValueError, match="bogus"):
         TransformerConfig.from_dict({**c.to_dict(), "bogus": 1})
+
+
+def test_config_json_without_the_marian_fields_loads_with_paper_defaults():
+    old = {k: v for k, v in _config().to_dict().items()
+           if k not in ("activation", "positional_layout", "final_logits_bias", "layer_norm_epsilon")}
+    c = TransformerConfig.from_dict(old)
+    assert (c.activation, c.positional_layout, c.final_logits_bias, c.layer_norm_epsilon) == \
+        ("relu", "interleaved", False, 1e-6)
+
+
+def test_split_positional_layout_is_sines_then_cosines():
+    """Marian's table (HF ``MarianSinusoidalPositionalEmbedding``): the interleaved one's
+    even dimensions, then its odd ones."""
+    interleaved = sinusoidal_positional_encoding(11, 6)
+    split = sinusoidal_positional_encoding(11, 6, "split")
+    np.testing.assert_array_equal(split[0, :, :3], interleaved[0, :, 0::2])
+    np.testing.assert_array_equal(split[0, :, 3:], interleaved[0, :, 1::2])
+    np.testing.assert_allclose(split[0, 2, [0, 3]], [np.sin(2.0), np.cos(2.0)], rtol=1e-6)
+    with pytest.raises(ValueError, match="split"):
+        sinusoidal_positional_encoding(11, 5, "split")
 
 
 def test_head_dim():
