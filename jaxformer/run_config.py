@@ -200,6 +200,8 @@ HELP: dict[str, str] = {
                           "by target language)",
     "patience": "stop after this many evaluations without a better dev BLEU (default: never)",
     "average_last": "at the end, average the last N checkpoints; kept if its dev BLEU is better",
+    "init_from": "fine-tune: start from this run's weights, architecture and tokenizer (a run "
+                 "directory from jaxformer-train or jaxformer-convert --from-hf); fresh optimizer and step",
     "max_length_ratio": "prepare: drop pairs whose source/target token counts differ by more "
                         "than this factor (Moses clean-corpus-n)",
 }
