@@ -432,3 +432,31 @@ def test_resuming_a_finetuning_run_keeps_its_init_from(tmp_path):
     assert with_saved_init_from(cfg, run_dir).init_from == "runs/opus"
     explicit = TrainConfig(workdir=str(tmp_path), init_from="runs/other", progress=False)
     assert with_saved_init_from(explicit, run_dir).init_from == "runs/other"
+
+
+def test_exported_run_converts_with_ctranslate2_and_decodes_as_transformers(converted, tmp_path):
+    """CTranslate2's Transformers converter accepts the export, and its greedy output equals
+    ``generate``'s on the exported model (tokens compared as sentencepiece pieces)."""
+    ctranslate2 = pytest.importorskip("ctranslate2", reason="pip install ctranslate2 (in the test extra)")
+    _, _, _, run, config, _ = converted
+    out = tmp_path / "exported"
+    convert.main(["--to-hf", str(run), "--out", str(out)])
+    ctranslate2.converters.TransformersConverter(str(out)).convert(str(tmp_path / "ct2"))
+    reloaded = transformers.MarianMTModel.from_pretrained(out).eval()
+    # CTranslate2 starts the decoder from a zero embedding (Marian's own convention) and drops
+    # <pad> from the vocabulary; transformers starts from <pad>'s row. A zero row makes them
+    # the same model (the pad row is otherwise only read at padded source positions, which are
+    # masked, and as the banned pad logit).
+    with torch.no_grad():
+        reloaded.get_decoder().embed_tokens.weight[config.pad_id] = 0.0
+    pieces = {i: p for p, i in json.loads((out / "vocab.json").read_text()).items()}
+    src, _ = _padded_batch(config.src_vocab_size, config.pad_id, seed=4)
+    generated = _generate(reloaded, src, num_beams=1, max_new_tokens=12).sequences.numpy()
+    expected = [_strip(row, config.pad_id) for row in generated]
+    translator = ctranslate2.Translator(str(tmp_path / "ct2"), device="cpu")
+    sources = [[pieces[int(i)] for i in row if i != config.pad_id] for row in src]
+    # generate forces eos as the 12th token (the export's forced_eos_token_id); CTranslate2
+    # has no such rule, so it gets 11 steps: the same tokens, eos dropped.
+    results = translator.translate_batch(sources, beam_size=1, max_decoding_length=11, min_decoding_length=0)
+    got = [[pieces[i] for i in ids if i != EOS][:11] for ids in expected]
+    assert [r.hypotheses[0] for r in results] == got
