@@ -11,12 +11,15 @@ from __future__ import annotations
 import collections
 import dataclasses
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import grain
 import numpy as np
 
 from jaxformer.corpus import DataReport, Pair
 from jaxformer.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    import grain
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,7 +247,9 @@ def train_dataset(examples: Examples, *, batch_tokens: int, boundaries: Sequence
                   pad_id: int, bos_id: int, eos_id: int, row_multiple: int = 1,
                   process_index: int = 0, process_count: int = 1, pack: bool = False
                   ) -> grain.IterDataset:
-    """An endless, deterministic, checkpointable grain pipeline of padded batches.
+    """
+    import grain   # here: evaluation and translation import this module without a pipeline
+An endless, deterministic, checkpointable grain pipeline of padded batches.
 
     Batches are formed once, by :func:`bucket_batches` or, with ``pack``, by
     :func:`pack_batches` into rows of the last boundary (one shape, a few per cent of

@@ -21,7 +21,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import grain
 import jax
 import orbax.checkpoint as ocp
 
@@ -108,12 +107,16 @@ class RunCheckpoints:
 
     def save(self, step: int, state: Any, data_iterator: Any) -> None:
         """Saves state and the data iterator's position (async; atomic on finalize)."""
+        import grain  # here, not at the top: translating (params only) never loads grain
+
         self.latest.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state),
             data=grain.checkpoint.CheckpointSave(data_iterator)))
 
     def restore(self, step: int, abstract_state: Any, data_iterator: Any) -> Any:
         """Restores the state into ``abstract_state``'s structure and the iterator in place."""
+        import grain
+
         restored = self.latest.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract_state),
             data=grain.checkpoint.CheckpointRestore(data_iterator)))
