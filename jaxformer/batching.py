@@ -247,9 +247,7 @@ def train_dataset(examples: Examples, *, batch_tokens: int, boundaries: Sequence
                   pad_id: int, bos_id: int, eos_id: int, row_multiple: int = 1,
                   process_index: int = 0, process_count: int = 1, pack: bool = False
                   ) -> grain.IterDataset:
-    """
-    import grain   # here: evaluation and translation import this module without a pipeline
-An endless, deterministic, checkpointable grain pipeline of padded batches.
+    """An endless, deterministic, checkpointable grain pipeline of padded batches.
 
     Batches are formed once, by :func:`bucket_batches` or, with ``pack``, by
     :func:`pack_batches` into rows of the last boundary (one shape, a few per cent of
@@ -265,6 +263,8 @@ An endless, deterministic, checkpointable grain pipeline of padded batches.
     Raises:
       ValueError: ``row_multiple`` is not a multiple of ``process_count``.
     """
+    import grain  # here: evaluation and translation import this module without a pipeline
+
     if not 0 <= process_index < process_count or row_multiple % process_count:
         raise ValueError(f"process {process_index} of {process_count}: row_multiple={row_multiple} "
                          f"must be a multiple of the process count.")
