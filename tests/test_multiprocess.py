@@ -92,11 +92,11 @@ def test_two_process_trainer_preempted_resumes_and_matches_one_process(
     config = dict(train_file=str(short_corpus["train"]), dev_file=str(short_corpus["dev"]),
                   test_file=str(short_corpus["test"]), preset="tiny", vocab_size=300, max_len=32,
                   batch_tokens=512, warmup_steps=10, eval_every=1000, dev_bleu_sentences=12,
-                  eval_batch_size=16, beam_size=1, checkpoint_every=4, progress=False,
+                  eval_batch_size=16, beam_size=1, checkpoint_every=8, progress=False,
                   mesh="data=4,model=2",
                   log_every=1,      # a resume at any step leaves no partly logged window
                   max_minutes=60)   # not reached; the processes agree on it every log_every steps
-    two, last = tmp_path / "two", 30
+    two, last = tmp_path / "two", 14   # preempted at 6 and at 7 (or later), checkpoints at 8 and 14
     arguments = json.dumps({**config, "workdir": str(two), "max_steps": last})
 
     def preempted(signal_at: str, after: int) -> int:

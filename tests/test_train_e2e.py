@@ -1,6 +1,7 @@
 """End to end: train.py on a slice of the shipped corpus, then resume (issue: the main job)."""
 
 import json
+import shutil
 
 import pytest
 
@@ -25,13 +26,28 @@ def _config(workdir, corpus, max_steps):
                        log_every=10, checkpoint_every=30, progress=False)
 
 
-def test_train_checkpoints_and_resumes(tmp_path, corpus_slice, capsys):
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory, corpus_slice):
+    """A 30-step run (checkpoint and dev evaluation at step 30), trained once for the module;
+    tests work on copies of it."""
+    workdir = tmp_path_factory.mktemp("trained") / "run"
+    assert train(_config(workdir, corpus_slice, 30))["final_step"] == 30
+    return workdir
+
+
+def test_train_checkpoints_and_resumes(tmp_path, trained_run, corpus_slice, capsys):
     workdir = tmp_path / "run"
-    first = train(_config(workdir, corpus_slice, 60))
-    assert first["final_step"] == 60
+    shutil.copytree(trained_run, workdir)
+    capsys.readouterr()
+    second = train(_config(workdir, corpus_slice, 60))
+    out = capsys.readouterr().out
+    assert "resumed" in out and "at step 30" in out
+    assert second["final_step"] == 60
     rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in rows]
+    assert min(s for s in steps if s > 30) == 40, "the resumed run must continue, not start over"
     losses = [r["train/loss"] for r in rows if "train/loss" in r]
-    assert losses[-1] < losses[0] - 0.5, losses
+    assert len(losses) == 6 and losses[-1] < losses[0] - 0.5, losses
     assert any("dev/bleu" in r for r in rows) and any("dev/loss" in r for r in rows)
     for name in ("config.json", "tokenizer/spm.model", "results.json", "samples.txt",
                  "plots/loss.png", "plots/lr.png", "plots/bleu.png"):
@@ -40,26 +56,18 @@ def test_train_checkpoints_and_resumes(tmp_path, corpus_slice, capsys):
     assert list((workdir / "tensorboard").iterdir())
     results = json.loads((workdir / "results.json").read_text())
     assert "nrefs:1" in results["sacrebleu_signature"] and results["test_sentences"] > 0
-    capsys.readouterr()
-
-    second = train(_config(workdir, corpus_slice, 90))
-    out = capsys.readouterr().out
-    assert "resumed" in out and "at step 60" in out
-    assert second["final_step"] == 90
-    steps = [json.loads(line)["step"] for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    assert min(s for s in steps if s > 60) == 70, "the resumed run must continue, not start over"
+    assert results["final_step"] == 60
 
     # Resuming with another architecture names the differing field.
     with pytest.raises(ValueError, match="d_model"):
         train(TrainConfig(**{**_config(workdir, corpus_slice, 100).to_dict(), "d_model": 48}))
 
 
-def test_translate_cli_uses_the_run(tmp_path, corpus_slice, capsys):
+def test_translate_cli_uses_the_run(tmp_path, trained_run, capsys):
     from jaxformer.translate import main
 
     workdir = tmp_path / "run"
-    train(_config(workdir, corpus_slice, 30))
-    capsys.readouterr()
+    shutil.copytree(trained_run, workdir)
     sentences = ["Click OK.", "Choose Format - Cells.", "Enter the name of the new table."]
     main(["--workdir", str(workdir), "--beam-size", "1", *sentences])
     greedy = capsys.readouterr().out.splitlines()
