@@ -38,8 +38,8 @@ import collections, json, sys
 import jax.monitoring
 events = collections.Counter()
 jax.monitoring.register_event_listener(lambda name, **kw: events.update([name]))
-from jaxformer.translate import main
-main(sys.argv[1:])
+from jaxformer.translate import cli
+cli()   # what jaxformer-translate runs
 print("EVENTS " + json.dumps({k.rsplit("/", 1)[-1]: v for k, v in events.items()}), file=sys.stderr)
 """
 
