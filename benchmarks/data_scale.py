@@ -20,13 +20,16 @@ anew) into ``--out``; then, each in a fresh process whose peak RSS is read from
 Then, on the shipped corpus with the default run's settings (``small`` preset,
 2048-token batches of 64-token packed rows): padding over one epoch (streamed
 block plans and the old whole-corpus plan) and steps/s of ``--steps`` steps fed by
-each pipeline with the same compiled step. Run it alone on the machine: anything
+each pipeline with the same compiled step: streamed and collated in this process (the
+CPU default), streamed from 2 grain worker processes (``--data-workers 2``, the GPU/TPU
+default) and the old in-memory pipeline. Run it alone on the machine: anything
 running beside it makes the timings worthless.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -130,11 +133,11 @@ def shipped(args: argparse.Namespace) -> None:
     from jaxformer import sharding as sharding_lib
     from jaxformer.prepared import PreparedCorpus
     from jaxformer.streaming import process_plans
-    from jaxformer.trainer import setup
+    from jaxformer.trainer import build_train_data, setup
     from jaxformer.training import jit_train_step
 
     cfg = _cfg(args)
-    run = setup(cfg)
+    run = setup(cfg)   # on CPU the default: collated in this process (--data-workers 0)
     tok = run.tokenizer
     corpus_ = PreparedCorpus.open(run.run_dir.prepared)
     bounds = batching.bucket_boundaries(cfg.max_train_len)
@@ -142,7 +145,7 @@ def shipped(args: argparse.Namespace) -> None:
                                boundaries=bounds, seed=0))
     real = processed = 0
     while plans.get_state()["epoch"] == 0:
-        length, ids = next(plans)
+        length, ids, _ = next(plans)
         used = ids[ids >= 0]
         real += int(corpus_.src_lengths[used].sum() + corpus_.tgt_lengths[used].sum() + used.size)
         processed += 2 * length * len(ids)
@@ -155,8 +158,11 @@ def shipped(args: argparse.Namespace) -> None:
     step = jit_train_step(run.model, cfg.label_smoothing, layout=run.layout)
     result = {"padding_streamed": 1 - real / processed,
               "padding_old": batching.padding_fraction(examples, old_batches)["both"]}
+    workers = build_train_data(dataclasses.replace(cfg, data_workers=2), corpus_, run.data.target_language,
+                               tok, run.model.config, row_multiple=1).iterator   # the same batches
     state = run.state   # donated by each step: one state carried through all turns
-    for name, iterator in (("streamed", run.data.iterator), ("old", iter(old))) * 2:   # in turns
+    turns = (("streamed", run.data.iterator), ("streamed_2_workers", workers), ("old", iter(old))) * 2
+    for name, iterator in turns:   # in turns, so drift hits every pipeline alike
         state, m = step(state, sharding_lib.shard_batch(next(iterator), run.layout.batch), run.dropout_key)
         jax.block_until_ready(m)   # compiled (once) and warm
         start = time.perf_counter()
@@ -166,6 +172,7 @@ def shipped(args: argparse.Namespace) -> None:
         jax.block_until_ready(m)
         result[f"steps_per_s_{name}"] = max(result.get(f"steps_per_s_{name}", 0.0),
                                            args.steps / (time.perf_counter() - start))
+    workers.close()
     run.close()
     print(json.dumps({k: round(float(np.asarray(v)), 4) for k, v in result.items()}))
 

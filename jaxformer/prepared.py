@@ -144,6 +144,11 @@ class PreparedCorpus:
         return cls(directory, manifest, lengths[:, 0].copy(), lengths[:, 1].copy(), src_ids, tgt_ids,
                    offsets[0], offsets[1])
 
+    def __reduce__(self):
+        # Pickled for a grain worker process: it maps the files itself (sizes checked, the
+        # hashes were checked here). Pickling the memory maps would copy every id.
+        return PreparedCorpus.open, (self.directory, False)
+
     def __len__(self) -> int:
         return len(self.src_lengths)
 

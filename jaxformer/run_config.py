@@ -70,8 +70,10 @@ class TrainConfig:
     keep_checkpoints: int = 3
     num_samples: int = 5               # dev sentences written to samples.txt per eval
     progress: bool = True
-    # Data preparation (jaxformer.prepare).
+    # Data preparation (jaxformer.prepare) and streaming (jaxformer.streaming).
     max_length_ratio: float = 9.0      # drop pairs whose id counts differ more (Moses clean-corpus-n)
+    data_workers: int | None = None    # grain worker processes collating batches; default: 0 on
+                                       # CPU (they would share its cores), 2 on GPU/TPU
     # Scoring, early stopping, checkpoint averaging (issue 14).
     tgt_lang: str | None = None        # target language code for scoring; default: the corpus's
     sacrebleu_tokenize: str | None = None   # default: chosen by sacrebleu from the target language
@@ -102,6 +104,8 @@ class TrainConfig:
                             f"(only kept checkpoints can be averaged), got {self.average_last}")
         if self.max_train_len is not None and self.max_train_len < 2:
             problems.append(f"--max-train-len must be at least 2, got {self.max_train_len}")
+        if self.data_workers is not None and self.data_workers < 0:
+            problems.append(f"--data-workers must be at least 0, got {self.data_workers}")
         if not self.max_length_ratio >= 1:
             problems.append(f"--max-length-ratio must be at least 1, got {self.max_length_ratio}")
         if problems:
@@ -204,6 +208,8 @@ HELP: dict[str, str] = {
                  "directory from jaxformer-train or jaxformer-convert --from-hf); fresh optimizer and step",
     "max_length_ratio": "prepare: drop pairs whose source/target token counts differ by more "
                         "than this factor (Moses clean-corpus-n)",
+    "data_workers": "grain worker processes that collate training batches ahead of the step "
+                    "(default: 0 on CPU, whose cores the step uses; 2 on GPU/TPU)",
 }
 
 

@@ -9,14 +9,13 @@ everything here is importable and tested.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import signal
 import time
-from collections.abc import Iterator
 from typing import Any
 
-import grain
 import jax
 import optax
 
@@ -42,7 +41,7 @@ from jaxformer.rundir import (
     resume_record,
     set_aside_metrics_after,
 )
-from jaxformer.streaming import kept_records, stream_dataset
+from jaxformer.streaming import BatchStream, kept_records, stream_dataset
 from jaxformer.tokenizer import Tokenizer
 from jaxformer.training import (
     TrainState,
@@ -67,7 +66,7 @@ class TrainData:
 
     splits: dict[str, list[Pair]]   # "dev", "test"
     target_language: str
-    iterator: Iterator[dict[str, Any]]   # a grain iterator: get_state / set_state
+    iterator: BatchStream   # get_state / set_state: the position, saved with each checkpoint
     dev_examples: Examples
 
 
@@ -100,6 +99,7 @@ class Run:
             self.checkpoints.wait()
             self.checkpoints.close()
             self.metrics_log.close()
+            self.data.iterator.close()   # stops the data worker processes, if any
 
 
 @dataclasses.dataclass
@@ -191,6 +191,7 @@ def setup(cfg: TrainConfig, *, fresh: bool = False) -> Run:
         state = state.replace(params=pretrained.load_params(
             cfg.init_from, sharding_lib.abstract_state(state).params))
         log(f"initialised from {cfg.init_from}")
+    data.iterator.start_prefetch()   # data workers (if any) start now, while the step compiles
     _write_run_record(run_dir, cfg, model_config, tokenizer, target_language, saved,
                       resumed=restored is not None,
                       tokenizer_record=pretrained_record["tokenizer"] if pretrained_record else None)
@@ -222,12 +223,15 @@ def build_train_data(cfg: TrainConfig, prepared: PreparedCorpus, target_language
     splits = {name: prepared.held_out(name) for name in ("dev", "test")}
     dev_examples = tokenize_pairs(splits["dev"], tokenizer, model_config.max_len)
     _check_batch_rows(cfg.batch_tokens, max_train_len, row_multiple)
-    dataset: grain.IterDataset = stream_dataset(
-        prepared, max_len=max_train_len, batch_tokens=cfg.batch_tokens,
+    build = functools.partial(
+        stream_dataset, prepared, max_len=max_train_len, batch_tokens=cfg.batch_tokens,
         boundaries=bucket_boundaries(max_train_len), seed=cfg.seed, pad_id=tokenizer.pad_id,
         bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, row_multiple=row_multiple,
         process_index=jax.process_index(), process_count=jax.process_count(), pack=cfg.pack)
-    return TrainData(splits=splits, target_language=target_language, iterator=iter(dataset),
+    workers = cfg.data_workers if cfg.data_workers is not None else (
+        0 if jax.default_backend() == "cpu" else 2)
+    return TrainData(splits=splits, target_language=target_language,
+                     iterator=BatchStream(lambda start: build(start=start), workers=workers),
                      dev_examples=dev_examples)
 
 

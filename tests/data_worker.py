@@ -34,7 +34,7 @@ if __name__ == "__main__":
     it = iter(plans)
     epochs: list[list[int]] = [[], [], []]
     while it.get_state()["epoch"] < 2:
-        length, ids = next(it)
+        length, ids, _ = next(it)
         epoch = it.get_state()["epoch"]   # the state after a batch names the batch's epoch
         if epoch < 2:
             streaming.batching.collate_packed(Recording, length, ids, pad_id=0, bos_id=2, eos_id=3)

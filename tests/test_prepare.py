@@ -172,7 +172,7 @@ def test_each_epoch_visits_every_kept_record_once_in_a_new_order(run_dir, pack):
     it = iter(_stream(prepared, pack=pack))
     epochs: list[list[int]] = [[], [], []]
     while it.get_state()["epoch"] < 2:
-        length, ids = next(it)
+        length, ids, _ = next(it)
         epoch = it.get_state()["epoch"]   # the state after a batch names the batch's epoch
         assert ids.shape[0] == (4 if pack else 4 * MAX_LEN // length // 4 * 4)
         epochs[epoch].extend(int(i) for i in ids.ravel() if i >= 0)
@@ -191,6 +191,9 @@ def test_processes_collate_disjoint_blocks_of_the_same_global_batches(run_dir):
     for _ in range(5):
         batch = next(whole)
         shares = [next(p) for p in parts]
+        position = batch.pop(streaming.POSITION_KEY)
+        for share in shares:   # every process is at the same position
+            np.testing.assert_array_equal(share.pop(streaming.POSITION_KEY), position)
         for name, value in batch.items():
             np.testing.assert_array_equal(np.concatenate([s[name] for s in shares]), value)
     with pytest.raises(ValueError, match="multiple of the process count"):
@@ -220,3 +223,53 @@ def test_resume_is_exact_mid_block_mid_epoch_and_across_the_epoch_boundary(run_d
             got = next(resumed)
             for name in expected:
                 np.testing.assert_array_equal(got[name], expected[name], err_msg=where)
+
+
+def _batch_stream(prepared, workers):
+    kwargs = dict(max_len=MAX_LEN, batch_tokens=4 * MAX_LEN, boundaries=(8, 16, MAX_LEN), seed=3,
+                  row_multiple=4, block_pairs=60, pad_id=0, bos_id=2, eos_id=3)
+    return streaming.BatchStream(lambda start: streaming.stream_dataset(prepared, **kwargs, start=start),
+                                 workers=workers)
+
+
+def _assert_same_batches(got, want):
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert a.keys() == b.keys() and streaming.POSITION_KEY not in a
+        for name in a:
+            np.testing.assert_array_equal(a[name], b[name])
+
+
+def test_worker_processes_give_the_same_batches_and_resume_with_any_worker_count(run_dir):
+    """Collated in 2 grain worker processes, the batches and positions equal the in-process
+    ones (over a block boundary); a position saved as JSON from either resumes exactly
+    under another worker count, and the workers' lookahead never leaks into it."""
+    prepared = PreparedCorpus.open(run_dir.prepared)
+    here, there = _batch_stream(prepared, 0), _batch_stream(prepared, 2)
+    want, got, states, blocks = [], [], {}, set()
+    try:
+        for i in range(40):
+            want.append(next(here))
+            got.append(next(there))
+            assert there.get_state() == here.get_state()
+            blocks.add((here.get_state()["epoch"], here.get_state()["block"]))
+            if i == 11:
+                states = {"here": json.dumps(here.get_state()), "there": json.dumps(there.get_state())}
+    finally:
+        there.close()
+    assert len(blocks) > 2   # the workers' slices run across block boundaries
+    _assert_same_batches(got, want)
+    for saved, workers in ((states["there"], 0), (states["here"], 1)):
+        resumed = _batch_stream(prepared, workers)
+        resumed.set_state(json.loads(saved))
+        try:
+            _assert_same_batches([next(resumed) for _ in range(10)], want[12:22])
+        finally:
+            resumed.close()
+
+
+@pytest.mark.parametrize("state", [{"next_index": 7}, {"epoch": 0, "block": -1, "batch": 2}, [0, 0, 1]])
+def test_a_saved_position_of_another_format_is_a_clear_error(state):
+    stream = streaming.BatchStream(lambda start: None)
+    with pytest.raises(ValueError, match="older jaxformer.*--fresh"):
+        stream.set_state(state)

@@ -119,9 +119,12 @@ def _argv(cfg):
 
 def test_sigterm_checkpoints_exits_and_the_resumed_run_equals_an_uninterrupted_one(
         tmp_path, files, reference):
+    """The child collates in 2 grain worker processes; the resumed run in this process
+    (--data-workers 0 on CPU) continues from the batch the child's step 6 took."""
     workdir = _new_workdir(tmp_path, reference)
     cfg = _config(workdir, files, 12)
-    child = subprocess.run([sys.executable, "-c", _CHILD, *_argv(cfg)], capture_output=True, text=True,
+    child = subprocess.run([sys.executable, "-c", _CHILD, *_argv(cfg), "--data-workers", "2"],
+                           capture_output=True, text=True,
                            env={**os.environ, "SIGNAL_AT_STEP": "6", "REPO": str(REPO)}, timeout=600)
     assert child.returncode == 128 + signal.SIGTERM, child.stderr[-2000:]
     assert "SIGTERM received: stopped at step 6" in child.stdout + child.stderr
@@ -157,6 +160,21 @@ def test_unreadable_latest_checkpoint_is_reported_and_the_previous_one_used(
         _corrupt_step(workdir, step)
     before = _snapshot(workdir)
     with pytest.raises(CheckpointError, match="No readable checkpoint.*--fresh"):
+        train(_config(workdir, files, 16))
+    assert _snapshot(workdir) == before
+
+
+def test_a_checkpoint_from_before_streamed_data_is_refused_with_the_fix(tmp_path, files, reference):
+    """A data position of another format (the in-memory pipeline's, before prepared data)
+    cannot be continued exactly: the error says why and gives --fresh; nothing changes."""
+    workdir = tmp_path / "run"
+    shutil.copytree(reference, workdir)
+    saved = list(workdir.glob("checkpoints/*/data/process_0-of-1.json"))
+    assert len(saved) == 3
+    for path in saved:
+        path.write_text(json.dumps({"next_index": 96}))
+    before = _snapshot(workdir)
+    with pytest.raises(CheckpointError, match="older jaxformer.*--fresh"):
         train(_config(workdir, files, 16))
     assert _snapshot(workdir) == before
 
