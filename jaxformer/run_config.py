@@ -54,6 +54,7 @@ class TrainConfig:
     grad_accum_steps: int = 1          # micro-batches per update (batch_tokens is per update)
     # Scaling out (README, "Scaling out").
     mesh: str | None = None            # e.g. "data=4,model=2"; default: every device on data
+    devices: int | None = None         # single-process runs: train on the first N devices only
     distributed: bool = False          # jax.distributed.initialize() with cluster auto-detection
     coordinator_address: str | None = None   # host:port of process 0 (multi-process runs)
     num_processes: int | None = None
@@ -97,6 +98,8 @@ class TrainConfig:
                 problems.append(f"--{name.replace('_', '-')} must be positive, got {value}")
         if not 0.0 <= self.label_smoothing < 1.0:
             problems.append(f"--label-smoothing must be in [0, 1), got {self.label_smoothing}")
+        if self.devices is not None and self.devices < 1:
+            problems.append(f"--devices must be at least 1, got {self.devices}")
         if self.patience is not None and self.patience < 1:
             problems.append(f"--patience must be at least 1, got {self.patience}")
         if self.average_last is not None and not 2 <= self.average_last <= self.keep_checkpoints:
@@ -184,6 +187,7 @@ HELP: dict[str, str] = {
     "grad_clip": "clip the global gradient norm to this value (default: no clipping)",
     "grad_accum_steps": "micro-batches per update; --batch-tokens is per update",
     "mesh": "device mesh, e.g. data=4,model=2 (default: every device on data)",
+    "devices": "single-process runs: use only the first N devices (default: all)",
     "distributed": "call jax.distributed.initialize() with cluster auto-detection",
     "coordinator_address": "host:port of process 0 in a multi-process run",
     "num_processes": "number of processes in a multi-process run",

@@ -78,6 +78,26 @@ def parse_mesh(spec: str | None, num_devices: int) -> dict[str, int]:
     return {axis: sizes[axis] for axis in MESH_AXES}
 
 
+def first_devices(count: int | None) -> list[jax.Device] | None:
+    """The first ``count`` devices of a single-process run (``--devices``, like Marian's
+    ``--devices`` or fairseq's ``--distributed-world-size``); ``None`` = all of them.
+
+    Raises:
+      ValueError: ``count`` in a multi-process run (each process trains on all of its
+        devices), or more devices than there are.
+    """
+    if count is None:
+        return None
+    if jax.process_count() > 1:
+        raise ValueError(f"--devices {count}: a multi-process run uses every device of every process; "
+                         f"leave --devices out (or set CUDA_VISIBLE_DEVICES / TPU topology per process).")
+    devices = jax.devices()
+    if not 1 <= count <= len(devices):
+        raise ValueError(f"--devices {count}: this process has {len(devices)} {devices[0].platform} "
+                         f"device(s); choose 1 to {len(devices)}, or leave it out to use them all.")
+    return devices[:count]
+
+
 def make_mesh(spec: str | None = None, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A ``Mesh(('data', 'model'))`` over ``devices`` (default: all, every process).
 

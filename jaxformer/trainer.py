@@ -149,7 +149,10 @@ def setup(cfg: TrainConfig, *, fresh: bool = False) -> Run:
     t_start = time.perf_counter()
     sharding_lib.initialize_distributed(cfg.coordinator_address, cfg.num_processes, cfg.process_id,
                                         auto=cfg.distributed)
-    mesh = sharding_lib.make_mesh(cfg.mesh)   # a bad --mesh fails here, before any data work
+    # A bad --mesh or --devices fails here, before any data work.
+    mesh = sharding_lib.make_mesh(cfg.mesh, sharding_lib.first_devices(cfg.devices))
+    if cfg.devices is not None:
+        log(f"using {cfg.devices} of {len(jax.devices())} devices (--devices)")
     run_dir = RunDir(cfg.workdir)
     run_dir.create(fresh)
     if jax.process_count() > 1:   # every process sees the directory after --fresh moved things

@@ -47,7 +47,7 @@ def run(tmp_path_factory, short_corpus):
     config = root / "tiny.yaml"
     config.write_text("preset: tiny\nvocab_size: 300\nmax_len: 32\nbatch_tokens: 256\nmax_steps: 40\n"
                       "warmup_steps: 10\nlr_scale: 0.0001\neval_every: 10\ncheckpoint_every: 10\n"
-                      "log_every: 5\ndev_bleu_sentences: 12\nbeam_size: 1\nmax_minutes: 10\n")
+                      "log_every: 5\ndev_bleu_sentences: 12\nbeam_size: 1\nmax_minutes: 10\ndevices: 1\n")
     argv = _train_argv(short_corpus, root / "run", config)
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):

@@ -404,7 +404,8 @@ def test_train_init_from_converted_run(converted, tokenizer_files, tmp_path, cap
     results = train(TrainConfig(workdir=str(workdir), train_file=str(tsv), init_from=str(run),
                                 dropout_rate=0.0, batch_tokens=320, max_steps=12, warmup_steps=2,
                                 lr_scale=3.0, eval_every=1000, dev_bleu_sentences=4, eval_batch_size=8,
-                                beam_size=1, log_every=2, checkpoint_every=1000, progress=False))
+                                beam_size=1, log_every=2, checkpoint_every=1000, progress=False,
+                                devices=1))
     assert "initialised from" in capsys.readouterr().out
     assert results["final_step"] == 12
     record = json.loads((workdir / "config.json").read_text())

@@ -40,7 +40,7 @@ def _config(workdir, files, max_steps, **overrides):
         test_file=str(files["test"]), preset="tiny", vocab_size=300, max_len=32, dropout_rate=0.1,
         batch_tokens=512, max_steps=max_steps, warmup_steps=10, lr_scale=1.0, eval_every=1000,
         dev_bleu_sentences=12, eval_batch_size=16, beam_size=1, log_every=2, checkpoint_every=4,
-        progress=False), **overrides})
+        progress=False, devices=1), **overrides})
 
 
 def _state_at(workdir, step):
@@ -257,7 +257,7 @@ def test_checkpoints_and_tokenizer_are_data_not_pickle(reference):
 
 @pytest.mark.parametrize("problem", ["missing train file", "workdir is a file", "empty dev file",
                                      "corrupt tokenizer", "malformed test file", "zero accumulation",
-                                     "negative budget", "batch below one row"])
+                                     "negative budget", "batch below one row", "more devices than there are"])
 def test_bad_paths_and_files_fail_before_any_compile(tmp_path, files, monkeypatch, capsys, problem):
     import runpy
 
@@ -288,6 +288,7 @@ def test_bad_paths_and_files_fail_before_any_compile(tmp_path, files, monkeypatc
     extra = {"zero accumulation": (["--grad-accum-steps", "0"], "--grad-accum-steps must be at least 1"),
              "negative budget": (["--max-minutes", "-1"], "--max-minutes must be positive"),
              "batch below one row": (["--batch-tokens", "10"], "--batch-tokens 10 gives 0 row"),
+             "more devices than there are": (["--devices", "9"], "--devices 9: this process has 8 cpu"),
              }.get(problem, ([], None))
     expected = extra[1] or expected
     monkeypatch.setattr(sys, "argv", ["train.py", *_argv(cfg), *extra[0]])

@@ -23,7 +23,7 @@ def _config(workdir, corpus, max_steps):
     return TrainConfig(workdir=str(workdir), train_file=str(corpus), preset="tiny", vocab_size=400,
                        max_len=32, batch_tokens=512, max_steps=max_steps, warmup_steps=30,
                        lr_scale=2.0, eval_every=30, dev_bleu_sentences=40, eval_batch_size=32,
-                       log_every=10, checkpoint_every=30, progress=False)
+                       log_every=10, checkpoint_every=30, progress=False, devices=1)
 
 
 @pytest.fixture(scope="module")
