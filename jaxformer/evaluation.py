@@ -26,6 +26,7 @@ import numpy as np
 from jaxformer import sharding as sharding_lib
 from jaxformer.batching import Examples, bucket_boundaries, collate
 from jaxformer.decoding import beam_translate, greedy_translate, jit_decoder, sample_translate
+from jaxformer.exported import ExportCache
 from jaxformer.model import Transformer
 from jaxformer.tokenizer import Tokenizer
 from jaxformer.validation import check_token_ids
@@ -37,7 +38,7 @@ class Evaluator:
     def __init__(self, model: Transformer, tokenizer: Tokenizer, *, batch_size: int,
                  target_language: str, smoothing: float, layout: sharding_lib.Layout | None = None,
                  tokenize: str | None = None, max_len_a: float = 1.0, max_len_b: int = 50,
-                 scoring: bool = True):
+                 scoring: bool = True, exports: ExportCache | None = None):
         """
         Args:
           batch_size: the most sentences per decoding batch; a smaller input is padded
@@ -49,6 +50,8 @@ class Evaluator:
             sentence's own length in beam search, the batch's padded length in greedy
             decoding and sampling.
           scoring: build the BLEU/chrF scorers (the translate tool needs none).
+          exports: serve greedy and beam decoders from this cache of exported programs
+            (:mod:`jaxformer.exported`; the translate tool's, without a layout).
 
         Raises:
           ValueError: an unknown tokenizer, or one whose package is missing (the
@@ -62,6 +65,7 @@ class Evaluator:
         self.smoothing = smoothing
         self._eval_step = None   # built on first use: translation never needs it (or optax)
         self._decoders: dict[Any, Any] = {}
+        self.exports = exports
         self.max_len_a, self.max_len_b = max_len_a, max_len_b
         if max_len_a < 0 or max_len_b < 1 - max_len_a:
             raise ValueError(f"max_len_a={max_len_a}, max_len_b={max_len_b} allow no output token: "
@@ -76,7 +80,15 @@ class Evaluator:
         explicit in/out shardings (:func:`jaxformer.decoding.jit_decoder`). Cached."""
         key = (decoder, tuple(sorted(static.items())))
         if key not in self._decoders:
-            self._decoders[key] = jit_decoder(decoder, self.model, self.layout, **static)
+            if self.exports is not None and self.layout is None and decoder is not sample_translate:
+                model, plain = self.model, decoder.__wrapped__   # ids are checked before decode_batch
+
+                def fn(params, src_BS):
+                    return plain(model, params, src_BS, **static)
+
+                self._decoders[key] = self.exports.decoder(fn, decoder.__name__, model.config, **static)
+            else:
+                self._decoders[key] = jit_decoder(decoder, self.model, self.layout, **static)
         return self._decoders[key]
 
     def _place(self, batch):

@@ -15,8 +15,9 @@ search (--beam-size, GNMT length penalty --alpha), --n-best lists with scores, o
 a * source length + b tokens (--max-len-a/--max-len-b, fairseq's names).
 --attention-png draws the cross-attention of the first sentence.
 
-JAX's persistent compilation cache lives in the run directory (jax_cache/): the first
-call compiles the decoder, later calls load it.
+JAX's persistent compilation cache lives in the run directory (jax_cache/), with the
+exported decoders and the parameters' shapes (jax_cache/exported/): the first call
+traces and compiles the decoder, later calls load it.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import numpy as np
 from jaxformer.checkpoints import RunCheckpoints
 from jaxformer.config import TransformerConfig
 from jaxformer.evaluation import Evaluator
+from jaxformer.exported import ExportCache
 from jaxformer.model import Transformer
 from jaxformer.rundir import RunDir
 from jaxformer.tokenizer import load_tokenizer
@@ -52,6 +54,10 @@ class Translator:
       checkpoint: ``"auto"`` (best by dev BLEU, else latest), ``"best"``, ``"latest"``,
         ``"averaged"`` or a training step (int).
       max_len_a, max_len_b: output limit ``a * source length + b`` tokens.
+      exported: keep the parameters' shapes and the exported greedy/beam decoders in
+        ``RUN/jax_cache/exported`` (:mod:`jaxformer.exported`), so a later process neither
+        traces the model nor the decoders (the translate tool does, when the run
+        directory is writable).
 
     Raises:
       FileNotFoundError: the run directory lacks ``config.json``, the tokenizer or the
@@ -59,10 +65,11 @@ class Translator:
     """
 
     def __init__(self, workdir: str | Path, batch_size: int = 32, checkpoint: str | int = "auto",
-                 max_len_a: float = 1.0, max_len_b: int = 50):
+                 max_len_a: float = 1.0, max_len_b: int = 50, exported: bool = False):
         from flax import linen as nn
 
         workdir = Path(workdir)
+        exports = ExportCache(RunDir(workdir).jax_cache / "exported") if exported else None
         config_path = RunDir(workdir).config
         if not config_path.exists():
             raise FileNotFoundError(f"{config_path} not found: is {str(workdir)!r} a jaxformer run "
@@ -74,9 +81,12 @@ class Translator:
         ids = jnp.ones((1, 8), jnp.int32)
         # Restore onto one device, whatever mesh the run was trained on.
         one_device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        def params_shapes():
+            return jax.eval_shape(lambda: nn.unbox(self.model.init(jax.random.key(0), ids, ids)["params"]))
+
         abstract_params = jax.tree_util.tree_map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one_device),
-            jax.eval_shape(lambda: nn.unbox(self.model.init(jax.random.key(0), ids, ids)["params"])))
+            params_shapes() if exports is None else exports.abstract_params(self.config, params_shapes))
         checkpoints = RunCheckpoints(workdir, read_only=True)
         try:   # parameters only: the optimizer state is never read
             self.params, self.step, self.kind = checkpoints.restore_params_from(checkpoint, abstract_params)
@@ -84,7 +94,7 @@ class Translator:
             checkpoints.close()
         self.evaluator = Evaluator(self.model, self.tokenizer, batch_size=batch_size, scoring=False,
                                    target_language=record.get("target_language", "xx"), smoothing=0.0,
-                                   max_len_a=max_len_a, max_len_b=max_len_b)
+                                   max_len_a=max_len_a, max_len_b=max_len_b, exports=exports)
         # Decoding defaults: an imported model's generation_config (jaxformer.convert), else §6.1.
         generation = record.get("generation", {})
         self.defaults = {"beam_size": generation.get("beam_size", 4),
@@ -306,12 +316,13 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     _check_args(parser, args)
     run_dir = RunDir(Path(args.workdir))
-    if run_dir.config.exists() and not enable_compilation_cache(run_dir):
+    cached = run_dir.config.exists() and enable_compilation_cache(run_dir)
+    if run_dir.config.exists() and not cached:
         print(f"note: {run_dir.root} is not writable; decoders are compiled without a cache",
               file=sys.stderr)
     try:
         translator = Translator(args.workdir, batch_size=args.batch_size, checkpoint=args.checkpoint,
-                                max_len_a=args.max_len_a, max_len_b=args.max_len_b)
+                                max_len_a=args.max_len_a, max_len_b=args.max_len_b, exported=cached)
     except (ValueError, OSError) as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
     for flag, value, count in (("--layer", args.layer, translator.config.num_decoder_layers),

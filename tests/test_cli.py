@@ -57,9 +57,9 @@ def run(tmp_path_factory, short_corpus):
 
 @pytest.fixture(autouse=True)
 def no_process_wide_cache(monkeypatch):
-    """In-process CLI calls leave JAX's process-wide cache setting alone (the compile
-    cache is tested in subprocesses)."""
-    monkeypatch.setattr(translate_lib, "enable_compilation_cache", lambda run_dir: True)
+    """In-process CLI calls leave JAX's process-wide cache setting alone and trace their
+    decoders (the compile cache and the exported decoders are tested in subprocesses)."""
+    monkeypatch.setattr(translate_lib, "enable_compilation_cache", lambda run_dir: False)
 
 
 def test_run_stops_early_scores_with_chrf_and_the_zh_tokenizer_and_writes_test_files(run):
@@ -195,30 +195,46 @@ def test_translate_answers_each_stdin_line_as_it_arrives(run, tmp_path, monkeypa
 _COUNT_COMPILES = """
 import collections, sys
 import jax.monitoring
+from jaxformer import decoding, model
 events = collections.Counter()
 jax.monitoring.register_event_listener(lambda name, **kw: events.update([name]))
+def counted(name, real):   # counts the Python traces of beam search and of the model's init
+    def wrapper(*args, **kwargs):
+        events[name] += 1
+        return real(*args, **kwargs)
+    return wrapper
+decoding.beam_search = counted("beam_search_traces", decoding.beam_search)
+model.Transformer.init = counted("init_traces", model.Transformer.init)
 from jaxformer.translate import main
 main(sys.argv[1:])
 print(json.dumps({k.rsplit("/", 1)[-1]: v for k, v in events.items()}), file=sys.stderr)
 """.replace("import collections, sys", "import collections, json, sys")
 
 
-def test_second_translate_invocation_compiles_nothing(run, tmp_path):
+def test_second_translate_invocation_compiles_and_traces_nothing(run, tmp_path):
+    """The second process loads the compiled decoder (JAX's compilation cache) and its
+    exported program and the parameters' shapes (jaxformer.exported): it neither
+    compiles nor traces beam search or the model's init, and prints the same line."""
     workdir, _, _ = run
     copy = tmp_path / "run"
     shutil.copytree(workdir, copy, ignore=shutil.ignore_patterns("jax_cache"))
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
-    counts = []
+    counts, printed = [], []
     for _ in range(2):
         done = subprocess.run([sys.executable, "-c", _COUNT_COMPILES, "--workdir", str(copy), SENTENCES[0]],
                               env=env, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr
         counts.append(json.loads(done.stderr.strip().splitlines()[-1]))
+        printed.append(done.stdout)
     first, second = counts
     assert first.get("cache_misses", 0) > 0 and (copy / "jax_cache").is_dir()
     assert second.get("cache_misses", 0) == 0, second
     assert second.get("cache_hits", 0) == first["cache_misses"], (first, second)
+    assert first["beam_search_traces"] == 1 and first["init_traces"] == 1, first
+    assert "beam_search_traces" not in second and "init_traces" not in second, second
+    assert printed[0] == printed[1] == f"{Translator(copy)([SENTENCES[0]])[0]}\n"   # as traced here
+    assert len(list((copy / "jax_cache" / "exported").glob("*.jaxexport"))) == 1
 
 
 def test_console_scripts_from_a_wheel_install_train_and_translate(tmp_path, short_corpus):

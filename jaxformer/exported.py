@@ -1,0 +1,136 @@
+"""Decoders and parameter shapes kept in a run directory, so that a later translate
+process neither traces nor compiles.
+
+JAX's persistent compilation cache (``RUN/jax_cache``) saves the compile, but every
+new process still traces the decoder in Python to find its cache key: about 0.5 s
+for the small preset's beam search (flax also checks each parameter's shape by
+tracing its initializer), and another 0.3 s to trace the model's ``init`` for the
+parameters' shapes that orbax restores into. Here both are done once per run:
+
+* a decoder is exported (``jax.export``: the traced and lowered StableHLO program,
+  https://docs.jax.dev/en/latest/export/export.html) to ``<key>.jaxexport``; a later
+  process deserializes it in milliseconds and compiles it, which the compilation
+  cache answers;
+* the parameters' shapes and dtypes are written to ``<key>.json``.
+
+Each key is a SHA-256 of everything the entry depends on: jaxformer's source files,
+the jax and jaxlib versions, the model config, the decoder with its static arguments
+and the inputs' tree, shapes and dtypes. A change to any of them is another key, so a
+stale entry is never used; an entry that fails to load is made again and rewritten.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jaxlib
+import numpy as np
+
+
+@functools.cache
+def source_digest() -> str:
+    """SHA-256 of jaxformer's own ``.py`` files (names and contents)."""
+    root = Path(__file__).resolve().parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(f"{path.relative_to(root)}\0".encode() + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def _signature(tree: Any) -> list[Any]:
+    """A pytree's structure and its leaves' shapes and dtypes, as JSON-able values."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return [str(treedef), [[list(np.shape(x)), str(x.dtype)] for x in leaves]]
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    """Writes ``data`` to ``path`` through a temporary file and a rename: a reader never
+    sees half a file, and two processes writing the same entry write the same bytes."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}-", delete=False) as f:
+        f.write(data)
+    os.replace(f.name, path)
+
+
+class ExportCache:
+    """Exported decoders and parameter shapes in ``directory`` (e.g. ``RUN/jax_cache/exported``).
+
+    Args:
+      directory: created on the first write.
+    """
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+
+    def key(self, *parts: Any) -> str:
+        """The entry name for ``parts`` (JSON-able), with the source and version digest."""
+        text = json.dumps([source_digest(), jax.__version__, jaxlib.__version__, *parts], default=repr)
+        return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+    def abstract_params(self, config: Any, make: Callable[[], Any]) -> Any:
+        """``make()`` (a tree of ``jax.ShapeDtypeStruct``: the parameters of a model with
+        ``config``), read from this cache when it was made before.
+
+        Returns:
+          a nested dict of ``jax.ShapeDtypeStruct`` (``make()``'s on a cache miss).
+        """
+        path = self.directory / f"{self.key('params', repr(config))}.json"
+        try:
+            leaves = json.loads(path.read_text())
+            tree: dict[str, Any] = {}
+            for names, shape, dtype in leaves:
+                node = tree
+                for name in names[:-1]:
+                    node = node.setdefault(name, {})
+                node[names[-1]] = jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype))
+            return tree
+        except (OSError, ValueError, TypeError, KeyError, AttributeError):   # missing or unreadable
+            pass
+        abstract = make()
+        flat = jax.tree_util.tree_flatten_with_path(abstract)[0]
+        leaves = [[[k.key for k in names], list(x.shape), str(x.dtype)] for names, x in flat]
+        try:
+            _write_atomically(path, json.dumps(leaves).encode())
+        except OSError:   # an unwritable run directory: made again next time
+            pass
+        return abstract
+
+    def decoder(self, fn: Callable, name: str, config: Any, **static: Any) -> Callable:
+        """``fn(params, src)`` (a pure function of arrays, ``static`` bound) served from an
+        exported program: traced and exported on the first call with a new input
+        signature, read from disk in later processes.
+
+        Args:
+          fn: the decoder with its static arguments bound; ``name``, ``config`` (the
+            model's) and ``static`` enter the key, as every input's shape and dtype do.
+        """
+        compiled: dict[str, Callable] = {}
+
+        def call(*args):
+            key = self.key("decoder", name, repr(config), sorted(static.items()), _signature(args))
+            if key not in compiled:
+                compiled[key] = jax.jit(self._load_or_export(key, fn, args).call)
+            return compiled[key](*args)
+
+        return call
+
+    def _load_or_export(self, key: str, fn: Callable, args: tuple) -> jax.export.Exported:
+        path = self.directory / f"{key}.jaxexport"
+        try:
+            return jax.export.deserialize(bytearray(path.read_bytes()))
+        except Exception:  # noqa: BLE001 - missing, truncated or from elsewhere: export it again
+            pass
+        exported = jax.export.export(jax.jit(fn))(*args)
+        try:
+            _write_atomically(path, bytes(exported.serialize()))
+        except (OSError, ImportError):   # unwritable, or no flatbuffers: this process still uses it
+            pass
+        return exported

@@ -1,0 +1,70 @@
+"""Exported decoders and parameter shapes in a run directory (jaxformer.exported, issue 14)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxformer import config as config_lib
+from jaxformer.exported import ExportCache
+
+
+def _counting(calls):
+    def fn(params, src_BS):   # stands in for a decoder: a pure function of arrays
+        calls.append(src_BS.shape)
+        return jnp.argsort(src_BS @ params["w"], axis=-1), jnp.sum(src_BS, axis=-1)
+    return fn
+
+
+def test_a_decoder_is_exported_once_and_later_read_from_disk(tmp_path):
+    params = {"w": jnp.arange(12.0).reshape(3, 4)}
+    src = jnp.asarray(np.random.default_rng(0).normal(size=(2, 3)), jnp.float32)
+    config = config_lib.preset("tiny", src_vocab_size=64)
+    calls = []
+    first = ExportCache(tmp_path).decoder(_counting(calls), "toy", config, beam_size=4)
+    expected = _counting([])(params, src)
+    for _ in range(2):   # traced once, then the compiled export is reused in-process
+        jax.tree_util.tree_map(np.testing.assert_array_equal, first(params, src), expected)
+    assert calls == [(2, 3)] and len(list(tmp_path.glob("*.jaxexport"))) == 1
+
+    again = ExportCache(tmp_path).decoder(_counting(calls), "toy", config, beam_size=4)   # "a new process"
+    jax.tree_util.tree_map(np.testing.assert_array_equal, again(params, src), expected)
+    assert calls == [(2, 3)], "read from disk, not traced again"
+
+    again(params, jnp.ones((4, 3)))   # another input shape: its own export
+    other = ExportCache(tmp_path).decoder(_counting(calls), "toy", config, beam_size=5)
+    other(params, src)                # another static argument: its own export
+    changed = ExportCache(tmp_path).decoder(_counting(calls), "toy", config.replace(activation="gelu"),
+                                           beam_size=4)
+    changed(params, src)              # another model config: its own export
+    assert calls == [(2, 3), (4, 3), (2, 3), (2, 3)] and len(list(tmp_path.glob("*.jaxexport"))) == 4
+
+
+def test_a_damaged_export_is_made_again(tmp_path):
+    params, src = {"w": jnp.ones((3, 4))}, jnp.ones((2, 3))
+    config = config_lib.preset("tiny", src_vocab_size=64)
+    calls = []
+    ExportCache(tmp_path).decoder(_counting(calls), "toy", config)(params, src)
+    (path,) = tmp_path.glob("*.jaxexport")
+    path.write_bytes(path.read_bytes()[:50])
+    out = ExportCache(tmp_path).decoder(_counting(calls), "toy", config)(params, src)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, out, _counting([])(params, src))
+    assert len(calls) == 2 and path.stat().st_size > 50
+
+
+def test_parameter_shapes_are_kept_per_config(tmp_path):
+    config = config_lib.preset("tiny", src_vocab_size=64)
+    made = []
+
+    def make(c):
+        def shapes():
+            made.append(c)
+            return {"encoder": {"w": jax.ShapeDtypeStruct((c.d_model, c.d_ff), jnp.float32)},
+                    "bias": jax.ShapeDtypeStruct((c.d_model,), jnp.bfloat16)}
+        return shapes
+
+    first = ExportCache(tmp_path).abstract_params(config, make(config))
+    second = ExportCache(tmp_path).abstract_params(config, make(config))
+    assert second == first and len(made) == 1
+    wider = config.replace(d_ff=96)
+    assert ExportCache(tmp_path).abstract_params(wider, make(wider))["encoder"]["w"].shape == (32, 96)
+    assert len(made) == 2
