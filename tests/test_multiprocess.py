@@ -1,5 +1,5 @@
 """Two processes on localhost, 4 fake CPU devices each, train like one process (issue #5):
-the train step alone, and the whole trainer (checkpoints, resume, evaluation, records)."""
+the whole trainer (train step, checkpoints, preemption, resume, evaluation, records)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from pathlib import Path
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from multiprocess_worker import train_losses
 
 from jaxformer.checkpoints import RunCheckpoints
 from jaxformer.run_config import TrainConfig
@@ -57,13 +56,6 @@ def _run_two_processes(*args: str, env_1: dict[str, str] | None = None) -> list[
                 worker.communicate()
     assert [o["process"] for o, _ in outputs] == [0, 1]
     return outputs
-
-
-def test_two_processes_match_one_process():
-    outputs = [o for o, _ in _run_two_processes()]
-    reference = train_losses()        # this process: 8 devices, the same data=4,model=2 mesh
-    for output in outputs:
-        np.testing.assert_allclose(output["losses"], reference, rtol=1e-5)
 
 
 def _params_at(workdir: Path, step: int) -> dict:
