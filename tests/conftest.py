@@ -1,6 +1,9 @@
 """Test strictness, set before JAX initialises its backends.
 
 * 8 fake CPU devices, so every sharding path runs on a laptop or CI.
+* XLA's CPU backend at optimization level 0: the suite's tiny programs spend far
+  more time compiling than running, and the tests check what they compute, not how
+  fast (``tests/test_training.py`` and ``tests/test_packing.py``: 127 s → 86 s).
 * ``jax_numpy_rank_promotion="raise"``: implicit rank broadcasting is an error.
 * JAX's persistent compilation cache in ``.pytest_cache/jax-compilation-cache``: the
   suite compiles the same tiny-model programs again and again (every ``train()`` call,
@@ -12,8 +15,8 @@
 import os
 from pathlib import Path
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_force_host_platform_device_count=8").strip()
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+                           " --xla_backend_optimization_level=0").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       str(Path(__file__).resolve().parents[1] / ".pytest_cache" / "jax-compilation-cache"))
