@@ -12,6 +12,7 @@ different before any checkpoint, the data is prepared again.
 from __future__ import annotations
 
 import dataclasses
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -148,19 +149,53 @@ def check_prepared(spec: DataSpec, directory: Path, tokenizer_file: Path, *,
     return fingerprint, "retrain"
 
 
+def _copy_back(previous: Path | None, fingerprint: dict[str, Any], directory: Path,
+               tokenizer_file: Path) -> bool:
+    """Copies the prepared data and tokenizer that ``--fresh`` moved to ``previous`` back
+    when they were made from the same inputs and settings (what preparing again would
+    write: the tokenizer sample and the encoding are deterministic) and the run's
+    tokenizer, if it already has one, is the one they were encoded with."""
+    if previous is None:
+        return False
+    old_prepared = previous / directory.name
+    old_tokenizer = previous / tokenizer_file.relative_to(directory.parent)
+    manifest = read_manifest(old_prepared)
+    if manifest is None or not same_data(manifest.get("fingerprint", {}), fingerprint) \
+            or not old_tokenizer.exists():
+        return False
+    wanted = manifest["tokenizer"]["sha256"]
+    if tokenizer_digest(old_tokenizer) != wanted or (
+            tokenizer_file.exists() and tokenizer_digest(tokenizer_file) != wanted):
+        return False
+    if not tokenizer_file.exists():
+        tokenizer_file.parent.mkdir(parents=True, exist_ok=True)
+        if old_tokenizer.is_dir():
+            shutil.copytree(old_tokenizer, tokenizer_file)
+        else:
+            shutil.copy2(old_tokenizer, tokenizer_file)
+    shutil.copytree(old_prepared, directory, dirs_exist_ok=True)
+    return True
+
+
 def ensure_prepared(spec: DataSpec, directory: Path, tokenizer_file: Path, *, has_checkpoints: bool,
-                    seed: int = 0, write: bool = True, tokenizer: TextTokenizer | None = None) -> None:
+                    seed: int = 0, write: bool = True, tokenizer: TextTokenizer | None = None,
+                    previous: Path | None = None) -> None:
     """Makes ``directory`` hold ``spec``'s prepared data: reused when its manifest matches,
-    else prepared (again) — see :func:`check_prepared`. With ``write=False`` (the other
-    processes of a multi-process run) only the check runs, so every process raises the
-    same error.
+    copied back from ``previous`` (the folder ``--fresh`` moved the last run to) when that
+    was prepared from the same inputs and settings, else prepared (again) — see
+    :func:`check_prepared`. With ``write=False`` (the other processes of a multi-process
+    run) only the check runs, so every process raises the same error.
 
     Raises:
       ValueError: the run has checkpoints of other data (see :func:`check_prepared`).
     """
-    _, action = check_prepared(spec, directory, tokenizer_file, has_checkpoints=has_checkpoints)
+    fingerprint, action = check_prepared(spec, directory, tokenizer_file, has_checkpoints=has_checkpoints)
     if action == "reuse":
         log(f"prepared data: reusing {directory}")
+        return
+    if write and action != "encode" and _copy_back(previous, fingerprint, directory, tokenizer_file):
+        log(f"prepared data: the same inputs and settings as the run --fresh moved to {previous}; "
+            f"copied its prepared data and tokenizer back instead of preparing again")
         return
     if write:
         if action == "encode":
@@ -171,11 +206,14 @@ def ensure_prepared(spec: DataSpec, directory: Path, tokenizer_file: Path, *, ha
 
 
 def prepare_run_data(cfg: TrainConfig, run_dir: RunDir, *, has_checkpoints: bool,
-                     tokenizer: TextTokenizer | None = None) -> PreparedCorpus:
+                     tokenizer: TextTokenizer | None = None, previous: Path | None = None
+                     ) -> PreparedCorpus:
     """The prepared data of a run directory (``prepared/``, ``tokenizer/spm.model``),
     prepared first if missing or stale. In a multi-process run process 0 prepares and the
     others wait for it. ``tokenizer``: encode with this one (fine-tuning: the ``--init-from``
     run's, copied into ``tokenizer/``) instead of training or reading ``spm.model``.
+    ``previous``: the folder ``--fresh`` just moved the run's files to (its prepared data
+    is copied back when it matches; see :func:`ensure_prepared`).
 
     Raises:
       ValueError: bad corpus flags, an unusable corpus, or checkpoints of other data.
@@ -187,7 +225,7 @@ def prepare_run_data(cfg: TrainConfig, run_dir: RunDir, *, has_checkpoints: bool
     directory = run_dir.prepared
     tokenizer_file = run_dir.tokenizer_dir if tokenizer is not None else run_dir.tokenizer_dir / "spm.model"
     ensure_prepared(spec, directory, tokenizer_file, has_checkpoints=has_checkpoints,
-                    write=jax.process_index() == 0, tokenizer=tokenizer)
+                    write=jax.process_index() == 0, tokenizer=tokenizer, previous=previous)
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 

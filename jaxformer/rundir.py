@@ -123,9 +123,13 @@ class RunDir:
     def jax_cache(self) -> Path:
         return self.root / "jax_cache"
 
-    def create(self, fresh: bool = False) -> None:
+    def create(self, fresh: bool = False) -> Path | None:
         """Creates the directory (a clear error if impossible); ``fresh`` moves the previous
         run's files into ``old-<time>/`` (nothing is deleted).
+
+        Returns:
+          that ``old-<time>/`` folder, or ``None`` when nothing was moved (or this is not
+          process 0, which alone moves files).
 
         Raises:
           OSError: the directory cannot be created or written; the message names it.
@@ -145,6 +149,8 @@ class RunDir:
                 for name in present:
                     shutil.move(str(self.root / name), str(old / name))
                 log(f"--fresh: moved the previous run's files to {old}")
+                return old
+        return None
 
     def read_config(self) -> dict[str, Any] | None:
         """The saved run record (``config.json``), or ``None`` if there is none yet."""

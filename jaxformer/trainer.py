@@ -154,7 +154,7 @@ def setup(cfg: TrainConfig, *, fresh: bool = False) -> Run:
     if cfg.devices is not None:
         log(f"using {cfg.devices} of {len(jax.devices())} devices (--devices)")
     run_dir = RunDir(cfg.workdir)
-    run_dir.create(fresh)
+    previous = run_dir.create(fresh)   # --fresh: where the previous run's files went
     if jax.process_count() > 1:   # every process sees the directory after --fresh moved things
         from jax.experimental import multihost_utils
 
@@ -166,9 +166,10 @@ def setup(cfg: TrainConfig, *, fresh: bool = False) -> Run:
     # Prepared once (jaxformer.prepare), reused on every resume; other data than the run's is an error.
     if cfg.init_from:   # fine-tuning: that run's architecture and tokenizer encode the data
         tokenizer, model_config, pretrained_record = pretrained.tokenizer_and_model_config(cfg, run_dir)
-        prepared = prepare_run_data(cfg, run_dir, has_checkpoints=has_checkpoints, tokenizer=tokenizer)
+        prepared = prepare_run_data(cfg, run_dir, has_checkpoints=has_checkpoints, tokenizer=tokenizer,
+                                    previous=previous)
     else:
-        prepared = prepare_run_data(cfg, run_dir, has_checkpoints=has_checkpoints)
+        prepared = prepare_run_data(cfg, run_dir, has_checkpoints=has_checkpoints, previous=previous)
         tokenizer, pretrained_record = Tokenizer(run_dir.tokenizer_dir / "spm.model"), None
         model_config = preset(cfg.preset, src_vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id,
                               **cfg.model_overrides())

@@ -133,6 +133,32 @@ def test_a_damaged_prepared_file_is_a_clear_error(run_dir, tmp_path, damage):
         PreparedCorpus.open(copy.prepared)
 
 
+def test_fresh_on_the_same_data_copies_the_prepared_data_back(corpus_file, run_dir, tmp_path, monkeypatch,
+                                                               caplog):
+    """``--fresh`` starts the run over, but data prepared from the same inputs and settings
+    is copied back from the moved-aside run, not prepared again (minutes at WMT size)."""
+    copy = _copy(run_dir, tmp_path)
+    before = {p.name: p.read_bytes() for p in copy.prepared.iterdir()}
+    previous = copy.create(fresh=True)
+    assert previous is not None and not copy.prepared.exists() and not copy.tokenizer_dir.exists()
+    monkeypatch.setattr(rundata, "prepare", lambda *a, **k: pytest.fail("prepared again"))
+    with caplog.at_level("INFO", logger="jaxformer"):
+        prepared = rundata.prepare_run_data(_cfg(corpus_file, copy.root), copy, has_checkpoints=False,
+                                            previous=previous)
+    assert "copied its prepared data and tokenizer back" in caplog.text
+    assert {p.name: p.read_bytes() for p in copy.prepared.iterdir()} == before
+    assert len(prepared) == len(PreparedCorpus.open(run_dir.prepared))
+    assert (previous / "prepared" / "manifest.json").exists()   # the old run keeps its copy
+
+    # Another vocabulary is other data: prepared again, not copied.
+    again = _copy(run_dir, tmp_path / "again")
+    moved = again.create(fresh=True)
+    monkeypatch.undo()
+    other_vocab = TrainConfig(train_file=str(corpus_file), workdir=str(again.root), vocab_size=280)
+    prepared = rundata.prepare_run_data(other_vocab, again, has_checkpoints=False, previous=moved)
+    assert prepared.manifest["fingerprint"]["vocab_size"] == 280
+
+
 def test_workdir_defaults_to_the_data():
     assert TrainConfig().workdir == "runs/en-de"
     assert TrainConfig(pair="en-fr").workdir == "runs/en-fr"
