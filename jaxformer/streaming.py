@@ -281,7 +281,8 @@ class BatchStream(grain.DatasetIterator):
             if self._workers:
                 _absl_flags_parsed()
                 dataset = dataset.mp_prefetch(grain.MultiprocessingOptions(
-                    num_workers=self._workers, per_worker_buffer_size=self._buffer))
+                    num_workers=self._workers, per_worker_buffer_size=self._buffer),
+                    worker_init_fn=_cpu_only_worker)
             self._batches = iter(dataset)
             if self._workers:
                 self._batches.start_prefetch()
@@ -313,6 +314,14 @@ class BatchStream(grain.DatasetIterator):
     def close(self) -> None:
         """Stops the worker processes (if any); the stream may be restarted by using it."""
         self._stop()
+
+
+def _cpu_only_worker(worker_index: int, worker_count: int) -> None:
+    """A data worker (a spawned process) collates with NumPy; should anything in it touch
+    JAX, it gets the CPU backend, never a GPU/TPU (whose memory the trainer owns)."""
+    import os
+
+    os.environ["JAX_PLATFORMS"] = "cpu"
 
 
 def _absl_flags_parsed() -> None:
