@@ -24,6 +24,8 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from jaxformer.validation import DataPositionError
+
 
 class CheckpointError(OSError):
     """No checkpoint of the run directory can be read."""
@@ -145,6 +147,9 @@ class RunCheckpoints:
         for step in steps:
             try:
                 state = self.restore(step, abstract_state, data_iterator)
+            except DataPositionError as error:   # readable, but another pipeline's: refuse, move nothing
+                raise DataPositionError(f"Checkpoint step {step} in {self.latest.directory}: {error} "
+                                        f"Nothing was changed.") from error
             except Exception as error:  # any failure to read means this step is unusable
                 failures.append((step, _first_line(error)))
                 report(f"checkpoint step {step} is unreadable ({failures[-1][1]}); "

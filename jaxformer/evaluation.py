@@ -195,8 +195,9 @@ class Evaluator:
             self._eval_step = jit_eval_step(self.model, self.smoothing, layout=self.layout)
         totals = None
         lengths = [max(len(s), len(t) + 1) for s, t in zip(examples.src, examples.tgt)]
+        rows = self._rows(self.batch_size)   # a multiple of the data shards under a layout
         for length, members in self._length_batches(lengths):
-            indices = np.concatenate([members, np.full(self.batch_size - members.size, -1)])
+            indices = np.concatenate([members, np.full(rows - members.size, -1)])
             batch = collate(examples, length, indices, pad_id=self.model.config.pad_id,
                                      bos_id=self.tokenizer.bos_id, eos_id=self.tokenizer.eos_id)
             batch = self._place(batch) if self.layout else batch

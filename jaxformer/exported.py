@@ -52,12 +52,26 @@ def _signature(tree: Any) -> list[Any]:
 
 
 def _write_atomically(path: Path, data: bytes) -> None:
-    """Writes ``data`` to ``path`` through a temporary file and a rename: a reader never
-    sees half a file, and two processes writing the same entry write the same bytes."""
+    """Writes ``data`` to ``path``, after its SHA-256 (:func:`_read_verified`), through a
+    temporary file and a rename: a reader never sees half a file, and two processes
+    writing the same entry write the same bytes."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}-", delete=False) as f:
-        f.write(data)
+        f.write(hashlib.sha256(data).digest() + data)
     os.replace(f.name, path)
+
+
+def _read_verified(path: Path) -> bytes:
+    """What :func:`_write_atomically` wrote to ``path``.
+
+    Raises:
+      OSError: unreadable; ValueError: its SHA-256 does not match (a damaged file).
+    """
+    raw = path.read_bytes()
+    digest, data = raw[:32], raw[32:]
+    if hashlib.sha256(data).digest() != digest:
+        raise ValueError(f"{path} is damaged")
+    return data
 
 
 class ExportCache:
@@ -84,7 +98,7 @@ class ExportCache:
         """
         path = self.directory / f"{self.key('params', repr(config))}.json"
         try:
-            leaves = json.loads(path.read_text())
+            leaves = json.loads(_read_verified(path))
             tree: dict[str, Any] = {}
             for names, shape, dtype in leaves:
                 node = tree
@@ -125,7 +139,7 @@ class ExportCache:
     def _load_or_export(self, key: str, fn: Callable, args: tuple) -> jax.export.Exported:
         path = self.directory / f"{key}.jaxexport"
         try:
-            return jax.export.deserialize(bytearray(path.read_bytes()))
+            return jax.export.deserialize(bytearray(_read_verified(path)))
         except Exception:  # noqa: BLE001 - missing, truncated or from elsewhere: export it again
             pass
         exported = jax.export.export(jax.jit(fn))(*args)

@@ -41,6 +41,7 @@ import numpy as np
 
 from jaxformer import batching
 from jaxformer.prepared import PreparedCorpus
+from jaxformer.validation import DataPositionError
 
 Plan = list[tuple[int, np.ndarray]]
 Planner = Callable[[np.ndarray, np.ndarray, np.random.Generator], Plan]
@@ -53,14 +54,14 @@ def check_position(state: Any) -> Position:
     """``state`` as a :data:`Position`, or a clear error.
 
     Raises:
-      ValueError: ``state`` is not ``{"epoch", "block", "batch"}`` of non-negative
+      DataPositionError: ``state`` is not ``{"epoch", "block", "batch"}`` of non-negative
         integers, e.g. the data position of a checkpoint written by a jaxformer
         from before prepared, streamed data (2026-11-30), which held the in-memory
         pipeline's position; its batches cannot be reproduced exactly.
     """
     if (not isinstance(state, dict) or set(state) != set(START)
             or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in state.values())):
-        raise ValueError(   # kept short: checkpoint errors are reported by their first 200 characters
+        raise DataPositionError(
             f"Data position from an older jaxformer (before streamed data), whose batches cannot be "
             f"continued exactly: start over with --fresh or finish with the version that began the "
             f"run (got {state!r}).")
@@ -274,6 +275,7 @@ class BatchStream(grain.DatasetIterator):
         self._build, self._workers, self._buffer = build, workers, buffer
         self._position: Position = dict(START)
         self._batches: Any = None   # the running pipeline's iterator, started on demand
+        self._closes_at_exit = False
 
     def start_prefetch(self) -> None:
         if self._batches is None:
@@ -282,7 +284,10 @@ class BatchStream(grain.DatasetIterator):
                 _absl_flags_parsed()
                 dataset = dataset.mp_prefetch(grain.MultiprocessingOptions(
                     num_workers=self._workers, per_worker_buffer_size=self._buffer),
-                    worker_init_fn=_cpu_only_worker)
+                    worker_init_fn=_worker_init)
+                if not self._closes_at_exit:
+                    _close_at_exit(self)
+                    self._closes_at_exit = True
             self._batches = iter(dataset)
             if self._workers:
                 self._batches.start_prefetch()
@@ -316,12 +321,40 @@ class BatchStream(grain.DatasetIterator):
         self._stop()
 
 
-def _cpu_only_worker(worker_index: int, worker_count: int) -> None:
-    """A data worker (a spawned process) collates with NumPy; should anything in it touch
-    JAX, it gets the CPU backend, never a GPU/TPU (whose memory the trainer owns)."""
+def _worker_init(index: int, count: int, poll_s: float = 1.0) -> None:
+    """In each worker process: Ctrl-C and SIGTERM are the trainer's to handle (a terminal's
+    Ctrl-C, ``kill -- -PGID`` or a scheduler signal the whole process group; a worker killed
+    by it would fail the trainer's next batch instead of letting it checkpoint), and a
+    worker whose trainer died (SIGKILL, OOM) exits instead of waiting forever. Workers
+    collate with NumPy; should anything in one touch JAX, it gets the CPU backend, never
+    the GPU/TPU whose memory the trainer owns."""
     import os
+    import signal
+    import threading
+    import time
 
     os.environ["JAX_PLATFORMS"] = "cpu"
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True, name="jaxformer-parent-watch").start()
+
+
+def _close_at_exit(stream: BatchStream) -> None:
+    """Stops the workers at interpreter exit even if the stream was never closed: they ignore
+    SIGTERM, which is how multiprocessing's own exit hook would stop them (registered
+    later, this hook runs first)."""
+    import atexit
+    import weakref
+
+    ref = weakref.ref(stream)
+    atexit.register(lambda: ref() is not None and ref().close())
 
 
 def _absl_flags_parsed() -> None:

@@ -82,3 +82,8 @@ def check_special_ids(*, pad_id: int, bos_id: int, eos_id: int, unk_id: int | No
                          f"masked out of the loss, so that token could never be learnt or generated. "
                          f"Train the tokenizer with a pad id of its own (sentencepiece: --pad_id=0 "
                          f"--unk_id=1 --bos_id=2 --eos_id=3, as Tokenizer.train does).")
+
+
+class DataPositionError(ValueError):
+    """A checkpoint's data position is not the streaming pipeline's (a checkpoint of a
+    jaxformer from before streamed data): readable, but its batches cannot be continued."""

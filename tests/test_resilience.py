@@ -25,6 +25,7 @@ from jaxformer import batching, trainer
 from jaxformer.checkpoints import CheckpointError, RunCheckpoints
 from jaxformer.run_config import TrainConfig
 from jaxformer.trainer import TrainingDiverged, train
+from jaxformer.validation import DataPositionError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -174,9 +175,22 @@ def test_a_checkpoint_from_before_streamed_data_is_refused_with_the_fix(tmp_path
     for path in saved:
         path.write_text(json.dumps({"next_index": 96}))
     before = _snapshot(workdir)
-    with pytest.raises(CheckpointError, match="older jaxformer.*--fresh"):
+    with pytest.raises(DataPositionError, match="older jaxformer.*--fresh"):
         train(_config(workdir, files, 16))
     assert _snapshot(workdir) == before
+    oldest = min(saved, key=lambda path: int(path.parts[-3]))   # the newest of another format, an older one
+    oldest.write_text(json.dumps({"epoch": 0, "block": 0, "batch": int(oldest.parts[-3])}))   # readable:
+    before = _snapshot(workdir)
+    with pytest.raises(DataPositionError, match="older jaxformer.*--fresh"):   # refused, not set aside
+        train(_config(workdir, files, 16))
+    assert _snapshot(workdir) == before
+
+
+def test_a_data_axis_that_does_not_divide_the_eval_batch_evaluates(tmp_path, files):
+    """--devices 3: training rounds its rows to 15; the dev loss pads its batches of 16 to 18
+    rows (a multiple of the data axis) instead of failing at the first evaluation."""
+    result = train(_config(tmp_path / "run", files, 2, devices=3, eval_every=2, checkpoint_every=2))
+    assert result["final_step"] == 2 and "test_bleu" in result
 
 
 def test_diverging_run_stops_with_a_clear_error_and_keeps_the_last_checkpoint(
