@@ -14,9 +14,11 @@ parameters' shapes that orbax restores into. Here both are done once per run:
 * the parameters' shapes and dtypes are written to ``<key>.json``.
 
 Each key is a SHA-256 of everything the entry depends on: jaxformer's source files,
-the jax and jaxlib versions, the model config, the decoder with its static arguments
-and the inputs' tree, shapes and dtypes. A change to any of them is another key, so a
-stale entry is never used; an entry that fails to load is made again and rewritten.
+the jax, jaxlib and flax versions, the JAX settings that change a trace (x64, default
+matmul precision), the model config, the decoder with its static arguments and the
+inputs' tree, shapes and dtypes. A change to any of them is another key, so a stale
+entry is never used. Each file starts with its payload's SHA-256; an entry that fails
+to load or to verify is made again and rewritten.
 """
 
 from __future__ import annotations
@@ -86,7 +88,11 @@ class ExportCache:
 
     def key(self, *parts: Any) -> str:
         """The entry name for ``parts`` (JSON-able), with the source and version digest."""
-        text = json.dumps([source_digest(), jax.__version__, jaxlib.__version__, *parts], default=repr)
+        import flax
+
+        tracing = [jax.config.jax_enable_x64, str(jax.config.jax_default_matmul_precision)]
+        text = json.dumps([source_digest(), jax.__version__, jaxlib.__version__, flax.__version__, tracing,
+                           *parts], default=repr)
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
     def abstract_params(self, config: Any, make: Callable[[], Any]) -> Any:

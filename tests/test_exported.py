@@ -68,3 +68,16 @@ def test_parameter_shapes_are_kept_per_config(tmp_path):
     wider = config.replace(d_ff=96)
     assert ExportCache(tmp_path).abstract_params(wider, make(wider))["encoder"]["w"].shape == (32, 96)
     assert len(made) == 2
+
+
+def test_the_key_covers_the_libraries_and_the_tracing_settings(tmp_path, monkeypatch):
+    import flax
+
+    cache = ExportCache(tmp_path)
+    first = cache.key("decoder", "beam_translate")
+    assert cache.key("decoder", "beam_translate") == first and cache.key("decoder", "greedy") != first
+    monkeypatch.setattr(flax, "__version__", "0.0.1")
+    assert cache.key("decoder", "beam_translate") != first
+    monkeypatch.undo()
+    with jax.default_matmul_precision("bfloat16"):
+        assert cache.key("decoder", "beam_translate") != first
