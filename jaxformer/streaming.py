@@ -265,7 +265,8 @@ class BatchStream(grain.DatasetIterator):
     :meth:`close`.
 
     Raises:
-      ValueError: from ``set_state``, for a state that is not a position (:func:`check_position`).
+      DataPositionError: from ``set_state``, for a state that is not a position
+        (:func:`check_position`).
     """
 
     def __init__(self, build: Callable[[Position], grain.IterDataset], workers: int = 0, buffer: int = 2):
@@ -275,7 +276,8 @@ class BatchStream(grain.DatasetIterator):
         self._build, self._workers, self._buffer = build, workers, buffer
         self._position: Position = dict(START)
         self._batches: Any = None   # the running pipeline's iterator, started on demand
-        self._closes_at_exit = False
+        if workers:
+            _close_at_exit(self)
 
     def start_prefetch(self) -> None:
         if self._batches is None:
@@ -285,9 +287,6 @@ class BatchStream(grain.DatasetIterator):
                 dataset = dataset.mp_prefetch(grain.MultiprocessingOptions(
                     num_workers=self._workers, per_worker_buffer_size=self._buffer),
                     worker_init_fn=_worker_init)
-                if not self._closes_at_exit:
-                    _close_at_exit(self)
-                    self._closes_at_exit = True
             self._batches = iter(dataset)
             if self._workers:
                 self._batches.start_prefetch()
@@ -311,9 +310,7 @@ class BatchStream(grain.DatasetIterator):
 
     def _stop(self) -> None:
         if self._batches is not None:
-            close = getattr(self._batches, "close", None)
-            if close is not None:
-                close()
+            self._batches.close()
             self._batches = None
 
     def close(self) -> None:
