@@ -72,15 +72,32 @@ def _train_losses(workdir: Path) -> dict[int, float]:
     return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
 
 
-def test_two_process_trainer_preempted_resumes_and_matches_one_process(
+def _leaves(params: dict) -> dict[str, np.ndarray]:
+    return {jax.tree_util.keystr(path): value
+            for path, value in jax.tree_util.tree_flatten_with_path(params)[0]}
+
+
+def test_two_process_trainer_preempted_resumes_exactly_and_matches_one_process(
         tmp_path, short_corpus, capsys):
     """``train()`` as two processes on a data=4,model=2 mesh. SIGTERM reaches process 1
     only, before its 6th step: both processes stop at the same step (JAX's preemption
     sync point) with a checkpoint there. The second launch gets SIGTERM on process 1
     while it is still starting up, and also stops after a step or more; the third
-    resumes and finishes. Process 0 alone logs and writes the records, the losses and
-    weights equal an uninterrupted one-process run on 8 devices, and a one-device
-    ``Translator`` reads the checkpoints."""
+    resumes and finishes. Process 0 alone logs and writes the records.
+
+    Resume is exact: the preempted run's losses and weights equal an uninterrupted
+    two-process run's bit for bit. Against one process on 8 devices (the same mesh and
+    tokenizer) they agree to round-off only, and the tolerances say why: gloo sums the
+    gradients across processes in another order than XLA's in-process all-reduce, so the
+    two differ from step 2 by float32 round-off (measured: ≤ 1.2e-7 relative in the
+    loss), and that difference then grows, because Adam divides every gradient by its
+    own RMS: a weight whose gradient is round-off-sized (the attention key bias, whose
+    true gradient is zero, and rare embedding rows) gets a full-size update of random
+    sign. On a slower machine the losses drifted 5e-5 relative by step 12 and single
+    embedding entries by 1e-3. A wrong batch or a repeated step changes the loss by
+    1e-2 relative and each weight matrix by ~10% of its norm, so the one-process
+    comparison still catches both at rtol 1e-3 on the losses and 1e-2 on each weight's
+    relative norm. A one-device ``Translator`` reads the checkpoints."""
     config = dict(train_file=str(short_corpus["train"]), dev_file=str(short_corpus["dev"]),
                   test_file=str(short_corpus["test"]), preset="tiny", vocab_size=300, max_len=32,
                   batch_tokens=512, warmup_steps=10, eval_every=1000, dev_bleu_sentences=12,
@@ -88,11 +105,18 @@ def test_two_process_trainer_preempted_resumes_and_matches_one_process(
                   mesh="data=4,model=2",
                   log_every=1,      # a resume at any step leaves no partly logged window
                   max_minutes=60)   # not reached; the processes agree on it every log_every steps
-    two, last = tmp_path / "two", 14   # preempted at 6 and at 7 (or later), checkpoints at 8 and 14
-    arguments = json.dumps({**config, "workdir": str(two), "max_steps": last})
+    last = 14   # preempted at 6 and at 7 (or later), checkpoints at 8 and 14
+    straight, two, one = tmp_path / "straight", tmp_path / "two", tmp_path / "one"
+
+    def arguments(workdir: Path) -> str:
+        return json.dumps({**config, "workdir": str(workdir), "max_steps": last})
+
+    _run_two_processes(arguments(straight))   # the exact reference: two processes, no stop
+    for workdir in (two, one):                # the same tokenizer for all three runs
+        shutil.copytree(straight / "tokenizer", workdir / "tokenizer")
 
     def preempted(signal_at: str, after: int) -> int:
-        outputs = _run_two_processes(arguments, env_1={"SIGTERM_AT_STEP": signal_at})
+        outputs = _run_two_processes(arguments(two), env_1={"SIGTERM_AT_STEP": signal_at})
         stops = {o.get("preempted_at") for o, _ in outputs}
         assert len(stops) == 1 and [o.get("signal") for o, _ in outputs] == ["SIGTERM"] * 2, outputs
         stop = stops.pop()
@@ -104,29 +128,31 @@ def test_two_process_trainer_preempted_resumes_and_matches_one_process(
     stop = preempted("6", after=5)
     stop = preempted("restore", after=stop)   # the notice comes before the first step
 
-    (result, out_0), (_, out_1) = _run_two_processes(arguments)
+    (result, out_0), (_, out_1) = _run_two_processes(arguments(two))
     assert "resumed" in out_0 and f"at step {stop}" in out_0
     assert "resumed" not in out_1 and "test BLEU" not in out_1   # process 0 alone speaks
     assert result["results"]["final_step"] == last
     assert json.loads((two / "results.json").read_text())["final_step"] == last
 
-    one = tmp_path / "one"   # the reference: this process, 8 devices, the same mesh and tokenizer
-    shutil.copytree(two / "tokenizer", one / "tokenizer")
-    assert train(TrainConfig(**config, workdir=str(one), max_steps=last))["final_step"] == last
-    losses, reference = _train_losses(two), _train_losses(one)
+    losses, exact = _train_losses(two), _train_losses(straight)
     assert sorted(losses) == list(range(1, last + 1))   # one record per step, none repeated
+    assert losses == exact                              # bit for bit
+    params, exact_params = _leaves(_params_at(two, last)), _leaves(_params_at(straight, last))
+    assert params.keys() == exact_params.keys()
+    for name, value in params.items():
+        np.testing.assert_array_equal(value, exact_params[name], err_msg=name)
+
+    assert train(TrainConfig(**config, workdir=str(one), max_steps=last))["final_step"] == last
+    reference, reference_params = _train_losses(one), _leaves(_params_at(one, last))
+    assert sorted(reference) == sorted(losses)
     np.testing.assert_allclose([losses[s] for s in sorted(losses)],
-                               [reference[s] for s in sorted(reference)], rtol=1e-5)
-    params = jax.tree_util.tree_flatten_with_path(_params_at(two, last))[0]
-    reference_params = dict(jax.tree_util.tree_flatten_with_path(_params_at(one, last))[0])
-    assert len(params) == len(reference_params)
-    for path, value in params:
-        name, expected = jax.tree_util.keystr(path), reference_params[path]
+                               [reference[s] for s in sorted(losses)], rtol=1e-3)
+    assert params.keys() == reference_params.keys()
+    for name, value in params.items():
+        expected = reference_params[name]
         assert value.shape == expected.shape, name
-        # The attention key bias has a zero true gradient (it adds q·b to every key's score
-        # alike); Adam scales its round-off noise up, so only its shape is compared.
-        if not name.endswith("['key_bias']"):
-            np.testing.assert_allclose(value, expected, atol=5e-4, err_msg=name)
+        if not name.endswith("['key_bias']"):   # round-off noise only (see the docstring)
+            assert np.linalg.norm(value - expected) <= 1e-2 * np.linalg.norm(expected), name
 
     capsys.readouterr()
     translator = Translator(two)
