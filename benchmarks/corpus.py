@@ -8,7 +8,7 @@ What ``python train.py`` does, minus evaluation: the shipped en-de corpus, its h
 train split, a joint sentencepiece vocabulary of 4000 trained on that split (cached in
 the system temp dir), pairs longer than 64 tokens dropped, 2048-token batches, the
 ``small`` preset, Adam with label smoothing 0.1, the jitted and donated train step, a
-host-side id check before each step (as in ``jaxformer.trainer.train``).
+host-side id check before each step (as in ``jaxformer.train.trainer.train``).
 
 Two batchings, back to back in one process:
 
@@ -28,6 +28,7 @@ second (target alone in brackets: the tokens the loss is computed on).
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -35,21 +36,25 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxformer import batching
-from jaxformer.config import preset
-from jaxformer.corpus import load_splits
-from jaxformer.model import Transformer
-from jaxformer.run_config import DEFAULT_CPU_RUN, TrainConfig
-from jaxformer.tokenizer import load_or_train_tokenizer
-from jaxformer.training import create_train_state, jit_train_step, make_optimizer, transformer_schedule
-from jaxformer.validation import check_token_ids
+from jaxformer.data import batching
+from jaxformer.model.config import preset
+from jaxformer.model.transformer import Transformer
+from jaxformer.model.validation import check_token_ids
+from jaxformer.run.config import DEFAULT_CPU_RUN, TrainConfig
+from jaxformer.train.optimizer import make_optimizer, transformer_schedule
+from jaxformer.train.step import create_train_state, jit_train_step
+
+# The in-memory data path (read, split, tokenize and batch the whole corpus) left the package
+# for tests/reference_data.py; this benchmark of its two batchings uses it from there.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+import reference_data  # noqa: E402
 
 
 def prepare(cfg: TrainConfig):
     """Train examples and tokenizer exactly as the default run builds them."""
-    splits, _ = load_splits(cfg)
+    splits, _ = reference_data.load_splits(cfg)
     cache = Path(tempfile.gettempdir()) / f"jaxformer-bench-{cfg.pair}-{cfg.vocab_size}"
-    tokenizer = load_or_train_tokenizer(cache, splits["train"], cfg.vocab_size)
+    tokenizer = reference_data.load_or_train_tokenizer(cache, splits["train"], cfg.vocab_size)
     examples = batching.tokenize_pairs(splits["train"], tokenizer, cfg.max_train_len)
     return examples, tokenizer
 
@@ -75,7 +80,7 @@ def run(examples, tokenizer, cfg: TrainConfig, pack: bool, steps: int) -> dict:
                                make_optimizer(transformer_schedule(config.d_model, cfg.warmup_steps,
                                                                    cfg.lr_scale)))
     step_fn = jit_train_step(model, cfg.label_smoothing)
-    dataset = batching.train_dataset(examples, batch_tokens=cfg.batch_tokens,
+    dataset = reference_data.train_dataset(examples, batch_tokens=cfg.batch_tokens,
                                      boundaries=batching.bucket_boundaries(cfg.max_train_len),
                                      seed=cfg.seed, pad_id=tokenizer.pad_id, bos_id=tokenizer.bos_id,
                                      eos_id=tokenizer.eos_id, row_multiple=jax.local_device_count(),

@@ -45,7 +45,7 @@ SIZES = {"2k": 2_000, "100k": 100_000, "1M": 1_000_000, "4.5M": 4_500_000}
 
 def synthesize(n: int, path: Path) -> Path:
     """``n`` pairs from the shipped en-de text as ``source<TAB>target`` lines (cached)."""
-    from jaxformer import corpus
+    from jaxformer.data import corpus
 
     if path.exists():
         return path
@@ -79,7 +79,7 @@ def measured(args: list[str]) -> dict:
 
 
 def _cfg(args: argparse.Namespace):
-    from jaxformer.run_config import DEFAULT_CPU_RUN, TrainConfig
+    from jaxformer.run.config import DEFAULT_CPU_RUN, TrainConfig
 
     data = {"train_file": args.train_file} if args.train_file else {}
     return TrainConfig(**{**DEFAULT_CPU_RUN, **data, "workdir": args.workdir, "progress": False,
@@ -90,9 +90,9 @@ def startup(args: argparse.Namespace) -> None:
     """(child) ``setup()`` to the first train step done; saves a checkpoint for the resume."""
     import jax
 
-    from jaxformer import sharding as sharding_lib
-    from jaxformer.trainer import setup
-    from jaxformer.training import jit_train_step
+    from jaxformer.model import sharding as sharding_lib
+    from jaxformer.train.step import jit_train_step
+    from jaxformer.train.trainer import setup
 
     start = time.perf_counter()
     run = setup(_cfg(args))
@@ -106,17 +106,25 @@ def startup(args: argparse.Namespace) -> None:
     print(json.dumps({"to_first_step_s": seconds, "step": int(run.state.step)}))
 
 
+def _reference_data():
+    """tests/reference_data.py: the in-memory path that left the package, the old path here."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    import reference_data
+
+    return reference_data
+
+
 def old_path(args: argparse.Namespace) -> None:
     """(child) The in-memory path the trainer had: read, split, train the tokenizer, tokenize,
     pack the whole corpus, to the first batch."""
-    from jaxformer import batching, corpus
-    from jaxformer.tokenizer import load_or_train_tokenizer
+    from jaxformer.data import batching
 
+    reference_data = _reference_data()
     start, cfg = time.perf_counter(), _cfg(args)
-    splits, _ = corpus.load_splits(cfg)
-    tokenizer = load_or_train_tokenizer(Path(args.workdir), splits["train"], cfg.vocab_size)
+    splits, _ = reference_data.load_splits(cfg)
+    tokenizer = reference_data.load_or_train_tokenizer(Path(args.workdir), splits["train"], cfg.vocab_size)
     examples = batching.tokenize_pairs(splits["train"], tokenizer, cfg.max_train_len)
-    dataset = batching.train_dataset(examples, batch_tokens=cfg.batch_tokens,
+    dataset = reference_data.train_dataset(examples, batch_tokens=cfg.batch_tokens,
                                      boundaries=batching.bucket_boundaries(cfg.max_train_len), seed=0,
                                      pad_id=tokenizer.pad_id, bos_id=tokenizer.bos_id,
                                      eos_id=tokenizer.eos_id, pack=True)
@@ -129,12 +137,12 @@ def shipped(args: argparse.Namespace) -> None:
     import jax
     import numpy as np
 
-    from jaxformer import batching, corpus
-    from jaxformer import sharding as sharding_lib
-    from jaxformer.prepared import PreparedCorpus
-    from jaxformer.streaming import process_plans
-    from jaxformer.trainer import build_train_data, setup
-    from jaxformer.training import jit_train_step
+    from jaxformer.data import batching
+    from jaxformer.data.prepared import PreparedCorpus
+    from jaxformer.data.streaming import process_plans
+    from jaxformer.model import sharding as sharding_lib
+    from jaxformer.train.step import jit_train_step
+    from jaxformer.train.trainer import build_train_data, setup
 
     cfg = _cfg(args)
     run = setup(cfg)   # on CPU the default: collated in this process (--data-workers 0)
@@ -149,11 +157,12 @@ def shipped(args: argparse.Namespace) -> None:
         used = ids[ids >= 0]
         real += int(corpus_.src_lengths[used].sum() + corpus_.tgt_lengths[used].sum() + used.size)
         processed += 2 * length * len(ids)
-    splits, _ = corpus.load_splits(cfg)
+    reference_data = _reference_data()
+    splits, _ = reference_data.load_splits(cfg)
     examples = batching.tokenize_pairs(splits["train"], tok, cfg.max_train_len,
                                        max_ratio=cfg.max_length_ratio)
     old_batches = batching.pack_batches(examples, cfg.batch_tokens, bounds[-1], 0)
-    old = batching.train_dataset(examples, batch_tokens=cfg.batch_tokens, boundaries=bounds, seed=0,
+    old = reference_data.train_dataset(examples, batch_tokens=cfg.batch_tokens, boundaries=bounds, seed=0,
                                  pad_id=tok.pad_id, bos_id=tok.bos_id, eos_id=tok.eos_id, pack=True)
     step = jit_train_step(run.model, cfg.label_smoothing, layout=run.layout)
     result = {"padding_streamed": 1 - real / processed,

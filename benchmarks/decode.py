@@ -42,7 +42,7 @@ import numpy as np
 from _common import add_model_arguments, alternating_median_seconds, matmul_flops_per_s, usable_cores
 
 import jaxformer as jf
-from jaxformer import decoding
+from jaxformer.decode import decoding
 
 
 @functools.partial(jax.jit, static_argnames=("model", "out_len", "beam_size", "cached"))

@@ -15,8 +15,9 @@ exec python - "$@" <<'PY'
 import os, time
 import jax, jax.numpy as jnp, numpy as np
 import jaxformer as jf
-from jaxformer import sharding, training
-from jaxformer.attention import fused_dot_product_attention
+from jaxformer.model import sharding
+from jaxformer.train import step as training
+from jaxformer.model.attention import fused_dot_product_attention
 
 PEAK_TFLOPS = {"H100": 989, "H200": 989, "H800": 989, "GH200": 989, "A100": 312, "A10": 125,
                "L4": 121, "L40": 181, "B200": 2250, "TPU v4": 275, "TPU v5 lite": 197,

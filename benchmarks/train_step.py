@@ -108,7 +108,8 @@ def run_jax(args) -> dict:
     import jax.numpy as jnp
 
     import jaxformer as jf
-    from jaxformer.training import create_train_state, jit_train_step, make_optimizer, transformer_schedule
+    from jaxformer.train.optimizer import make_optimizer, transformer_schedule
+    from jaxformer.train.step import create_train_state, jit_train_step
 
     config = jf.TransformerConfig(
         src_vocab_size=args.vocab, tgt_vocab_size=args.vocab, d_model=args.d_model,

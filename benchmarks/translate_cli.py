@@ -38,7 +38,7 @@ import collections, json, sys
 import jax.monitoring
 events = collections.Counter()
 jax.monitoring.register_event_listener(lambda name, **kw: events.update([name]))
-from jaxformer.translate import cli
+from jaxformer.cli.translate import cli
 cli()   # what jaxformer-translate runs
 print("EVENTS " + json.dumps({k.rsplit("/", 1)[-1]: v for k, v in events.items()}), file=sys.stderr)
 """
@@ -72,7 +72,7 @@ def import_seconds(repeats: int) -> float:
 
 def warm_latency_ms(workdir: str, sentence: str, calls: int = 30) -> float:
     sys.path.insert(0, str(REPO))
-    from jaxformer.translate import Translator
+    from jaxformer.decode.translator import Translator
 
     translator = Translator(workdir)
     translator([sentence], beam_size=4)   # compiles

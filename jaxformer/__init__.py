@@ -1,21 +1,21 @@
 """jaxformer: the encoder-decoder Transformer of "Attention Is All You Need" in JAX/Flax."""
 
-from jaxformer.attention import MultiHeadAttention, scaled_dot_product_attention
-from jaxformer.config import PRESETS, TransformerConfig, preset
-from jaxformer.layers import (
-                              AddNorm,
-                              Decoder,
-                              DecoderLayer,
-                              Embedding,
-                              Encoder,
-                              EncoderLayer,
-                              PositionalEncoding,
-                              PositionwiseFeedForward,
-                              sinusoidal_positional_encoding,
+from jaxformer.model.attention import MultiHeadAttention, scaled_dot_product_attention
+from jaxformer.model.config import PRESETS, TransformerConfig, preset
+from jaxformer.model.layers import (
+    AddNorm,
+    Decoder,
+    DecoderLayer,
+    Embedding,
+    Encoder,
+    EncoderLayer,
+    PositionalEncoding,
+    PositionwiseFeedForward,
+    sinusoidal_positional_encoding,
 )
-from jaxformer.masks import create_causal_mask, create_decoder_mask, create_padding_mask
-from jaxformer.model import DecodeCache, LayerCache, Transformer
-from jaxformer.validation import check_token_ids
+from jaxformer.model.masks import create_causal_mask, create_decoder_mask, create_padding_mask
+from jaxformer.model.transformer import DecodeCache, LayerCache, Transformer
+from jaxformer.model.validation import check_token_ids
 
 __all__ = [
     "AddNorm", "DecodeCache", "Decoder", "DecoderLayer", "Embedding", "Encoder", "EncoderLayer",

@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def write_corpus(root: Path) -> dict[str, Path]:
-    from jaxformer import corpus
+    from jaxformer.data import corpus
 
     pairs, _ = corpus.read_tsv(corpus.builtin_corpus_path("en-de"))
     short = [p for p in pairs if len(p[0]) < 60 and len(p[1]) < 60]

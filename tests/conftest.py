@@ -29,7 +29,7 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 
 import pytest  # noqa: E402
 
-from jaxformer import corpus  # noqa: E402
+from jaxformer.data import corpus  # noqa: E402
 
 
 @pytest.fixture(scope="session")

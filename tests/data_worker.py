@@ -14,8 +14,9 @@ import sys
 if __name__ == "__main__":
     import jax
 
-    from jaxformer import sharding, streaming
-    from jaxformer.prepared import PreparedCorpus
+    from jaxformer.data import streaming
+    from jaxformer.data.prepared import PreparedCorpus
+    from jaxformer.model import sharding
 
     port, process_id, num_processes, directory = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     sharding.initialize_distributed(f"localhost:{port}", num_processes=num_processes, process_id=process_id)

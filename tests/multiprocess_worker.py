@@ -1,7 +1,7 @@
 """One process of the two-process trainer test (``tests/test_multiprocess.py``).
 
 ``python multiprocess_worker.py PORT PROCESS_ID CONFIG_JSON`` runs the whole trainer
-(:func:`jaxformer.trainer.train`, as ``train.py`` does) as one of two processes of a
+(:func:`jaxformer.train.trainer.train`, as ``train.py`` does) as one of two processes of a
 JAX cluster on localhost (CPU, gloo collectives), with the ``TrainConfig`` fields of
 ``CONFIG_JSON``, and prints its results as JSON (or, when it was preempted, the step
 it stopped at). With ``SIGTERM_AT_STEP=N`` in its environment the process sends itself
@@ -26,8 +26,8 @@ import time
 def main(port: str, process_id: int, config_json: str) -> None:
     import jax
 
-    from jaxformer import trainer
-    from jaxformer.run_config import TrainConfig
+    from jaxformer.run.config import TrainConfig
+    from jaxformer.train import trainer
 
     jax.config.update("jax_numpy_rank_promotion", "raise")
     signal_at = os.environ.get("SIGTERM_AT_STEP")

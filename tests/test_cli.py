@@ -1,6 +1,6 @@
 """Issue 14: the commands around the library, on one tiny run trained once for the module.
 
-The run is trained through ``jaxformer.cli.main`` with a ``--config`` file and flags, a
+The run is trained through ``jaxformer.cli.train.main`` with a ``--config`` file and flags, a
 learning rate too small to change a translation (dev BLEU stays flat, so ``--patience 2`` stops
 it at step 30 of 40), ``--average-last 2`` and ``--tgt-lang zh``. The tests read its
 files and run the translate command on it; one test installs the package (not
@@ -22,13 +22,13 @@ import jax
 import numpy as np
 import pytest
 
-from jaxformer import translate as translate_lib
-from jaxformer.averaging import average_last_checkpoints
-from jaxformer.checkpoints import RunCheckpoints
-from jaxformer.cli import main as train_main
-from jaxformer.run_config import DEFAULT_CPU_RUN, TrainConfig, from_args, parse_train_args
-from jaxformer.translate import Translator
-from jaxformer.translate import main as translate_main
+from jaxformer.cli import translate as translate_lib
+from jaxformer.cli.train import main as train_main
+from jaxformer.cli.translate import main as translate_main
+from jaxformer.decode.translator import Translator
+from jaxformer.run.checkpoints import RunCheckpoints
+from jaxformer.run.config import DEFAULT_CPU_RUN, TrainConfig, from_args, parse_train_args
+from jaxformer.train.averaging import average_last_checkpoints
 
 REPO = Path(__file__).resolve().parents[1]
 SENTENCES = ["Click OK.", "Choose Format - Cells.", "Enter the name of the new table."]
@@ -127,7 +127,7 @@ def test_averaged_checkpoint_is_the_mean_and_the_translate_tool_uses_it(run, tmp
 
 def test_translate_flags_output_checkpoint_and_batches_sized_to_the_input(run, tmp_path, capsys,
                                                                           monkeypatch):
-    from jaxformer import evaluation
+    from jaxformer.decode import evaluation
 
     workdir, _, _ = run
     calls = []
@@ -195,7 +195,8 @@ def test_translate_answers_each_stdin_line_as_it_arrives(run, tmp_path, monkeypa
 _COUNT_COMPILES = """
 import collections, sys
 import jax.monitoring
-from jaxformer import decoding, model
+from jaxformer.decode import decoding
+from jaxformer.model import transformer as model
 events = collections.Counter()
 jax.monitoring.register_event_listener(lambda name, **kw: events.update([name]))
 def counted(name, real):   # counts the Python traces of beam search and of the model's init
@@ -205,7 +206,7 @@ def counted(name, real):   # counts the Python traces of beam search and of the 
     return wrapper
 decoding.beam_search = counted("beam_search_traces", decoding.beam_search)
 model.Transformer.init = counted("init_traces", model.Transformer.init)
-from jaxformer.translate import main
+from jaxformer.cli.translate import main
 main(sys.argv[1:])
 print(json.dumps({k.rsplit("/", 1)[-1]: v for k, v in events.items()}), file=sys.stderr)
 """.replace("import collections, sys", "import collections, json, sys")
@@ -213,7 +214,7 @@ print(json.dumps({k.rsplit("/", 1)[-1]: v for k, v in events.items()}), file=sys
 
 def test_second_translate_invocation_compiles_and_traces_nothing(run, tmp_path):
     """The second process loads the compiled decoder (JAX's compilation cache) and its
-    exported program and the parameters' shapes (jaxformer.exported): it neither
+    exported program and the parameters' shapes (jaxformer.decode.exported): it neither
     compiles nor traces beam search or the model's init, and prints the same line."""
     workdir, _, _ = run
     copy = tmp_path / "run"

@@ -4,9 +4,10 @@ import gzip
 
 import numpy as np
 import pytest
+import reference_data
 
-from jaxformer import batching, corpus
-from jaxformer.tokenizer import Tokenizer
+from jaxformer.data import batching, corpus
+from jaxformer.data.tokenizer import Tokenizer
 
 
 def test_shipped_corpora_are_real_and_large():
@@ -20,8 +21,8 @@ def test_shipped_corpora_are_real_and_large():
 
 def test_split_is_deterministic_and_sources_never_cross():
     pairs, _ = corpus.read_tsv(corpus.builtin_corpus_path("en-de"))
-    a = corpus.split_pairs(pairs)
-    b = corpus.split_pairs(list(reversed(pairs)))
+    a = reference_data.split_pairs(pairs)
+    b = reference_data.split_pairs(list(reversed(pairs)))
     for name in ("train", "dev", "test"):
         assert sorted(a[name]) == sorted(b[name])
     assert 800 <= len(a["dev"]) <= 1200 and 800 <= len(a["test"]) <= 1200
@@ -30,7 +31,7 @@ def test_split_is_deterministic_and_sources_never_cross():
     assert not train_sources & {s for s, _ in a["dev"]}
     # A duplicated source with another translation lands in the same split.
     twin = [("Click OK.", "Klicken Sie auf OK."), ("Click OK.", "Klicken Sie OK.")] + pairs[:100]
-    split = corpus.split_pairs(twin, dev_size=30, test_size=30)
+    split = reference_data.split_pairs(twin, dev_size=30, test_size=30)
     homes = [name for name, items in split.items() for s, _ in items if s == "Click OK."]
     assert len(set(homes)) == 1 and len(homes) == 2
 
@@ -61,7 +62,7 @@ def test_empty_and_missing_corpora_raise_clear_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         corpus.read_tsv(tmp_path / "missing.tsv")
     with pytest.raises(ValueError, match="cannot be split"):
-        corpus.split_pairs([("a", "b")])
+        reference_data.split_pairs([("a", "b")])
     with pytest.raises(ValueError, match="Unknown language pair"):
         corpus.builtin_corpus_path("en-xx")
 
@@ -119,12 +120,12 @@ def test_grain_pipeline_is_checkpointable_and_reshuffles(tokenizer):
     pairs, _ = corpus.read_tsv(corpus.builtin_corpus_path("en-de"))
     examples = batching.tokenize_pairs(pairs[:500], tokenizer, max_len=32)
     kwargs = dict(batch_tokens=256, boundaries=(16, 32), seed=3, pad_id=0, bos_id=2, eos_id=3)
-    it = iter(batching.train_dataset(examples, **kwargs))
+    it = iter(reference_data.train_dataset(examples, **kwargs))
     for _ in range(5):
         next(it)
     state = it.get_state()
     expected = [next(it)["src"] for _ in range(3)]
-    resumed = iter(batching.train_dataset(examples, **kwargs))
+    resumed = iter(reference_data.train_dataset(examples, **kwargs))
     resumed.set_state(state)
     for want in expected:
         np.testing.assert_array_equal(next(resumed)["src"], want)
@@ -135,7 +136,8 @@ def test_train_step_compiles_once_per_bucket_and_never_after_the_first_epoch(tok
     import jax
 
     import jaxformer as jf
-    from jaxformer.training import create_train_state, jit_train_step, make_optimizer, transformer_schedule
+    from jaxformer.train.optimizer import make_optimizer, transformer_schedule
+    from jaxformer.train.step import create_train_state, jit_train_step
 
     pairs, _ = corpus.read_tsv(corpus.builtin_corpus_path("en-de"))
     examples = batching.tokenize_pairs(pairs[:400], tokenizer, max_len=32)
@@ -146,7 +148,7 @@ def test_train_step_compiles_once_per_bucket_and_never_after_the_first_epoch(tok
     model = jf.Transformer(config)
     state = create_train_state(model, jax.random.key(0), make_optimizer(transformer_schedule(32, 10)))
     step = jit_train_step(model, 0.1)
-    it = iter(batching.train_dataset(examples, batch_tokens=512, boundaries=boundaries, seed=0,
+    it = iter(reference_data.train_dataset(examples, batch_tokens=512, boundaries=boundaries, seed=0,
                                  pad_id=0, bos_id=2, eos_id=3))
     for _ in range(per_epoch):
         state, _ = step(state, next(it), jax.random.key(1))
@@ -158,23 +160,22 @@ def test_train_step_compiles_once_per_bucket_and_never_after_the_first_epoch(tok
 
 
 def test_explicit_dev_and_test_files_replace_the_hashed_split(tmp_path):
-    from jaxformer.corpus import load_splits
-    from jaxformer.run_config import TrainConfig
+    from jaxformer.run.config import TrainConfig
 
     pairs, _ = corpus.read_tsv(corpus.builtin_corpus_path("en-de"))
     write = lambda path, items: path.write_text("".join(f"{s}\t{t}\n" for s, t in items))  # noqa: E731
     write(tmp_path / "train.tsv", pairs[:3000])
     write(tmp_path / "dev.tsv", pairs[5000:5040])
     write(tmp_path / "test.tsv", pairs[6000:6030])
-    both, target = load_splits(TrainConfig(train_file=str(tmp_path / "train.tsv"),
+    both, target = reference_data.load_splits(TrainConfig(train_file=str(tmp_path / "train.tsv"),
                                            dev_file=str(tmp_path / "dev.tsv"),
                                            test_file=str(tmp_path / "test.tsv")))
     assert both["dev"] == pairs[5000:5040] and both["test"] == pairs[6000:6030]
     assert len(both["train"]) == 3000
-    dev_only, _ = load_splits(TrainConfig(train_file=str(tmp_path / "train.tsv"),
+    dev_only, _ = reference_data.load_splits(TrainConfig(train_file=str(tmp_path / "train.tsv"),
                                           dev_file=str(tmp_path / "dev.tsv")))
     assert dev_only["dev"] == pairs[5000:5040]
     assert dev_only["test"] and not {s for s, _ in dev_only["test"]} & {s for s, _ in dev_only["train"]}
     assert len(dev_only["train"]) + len(dev_only["test"]) == 3000
     with pytest.raises(ValueError, match="not both"):
-        load_splits(TrainConfig(train_file="a.tsv", src_file="b.txt", tgt_file="c.txt"))
+        reference_data.load_splits(TrainConfig(train_file="a.tsv", src_file="b.txt", tgt_file="c.txt"))

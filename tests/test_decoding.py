@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jaxformer as jf
-from jaxformer import decoding
+from jaxformer.decode import decoding
 
 PAD, BOS, EOS = 0, 1, 2
 VOCAB = 5          # pad, bos, eos and two real tokens 3, 4

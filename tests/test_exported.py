@@ -1,11 +1,11 @@
-"""Exported decoders and parameter shapes in a run directory (jaxformer.exported, issue 14)."""
+"""Exported decoders and parameter shapes in a run directory (jaxformer.decode.exported, issue 14)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxformer import config as config_lib
-from jaxformer.exported import ExportCache
+from jaxformer.decode.exported import ExportCache
+from jaxformer.model import config as config_lib
 
 
 def _counting(calls):

@@ -4,7 +4,7 @@ Random-initialised ``MarianMTModel``s at small, distinct sizes (no download): on
 tied (shared source/target/output table, swish, 2 encoder + 1 decoder layers), one
 untied (separate output projection, relu, 1 + 2 layers), with tiny sentencepiece
 models trained here on the shipped corpus. Each is saved as transformers saves it,
-converted with ``jaxformer.convert`` and compared with transformers' own forward
+converted with ``jaxformer.interop.marian`` and compared with transformers' own forward
 pass, ``generate``, tokenizer, and loss.
 """
 
@@ -22,10 +22,11 @@ transformers = pytest.importorskip("transformers", reason="pip install -e '.[tes
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jaxformer import convert  # noqa: E402
-from jaxformer.config import TransformerConfig  # noqa: E402
-from jaxformer.decoding import beam_translate, greedy_translate  # noqa: E402
-from jaxformer.model import Transformer  # noqa: E402
+from jaxformer.cli import convert as convert_cli  # noqa: E402
+from jaxformer.decode.decoding import beam_translate, greedy_translate  # noqa: E402
+from jaxformer.interop import marian as convert  # noqa: E402
+from jaxformer.model.config import TransformerConfig  # noqa: E402
+from jaxformer.model.transformer import Transformer  # noqa: E402
 
 # transformers' MarianTokenizer warns "Recommended: pip install sacremoses." (warnings are errors here)
 pytestmark = pytest.mark.filterwarnings("ignore:Recommended. pip install sacremoses")
@@ -114,8 +115,8 @@ def converted(request, tokenizer_files, tmp_path_factory):
     for f in tok_dir.iterdir():
         (hf_dir / f.name).write_bytes(f.read_bytes())
     run = root / "run"
-    convert.main(["--from-hf", str(hf_dir), "--workdir", str(run)])
-    from jaxformer.translate import Translator
+    convert_cli.main(["--from-hf", str(hf_dir), "--workdir", str(run)])
+    from jaxformer.decode.translator import Translator
 
     translator = Translator(run, batch_size=4)
     return name, model, hf_dir, run, translator.config, translator.params
@@ -232,10 +233,10 @@ def test_beam_search_matches_generate(converted, length_penalty):
 def test_export_round_trip_is_bit_identical(converted, tmp_path):
     _, _, _, run, config, params = converted
     out = tmp_path / "exported"
-    convert.main(["--to-hf", str(run), "--out", str(out)])
+    convert_cli.main(["--to-hf", str(run), "--out", str(out)])
     run2 = tmp_path / "run2"
-    convert.main(["--from-hf", str(out), "--workdir", str(run2)])
-    from jaxformer.translate import Translator
+    convert_cli.main(["--from-hf", str(out), "--workdir", str(run2)])
+    from jaxformer.decode.translator import Translator
 
     again = Translator(run2, batch_size=4)
     assert again.config == config
@@ -249,7 +250,7 @@ def test_export_round_trip_is_bit_identical(converted, tmp_path):
 def test_exported_run_loads_in_transformers(converted, tmp_path):
     _, _, _, run, config, params = converted
     out = tmp_path / "exported"
-    convert.main(["--to-hf", str(run), "--out", str(out)])
+    convert_cli.main(["--to-hf", str(run), "--out", str(out)])
     reloaded = transformers.MarianMTModel.from_pretrained(out).eval()
     src, labels = _padded_batch(config.src_vocab_size, config.pad_id, seed=3)
     tgt_in = _shift_right(labels, config.pad_id)
@@ -311,7 +312,8 @@ def test_finetune_loss_equals_hf_and_falls(converted):
     variants' plain loss is compared."""
     import optax
 
-    from jaxformer.training import create_train_state, jit_train_step, label_smoothed_cross_entropy
+    from jaxformer.train.losses import label_smoothed_cross_entropy
+    from jaxformer.train.step import create_train_state, jit_train_step
 
     name, model, _, _, config, params = converted
     config = config.replace(dropout_rate=0.0, attention_dropout_rate=0.0)
@@ -361,7 +363,7 @@ def _hf_translations(model, hf_dir, sentences, **kwargs):
 
 
 def test_marian_tokenizer_matches_transformers(converted, tokenizer_files):
-    from jaxformer.tokenizer import MarianTokenizer
+    from jaxformer.data.tokenizer import MarianTokenizer
 
     _, _, hf_dir, run, *_ = converted
     _, pairs, _ = tokenizer_files
@@ -376,9 +378,9 @@ def test_marian_tokenizer_matches_transformers(converted, tokenizer_files):
 
 
 def test_translate_cli_prints_what_transformers_generates(converted, tokenizer_files, capsys):
-    """``jaxformer.translate`` on the converted run (its defaults: the model's generation
+    """``jaxformer-translate`` on the converted run (its defaults: the model's generation
     config, here greedy; then beam 4) prints MarianTokenizer + generate's strings."""
-    from jaxformer.translate import main
+    from jaxformer.cli.translate import main
 
     _, model, hf_dir, run, *_ = converted
     _, pairs, _ = tokenizer_files
@@ -395,8 +397,8 @@ def test_translate_cli_prints_what_transformers_generates(converted, tokenizer_f
 def test_train_init_from_converted_run(converted, tokenizer_files, tmp_path, capsys):
     """``train.py --init-from RUN`` fine-tunes the imported model: its tokenizer and
     architecture, a fresh step, and the training loss falls."""
-    from jaxformer.run_config import TrainConfig
-    from jaxformer.trainer import train
+    from jaxformer.run.config import TrainConfig
+    from jaxformer.train.trainer import train
 
     name, _, _, run, config, _ = converted
     if name != "tied":
@@ -426,9 +428,9 @@ def test_train_init_from_converted_run(converted, tokenizer_files, tmp_path, cap
 def test_resuming_a_finetuning_run_keeps_its_init_from(tmp_path):
     """Resumed without --init-from, a fine-tuning run still takes its architecture and
     tokenizer from the run it started from (recorded in its config.json)."""
-    from jaxformer.pretrained import with_saved_init_from
-    from jaxformer.run_config import TrainConfig
-    from jaxformer.rundir import RunDir
+    from jaxformer.interop.pretrained import with_saved_init_from
+    from jaxformer.run.config import TrainConfig
+    from jaxformer.run.directory import RunDir
 
     run_dir = RunDir(tmp_path)
     cfg = TrainConfig(workdir=str(tmp_path), progress=False)
@@ -445,7 +447,7 @@ def test_exported_run_converts_with_ctranslate2_and_decodes_as_transformers(conv
     ctranslate2 = pytest.importorskip("ctranslate2", reason="pip install ctranslate2 (in the test extra)")
     _, _, _, run, config, _ = converted
     out = tmp_path / "exported"
-    convert.main(["--to-hf", str(run), "--out", str(out)])
+    convert_cli.main(["--to-hf", str(run), "--out", str(out)])
     ctranslate2.converters.TransformersConverter(str(out)).convert(str(tmp_path / "ct2"))
     reloaded = transformers.MarianMTModel.from_pretrained(out).eval()
     # CTranslate2 starts the decoder from a zero embedding (Marian's own convention) and drops

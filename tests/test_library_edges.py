@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 from jaxformer import Decoder, DecoderLayer, Encoder, EncoderLayer, Transformer, preset
-from jaxformer.attention import fused_dot_product_attention, scaled_dot_product_attention
-from jaxformer.decoding import beam_translate, greedy_translate, sample_translate
-from jaxformer.early_stopping import EarlyStopping
-from jaxformer.evaluation import Evaluator, make_bleu
+from jaxformer.decode.decoding import beam_translate, greedy_translate, sample_translate
+from jaxformer.decode.evaluation import Evaluator, make_bleu
+from jaxformer.model.attention import fused_dot_product_attention, scaled_dot_product_attention
+from jaxformer.train.early_stopping import EarlyStopping
 
 V = 13
 
@@ -66,7 +66,7 @@ def test_decode_step_checks_concrete_ids(tiny):
 def test_tokenizer_with_pad_equal_to_eos_is_refused_with_the_fix(tmp_path):
     from sentencepiece import sentencepiece_model_pb2
 
-    from jaxformer.tokenizer import Tokenizer
+    from jaxformer.data.tokenizer import Tokenizer
 
     Tokenizer.train(["the cat sat on the mat", "a dog ran in the park"] * 40, tmp_path, vocab_size=40)
     proto = sentencepiece_model_pb2.ModelProto()
@@ -79,7 +79,7 @@ def test_tokenizer_with_pad_equal_to_eos_is_refused_with_the_fix(tmp_path):
 
 
 def test_score_refuses_lists_of_different_lengths(tiny):
-    evaluator = Evaluator(tiny[0], None, batch_size=8, target_language="de", smoothing=0.0)
+    evaluator = Evaluator(tiny[0], None, batch_size=8, target_language="de")
     assert evaluator.score(["a b c d"], ["a b c d"]) == pytest.approx(100.0)
     for hyps, refs in ((["a", "b"], ["a"]), (["a"], ["a", "b"])):
         with pytest.raises(ValueError, match="one reference per hypothesis"):
@@ -106,12 +106,12 @@ def test_bleu_tokenizer_follows_the_target_language():
 
 
 def test_evaluator_pads_batches_to_a_power_of_two_not_the_batch_size(tiny):
-    evaluator = Evaluator(tiny[0], None, batch_size=32, target_language="de", smoothing=0.0,
+    evaluator = Evaluator(tiny[0], None, batch_size=32, target_language="de",
                           scoring=False, max_len_a=0.5, max_len_b=3)
     assert [evaluator._rows(n) for n in (1, 2, 3, 5, 17, 32)] == [1, 2, 4, 8, 32, 32]
     assert evaluator.max_decode_len(10) == 8 and evaluator.max_decode_len(1000) == 64   # capped by max_len
     with pytest.raises(ValueError, match="allow no output token"):
-        Evaluator(tiny[0], None, batch_size=4, target_language="de", smoothing=0.0, max_len_a=0, max_len_b=0)
+        Evaluator(tiny[0], None, batch_size=4, target_language="de", max_len_a=0, max_len_b=0)
 
 
 def test_float16_fused_xla_attention_runs_on_cpu_under_jit_and_grad():
@@ -146,7 +146,7 @@ def test_early_stopping_counts_evaluations_without_a_better_score():
 def test_every_flag_has_help_and_help_has_no_rest_markup(capsys):
     import dataclasses
 
-    from jaxformer.run_config import HELP, TrainConfig, build_parser
+    from jaxformer.run.config import HELP, TrainConfig, build_parser
 
     assert {f.name for f in dataclasses.fields(TrainConfig)} <= set(HELP)
     with pytest.raises(SystemExit):
@@ -160,14 +160,14 @@ def test_every_flag_has_help_and_help_has_no_rest_markup(capsys):
     with pytest.raises(ValueError, match="--average-last must be in"):
         TrainConfig(average_last=5, keep_checkpoints=3)
 
-    from jaxformer.translate import build_parser as translate_parser
+    from jaxformer.cli.translate import build_parser as translate_parser
 
     text = translate_parser().format_help()
     assert "``" not in text and ":class:" not in text and "--max-len-a" in text and "--checkpoint" in text
 
 
 def test_config_file_fills_settings_and_flags_override(tmp_path, capsys):
-    from jaxformer.run_config import DEFAULT_CPU_RUN, from_args, parse_train_args
+    from jaxformer.run.config import DEFAULT_CPU_RUN, from_args, parse_train_args
 
     (tmp_path / "run.yaml").write_text("preset: tiny\nbatch-tokens: 512\nmax_minutes: 2\npack: false\n")
     (tmp_path / "run.json").write_text(json.dumps({"model": {}, "train": {"preset": "base", "seed": 7}}))
@@ -188,7 +188,7 @@ def test_config_file_fills_settings_and_flags_override(tmp_path, capsys):
 
 # ---------------------------------------------------------------------- logging and progress
 def test_progress_follows_the_time_budget_and_prints_lines_without_a_bar(caplog):
-    from jaxformer.logs import Progress
+    from jaxformer.run.logs import Progress
 
     start = time.perf_counter()
     sink = io.StringIO()
@@ -217,7 +217,7 @@ def test_progress_follows_the_time_budget_and_prints_lines_without_a_bar(caplog)
 
 
 def test_run_log_keeps_everything_logged_before_and_after_it_opens(tmp_path):
-    from jaxformer.logs import RunLog, log
+    from jaxformer.run.logs import RunLog, log
 
     path = tmp_path / "train.log"
     with pytest.raises(RuntimeError):
@@ -234,7 +234,7 @@ def test_run_log_keeps_everything_logged_before_and_after_it_opens(tmp_path):
 
 # ---------------------------------------------------------------------- streaming stdin
 def test_arriving_lines_answers_a_line_before_the_next_is_written():
-    from jaxformer.translate import arriving_lines
+    from jaxformer.cli.translate import arriving_lines
 
     read_fd, write_fd = os.pipe()
     answered = threading.Event()

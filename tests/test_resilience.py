@@ -20,12 +20,14 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+import reference_data
 
-from jaxformer import batching, trainer
-from jaxformer.checkpoints import CheckpointError, RunCheckpoints
-from jaxformer.run_config import TrainConfig
-from jaxformer.trainer import TrainingDiverged, train
-from jaxformer.validation import DataPositionError
+from jaxformer.data import batching
+from jaxformer.model.validation import DataPositionError
+from jaxformer.run.checkpoints import CheckpointError, RunCheckpoints
+from jaxformer.run.config import TrainConfig
+from jaxformer.train import trainer
+from jaxformer.train.trainer import TrainingDiverged, train
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -91,7 +93,7 @@ def reference(tmp_path_factory, files):
 
 _CHILD = """
 import os, runpy, signal, sys
-from jaxformer import trainer
+from jaxformer.train import trainer
 real = trainer.jit_train_step
 def jit_train_step(*args, **kwargs):
     step, calls = real(*args, **kwargs), [0]
@@ -215,7 +217,7 @@ def test_diverging_run_stops_with_a_clear_error_and_keeps_the_last_checkpoint(
 def test_half_written_step_is_ignored_and_cleaned_up(tmp_path):
     """What SIGKILL during an async save leaves: orbax's temporary folder, never a step."""
     checkpoints = RunCheckpoints(tmp_path)
-    iterator = iter(batching.train_dataset(batching.Examples([[5, 6]] * 4, [[7]] * 4), batch_tokens=8,
+    iterator = iter(reference_data.train_dataset(batching.Examples([[5, 6]] * 4, [[7]] * 4), batch_tokens=8,
                                        boundaries=(4,), seed=0, pad_id=0, bos_id=2, eos_id=3))
     state = {"w": jnp.arange(4.0)}
     for step in (1, 2):
@@ -238,7 +240,8 @@ def test_half_written_step_is_ignored_and_cleaned_up(tmp_path):
 def test_signal_guard_sets_a_flag_and_a_second_ctrl_c_stops_at_once():
     child = subprocess.run([sys.executable, "-c", """
 import os, signal, time
-from jaxformer.preemption import PreemptionGuard
+from jaxformer.train.preemption import PreemptionGuard
+
 previous = signal.getsignal(signal.SIGINT)
 with PreemptionGuard() as guard:
     os.kill(os.getpid(), signal.SIGINT)
@@ -316,7 +319,7 @@ def test_bad_paths_and_files_fail_before_any_compile(tmp_path, files, monkeypatc
 
 def test_translator_falls_back_to_the_latest_checkpoint_when_best_is_unreadable(
         tmp_path, reference, capsys):
-    from jaxformer.translate import Translator
+    from jaxformer.decode.translator import Translator
 
     workdir = tmp_path / "run"
     shutil.copytree(reference, workdir)

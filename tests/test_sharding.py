@@ -12,11 +12,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import reference_data
 
 import jaxformer as jf
-from jaxformer import batching, sharding, training
-from jaxformer.attention import fused_dot_product_attention
-from jaxformer.checkpoints import RunCheckpoints
+from jaxformer.data import batching
+from jaxformer.model import sharding
+from jaxformer.model.attention import fused_dot_product_attention
+from jaxformer.run.checkpoints import RunCheckpoints
+from jaxformer.train import optimizer
+from jaxformer.train import step as training
 
 VOCAB, PAD, BOS, EOS = 16, 0, 2, 3
 
@@ -43,7 +47,7 @@ def _batch(seed=0, rows=8, length=7):
 
 
 def _tx():
-    return training.make_optimizer(training.transformer_schedule(32, 10, scale=2.0))
+    return optimizer.make_optimizer(optimizer.transformer_schedule(32, 10, scale=2.0))
 
 
 # ------------------------------------------------------------------------ meshes
@@ -172,13 +176,14 @@ def test_each_process_collates_its_block_of_rows():
                              tgt=[[6] * (i % 5 + 1) for i in range(40)])
     kwargs = dict(batch_tokens=64, boundaries=(8, 16), seed=3, pad_id=PAD, bos_id=BOS, eos_id=EOS,
                   row_multiple=4)
-    whole = next(iter(batching.train_dataset(examples, **kwargs)))
-    parts = [next(iter(batching.train_dataset(examples, **kwargs, process_index=i, process_count=2)))
+    whole = next(iter(reference_data.train_dataset(examples, **kwargs)))
+    parts = [next(iter(reference_data.train_dataset(examples, **kwargs, process_index=i, process_count=2)))
              for i in range(2)]
     for name in whole:
         np.testing.assert_array_equal(np.concatenate([p[name] for p in parts]), whole[name])
     with pytest.raises(ValueError, match="multiple of the process count"):
-        batching.train_dataset(examples, **{**kwargs, "row_multiple": 3}, process_index=0, process_count=2)
+        reference_data.train_dataset(examples, **{**kwargs, "row_multiple": 3}, process_index=0,
+                                     process_count=2)
 
 
 # ------------------------------------------------------------ precision and memory
@@ -272,7 +277,7 @@ def test_dot_product_attention_backend_matches_the_reference_core():
 def test_decoders_have_explicit_shardings_and_match_one_device():
     """Greedy and beam decoding on a (4, 2) mesh: inputs and outputs laid out as asked,
     the same tokens (and beam scores) as the plain decoder on one device."""
-    from jaxformer.decoding import beam_translate, greedy_translate, jit_decoder
+    from jaxformer.decode.decoding import beam_translate, greedy_translate, jit_decoder
 
     model = jf.Transformer(_config())
     mesh = sharding.make_mesh("data=4,model=2")

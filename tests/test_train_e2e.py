@@ -5,9 +5,9 @@ import shutil
 
 import pytest
 
-from jaxformer import corpus
-from jaxformer.run_config import TrainConfig
-from jaxformer.trainer import train
+from jaxformer.data import corpus
+from jaxformer.run.config import TrainConfig
+from jaxformer.train.trainer import train
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +64,7 @@ def test_train_checkpoints_and_resumes(tmp_path, trained_run, corpus_slice, caps
 
 
 def test_translate_cli_uses_the_run(tmp_path, trained_run, capsys):
-    from jaxformer.translate import main
+    from jaxformer.cli.translate import main
 
     workdir = tmp_path / "run"
     shutil.copytree(trained_run, workdir)

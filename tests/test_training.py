@@ -10,14 +10,9 @@ import optax
 import pytest
 
 import jaxformer as jf
-from jaxformer.training import (
-    create_train_state,
-    jit_train_step,
-    label_smoothed_cross_entropy,
-    make_optimizer,
-    projected_cross_entropy,
-    transformer_schedule,
-)
+from jaxformer.train.losses import label_smoothed_cross_entropy, projected_cross_entropy
+from jaxformer.train.optimizer import make_optimizer, transformer_schedule
+from jaxformer.train.step import create_train_state, jit_train_step, train_step
 
 
 @pytest.mark.parametrize("d_model,warmup", [(512, 4000), (256, 100)])
@@ -181,7 +176,7 @@ def test_copy_task_learns_in_seconds():
     accuracy = float(metrics["correct"] / metrics["tokens"])
     assert accuracy > 0.9, accuracy
     # Greedy decoding (cached) copies unseen sequences exactly.
-    from jaxformer.decoding import greedy_translate
+    from jaxformer.decode.decoding import greedy_translate
 
     out = greedy_translate(model, state.params, batch["src"][:16], max_decode_len=9, bos_id=bos,
                            eos_id=eos)
@@ -194,7 +189,7 @@ def test_train_step_traces_once_per_shape_and_donates():
     model = jf.Transformer(config)
     tx = make_optimizer(transformer_schedule(config.d_model, 10), grad_clip=1.0)
     state = create_train_state(model, jax.random.key(0), tx)
-    from jaxformer import training
+    from jaxformer.train import step as training
 
     traced = chex.assert_max_traces(training.train_step, n=2)
     step = jax.jit(functools.partial(traced, model=model, smoothing=0.1), donate_argnames=("state",))
@@ -214,7 +209,7 @@ def test_dropout_key_folds_in_step():
     tx = optax.sgd(0.1)
     batch = _copy_batch(np.random.default_rng(0), 4, 5, 16, 2, 3, 0)
     state = create_train_state(model, jax.random.key(0), tx)
-    step = jax.jit(functools.partial(jf.training.train_step, model=model, smoothing=0.1))
+    step = jax.jit(functools.partial(train_step, model=model, smoothing=0.1))
     a, ma = step(state, batch, jax.random.key(7))
     b, mb = step(state, batch, jax.random.key(7))
     assert float(ma["loss_sum"]) == float(mb["loss_sum"])

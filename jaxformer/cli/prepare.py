@@ -1,0 +1,44 @@
+"""Prepare once: stream a corpus into token ids on disk (``jaxformer-prepare``).
+
+``python -m jaxformer.prepare`` is the same command. How the data is prepared:
+:mod:`jaxformer.data.prepare`.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from jaxformer.data.run_data import prepare_run_data
+from jaxformer.run.config import TrainConfig
+from jaxformer.run.directory import RunDir
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``jaxformer-prepare``: prepares a run directory's data ahead of ``train.py``."""
+    defaults = TrainConfig()
+    parser = argparse.ArgumentParser(
+        prog="jaxformer-prepare", description=__doc__.split("\n\n")[0],
+        epilog="Give train.py the same data flags (and --workdir) to train on the prepared data.")
+    for name, help_text in (("workdir", "run directory (default: derived from the data, as train.py)"),
+                            ("pair", f"shipped corpus (default {defaults.pair})"),
+                            ("train-file", "source<TAB>target lines, plain or .gz"),
+                            ("src-file", "or line-aligned source file"), ("tgt-file", "and target file"),
+                            ("dev-file", "explicit dev TSV"), ("test-file", "explicit test TSV")):
+        parser.add_argument(f"--{name}", help=help_text)
+    parser.add_argument("--vocab-size", type=int, default=defaults.vocab_size)
+    parser.add_argument("--max-length-ratio", type=float, default=defaults.max_length_ratio,
+                        help="drop pairs whose source/target id counts differ by more (Moses clean-corpus-n)")
+    args = parser.parse_args(argv)
+    fields = {k: v for k, v in vars(args).items() if v is not None}
+    try:
+        cfg = TrainConfig(**fields)
+        run_dir = RunDir(cfg.workdir)
+        run_dir.root.mkdir(parents=True, exist_ok=True)
+        has_checkpoints = run_dir.checkpoints.exists() and any(run_dir.checkpoints.iterdir())
+        prepare_run_data(cfg, run_dir, has_checkpoints=has_checkpoints)
+    except (ValueError, OSError) as e:
+        parser.exit(2, f"jaxformer-prepare: error: {e}\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""The ``jaxformer-train`` command (``train.py`` in a checkout calls the same :func:`main`).
+
+Exit status: 0 done; 2 bad input (data, paths, flags, unreadable checkpoints);
+1 training diverged (non-finite updates); 128 + signal number after SIGTERM (143)
+or SIGINT (130), once the current step is checkpointed: run again to resume.
+"""
+
+from __future__ import annotations
+
+DESCRIPTION = """\
+Train an encoder-decoder Transformer translator (Vaswani et al. 2017).
+
+Without corpus flags it trains English to German on the shipped corpus; the
+defaults are a CPU run of about 7 minutes. The run directory (--workdir) keeps
+checkpoints, config.json, train.log, metrics, plots and results.json; running the
+same command again resumes the run. --config FILE reads settings from JSON or
+YAML (a run's config.json replays that run); flags given here override it.
+
+Exit status: 0 done, 2 bad input, 1 training diverged, 128 + signal number when
+stopped by a signal after checkpointing (run again to resume)."""
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    """Parses the command line, trains, and exits with the status documented above."""
+    from jaxformer.run.config import DEFAULT_CPU_RUN, from_args, parse_train_args
+
+    parser, args = parse_train_args(argv, DEFAULT_CPU_RUN, DESCRIPTION, prog=prog)
+    try:
+        cfg = from_args(args)
+    except ValueError as e:
+        parser.error(str(e))
+    from jaxformer.train.trainer import Preempted, TrainingDiverged, train
+
+    try:
+        train(cfg, fresh=args.fresh)
+    except (ValueError, OSError) as e:   # bad data, paths or checkpoints: a message, not a traceback
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
+    except TrainingDiverged as e:
+        parser.exit(1, f"{parser.prog}: error: {e}\n")
+    except Preempted as e:               # the message with the resume hint is already printed
+        parser.exit(128 + e.signum)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,226 @@
+"""Translate with a trained run: ``jaxformer-translate --workdir RUN "sentence"``.
+
+Reads sentences from the arguments, from ``--input FILE``, or from stdin, and writes
+one translation per line, in input order, to stdout or ``--output FILE``. A file (or
+stdin redirected from one) is read whole and sorted by length into batches; stdin
+that is a terminal or a pipe is answered as lines arrive: each batch holds the lines
+that are already there, so an interactive session or a process that writes one line
+and waits gets its answer at once. Batches are padded to the next power of two of
+their size, not to --batch-size.
+
+Checkpoints: the best by dev BLEU (else the latest) unless --checkpoint names best,
+latest, averaged (--average-last in training) or a training step. Decoding: beam
+search (--beam-size, GNMT length penalty --alpha), --n-best lists with scores, or
+--sample with --temperature/--top-k/--top-p; a translation has at most
+a * source length + b tokens (--max-len-a/--max-len-b, fairseq's names).
+--attention-png draws the cross-attention of the first sentence.
+
+JAX's persistent compilation cache lives in the run directory (jax_cache/), with the
+exported decoders and the parameters' shapes (jax_cache/exported/): the first call
+traces and compiles the decoder, later calls load it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import select
+import stat
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+from jaxformer.decode.translator import Translator, save_attention_png
+from jaxformer.run.directory import RunDir, enable_compilation_cache
+
+
+def _is_stream(stream) -> bool:
+    """A terminal or a pipe (answered as lines arrive), not a regular file."""
+    try:
+        return not stat.S_ISREG(os.fstat(stream.fileno()).st_mode)
+    except (OSError, ValueError, AttributeError):   # no file descriptor (a test's StringIO)
+        return False
+
+
+def arriving_lines(stream, max_lines: int) -> Iterator[list[str]]:
+    """Batches of the lines of ``stream`` as they arrive: waits for one line, then takes
+    every further complete line already readable (at most ``max_lines``) without waiting.
+    Reads the file descriptor directly so Python's buffer hides nothing from ``select``."""
+    fd, pending, eof = stream.fileno(), b"", False
+    while True:
+        while b"\n" not in pending and not eof:   # block for the first line
+            chunk = os.read(fd, 1 << 16)
+            pending, eof = pending + chunk, not chunk
+        while not eof and select.select([fd], [], [], 0)[0]:   # whatever else is already there
+            chunk = os.read(fd, 1 << 16)
+            pending, eof = pending + chunk, not chunk
+        *complete, pending = pending.split(b"\n")
+        if eof and pending:
+            complete, pending = complete + [pending], b""
+        for start in range(0, len(complete), max_lines):
+            yield [line.decode("utf-8").rstrip("\r") for line in complete[start:start + max_lines]]
+        if eof and not pending:
+            return
+
+
+def _parse_checkpoint(value: str) -> str | int:
+    if value in ("auto", "best", "latest", "averaged"):
+        return value
+    if value.isdigit():
+        return int(value)
+    raise argparse.ArgumentTypeError(f"{value!r} is not best, latest, averaged, auto or a step number")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``jaxformer-translate`` (every flag with one line of help)."""
+    parser = argparse.ArgumentParser(prog="jaxformer-translate", description=__doc__.replace("``", ""),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = parser.add_argument
+    add("--workdir", required=True, help="run directory written by jaxformer-train")
+    add("--input", help="file with one sentence per line (default: the arguments, else stdin)")
+    add("--output", help="write the translations to this file (default: stdout)")
+    add("--checkpoint", type=_parse_checkpoint, default="auto", metavar="{auto,best,latest,averaged,STEP}",
+        help="parameters to use: auto = best by dev BLEU, else latest (default: auto)")
+    add("--batch-size", type=int, default=32, help="most sentences per batch (default: 32)")
+    add("--beam-size", type=int, default=None, help="beam width; 1 = greedy (default: the run's, else 4)")
+    add("--alpha", type=float, default=None,
+        help="length penalty exponent (default: the run's, else 0.6)")
+    add("--length-normalization", choices=("gnmt", "hf"), default=None,
+        help="gnmt: ((5+|Y|)/6)^alpha (paper); hf: |Y|^alpha with Hugging Face generate's stopping "
+             "rule (default: the run's, else gnmt)")
+    add("--max-len-a", type=float, default=1.0, help="output limit a * source length + b: a (default: 1)")
+    add("--max-len-b", type=int, default=50, help="output limit a * source length + b: b (default: 50)")
+    add("--n-best", type=int, default=1,
+        help="print this many hypotheses per sentence as index<TAB>score<TAB>text (<= --beam-size)")
+    add("--sample", action="store_true", help="sample instead of beam search")
+    add("--temperature", type=float, default=1.0, help="sampling temperature (default: 1)")
+    add("--top-k", type=int, default=None, help="sample from the k most likely tokens")
+    add("--top-p", type=float, default=None, help="sample from the smallest set of probability >= p")
+    add("--seed", type=int, default=0, help="rng seed for --sample (default: 0)")
+    add("--attention-png", help="write the first sentence's cross-attention heat map")
+    add("--layer", type=int, default=None, help="decoder layer for the heat map (default: mean)")
+    add("--head", type=int, default=None, help="head for the heat map (default: mean)")
+    add("sentences", nargs="*", help="sentences to translate")
+    return parser
+
+
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Flag errors, all before anything is loaded (exit status 2)."""
+    if (args.beam_size is not None and args.beam_size < 1) or args.n_best < 1 \
+            or (args.beam_size is not None and args.n_best > args.beam_size):
+        parser.error("need --beam-size >= 1 and 1 <= --n-best <= --beam-size")
+    if args.batch_size < 1:
+        parser.error("--batch-size must be at least 1")
+    if args.max_len_a < 0 or args.max_len_a + args.max_len_b < 1:
+        parser.error("need --max-len-a >= 0 and --max-len-a + --max-len-b >= 1 (room for one token)")
+    if args.sample and (args.temperature <= 0 or (args.top_k is not None and args.top_k < 1)
+                        or (args.top_p is not None and not 0 < args.top_p <= 1)):
+        parser.error("sampling needs --temperature > 0, --top-k >= 1 and 0 < --top-p <= 1")
+    if args.input and not Path(args.input).is_file():
+        parser.exit(2, f"{parser.prog}: error: --input file {args.input!r} does not exist\n")
+    for flag in ("output", "attention_png"):
+        path = getattr(args, flag)
+        if path and not Path(path).absolute().parent.is_dir():
+            parser.exit(2, f"{parser.prog}: error: the folder of --{flag.replace('_', '-')} {path!r} "
+                           f"does not exist\n")
+
+
+def _translate_lines(translator: Translator, args, lines: list[str], first_index: int, out) -> list[str]:
+    """Translates one batch of ``lines`` and writes them; empty lines stay empty.
+    Returns the best translation of each line."""
+    todo = [i for i, line in enumerate(lines) if line.strip()]
+    sources = [lines[i] for i in todo]
+    too_long = sum(len(ids) > translator.config.max_len
+                   for ids in translator.tokenizer.encode_source(sources))
+    if too_long:
+        print(f"warning: {too_long} sentence(s) longer than max_len={translator.config.max_len} tokens "
+              f"were truncated to it", file=sys.stderr)
+    best = [""] * len(lines)
+    if args.sample:
+        results = [[(text, 0.0)] for text in translator.sample(
+            sources, seed=args.seed, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)]
+    elif args.n_best > 1:
+        results = translator.n_best(sources, beam_size=args.beam_size, alpha=args.alpha,
+                                    length_normalization=args.length_normalization)
+    else:
+        results = [[(text, 0.0)] for text in translator(sources, beam_size=args.beam_size, alpha=args.alpha,
+                                                       length_normalization=args.length_normalization)]
+    for i, n_best in zip(todo, results):
+        best[i] = n_best[0][0]
+    if args.n_best > 1:
+        by_line = dict(zip(todo, results))
+        for i in range(len(lines)):
+            for text, score in by_line.get(i, [])[: args.n_best]:
+                out.write(f"{first_index + i}\t{score:.4f}\t{text}\n")
+    else:
+        out.write("".join(f"{text}\n" for text in best))
+    out.flush()
+    return best
+
+
+def main(argv=None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check_args(parser, args)
+    run_dir = RunDir(Path(args.workdir))
+    cached = run_dir.config.exists() and enable_compilation_cache(run_dir)
+    if run_dir.config.exists() and not cached:
+        print(f"note: {run_dir.root} is not writable; decoders are compiled without a cache",
+              file=sys.stderr)
+    try:
+        translator = Translator(args.workdir, batch_size=args.batch_size, checkpoint=args.checkpoint,
+                                max_len_a=args.max_len_a, max_len_b=args.max_len_b, exported=cached)
+    except (ValueError, OSError) as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
+    for flag, value, count in (("--layer", args.layer, translator.config.num_decoder_layers),
+                               ("--head", args.head, translator.config.num_heads)):
+        if value is not None and not 0 <= value < count:
+            parser.exit(2, f"{parser.prog}: error: {flag} {value} is out of range; this model has "
+                           f"{count} (0..{count - 1})\n")
+    print(f"[{translator.kind} checkpoint, step {translator.step}]", file=sys.stderr)
+    out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
+    first = None
+    try:
+        if args.sentences or args.input or not _is_stream(sys.stdin):
+            if args.sentences:
+                lines = args.sentences
+            else:
+                with open(args.input, encoding="utf-8") if args.input else sys.stdin as stream:
+                    lines = [line.rstrip("\n") for line in stream]
+            batches: Iterator[list[str]] = iter([lines])
+        else:   # a terminal or a pipe: answer each batch of arrived lines at once
+            batches = arriving_lines(sys.stdin, args.batch_size)
+        done = 0
+        for lines in batches:
+            best = _translate_lines(translator, args, lines, done, out)
+            if first is None and any(line.strip() for line in lines):
+                first = next((line, hyp) for line, hyp in zip(lines, best) if line.strip())
+            done += len(lines)
+    finally:
+        if out is not sys.stdout:
+            out.close()
+    if args.attention_png and first is not None:
+        weights, src_pieces, tgt_pieces = translator.cross_attention(*first, args.layer, args.head)
+        which = (f"layer {args.layer}" if args.layer is not None else "mean of layers") + ", " + \
+                (f"head {args.head}" if args.head is not None else "mean of heads")
+        save_attention_png(args.attention_png, weights, src_pieces, tgt_pieces,
+                           title=f"cross-attention ({which})")
+        print(f"wrote {args.attention_png}", file=sys.stderr)
+
+
+def cli() -> None:
+    """The ``jaxformer-translate`` program (and ``python -m jaxformer.translate``): :func:`main`
+    on ``sys.argv`` with the objects made by importing frozen out of the garbage collector.
+
+    They live until exit anyway; frozen (``gc.freeze``, CPython ≥ 3.7), the collector no
+    longer re-scans them while the decoder is traced, nor in its sweep at interpreter
+    exit, which alone took 0.3-0.4 s of a 3.5 s call (benchmarks/README.md). A library
+    caller's process is left alone: only this entry point freezes.
+    """
+    gc.freeze()
+    main()
+
+
+if __name__ == "__main__":
+    cli()

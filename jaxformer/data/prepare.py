@@ -1,0 +1,244 @@
+"""Prepare once: stream a corpus into token ids on disk (``jaxformer-prepare``).
+
+``python -m jaxformer.prepare --train-file big.tsv.gz`` (or ``jaxformer-prepare``, or
+``train.py``, which prepares when the run directory has no prepared data) reads the
+corpus twice as a stream, never whole:
+
+1. count the usable pairs (the split fractions depend on the count) and keep a
+   bounded reservoir sample for sentencepiece;
+2. train the tokenizer on the sample's training pairs (unless the run has one), then
+   split every pair by the hash of its source (:class:`jaxformer.data.corpus.Splitter`,
+   as the in-memory path does), encode the training pairs in chunks on all cores
+   (sentencepiece's own thread pool), filter them and append their ids to
+   ``train-src.bin`` / ``train-tgt.bin`` (layout: :mod:`jaxformer.data.prepared`).
+
+Filters, each counted in the report: an empty side (when reading), more than
+``max_tokens`` ids on a side, and a source/target length ratio above
+``max_length_ratio`` in either direction (Moses ``clean-corpus-n.perl``, whose
+default ratio is 9; here on sentencepiece ids rather than words). The length limit
+of a run (``--max-train-len``) is applied when training, from the stored lengths.
+
+Everything is written to a temporary directory and renamed into place when
+complete, so a killed prepare leaves nothing half-written. Preparing again with the
+same inputs and settings finds the manifest's fingerprint unchanged and does nothing.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import json
+import os
+import random
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from jaxformer.data import corpus
+from jaxformer.data.corpus import DataReport, Pair, Splitter
+from jaxformer.data.prepared import FORMAT_VERSION, file_digest, tokenizer_digest
+from jaxformer.data.tokenizer import TextTokenizer, Tokenizer
+from jaxformer.run.logs import log
+
+if TYPE_CHECKING:
+    from jaxformer.data.spec import DataSpec
+
+SAMPLE_PAIRS = 100_000      # tokenizer sample: 200k sentences, sentencepiece's input_sentence_size
+CHUNK_PAIRS = 20_000        # pairs encoded per sentencepiece call
+
+
+def prepare(spec: DataSpec, directory: str | os.PathLike, tokenizer_file: str | os.PathLike,
+            *, retrain_tokenizer: bool = False, seed: int = 0,
+            tokenizer: TextTokenizer | None = None) -> dict[str, Any]:
+    """Prepares ``spec``'s corpus into ``directory`` (see the module docstring).
+
+    Args:
+      spec: the corpus and settings.
+      directory: the prepared directory to write (replaced when complete).
+      tokenizer_file: the sentencepiece model: trained on the sample and written here
+        if missing (or ``retrain_tokenizer``), else used as it is.
+      seed: the reservoir sample's seed.
+      tokenizer: encode with this tokenizer (e.g. the Marian tokenizer of an
+        ``--init-from`` run, whose files are ``tokenizer_file``, a folder) instead of
+        the sentencepiece model at ``tokenizer_file``; nothing is trained.
+
+    Returns:
+      the manifest (also written to ``directory/manifest.json``).
+
+    Raises:
+      ValueError: no usable pair, an empty split, or every pair filtered out.
+      FileNotFoundError / PermissionError: a missing or unreadable input.
+    """
+    start = time.perf_counter()
+    directory, tokenizer_file = Path(directory), Path(tokenizer_file)
+    fingerprint = spec.fingerprint()
+    explicit = {name: path for name, path in (("dev", spec.dev_file), ("test", spec.test_file)) if path}
+    report = DataReport()
+    n, sample = _count_and_sample(spec.read(report), SAMPLE_PAIRS, seed)
+    if n == 0:
+        raise ValueError(f"No usable sentence pair in {spec.name} ({report.summary('corpus')}).")
+    splitter = Splitter.for_size(n, merged_into_train=tuple(explicit))
+    log(f"prepare: read {spec.name}: {n} pairs in {time.perf_counter() - start:.0f}s")
+    if tokenizer is not None:
+        pass
+    elif retrain_tokenizer or not tokenizer_file.exists():
+        t0 = time.perf_counter()
+        sentences = [s for pair in sample if splitter(pair[0]) == "train" for s in pair]
+        tokenizer = Tokenizer.train(sentences, tokenizer_file.parent, vocab_size=spec.vocab_size)
+        log(f"prepare: trained sentencepiece ({tokenizer.vocab_size} pieces) on {len(sentences)} "
+            f"sampled sentences in {time.perf_counter() - t0:.0f}s")
+    else:
+        tokenizer = Tokenizer(tokenizer_file)
+    del sample
+    for stale in directory.parent.glob(f"{directory.name}.partial-*"):   # left by a killed prepare
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = directory.with_name(f"{directory.name}.partial-{os.getpid()}")
+    tmp.mkdir(parents=True)
+    read_report = DataReport()
+    counts, histogram = _write_splits(spec, splitter, tokenizer, tmp, read_report)
+    read_report.kept = n
+    log(read_report.summary(spec.name))
+    for name, path in explicit.items():
+        pairs, rep = corpus.read_tsv(path)
+        log(rep.summary(f"{name} file {path}"))
+        _write_tsv(tmp / f"{name}.tsv", pairs)
+        counts[name] = len(pairs)
+    corpus.check_splits_nonempty({k: counts[k] for k in ("train", "dev", "test")}, n)
+    dtype = "uint16" if _largest_vocab(tokenizer) <= 1 << 16 else "int32"
+    manifest = {"format_version": FORMAT_VERSION, "fingerprint": fingerprint, "name": spec.name,
+                "tokenizer": {"sha256": tokenizer_digest(tokenizer_file),
+                              "vocab_size": _largest_vocab(tokenizer)},
+                "dtype": dtype, "read": dict(read_report.skipped, lines=read_report.read),
+                "counts": counts, "length_histogram": histogram,
+                "files": {f.name: {"size": f.stat().st_size, "sha256": file_digest(f)}
+                          for f in sorted(tmp.iterdir())},
+                "seconds": round(time.perf_counter() - start, 1)}
+    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    if directory.exists():
+        shutil.rmtree(directory)
+    tmp.rename(directory)
+    log(f"prepare: {spec.name} → {directory}: {json.dumps(counts)} in {manifest['seconds']:.0f}s")
+    return manifest
+
+
+def _count_and_sample(pairs: Iterator[Pair], size: int, seed: int) -> tuple[int, list[Pair]]:
+    """Counts the pairs and keeps a uniform sample of ``size`` of them (reservoir sampling,
+    Vitter's algorithm R). With at most ``size`` pairs the sample is all of them, in order,
+    so a small corpus gets exactly the tokenizer the in-memory path trains."""
+    rng = random.Random(seed)
+    sample: list[Pair] = []
+    n = 0
+    for n, pair in enumerate(pairs, start=1):
+        if n <= size:
+            sample.append(pair)
+        else:
+            j = rng.randrange(n)
+            if j < size:
+                sample[j] = pair
+    return n, sample
+
+
+def _chunks(pairs: Iterator[Pair], size: int) -> Iterator[list[Pair]]:
+    chunk: list[Pair] = []
+    for pair in pairs:
+        chunk.append(pair)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def keep_mask(src_lengths: np.ndarray, tgt_lengths: np.ndarray, max_tokens: int,
+              max_ratio: float) -> tuple[np.ndarray, dict[str, int]]:
+    """Which pairs pass the length-ratio and the length filter, and the counts dropped.
+
+    The ratio test comes first (Moses clean-corpus-n: ``len_src / len_tgt > ratio`` or
+    ``len_tgt / len_src > ratio`` drops the pair); then a side longer than
+    ``max_tokens`` ids drops it. Both sides count ids without bos/eos.
+
+    Args:
+      src_lengths / tgt_lengths: ``[N]`` integer lengths (every length ≥ 1).
+
+    Returns:
+      ``(mask [N] bool, {reason: count})``.
+    """
+    src, tgt = np.asarray(src_lengths), np.asarray(tgt_lengths)
+    ratio_bad = (src > max_ratio * tgt) | (tgt > max_ratio * src)
+    long_bad = ~ratio_bad & ((src > max_tokens) | (tgt > max_tokens))
+    return ~(ratio_bad | long_bad), {f"length ratio above {max_ratio:g}": int(ratio_bad.sum()),
+                                     f"longer than {max_tokens} tokens": int(long_bad.sum())}
+
+
+def _largest_vocab(tokenizer: TextTokenizer) -> int:
+    return max(tokenizer.src_vocab_size, tokenizer.tgt_vocab_size)
+
+
+def _write_splits(spec: DataSpec, splitter: Splitter, tokenizer: TextTokenizer, out: Path,
+                  report: DataReport) -> tuple[dict[str, Any], dict[str, list[int]]]:
+    """Second pass: dev/test pairs to TSV, training pairs encoded, filtered and appended to
+    the id files. Returns the counts and the length histogram (ids per side, bins of 8)."""
+    dtype = np.uint16 if _largest_vocab(tokenizer) <= 1 << 16 else np.int32
+    held: dict[str, list[Pair]] = {"dev": [], "test": []}
+    dropped: dict[str, int] = {}
+    lengths: list[np.ndarray] = []
+    threads = os.cpu_count() or 1
+
+    def encode(train: list[Pair]) -> tuple[list[list[int]], list[list[int]]]:   # releases the GIL
+        if not isinstance(tokenizer, Tokenizer):   # another kind (Marian): its own source/target rules
+            return (tokenizer.encode_source([p[0] for p in train]),
+                    tokenizer.encode_target([p[1] for p in train]))
+        return (tokenizer.sp.encode([p[0] for p in train], num_threads=threads),
+                tokenizer.sp.encode([p[1] for p in train], num_threads=threads))
+
+    def write(src: list[list[int]], tgt: list[list[int]]) -> None:
+        src_len = np.fromiter(map(len, src), np.int64, len(src))
+        tgt_len = np.fromiter(map(len, tgt), np.int64, len(tgt))
+        keep, reasons = keep_mask(src_len, tgt_len, spec.max_tokens, spec.max_length_ratio)
+        for reason, count in reasons.items():
+            dropped[reason] = dropped.get(reason, 0) + count
+        kept = np.flatnonzero(keep)
+        for f, ids, side_len in ((fs, src, src_len), (ft, tgt, tgt_len)):
+            rows = ids if len(kept) == len(ids) else [ids[i] for i in kept]
+            f.write(np.fromiter(itertools.chain.from_iterable(rows), dtype,
+                                int(side_len[kept].sum())).tobytes())
+        lengths.append(np.stack([src_len[kept], tgt_len[kept]], axis=1))
+
+    # Chunk k is encoded in a thread (sentencepiece releases the GIL) while this thread
+    # reads and splits chunk k + 1; chunks are written in order.
+    with ((out / "train-src.bin").open("wb") as fs, (out / "train-tgt.bin").open("wb") as ft,
+          concurrent.futures.ThreadPoolExecutor(1) as pool):
+        pending = None
+        for chunk in _chunks(spec.read(report), CHUNK_PAIRS):
+            train = []
+            for pair in chunk:
+                name = splitter(pair[0])
+                (train if name == "train" else held[name]).append(pair)
+            if train:
+                if pending is not None:
+                    write(*pending.result())
+                pending = pool.submit(encode, train)
+        if pending is not None:
+            write(*pending.result())
+    all_lengths = np.concatenate(lengths) if lengths else np.zeros((0, 2), np.int64)
+    if not len(all_lengths):
+        raise ValueError(f"Every training pair of {spec.name} was filtered out ({dropped}); "
+                         f"raise --max-length-ratio or check the corpus.")
+    np.save(out / "train-lengths.npy", all_lengths.astype(np.int32))
+    for name, pairs in held.items():
+        _write_tsv(out / f"{name}.tsv", pairs)
+    bins = np.arange(0, spec.max_tokens + 8, 8)
+    histogram = {"bin_edges": bins.tolist(),
+                 "src": np.histogram(all_lengths[:, 0], bins)[0].tolist(),
+                 "tgt": np.histogram(all_lengths[:, 1], bins)[0].tolist()}
+    counts = {"train": len(all_lengths), "dev": len(held["dev"]), "test": len(held["test"]),
+              "train_dropped": dropped}
+    return counts, histogram
+
+
+def _write_tsv(path: Path, pairs: list[Pair]) -> None:
+    path.write_text("".join(f"{s}\t{t}\n" for s, t in pairs), encoding="utf-8")

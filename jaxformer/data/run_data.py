@@ -1,0 +1,170 @@
+"""Which data a run belongs to: the data's description, its fingerprint, and the
+decision to reuse, prepare or refuse.
+
+A run directory's ``prepared/manifest.json`` records the fingerprint of the data the
+run was prepared from (:meth:`DataSpec.fingerprint`: every input file's path, size
+and SHA-256, and the settings that change the ids). On every start the fingerprint
+of the flags' data is compared with it: equal, the prepared data is reused; different
+in a run that has checkpoints, it is an error naming what differs and the fix;
+different before any checkpoint, the data is prepared again.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from jaxformer.data.prepare import prepare
+from jaxformer.data.prepared import (
+    PreparedCorpus,
+    read_manifest,
+    tokenizer_digest,
+)
+from jaxformer.data.spec import DataSpec
+from jaxformer.run.logs import log
+
+if TYPE_CHECKING:
+    from jaxformer.data.tokenizer import TextTokenizer
+    from jaxformer.run.config import TrainConfig
+    from jaxformer.run.directory import RunDir
+
+
+def fingerprint_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """Human-readable differences between two :meth:`DataSpec.fingerprint` s (empty if equal)."""
+    def brief(value):
+        if isinstance(value, list):
+            return [brief(v) for v in value]
+        if isinstance(value, dict) and "path" in value:
+            return f"{value['path']} ({value['size']} bytes, sha256 {value['sha256'][:12]})"
+        return value
+
+    return [f"{key}: {brief(saved.get(key))!r} before, {brief(now.get(key))!r} now"
+            for key in sorted(set(saved) | set(now)) if saved.get(key) != now.get(key)]
+
+
+def same_data(saved: dict[str, Any], now: dict[str, Any]) -> bool:
+    """Whether two fingerprints describe the same data: equal but for the files' paths (a
+    moved repository or corpus is the same data when its bytes are)."""
+    def content(value):
+        if isinstance(value, dict):
+            return {k: content(v) for k, v in value.items() if k != "path"}
+        if isinstance(value, list):
+            return [content(v) for v in value]
+        return value
+
+    return content(saved) == content(now)
+
+
+def check_prepared(spec: DataSpec, directory: Path, tokenizer_file: Path, *,
+                   has_checkpoints: bool) -> tuple[dict[str, Any], str]:
+    """What :func:`ensure_prepared` must do: ``"reuse"``, ``"encode"`` (same data, another
+    tokenizer), ``"prepare"`` (no prepared data yet) or ``"retrain"`` (the data changed
+    and the run has no checkpoints: prepare it and train a new tokenizer).
+
+    Returns:
+      ``(the inputs' fingerprint, action)``.
+
+    Raises:
+      ValueError: the run has checkpoints of other data; the message names what differs
+        and the fix.
+    """
+    fingerprint = spec.fingerprint()
+    manifest = read_manifest(directory)
+    if manifest is not None and same_data(manifest.get("fingerprint", {}), fingerprint):
+        same_tokenizer = (tokenizer_file.exists()
+                          and tokenizer_digest(tokenizer_file) == manifest["tokenizer"]["sha256"])
+        return fingerprint, "reuse" if same_tokenizer else "encode"
+    if manifest is None:
+        return fingerprint, "prepare"
+    if has_checkpoints:
+        differences = "; ".join(fingerprint_differences(manifest.get("fingerprint", {}), fingerprint))
+        raise ValueError(
+            f"The run directory {str(directory.parent)!r} holds a run trained on other data "
+            f"({differences}). Resume with the data flags it was started with, choose another "
+            f"--workdir for the new data, or pass --fresh to start this run over on the new data.")
+    return fingerprint, "retrain"
+
+
+def _copy_back(previous: Path | None, fingerprint: dict[str, Any], directory: Path,
+               tokenizer_file: Path) -> bool:
+    """Copies the prepared data and tokenizer that ``--fresh`` moved to ``previous`` back
+    when they were made from the same inputs and settings (what preparing again would
+    write: the tokenizer sample and the encoding are deterministic) and the run's
+    tokenizer, if it already has one, is the one they were encoded with."""
+    if previous is None:
+        return False
+    old_prepared = previous / directory.name
+    old_tokenizer = previous / tokenizer_file.relative_to(directory.parent)
+    manifest = read_manifest(old_prepared)
+    if manifest is None or not same_data(manifest.get("fingerprint", {}), fingerprint) \
+            or not old_tokenizer.exists():
+        return False
+    wanted = manifest["tokenizer"]["sha256"]
+    if tokenizer_digest(old_tokenizer) != wanted or (
+            tokenizer_file.exists() and tokenizer_digest(tokenizer_file) != wanted):
+        return False
+    if not tokenizer_file.exists():
+        tokenizer_file.parent.mkdir(parents=True, exist_ok=True)
+        if old_tokenizer.is_dir():
+            shutil.copytree(old_tokenizer, tokenizer_file)
+        else:
+            shutil.copy2(old_tokenizer, tokenizer_file)
+    shutil.copytree(old_prepared, directory, dirs_exist_ok=True)
+    return True
+
+
+def ensure_prepared(spec: DataSpec, directory: Path, tokenizer_file: Path, *, has_checkpoints: bool,
+                    seed: int = 0, write: bool = True, tokenizer: TextTokenizer | None = None,
+                    previous: Path | None = None) -> None:
+    """Makes ``directory`` hold ``spec``'s prepared data: reused when its manifest matches,
+    copied back from ``previous`` (the folder ``--fresh`` moved the last run to) when that
+    was prepared from the same inputs and settings, else prepared (again) — see
+    :func:`check_prepared`. With ``write=False`` (the other processes of a multi-process
+    run) only the check runs, so every process raises the same error.
+
+    Raises:
+      ValueError: the run has checkpoints of other data (see :func:`check_prepared`).
+    """
+    fingerprint, action = check_prepared(spec, directory, tokenizer_file, has_checkpoints=has_checkpoints)
+    if action == "reuse":
+        log(f"prepared data: reusing {directory}")
+        return
+    if write and action != "encode" and _copy_back(previous, fingerprint, directory, tokenizer_file):
+        log(f"prepared data: the same inputs and settings as the run --fresh moved to {previous}; "
+            f"copied its prepared data and tokenizer back instead of preparing again")
+        return
+    if write:
+        if action == "encode":
+            log(f"prepared data: {tokenizer_file} is not the tokenizer {directory} was encoded with; "
+                f"encoding again")
+        prepare(spec, directory, tokenizer_file, retrain_tokenizer=action == "retrain" and tokenizer is None,
+                seed=seed, tokenizer=tokenizer)
+
+
+def prepare_run_data(cfg: TrainConfig, run_dir: RunDir, *, has_checkpoints: bool,
+                     tokenizer: TextTokenizer | None = None, previous: Path | None = None
+                     ) -> PreparedCorpus:
+    """The prepared data of a run directory (``prepared/``, ``tokenizer/spm.model``),
+    prepared first if missing or stale. In a multi-process run process 0 prepares and the
+    others wait for it. ``tokenizer``: encode with this one (fine-tuning: the ``--init-from``
+    run's, copied into ``tokenizer/``) instead of training or reading ``spm.model``.
+    ``previous``: the folder ``--fresh`` just moved the run's files to (its prepared data
+    is copied back when it matches; see :func:`ensure_prepared`).
+
+    Raises:
+      ValueError: bad corpus flags, an unusable corpus, or checkpoints of other data.
+      PreparedDataError: a prepared file is truncated or corrupt.
+    """
+    import jax
+
+    spec = DataSpec.from_config(cfg)
+    directory = run_dir.prepared
+    tokenizer_file = run_dir.tokenizer_dir if tokenizer is not None else run_dir.tokenizer_dir / "spm.model"
+    ensure_prepared(spec, directory, tokenizer_file, has_checkpoints=has_checkpoints,
+                    write=jax.process_index() == 0, tokenizer=tokenizer, previous=previous)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("prepared data")
+    return PreparedCorpus.open(directory)

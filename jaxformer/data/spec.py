@@ -1,0 +1,83 @@
+"""What the data of a run is: its corpus files and every setting that changes the ids
+(:class:`DataSpec`), read from the run's flags, with its fingerprint. What is done with
+it: :mod:`jaxformer.data.prepare` (writes it as ids) and :mod:`jaxformer.data.run_data`
+(reuses, prepares or refuses).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from jaxformer.data import corpus
+from jaxformer.data.corpus import DataReport, Pair
+from jaxformer.data.prepared import FORMAT_VERSION, file_digest
+
+if TYPE_CHECKING:
+    from jaxformer.run.config import TrainConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSpec:
+    """What the data of a run is: the corpus files and every setting that changes the ids.
+
+    ``corpus_files`` is one TSV file, or a source and a target file (``aligned``).
+    """
+
+    corpus_files: tuple[str, ...]
+    aligned: bool = False
+    dev_file: str | None = None
+    test_file: str | None = None
+    vocab_size: int = 4000
+    max_tokens: int = 1024
+    max_length_ratio: float = 9.0
+    name: str = ""
+
+    @classmethod
+    def from_config(cls, cfg: TrainConfig) -> DataSpec:
+        """The data named by a run's flags (``--train-file``, ``--src-file``/``--tgt-file`` or
+        ``--pair``).
+
+        Raises:
+          ValueError: conflicting corpus flags.
+        """
+        if cfg.train_file and (cfg.src_file or cfg.tgt_file):
+            raise ValueError("Give either --train-file or --src-file/--tgt-file, not both.")
+        if bool(cfg.src_file) != bool(cfg.tgt_file):
+            raise ValueError("--src-file and --tgt-file go together.")
+        common = dict(dev_file=cfg.dev_file, test_file=cfg.test_file, vocab_size=cfg.vocab_size,
+                      max_length_ratio=cfg.max_length_ratio)
+        if cfg.train_file:
+            return cls((cfg.train_file,), name=cfg.train_file, **common)
+        if cfg.src_file:
+            return cls((cfg.src_file, cfg.tgt_file), aligned=True,
+                       name=f"{cfg.src_file} + {cfg.tgt_file}", **common)
+        return cls((str(corpus.builtin_corpus_path(cfg.pair)),),
+                   name=f"shipped {cfg.pair} corpus (LibreOffice help, MPL-2.0)", **common)
+
+    def read(self, report: DataReport) -> Iterator[Pair]:
+        """Streams the corpus's usable pairs (counted in ``report``)."""
+        if self.aligned:
+            return corpus.iter_aligned(*self.corpus_files, report)
+        return corpus.iter_tsv(self.corpus_files[0], report)
+
+    def fingerprint(self) -> dict[str, Any]:
+        """Every input file's path, size and SHA-256, and the settings that change the ids.
+
+        Raises:
+          FileNotFoundError: an input file is missing.
+        """
+        def describe(path: str | None) -> dict[str, Any] | None:
+            if path is None:
+                return None
+            p = Path(path)
+            if not p.exists():
+                raise FileNotFoundError(f"Corpus file {path!r} does not exist; check the path.")
+            return {"path": str(p.resolve()), "size": p.stat().st_size, "sha256": file_digest(p)}
+
+        return {"format_version": FORMAT_VERSION, "corpus": [describe(p) for p in self.corpus_files],
+                "aligned": self.aligned, "dev_file": describe(self.dev_file),
+                "test_file": describe(self.test_file), "vocab_size": self.vocab_size,
+                "max_tokens": self.max_tokens, "max_length_ratio": self.max_length_ratio}

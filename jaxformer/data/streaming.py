@@ -1,0 +1,372 @@
+"""Streaming the prepared corpus into batches: constant memory, exact resume.
+
+The pipeline (a grain ``IterDataset``)::
+
+  per-epoch shuffled record order ──► blocks of ``block_pairs`` records
+    ──► batch plan of each block (pack whole pairs best-fit, or length buckets)
+    ──► this process's rows, collated from the memory-mapped ids
+
+Only per-pair integers are held in memory (lengths, offsets, the kept records' ids and
+one epoch's order: about 60 bytes a pair, 270 MB at 4.5M pairs), never the token ids;
+a batch reads the ids of its own rows and nothing else, so each process reads only its
+own records. The position is three integers (epoch, block, batch); restoring it
+re-plans one block, so resume is exact and cheap, and it is saved with every
+checkpoint (:mod:`jaxformer.run.checkpoints`).
+
+:class:`BatchStream` is what training iterates: the pipeline in this process, or
+in ``workers`` grain worker processes (``grain``'s ``mp_prefetch``; worker ``i`` of
+``n`` plans every block but collates only batches ``i, i + n, …``, and grain
+interleaves them back in order). Each batch carries the position after it, so
+the saved position is that of the last batch the trainer took, however far the
+workers ran ahead, and a run may resume with another ``--data-workers``.
+
+Why our packer and not ``grain.experimental.BestFitPackIterDataset``: grain's
+packer fits the two-sided case (all features of a pair go to one bin, with one
+segment id), but it emits all its bins whenever one pair fits none of them, and it
+works element by element in Python. On the shipped en-de corpus (64-token rows,
+2 cores) it left 10.6% padding with 32 bins and 8.8% with 256, at about 1 ms a
+pair; best-fit-decreasing over a block (:func:`jaxformer.data.batching.pack_plan`, the
+planner the in-memory path used on the whole corpus) leaves less padding at a
+fraction of the cost (benchmarks/README.md, "data at scale").
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import grain
+import numpy as np
+
+from jaxformer.data import batching
+from jaxformer.data.prepared import PreparedCorpus
+from jaxformer.model.validation import DataPositionError
+
+Plan = list[tuple[int, np.ndarray]]
+Planner = Callable[[np.ndarray, np.ndarray, np.random.Generator], Plan]
+Position = dict[str, int]   # {"epoch", "block", "batch"}: the next batch to emit
+START: Position = {"epoch": 0, "block": 0, "batch": 0}
+POSITION_KEY = "stream_position"   # a batch's int64 [3] (epoch, block, batch) after it
+
+
+def check_position(state: Any) -> Position:
+    """``state`` as a :data:`Position`, or a clear error.
+
+    Raises:
+      DataPositionError: ``state`` is not ``{"epoch", "block", "batch"}`` of non-negative
+        integers, e.g. the data position of a checkpoint written by a jaxformer
+        from before prepared, streamed data (2026-11-30), which held the in-memory
+        pipeline's position; its batches cannot be reproduced exactly.
+    """
+    if (not isinstance(state, dict) or set(state) != set(START)
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in state.values())):
+        raise DataPositionError(
+            f"Data position from an older jaxformer (before streamed data), whose batches cannot be "
+            f"continued exactly: start over with --fresh or finish with the version that began the "
+            f"run (got {state!r}).")
+    return {k: int(state[k]) for k in START}
+
+
+class BlockPlanDataset(grain.IterDataset):
+    """Endless ``(length, indices)`` batch plans over a corpus, block by block.
+
+    Epoch ``e`` visits every record once, in the order
+    ``default_rng([seed, e]).permutation(N)``; it is cut into blocks of
+    ``block_pairs`` records and ``planner(src_len, tgt_len, rng)`` turns each block
+    into batches (indices into the records; -1 = an empty row slot). No batch spans
+    two blocks, so a block's last batch may carry empty rows (counted as padding).
+
+    Args:
+      src_lengths: ``[N]`` source ids of each record.
+      tgt_lengths: ``[N]`` target ids + 1 of each record (the bos/eos position).
+      planner: e.g. ``functools.partial(batching.pack_plan, batch_tokens=…, length=…)``.
+      block_pairs: records planned together; more = less padding, longer plans.
+      seed: the shuffle and the planner's seed.
+      start: the position of the first batch (:data:`START`: the beginning).
+
+    Elements are ``(length, indices, position after this batch)``. grain's worker
+    processes slice the dataset in place (:meth:`set_slice`): worker ``i`` of ``n``
+    emits only the ``i``-th, ``(i + n)``-th, … batch from ``start``.
+    """
+
+    def __init__(self, src_lengths: np.ndarray, tgt_lengths: np.ndarray, *, planner: Planner,
+                 block_pairs: int, seed: int, start: Position = START):
+        super().__init__()
+        if len(src_lengths) == 0 or block_pairs < 1:
+            raise ValueError(f"Need at least one record and block_pairs >= 1 (got {len(src_lengths)} "
+                             f"records, block_pairs={block_pairs}).")
+        self.src_lengths, self.tgt_lengths = np.asarray(src_lengths), np.asarray(tgt_lengths)
+        self.planner, self.block_pairs, self.seed = planner, block_pairs, seed
+        self.start = check_position(start)
+        self.slice = (0, 1)   # (offset, step) of the batches this copy emits
+
+    def set_slice(self, sl: slice, sequential_slice: bool = False) -> None:
+        """Emit only batches ``sl.start, sl.start + sl.step, …`` (grain's worker sharding)."""
+        if sequential_slice or sl.stop is not None:
+            raise ValueError("BlockPlanDataset supports interleaved slices only (sequential_slice=False).")
+        self.slice = (sl.start or 0, sl.step or 1)
+
+    def __iter__(self) -> _BlockPlanIterator:
+        iterator = _BlockPlanIterator(self)
+        iterator.set_state(self.start)
+        return iterator
+
+    def blocks_per_epoch(self) -> int:
+        return -(-len(self.src_lengths) // self.block_pairs)
+
+
+class _BlockPlanIterator(grain.DatasetIterator):
+    """Iterator of :class:`BlockPlanDataset`; state ``{"epoch", "block", "batch"}`` = the
+    next batch to emit."""
+
+    def __init__(self, dataset: BlockPlanDataset):
+        super().__init__()
+        self._ds = dataset
+        self._epoch = self._block = self._batch = 0
+        self._order: np.ndarray | None = None   # this epoch's record order
+        self._plan: Plan | None = None          # this block's batches
+        self._seen = 0   # batches passed since the last set_state (for the slice)
+
+    def __next__(self) -> tuple[int, np.ndarray, Position]:
+        offset, step = self._ds.slice
+        while True:
+            length, indices = self._next_plan()
+            self._seen += 1
+            if (self._seen - 1) % step == offset:
+                return length, indices, self.get_state()
+
+    def _next_plan(self) -> tuple[int, np.ndarray]:
+        while True:
+            if self._plan is None:
+                self._plan = self._plan_block()
+            if self._batch < len(self._plan):
+                self._batch += 1
+                return self._plan[self._batch - 1]
+            self._plan, self._batch, self._block = None, 0, self._block + 1
+            if self._block == self._ds.blocks_per_epoch():
+                self._epoch, self._block, self._order = self._epoch + 1, 0, None
+
+    def _plan_block(self) -> Plan:
+        ds = self._ds
+        if self._order is None:
+            self._order = np.random.default_rng([ds.seed, self._epoch]).permutation(
+                len(ds.src_lengths)).astype(np.int32 if len(ds.src_lengths) < 2**31 else np.int64)
+        records = self._order[self._block * ds.block_pairs:(self._block + 1) * ds.block_pairs]
+        rng = np.random.default_rng([ds.seed, self._epoch, self._block])
+        plan = ds.planner(ds.src_lengths[records], ds.tgt_lengths[records], rng)
+        return [(length, np.where(idx >= 0, records[np.maximum(idx, 0)], -1)) for length, idx in plan]
+
+    def get_state(self) -> dict[str, Any]:
+        return {"epoch": self._epoch, "block": self._block, "batch": self._batch}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Raises ``ValueError`` (:func:`check_position`) for a state that is not a position."""
+        state = check_position(state)
+        if state["epoch"] != self._epoch:
+            self._order = None
+        self._epoch, self._block, self._batch = state["epoch"], state["block"], state["batch"]
+        self._plan, self._seen = None, 0
+
+
+def kept_records(corpus: PreparedCorpus, max_len: int) -> tuple[np.ndarray, int]:
+    """Records that fit ``max_len`` (source ids ≤ max_len, target ids + 1 ≤ max_len).
+
+    Returns:
+      ``(record ids [M] int64, number dropped as longer)``.
+
+    Raises:
+      ValueError: no record fits.
+    """
+    fits = (corpus.src_lengths <= max_len) & (corpus.tgt_lengths + 1 <= max_len)
+    records = np.flatnonzero(fits)
+    if records.size == 0:
+        raise ValueError(f"Every training pair is longer than max_len={max_len} tokens; raise --max-len "
+                         f"or --max-train-len.")
+    return records, int(len(fits) - records.size)
+
+
+def process_plans(corpus: PreparedCorpus, *, max_len: int, batch_tokens: int,
+                  boundaries: tuple[int, ...], seed: int, row_multiple: int = 1, process_index: int = 0,
+                  process_count: int = 1, pack: bool = True, block_pairs: int = 8192,
+                  start: Position = START) -> grain.IterDataset:
+    """This process's share of every global batch from ``start`` on: ``(length, record ids,
+    position after the batch)`` with ids ``[rows / process_count, P]`` when packing
+    (``[rows / process_count]`` when bucketing; -1 = empty). Every process plans the same
+    global batches and takes its own contiguous block of rows; only those records are
+    ever read (by :func:`stream_dataset`).
+
+    Raises:
+      ValueError: ``row_multiple`` is not a multiple of ``process_count``, or no pair fits.
+    """
+    if not 0 <= process_index < process_count or row_multiple % process_count:
+        raise ValueError(f"process {process_index} of {process_count}: row_multiple={row_multiple} "
+                         f"must be a multiple of the process count.")
+    records, _ = kept_records(corpus, max_len)
+    if pack:
+        planner = functools.partial(_pack, batch_tokens=batch_tokens, length=boundaries[-1],
+                                    row_multiple=row_multiple)
+    else:
+        planner = functools.partial(_bucket, batch_tokens=batch_tokens, boundaries=boundaries,
+                                    row_multiple=row_multiple)
+    plans = BlockPlanDataset(corpus.src_lengths[records], corpus.tgt_lengths[records] + 1,
+                             planner=planner, block_pairs=block_pairs, seed=seed, start=start)
+
+    def share(item: tuple[int, np.ndarray, Position]) -> tuple[int, np.ndarray, Position]:
+        length, indices, position = item
+        rows = len(indices) // process_count
+        mine = indices[process_index * rows:(process_index + 1) * rows]
+        return length, np.where(mine >= 0, records[np.maximum(mine, 0)], -1), position
+
+    return plans.map(share)
+
+
+def stream_dataset(corpus: PreparedCorpus, *, pad_id: int, bos_id: int, eos_id: int, pack: bool = True,
+                   **plan_options: Any) -> grain.IterDataset:
+    """An endless, deterministic, checkpointable grain pipeline of batches from prepared data.
+
+    The batches equal :func:`jaxformer.data.batching.train_dataset`'s in shape and meaning:
+    packed rows of ``boundaries[-1]`` with segment ids (``pack``), else length buckets;
+    this process's rows only (:func:`process_plans`, which takes ``plan_options``:
+    ``max_len``, ``batch_tokens``, ``boundaries``, ``seed``, ``row_multiple``,
+    ``process_index``, ``process_count``, ``block_pairs``, ``start``). Each batch also
+    holds :data:`POSITION_KEY`: int64 ``[3]``, the (epoch, block, batch) after it, which
+    :class:`BatchStream` takes out.
+
+    Raises:
+      ValueError: see :func:`process_plans`.
+    """
+    build = batching.collate_packed if pack else batching.collate
+
+    def collate(item: tuple[int, np.ndarray, Position]) -> dict[str, np.ndarray]:
+        length, record_ids, position = item
+        batch = build(corpus, length, record_ids, pad_id=pad_id, bos_id=bos_id, eos_id=eos_id)
+        batch[POSITION_KEY] = np.asarray([position[k] for k in START], np.int64)
+        return batch
+
+    return process_plans(corpus, pack=pack, **plan_options).map(collate)
+
+
+class BatchStream(grain.DatasetIterator):
+    """The training batches, collated here or in grain worker processes; resumable.
+
+    Args:
+      build: ``build(start) -> grain.IterDataset`` of batches that carry their position
+        (:func:`stream_dataset` with its options bound).
+      workers: 0 = collate in this process, between train steps (with JAX's async
+        dispatch the device is still busy with the previous step); ``n`` = in ``n`` grain
+        worker processes (``mp_prefetch``), so the host loop only takes finished batches.
+      buffer: batches each worker prepares ahead.
+
+    ``get_state()`` is the position after the last batch returned (never the workers'
+    lookahead), so a checkpoint resumes exactly, with any ``workers``. ``set_state``
+    restarts the pipeline (and its workers) there. Workers start on the first batch,
+    or on :meth:`start_prefetch` (grain's checkpoint restore calls it), and stop on
+    :meth:`close`.
+
+    Raises:
+      DataPositionError: from ``set_state``, for a state that is not a position
+        (:func:`check_position`).
+    """
+
+    def __init__(self, build: Callable[[Position], grain.IterDataset], workers: int = 0, buffer: int = 2):
+        super().__init__()
+        if workers < 0 or buffer < 1:
+            raise ValueError(f"Need workers >= 0 and buffer >= 1 (got {workers}, {buffer}).")
+        self._build, self._workers, self._buffer = build, workers, buffer
+        self._position: Position = dict(START)
+        self._batches: Any = None   # the running pipeline's iterator, started on demand
+        if workers:
+            _close_at_exit(self)
+
+    def start_prefetch(self) -> None:
+        if self._batches is None:
+            dataset = self._build(dict(self._position))
+            if self._workers:
+                _absl_flags_parsed()
+                dataset = dataset.mp_prefetch(grain.MultiprocessingOptions(
+                    num_workers=self._workers, per_worker_buffer_size=self._buffer),
+                    worker_init_fn=_worker_init)
+            self._batches = iter(dataset)
+            if self._workers:
+                self._batches.start_prefetch()
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        self.start_prefetch()
+        # From workers the arrays live in shared memory until dropped: plain copies (a few
+        # hundred KB a batch) release it at once, whatever the caller keeps.
+        batch = {name: np.array(value) for name, value in next(self._batches).items()}
+        epoch, block, index = (int(v) for v in batch.pop(POSITION_KEY))
+        self._position = {"epoch": epoch, "block": block, "batch": index}
+        return batch
+
+    def get_state(self) -> Position:
+        return dict(self._position)
+
+    def set_state(self, state: Any) -> None:
+        position = check_position(state)
+        self._stop()
+        self._position = position
+
+    def _stop(self) -> None:
+        if self._batches is not None:
+            self._batches.close()
+            self._batches = None
+
+    def close(self) -> None:
+        """Stops the worker processes (if any); the stream may be restarted by using it."""
+        self._stop()
+
+
+def _worker_init(index: int, count: int, poll_s: float = 1.0) -> None:
+    """In each worker process: Ctrl-C and SIGTERM are the trainer's to handle (a terminal's
+    Ctrl-C, ``kill -- -PGID`` or a scheduler signal the whole process group; a worker killed
+    by it would fail the trainer's next batch instead of letting it checkpoint), and a
+    worker whose trainer died (SIGKILL, OOM) exits instead of waiting forever. Workers
+    collate with NumPy; should anything in one touch JAX, it gets the CPU backend, never
+    the GPU/TPU whose memory the trainer owns."""
+    import os
+    import signal
+    import threading
+    import time
+
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True, name="jaxformer-parent-watch").start()
+
+
+def _close_at_exit(stream: BatchStream) -> None:
+    """Stops the workers at interpreter exit even if the stream was never closed: they ignore
+    SIGTERM, which is how multiprocessing's own exit hook would stop them (registered
+    later, this hook runs first)."""
+    import atexit
+    import weakref
+
+    ref = weakref.ref(stream)
+    atexit.register(lambda: ref() is not None and ref().close())
+
+
+def _absl_flags_parsed() -> None:
+    """grain 0.2.18's worker start reads an absl flag, which raises in a program that never
+    parsed absl flags (google/grain#1355, fixed after that release): mark them parsed,
+    keeping every default. A program that parsed its flags is left alone."""
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+
+
+def _pack(src_len, tgt_len, rng, *, batch_tokens, length, row_multiple):
+    return batching.pack_plan(src_len, tgt_len, batch_tokens, length, rng, row_multiple)
+
+
+def _bucket(src_len, tgt_len, rng, *, batch_tokens, boundaries, row_multiple):
+    return batching.bucket_plan(src_len, tgt_len, batch_tokens, boundaries, rng, row_multiple)

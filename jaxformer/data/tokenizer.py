@@ -1,0 +1,294 @@
+"""Tokenizers behind one interface (:class:`TextTokenizer`), used by translate and the trainer.
+
+:class:`Tokenizer`: the sentencepiece model a run trains, one joint vocabulary for
+source and target, in ``<workdir>/tokenizer/spm.model``. :class:`MarianTokenizer`:
+OPUS-MT's (two sentencepiece models and a piece→id map), from ``jaxformer-convert``.
+:func:`load_tokenizer` builds the one a run's ``config.json`` names. Special ids
+(pad, unk, bos, eos) come from the tokenizer files, never from literals.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from jaxformer.model.validation import check_special_ids
+
+
+class Tokenizer:
+    """A joint sentencepiece vocabulary for source and target.
+
+    Special ids are read from the model (pad, unk, bos, eos); the rest of the code
+    takes them from here, never as literals.
+    """
+
+    def __init__(self, model_file: str | os.PathLike):
+        import sentencepiece as spm
+
+        path = Path(model_file)
+        if not path.exists():
+            raise FileNotFoundError(f"Tokenizer model {str(path)!r} does not exist.")
+        self.model_file = path
+        try:
+            self.sp = spm.SentencePieceProcessor(model_file=str(path))
+        except (RuntimeError, OSError) as e:
+            raise ValueError(f"Tokenizer model {str(path)!r} is unreadable ({e}). It must be the "
+                             f"sentencepiece model the run was trained with: restore it, or start "
+                             f"a new run (--fresh or another --workdir).") from e
+        self.pad_id, self.unk_id = self.sp.pad_id(), self.sp.unk_id()
+        self.bos_id, self.eos_id = self.sp.bos_id(), self.sp.eos_id()
+        if min(self.pad_id, self.bos_id, self.eos_id) < 0:
+            raise ValueError(f"{path}: the sentencepiece model needs pad, bos and eos ids.")
+        check_special_ids(pad_id=self.pad_id, bos_id=self.bos_id, eos_id=self.eos_id, unk_id=self.unk_id,
+                          source=str(path))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.sp.get_piece_size()
+
+    # The TextTokenizer interface (below): one joint vocabulary for both sides.
+    src_vocab_size = tgt_vocab_size = vocab_size
+
+    @property
+    def decoder_start_id(self) -> int:
+        return self.bos_id
+
+    def encode(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids (no bos/eos) for each text."""
+        return self.sp.encode(list(texts))
+
+    encode_source = encode_target = encode
+
+    def source_pieces(self, ids: Sequence[int]) -> list[str]:
+        return [self.sp.id_to_piece(int(i)) for i in ids]
+
+    target_pieces = source_pieces
+
+    def save_marian(self, out_dir) -> None:
+        """Writes this model as Marian tokenizer files (for a Hugging Face export)."""
+        save_joint_as_marian(self.model_file, Path(out_dir))
+
+    def decode(self, ids: Iterable[Sequence[int]]) -> list[str]:
+        """Detokenized text; stops at the first eos and drops pad/bos."""
+        out = []
+        for seq in ids:
+            seq = [int(t) for t in seq]
+            if self.eos_id in seq:
+                seq = seq[: seq.index(self.eos_id)]
+            out.append(self.sp.decode([t for t in seq if t not in (self.pad_id, self.bos_id)]))
+        return out
+
+    @staticmethod
+    def train(sentences: Iterable[str], model_dir: str | os.PathLike, vocab_size: int = 8000,
+              seed_sentences: int = 200_000) -> Tokenizer:
+        """Trains a unigram sentencepiece model on ``sentences`` into ``model_dir/spm.model``.
+
+        Ids: pad 0, unk 1, bos 2, eos 3.
+        """
+        import sentencepiece as spm
+
+        model_dir = Path(model_dir)
+        model_dir.mkdir(parents=True, exist_ok=True)
+        buffer = io.BytesIO()
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(list(sentences)), model_writer=buffer, vocab_size=vocab_size,
+            model_type="unigram", character_coverage=0.9995, pad_id=0, unk_id=1, bos_id=2,
+            eos_id=3, input_sentence_size=seed_sentences, shuffle_input_sentence=True,
+            num_threads=os.cpu_count() or 1, minloglevel=2, hard_vocab_limit=False)
+        path = model_dir / "spm.model"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(buffer.getvalue())
+        tmp.replace(path)
+        return Tokenizer(path)
+
+
+# ---------------------------------------------------------------------- the interface, and Marian's
+class TextTokenizer(Protocol):
+    """What translate and the trainer ask of a tokenizer.
+
+    Special ids come from here, never as literals: ``pad_id``, ``eos_id``, and
+    ``bos_id``, the *decoder start* id fed at target position 0 (the paper's bos;
+    Marian's pad). ``encode_source`` returns the encoder input as the model was
+    trained on it (Marian appends eos); ``encode_target`` returns target ids without
+    start or eos (teacher forcing adds them, :func:`jaxformer.data.batching.collate`).
+    """
+
+    pad_id: int
+    bos_id: int
+    eos_id: int
+    unk_id: int
+
+    @property
+    def src_vocab_size(self) -> int: ...
+
+    @property
+    def tgt_vocab_size(self) -> int: ...
+
+    @property
+    def decoder_start_id(self) -> int: ...
+
+    def encode_source(self, texts: Sequence[str]) -> list[list[int]]: ...
+
+    def encode_target(self, texts: Sequence[str]) -> list[list[int]]: ...
+
+    def decode(self, ids: Iterable[Sequence[int]]) -> list[str]: ...
+
+    def source_pieces(self, ids: Sequence[int]) -> list[str]: ...
+
+    def target_pieces(self, ids: Sequence[int]) -> list[str]: ...
+
+    def save_marian(self, out_dir: Path) -> None: ...
+
+
+class MarianTokenizer:
+    """OPUS-MT's tokenizer: ``source.spm`` / ``target.spm`` segment, ``vocab.json`` maps
+    pieces to ids (``target_vocab.json`` too when the vocabularies are separate).
+
+    Mirrors transformers' ``models/marian/tokenization_marian.py``: a leading
+    ``>>xx<<`` target-language code is split off before segmentation and passed
+    through as one token; pieces missing from the map become ``<unk>``; every source
+    gets ``</s>`` appended. Decoding drops the special tokens (pad, eos, unk) and
+    joins the pieces with sentencepiece (the source model for a joint vocabulary,
+    as transformers does). Not done: Moses punctuation normalisation, which
+    transformers applies only when ``sacremoses`` is installed.
+
+    The decoder start id is the pad id (Marian), so ``bos_id == pad_id``.
+
+    Raises:
+      FileNotFoundError: a tokenizer file is missing.
+      ValueError: ``vocab.json`` lacks ``<unk>``, ``</s>`` or ``<pad>``.
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, separate_vocabs: bool = False,
+                 decoder_start_id: int | None = None):
+        import sentencepiece as spm
+
+        self.directory = directory = Path(directory)
+        names = ["source.spm", "target.spm", "vocab.json"]
+        names += ["target_vocab.json"] if separate_vocabs else []
+        for name in names:
+            if not (directory / name).is_file():
+                raise FileNotFoundError(f"Marian tokenizer file {str(directory / name)!r} does not exist.")
+        self.separate_vocabs = separate_vocabs
+        self.source_vocab: dict[str, int] = json.loads((directory / "vocab.json").read_text(encoding="utf-8"))
+        self.target_vocab = (json.loads((directory / "target_vocab.json").read_text(encoding="utf-8"))
+                             if separate_vocabs else self.source_vocab)
+        for piece in ("<unk>", "</s>", "<pad>"):
+            if piece not in self.source_vocab:
+                raise ValueError(f"{directory / 'vocab.json'} has no {piece!r}: not a Marian vocabulary.")
+        self.pieces_of = {i: p for p, i in self.target_vocab.items()}
+        self.source_spm = spm.SentencePieceProcessor(model_file=str(directory / "source.spm"))
+        self.target_spm = spm.SentencePieceProcessor(model_file=str(directory / "target.spm"))
+        self.pad_id, self.eos_id = self.source_vocab["<pad>"], self.source_vocab["</s>"]
+        self.unk_id = self.source_vocab["<unk>"]
+        self.bos_id = self.pad_id if decoder_start_id is None else decoder_start_id
+        self._special = {self.pad_id, self.eos_id, self.unk_id}
+
+    @property
+    def decoder_start_id(self) -> int:
+        return self.bos_id
+
+    @property
+    def src_vocab_size(self) -> int:
+        return max(self.source_vocab.values()) + 1
+
+    @property
+    def tgt_vocab_size(self) -> int:
+        return max(self.target_vocab.values()) + 1
+
+    @property
+    def vocab_size(self) -> int:
+        return self.src_vocab_size
+
+    @staticmethod
+    def _split_language_code(text: str) -> tuple[list[str], str]:
+        if text.startswith(">>") and (end := text.find("<<")) != -1:
+            return [text[: end + 2]], text[end + 2:]
+        return [], text
+
+    def _encode(self, text: str, processor, vocab: dict[str, int]) -> list[int]:
+        code, text = self._split_language_code(text)
+        pieces = code + processor.encode(text, out_type=str)
+        return [vocab.get(p, self.unk_id) for p in pieces]
+
+    def encode_source(self, texts: Sequence[str]) -> list[list[int]]:
+        """Encoder input ids, ``</s>`` appended (``MarianTokenizer(texts)["input_ids"]``)."""
+        return [self._encode(t, self.source_spm, self.source_vocab) + [self.eos_id] for t in texts]
+
+    def encode_target(self, texts: Sequence[str]) -> list[list[int]]:
+        """Target ids without start or eos (``text_target=`` labels less their ``</s>``)."""
+        return [self._encode(t, self.target_spm, self.target_vocab) for t in texts]
+
+    def decode(self, ids: Iterable[Sequence[int]]) -> list[str]:
+        """Text of each id sequence: stops at the first eos, drops special tokens
+        (``batch_decode(..., skip_special_tokens=True)``)."""
+        processor = self.target_spm if self.separate_vocabs else self.source_spm
+        out = []
+        for seq in ids:
+            seq = [int(t) for t in seq]
+            if self.eos_id in seq:
+                seq = seq[: seq.index(self.eos_id)]
+            pieces = [self.pieces_of.get(t, "<unk>") for t in seq if t not in self._special]
+            out.append(processor.decode_pieces(pieces).replace("\u2581", " ").strip())
+        return out
+
+    def source_pieces(self, ids: Sequence[int]) -> list[str]:
+        source_of = {i: p for p, i in self.source_vocab.items()}
+        return [source_of.get(int(i), "<unk>") for i in ids]
+
+    def target_pieces(self, ids: Sequence[int]) -> list[str]:
+        return [self.pieces_of.get(int(i), "<unk>") for i in ids]
+
+    def save_marian(self, out_dir: Path) -> None:
+        """Copies the tokenizer files (what ``transformers.MarianTokenizer`` reads)."""
+        for name in ("source.spm", "target.spm", "vocab.json", "target_vocab.json", "tokenizer_config.json"):
+            if (self.directory / name).is_file():
+                shutil.copyfile(self.directory / name, Path(out_dir) / name)
+
+
+def save_joint_as_marian(model_file: Path, out_dir: Path, *, target_language: str | None = None) -> None:
+    """Writes a joint sentencepiece model as Marian tokenizer files: ``source.spm`` =
+    ``target.spm`` = the model, ``vocab.json`` its pieces in id order."""
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(model_file))
+    out_dir = Path(out_dir)
+    for name in ("source.spm", "target.spm"):
+        shutil.copyfile(model_file, out_dir / name)
+    vocab = {sp.id_to_piece(i): i for i in range(sp.get_piece_size())}
+    (out_dir / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False, indent=1), encoding="utf-8")
+    config: dict[str, Any] = {"tokenizer_class": "MarianTokenizer", "separate_vocabs": False,
+                              "unk_token": sp.id_to_piece(sp.unk_id()),
+                              "eos_token": sp.id_to_piece(sp.eos_id()),
+                              "pad_token": sp.id_to_piece(sp.pad_id())}
+    if target_language:
+        config["target_lang"] = target_language
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def load_tokenizer(workdir: str | os.PathLike, record: dict[str, Any]):
+    """The tokenizer a run's ``config.json`` names (``record["tokenizer"]``).
+
+    ``{"file": "tokenizer/spm.model"}`` (what the trainer writes) is the joint
+    sentencepiece :class:`Tokenizer`; ``{"kind": "marian", "dir": ...}``
+    (what ``jaxformer-convert --from-hf`` writes) is a :class:`MarianTokenizer`.
+
+    Raises:
+      ValueError: an unknown tokenizer kind.
+      FileNotFoundError: its files are missing.
+    """
+    workdir, info = Path(workdir), record.get("tokenizer", {})
+    kind = info.get("kind", "sentencepiece")
+    if kind == "sentencepiece":
+        return Tokenizer(workdir / info.get("file", "tokenizer/spm.model"))
+    if kind == "marian":
+        return MarianTokenizer(workdir / info.get("dir", "tokenizer"),
+                               separate_vocabs=bool(info.get("separate_vocabs", False)),
+                               decoder_start_id=info.get("decoder_start_id"))
+    raise ValueError(f"{workdir / 'config.json'} names tokenizer kind {kind!r}; "
+                     f"known: 'sentencepiece', 'marian'.")

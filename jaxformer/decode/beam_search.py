@@ -1,0 +1,276 @@
+"""Beam search over a ``tokens_to_logits`` callback, as one ``lax.while_loop``.
+
+Two ways to rank finished hypotheses: the GNMT length penalty (Wu et al. 2016; the
+paper's §6.1 decoding, the default) and Hugging Face ``generate``'s
+sum-of-log-probs / length^``length_penalty`` with its stopping rule, so an imported
+OPUS-MT model reproduces ``generate(num_beams=k)`` token for token.
+
+Glossary: B batch, V vocabulary, M the longest output; beams get their own letter,
+N (the beam width k), so K stays the head width.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+# The model callback of every decoder: tokens_to_logits(ids [B, 1], cache) -> (logits [B, V], cache).
+TokensToLogits = Callable[[jax.Array, Any], tuple[jax.Array, Any]]
+
+NEG_INF = -1.0e9
+
+
+LENGTH_NORMALIZATIONS = ("gnmt", "hf")
+
+
+def length_penalty(length, alpha: float, normalization: str = "gnmt"):
+    """The divisor of a finished hypothesis' log-probability.
+
+    ``"gnmt"``: lp(Y) = ((5 + |Y|) / 6)^α (Wu et al. 2016; paper §6.1, α = 0.6).
+    ``"hf"``: |Y|^α, Hugging Face ``generate``'s ``length_penalty`` (transformers
+    ``generation/utils.py``, ``_update_finished_beams``). |Y| counts the generated
+    tokens, eos included.
+
+    Raises:
+      ValueError: an unknown ``normalization``.
+    """
+    length = jnp.asarray(length, jnp.float32)
+    if normalization == "gnmt":
+        return ((5.0 + length) / 6.0) ** alpha
+    if normalization == "hf":
+        return length ** alpha
+    raise ValueError(f"length normalization must be one of {LENGTH_NORMALIZATIONS}, got {normalization!r}.")
+
+
+def _flatten_beams(x):
+    return x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
+
+
+def _unflatten_beams(x, batch_size):
+    return x.reshape((batch_size, x.shape[0] // batch_size) + x.shape[1:])
+
+
+def _gather_beams(tree, beam_indices_BN, batch_size):
+    """Picks beams ``[B, N]`` from every leaf with a flattened ``[B*k, ...]`` batch axis.
+
+    A cache with a ``map_beam_state(fn)`` method (:class:`jaxformer.model.transformer.DecodeCache`)
+    gathers only the leaves it names as differing between beams.
+    """
+    if hasattr(tree, "map_beam_state"):
+        return tree.map_beam_state(lambda x: _gather_beams(x, beam_indices_BN, batch_size))
+
+    def gather(x):
+        if x.ndim == 0:
+            return x
+        x = _unflatten_beams(x, batch_size)
+        idx = beam_indices_BN.reshape(beam_indices_BN.shape + (1,) * (x.ndim - 2))
+        return _flatten_beams(jnp.take_along_axis(x, idx, axis=1))
+
+    return jax.tree_util.tree_map(gather, tree)
+
+
+def blocked_top_k(x: jax.Array, k: int, block: int = 128) -> tuple[jax.Array, jax.Array]:
+    """``jax.lax.top_k(x, k)`` along the last axis, exactly (ties included), found by blocks.
+
+    The last axis is cut into blocks of ``block`` (padded with -inf); only the ``k``
+    blocks with the largest maxima can hold the top ``k`` (each of the top ``k`` lies
+    in a block whose maximum is at least the k-th value, and at most ``k`` blocks have
+    one), so a max per block, a small top-k over block maxima and a top-k over
+    ``k · block`` candidates replace one top-k over the whole axis. The chosen blocks
+    are kept in index order, so ties resolve to the lower index as in ``lax.top_k``.
+    At beam search's ``[32, 4 · 8000]`` it takes 0.3 ms where ``lax.top_k`` takes 1.5 ms
+    on a 2-core CPU.
+
+    Returns:
+      ``(values, indices)`` of shape ``x.shape[:-1] + (k,)``, largest first; indices int32.
+
+    Raises:
+      ValueError: ``block < 1``.
+    """
+    if block < 1:
+        raise ValueError(f"blocked_top_k: block must be >= 1, got {block}.")
+    n = x.shape[-1]
+    if n <= 4 * block or k > n // block:
+        return jax.lax.top_k(x, k)
+    padded = -(-n // block) * block
+    if padded != n:
+        pad = [(0, 0)] * (x.ndim - 1) + [(0, padded - n)]
+        x = jnp.pad(x, pad, constant_values=-jnp.inf)
+    blocks = x.reshape(x.shape[:-1] + (padded // block, block))
+    _, best_blocks = jax.lax.top_k(jnp.max(blocks, axis=-1), k)
+    best_blocks = jnp.sort(best_blocks, axis=-1)
+    candidates = jnp.take_along_axis(blocks, best_blocks[..., None], axis=-2)
+    values, position = jax.lax.top_k(candidates.reshape(x.shape[:-1] + (k * block,)), k)
+    indices = jnp.take_along_axis(best_blocks, position // block, axis=-1) * block + position % block
+    return values, indices.astype(jnp.int32)
+
+
+def tile_beams(tree, beam_size: int):
+    """Repeats every batch row ``beam_size`` times: ``[B, ...]`` → ``[B*k, ...]`` (scalars kept)."""
+    return jax.tree_util.tree_map(
+        lambda x: x if x.ndim == 0 else jnp.repeat(x, beam_size, axis=0), tree)
+
+
+def constrain_log_probs(logp_BNV: jax.Array, at_limit_B: jax.Array, *, eos_id: int, pad_id: int,
+                        bos_id: int, forced_eos_logprob_zero: bool = False) -> jax.Array:
+    """The scoring rule of one beam-search step: pad and bos are never generated
+    (``bad_words_ids``), and a sentence at its length limit (``at_limit_B``, bool
+    ``[B]``) can only end (eos forced). With ``forced_eos_logprob_zero`` the forced eos
+    has log-probability 0, as transformers' ``ForcedEOSTokenLogitsProcessor`` gives it.
+
+    Args:
+      logp_BNV: float32 log-probabilities ``[B, k, V]``.
+
+    Returns:
+      ``[B, k, V]``, the excluded tokens at :data:`NEG_INF`.
+    """
+    vocab = logp_BNV.shape[-1]
+    force = at_limit_B[:, None, None] & (jnp.arange(vocab) != eos_id)[None, None, :]
+    never = ((jnp.arange(vocab) == pad_id) | (jnp.arange(vocab) == bos_id))[None, None, :]
+    logp_BNV = jnp.where(force | never, NEG_INF, logp_BNV)
+    if forced_eos_logprob_zero:
+        forced_eos = at_limit_B[:, None, None] & (jnp.arange(vocab) == eos_id)[None, None, :]
+        logp_BNV = jnp.where(forced_eos, 0.0, logp_BNV)
+    return logp_BNV
+
+
+def still_open(state: dict[str, jax.Array], *, alpha: float, max_decode_len: int,
+               length_normalization: str = "gnmt") -> jax.Array:
+    """The stopping rule: per sentence (bool ``[B]``), can a live beam still beat the worst
+    finished hypothesis? (See :func:`beam_search` for the two rules.)
+
+    Args:
+      state: the loop state: ``open [B]``, ``step`` (tokens so far), ``live_logprobs
+        [B, k]`` (best first), ``finished_scores``/``finished_flags [B, k]``.
+    """
+    worst_finished = jnp.min(jnp.where(state["finished_flags"], state["finished_scores"], NEG_INF), axis=1)
+    all_full = jnp.all(state["finished_flags"], axis=1)
+    if length_normalization == "hf":   # transformers' heuristic: the live beam as if it ended now
+        best_live = state["live_logprobs"][:, 0] / length_penalty(state["step"], alpha, "hf")
+        return state["open"] & (best_live > jnp.where(all_full, worst_finished, NEG_INF))
+    best_live = state["live_logprobs"][:, 0] / length_penalty(max_decode_len, alpha, length_normalization)
+    return state["open"] & ~(all_full & (worst_finished >= best_live))
+
+
+def beam_search(tokens_to_logits: TokensToLogits, cache: Any, *, batch_size: int, beam_size: int,
+                bos_id: int, eos_id: int, pad_id: int, max_decode_len: int, alpha: float = 0.6,
+                max_lengths: jax.Array | None = None,
+                length_normalization: str = "gnmt") -> tuple[jax.Array, jax.Array]:
+    """Beam search (paper §6.1: k = 4, α = 0.6), GNMT- or Hugging Face-normalised.
+
+    Each step extends the live beams, keeps the best 2k candidates, continues the
+    best k that did not end, and merges those of the top k that ended (eos) into
+    the k finished hypotheses, scored log-probability / ``length_penalty``. A
+    sentence stops taking hypotheses once it is *closed*, and the loop stops when
+    every sentence is closed (or at M tokens):
+
+    * ``"gnmt"``: closed when k hypotheses are finished and the best live
+      log-probability divided by the largest possible penalty lp(M) is below the
+      worst finished score: exact, as log-probabilities only fall.
+    * ``"hf"``: ``generate``'s rule with ``early_stopping=False`` (transformers
+      ``generation/utils.py``, ``_check_early_stop_heuristic``): the best live
+      log-probability is divided by the *current* length^α. Eos is forced at M with
+      log-probability 0, as ``forced_eos_token_id`` does (``ForcedEOSTokenLogitsProcessor``).
+      This reproduces ``generate(num_beams=k, length_penalty=α)``'s sequences and
+      ``sequences_scores``.
+
+    Args:
+      tokens_to_logits: model callback on ``[B*k, 1]`` ids.
+      cache: its initial state for ``B*k`` rows (see :func:`tile_beams`).
+      batch_size: B.
+      beam_size: k.
+      bos_id, eos_id, pad_id: special ids (bos = the decoder start id); pad and bos
+        are never generated (``bad_words_ids``).
+      max_decode_len: M, tokens per hypothesis at most (eos included).
+      alpha: length-penalty exponent α; 0 = raw log-probability.
+      max_lengths: optional int ``[B]``, per-sentence limits ≤ M (e.g. source length
+        + 50): eos is forced at that length (at M without it).
+      length_normalization: ``"gnmt"`` or ``"hf"`` (see :func:`length_penalty`).
+
+    Returns:
+      ``(sequences [B, k, M] int32, scores [B, k] float32)``, best first; sequences end
+      with eos then pad. Scores are log-probability / penalty(length).
+
+    Raises:
+      ValueError: an unknown ``length_normalization``.
+    """
+    if length_normalization not in LENGTH_NORMALIZATIONS:
+        raise ValueError(f"length_normalization must be one of {LENGTH_NORMALIZATIONS}, "
+                         f"got {length_normalization!r}.")
+    hf = length_normalization == "hf"
+    k, vocab_axis = beam_size, -1
+    limit_B = (jnp.full((batch_size,), max_decode_len, jnp.int32) if max_lengths is None
+               else jnp.minimum(jnp.asarray(max_lengths, jnp.int32), max_decode_len))
+
+    def penalty(length):
+        return length_penalty(length, alpha, length_normalization)
+
+    # Only beam 0 is live at the start, so the first step does not pick k copies.
+    live_logprobs0 = jnp.tile(jnp.array([0.0] + [NEG_INF] * (k - 1), jnp.float32), (batch_size, 1))
+    state0 = dict(
+        step=jnp.zeros((), jnp.int32),
+        live_seqs=jnp.full((batch_size, k, max_decode_len), pad_id, jnp.int32),
+        live_logprobs=live_logprobs0,
+        last_ids=jnp.full((batch_size, k), bos_id, jnp.int32),
+        finished_seqs=jnp.full((batch_size, k, max_decode_len), pad_id, jnp.int32),
+        finished_scores=jnp.full((batch_size, k), NEG_INF, jnp.float32),
+        finished_flags=jnp.zeros((batch_size, k), jnp.bool_),
+        open=jnp.ones((batch_size,), jnp.bool_),
+        cache=cache)
+
+    def cond(state):
+        return (state["step"] < max_decode_len) & jnp.any(state["open"])
+
+    def body(state):
+        step = state["step"]
+        logits, cache = tokens_to_logits(_flatten_beams(state["last_ids"])[:, None], state["cache"])
+        logp_BNV = _unflatten_beams(jax.nn.log_softmax(logits.astype(jnp.float32), axis=vocab_axis),
+                                    batch_size)
+        logp_BNV = constrain_log_probs(logp_BNV, step + 1 >= limit_B, eos_id=eos_id, pad_id=pad_id,
+                                       bos_id=bos_id, forced_eos_logprob_zero=hf)
+        vocab = logp_BNV.shape[-1]
+        candidates = (state["live_logprobs"][:, :, None] + logp_BNV).reshape(batch_size, k * vocab)
+        top_logprobs, top_idx = blocked_top_k(candidates, 2 * k)            # [B, 2k]
+        top_beam, top_token = top_idx // vocab, (top_idx % vocab).astype(jnp.int32)
+        top_seqs = jnp.take_along_axis(state["live_seqs"], top_beam[:, :, None], axis=1)
+        top_seqs = jax.lax.dynamic_update_slice_in_dim(top_seqs, top_token[:, :, None], step, axis=2)
+        is_eos = top_token == eos_id
+        alive = top_logprobs > NEG_INF / 2
+
+        # New live beams: the best k candidates that did not end.
+        live_scores = jnp.where(is_eos | ~alive, NEG_INF, top_logprobs)
+        new_live_logprobs, live_pick = jax.lax.top_k(live_scores, k)
+        new_live_seqs = jnp.take_along_axis(top_seqs, live_pick[:, :, None], axis=1)
+        new_last = jnp.take_along_axis(top_token, live_pick, axis=1)
+        cache = _gather_beams(cache, jnp.take_along_axis(top_beam, live_pick, axis=1), batch_size)
+
+        # New finished: merge the old ones with the candidates that ended here. As in
+        # fairseq and transformers, only an eos among the top k candidates finishes a
+        # hypothesis, so beam size 1 is exactly greedy decoding; a closed sentence
+        # takes no more.
+        ended = is_eos & alive & (jnp.arange(2 * k) < k)[None, :] & state["open"][:, None]
+        ended_scores = jnp.where(ended, top_logprobs / penalty(step + 1), NEG_INF)
+        merged_scores = jnp.concatenate([state["finished_scores"], ended_scores], axis=1)
+        merged_seqs = jnp.concatenate([state["finished_seqs"], top_seqs], axis=1)
+        merged_flags = jnp.concatenate([state["finished_flags"], ended], axis=1)
+        new_finished_scores, finished_pick = jax.lax.top_k(jnp.where(merged_flags, merged_scores, NEG_INF), k)
+        new_state = dict(
+            step=step + 1, live_seqs=new_live_seqs, live_logprobs=new_live_logprobs, last_ids=new_last,
+            finished_seqs=jnp.take_along_axis(merged_seqs, finished_pick[:, :, None], axis=1),
+            finished_scores=new_finished_scores,
+            finished_flags=jnp.take_along_axis(merged_flags, finished_pick, axis=1),
+            open=state["open"], cache=cache)
+        return dict(new_state, open=still_open(new_state, alpha=alpha, max_decode_len=max_decode_len,
+                                               length_normalization=length_normalization))
+
+    state = jax.lax.while_loop(cond, body, state0)
+    # A sentence with no finished hypothesis (only when M is tiny) falls back to live ones.
+    any_finished = jnp.any(state["finished_flags"], axis=1)
+    lengths = jnp.sum(state["live_seqs"] != pad_id, axis=2)
+    live_scores = state["live_logprobs"] / penalty(lengths)
+    seqs = jnp.where(any_finished[:, None, None], state["finished_seqs"], state["live_seqs"])
+    scores = jnp.where(any_finished[:, None], state["finished_scores"], live_scores)
+    return seqs, scores

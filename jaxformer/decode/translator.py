@@ -1,0 +1,148 @@
+"""A trained run as a translator: its config, tokenizer and parameters, restored onto one
+device, with beam search, n-best lists, sampling and cross-attention maps
+(:class:`Translator`). The command line around it: :mod:`jaxformer.cli.translate`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxformer.data.tokenizer import load_tokenizer
+from jaxformer.decode.evaluation import Evaluator
+from jaxformer.decode.exported import ExportCache
+from jaxformer.model.config import TransformerConfig
+from jaxformer.model.transformer import Transformer
+from jaxformer.run.checkpoints import RunCheckpoints
+from jaxformer.run.directory import RunDir
+
+
+class Translator:
+    """A trained model ready to translate: config, tokenizer and parameters of a run.
+
+    Args:
+      workdir: the run directory.
+      batch_size: the most sentences per decoding batch.
+      checkpoint: ``"auto"`` (best by dev BLEU, else latest), ``"best"``, ``"latest"``,
+        ``"averaged"`` or a training step (int).
+      max_len_a, max_len_b: output limit ``a * source length + b`` tokens.
+      exported: keep the parameters' shapes and the exported greedy/beam decoders in
+        ``RUN/jax_cache/exported`` (:mod:`jaxformer.decode.exported`), so a later process neither
+        traces the model nor the decoders (the translate tool does, when the run
+        directory is writable).
+
+    Raises:
+      FileNotFoundError: the run directory lacks ``config.json``, the tokenizer or the
+        checkpoint asked for.
+    """
+
+    def __init__(self, workdir: str | Path, batch_size: int = 32, checkpoint: str | int = "auto",
+                 max_len_a: float = 1.0, max_len_b: int = 50, exported: bool = False):
+        from flax import linen as nn
+
+        workdir = Path(workdir)
+        exports = ExportCache(RunDir(workdir).jax_cache / "exported") if exported else None
+        config_path = RunDir(workdir).config
+        if not config_path.exists():
+            raise FileNotFoundError(f"{config_path} not found: is {str(workdir)!r} a jaxformer run "
+                                    f"directory? Train one with `python train.py --workdir ...`.")
+        record = json.loads(config_path.read_text())
+        self.config = TransformerConfig.from_dict(record["model"])
+        self.tokenizer = load_tokenizer(workdir, record)
+        self.model = Transformer(self.config)
+        ids = jnp.ones((1, 8), jnp.int32)
+        # Restore onto one device, whatever mesh the run was trained on.
+        one_device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        def params_shapes():
+            return jax.eval_shape(lambda: nn.unbox(self.model.init(jax.random.key(0), ids, ids)["params"]))
+
+        abstract_params = jax.tree_util.tree_map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one_device),
+            params_shapes() if exports is None else exports.abstract_params(self.config, params_shapes))
+        checkpoints = RunCheckpoints(workdir, read_only=True)
+        try:   # parameters only: the optimizer state is never read
+            self.params, self.step, self.kind = checkpoints.restore_params_from(checkpoint, abstract_params)
+        finally:
+            checkpoints.close()
+        self.evaluator = Evaluator(self.model, self.tokenizer, batch_size=batch_size, scoring=False,
+                                   target_language=record.get("target_language", "xx"),
+                                   max_len_a=max_len_a, max_len_b=max_len_b, exports=exports)
+        # Decoding defaults: an imported model's generation_config (jaxformer.interop.marian), else §6.1.
+        generation = record.get("generation", {})
+        self.defaults = {"beam_size": generation.get("beam_size", 4),
+                         "alpha": generation.get("length_penalty", 0.6),
+                         "length_normalization": generation.get("length_normalization", "gnmt")}
+
+    def _options(self, beam_size, alpha, length_normalization):
+        chosen = dict(beam_size=beam_size, alpha=alpha, length_normalization=length_normalization)
+        return {k: self.defaults[k] if v is None else v for k, v in chosen.items()}
+
+    def __call__(self, sentences: list[str], *, beam_size: int | None = None, alpha: float | None = None,
+                 length_normalization: str | None = None) -> list[str]:
+        """Best translations of ``sentences``, in order (``beam_size=1`` = greedy); options
+        left ``None`` take the run's defaults (:attr:`defaults`)."""
+        return self.evaluator.translate(self.params, sentences,
+                                        **self._options(beam_size, alpha, length_normalization))
+
+    def n_best(self, sentences: list[str], *, beam_size: int | None = None, alpha: float | None = None,
+               length_normalization: str | None = None):
+        """``beam_size`` (translation, score) pairs per sentence, best first."""
+        return self.evaluator.translate_n_best(self.params, sentences,
+                                               **self._options(beam_size, alpha, length_normalization))
+
+    def sample(self, sentences: list[str], *, seed: int = 0, temperature: float = 1.0,
+               top_k: int | None = None, top_p: float | None = None) -> list[str]:
+        return self.evaluator.sample(self.params, sentences, jax.random.key(seed),
+                                     temperature=temperature, top_k=top_k, top_p=top_p)
+
+    def cross_attention(self, source: str, translation: str, layer: int | None = None,
+                        head: int | None = None):
+        """Cross-attention weights of one sentence pair, teacher-forced.
+
+        Args:
+          layer: decoder layer index, or ``None`` = average over layers.
+          head: head index, or ``None`` = average over heads.
+
+        Returns:
+          ``(weights [T, S] float32, source pieces [S], target pieces [T])``.
+        """
+        tok = self.tokenizer
+        src_ids = tok.encode_source([source])[0][: self.config.max_len]
+        tgt_ids = tok.encode_target([translation])[0][: self.config.max_len - 1]
+        src = jnp.asarray([src_ids], jnp.int32)
+        tgt_in = jnp.asarray([[tok.bos_id, *tgt_ids]], jnp.int32)
+        _, state = self.model.apply({"params": self.params}, src, tgt_in, mutable=["intermediates"])
+        layers = state["intermediates"]["decoder"]
+        stack = np.stack([np.asarray(layers[f"layer_{i}"]["cross_attention"]["attention_weights"][0][0])
+                          for i in range(self.config.num_decoder_layers)])      # [N, H, T, S]
+        stack = stack.mean(axis=0) if layer is None else stack[layer]
+        weights = stack.mean(axis=0) if head is None else stack[head]
+        src_pieces = tok.source_pieces(src_ids)
+        tgt_pieces = tok.target_pieces([*tgt_ids, tok.eos_id])
+        return weights, src_pieces, tgt_pieces
+
+
+def save_attention_png(path: str | Path, weights, src_pieces, tgt_pieces, title: str = "") -> None:
+    """Heat map of cross-attention ``weights [T, S]``: source pieces × target pieces."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    height, width = weights.shape
+    fig, ax = plt.subplots(figsize=(max(4, 0.45 * width + 2), max(3, 0.4 * height + 1.5)))
+    image = ax.imshow(weights, cmap="viridis", aspect="auto", vmin=0.0)
+    ax.set_xticks(range(width), src_pieces, rotation=90)
+    ax.set_yticks(range(height), tgt_pieces[:height])
+    ax.set_xlabel("source")
+    ax.set_ylabel("target")
+    ax.set_title(title)
+    fig.colorbar(image, ax=ax)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+

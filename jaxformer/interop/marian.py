@@ -1,0 +1,237 @@
+"""OPUS-MT/Marian models in, jaxformer models out: ``jaxformer-convert``.
+
+``--from-hf DIR --workdir RUN`` reads a local Hugging Face Marian directory
+(``config.json``, ``model.safetensors``, the tokenizer files) and writes a run
+directory that ``jaxformer-translate --workdir RUN`` and ``train.py --init-from RUN``
+use. ``--to-hf RUN --out DIR`` writes a post-norm run as a ``MarianMTModel``
+directory (safetensors, ``config.json``, ``generation_config.json``, tokenizer files).
+
+Neither direction needs torch: the weights go through ``safetensors.numpy``
+(the mapping: :mod:`jaxformer.interop.marian_weights`; the configs, after transformers'
+``MarianConfig``: here).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+from jaxformer.interop.marian_weights import (  # noqa: F401  (the public names of the conversion)
+    ConversionError,
+    interleaved_to_split,
+    params_from_hf,
+    params_to_hf,
+    read_hf_weights,
+)
+from jaxformer.model.config import TransformerConfig
+
+# Marian keys that name behaviour jaxformer does not have, with the value it needs.
+_REQUIRED_HF = {"scale_embedding": True, "normalize_before": False, "normalize_embedding": False,
+                "add_final_layer_norm": False, "static_position_embeddings": True,
+                "add_bias_logits": False}
+_ACTIVATION_FROM_HF = {"swish": "swish", "silu": "swish", "relu": "relu", "gelu": "gelu"}
+MARIAN_LAYER_NORM_EPSILON = 1e-5   # torch.nn.LayerNorm's default, fixed in modeling_marian.py
+TOKENIZER_FILES = ("source.spm", "target.spm", "vocab.json", "target_vocab.json", "tokenizer_config.json")
+
+
+# ---------------------------------------------------------------------- configs
+def config_from_hf(hf: dict[str, Any]) -> TransformerConfig:
+    """A :class:`TransformerConfig` equal in function to a Hugging Face ``MarianConfig``.
+
+    Marian's departures from the paper become config fields: swish FFN, the split
+    positional table, ``final_logits_bias``, LayerNorm ε 1e-5. Dropout rates are kept
+    for fine-tuning (Marian's ``activation_dropout`` has no counterpart and is ignored).
+
+    Raises:
+      ConversionError: not a Marian config, or a Marian option jaxformer lacks
+        (pre-norm, unscaled embeddings, learned positions, different encoder and
+        decoder widths, an unknown activation).
+    """
+    if hf.get("model_type") != "marian":
+        raise ConversionError(f"config.json has model_type={hf.get('model_type')!r}; only Marian "
+                              f"(OPUS-MT) models convert. Is this a MarianMTModel directory?")
+    missing = [k for k in ("vocab_size", "d_model", "encoder_attention_heads", "decoder_attention_heads",
+                           "encoder_ffn_dim", "decoder_ffn_dim", "encoder_layers", "decoder_layers",
+                           "max_position_embeddings", "pad_token_id") if hf.get(k) is None]
+    if missing:
+        raise ConversionError(f"config.json lacks {missing}: not a complete MarianConfig.")
+    for key, needed in _REQUIRED_HF.items():
+        # an absent scale_embedding is MarianConfig's default, False; the others are legacy keys
+        value = hf.get(key, False if key == "scale_embedding" else needed)
+        if value != needed:
+            raise ConversionError(f"config.json sets {key}={value!r}; jaxformer's Marian import "
+                                  f"needs {key}={needed!r} (the OPUS-MT architecture).")
+    for a, b in (("encoder_attention_heads", "decoder_attention_heads"),
+                 ("encoder_ffn_dim", "decoder_ffn_dim")):
+        if hf[a] != hf[b]:
+            raise ConversionError(f"{a}={hf[a]} != {b}={hf[b]}: jaxformer uses one value for both stacks.")
+    activation = _ACTIVATION_FROM_HF.get(hf.get("activation_function", "gelu"))
+    if activation is None:
+        raise ConversionError(f"activation_function={hf['activation_function']!r} is not supported; "
+                              f"jaxformer has {sorted(_ACTIVATION_FROM_HF)}.")
+    shared = hf.get("share_encoder_decoder_embeddings", True)
+    tied = hf.get("tie_word_embeddings", True)
+    src_vocab = hf["vocab_size"]
+    tgt_vocab = src_vocab if shared else (hf.get("decoder_vocab_size") or src_vocab)
+    share = bool(shared and tied)
+    return TransformerConfig(
+        src_vocab_size=src_vocab, tgt_vocab_size=tgt_vocab, d_model=hf["d_model"],
+        num_heads=hf["encoder_attention_heads"], d_ff=hf["encoder_ffn_dim"],
+        num_encoder_layers=hf["encoder_layers"], num_decoder_layers=hf["decoder_layers"],
+        dropout_rate=float(hf.get("dropout", 0.1)),
+        attention_dropout_rate=float(hf.get("attention_dropout", 0.0)),
+        max_len=hf["max_position_embeddings"], pad_id=hf["pad_token_id"], share_embeddings=share,
+        norm_position="post", activation=activation, positional_layout="split",
+        final_logits_bias=share, layer_norm_epsilon=MARIAN_LAYER_NORM_EPSILON)
+
+
+def config_to_hf(config: TransformerConfig, *, eos_id: int, decoder_start_id: int) -> dict[str, Any]:
+    """The ``MarianConfig`` (as a dict) of a post-norm jaxformer model.
+
+    Raises:
+      ConversionError: a pre-norm model (Marian has no pre-norm form in
+        transformers: ``MarianEncoderLayer`` normalises after each residual).
+    """
+    c = config
+    if c.norm_position != "post":
+        raise ConversionError(
+            f"this run is pre-norm (norm_position={c.norm_position!r}): transformers' MarianMTModel is "
+            f"post-norm only (LayerNorm after each residual, no final LayerNorm), so the weights "
+            f"would compute something else. Only post-norm runs export (train with "
+            f"--norm-position post).")
+    activation = {"relu": "relu", "swish": "swish", "gelu": "gelu"}[c.activation]
+    return {
+        "model_type": "marian", "architectures": ["MarianMTModel"],
+        "vocab_size": c.src_vocab_size, "decoder_vocab_size": c.tgt_vocab_size,
+        "share_encoder_decoder_embeddings": c.share_embeddings, "tie_word_embeddings": c.share_embeddings,
+        "d_model": c.d_model, "encoder_attention_heads": c.num_heads, "decoder_attention_heads": c.num_heads,
+        "encoder_ffn_dim": c.d_ff, "decoder_ffn_dim": c.d_ff, "encoder_layers": c.num_encoder_layers,
+        "decoder_layers": c.num_decoder_layers, "num_hidden_layers": c.num_encoder_layers,
+        "dropout": c.dropout_rate, "attention_dropout": c.attention_dropout_rate,
+        "activation_dropout": 0.0, "activation_function": activation,
+        "max_position_embeddings": c.max_len, "scale_embedding": True, "is_encoder_decoder": True,
+        "pad_token_id": c.pad_id, "eos_token_id": eos_id, "forced_eos_token_id": eos_id,
+        "decoder_start_token_id": decoder_start_id, "bos_token_id": None,
+        "static_position_embeddings": True, "normalize_before": False, "normalize_embedding": False,
+        "add_final_layer_norm": False, "use_cache": True,
+    }
+
+
+# ---------------------------------------------------------------------- run directories
+def import_marian(hf_dir: str | Path, workdir: str | Path) -> TransformerConfig:
+    """Writes the run directory ``workdir`` from the Hugging Face Marian dir ``hf_dir``.
+
+    Writes ``config.json`` (model config, tokenizer record, generation defaults from
+    ``generation_config.json``), ``tokenizer/`` (the Marian tokenizer files) and the
+    parameters as the best checkpoint at step 0 (params only, as
+    :meth:`jaxformer.run.checkpoints.RunCheckpoints.restore_params` reads them).
+
+    Raises:
+      ConversionError: unsupported model, missing files, or ``workdir`` already holds
+        a run.
+    """
+    from jaxformer.run.checkpoints import RunCheckpoints
+
+    hf_dir, workdir = Path(hf_dir), Path(workdir)
+    if not (hf_dir / "config.json").is_file():
+        raise ConversionError(f"{hf_dir}/config.json not found: pass the folder of a downloaded "
+                              f"Hugging Face Marian model (e.g. from `huggingface-cli download`).")
+    if any((workdir / name).exists() for name in ("config.json", "best", "checkpoints")):
+        raise ConversionError(f"{workdir} already holds a run; choose a new --workdir.")
+    hf = json.loads((hf_dir / "config.json").read_text())
+    config = config_from_hf(hf)
+    for name in ("source.spm", "target.spm", "vocab.json"):
+        if not (hf_dir / name).is_file():
+            raise ConversionError(f"{hf_dir}/{name} not found: a Marian model needs its tokenizer "
+                                  f"files (source.spm, target.spm, vocab.json) beside the weights.")
+    params = params_from_hf(read_hf_weights(hf_dir), config)
+    generation = _generation_defaults(hf_dir, hf)
+    (workdir / "tokenizer").mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        if (hf_dir / name).is_file():
+            shutil.copyfile(hf_dir / name, workdir / "tokenizer" / name)
+    tokenizer_config = _read_json(hf_dir / "tokenizer_config.json")
+    record = {"model": config.to_dict(),
+              "tokenizer": {"kind": "marian", "dir": "tokenizer", "pad_id": config.pad_id,
+                            "eos_id": hf.get("eos_token_id", 0),
+                            "decoder_start_id": hf.get("decoder_start_token_id", config.pad_id),
+                            "separate_vocabs": bool(tokenizer_config.get("separate_vocabs", False))},
+              "target_language": tokenizer_config.get("target_lang") or "xx",
+              "generation": generation,
+              "imported_from": {"format": "huggingface-marian", "name": hf.get("_name_or_path", hf_dir.name)}}
+    checkpoints = RunCheckpoints(workdir)
+    try:
+        # An imported model has no dev BLEU of ours: 0.0 marks the step as the one to use.
+        checkpoints.save_best(0, params, bleu=0.0)
+        checkpoints.wait()
+    finally:
+        checkpoints.close()
+    (workdir / "config.json").write_text(json.dumps(record, indent=2) + "\n")
+    return config
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _generation_defaults(hf_dir: Path, hf: dict[str, Any]) -> dict[str, Any]:
+    """Decoding defaults of the model (``generation_config.json``, else config.json):
+    beam size, length limit, HF length normalisation with its exponent, pad never generated.
+    """
+    gen = {**hf, **_read_json(hf_dir / "generation_config.json")}
+    pad = hf["pad_token_id"]
+    bad = gen.get("bad_words_ids") or [[pad]]
+    if any(ids != [pad] for ids in bad):
+        raise ConversionError(f"generation config bad_words_ids={bad}: jaxformer's decoders ban only "
+                              f"the pad id {pad} (and the decoder start id); other bans are not supported.")
+    if gen.get("early_stopping") not in (None, False):
+        print(f"note: early_stopping={gen['early_stopping']!r} in the generation config; jaxformer "
+              f"reproduces generate's default (False) stopping rule", file=sys.stderr)
+    return {"beam_size": int(gen.get("num_beams") or 1), "max_length": int(gen.get("max_length") or 512),
+            "length_penalty": float(gen.get("length_penalty", 1.0)), "length_normalization": "hf",
+            "banned_ids": sorted({ids[0] for ids in bad}),
+            "forced_eos": gen.get("forced_eos_token_id") is not None}
+
+
+def export_marian(workdir: str | Path, out_dir: str | Path) -> None:
+    """Writes run ``workdir`` as a Hugging Face ``MarianMTModel`` directory ``out_dir``.
+
+    Raises:
+      ConversionError: a pre-norm run; a run whose tokenizer is not a Marian one
+        (a joint sentencepiece model exports as ``source.spm = target.spm`` with a
+        ``vocab.json`` built from it).
+    """
+    from safetensors.numpy import save_file
+
+    from jaxformer.decode.translator import Translator
+
+    workdir, out_dir = Path(workdir), Path(out_dir)
+    record = json.loads((workdir / "config.json").read_text())
+    config = TransformerConfig.from_dict(record["model"])
+    config_to_hf(config, eos_id=0, decoder_start_id=0)   # fails early on a pre-norm run
+    translator = Translator(workdir, batch_size=1)
+    params = translator.params
+    if config.positional_layout != "split":
+        # Marian computes the split table; permuting D turns ours into it exactly.
+        params = interleaved_to_split(params, config)
+        config = config.replace(positional_layout="split")
+    if config.layer_norm_epsilon != MARIAN_LAYER_NORM_EPSILON:
+        print(f"warning: this run's LayerNorm epsilon is {config.layer_norm_epsilon}; transformers' "
+              f"Marian uses {MARIAN_LAYER_NORM_EPSILON}, so its outputs differ slightly", file=sys.stderr)
+    tok = translator.tokenizer
+    hf = config_to_hf(config, eos_id=tok.eos_id, decoder_start_id=tok.decoder_start_id)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(params_to_hf(params, config), str(out_dir / "model.safetensors"),
+              metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    generation = record.get("generation", {})
+    banned = sorted({config.pad_id, tok.bos_id})    # what our decoders never generate
+    gen = {"decoder_start_token_id": tok.decoder_start_id, "eos_token_id": tok.eos_id,
+           "forced_eos_token_id": tok.eos_id, "pad_token_id": config.pad_id,
+           "bad_words_ids": [[i] for i in banned], "num_beams": generation.get("beam_size", 4),
+           "max_length": generation.get("max_length", config.max_len)}
+    (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    tok.save_marian(out_dir)

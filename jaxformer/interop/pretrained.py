@@ -1,0 +1,110 @@
+"""Fine-tuning from another run (``train.py --init-from RUN``): its architecture,
+tokenizer and parameters; a fresh optimizer and step.
+
+``RUN`` is any jaxformer run directory: one the trainer wrote, or one
+``jaxformer-convert --from-hf`` wrote from an OPUS-MT model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from jaxformer.data.tokenizer import load_tokenizer
+from jaxformer.model.config import TransformerConfig
+from jaxformer.run.checkpoints import RunCheckpoints
+from jaxformer.run.config import TrainConfig
+from jaxformer.run.directory import RunDir
+from jaxformer.run.logs import is_main_process
+
+# How the weights are computed or regularised may change when fine-tuning; the shapes may not.
+TUNABLE_FIELDS = ("dropout_rate", "dtype", "attention_backend", "remat")
+
+
+def read_run(init_from: str | Path) -> dict[str, Any]:
+    """The ``config.json`` record of run ``init_from``.
+
+    Raises:
+      FileNotFoundError: not a run directory.
+    """
+    path = Path(init_from) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"--init-from {str(init_from)!r}: {path} not found; pass a run directory "
+                                f"(from train.py or jaxformer-convert --from-hf).")
+    return json.loads(path.read_text())
+
+
+def model_config(record: dict[str, Any], overrides: dict[str, Any]) -> TransformerConfig:
+    """The run's architecture with the fine-tuning ``overrides`` (``TUNABLE_FIELDS`` only).
+
+    Raises:
+      ValueError: an override would change the architecture; names the flags.
+    """
+    config = TransformerConfig.from_dict(record["model"])
+    fixed = sorted(k for k, v in overrides.items() if k not in TUNABLE_FIELDS and getattr(config, k) != v)
+    if fixed:
+        flags = ", ".join("--" + k.replace("_", "-").replace("num-encoder-layers", "num-layers")
+                          for k in fixed if k != "num_decoder_layers")
+        tunable = ", ".join("--" + f.replace("_", "-") for f in TUNABLE_FIELDS)
+        raise ValueError(f"--init-from takes the architecture from the run it loads; drop {flags} "
+                         f"(only {tunable} may change).")
+    return config.replace(**{k: v for k, v in overrides.items() if k in TUNABLE_FIELDS})
+
+
+def copy_tokenizer(init_from: str | Path, record: dict[str, Any], target: Path) -> None:
+    """Copies the run's tokenizer folder to ``target`` (the new run's ``tokenizer/``,
+    unless there), so the new run's ``config.json`` can name it with the same record."""
+    info = record.get("tokenizer", {})
+    folder = info["dir"] if "dir" in info else str(Path(info.get("file", "tokenizer/spm.model")).parent)
+    if not (target.exists() and any(target.iterdir())):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(Path(init_from) / folder, target, dirs_exist_ok=True)
+
+
+def load_params(init_from: str | Path, abstract_params: Any) -> Any:
+    """The run's parameters (its best checkpoint, else its latest), laid out as
+    ``abstract_params`` (``jax.ShapeDtypeStruct`` leaves with shardings)."""
+    checkpoints = RunCheckpoints(init_from, read_only=True)
+    try:
+        params, _, _ = checkpoints.restore_params(abstract_params)
+    finally:
+        checkpoints.close()
+    return params
+
+
+def tokenizer_and_model_config(cfg: TrainConfig, run_dir: RunDir):
+    """The tokenizer and architecture of ``--init-from RUN`` (its tokenizer folder copied
+    into this run's ``tokenizer/``; the prepared data is encoded with it).
+
+    Returns:
+      ``(tokenizer, model_config, the --init-from run's config.json record)``.
+
+    Raises:
+      FileNotFoundError: ``RUN`` is not a run directory.
+      ValueError: a model flag would change the architecture.
+    """
+    record = read_run(cfg.init_from)
+    config = model_config(record, cfg.model_overrides())
+    if is_main_process():
+        copy_tokenizer(cfg.init_from, record, run_dir.tokenizer_dir)
+    if jax.process_count() > 1:   # the others load the files process 0 copied
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("tokenizer")
+    return load_tokenizer(run_dir.root, record), config, record
+
+
+def with_saved_init_from(cfg: TrainConfig, run_dir: RunDir) -> TrainConfig:
+    """``cfg`` with the ``--init-from`` its run directory was started with, when resuming
+    without the flag: the architecture and tokenizer still come from that run (a
+    sentencepiece model would otherwise be trained into the copied tokenizer folder)."""
+    saved = run_dir.read_config() or {}
+    init_from = saved.get("train", {}).get("init_from")
+    if cfg.init_from or not init_from:
+        return cfg
+    return dataclasses.replace(cfg, init_from=init_from)

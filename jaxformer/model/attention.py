@@ -1,0 +1,220 @@
+"""Scaled dot-product attention (§3.2.1) and multi-head attention (§3.2.2).
+
+Shapes: B batch, S source length, T target (query) length, D d_model, H heads,
+K = D / H per-head width. Masks follow :mod:`jaxformer.model.masks` (bool, True = attend).
+"""
+
+from __future__ import annotations
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxformer.model.config import TransformerConfig
+from jaxformer.model.dropout import keep_mask
+from jaxformer.model.sharding import constrain
+
+
+def _single_head_attention(q_TK, k_SK, v_SK, mask_TS, keep_TS):
+    """softmax(q kᵀ / √K + M) v for one example and one head.
+
+    Scores and softmax run in float32. A query row whose mask is all False gets zero
+    weights and a zero output (not NaN): masked scores are set to the float32
+    minimum, which keeps the softmax finite, and the weights are then zeroed where
+    the mask is False.
+    """
+    scale = jnp.asarray(q_TK.shape[-1] ** -0.5, q_TK.dtype)
+    scores_TS = jnp.einsum("TK,SK->TS", q_TK * scale, k_SK, preferred_element_type=jnp.float32)
+    scores_TS = jnp.where(mask_TS, scores_TS, jnp.finfo(jnp.float32).min)
+    weights_TS = jnp.where(mask_TS, jax.nn.softmax(scores_TS, axis=-1), 0.0)
+    dropped_TS = weights_TS * keep_TS
+    out_TK = jnp.einsum("TS,SK->TK", dropped_TS.astype(v_SK.dtype), v_SK)
+    return out_TK, weights_TS
+
+
+def scaled_dot_product_attention(q, k, v, mask=None, *, dropout_rate: float = 0.0,
+                                 dropout_rng: chex.PRNGKey | None = None):
+    """Scaled dot-product attention, Attention(Q, K, V) = softmax(QKᵀ/√d_k)V (Eq. 1).
+
+    A pure function: the single-example, single-head core is lifted over heads and
+    batch with :func:`jax.vmap`. Jit-compatible.
+
+    Args:
+      q: queries ``[B, H, T, K]`` (any float dtype).
+      k: keys ``[B, H, S, K]``.
+      v: values ``[B, H, S, K]``.
+      mask: optional bool mask broadcastable to ``[B, H, T, S]`` (True = attend), e.g.
+        a padding mask ``[B, 1, 1, S]`` or a decoder mask ``[B, 1, T, T]``.
+      dropout_rate: dropout on the attention weights (applied only with a key).
+      dropout_rng: PRNG key for that dropout; ``None`` = no dropout.
+
+    Returns:
+      ``(outputs [B, H, T, K]`` in ``v.dtype``, ``weights [B, H, T, S]`` float32)``.
+      The weights are the pre-dropout softmax; fully masked rows give zeros.
+
+    Raises:
+      ValueError: wrong ranks or mismatched shapes, naming the argument.
+    """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 4:
+            raise ValueError(f"scaled_dot_product_attention: {name} must have rank 4 "
+                             f"[B, H, L, K], got shape {x.shape}.")
+    batch, heads, q_len, head_dim = q.shape
+    kv_len = k.shape[2]
+    chex.assert_shape(k, (batch, heads, kv_len, head_dim))
+    chex.assert_shape(v, (batch, heads, kv_len, head_dim))
+    full = (batch, heads, q_len, kv_len)
+    if mask is None:
+        mask = jnp.ones(full, jnp.bool_)
+    else:
+        if mask.dtype != jnp.bool_:
+            raise ValueError(f"mask must be boolean (True = may attend), got dtype {mask.dtype}.")
+        try:
+            mask = jnp.broadcast_to(mask, full)
+        except ValueError as e:
+            raise ValueError(f"mask of shape {mask.shape} does not broadcast to scores {full}.") from e
+    if dropout_rng is not None and dropout_rate > 0.0:
+        keep, keep_probability = keep_mask(dropout_rng, dropout_rate, full)
+        keep = keep.astype(jnp.float32) / keep_probability
+    else:
+        keep = jnp.ones((), jnp.float32)
+        keep = jnp.broadcast_to(keep, full)
+    per_head = jax.vmap(_single_head_attention)          # over H
+    per_example = jax.vmap(per_head)                      # over B
+    out, weights = per_example(q, k, v, mask, keep)
+    chex.assert_shape(out, (batch, heads, q_len, head_dim))
+    chex.assert_shape(weights, full)
+    return out, weights
+
+
+def fused_dot_product_attention(q, k, v, mask=None, *, implementation: str | None = None):
+    """The same attention as :func:`scaled_dot_product_attention`, by :func:`jax.nn.dot_product_attention`.
+
+    XLA's implementation on any device, cuDNN's flash attention on NVIDIA GPUs
+    (``implementation="cudnn"``, bfloat16/float16 only). Scores and softmax run in
+    float32; float16 on CPU computes in float32 throughout (XLA:CPU lacks the mixed
+    float16 dot) and returns float16. A query row whose mask is all False yields zeros (the fused kernels
+    would return the mean of ``v``). No dropout, no weights.
+
+    Args:
+      q: queries ``[B, H, T, K]``.
+      k, v: keys and values ``[B, H, S, K]``.
+      mask: optional bool mask broadcastable to ``[B, H, T, S]`` (True = attend).
+      implementation: ``None`` (JAX picks), ``"xla"`` or ``"cudnn"``.
+
+    Returns:
+      outputs ``[B, H, T, K]`` in ``v.dtype``.
+
+    Raises:
+      ValueError: wrong ranks or a non-boolean mask.
+    """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 4:
+            raise ValueError(f"fused_dot_product_attention: {name} must have rank 4 "
+                             f"[B, H, L, K], got shape {x.shape}.")
+    batch, heads, q_len, head_dim = q.shape
+    kv_len = k.shape[2]
+    chex.assert_shape([k, v], (batch, heads, kv_len, head_dim))
+    if mask is not None and mask.dtype != jnp.bool_:
+        raise ValueError(f"mask must be boolean (True = may attend), got dtype {mask.dtype}.")
+    to_BLHK = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731  (the fused API's layout)
+    out_dtype = v.dtype
+    if q.dtype == jnp.float16 and implementation != "cudnn" and jax.default_backend() == "cpu":
+        # XLA:CPU has no float16 dot with float32 accumulation, which the fused API asks
+        # for under jit ("precision F16_F16_F32 is not supported"): compute in float32.
+        q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+    out_BTHK = jax.nn.dot_product_attention(to_BLHK(q), to_BLHK(k), to_BLHK(v), mask=mask,
+                                            implementation=implementation)
+    out_BHTK = jnp.swapaxes(out_BTHK, 1, 2).astype(out_dtype)
+    if mask is not None:
+        any_key_BHT1 = jnp.broadcast_to(jnp.any(mask, axis=-1, keepdims=True),
+                                        (batch, heads, q_len, 1))
+        out_BHTK = jnp.where(any_key_BHT1, out_BHTK, jnp.zeros((), out_BHTK.dtype))
+    chex.assert_shape(out_BHTK, (batch, heads, q_len, head_dim))
+    return out_BHTK
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention (§3.2.2), head axes explicit in the weights.
+
+    Parameters: ``query``/``key``/``value`` kernels ``[D, H, K]`` with biases ``[H, K]``,
+    ``out`` kernel ``[H, K, D]`` with bias ``[D]``. The attention weights are sown
+    into the ``"intermediates"`` collection as ``attention_weights`` ``[B, H, T, S]``
+    when that collection is mutable (``apply(..., mutable=["intermediates"])``) and
+    ``config.attention_backend == "reference"`` (the fused backends return no weights).
+    Logical axes: kernels ``(embed, heads, kv)`` / ``(heads, kv, embed)``.
+    """
+
+    config: TransformerConfig
+
+    def setup(self):
+        c = self.config
+        shape_in = (c.d_model, c.num_heads, c.head_dim)
+        init = nn.with_logical_partitioning(nn.initializers.xavier_uniform(in_axis=0, out_axis=(1, 2)),
+                                            ("embed", "heads", "kv"))
+        bias = nn.with_logical_partitioning(nn.initializers.zeros_init(), ("heads", "kv"))
+        self.query_kernel = self.param("query_kernel", init, shape_in, c.parameter_dtype)
+        self.key_kernel = self.param("key_kernel", init, shape_in, c.parameter_dtype)
+        self.value_kernel = self.param("value_kernel", init, shape_in, c.parameter_dtype)
+        self.query_bias = self.param("query_bias", bias, shape_in[1:], c.parameter_dtype)
+        self.key_bias = self.param("key_bias", bias, shape_in[1:], c.parameter_dtype)
+        self.value_bias = self.param("value_bias", bias, shape_in[1:], c.parameter_dtype)
+        out_init = nn.with_logical_partitioning(
+            nn.initializers.xavier_uniform(in_axis=(0, 1), out_axis=2), ("heads", "kv", "embed"))
+        self.out_kernel = self.param("out_kernel", out_init, shape_in[1:] + (c.d_model,),
+                                     c.parameter_dtype)
+        out_bias = nn.with_logical_partitioning(nn.initializers.zeros_init(), ("embed",))
+        self.out_bias = self.param("out_bias", out_bias, (c.d_model,), c.parameter_dtype)
+
+    def _project(self, x_BLD, kernel_DHK, bias_HK):
+        dtype = self.config.compute_dtype
+        # [B, L, H, K] first: the matmul's natural output, so the kernel is never
+        # transposed (XLA would otherwise re-transpose it at every decoding step).
+        y_BLHK = jnp.einsum("BLD,DHK->BLHK", x_BLD.astype(dtype), kernel_DHK.astype(dtype))
+        y_BHLK = jnp.swapaxes(y_BLHK + bias_HK.astype(dtype)[None, None, :, :], 1, 2)
+        return constrain(y_BHLK, ("batch", "heads", "length", "kv"))
+
+    def project_query(self, x_BTD):
+        """Queries ``[B, H, T, K]`` from ``[B, T, D]``."""
+        q = self._project(x_BTD, self.query_kernel, self.query_bias)
+        chex.assert_shape(q, (x_BTD.shape[0], self.config.num_heads, x_BTD.shape[1],
+                              self.config.head_dim))
+        return q
+
+    def project_key_value(self, x_BSD):
+        """Keys and values ``[B, H, S, K]`` from ``[B, S, D]`` (cacheable per source)."""
+        k = self._project(x_BSD, self.key_kernel, self.key_bias)
+        v = self._project(x_BSD, self.value_kernel, self.value_bias)
+        expected = (x_BSD.shape[0], self.config.num_heads, x_BSD.shape[1], self.config.head_dim)
+        chex.assert_shape([k, v], expected)
+        return k, v
+
+    def attend(self, q_BHTK, k_BHSK, v_BHSK, mask, deterministic: bool):
+        """Attention of projected heads, then the output projection → ``[B, T, D]``."""
+        c = self.config
+        if c.attention_backend == "reference":
+            rng = None
+            if not deterministic and c.attention_dropout_rate > 0.0:
+                rng = self.make_rng("dropout")
+            out_BHTK, weights_BHTS = scaled_dot_product_attention(
+                q_BHTK, k_BHSK, v_BHSK, mask, dropout_rate=c.attention_dropout_rate, dropout_rng=rng)
+            self.sow("intermediates", "attention_weights", weights_BHTS)
+        else:
+            out_BHTK = fused_dot_product_attention(q_BHTK, k_BHSK, v_BHSK, mask,
+                                                   implementation=c.attention_backend)
+        out_BTD = jnp.einsum("BHTK,HKD->BTD", out_BHTK, self.out_kernel.astype(c.compute_dtype))
+        out_BTD = out_BTD + self.out_bias.astype(c.compute_dtype)[None, None, :]
+        out_BTD = constrain(out_BTD, ("batch", "length", "embed"))
+        chex.assert_shape(out_BTD, (q_BHTK.shape[0], q_BHTK.shape[2], c.d_model))
+        return out_BTD
+
+    def __call__(self, x_BTD, context_BSD, mask, deterministic: bool = True):
+        """Attends from ``x_BTD`` (queries) to ``context_BSD`` (keys/values).
+
+        Self-attention passes the same array twice; cross-attention passes the
+        encoder output as ``context_BSD``. Returns ``[B, T, D]``.
+        """
+        q = self.project_query(x_BTD)
+        k, v = self.project_key_value(context_BSD)
+        return self.attend(q, k, v, mask, deterministic)

@@ -1,0 +1,389 @@
+"""The boxes of the paper's Figure 1, one small Linen module each.
+
+Glossary of shapes: B batch, S source length, T target length, D d_model,
+H heads, K = D / H, F d_ff, V vocabulary size, L either length.
+"""
+
+from __future__ import annotations
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxformer.model.attention import MultiHeadAttention
+from jaxformer.model.config import TransformerConfig
+from jaxformer.model.dropout import Dropout
+from jaxformer.model.sharding import constrain
+
+
+def _partitioned(init, *names):
+    """``init`` whose parameter carries logical axis names (see :mod:`jaxformer.model.sharding`)."""
+    return nn.with_logical_partitioning(init, names)
+
+
+def layer_norm(config: TransformerConfig, name: str | None = None) -> nn.LayerNorm:
+    """LayerNorm over D (statistics in float32), scale and bias on the ``embed`` axis;
+    ε from ``config.layer_norm_epsilon``."""
+    return nn.LayerNorm(epsilon=config.layer_norm_epsilon, dtype=config.compute_dtype,
+                        param_dtype=config.parameter_dtype,
+                        scale_init=_partitioned(nn.initializers.ones_init(), "embed"),
+                        bias_init=_partitioned(nn.initializers.zeros_init(), "embed"), name=name)
+
+
+def sinusoidal_positional_encoding(max_len: int, d_model: int, layout: str = "interleaved") -> np.ndarray:
+    """The positional table of §3.5, a constant (not a parameter).
+
+    ``layout="interleaved"`` (paper): PE(pos, 2i) = sin(pos / 10000^(2i/d_model)),
+    PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model)). ``layout="split"`` (Marian; Hugging
+    Face ``MarianSinusoidalPositionalEmbedding.create_weight``): the same angles, the
+    sines in dimensions ``[0, D/2)`` and the cosines in ``[D/2, D)``.
+
+    Returns:
+      float32 NumPy array ``[1, max_len, D]``.
+
+    Raises:
+      ValueError: an unknown layout, or ``"split"`` with an odd ``d_model``.
+    """
+    position = np.arange(max_len, dtype=np.float64)[:, None]
+    two_i = np.arange(0, d_model, 2, dtype=np.float64)
+    angle = position / np.power(10000.0, two_i / d_model)
+    table = np.zeros((max_len, d_model), dtype=np.float64)
+    if layout == "interleaved":
+        table[:, 0::2] = np.sin(angle)
+        table[:, 1::2] = np.cos(angle[:, : d_model // 2])
+    elif layout == "split" and d_model % 2 == 0:
+        table[:, : d_model // 2] = np.sin(angle)
+        table[:, d_model // 2:] = np.cos(angle)
+    else:
+        raise ValueError(f"positional layout {layout!r} with d_model={d_model}: use 'interleaved', "
+                         f"or 'split' with an even d_model.")
+    return table[None].astype(np.float32)
+
+
+class Embedding(nn.Module):
+    """Token embedding scaled by √d_model (§3.4); ``attend`` is the tied projection."""
+
+    vocab_size: int
+    config: TransformerConfig
+
+    def setup(self):
+        c = self.config
+        self.embedding = self.param(
+            "embedding", _partitioned(nn.initializers.normal(stddev=c.d_model ** -0.5), "vocab", "embed"),
+            (self.vocab_size, c.d_model), c.parameter_dtype)
+
+    def __call__(self, ids_BL):
+        """ids ``[B, L]`` int → ``[B, L, D]`` in the compute dtype."""
+        c = self.config
+        x = jnp.take(self.embedding, ids_BL, axis=0).astype(c.compute_dtype)
+        x = x * jnp.asarray(np.sqrt(c.d_model), c.compute_dtype)
+        chex.assert_shape(x, ids_BL.shape + (c.d_model,))
+        return constrain(x, ("batch", "length", "embed"))
+
+    def attend(self, x_BLD):
+        """Logits with the shared table as output projection: ``[B, L, V]``."""
+        c = self.config
+        logits = jnp.einsum("BLD,VD->BLV", x_BLD, self.embedding.astype(c.compute_dtype))
+        chex.assert_shape(logits, x_BLD.shape[:2] + (self.vocab_size,))
+        return constrain(logits, ("batch", "length", "vocab"))
+
+    def projection_weights(self):
+        """The tied output projection as ``(kernel [D, V], None)`` in the compute dtype (no bias)."""
+        return self.embedding.astype(self.config.compute_dtype).T, None
+
+
+class OutputProjection(nn.Module):
+    """The final linear layer to the vocabulary (Figure 1, "Linear"): ``x W + b``.
+
+    Parameters ``kernel [D, V]`` (LeCun normal) and ``bias [V]``; logical axes
+    ``(embed, vocab)``. Used when embeddings are not shared; :meth:`weights` exposes
+    both so a loss can fuse the projection (see
+    :func:`jaxformer.train.losses.projected_cross_entropy`).
+    """
+
+    vocab_size: int
+    config: TransformerConfig
+
+    def setup(self):
+        c = self.config
+        self.kernel = self.param("kernel", _partitioned(nn.initializers.lecun_normal(), "embed", "vocab"),
+                                 (c.d_model, self.vocab_size), c.parameter_dtype)
+        self.bias = self.param("bias", _partitioned(nn.initializers.zeros_init(), "vocab"),
+                               (self.vocab_size,), c.parameter_dtype)
+
+    def weights(self):
+        """``(kernel [D, V], bias [V])`` in the compute dtype."""
+        dtype = self.config.compute_dtype
+        return self.kernel.astype(dtype), self.bias.astype(dtype)
+
+    def __call__(self, x_BLD):
+        """``[B, L, D]`` → logits ``[B, L, V]`` in the compute dtype."""
+        kernel_DV, bias_V = self.weights()
+        logits = jnp.einsum("BLD,DV->BLV", x_BLD.astype(kernel_DV.dtype), kernel_DV) + bias_V[None, None, :]
+        chex.assert_shape(logits, x_BLD.shape[:2] + (self.vocab_size,))
+        return constrain(logits, ("batch", "length", "vocab"))
+
+
+class PositionalEncoding(nn.Module):
+    """Adds the sinusoidal table and applies embedding dropout (§3.5, §5.4)."""
+
+    config: TransformerConfig
+
+    def setup(self):
+        c = self.config
+        # [1, max_len, D]
+        self.table = sinusoidal_positional_encoding(c.max_len, c.d_model, c.positional_layout)
+        self.dropout = Dropout(c.dropout_rate)
+
+    def __call__(self, x_BLD, deterministic: bool, offset=0, positions_BL=None):
+        """Adds PE rows ``offset .. offset+L-1``; ``offset`` may be traced (decoding).
+
+        ``positions_BL`` (int ``[B, L]``, packed rows) gives each position's row instead.
+        """
+        length = x_BLD.shape[1]
+        chex.assert_shape(self.table, (1, self.config.max_len, self.config.d_model))
+        pe_1LD = jnp.asarray(self.table)
+        if positions_BL is not None:
+            chex.assert_shape(positions_BL, x_BLD.shape[:2])
+            pe_1LD = jnp.take(pe_1LD[0], positions_BL, axis=0)       # [B, L, D]
+        elif isinstance(offset, int) and offset == 0:
+            pe_1LD = pe_1LD[:, :length]
+        else:
+            pe_1LD = _dynamic_rows(pe_1LD, offset, length)
+        chex.assert_shape(pe_1LD, (None, length, self.config.d_model))
+        x = x_BLD + pe_1LD.astype(x_BLD.dtype)
+        return self.dropout(x, deterministic=deterministic)
+
+
+def _dynamic_rows(table_1ND, offset, length):
+    return jax.lax.dynamic_slice_in_dim(table_1ND, offset, length, axis=1)
+
+
+_ACTIVATIONS = {"relu": nn.relu, "swish": nn.swish,
+                # exact (erf) GELU, as torch's and Hugging Face's "gelu"; not the tanh form
+                "gelu": lambda x: nn.gelu(x, approximate=False)}
+
+
+class PositionwiseFeedForward(nn.Module):
+    """FFN(x) = act(x W1 + b1) W2 + b2 (§3.3, Eq. 2): act = ReLU in the paper, or
+    ``config.activation`` (swish or gelu, for imported Marian models)."""
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, x_BLD):
+        c = self.config
+        dense = dict(dtype=c.compute_dtype, param_dtype=c.parameter_dtype)
+        xavier, zeros = nn.initializers.xavier_uniform(), nn.initializers.zeros_init()
+        w1 = nn.Dense(c.d_ff, name="w1", kernel_init=_partitioned(xavier, "embed", "mlp"),
+                      bias_init=_partitioned(zeros, "mlp"), **dense)
+        hidden_BLF = _ACTIVATIONS[c.activation](w1(x_BLD))
+        hidden_BLF = constrain(hidden_BLF, ("batch", "length", "mlp"))
+        chex.assert_shape(hidden_BLF, x_BLD.shape[:2] + (c.d_ff,))
+        out_BLD = nn.Dense(c.d_model, name="w2", kernel_init=_partitioned(xavier, "mlp", "embed"),
+                           bias_init=_partitioned(zeros, "embed"), **dense)(hidden_BLF)
+        chex.assert_shape(out_BLD, x_BLD.shape)
+        return out_BLD
+
+
+class AddNorm(nn.Module):
+    """Residual connection and LayerNorm around one sub-layer (§3.1, §5.4).
+
+    ``norm_position="post"`` (paper): ``LayerNorm(x + Dropout(Sublayer(x)))``.
+    ``norm_position="pre"``: ``x + Dropout(Sublayer(LayerNorm(x)))``; departs from the
+    paper for stabler deep training. Use as::
+
+        y = add_norm.sublayer_input(x)
+        x = add_norm(x, sublayer(y), deterministic)
+    """
+
+    config: TransformerConfig
+
+    def setup(self):
+        c = self.config
+        self.norm = layer_norm(c)
+        self.dropout = Dropout(c.dropout_rate)
+
+    def sublayer_input(self, x):
+        """What the sub-layer sees: ``x`` (post-norm) or ``LayerNorm(x)`` (pre-norm)."""
+        return self.norm(x) if self.config.norm_position == "pre" else x
+
+    def __call__(self, x, sublayer_output, deterministic: bool):
+        y = x + self.dropout(sublayer_output, deterministic=deterministic)
+        return self.norm(y) if self.config.norm_position == "post" else y
+
+
+class EncoderLayer(nn.Module):
+    """Self-attention → Add & Norm → FFN → Add & Norm."""
+
+    config: TransformerConfig
+
+    def setup(self):
+        self.self_attention = MultiHeadAttention(self.config)
+        self.attention_norm = AddNorm(self.config)
+        self.feed_forward = PositionwiseFeedForward(self.config)
+        self.feed_forward_norm = AddNorm(self.config)
+
+    def __call__(self, x_BSD, src_mask, deterministic: bool):
+        """One encoder layer.
+
+        Args:
+          x_BSD: the previous layer's output (or the embedded source) ``[B, S, D]`` in
+            the compute dtype.
+          src_mask: bool, broadcastable to ``[B, H, S, S]``; **True = may attend**. The
+            source padding mask ``[B, 1, 1, S]``, or ``[B, 1, S, S]`` with packed rows
+            (padding & same segment). A query with no key to attend to gets zeros.
+          deterministic: ``True`` turns dropout off (evaluation, decoding).
+
+        Returns:
+          ``[B, S, D]`` in the compute dtype.
+        """
+        y = self.attention_norm.sublayer_input(x_BSD)
+        x_BSD = self.attention_norm(x_BSD, self.self_attention(y, y, src_mask, deterministic),
+                                    deterministic)
+        y = self.feed_forward_norm.sublayer_input(x_BSD)
+        return self.feed_forward_norm(x_BSD, self.feed_forward(y), deterministic)
+
+
+class DecoderLayer(nn.Module):
+    """Masked self-attention → cross-attention → FFN, each with Add & Norm (§3.1)."""
+
+    config: TransformerConfig
+
+    def setup(self):
+        self.self_attention = MultiHeadAttention(self.config)
+        self.self_attention_norm = AddNorm(self.config)
+        self.cross_attention = MultiHeadAttention(self.config)
+        self.cross_attention_norm = AddNorm(self.config)
+        self.feed_forward = PositionwiseFeedForward(self.config)
+        self.feed_forward_norm = AddNorm(self.config)
+
+    def __call__(self, x_BTD, encoder_output_BSD, tgt_mask, src_mask, deterministic: bool):
+        """One decoder layer, teacher-forced over the whole target.
+
+        Args:
+          x_BTD: the previous layer's output (or the embedded, already shifted target)
+            ``[B, T, D]``.
+          encoder_output_BSD: the encoder's output ``[B, S, D]``.
+          tgt_mask: bool, broadcastable to ``[B, H, T, T]``; **True = may attend**: causal
+            and target padding combined, ``[B, 1, T, T]`` (:func:`create_decoder_mask`).
+          src_mask: bool, broadcastable to ``[B, H, T, S]``; **True = may attend**: the
+            source padding mask ``[B, 1, 1, S]`` (``[B, 1, T, S]`` with packed rows).
+          deterministic: ``True`` turns dropout off.
+
+        Returns:
+          ``[B, T, D]`` in the compute dtype.
+        """
+        y = self.self_attention_norm.sublayer_input(x_BTD)
+        x_BTD = self.self_attention_norm(
+            x_BTD, self.self_attention(y, y, tgt_mask, deterministic), deterministic)
+        k, v = self.cross_attention.project_key_value(encoder_output_BSD)
+        return self._cross_and_feed_forward(x_BTD, k, v, src_mask, deterministic)
+
+    def _cross_and_feed_forward(self, x_BTD, cross_k, cross_v, src_mask, deterministic):
+        y = self.cross_attention_norm.sublayer_input(x_BTD)
+        q = self.cross_attention.project_query(y)
+        x_BTD = self.cross_attention_norm(
+            x_BTD, self.cross_attention.attend(q, cross_k, cross_v, src_mask, deterministic),
+            deterministic)
+        y = self.feed_forward_norm.sublayer_input(x_BTD)
+        return self.feed_forward_norm(x_BTD, self.feed_forward(y), deterministic)
+
+    def cross_key_value(self, encoder_output_BSD):
+        """Cross-attention keys/values ``[B, H, S, K]``, computed once per source."""
+        return self.cross_attention.project_key_value(encoder_output_BSD)
+
+    def step(self, x_B1D, cache, index, src_mask):
+        """One decoding step with an explicit cache (see :class:`jaxformer.model.transformer.LayerCache`).
+
+        Args:
+          x_B1D: the embedded current token ``[B, 1, D]``.
+          cache: this layer's :class:`LayerCache`.
+          index: int32 scalar, the position of the current token.
+          src_mask: bool ``[B, 1, 1, S]``.
+
+        Returns:
+          ``(y [B, 1, D], updated LayerCache)``.
+        """
+        y = self.self_attention_norm.sublayer_input(x_B1D)
+        q = self.self_attention.project_query(y)
+        k_new, v_new = self.self_attention.project_key_value(y)
+        self_k = jax.lax.dynamic_update_slice_in_dim(cache.self_k, k_new.astype(cache.self_k.dtype),
+                                                     index, axis=2)
+        self_v = jax.lax.dynamic_update_slice_in_dim(cache.self_v, v_new.astype(cache.self_v.dtype),
+                                                     index, axis=2)
+        max_len = cache.self_k.shape[2]
+        causal_1_1_1_M = (jnp.arange(max_len) <= index)[None, None, None, :]
+        attended = self.self_attention.attend(q, self_k, self_v, causal_1_1_1_M, True)
+        x_B1D = self.self_attention_norm(x_B1D, attended, True)
+        x_B1D = self._cross_and_feed_forward(x_B1D, cache.cross_k, cache.cross_v, src_mask, True)
+        return x_B1D, cache.replace(self_k=self_k, self_v=self_v)
+
+
+class Encoder(nn.Module):
+    """N encoder layers, each fed the previous layer's output."""
+
+    config: TransformerConfig
+
+    def setup(self):
+        c = self.config
+        # remat: `deterministic` (argument 3, counting self) is a Python bool, so static.
+        layer = nn.remat(EncoderLayer, static_argnums=(3,)) if c.remat else EncoderLayer
+        self.layers = [layer(c, name=f"layer_{i}") for i in range(c.num_encoder_layers)]
+        if c.norm_position == "pre":
+            self.final_norm = layer_norm(c)
+
+    def __call__(self, x_BSD, src_mask, deterministic: bool):
+        """The encoder stack: ``x_BSD [B, S, D]`` (embedded source with positions) →
+        ``[B, S, D]``. ``src_mask``: bool broadcastable to ``[B, H, S, S]``,
+        **True = may attend** (see :meth:`EncoderLayer.__call__`). Pre-norm adds a final
+        LayerNorm."""
+        for layer in self.layers:
+            x_BSD = layer(x_BSD, src_mask, deterministic)
+        if self.config.norm_position == "pre":
+            x_BSD = self.final_norm(x_BSD)
+        return x_BSD
+
+
+class Decoder(nn.Module):
+    """N decoder layers, chained (each fed the previous layer's output).
+
+    The seed tutorial's decoder loop feeds every layer the same input; that is a bug
+    we do not copy.
+    """
+
+    config: TransformerConfig
+
+    def setup(self):
+        c = self.config
+        # remat wraps __call__ only (training); `step` (decoding) runs as is.
+        layer = nn.remat(DecoderLayer, static_argnums=(5,)) if c.remat else DecoderLayer
+        self.layers = [layer(c, name=f"layer_{i}") for i in range(c.num_decoder_layers)]
+        if c.norm_position == "pre":
+            self.final_norm = layer_norm(c)
+
+    def _final(self, x):
+        return self.final_norm(x) if self.config.norm_position == "pre" else x
+
+    def __call__(self, x_BTD, encoder_output_BSD, tgt_mask, src_mask, deterministic: bool):
+        """The decoder stack: ``x_BTD [B, T, D]`` (embedded shifted target) and
+        ``encoder_output_BSD [B, S, D]`` → ``[B, T, D]`` (before the output projection).
+        ``tgt_mask`` bool broadcastable to ``[B, H, T, T]`` and ``src_mask`` to
+        ``[B, H, T, S]``, both **True = may attend** (see :meth:`DecoderLayer.__call__`)."""
+        for layer in self.layers:
+            x_BTD = layer(x_BTD, encoder_output_BSD, tgt_mask, src_mask, deterministic)
+        return self._final(x_BTD)
+
+    def cross_key_values(self, encoder_output_BSD):
+        """Per layer ``(k, v)`` ``[B, H, S, K]`` for cross-attention."""
+        return [layer.cross_key_value(encoder_output_BSD) for layer in self.layers]
+
+    def step(self, x_B1D, layer_caches, index, src_mask):
+        """One token through every layer; returns ``(y [B,1,D], new layer caches)``."""
+        new_caches = []
+        for layer, cache in zip(self.layers, layer_caches):
+            x_B1D, cache = layer.step(x_B1D, cache, index, src_mask)
+            new_caches.append(cache)
+        return self._final(x_B1D), tuple(new_caches)

@@ -1,0 +1,284 @@
+"""Meshes, the one logical-axis rules table, and the shardings of state and batches.
+
+One code path serves a laptop, one GPU and a multi-host slice: ``jax.jit`` with
+``NamedSharding`` over a ``Mesh`` with axes ``("data", "model")``. Parameters carry
+logical axis names at their initializers (``nn.with_logical_partitioning``);
+:data:`LOGICAL_AXIS_RULES` maps those names onto mesh axes. Activations are
+constrained with :func:`constrain` where the layout matters; that is a no-op unless a
+mesh is active (:func:`under_mesh`), so eager and unsharded code is untouched.
+
+Logical names (shape letters of the glossary in brackets): ``batch`` [B], ``length``
+[S or T], ``embed`` [D], ``heads`` [H], ``kv`` [K], ``mlp`` [F], ``vocab`` [V].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "model")
+
+# The one table: logical axis name → mesh axis (None = replicated). Data parallel
+# over examples; tensor parallel (Megatron style) over heads, the FFN hidden width and
+# the vocabulary. A mesh of shape (n, 1) is pure data parallelism, (1, n) pure tensor
+# parallelism, anything else both.
+LOGICAL_AXIS_RULES: tuple[tuple[str, str | None], ...] = (
+    ("batch", "data"),
+    ("heads", "model"),
+    ("mlp", "model"),
+    ("vocab", "model"),
+    ("embed", None),
+    ("kv", None),
+    ("length", None),
+)
+
+
+def parse_mesh(spec: str | None, num_devices: int) -> dict[str, int]:
+    """Parses ``"data=4,model=2"`` into mesh axis sizes.
+
+    An empty or ``None`` spec puts every device on ``data``. An axis left out gets
+    size 1, except ``data``, which takes the devices the other axes leave (so
+    ``"model=2"`` on 8 devices means ``data=4,model=2``).
+
+    Raises:
+      ValueError: bad syntax, an unknown or repeated axis name, a size below 1, or
+        sizes whose product is not ``num_devices``.
+    """
+    sizes: dict[str, int] = {}
+    for part in (spec or "").replace(" ", "").split(","):
+        if not part:
+            continue
+        name, eq, value = part.partition("=")
+        if not eq or not value.isdigit():
+            raise ValueError(f"Bad --mesh {spec!r}: expected comma-separated axis=size pairs, "
+                             f"e.g. 'data=4,model=2'; got {part!r}.")
+        if name not in MESH_AXES:
+            raise ValueError(f"Bad --mesh {spec!r}: unknown axis {name!r}; the axes are {MESH_AXES}.")
+        if name in sizes:
+            raise ValueError(f"Bad --mesh {spec!r}: axis {name!r} given twice.")
+        if int(value) < 1:
+            raise ValueError(f"Bad --mesh {spec!r}: axis {name!r} must have size >= 1.")
+        sizes[name] = int(value)
+    sizes.setdefault("model", 1)
+    if "data" not in sizes:
+        sizes["data"] = max(1, num_devices // sizes["model"])
+    product = math.prod(sizes.values())
+    if product != num_devices:
+        raise ValueError(f"--mesh {spec!r} gives {' × '.join(f'{a}={sizes[a]}' for a in MESH_AXES)} = "
+                         f"{product} devices, but there are {num_devices}; the product of the axis "
+                         f"sizes must equal the device count.")
+    return {axis: sizes[axis] for axis in MESH_AXES}
+
+
+def first_devices(count: int | None) -> list[jax.Device] | None:
+    """The first ``count`` devices of a single-process run (``--devices``, like Marian's
+    ``--devices`` or fairseq's ``--distributed-world-size``); ``None`` = all of them.
+
+    Raises:
+      ValueError: ``count`` in a multi-process run (each process trains on all of its
+        devices), or more devices than there are.
+    """
+    if count is None:
+        return None
+    if jax.process_count() > 1:
+        raise ValueError(f"--devices {count}: a multi-process run uses every device of every process; "
+                         f"leave --devices out (or set CUDA_VISIBLE_DEVICES / TPU topology per process).")
+    devices = jax.devices()
+    if not 1 <= count <= len(devices):
+        raise ValueError(f"--devices {count}: this process has {len(devices)} {devices[0].platform} "
+                         f"device(s); choose 1 to {len(devices)}, or leave it out to use them all.")
+    return devices[:count]
+
+
+def make_mesh(spec: str | None = None, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A ``Mesh(('data', 'model'))`` over ``devices`` (default: all, every process).
+
+    Args:
+      spec: ``"data=4,model=2"`` (see :func:`parse_mesh`); ``None`` = all on ``data``.
+      devices: the devices to use; default ``jax.devices()``.
+
+    Raises:
+      ValueError: see :func:`parse_mesh`.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = parse_mesh(spec, len(devices))
+    shape = tuple(sizes[a] for a in MESH_AXES)
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
+                         devices=devices)
+
+
+def logical_to_mesh_spec(logical_names: Sequence[str | None]) -> PartitionSpec:
+    """Logical names (e.g. ``("embed", "heads", "kv")``) → a mesh ``PartitionSpec``."""
+    return nn.logical_to_mesh_axes(tuple(logical_names), LOGICAL_AXIS_RULES)
+
+
+def constrain(x: jax.Array, logical_names: Sequence[str | None]) -> jax.Array:
+    """Sharding constraint by logical names; a no-op unless a mesh is active.
+
+    Args:
+      x: an activation whose rank equals ``len(logical_names)``.
+      logical_names: one logical name (or ``None``) per dimension of ``x``.
+    """
+    return nn.with_logical_constraint(x, tuple(logical_names), rules=LOGICAL_AXIS_RULES)
+
+
+def under_mesh(fn: Callable, mesh: Mesh) -> Callable:
+    """``fn`` called (and so traced) with ``mesh`` active, so :func:`constrain` applies."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with jax.set_mesh(mesh):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _path_name(path) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+
+
+def tree_shardings(boxed_tree: Any, mesh: Mesh) -> Any:
+    """``NamedSharding`` for every leaf of a tree that may hold logically boxed leaves.
+
+    Leaves boxed by ``nn.with_logical_partitioning`` (parameters, and the optimizer
+    moments that ``optax`` builds from them) are sharded by the rules table; any
+    other array leaf (step counters) is replicated.
+
+    Args:
+      boxed_tree: e.g. ``jax.eval_shape`` of a train-state initializer that did not
+        unbox its parameters.
+      mesh: the mesh.
+
+    Returns:
+      a tree with the structure of ``nn.unbox(boxed_tree)`` and ``NamedSharding`` leaves.
+
+    Raises:
+      ValueError: a partition spec names more dimensions than its array has, or a
+        sharded dimension is not divisible by its mesh axis (naming the parameter).
+    """
+    specs = nn.get_partition_spec(boxed_tree)
+    mesh_specs = nn.logical_to_mesh(specs, LOGICAL_AXIS_RULES)
+    values = nn.unbox(boxed_tree)
+    is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
+    flat_specs, treedef = jax.tree_util.tree_flatten(mesh_specs, is_leaf=is_spec)
+    flat_values = treedef.flatten_up_to(values)
+    paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(mesh_specs, is_leaf=is_spec)[0]]
+    for path, spec, value in zip(paths, flat_specs, flat_values):
+        check_divisible(_path_name(path), value.shape, spec, mesh)
+    return jax.tree_util.tree_unflatten(treedef, [NamedSharding(mesh, s) for s in flat_specs])
+
+
+def check_divisible(name: str, shape: Sequence[int], spec: PartitionSpec, mesh: Mesh) -> None:
+    """Raises ``ValueError`` unless ``spec`` fits ``shape`` on ``mesh`` (rank and divisibility)."""
+    if len(spec) > len(shape):
+        raise ValueError(f"{name}: partition spec {spec} has {len(spec)} entries but the array "
+                         f"has shape {tuple(shape)}.")
+    for dim, axes in zip(shape, spec):
+        if axes is None:
+            continue
+        axes = (axes,) if isinstance(axes, str) else tuple(axes)
+        size = math.prod(mesh.shape[a] for a in axes)
+        if dim % size:
+            raise ValueError(
+                f"{name} has shape {tuple(shape)}: a dimension of {dim} is split over mesh axis "
+                f"{'×'.join(axes)} of size {size}, which does not divide it. Choose a mesh whose "
+                f"'model' size divides num_heads, d_ff and the vocabulary size (e.g. --vocab-size "
+                f"a multiple of it), or a smaller 'model' axis.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where everything of a run lives: the mesh and the train state's shardings."""
+
+    mesh: Mesh
+    state: Any   # a TrainState-shaped tree of NamedSharding
+
+    @property
+    def batch(self) -> NamedSharding:
+        """Batches ``[B, L]``: rows split over ``data`` (the ``batch`` rule)."""
+        return NamedSharding(self.mesh, logical_to_mesh_spec(("batch", "length")))
+
+    @property
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, PartitionSpec())
+
+    @property
+    def params(self) -> Any:
+        return self.state.params
+
+    @property
+    def data_size(self) -> int:
+        return self.mesh.shape["data"]
+
+
+def shard_batch(batch: Mapping[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
+    """Places this process's rows of a batch as global arrays split over ``data``.
+
+    With one process the local batch is the whole batch. With several, each process
+    passes only its own contiguous block of rows (see ``process_index`` in
+    :func:`jaxformer.data.batching.train_dataset`) and the global batch has
+    ``process_count ×`` as many rows.
+
+    Args:
+      batch: name → int array ``[b, L]`` of this process's rows.
+      sharding: the batch sharding (:attr:`Layout.batch`).
+
+    Raises:
+      ValueError: the global row count is not divisible by the ``data`` axis.
+    """
+    data_size = sharding.mesh.shape["data"]
+    out = {}
+    for name, local in batch.items():
+        local = np.asarray(local)
+        global_shape = (local.shape[0] * jax.process_count(),) + local.shape[1:]
+        if global_shape[0] % data_size:
+            raise ValueError(f"batch {name!r} has {global_shape[0]} rows, not divisible by the mesh's "
+                             f"data axis ({data_size}); make the batch size a multiple of it.")
+        out[name] = jax.make_array_from_process_local_data(sharding, local, global_shape)
+    return out
+
+
+def to_host(tree: Any) -> Any:
+    """NumPy copies of a tree of arrays, gathered from every process when sharded across them."""
+    if jax.process_count() == 1:
+        return jax.device_get(tree)
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.process_allgather(tree, tiled=True)
+
+
+def abstract_state(state: Any) -> Any:
+    """``ShapeDtypeStruct`` tree of ``state`` that keeps each array's sharding.
+
+    Use it (not ``jax.eval_shape``, which drops shardings) as an orbax restore target,
+    so a checkpoint saved on one mesh restores onto this one.
+    """
+    return jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+
+
+def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
+                           process_id: int | None = None, auto: bool = False) -> bool:
+    """Starts ``jax.distributed`` for a multi-process run; call before any other JAX use.
+
+    Explicit arguments win; ``auto=True`` without them lets JAX detect the cluster
+    (TPU pods, SLURM, Open MPI, Kubernetes, or ``JAX_COORDINATOR_ADDRESS`` plus
+    the cluster's process count and id). On CPU the cross-process collectives are
+    gloo's.
+
+    Returns:
+      whether ``jax.distributed.initialize`` was called.
+    """
+    if coordinator_address is None and num_processes is None and process_id is None and not auto:
+        return False
+    jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
+                               process_id=process_id)
+    return True

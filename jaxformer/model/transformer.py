@@ -1,0 +1,285 @@
+"""The encoder-decoder Transformer (Vaswani et al. 2017, Figure 1).
+
+Glossary of shapes: B batch, S source length, T target length, D d_model,
+H heads, K = D / H, F d_ff, V target vocabulary size, M cache length
+(the longest target a decode may produce).
+
+Used through pure ``init``/``apply``::
+
+    model = Transformer(config)
+    variables = model.init(jax.random.key(0), src_BS, tgt_BT)
+    logits_BTV = model.apply(variables, src_BS, tgt_BT)
+    encoder_output_BSD = model.apply(variables, src_BS, method=Transformer.encode)
+
+Target shifting (teacher forcing) is the caller's job: ``tgt`` is fed as given.
+"""
+
+from __future__ import annotations
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxformer.model.config import TransformerConfig
+from jaxformer.model.layers import Decoder, Embedding, Encoder, OutputProjection, PositionalEncoding
+from jaxformer.model.masks import (
+    create_decoder_mask,
+    create_padding_mask,
+    create_segment_mask,
+    segment_positions,
+)
+from jaxformer.model.validation import check_same_batch, check_token_ids
+
+
+@struct.dataclass
+class LayerCache:
+    """Decoding cache of one decoder layer; a plain pytree.
+
+    Attributes:
+      self_k, self_v: self-attention keys/values of past positions ``[B, H, M, K]``
+        (rows at and beyond the current index are not yet written).
+      cross_k, cross_v: cross-attention keys/values ``[B, H, S, K]``, computed once
+        per source sentence.
+    """
+
+    self_k: jax.Array
+    self_v: jax.Array
+    cross_k: jax.Array
+    cross_v: jax.Array
+
+
+@struct.dataclass
+class DecodeCache:
+    """The whole decoding state a ``tokens_to_logits`` callback threads through.
+
+    Attributes:
+      layers: one :class:`LayerCache` per decoder layer.
+      src_mask: bool ``[B, 1, 1, S]`` padding mask of the source.
+      index: int32 scalar, number of target tokens fed so far (the next position).
+
+    Every array leaf except ``index`` has the batch on axis 0, so beam search can
+    tile or gather the cache with one ``tree_map``.
+    """
+
+    layers: tuple[LayerCache, ...]
+    src_mask: jax.Array
+    index: jax.Array
+
+    def map_beam_state(self, fn) -> DecodeCache:
+        """Applies ``fn`` to the leaves that differ between the beams of one sentence.
+
+        Those are the self-attention keys/values. The source side (cross-attention
+        K/V, ``src_mask``) is the same for every beam of a sentence and ``index`` is
+        shared, so beam search reorders only the self-attention K/V (half of the
+        cache at equal source and target lengths).
+        """
+        return self.replace(layers=tuple(layer.replace(self_k=fn(layer.self_k), self_v=fn(layer.self_v))
+                                         for layer in self.layers))
+
+
+class Transformer(nn.Module):
+    """Encoder-decoder Transformer; ``__call__`` = ``decode(encode(src), src, tgt)``.
+
+    Attributes:
+      config: a :class:`TransformerConfig`.
+
+    Inputs are validated at the entry points (:mod:`jaxformer.model.validation`): rank,
+    integer dtype, length ``<= max_len`` and matching batch sizes always; the id range
+    ``[0, vocab)`` when the arrays are concrete (outside ``jit``).
+    """
+
+    config: TransformerConfig
+
+    def setup(self):
+        c = self.config
+        self.src_embedding = Embedding(c.src_vocab_size, c, name="src_embedding")
+        self.tgt_embedding = (self.src_embedding if c.share_embeddings
+                              else Embedding(c.tgt_vocab_size, c, name="tgt_embedding"))
+        self.positional_encoding = PositionalEncoding(c)
+        self.encoder = Encoder(c)
+        self.decoder = Decoder(c)
+        if not c.share_embeddings:
+            self.output_projection = OutputProjection(c.tgt_vocab_size, c, name="output_projection")
+        elif c.final_logits_bias:
+            # Marian's bias on the tied projection (departs from the paper's tied Linear, §3.4).
+            self.final_logits_bias = self.param(
+                "final_logits_bias", nn.with_logical_partitioning(nn.initializers.zeros_init(), ("vocab",)),
+                (c.tgt_vocab_size,), c.parameter_dtype)
+
+    # ------------------------------------------------------------------ encoder
+    def encode(self, src, *, deterministic: bool = True, src_segments=None):
+        """Source ids ``[B, S]`` int → ``encoder_output [B, S, D]``.
+
+        ``src_segments`` (int ``[B, S]``, packed rows; see :func:`jaxformer.data.batching.collate_packed`):
+        each position attends only within its segment, positions restart per segment.
+
+        Raises:
+          ValueError: bad rank/dtype, ``S > max_len``, or ids out of range.
+        """
+        c = self.config
+        check_token_ids(src, name="src", vocab_size=c.src_vocab_size, max_len=c.max_len)
+        batch, src_len = src.shape
+        src_mask = create_padding_mask(src, c.pad_id)
+        positions = None
+        if src_segments is not None:
+            chex.assert_shape(src_segments, src.shape)
+            src_mask = src_mask & create_segment_mask(src_segments, src_segments)
+            positions = segment_positions(src_segments)
+        src_x = self.positional_encoding(self.src_embedding(src), deterministic, positions_BL=positions)
+        chex.assert_shape(src_x, (batch, src_len, c.d_model))
+        encoder_output = self.encoder(src_x, src_mask, deterministic)
+        chex.assert_shape(encoder_output, (batch, src_len, c.d_model))
+        return encoder_output
+
+    # ------------------------------------------------------------------ decoder
+    def _logits(self, decoder_output_BLD):
+        c = self.config
+        if c.share_embeddings:
+            logits = self.tgt_embedding.attend(decoder_output_BLD)
+            if c.final_logits_bias:
+                logits = logits + self.final_logits_bias.astype(logits.dtype)[None, None, :]
+        else:
+            logits = self.output_projection(decoder_output_BLD)
+        chex.assert_shape(logits, decoder_output_BLD.shape[:2] + (c.tgt_vocab_size,))
+        return logits
+
+    def output_projection_weights(self):
+        """The final linear layer as ``(kernel [D, V], bias [V] or None)``, compute dtype.
+
+        ``logits = decoder_output @ kernel (+ bias)``. With shared embeddings the kernel
+        is the embedding table transposed and the bias is ``final_logits_bias`` if the
+        config has one, else ``None``.
+        """
+        c = self.config
+        if c.share_embeddings:
+            kernel_DV, _ = self.tgt_embedding.projection_weights()
+            bias_V = self.final_logits_bias.astype(c.compute_dtype) if c.final_logits_bias else None
+            return kernel_DV, bias_V
+        return self.output_projection.weights()
+
+    def decode(self, encoder_output, src, tgt, *, deterministic: bool = True, src_segments=None,
+               tgt_segments=None):
+        """Teacher-forced decoder: ``encoder_output [B,S,D]``, src ids ``[B,S]``
+        (for the padding mask), target input ids ``[B,T]`` → ``logits [B,T,V]``.
+
+        ``tgt`` is the already shifted decoder input (``bos y1 y2 …``). Packed rows
+        give both ``src_segments [B,S]`` and ``tgt_segments [B,T]``: target segment j
+        attends only to itself (causally) and to source segment j.
+        """
+        decoder_output = self.decoder_output(encoder_output, src, tgt, deterministic=deterministic,
+                                             src_segments=src_segments, tgt_segments=tgt_segments)
+        logits = self._logits(decoder_output)
+        chex.assert_shape(logits, tgt.shape + (self.config.tgt_vocab_size,))
+        return logits
+
+    def decoder_output(self, encoder_output, src, tgt, *, deterministic: bool = True,
+                       src_segments=None, tgt_segments=None):
+        """:meth:`decode` without the final projection: ``[B, T, D]`` (arguments as there)."""
+        c = self.config
+        check_token_ids(tgt, name="tgt", vocab_size=c.tgt_vocab_size, max_len=c.max_len)
+        check_same_batch(src, tgt)
+        batch, tgt_len = tgt.shape
+        chex.assert_shape(encoder_output, (batch, src.shape[1], c.d_model))
+        src_mask = create_padding_mask(src, c.pad_id)
+        tgt_mask = create_decoder_mask(tgt, c.pad_id)
+        positions = None
+        if (src_segments is None) != (tgt_segments is None):
+            raise ValueError("Packed decoding needs both src_segments and tgt_segments, or neither.")
+        if tgt_segments is not None:
+            chex.assert_shape(src_segments, src.shape)
+            chex.assert_shape(tgt_segments, tgt.shape)
+            src_mask = src_mask & create_segment_mask(tgt_segments, src_segments)   # [B,1,T,S]
+            tgt_mask = tgt_mask & create_segment_mask(tgt_segments, tgt_segments)   # [B,1,T,T]
+            positions = segment_positions(tgt_segments)
+        tgt_x = self.positional_encoding(self.tgt_embedding(tgt), deterministic, positions_BL=positions)
+        chex.assert_shape(tgt_x, (batch, tgt_len, c.d_model))
+        decoder_output = self.decoder(tgt_x, encoder_output, tgt_mask, src_mask, deterministic)
+        chex.assert_shape(decoder_output, (batch, tgt_len, c.d_model))
+        return decoder_output
+
+    def __call__(self, src, tgt, *, deterministic: bool = True, src_segments=None, tgt_segments=None):
+        """``src [B,S]``, shifted target input ``tgt [B,T]`` → ``logits [B,T,V]``.
+
+        Training mode: ``deterministic=False`` with a ``"dropout"`` rng in ``apply``.
+        Packed rows (several sentence pairs per row): pass ``src_segments`` and
+        ``tgt_segments`` (see :meth:`decode`); each pair then gets exactly the logits
+        it would get alone.
+        """
+        encoder_output = self._checked_encode(src, tgt, deterministic, src_segments)
+        return self.decode(encoder_output, src, tgt, deterministic=deterministic,
+                           src_segments=src_segments, tgt_segments=tgt_segments)
+
+    def _checked_encode(self, src, tgt, deterministic, src_segments):
+        """Validates both id arrays, then ``encode(src)``."""
+        c = self.config
+        check_token_ids(src, name="src", vocab_size=c.src_vocab_size, max_len=c.max_len)
+        check_token_ids(tgt, name="tgt", vocab_size=c.tgt_vocab_size, max_len=c.max_len)
+        check_same_batch(src, tgt)
+        return self.encode(src, deterministic=deterministic, src_segments=src_segments)
+
+    def features(self, src, tgt, *, deterministic: bool = True, src_segments=None, tgt_segments=None):
+        """``__call__`` stopped before the logits, for losses that fuse the projection.
+
+        Returns:
+          ``(decoder_output [B,T,D], kernel [D,V], bias [V] or None)`` with
+          ``logits = decoder_output @ kernel (+ bias)``; see
+          :func:`jaxformer.train.losses.projected_cross_entropy`, which never builds the
+          ``[B,T,V]`` logits in the backward pass.
+        """
+        encoder_output = self._checked_encode(src, tgt, deterministic, src_segments)
+        decoder_output = self.decoder_output(encoder_output, src, tgt, deterministic=deterministic,
+                                             src_segments=src_segments, tgt_segments=tgt_segments)
+        return (decoder_output, *self.output_projection_weights())
+
+    # --------------------------------------------------------- cached decoding
+    def init_cache(self, encoder_output, src, max_decode_len: int) -> DecodeCache:
+        """Builds the decoding cache for ``max_decode_len`` target positions.
+
+        Args:
+          encoder_output: ``[B, S, D]`` from :meth:`encode`.
+          src: source ids ``[B, S]`` (for the padding mask).
+          max_decode_len: M, the number of target positions the cache holds
+            (including the BOS position); at most ``max_len``.
+
+        Returns:
+          a :class:`DecodeCache` with zeroed self-attention K/V ``[B, H, M, K]``, the
+          cross-attention K/V ``[B, H, S, K]`` of every layer, and ``index = 0``.
+
+        Raises:
+          ValueError: ``max_decode_len`` outside ``[1, max_len]``.
+        """
+        c = self.config
+        if not 1 <= max_decode_len <= c.max_len:
+            raise ValueError(f"max_decode_len={max_decode_len} must be in [1, max_len={c.max_len}].")
+        batch, src_len = src.shape
+        chex.assert_shape(encoder_output, (batch, src_len, c.d_model))
+        zeros = jnp.zeros((batch, c.num_heads, max_decode_len, c.head_dim), c.compute_dtype)
+        layers = tuple(LayerCache(self_k=zeros, self_v=zeros, cross_k=k, cross_v=v)
+                       for k, v in self.decoder.cross_key_values(encoder_output))
+        return DecodeCache(layers=layers, src_mask=create_padding_mask(src, c.pad_id),
+                           index=jnp.zeros((), jnp.int32))
+
+    def decode_step(self, ids_B1, cache: DecodeCache):
+        """One incremental decoding step: ``tokens_to_logits(ids, cache)``.
+
+        Args:
+          ids_B1: the current target token ``[B, 1]`` (BOS at the first step).
+          cache: :class:`DecodeCache` from :meth:`init_cache` or the previous step.
+
+        Returns:
+          ``(logits [B, V] float, cache advanced by one position)``. Equal to the
+          teacher-forced :meth:`decode` logits at that position.
+
+        Raises:
+          ValueError: concrete ``ids_B1`` outside ``[0, V)`` (an id ≥ V gives NaN logits,
+            −1 wraps to the last row); traced ids are checked by the jitted decoders.
+        """
+        chex.assert_shape(ids_B1, (cache.src_mask.shape[0], 1))
+        # Concrete ids are range-checked here; inside jit the decoders check on the host.
+        check_token_ids(ids_B1, name="ids_B1", vocab_size=self.config.tgt_vocab_size)
+        x_B1D = self.positional_encoding(self.tgt_embedding(ids_B1), True, offset=cache.index)
+        y_B1D, layers = self.decoder.step(x_B1D, cache.layers, cache.index, cache.src_mask)
+        logits_B1V = self._logits(y_B1D)
+        return logits_B1V[:, 0], cache.replace(layers=layers, index=cache.index + 1)

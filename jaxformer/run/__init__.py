@@ -1,0 +1,7 @@
+"""The run wing: what every job of a run directory looks down at.
+
+``config`` (``TrainConfig``, the flags of ``train.py``), ``directory`` (``RunDir``: the
+run directory's files, metrics, plots, JAX's compilation cache), ``checkpoints``
+(orbax), ``logs``. Below ``data``, ``decode``, ``interop`` and ``train``, which all
+read or write run directories; it imports only the ``model`` wing.
+"""

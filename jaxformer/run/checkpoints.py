@@ -1,0 +1,315 @@
+"""Orbax checkpoints of a run: the train state, the data iterator, and the best params.
+
+Layout under ``<workdir>``: ``checkpoints/<step>/{state,data}`` keeps the last N
+steps (train state + grain iterator state); ``best/<step>/params`` keeps the
+parameters with the best dev BLEU. Everything is data (arrays, JSON); no pickle.
+
+Crash safety comes from orbax: a step is written under a temporary name and renamed
+into place only when complete, so a process killed mid-save (even by SIGKILL)
+leaves at most a ``<step>.orbax-checkpoint-tmp*`` folder, which is ignored and
+cleaned up on the next start. A step that is complete but unreadable (a corrupted
+or truncated file) is reported, moved to ``<workdir>/corrupt/`` and the previous
+step is used (:meth:`RunCheckpoints.restore_latest`).
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+from jaxformer.model.validation import DataPositionError
+
+
+class CheckpointError(OSError):
+    """No checkpoint of the run directory can be read."""
+
+
+def _first_line(error: BaseException) -> str:
+    """A one-line reason: the error's first line without TensorStore's spec dump."""
+    text = str(error).strip().splitlines()
+    line = text[0].split(" See full TensorStore details")[0] if text else ""
+    return f"{type(error).__name__}: {line[:200]}"
+
+
+def _ignore_stray_read_callbacks() -> None:
+    """When a restore fails, tensorstore still completes the other reads it had in
+    flight and calls back into orbax's event loop, which is closed by then; each call
+    would print a "RuntimeError: Event loop is closed" traceback, and each of orbax's
+    read coroutines that failed after the restore gave up prints its own ("Exception
+    ignored in: <coroutine ... _read_array_index_and_device_put>"). Those (and only those)
+    are dropped; every other unraisable exception reaches the previous hook. Installed
+    before restores that may meet an unreadable checkpoint."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_jaxformer_filter", False):
+        return
+
+    def hook(unraisable):
+        error, source = unraisable.exc_value, unraisable.object
+        closed_loop = (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
+                       and source is None)
+        # orbax's read coroutines that failed after the restore had already given up
+        orbax_read = "orbax" in getattr(getattr(source, "cr_code", None), "co_filename", "")
+        if not (closed_loop or orbax_read):
+            previous(unraisable)
+
+    hook._jaxformer_filter = True
+    sys.unraisablehook = hook
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+class _CheckpointManager(ocp.CheckpointManager):
+    """An orbax ``CheckpointManager`` that leaves JAX's preemption sync point alone.
+
+    The trainer owns the multi-process preemption protocol
+    (:class:`jaxformer.train.preemption.PreemptionGuard` asks
+    ``multihost_utils.reached_preemption_sync_point`` once per step). Orbax would also
+    report the step of each save to it, from ``save`` and from its background
+    finalize thread, which by then lags the training loop: a stale step reported
+    there can make the processes pick different stop steps and wait on each other
+    forever. The trainer saves explicitly when preempted, so orbax needs no signal.
+    """
+
+    def reached_preemption(self, step: int) -> bool:
+        return False
+
+
+class RunCheckpoints:
+    """The two checkpoint managers of a run directory."""
+
+    def __init__(self, workdir: str | Path, keep: int = 3, read_only: bool = False):
+        """Opens (creates unless ``read_only``) ``workdir/checkpoints`` and ``workdir/best``.
+
+        The trainer cleans up half-written steps left by a killed process; a reader
+        (``read_only=True``, e.g. the translate CLI beside a running trainer) never
+        touches the folders.
+        """
+        self.workdir = workdir = Path(workdir).absolute()
+        # (Not orbax's own read_only option: it logs warnings on every open.)
+        common = dict(create=not read_only, cleanup_tmp_directories=not read_only)
+        self.latest = _CheckpointManager(
+            workdir / "checkpoints", item_names=("state", "data"),
+            options=ocp.CheckpointManagerOptions(max_to_keep=keep, **common))
+        self.best = _CheckpointManager(
+            workdir / "best", item_names=("params",),
+            options=ocp.CheckpointManagerOptions(max_to_keep=1, best_fn=lambda m: m["bleu"],
+                                                 best_mode="max", **common))
+
+    def latest_step(self) -> int | None:
+        return self.latest.latest_step()
+
+    def save(self, step: int, state: Any, data_iterator: Any) -> None:
+        """Saves state and the data iterator's position (async; atomic on finalize)."""
+        import grain  # here, not at the top: translating (params only) never loads grain
+
+        self.latest.save(step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state),
+            data=grain.checkpoint.CheckpointSave(data_iterator)))
+
+    def restore(self, step: int, abstract_state: Any, data_iterator: Any) -> Any:
+        """Restores the state into ``abstract_state``'s structure and the iterator in place."""
+        import grain
+
+        restored = self.latest.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state),
+            data=grain.checkpoint.CheckpointRestore(data_iterator)))
+        return restored.state
+
+    def restore_latest(self, abstract_state: Any, data_iterator: Any,
+                       report: Callable[[str], None] = _stderr) -> tuple[Any, int] | None:
+        """Restores the newest readable step; unreadable newer steps are set aside.
+
+        Each step, newest first, is restored into ``abstract_state``'s structure (and
+        the iterator's position). A step that fails to read is reported; once an
+        older step restores, the unreadable newer ones are moved to
+        ``<workdir>/corrupt/<step>-<time>`` (kept, never deleted) so training can
+        write those steps again.
+
+        Returns:
+          ``(state, step)``, or ``None`` when the run has no checkpoint yet.
+
+        Raises:
+          CheckpointError: checkpoints exist but none is readable; nothing is moved
+            or overwritten.
+        """
+        steps = sorted(self.latest.all_steps(), reverse=True)
+        _ignore_stray_read_callbacks()   # before the first read: a failing one can fire them at once
+        failures: list[tuple[int, str]] = []
+        for step in steps:
+            try:
+                state = self.restore(step, abstract_state, data_iterator)
+            except DataPositionError as error:   # readable, but another pipeline's: refuse, move nothing
+                raise DataPositionError(f"Checkpoint step {step} in {self.latest.directory}: {error} "
+                                        f"Nothing was changed.") from error
+            except Exception as error:  # any failure to read means this step is unusable
+                failures.append((step, _first_line(error)))
+                report(f"checkpoint step {step} is unreadable ({failures[-1][1]}); "
+                       f"trying an older one")
+                continue
+            for bad, _ in failures:
+                self._set_aside(self.latest.directory / str(bad), f"{bad}")
+            if failures:
+                self.latest.reload()
+                report(f"moved unreadable step(s) {[b for b, _ in failures]} to "
+                       f"{self.workdir / 'corrupt'}; resuming from step {step}")
+            return state, step
+        if failures:
+            details = "; ".join(f"step {s}: {e}" for s, e in failures)
+            raise CheckpointError(
+                f"No readable checkpoint in {self.latest.directory} ({details}). Nothing was "
+                f"changed. Start over with --fresh (moves these aside) or use another --workdir.")
+        return None
+
+    def _set_aside(self, path: Path, name: str) -> None:
+        if jax.process_index() != 0 or not path.exists():   # one process moves shared files
+            return
+        target = self.workdir / "corrupt" / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        target.parent.mkdir(exist_ok=True)
+        shutil.move(str(path), str(target))
+
+    def save_best(self, step: int, params: Any, bleu: float) -> None:
+        if step in self.best.all_steps():   # re-evaluating a step after a resume
+            return
+        self.best.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params)),
+                       metrics={"bleu": float(bleu)})
+
+    def best_step(self) -> int | None:
+        return self.best.best_step()
+
+    def best_bleu(self) -> float | None:
+        """Dev BLEU of the best checkpoint, as recorded with it (``None`` if none)."""
+        step = self.best.best_step()
+        if step is None:
+            return None
+        metrics = self.best.metrics(step)
+        return None if not metrics else float(metrics["bleu"])
+
+    def restore_params(self, abstract_params: Any, report: Callable[[str], None] = _stderr
+                       ) -> tuple[Any, int, str]:
+        """Parameters to translate with: the best by dev BLEU, else the newest readable
+        training checkpoint's (an unreadable one is reported and skipped).
+
+        Only the parameters are read (a partial restore), so the optimizer the run
+        used does not matter.
+
+        Args:
+          abstract_params: the parameters' structure (``jax.eval_shape`` of them).
+
+        Returns:
+          ``(params, step, "best" | "latest")``.
+
+        Raises:
+          FileNotFoundError: the run directory has no checkpoint.
+          CheckpointError: it has checkpoints, but none is readable.
+        """
+        _ignore_stray_read_callbacks()
+        step = self.best.best_step()
+        if step is not None:
+            try:
+                restored = self.best.restore(step, args=ocp.args.Composite(
+                    params=ocp.args.StandardRestore(abstract_params)))
+                return restored.params, step, "best"
+            except Exception as error:  # fall back to the training checkpoints
+                report(f"best checkpoint step {step} is unreadable ({_first_line(error)}); "
+                       f"using the latest training checkpoint")
+        failures = []
+        for step in sorted(self.latest.all_steps(), reverse=True):
+            try:
+                return self.params_at(step, abstract_params), step, "latest"
+            except Exception as error:
+                failures.append(f"step {step}: {_first_line(error)}")
+                report(f"checkpoint step {step} is unreadable ({failures[-1]})")
+        if failures:
+            raise CheckpointError(f"No readable checkpoint in {self.workdir} ({'; '.join(failures)}).")
+        raise FileNotFoundError("No checkpoint in this run directory; train first.")
+
+    def steps(self) -> list[int]:
+        """The training checkpoints on disk, oldest first."""
+        return sorted(self.latest.all_steps())
+
+    def params_at(self, step: int, abstract_params: Any) -> Any:
+        """Only the parameters of training checkpoint ``step`` (a partial restore: the
+        optimizer state is not read)."""
+        # A checkpointer of its own: this process's manager may already have bound the
+        # "state" item to the (whole-state) StandardCheckpointHandler by saving it.
+        target = {"params": abstract_params}
+        with ocp.PyTreeCheckpointer() as checkpointer:
+            restored = checkpointer.restore(self.latest.directory / str(step) / "state",
+                                            args=ocp.args.PyTreeRestore(
+                                                item=target, partial_restore=True,
+                                                restore_args=ocp.checkpoint_utils.construct_restore_args(target)))
+        return restored["params"]
+
+    def _averaged(self) -> ocp.CheckpointManager:
+        # Opened on use: most runs never write one, and a reader must not create the folder.
+        return _CheckpointManager(self.workdir / "averaged", item_names=("params",),
+                                  options=ocp.CheckpointManagerOptions(max_to_keep=1,
+                                                                       enable_async_checkpointing=False))
+
+    def save_averaged(self, step: int, params: Any, info: dict[str, Any]) -> None:
+        """Saves averaged parameters as ``averaged/<step>`` (the newest averaged step)
+        with ``info`` (JSON: the averaged steps, the dev BLEU) as its metrics."""
+        manager = self._averaged()
+        try:
+            for old in manager.all_steps():
+                manager.delete(old)
+            manager.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params)),
+                         metrics=info)
+            manager.wait_until_finished()
+        finally:
+            manager.close()
+
+    def restore_params_from(self, which: str | int, abstract_params: Any,
+                            report: Callable[[str], None] = _stderr) -> tuple[Any, int, str]:
+        """Parameters of one named checkpoint: ``"auto"`` (:meth:`restore_params`: best,
+        else latest), ``"best"``, ``"latest"``, ``"averaged"`` or a training step.
+
+        Returns:
+          ``(params, step, kind)``.
+
+        Raises:
+          FileNotFoundError: that checkpoint does not exist; the message lists what does.
+        """
+        if which == "auto":
+            return self.restore_params(abstract_params, report)
+        steps = self.steps()
+        available = (f"training steps {steps}" if steps else "no training checkpoints") + (
+            ", best" if self.best.best_step() is not None else "") + (
+            ", averaged" if (self.workdir / "averaged").is_dir() else "")
+        if which == "best" and self.best.best_step() is not None:
+            step = self.best.best_step()
+            return self.best.restore(step, args=ocp.args.Composite(
+                params=ocp.args.StandardRestore(abstract_params))).params, step, "best"
+        if which == "latest" and steps:
+            return self.params_at(steps[-1], abstract_params), steps[-1], "latest"
+        if which == "averaged" and (self.workdir / "averaged").is_dir():
+            manager = self._averaged()
+            try:
+                step = manager.latest_step()
+                if step is not None:
+                    return manager.restore(step, args=ocp.args.Composite(
+                        params=ocp.args.StandardRestore(abstract_params))).params, step, "averaged"
+            finally:
+                manager.close()
+        if isinstance(which, int) and which in steps:
+            return self.params_at(which, abstract_params), which, "step"
+        what = f"checkpoint of step {which}" if isinstance(which, int) else f"{which!r} checkpoint"
+        raise FileNotFoundError(f"No {what} in {self.workdir}; it has {available}.")
+
+    def wait(self) -> None:
+        self.latest.wait_until_finished()
+        self.best.wait_until_finished()
+
+    def close(self) -> None:
+        self.latest.close()
+        self.best.close()
+

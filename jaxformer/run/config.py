@@ -1,0 +1,340 @@
+"""The run (training) configuration and its command line, both from one typed dataclass."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+PAIRS = ("en-de", "en-fr", "en-zh")   # the shipped corpora (jaxformer/corpora/), --pair
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Everything about a run that is not the architecture.
+
+    Model fields left ``None`` come from the preset (:data:`jaxformer.model.config.PRESETS`).
+    """
+
+    # Where and what.
+    workdir: str | None = None         # default: derived from the data (runs/en-de, runs/<file>, ...)
+    pair: str = "en-de"
+    train_file: str | None = None      # source<TAB>target lines (.tsv or .tsv.gz)
+    src_file: str | None = None        # or two aligned text files
+    tgt_file: str | None = None
+    dev_file: str | None = None        # optional explicit dev/test TSV files
+    test_file: str | None = None
+    init_from: str | None = None       # fine-tune: architecture, tokenizer and weights of this run
+    # Model.
+    preset: str = "small"
+    d_model: int | None = None
+    num_heads: int | None = None
+    d_ff: int | None = None
+    num_layers: int | None = None      # encoder and decoder layers alike
+    dropout_rate: float | None = None
+    max_len: int | None = None
+    norm_position: str | None = None
+    dtype: str | None = None          # compute dtype; bfloat16 on GPU/TPU (params stay float32)
+    attention_backend: str | None = None   # reference | xla | cudnn (jax.nn.dot_product_attention)
+    remat: bool | None = None          # recompute layer activations in the backward pass
+    vocab_size: int = 4000
+    max_train_len: int | None = None  # drop (and count) longer training pairs; default max_len
+    # Optimisation (§5.3, §5.4).
+    batch_tokens: int = 2048           # padded tokens per batch (rows × bucket length)
+    pack: bool = True                  # pack pairs into rows of max_train_len (one compile,
+                                       # ~8% padding); --no-pack = length buckets (~35%)
+    max_steps: int = 100_000
+    max_minutes: float | None = None   # wall-clock budget of the training loop
+    warmup_steps: int = 4000
+    lr_scale: float = 1.0
+    label_smoothing: float = 0.1
+    grad_clip: float | None = None
+    grad_accum_steps: int = 1          # micro-batches per update (batch_tokens is per update)
+    # Scaling out (README, "Scaling out").
+    mesh: str | None = None            # e.g. "data=4,model=2"; default: every device on data
+    devices: int | None = None         # single-process runs: train on the first N devices only
+    distributed: bool = False          # jax.distributed.initialize() with cluster auto-detection
+    coordinator_address: str | None = None   # host:port of process 0 (multi-process runs)
+    num_processes: int | None = None
+    process_id: int | None = None
+    seed: int = 0
+    # Evaluation, logging, checkpoints.
+    eval_every: int = 1000
+    dev_bleu_sentences: int = 300      # dev sentences decoded at each periodic eval
+    eval_batch_size: int = 64
+    beam_size: int = 4                 # dev/test BLEU decoding; 1 = greedy
+    alpha: float = 0.6                 # GNMT length penalty (§6.1)
+    log_every: int = 50
+    checkpoint_every: int = 1000
+    keep_checkpoints: int = 3
+    num_samples: int = 5               # dev sentences written to samples.txt per eval
+    progress: bool = True
+    # Data preparation (jaxformer.data.prepare) and streaming (jaxformer.data.streaming).
+    max_length_ratio: float = 9.0      # drop pairs whose id counts differ more (Moses clean-corpus-n)
+    data_workers: int | None = None    # grain worker processes collating batches; default: 0 on
+                                       # CPU (they would share its cores), 2 on GPU/TPU
+    # Scoring, early stopping, checkpoint averaging (issue 14).
+    tgt_lang: str | None = None        # target language code for scoring; default: the corpus's
+    sacrebleu_tokenize: str | None = None   # default: chosen by sacrebleu from the target language
+    patience: int | None = None        # stop after this many evaluations without a better dev BLEU
+    average_last: int | None = None    # average the last N checkpoints' params at the end (§6.1)
+
+    def __post_init__(self):
+        """Rejects values that would crash later or silently do something else.
+
+        Raises:
+          ValueError: naming the flag and what it needs.
+        """
+        at_least_one = ("vocab_size", "batch_tokens", "max_steps", "warmup_steps", "grad_accum_steps",
+                        "eval_every", "dev_bleu_sentences", "eval_batch_size", "beam_size", "log_every",
+                        "checkpoint_every", "keep_checkpoints")
+        problems = [f"--{n.replace('_', '-')} must be at least 1, got {getattr(self, n)}"
+                    for n in at_least_one if getattr(self, n) < 1]
+        for name in ("max_minutes", "lr_scale", "grad_clip"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                problems.append(f"--{name.replace('_', '-')} must be positive, got {value}")
+        if not 0.0 <= self.label_smoothing < 1.0:
+            problems.append(f"--label-smoothing must be in [0, 1), got {self.label_smoothing}")
+        if self.devices is not None and self.devices < 1:
+            problems.append(f"--devices must be at least 1, got {self.devices}")
+        if self.patience is not None and self.patience < 1:
+            problems.append(f"--patience must be at least 1, got {self.patience}")
+        if self.average_last is not None and not 2 <= self.average_last <= self.keep_checkpoints:
+            problems.append(f"--average-last must be in [2, --keep-checkpoints={self.keep_checkpoints}] "
+                            f"(only kept checkpoints can be averaged), got {self.average_last}")
+        if self.max_train_len is not None and self.max_train_len < 2:
+            problems.append(f"--max-train-len must be at least 2, got {self.max_train_len}")
+        if self.data_workers is not None and self.data_workers < 0:
+            problems.append(f"--data-workers must be at least 0, got {self.data_workers}")
+        if not self.max_length_ratio >= 1:
+            problems.append(f"--max-length-ratio must be at least 1, got {self.max_length_ratio}")
+        if problems:
+            raise ValueError("; ".join(problems) + ".")
+        if self.workdir is None:   # one run directory per data set: --pair en-fr never resumes en-de
+            object.__setattr__(self, "workdir", default_workdir(self))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def model_overrides(self) -> dict[str, Any]:
+        """The model fields set on the command line."""
+        names = ("d_model", "num_heads", "d_ff", "dropout_rate", "max_len", "norm_position", "dtype",
+                 "attention_backend", "remat")
+        out = {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+        if self.num_layers is not None:
+            out.update(num_encoder_layers=self.num_layers, num_decoder_layers=self.num_layers)
+        return out
+
+
+def default_workdir(cfg: TrainConfig) -> str:
+    """``runs/<pair>`` for a shipped corpus, ``runs/<file name>`` for a user's corpus
+    (``runs/train.en-de`` for ``train.en`` + ``train.de``)."""
+    def stem(path: str) -> str:
+        name = Path(path).name.removesuffix(".gz")
+        return name.removesuffix(".tsv") if name.endswith(".tsv") else name
+
+    if cfg.train_file:
+        return f"runs/{stem(cfg.train_file)}"
+    if cfg.src_file and cfg.tgt_file:
+        src, tgt = stem(cfg.src_file), stem(cfg.tgt_file)
+        src_base, _, src_ext = src.rpartition(".")
+        tgt_base, _, tgt_ext = tgt.rpartition(".")
+        return f"runs/{src_base}.{src_ext}-{tgt_ext}" if src_base and src_base == tgt_base else \
+            f"runs/{src}-{tgt}"
+    return f"runs/{cfg.pair}"
+
+
+# The defaults of `python train.py`: a CPU run of under 10 minutes (see README), the
+# result of a sweep over model width, batch size and learning rate on 2 cores.
+DEFAULT_CPU_RUN = dict(max_minutes=7.0, max_steps=100_000, warmup_steps=150, lr_scale=0.5,
+                       max_train_len=64, eval_every=400, dev_bleu_sentences=200,
+                       checkpoint_every=200)   # a SIGKILL loses at most ~2 minutes
+
+
+# One line of help per flag (``--help``); a test checks every field has one.
+HELP: dict[str, str] = {
+    "workdir": "run directory: checkpoints, logs, results; an existing run is resumed "
+               "(default: runs/<pair or corpus file name>)",
+    "pair": "shipped corpus to train on when no --train-file/--src-file is given",
+    "train_file": "your corpus: source<TAB>target lines (.tsv or .tsv.gz)",
+    "src_file": "your corpus as two aligned text files: the source side",
+    "tgt_file": "your corpus as two aligned text files: the target side",
+    "dev_file": "explicit dev set (TSV) instead of a split of the corpus",
+    "test_file": "explicit test set (TSV) instead of a split of the corpus",
+    "preset": "model size; the model flags below override single fields",
+    "d_model": "model width D (default: the preset's)",
+    "num_heads": "attention heads H; must divide --d-model (default: the preset's)",
+    "d_ff": "feed-forward hidden width F (default: the preset's)",
+    "num_layers": "encoder and decoder layers each (default: the preset's)",
+    "dropout_rate": "residual and embedding dropout (default: the preset's)",
+    "max_len": "longest sequence in tokens, source or target (default: the preset's)",
+    "norm_position": "post = the paper's LayerNorm after the residual, pre = before",
+    "dtype": "compute dtype; parameters stay float32 (default: float32)",
+    "attention_backend": "reference (can return weights), xla (any device) or cudnn (NVIDIA GPUs)",
+    "remat": "recompute layer activations in the backward pass: less memory, more compute",
+    "vocab_size": "sentencepiece vocabulary size, shared by source and target",
+    "max_train_len": "drop (and count) longer training pairs, in tokens (default: --max-len)",
+    "batch_tokens": "padded tokens per update (rows x row length)",
+    "pack": "pack several pairs into each row; --no-pack uses length buckets instead",
+    "max_steps": "stop after this many updates",
+    "max_minutes": "stop after this many minutes of wall time (the progress bar follows it)",
+    "warmup_steps": "linear learning-rate warm-up steps of the paper's schedule",
+    "lr_scale": "multiplies the paper's learning-rate schedule",
+    "label_smoothing": "label smoothing epsilon of the loss, in [0, 1)",
+    "grad_clip": "clip the global gradient norm to this value (default: no clipping)",
+    "grad_accum_steps": "micro-batches per update; --batch-tokens is per update",
+    "mesh": "device mesh, e.g. data=4,model=2 (default: every device on data)",
+    "devices": "single-process runs: use only the first N devices (default: all)",
+    "distributed": "call jax.distributed.initialize() with cluster auto-detection",
+    "coordinator_address": "host:port of process 0 in a multi-process run",
+    "num_processes": "number of processes in a multi-process run",
+    "process_id": "this process's index in a multi-process run",
+    "seed": "root random seed (initialisation, dropout, data order)",
+    "eval_every": "evaluate dev loss and BLEU every this many steps",
+    "dev_bleu_sentences": "dev sentences decoded for BLEU at each evaluation",
+    "eval_batch_size": "sentences per decoding batch in evaluation",
+    "beam_size": "beam width for dev/test BLEU; 1 = greedy",
+    "alpha": "GNMT length-penalty exponent of beam search",
+    "log_every": "log loss, tokens/s and learning rate every this many steps",
+    "checkpoint_every": "save a checkpoint every this many steps",
+    "keep_checkpoints": "training checkpoints kept on disk (the newest ones)",
+    "num_samples": "dev translations written to samples.txt at each evaluation",
+    "progress": "show a progress bar; --no-progress prints one line per --log-every steps",
+    "tgt_lang": "target language code used to pick the BLEU tokenizer (default: the corpus's)",
+    "sacrebleu_tokenize": "sacrebleu tokenizer for BLEU (default: zh, ja-mecab, ko-mecab or 13a "
+                          "by target language)",
+    "patience": "stop after this many evaluations without a better dev BLEU (default: never)",
+    "average_last": "at the end, average the last N checkpoints; kept if its dev BLEU is better",
+    "init_from": "fine-tune: start from this run's weights, architecture and tokenizer (a run "
+                 "directory from jaxformer-train or jaxformer-convert --from-hf); fresh optimizer and step",
+    "max_length_ratio": "prepare: drop pairs whose source/target token counts differ by more "
+                        "than this factor (Moses clean-corpus-n)",
+    "data_workers": "grain worker processes that collate training batches ahead of the step "
+                    "(default: 0 on CPU, whose cores the step uses; 2 on GPU/TPU)",
+}
+
+
+def _choices() -> dict[str, tuple[str, ...]]:
+    """The fixed sets of values, read from their owners (no copy to drift)."""
+    from sacrebleu.metrics.bleu import BLEU
+
+    from jaxformer.model.config import _FLOAT_DTYPES, ATTENTION_BACKENDS, PRESETS
+
+    return {"pair": PAIRS, "preset": tuple(PRESETS), "norm_position": ("post", "pre"),
+            "dtype": _FLOAT_DTYPES, "attention_backend": ATTENTION_BACKENDS,
+            "sacrebleu_tokenize": tuple(BLEU.TOKENIZERS)}
+
+
+def _base_type(tp) -> type:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0]
+    return tp
+
+
+def build_parser(defaults: dict[str, Any] | None = None, description: str = "",
+                 prog: str | None = None) -> argparse.ArgumentParser:
+    """An argparse parser with one ``--flag`` per :class:`TrainConfig` field (help from
+    :data:`HELP`, choices where the set is fixed), plus ``--config FILE`` and ``--fresh``."""
+    parser = argparse.ArgumentParser(prog=prog, description=description,
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--config", metavar="FILE",
+                        help="JSON or YAML file of run settings (flag names with _ or -); flags on the "
+                             "command line override it. A run's own config.json replays that run "
+                             "(give another --workdir to start a new one).")
+    hints = typing.get_type_hints(TrainConfig)
+    choices = _choices()
+    defaults = defaults or {}
+    for field in dataclasses.fields(TrainConfig):
+        flag = "--" + field.name.replace("_", "-")
+        default = defaults.get(field.name, field.default)
+        kind = _base_type(hints[field.name])
+        help_text = HELP.get(field.name, "")
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+        elif field.name in choices:
+            parser.add_argument(flag, type=kind, default=default, choices=choices[field.name],
+                                help=help_text)
+        else:
+            parser.add_argument(flag, type=kind, default=default, metavar=kind.__name__.upper(),
+                                help=help_text)
+    parser.add_argument("--fresh", action="store_true",
+                        help="start a new run even if the workdir holds checkpoints "
+                             "(moves the old run's files aside, deletes nothing)")
+    return parser
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """Run settings from a JSON or YAML file: a flat mapping of :class:`TrainConfig` field
+    names (``batch_tokens`` or ``batch-tokens``), or a run's ``config.json`` (its ``"train"``
+    record is used).
+
+    Raises:
+      ValueError: unreadable file, not a mapping, an unknown name or a value of the wrong
+        type; the message names the file, the key and the fix.
+    """
+    import yaml
+
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ValueError(f"--config {str(path)!r} cannot be read: {e}") from e
+    try:   # YAML is a superset of JSON, but JSON's own errors are clearer for .json files
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as e:
+        kind = "JSON" if path.suffix == ".json" else "YAML"
+        raise ValueError(f"--config {str(path)!r} is not valid {kind}: {e}") from e
+    if isinstance(data, dict) and isinstance(data.get("train"), dict) and "model" in data:
+        data = data["train"]   # a run's config.json: replay its settings
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {str(path)!r} must hold a mapping of setting: value, "
+                         f"got {type(data).__name__}.")
+    hints = typing.get_type_hints(TrainConfig)
+    out, problems = {}, []
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name not in hints:
+            problems.append(f"unknown setting {key!r}")
+            continue
+        kind = _base_type(hints[name])
+        ok = (value is None or (isinstance(value, kind) and not (kind is int and isinstance(value, bool)))
+              or (kind is float and isinstance(value, int) and not isinstance(value, bool)))
+        if not ok:
+            problems.append(f"{key!r} must be {kind.__name__}, got {value!r}")
+        out[name] = float(value) if kind is float and value is not None else value
+    if problems:
+        raise ValueError(f"--config {str(path)!r}: " + "; ".join(problems) +
+                         ". Settings are the flag names without dashes, e.g. batch_tokens; "
+                         "see --help.")
+    return out
+
+
+def parse_train_args(argv: list[str] | None = None, defaults: dict[str, Any] | None = None,
+                     description: str = "", prog: str | None = None
+                     ) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    """Parses a training command line: ``--config FILE`` values replace the defaults,
+    then the flags given override both. Exits with status 2 and a message on bad input."""
+    parser = build_parser(defaults, description, prog)
+    known, _ = parser.parse_known_args(argv)
+    if known.config:
+        try:
+            parser.set_defaults(**load_config_file(known.config))
+        except ValueError as e:
+            parser.error(str(e))
+    return parser, parser.parse_args(argv)
+
+
+def from_args(args: argparse.Namespace) -> TrainConfig:
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    return TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def save_json(path: Path, payload: dict[str, Any]) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
+    tmp.replace(path)

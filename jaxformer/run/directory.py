@@ -1,0 +1,271 @@
+"""The run directory: one object owns the name of every file a run writes.
+
+``--fresh``, resume, the writers and the readers (translate, benchmarks) ask
+:class:`RunDir` for a path, never build one from a literal. Layout::
+
+  config.json       model + run settings + tokenizer record (+ train_history)
+  tokenizer/        the sentencepiece model
+  prepared/         the corpus as token ids + manifest.json, the data's fingerprint
+                    (jaxformer.data.prepare; reused on every resume)
+  checkpoints/      orbax: the last N train states with the data iterator position
+  best/             orbax: the parameters with the best dev BLEU
+  averaged/         the mean of the last N checkpoints' parameters (--average-last), if better
+  corrupt/          unreadable checkpoints moved aside (never deleted)
+  metrics.jsonl     one JSON record per logged step (and metrics.redone.jsonl)
+  tensorboard/      TensorBoard events
+  plots/            loss, learning-rate and dev-BLEU curves
+  samples.txt       dev sources, references and hypotheses at each evaluation
+  results.json      final test scores (BLEU, chrF and their sacrebleu signatures)
+  test.src test.ref test.hyp   the test sources, references and translations, one per line
+  train.log         everything the run printed, with times
+  jax_cache/        JAX's persistent compilation cache (the translate tool's compiles)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from jaxformer.model.config import TransformerConfig
+from jaxformer.run.logs import is_main_process, log
+
+
+@dataclasses.dataclass(frozen=True)
+class RunDir:
+    """The files of one run directory (see the module docstring for the layout)."""
+
+    root: Path
+
+    def __post_init__(self):
+        object.__setattr__(self, "root", Path(self.root))
+
+    # Every name a run writes; ``fresh`` moves exactly these.
+    NAMES = ("checkpoints", "best", "averaged", "corrupt", "config.json", "tokenizer", "prepared",
+             "metrics.jsonl", "metrics.redone.jsonl", "tensorboard", "plots", "samples.txt",
+             "results.json", "test.src", "test.ref", "test.hyp", "train.log")
+
+    @property
+    def config(self) -> Path:
+        return self.root / "config.json"
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        return self.root / "tokenizer"
+
+    @property
+    def prepared(self) -> Path:
+        return self.root / "prepared"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def best(self) -> Path:
+        return self.root / "best"
+
+    @property
+    def corrupt(self) -> Path:
+        return self.root / "corrupt"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def metrics_redone(self) -> Path:
+        return self.root / "metrics.redone.jsonl"
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.root / "tensorboard"
+
+    @property
+    def plots(self) -> Path:
+        return self.root / "plots"
+
+    @property
+    def samples(self) -> Path:
+        return self.root / "samples.txt"
+
+    @property
+    def results(self) -> Path:
+        return self.root / "results.json"
+
+    @property
+    def test_src(self) -> Path:
+        return self.root / "test.src"
+
+    @property
+    def test_ref(self) -> Path:
+        return self.root / "test.ref"
+
+    @property
+    def test_hyp(self) -> Path:
+        return self.root / "test.hyp"
+
+    @property
+    def averaged(self) -> Path:
+        return self.root / "averaged"
+
+    @property
+    def log(self) -> Path:
+        return self.root / "train.log"
+
+    @property
+    def jax_cache(self) -> Path:
+        return self.root / "jax_cache"
+
+    def create(self, fresh: bool = False) -> Path | None:
+        """Creates the directory (a clear error if impossible); ``fresh`` moves the previous
+        run's files into ``old-<time>/`` (nothing is deleted).
+
+        Returns:
+          that ``old-<time>/`` folder, or ``None`` when nothing was moved (or this is not
+          process 0, which alone moves files).
+
+        Raises:
+          OSError: the directory cannot be created or written; the message names it.
+        """
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            probe = self.root / f".write-test-{jax.process_index()}"
+            probe.write_text("ok")
+            probe.unlink()
+        except OSError as e:
+            raise OSError(f"Cannot write the run directory {str(self.root)!r}: {e}. "
+                          f"Choose a writable --workdir.") from e
+        if fresh and is_main_process():
+            present = [n for n in self.NAMES if (self.root / n).exists()]
+            if present:
+                old = Path(tempfile.mkdtemp(prefix=f"old-{time.strftime('%Y%m%d-%H%M%S')}-", dir=self.root))
+                for name in present:
+                    shutil.move(str(self.root / name), str(old / name))
+                log(f"--fresh: moved the previous run's files to {old}")
+                return old
+        return None
+
+    def read_config(self) -> dict[str, Any] | None:
+        """The saved run record (``config.json``), or ``None`` if there is none yet."""
+        return json.loads(self.config.read_text()) if self.config.exists() else None
+
+
+def set_aside_metrics_after(run_dir: RunDir, step: int) -> None:
+    """On resume, moves ``metrics.jsonl`` rows after the restored ``step`` (written by a
+    run that stopped before its next checkpoint; those steps are about to be redone) to
+    ``metrics.redone.jsonl``, so the curves never show a step twice."""
+    if not run_dir.metrics.exists():
+        return
+    lines = [line for line in run_dir.metrics.read_text().splitlines() if line.strip()]
+    stale = [line for line in lines if json.loads(line)["step"] > step]
+    if stale:
+        with run_dir.metrics_redone.open("a") as f:
+            f.write("\n".join(stale) + "\n")
+        run_dir.metrics.write_text("".join(line + "\n" for line in lines if json.loads(line)["step"] <= step))
+
+
+def check_resume_compatible(saved: dict[str, Any], model_config: TransformerConfig) -> None:
+    """Raises ``ValueError`` naming every architecture field that differs from the saved run."""
+    saved_model = saved.get("model", {})
+    # How the weights are computed (attention kernel, remat) may change between runs;
+    # a field missing from an older run's record has its default.
+    defaults = {f.name: f.default for f in dataclasses.fields(TransformerConfig)}
+    differing = {k: (saved_model.get(k, defaults[k]), v) for k, v in model_config.to_dict().items()
+                 if k not in ("attention_backend", "remat") and saved_model.get(k, defaults[k]) != v}
+    if differing:
+        fields = ", ".join(f"{k}: saved {a!r} vs now {b!r}" for k, (a, b) in sorted(differing.items()))
+        raise ValueError(f"The run directory holds checkpoints of another architecture ({fields}). "
+                         f"Use the same flags to resume, another --workdir, or --fresh to start over.")
+
+
+def resume_record(saved: dict[str, Any] | None, run_record: dict[str, Any], resumed: bool) -> dict[str, Any]:
+    """The run record to write: on resume, earlier run settings are kept in a history
+    and changes are reported (the architecture was checked before)."""
+    if not (resumed and saved):
+        return run_record
+    changed = {k: (saved.get("train", {}).get(k), v) for k, v in run_record["train"].items()
+               if k != "progress" and saved.get("train", {}).get(k) != v}
+    if changed:
+        log("resuming with changed run settings: " +
+            ", ".join(f"{k} {a!r} → {b!r}" for k, (a, b) in sorted(changed.items())))
+    history = saved.get("train_history", []) + ([saved["train"]] if changed and "train" in saved else [])
+    return {**run_record, "train_history": history} if history else run_record
+
+
+class MetricsLog:
+    """``metrics.jsonl`` plus TensorBoard events, one record per call (process 0 only)."""
+
+    def __init__(self, run_dir: RunDir):
+        from tensorboardX import SummaryWriter
+
+        self.path = run_dir.metrics
+        self.writer = SummaryWriter(str(run_dir.tensorboard)) if is_main_process() else None
+
+    def write(self, step: int, values: dict[str, float]) -> None:
+        if self.writer is None:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps({"step": step, **values}) + "\n")
+        for key, value in values.items():
+            self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def write_plots(run_dir: RunDir) -> None:
+    """``plots/loss.png``, ``plots/lr.png`` and ``plots/bleu.png`` from ``metrics.jsonl``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in run_dir.metrics.read_text().splitlines() if line]
+    plots = run_dir.plots
+    plots.mkdir(exist_ok=True)
+    series = {
+        "loss": [("train", "train/loss"), ("dev", "dev/loss")],
+        "lr": [("learning rate", "train/lr")],
+        "bleu": [("dev BLEU", "dev/bleu")],
+    }
+    for name, curves in series.items():
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for label, key in curves:
+            points = [(r["step"], r[key]) for r in rows if key in r]
+            if points:
+                ax.plot(*zip(*points), label=label, marker="o" if name == "bleu" else None)
+        ax.set_xlabel("step")
+        ax.set_ylabel(name)
+        ax.grid(alpha=0.3)
+        if ax.lines:   # a run too short to log has nothing to label
+            ax.legend()
+        fig.tight_layout()
+        fig.savefig(plots / f"{name}.png", dpi=100)
+        plt.close(fig)
+
+
+def enable_compilation_cache(run_dir: RunDir) -> bool:
+    """JAX's persistent compilation cache in ``run_dir/jax_cache`` (every program, however
+    quick to compile). Must run before the first compile; returns ``False`` (and the
+    caller goes on without it) when the run directory is not writable."""
+    try:
+        run_dir.jax_cache.mkdir(exist_ok=True)
+    except OSError:
+        return False
+    if not os.access(run_dir.jax_cache, os.W_OK):
+        return False
+    jax.config.update("jax_compilation_cache_dir", str(run_dir.jax_cache))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    return True
+

@@ -1,0 +1,41 @@
+"""Checkpoint averaging (``--average-last N``): the element-wise mean of the parameters
+of the last N training checkpoints, the paper's §6.1 ("averaging the last 5
+checkpoints") and fairseq's ``scripts/average_checkpoints.py``. The trainer evaluates
+the average on dev and keeps it (``averaged/``) only if it beats the best checkpoint.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxformer.run.checkpoints import RunCheckpoints
+
+
+def average_last_checkpoints(checkpoints: RunCheckpoints, abstract_params: Any, n: int
+                             ) -> tuple[Any, list[int]]:
+    """The mean of the parameters of the newest ``n`` training checkpoints.
+
+    Only parameters are read (a partial restore), one checkpoint at a time into a
+    float32 running sum (whatever the parameter dtype), cast back at the end.
+
+    Returns:
+      ``(params, steps averaged)``.
+
+    Raises:
+      ValueError: fewer than ``n`` checkpoints on disk (the message says how many).
+    """
+    steps = checkpoints.steps()[-n:]
+    if len(steps) < n:
+        raise ValueError(f"--average-last {n} needs {n} checkpoints, the run has {len(steps)} "
+                         f"({steps}); checkpoint more often (--checkpoint-every) or average fewer.")
+    total, dtypes = None, None
+    for step in steps:   # a running float32 sum: one checkpoint in memory besides it
+        params = checkpoints.params_at(step, abstract_params)
+        dtypes = jax.tree_util.tree_map(lambda x: x.dtype, params)
+        params = jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.float32), params)
+        total = params if total is None else jax.tree_util.tree_map(jnp.add, total, params)
+    mean = jax.tree_util.tree_map(lambda x, dtype: (x / len(steps)).astype(dtype), total, dtypes)
+    return mean, steps

@@ -1,0 +1,187 @@
+"""Label-smoothed cross entropy (§5.4): from logits, and fused with the output projection
+so the ``[B, T, V]`` logits are never stored for the backward pass.
+
+Shapes: B batch, T target length, D ``d_model``, V vocabulary, N = B·T rows.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import chex
+import jax
+import jax.numpy as jnp
+
+from jaxformer.model.sharding import constrain
+
+
+def label_smoothed_cross_entropy(logits_BTV, targets_BT, weights_BT, smoothing: float):
+    """Label-smoothed cross entropy (§5.4) from logits, without a one-hot tensor.
+
+    The smoothed target puts ``1 - smoothing`` on the reference token and spreads
+    ``smoothing`` evenly over the other V-1 tokens. The entropy of that target is
+    subtracted, so a perfect prediction of the smoothed target has loss 0. Positions
+    with weight 0 (padding) contribute nothing to the loss or to its smoothing term.
+
+    Args:
+      logits_BTV: logits, any float dtype (computed in float32).
+      targets_BT: int reference ids.
+      weights_BT: float weights (1 real token, 0 pad).
+      smoothing: ε_ls in [0, 1).
+
+    Returns:
+      ``(loss_sum, nll_sum)`` float32 scalars: weighted sums of the smoothed loss and
+      of the plain negative log-likelihood.
+
+    Raises:
+      ValueError: ``smoothing`` outside [0, 1).
+    """
+    chex.assert_rank(logits_BTV, 3)
+    chex.assert_shape([targets_BT, weights_BT], logits_BTV.shape[:2])
+    confidence, low, normalizer = _smoothing_constants(smoothing, logits_BTV.shape[-1])
+    log_probs = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
+    nll_BT = -jnp.take_along_axis(log_probs, targets_BT[..., None], axis=-1)[..., 0]
+    if smoothing > 0.0:
+        sum_others_BT = -jnp.sum(log_probs, axis=-1) - nll_BT
+        loss_BT = confidence * nll_BT + low * sum_others_BT - normalizer
+    else:
+        loss_BT = nll_BT
+    return jnp.sum(loss_BT * weights_BT), jnp.sum(nll_BT * weights_BT)
+
+
+def _smoothing_constants(smoothing: float, vocab: int):
+    """(confidence, low, normalizer) of the smoothed target distribution.
+
+    The normalizer is that distribution's entropy, so a perfect prediction has loss 0.
+    Raises ValueError for ``smoothing`` outside [0, 1).
+    """
+    if not 0.0 <= smoothing < 1.0:
+        raise ValueError(f"smoothing must be in [0, 1) (the share of probability spread over "
+                         f"the other tokens), got {smoothing}.")
+    confidence, low = 1.0 - smoothing, smoothing / (vocab - 1)
+    if not smoothing:
+        return confidence, low, 0.0
+    normalizer = -(confidence * math.log(confidence) + (vocab - 1) * low * math.log(low))
+    return confidence, low, normalizer
+
+
+def _projected_loss_parts(x_ND, kernel_DV, bias_V, targets_N, weights_N, smoothing):
+    """Logits in float32, per-row loss and NLL, softmax, and the number correct."""
+    logits_NV = jnp.dot(x_ND, kernel_DV, preferred_element_type=jnp.float32)
+    if bias_V is not None:
+        logits_NV = logits_NV + bias_V.astype(jnp.float32)[None, :]
+    logits_NV = constrain(logits_NV, ("batch", "vocab"))
+    vocab = logits_NV.shape[-1]
+    max_N = jnp.max(logits_NV, axis=-1)
+    exp_NV = jnp.exp(logits_NV - max_N[:, None])
+    sum_exp_N = jnp.sum(exp_NV, axis=-1)
+    lse_N = max_N + jnp.log(sum_exp_N)
+    reference_N = jnp.take_along_axis(logits_NV, targets_N[:, None], axis=-1)[:, 0]
+    nll_N = lse_N - reference_N
+    if smoothing > 0.0:
+        confidence, low, normalizer = _smoothing_constants(smoothing, vocab)
+        sum_others_N = vocab * lse_N - jnp.sum(logits_NV, axis=-1) - nll_N   # -Σ_{v≠y} log p_v
+        loss_N = confidence * nll_N + low * sum_others_N - normalizer
+    else:
+        loss_N = nll_N
+    # Correct when the reference has the largest logit (a tie counts): shares the max.
+    correct_N = (reference_N >= max_N).astype(jnp.float32)
+    return loss_N, nll_N, correct_N, exp_NV / sum_exp_N[:, None]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _projected_cross_entropy(x_ND, kernel_DV, bias_V, targets_N, weights_N, smoothing):
+    loss_N, nll_N, correct_N, _ = _projected_loss_parts(x_ND, kernel_DV, bias_V, targets_N, weights_N,
+                                                        smoothing)
+    return jnp.sum(loss_N * weights_N), jnp.sum(nll_N * weights_N), jnp.sum(correct_N * weights_N)
+
+
+def _projected_cross_entropy_fwd(x_ND, kernel_DV, bias_V, targets_N, weights_N, smoothing):
+    loss_N, nll_N, correct_N, probs_NV = _projected_loss_parts(x_ND, kernel_DV, bias_V, targets_N,
+                                                             weights_N, smoothing)
+    # The softmax part of d(loss)/d(logits) goes through the projection here, while
+    # the probabilities are at hand; the backward pass only scales these results and
+    # adds the one-hot and uniform parts (XLA may still schedule these dots late).
+    weighted_f32_NV = probs_NV * weights_N[:, None]
+    weighted_NV = weighted_f32_NV.astype(x_ND.dtype)
+    dx_ND = jnp.dot(weighted_NV, kernel_DV.T, preferred_element_type=jnp.float32)
+    dkernel_DV = jnp.dot(x_ND.T, weighted_NV, preferred_element_type=jnp.float32)
+    dbias_V = None if bias_V is None else jnp.sum(weighted_f32_NV, axis=0)
+    outputs = (jnp.sum(loss_N * weights_N), jnp.sum(nll_N * weights_N), jnp.sum(correct_N * weights_N))
+    residuals = (x_ND, kernel_DV, bias_V, targets_N, weights_N, (loss_N, nll_N, correct_N), dx_ND,
+                 dkernel_DV, dbias_V)
+    return outputs, residuals
+
+
+def _projected_cross_entropy_bwd(smoothing, residuals, cotangents):
+    x_ND, kernel_DV, bias_V, targets_N, weights_N, per_row, dx_ND, dkernel_DV, dbias_V = residuals
+    g_loss, g_nll, g_correct = cotangents    # `correct` is flat in the logits, linear in the weights
+    vocab = kernel_DV.shape[-1]
+    confidence, low, _ = _smoothing_constants(smoothing, vocab)
+    # d(loss_n)/d(logits_n) = p_n - (confidence - low)·onehot(y_n) - low,
+    # d(nll_n)/d(logits_n)  = p_n - onehot(y_n).
+    g_probs = g_loss + g_nll
+    g_onehot_N = (g_loss * (confidence - low) + g_nll) * weights_N          # per row
+    g_uniform_N = g_loss * low * weights_N
+    kernel_f32 = kernel_DV.astype(jnp.float32)
+    dx = (g_probs * dx_ND - g_onehot_N[:, None] * jnp.take(kernel_f32, targets_N, axis=1).T
+          - g_uniform_N[:, None] * jnp.sum(kernel_f32, axis=1)[None, :])
+    x_f32 = x_ND.astype(jnp.float32)
+    onehot_part_VD = jnp.zeros((vocab, x_ND.shape[1]), jnp.float32).at[targets_N].add(
+        g_onehot_N[:, None] * x_f32)
+    dkernel = (g_probs * dkernel_DV - onehot_part_VD.T
+               - jnp.sum(g_uniform_N[:, None] * x_f32, axis=0)[:, None])
+    dbias = None
+    if bias_V is not None:
+        onehot_part_V = jnp.zeros((vocab,), jnp.float32).at[targets_N].add(g_onehot_N)
+        dbias = (g_probs * dbias_V - onehot_part_V - jnp.sum(g_uniform_N)).astype(bias_V.dtype)
+    loss_N, nll_N, correct_N = per_row
+    dweights = g_loss * loss_N + g_nll * nll_N + g_correct * correct_N
+    return (dx.astype(x_ND.dtype), dkernel.astype(kernel_DV.dtype), dbias, None,
+            dweights.astype(weights_N.dtype))
+
+
+_projected_cross_entropy.defvjp(_projected_cross_entropy_fwd, _projected_cross_entropy_bwd)
+
+
+def projected_cross_entropy(decoder_output_BTD, kernel_DV, bias_V, targets_BT, weights_BT,
+                            smoothing: float):
+    """:func:`label_smoothed_cross_entropy` of ``decoder_output @ kernel + bias``, fused.
+
+    The same values and gradients as projecting to logits and calling
+    :func:`label_smoothed_cross_entropy`, with less memory traffic: a custom VJP
+    sends the softmax through the projection's two backward matmuls during the
+    forward pass, so the backward pass never re-reads or transposes the ``[B·T, V]``
+    logits (the largest tensor of a training step). The one-hot and uniform parts of
+    the gradient are a gather, a scatter-add and a row sum. Gradients are exact for
+    ``loss_sum`` and ``nll_sum`` (any cotangents) and for ``weights``; ``correct`` is
+    flat in the logits.
+
+    Args:
+      decoder_output_BTD: ``[B, T, D]``, any float dtype (the matmuls run in it,
+        with float32 accumulation).
+      kernel_DV: ``[D, V]`` (e.g. :meth:`jaxformer.Transformer.output_projection_weights`).
+      bias_V: ``[V]`` or ``None``.
+      targets_BT: int reference ids in ``[0, V)``.
+      weights_BT: float weights (1 real token, 0 pad).
+      smoothing: ε_ls in [0, 1) (§5.4), a Python float.
+
+    Returns:
+      ``(loss_sum, nll_sum, correct)`` float32 scalars: weighted sums of the smoothed
+      loss, of the plain NLL, and of positions whose reference has the largest logit.
+
+    Raises:
+      ValueError: ``smoothing`` outside [0, 1).
+    """
+    _smoothing_constants(smoothing, kernel_DV.shape[-1])      # validates smoothing
+    batch, length, d_model = decoder_output_BTD.shape
+    chex.assert_shape(kernel_DV, (d_model, None))
+    chex.assert_shape([targets_BT, weights_BT], (batch, length))
+    if bias_V is not None:
+        chex.assert_shape(bias_V, (kernel_DV.shape[1],))
+    rows = batch * length
+    return _projected_cross_entropy(decoder_output_BTD.reshape(rows, d_model), kernel_DV.astype(
+        decoder_output_BTD.dtype), bias_V, targets_BT.reshape(rows), weights_BT.reshape(rows).astype(
+        jnp.float32), float(smoothing))
+

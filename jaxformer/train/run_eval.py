@@ -1,0 +1,122 @@
+"""The evaluation side of a training run: periodic dev evaluation (which keeps the
+best parameters and feeds early stopping), checkpoint averaging, and the final test.
+
+Scores are sacrebleu's BLEU and chrF; each number is reported with its signature
+(``results.json``, ``train.log``) so that it can be compared and reproduced, and the
+test sources, references and translations are written beside them (``test.src``,
+``test.ref``, ``test.hyp``) for external scorers (the sacrebleu command line, COMET).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from jaxformer.model import sharding as sharding_lib
+from jaxformer.run.config import save_json
+from jaxformer.run.directory import write_plots
+from jaxformer.run.logs import is_main_process, log
+from jaxformer.train.averaging import average_last_checkpoints
+from jaxformer.train.run_state import LoopState, Run
+
+
+def evaluate(run: Run, step: int) -> float:
+    """Dev loss, BLEU and chrF (on ``--dev-bleu-sentences``) with samples; keeps the best
+    parameters by dev BLEU. Returns the BLEU."""
+    cfg, t0 = run.cfg, time.perf_counter()
+    dev_subset = run.data.splits["dev"][: cfg.dev_bleu_sentences]
+    dev_loss = run.evaluator.loss(run.state.params, run.data.dev_examples, run.eval_step)
+    hyps = run.evaluator.translate(run.state.params, [p[0] for p in dev_subset], beam_size=cfg.beam_size,
+                                   alpha=cfg.alpha)
+    scores = run.evaluator.scores(hyps, [p[1] for p in dev_subset])
+    bleu = scores["bleu"]
+    run.metrics_log.write(step, {"dev/loss": dev_loss["loss"], "dev/ppl": dev_loss["ppl"],
+                                 "dev/accuracy": dev_loss["accuracy"], "dev/bleu": bleu,
+                                 "dev/chrf": scores["chrf"]})
+    if is_main_process():
+        with run.run_dir.samples.open("a") as f:
+            f.write(f"== step {step} dev BLEU {bleu:.2f}\n")
+            for (src, ref), hyp in list(zip(dev_subset, hyps))[: cfg.num_samples]:
+                f.write(f"SRC: {src}\nREF: {ref}\nHYP: {hyp}\n\n")
+    if bleu > run.best_bleu:
+        run.best_bleu = bleu
+        run.checkpoints.save_best(step, run.state.params, bleu)
+    log(f"step {step}: dev loss {dev_loss['loss']:.3f} ppl {dev_loss['ppl']:.1f} "
+        f"BLEU {bleu:.2f} chrF {scores['chrf']:.2f} ({len(dev_subset)} sentences, "
+        f"{time.perf_counter() - t0:.0f}s)")
+    return bleu
+
+
+def average_and_compare(run: Run, abstract_params: Any, step: int) -> tuple[dict[str, Any] | None, Any]:
+    """``--average-last N``: averages the newest N checkpoints, scores the average on the
+    dev sentences of the periodic evaluations, and saves it (``averaged/``) if its BLEU
+    beats the best checkpoint's.
+
+    Returns:
+      ``(report, params)``: the report for ``results.json`` (``None`` when the run has
+      too few checkpoints, which is logged) and the averaged parameters.
+    """
+    cfg = run.cfg
+    have = len(run.checkpoints.steps())
+    if have < cfg.average_last:   # a run stopped early: not worth losing the final test over
+        log(f"checkpoint averaging skipped: --average-last {cfg.average_last} but the run has "
+            f"{have} checkpoint(s)")
+        return None, None
+    params, steps = average_last_checkpoints(run.checkpoints, abstract_params, cfg.average_last)
+    dev_subset = run.data.splits["dev"][: cfg.dev_bleu_sentences]
+    hyps = run.evaluator.translate(params, [p[0] for p in dev_subset], beam_size=cfg.beam_size,
+                                   alpha=cfg.alpha)
+    bleu = run.evaluator.score(hyps, [p[1] for p in dev_subset])
+    kept = bleu > run.best_bleu
+    if kept:
+        run.checkpoints.save_averaged(step, params, {"bleu": bleu, "steps": steps})
+    log(f"average of checkpoints {steps}: dev BLEU {bleu:.2f} vs best {run.best_bleu:.2f}: "
+        + ("kept (averaged/), used for the test" if kept else "not kept"))
+    return {"steps": steps, "dev_bleu": bleu, "kept": kept}, params
+
+
+def final_test(run: Run, loop: LoopState) -> dict[str, Any]:
+    """A last dev evaluation (unless the last step had one), checkpoint averaging if
+    asked, then test BLEU and chrF with the best parameters (the average if it won);
+    writes ``results.json``, ``test.src/ref/hyp`` and the plots."""
+    cfg, step = run.cfg, loop.step
+    if step % cfg.eval_every != 0 or run.best_bleu < 0:
+        evaluate(run, step)
+    run.checkpoints.wait()
+    log(f"training stopped at step {step} ({loop.stopped_by}); best dev BLEU {run.best_bleu:.2f}")
+    abstract_params = sharding_lib.abstract_state(run.state).params
+    params, best_step, kind = run.checkpoints.restore_params(abstract_params, report=log)
+    averaged = None
+    if cfg.average_last:
+        averaged, averaged_params = average_and_compare(run, abstract_params, step)
+        if averaged is not None and averaged["kept"]:
+            params, best_step, kind = averaged_params, step, "averaged"
+    t0 = time.perf_counter()
+    test = run.data.splits["test"]
+    hyps = run.evaluator.translate(params, [p[0] for p in test], beam_size=cfg.beam_size, alpha=cfg.alpha)
+    refs = [p[1] for p in test]
+    scores = run.evaluator.scores(hyps, refs)
+    decoding = "greedy" if cfg.beam_size == 1 else f"beam {cfg.beam_size}, alpha {cfg.alpha}"
+    results = {"test_bleu": scores["bleu"], "sacrebleu_signature": scores["bleu_signature"],
+               "test_chrf": scores["chrf"], "chrf_signature": scores["chrf_signature"],
+               "best_step": best_step, "checkpoint": kind, "decoding": decoding,
+               "best_dev_bleu": run.best_bleu, "final_step": step, "stopped_by": loop.stopped_by,
+               "test_sentences": len(refs), "num_params": int(run.num_params),
+               "wall_minutes": (time.perf_counter() - run.t_start) / 60}
+    if averaged is not None:
+        results["averaged"] = averaged
+    if is_main_process():
+        save_json(run.run_dir.results, results)
+        for path, lines in ((run.run_dir.test_src, [p[0] for p in test]), (run.run_dir.test_ref, refs),
+                            (run.run_dir.test_hyp, hyps)):
+            path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    log(f"test BLEU {scores['bleu']:.2f} chrF {scores['chrf']:.2f} on {len(refs)} sentences "
+        f"({decoding}, {kind} checkpoint, step {best_step}, {time.perf_counter() - t0:.0f}s)")
+    log(f"  BLEU {scores['bleu_signature']}\n  chrF {scores['chrf_signature']}")
+    run.close()
+    if is_main_process():
+        write_plots(run.run_dir)
+    for (source, reference), hypothesis in list(zip(test, hyps))[:3]:
+        log(f"  {source}\n  → {hypothesis}\n  (reference: {reference})")
+    log(f"total wall time {results['wall_minutes']:.1f} min; run directory {run.run_dir.root}")
+    return results
