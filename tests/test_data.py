@@ -85,6 +85,35 @@ def tokenizer(tmp_path_factory):
     return Tokenizer.train(sentences, tmp_path_factory.mktemp("tok"), vocab_size=600)
 
 
+def test_a_byte_order_mark_never_reaches_the_first_sentence(tmp_path):
+    """A UTF-8 BOM (Windows editors) is dropped from the first line of TSV and aligned
+    files, plain and gzipped; a bare carriage return inside a line does not split it."""
+    tsv = tmp_path / "bom.tsv.gz"
+    with gzip.open(tsv, "wb") as f:
+        f.write("\ufeffHello\tHallo\nOne\rtwo\tEins\rzwei\n".encode())
+    pairs, report = corpus.read_tsv(tsv)
+    assert pairs == [("Hello", "Hallo"), ("One two", "Eins zwei")] and report.read == 2   # \r: a space
+    (tmp_path / "a.en").write_bytes("\ufeffGood morning\nBye\n".encode())
+    (tmp_path / "a.de").write_bytes("\ufeffGuten Morgen\nTschüss\n".encode())
+    pairs, _ = corpus.read_aligned(tmp_path / "a.en", tmp_path / "a.de")
+    assert pairs[0] == ("Good morning", "Guten Morgen")
+
+
+def test_truncated_or_corrupt_gzip_is_an_error_naming_the_file(tmp_path):
+    whole = gzip.compress("".join(f"source {i}\ttarget {i}\n" for i in range(5000)).encode())
+    truncated = tmp_path / "truncated.tsv.gz"
+    truncated.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(ValueError, match="truncated.tsv.gz.*truncated or corrupt"):
+        corpus.read_tsv(truncated)
+    corrupt = tmp_path / "corrupt.tsv.gz"
+    corrupt.write_bytes(b"not gzip at all\n")
+    with pytest.raises(ValueError, match="corrupt.tsv.gz.*truncated or corrupt"):
+        corpus.read_tsv(corrupt)
+    (tmp_path / "ok.en").write_text("a\n")
+    with pytest.raises(ValueError, match="corrupt.tsv.gz"):
+        corpus.read_aligned(tmp_path / "ok.en", corrupt)
+
+
 def test_tokenizer_ids_and_roundtrip(tokenizer):
     assert (tokenizer.pad_id, tokenizer.unk_id, tokenizer.bos_id, tokenizer.eos_id) == (0, 1, 2, 3)
     assert tokenizer.vocab_size == 600

@@ -9,12 +9,14 @@ sentence lands in the same split on every run and every host.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import gzip
 import hashlib
 import importlib.resources
 import itertools
 import os
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -51,6 +53,30 @@ def _open_bytes(path: Path):
         raise PermissionError(f"Corpus file {str(path)!r} is not readable; check its permissions.")
     raw = path.open("rb")
     return gzip.open(raw) if path.suffix == ".gz" else raw
+
+
+_UTF8_BOM = b"\xef\xbb\xbf"
+
+
+@contextlib.contextmanager
+def _raw_lines(path: Path) -> Iterator[Iterator[bytes]]:
+    """The lines of a plain or gzipped file as bytes, with a UTF-8 byte-order mark (which
+    Windows editors write) dropped from the first line. A damaged gzip stream is a
+    ``ValueError`` naming the file, not an ``EOFError`` or ``zlib.error`` traceback.
+    Lines end at ``\\n`` only: a stray ``\\r`` stays inside its line."""
+    def lines(f) -> Iterator[bytes]:
+        try:
+            first = next(f, None)
+            if first is None:
+                return
+            yield first[len(_UTF8_BOM):] if first.startswith(_UTF8_BOM) else first
+            yield from f
+        except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+            raise ValueError(f"Corpus file {str(path)!r} is truncated or corrupt ({type(e).__name__}: "
+                             f"{e}); re-create or re-download it (gzip -t {path} checks a .gz).") from e
+
+    with _open_bytes(path) as f:
+        yield lines(f)
 
 
 def _decode_line(raw: bytes, report: DataReport) -> str | None:
@@ -91,8 +117,9 @@ def iter_tsv(path: str | os.PathLike, report: DataReport) -> Iterator[Pair]:
 
     Raises:
       FileNotFoundError / PermissionError: the path is missing or unreadable.
+      ValueError: a truncated or corrupt ``.gz`` (the message names the file).
     """
-    with _open_bytes(Path(path)) as f:
+    with _raw_lines(Path(path)) as f:
         for raw in f:
             report.read += 1
             line = _decode_line(raw, report)
@@ -130,10 +157,11 @@ def iter_aligned(src_path: str | os.PathLike, tgt_path: str | os.PathLike,
     """Streams the usable pairs of two line-aligned text files (plain or ``.gz``).
 
     Raises:
-      ValueError: the files have different line counts (found when the shorter ends).
+      ValueError: the files have different line counts (found when the shorter ends), or
+        one is a truncated or corrupt ``.gz``.
       FileNotFoundError / PermissionError: a path is missing or unreadable.
     """
-    with _open_bytes(Path(src_path)) as fs, _open_bytes(Path(tgt_path)) as ft:
+    with _raw_lines(Path(src_path)) as fs, _raw_lines(Path(tgt_path)) as ft:
         for raw_src, raw_tgt in itertools.zip_longest(fs, ft):
             if raw_src is None or raw_tgt is None:
                 longer = src_path if raw_tgt is None else tgt_path
