@@ -125,6 +125,36 @@ def test_averaged_checkpoint_is_the_mean_and_the_translate_tool_uses_it(run, tmp
     assert "[averaged checkpoint, step 30]" in captured.err and len(captured.out.splitlines()) == 1
 
 
+def test_translate_input_gives_one_line_per_line_whatever_its_bytes(run, tmp_path, capsys):
+    """A bare \\r inside a line, Windows line ends, a byte-order mark, an empty line and
+    a line that is not UTF-8: 9 lines in, 9 out, in order; strict mode (the default)
+    refuses the bad line by number instead of a UnicodeDecodeError traceback."""
+    workdir, _, _ = run
+    source = tmp_path / "in.txt"
+    source.write_bytes(b"\xef\xbb\xbfClick OK.\r\n" + b"one\rtwo\n" + b"\n" + b"caf\xe9 latin-1\n"
+                       + b"".join(f"{s}\n".encode() for s in (SENTENCES * 2)[:5]))
+    with pytest.raises(SystemExit) as stop:
+        translate_main(["--workdir", str(workdir), "--beam-size", "1", "--input", str(source)])
+    assert stop.value.code == 2
+    assert "1 line(s) of" in capsys.readouterr().err   # named, with its number
+    out = tmp_path / "out.txt"
+    translate_main(["--workdir", str(workdir), "--beam-size", "1", "--input", str(source),
+                    "--output", str(out), "--input-errors", "replace"])
+    assert "line 4" in capsys.readouterr().err
+    lines = out.read_text(encoding="utf-8").split("\n")
+    assert len(lines) == 10 and lines[-1] == "" and lines[2] == ""   # 9 lines, the empty one empty
+
+
+def test_translate_n_best_beyond_the_beam_or_with_sampling_is_refused(run, capsys):
+    workdir, _, _ = run
+    for flags in (["--n-best", "6"], ["--n-best", "2", "--sample"]):   # the run's beam is 1
+        with pytest.raises(SystemExit) as stop:
+            translate_main(["--workdir", str(workdir), *flags, SENTENCES[0]])
+        assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "--n-best 6 needs a beam" in err and "--beam-size 6" in err and "--sample gives one" in err
+
+
 def test_translate_flags_output_checkpoint_and_batches_sized_to_the_input(run, tmp_path, capsys,
                                                                           monkeypatch):
     from jaxformer.decode import evaluation

@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--workdir", required=True, help="run directory written by jaxformer-train")
     add("--input", help="file with one sentence per line (default: the arguments, else stdin)")
     add("--output", help="write the translations to this file (default: stdout)")
+    add("--input-errors", choices=("strict", "replace"), default="strict",
+        help="input lines that are not UTF-8: strict = stop with the line numbers, replace = "
+             "translate them with U+FFFD for the bad bytes, counted on stderr (default: strict)")
     add("--checkpoint", type=_parse_checkpoint, default="auto", metavar="{auto,best,latest,averaged,STEP}",
         help="parameters to use: auto = best by dev BLEU, else latest (default: auto)")
     add("--batch-size", type=int, default=32, help="most sentences per batch (default: 32)")
@@ -107,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Flag errors, all before anything is loaded (exit status 2)."""
+    if args.sample and args.n_best > 1:
+        parser.error("--n-best lists come from beam search; --sample gives one translation per "
+                     "sentence (run it again with another --seed for more)")
     if (args.beam_size is not None and args.beam_size < 1) or args.n_best < 1 \
             or (args.beam_size is not None and args.n_best > args.beam_size):
         parser.error("need --beam-size >= 1 and 1 <= --n-best <= --beam-size")
@@ -124,6 +130,43 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         if path and not Path(path).absolute().parent.is_dir():
             parser.exit(2, f"{parser.prog}: error: the folder of --{flag.replace('_', '-')} {path!r} "
                            f"does not exist\n")
+
+
+def _read_lines(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """The lines of ``--input`` (or of stdin redirected from a file), split at ``\\n`` only:
+    a bare ``\\r`` inside a line stays there (universal newlines would split it and shift
+    every later translation off its source), and one ``\\r`` before the ``\\n`` is a
+    Windows line end. Bytes that are not UTF-8 stop the run with their line numbers
+    (exit status 2), or with ``--input-errors replace`` become U+FFFD, counted."""
+    if args.input:
+        with open(args.input, "rb") as stream:
+            data = stream.read()
+    else:   # a file redirected to stdin (a test's StringIO has no bytes underneath)
+        buffer = getattr(sys.stdin, "buffer", None)
+        data = buffer.read() if buffer is not None else sys.stdin.read().encode("utf-8")
+    raw_lines = data.split(b"\n")
+    if raw_lines and raw_lines[-1] == b"":
+        raw_lines.pop()   # the newline that ends the last line
+    if raw_lines and raw_lines[0].startswith(b"\xef\xbb\xbf"):
+        raw_lines[0] = raw_lines[0][3:]   # a UTF-8 byte-order mark
+    lines, bad = [], []
+    for number, raw in enumerate(raw_lines, 1):
+        raw = raw[:-1] if raw.endswith(b"\r") else raw
+        try:
+            lines.append(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            bad.append(number)
+            lines.append(raw.decode("utf-8", errors="replace"))
+    if bad:
+        where = args.input or "stdin"
+        numbers = ", ".join(map(str, bad[:10])) + (", ..." if len(bad) > 10 else "")
+        if args.input_errors == "strict":
+            parser.exit(2, f"{parser.prog}: error: {len(bad)} line(s) of {where} are not valid UTF-8 "
+                           f"(line {numbers}); fix the file (e.g. iconv -f LATIN1 -t UTF-8) or pass "
+                           f"--input-errors replace\n")
+        print(f"warning: {len(bad)} line(s) of {where} were not valid UTF-8 (line {numbers}); "
+              f"their bad bytes were replaced with U+FFFD", file=sys.stderr)
+    return lines
 
 
 def _translate_lines(translator: Translator, args, lines: list[str], first_index: int, out) -> list[str]:
@@ -178,6 +221,10 @@ def main(argv=None) -> None:
         if value is not None and not 0 <= value < count:
             parser.exit(2, f"{parser.prog}: error: {flag} {value} is out of range; this model has "
                            f"{count} (0..{count - 1})\n")
+    beam_size = args.beam_size or translator.defaults["beam_size"]
+    if not args.sample and args.n_best > beam_size:
+        parser.exit(2, f"{parser.prog}: error: --n-best {args.n_best} needs a beam at least as wide; "
+                       f"this run decodes with beam {beam_size}: pass --beam-size {args.n_best}\n")
     print(f"[{translator.kind} checkpoint, step {translator.step}]", file=sys.stderr)
     out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
     first = None
@@ -186,8 +233,7 @@ def main(argv=None) -> None:
             if args.sentences:
                 lines = args.sentences
             else:
-                with open(args.input, encoding="utf-8") if args.input else sys.stdin as stream:
-                    lines = [line.rstrip("\n") for line in stream]
+                lines = _read_lines(parser, args)
             batches: Iterator[list[str]] = iter([lines])
         else:   # a terminal or a pipe: answer each batch of arrived lines at once
             batches = arriving_lines(sys.stdin, args.batch_size)
