@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxformer.decode import exported
 from jaxformer.decode.exported import ExportCache
 from jaxformer.model import config as config_lib
 
@@ -81,3 +82,16 @@ def test_the_key_covers_the_libraries_and_the_tracing_settings(tmp_path, monkeyp
     monkeypatch.undo()
     with jax.default_matmul_precision("bfloat16"):
         assert cache.key("decoder", "beam_translate") != first
+
+
+def test_exported_files_have_the_umask_permissions_not_0600(tmp_path):
+    import os
+    import stat
+
+    previous = os.umask(0o002)   # a group-shared run directory
+    try:
+        exported._write_atomically(tmp_path / "entry.bin", b"program")
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE((tmp_path / "entry.bin").stat().st_mode) == 0o664
+    assert exported._read_verified(tmp_path / "entry.bin") == b"program"

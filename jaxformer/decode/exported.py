@@ -27,7 +27,7 @@ import functools
 import hashlib
 import json
 import os
-import tempfile
+import secrets
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -56,11 +56,15 @@ def _signature(tree: Any) -> list[Any]:
 def _write_atomically(path: Path, data: bytes) -> None:
     """Writes ``data`` to ``path``, after its SHA-256 (:func:`_read_verified`), through a
     temporary file and a rename: a reader never sees half a file, and two processes
-    writing the same entry write the same bytes."""
+    writing the same entry write the same bytes. The file gets the permissions of any
+    file this process creates (0666 less the umask), not the temporary file's 0600, so a
+    group-shared run directory can be served by another user."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}-", delete=False) as f:
+    temporary = path.parent / f".{path.name}-{secrets.token_hex(8)}"
+    # os.open applies the umask to 0o666, as open() does (tempfile would make it 0600).
+    with os.fdopen(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as f:
         f.write(hashlib.sha256(data).digest() + data)
-    os.replace(f.name, path)
+    os.replace(temporary, path)
 
 
 def _read_verified(path: Path) -> bytes:
