@@ -30,6 +30,10 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 import pytest  # noqa: E402
 
 from jaxformer.data import corpus  # noqa: E402
+from jaxformer.run.logs import console_logging  # noqa: E402
+
+# What the command-line programs do first; the tests read train()'s console output.
+console_logging()
 
 
 @pytest.fixture(scope="session")

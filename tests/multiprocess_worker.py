@@ -27,9 +27,11 @@ def main(port: str, process_id: int, config_json: str) -> None:
     import jax
 
     from jaxformer.run.config import TrainConfig
+    from jaxformer.run.logs import console_logging
     from jaxformer.train import trainer
 
     jax.config.update("jax_numpy_rank_promotion", "raise")
+    console_logging()   # as train.py does
     signal_at = os.environ.get("SIGTERM_AT_STEP")
     signalled = [False]
     if signal_at == "restore":

@@ -7,6 +7,8 @@ import io
 import json
 import logging
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -214,6 +216,35 @@ def test_progress_follows_the_time_budget_and_prints_lines_without_a_bar(caplog)
     line = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step 50")]
     assert len(line) == 1 and all(part in line[0] for part in
                                   ("loss 3.250", "1,234 tok/s", "lr 1.00e-03", "min left"))
+
+
+def test_the_library_leaves_logging_to_the_application(tmp_path):
+    """``train()`` configures no handler and turns no propagation off: an application's
+    root handler receives jaxformer's records (here from a run that fails at setup);
+    the command line's ``console_logging`` keeps propagation on too."""
+    code = f"""
+import logging, sys
+records = []
+class Keep(logging.Handler):
+    def emit(self, record): records.append(record.getMessage())
+logging.basicConfig(level=logging.INFO, handlers=[Keep()])
+from jaxformer.run.config import TrainConfig
+from jaxformer.train.trainer import train
+try:
+    train(TrainConfig(train_file={str(tmp_path / "missing.tsv")!r}, workdir={str(tmp_path / "run")!r}))
+except FileNotFoundError:
+    pass
+jaxformer = logging.getLogger("jaxformer")
+assert jaxformer.propagate and not jaxformer.handlers, (jaxformer.propagate, jaxformer.handlers)
+from jaxformer.run.logs import console_logging, log
+console_logging()
+log("after console_logging")
+assert jaxformer.propagate and records[-1] == "after console_logging", records
+print("ok", len(records))
+"""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0 and out.stdout.splitlines()[-1].startswith("ok"), out.stderr[-2000:]
 
 
 def test_run_log_keeps_everything_logged_before_and_after_it_opens(tmp_path):

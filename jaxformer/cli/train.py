@@ -23,6 +23,7 @@ stopped by a signal after checkpointing (run again to resume)."""
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     """Parses the command line, trains, and exits with the status documented above."""
     from jaxformer.run.config import DEFAULT_CPU_RUN, from_args, parse_train_args
+    from jaxformer.run.logs import console_logging
 
     parser, args = parse_train_args(argv, DEFAULT_CPU_RUN, DESCRIPTION, prog=prog)
     try:
@@ -31,6 +32,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         parser.error(str(e))
     from jaxformer.train.trainer import Preempted, TrainingDiverged, train
 
+    console_logging()
     try:
         train(cfg, fresh=args.fresh)
     except (ValueError, OSError) as e:   # bad data, paths or checkpoints: a message, not a traceback

@@ -53,11 +53,14 @@ class _TqdmHandler(logging.StreamHandler):
 
 
 def console_logging(level: int = logging.INFO) -> None:
-    """Prints ``jaxformer`` records of ``level`` and above on stdout (process 0 only).
+    """Prints ``jaxformer`` records of ``level`` and above on stdout (process 0 only): what
+    the command-line programs call first. The library itself never configures logging,
+    so an application that imports it keeps receiving its records through the root
+    logger.
 
-    Idempotent; the logger stops propagating to the root logger so nothing prints
-    twice. An application that configured its own handlers on ``"jaxformer"`` is left
-    alone.
+    Idempotent; an application that configured its own handlers on ``"jaxformer"`` is
+    left alone. Records still propagate (a program whose root logger has no handlers
+    prints each once).
     """
     if logger.handlers:
         return
@@ -65,7 +68,6 @@ def console_logging(level: int = logging.INFO) -> None:
     handler.setLevel(level)
     logger.addHandler(handler)
     logger.setLevel(logging.DEBUG)
-    logger.propagate = False
 
 
 class RunLog:

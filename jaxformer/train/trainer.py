@@ -38,7 +38,7 @@ from jaxformer.run.directory import (
     resume_record,
     set_aside_metrics_after,
 )
-from jaxformer.run.logs import Progress, RunLog, console_logging, is_main_process, log
+from jaxformer.run.logs import Progress, RunLog, is_main_process, log
 from jaxformer.train.early_stopping import EarlyStopping
 from jaxformer.train.optimizer import make_optimizer, transformer_schedule
 from jaxformer.train.preemption import Preempted, PreemptionGuard, past_deadline
@@ -67,7 +67,6 @@ def train(cfg: TrainConfig, *, fresh: bool = False) -> dict[str, Any]:
       TrainingDiverged: a whole logging window of non-finite updates (all skipped);
         the last checkpoint is intact.
     """
-    console_logging()
     with RunLog(RunDir(cfg.workdir).log) as run_log:   # train.log: everything printed
         run = setup(cfg, fresh=fresh)
         run_log.open()   # after --fresh moved the previous run's log aside
