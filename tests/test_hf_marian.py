@@ -83,7 +83,7 @@ def tokenizer_files(tmp_path_factory):
     return root, pairs, len(vocab)
 
 
-def _hf_model(name, vocab_size, seed):
+def _hf_model(name, vocab_size, seed, eos_bias=7.0):
     """A random MarianMTModel whose logits are far from ties (so argmax/top-k are stable)."""
     torch.manual_seed(seed)
     pad = vocab_size - 1
@@ -99,7 +99,7 @@ def _hf_model(name, vocab_size, seed):
             scale = 0.3 if "layer_norm" not in param_name else 0.2
             param.add_(torch.randn_like(param) * scale)
         model.final_logits_bias.normal_(0.0, 1.0)
-        model.final_logits_bias[0, EOS] += 7.0      # hypotheses end at varied lengths (1 to M)
+        model.final_logits_bias[0, EOS] += eos_bias   # 7: hypotheses end at varied lengths (1 to M)
     return model
 
 
@@ -392,6 +392,53 @@ def test_translate_cli_prints_what_transformers_generates(converted, tokenizer_f
         printed = capsys.readouterr().out.removesuffix("\n").split("\n")   # empty lines count
         assert printed == expected
 
+
+
+def test_an_imported_model_decodes_with_its_own_generation_limit(tokenizer_files, tmp_path, capsys):
+    """An OPUS-MT-layout model whose generation_config says max_length 12 and num_beams 4:
+    ``jaxformer-translate --input`` with no decoding flags prints what ``generate`` prints
+    with that config, greedy and beam, on sentences that run to the limit (max_length
+    counts the decoder start token)."""
+    from jaxformer.cli.translate import main
+
+    tok_dir, pairs, vocab_size = tokenizer_files
+    model = _hf_model("tied", vocab_size, seed=3, eos_bias=1.0)   # most hypotheses reach the limit
+    pad = vocab_size - 1
+    model.generation_config = transformers.GenerationConfig(
+        max_length=12, num_beams=4, bad_words_ids=[[pad]], decoder_start_token_id=pad,
+        eos_token_id=EOS, forced_eos_token_id=EOS, pad_token_id=pad)
+    hf_dir, run = tmp_path / "hf", tmp_path / "run"
+    model.save_pretrained(hf_dir)
+    for f in tok_dir.iterdir():
+        (hf_dir / f.name).write_bytes(f.read_bytes())
+    convert_cli.main(["--from-hf", str(hf_dir), "--workdir", str(run)])
+    capsys.readouterr()
+    sentences = [s for s, _ in pairs if len(s) < 24][:12]   # sources well within max_len tokens
+    source = tmp_path / "in.txt"
+    source.write_text("".join(f"{s}\n" for s in sentences))
+    tokenizer = transformers.MarianTokenizer.from_pretrained(hf_dir)
+    batch = tokenizer(sentences, return_tensors="pt", padding=True)
+    for flags, hf_args in (([], {}), (["--beam-size", "1"], {"num_beams": 1})):
+        with torch.no_grad():
+            out = model.generate(**batch, **hf_args)
+        assert out.shape[1] == 12 and int((out[:, -1] == EOS).sum()) >= 6   # the limit is reached
+        main(["--workdir", str(run), "--input", str(source), *flags])
+        printed = capsys.readouterr().out.removesuffix("\n").split("\n")
+        assert printed == tokenizer.batch_decode(out, skip_special_tokens=True), flags
+
+
+def test_a_decoder_that_starts_with_eos_is_refused_by_name(tokenizer_files, tmp_path, capsys):
+    tok_dir, _, vocab_size = tokenizer_files
+    model = _hf_model("tied", vocab_size, seed=3)
+    model.config.decoder_start_token_id = EOS
+    model.save_pretrained(tmp_path / "hf")
+    for f in tok_dir.iterdir():
+        (tmp_path / "hf" / f.name).write_bytes(f.read_bytes())
+    with pytest.raises(SystemExit) as stop:
+        convert_cli.main(["--from-hf", str(tmp_path / "hf"), "--workdir", str(tmp_path / "run")])
+    assert stop.value.code == 2
+    assert "decoder_start_token_id=0 is the eos id" in capsys.readouterr().err
+    assert not (tmp_path / "run" / "config.json").exists()
 
 
 def test_train_init_from_converted_run(converted, tokenizer_files, tmp_path, capsys):

@@ -92,8 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--length-normalization", choices=("gnmt", "hf"), default=None,
         help="gnmt: ((5+|Y|)/6)^alpha (paper); hf: |Y|^alpha with Hugging Face generate's stopping "
              "rule (default: the run's, else gnmt)")
-    add("--max-len-a", type=float, default=1.0, help="output limit a * source length + b: a (default: 1)")
-    add("--max-len-b", type=int, default=50, help="output limit a * source length + b: b (default: 50)")
+    add("--max-len-a", type=float, default=None,
+        help="output limit a * source length + b: a (default: an imported model's generation "
+             "max_length, else 1)")
+    add("--max-len-b", type=int, default=None,
+        help="output limit a * source length + b: b (default: an imported model's generation "
+             "max_length - 1 with a = 0, else 50)")
     add("--n-best", type=int, default=1,
         help="print this many hypotheses per sentence as index<TAB>score<TAB>text (<= --beam-size)")
     add("--sample", action="store_true", help="sample instead of beam search")
@@ -118,7 +122,9 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error("need --beam-size >= 1 and 1 <= --n-best <= --beam-size")
     if args.batch_size < 1:
         parser.error("--batch-size must be at least 1")
-    if args.max_len_a < 0 or args.max_len_a + args.max_len_b < 1:
+    a = 1.0 if args.max_len_a is None else args.max_len_a
+    b = 50 if args.max_len_b is None else args.max_len_b
+    if a < 0 or a + b < 1:
         parser.error("need --max-len-a >= 0 and --max-len-a + --max-len-b >= 1 (room for one token)")
     if args.sample and (args.temperature <= 0 or (args.top_k is not None and args.top_k < 1)
                         or (args.top_p is not None and not 0 < args.top_p <= 1)):

@@ -29,7 +29,10 @@ class Translator:
       batch_size: the most sentences per decoding batch.
       checkpoint: ``"auto"`` (best by dev BLEU, else latest), ``"best"``, ``"latest"``,
         ``"averaged"`` or a training step (int).
-      max_len_a, max_len_b: output limit ``a * source length + b`` tokens.
+      max_len_a, max_len_b: output limit ``a * source length + b`` tokens (eos included).
+        ``None`` (both): the model's own limit, an imported model's generation
+        ``max_length`` (``a = 0``, ``b = max_length - 1``: Hugging Face counts the decoder
+        start token), else ``a = 1``, ``b = 50``; one given, the other takes 1 or 50.
       exported: keep the parameters' shapes and the exported greedy/beam decoders in
         ``RUN/jax_cache/exported`` (:mod:`jaxformer.decode.exported`), so a later process neither
         traces the model nor the decoders (the translate tool does, when the run
@@ -41,7 +44,7 @@ class Translator:
     """
 
     def __init__(self, workdir: str | Path, batch_size: int = 32, checkpoint: str | int = "auto",
-                 max_len_a: float = 1.0, max_len_b: int = 50, exported: bool = False):
+                 max_len_a: float | None = None, max_len_b: int | None = None, exported: bool = False):
         from flax import linen as nn
 
         workdir = Path(workdir)
@@ -68,9 +71,14 @@ class Translator:
             self.params, self.step, self.kind = checkpoints.restore_params_from(checkpoint, abstract_params)
         finally:
             checkpoints.close()
+        generation = record.get("generation", {})
+        if max_len_a is None and max_len_b is None and generation.get("max_length"):
+            max_len_a, max_len_b = 0.0, int(generation["max_length"]) - 1
+        self.max_len_a = 1.0 if max_len_a is None else float(max_len_a)
+        self.max_len_b = 50 if max_len_b is None else int(max_len_b)
         self.evaluator = Evaluator(self.model, self.tokenizer, batch_size=batch_size, scoring=False,
                                    target_language=record.get("target_language", "xx"),
-                                   max_len_a=max_len_a, max_len_b=max_len_b, exports=exports)
+                                   max_len_a=self.max_len_a, max_len_b=self.max_len_b, exports=exports)
         # Decoding defaults: an imported model's generation_config (jaxformer.interop.marian), else §6.1.
         generation = record.get("generation", {})
         self.defaults = {"beam_size": generation.get("beam_size", 4),

@@ -143,6 +143,12 @@ def import_marian(hf_dir: str | Path, workdir: str | Path) -> TransformerConfig:
         raise ConversionError(f"{workdir} already holds a run; choose a new --workdir.")
     hf = json.loads((hf_dir / "config.json").read_text())
     config = config_from_hf(hf)
+    start, eos = hf.get("decoder_start_token_id", config.pad_id), hf.get("eos_token_id", 0)
+    if start == eos:
+        raise ConversionError(
+            f"decoder_start_token_id={start} is the eos id: jaxformer's decoders never generate "
+            f"the start token, so this model could never end a translation. Only models whose "
+            f"decoder starts with another token (OPUS-MT: the pad id) convert.")
     for name in ("source.spm", "target.spm", "vocab.json"):
         if not (hf_dir / name).is_file():
             raise ConversionError(f"{hf_dir}/{name} not found: a Marian model needs its tokenizer "
@@ -190,7 +196,17 @@ def _generation_defaults(hf_dir: Path, hf: dict[str, Any]) -> dict[str, Any]:
     if gen.get("early_stopping") not in (None, False):
         print(f"note: early_stopping={gen['early_stopping']!r} in the generation config; jaxformer "
               f"reproduces generate's default (False) stopping rule", file=sys.stderr)
-    return {"beam_size": int(gen.get("num_beams") or 1), "max_length": int(gen.get("max_length") or 512),
+    eos = hf.get("eos_token_id", 0)
+    if gen.get("max_length") and gen.get("forced_eos_token_id") != eos:
+        raise ConversionError(
+            f"generation config max_length={gen['max_length']} without forced_eos_token_id={eos}: "
+            f"generate then cuts a hypothesis at the limit without eos, which jaxformer's beam "
+            f"search does not reproduce (it ends every hypothesis with eos). Set "
+            f"forced_eos_token_id={eos} (as OPUS-MT models do) in config.json or generation_config.json.")
+    # max_length counts the decoder start token (None: the model sets none, and the
+    # translate tool's a * source length + b applies)
+    return {"beam_size": int(gen.get("num_beams") or 1),
+            "max_length": int(gen["max_length"]) if gen.get("max_length") else None,
             "length_penalty": float(gen.get("length_penalty", 1.0)), "length_normalization": "hf",
             "banned_ids": sorted({ids[0] for ids in bad}),
             "forced_eos": gen.get("forced_eos_token_id") is not None}
@@ -232,6 +248,6 @@ def export_marian(workdir: str | Path, out_dir: str | Path) -> None:
     gen = {"decoder_start_token_id": tok.decoder_start_id, "eos_token_id": tok.eos_id,
            "forced_eos_token_id": tok.eos_id, "pad_token_id": config.pad_id,
            "bad_words_ids": [[i] for i in banned], "num_beams": generation.get("beam_size", 4),
-           "max_length": generation.get("max_length", config.max_len)}
+           "max_length": generation.get("max_length") or config.max_len}
     (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     tok.save_marian(out_dir)
