@@ -169,7 +169,7 @@ def test_every_flag_has_help_and_help_has_no_rest_markup(capsys):
 
 
 def test_config_file_fills_settings_and_flags_override(tmp_path, capsys):
-    from jaxformer.run.config import DEFAULT_CPU_RUN, from_args, parse_train_args
+    from jaxformer.run.config import DEFAULT_CPU_RUN, TrainConfig, from_args, parse_train_args
 
     (tmp_path / "run.yaml").write_text("preset: tiny\nbatch-tokens: 512\nmax_minutes: 2\npack: false\n")
     (tmp_path / "run.json").write_text(json.dumps({"model": {}, "train": {"preset": "base", "seed": 7}}))
@@ -180,12 +180,24 @@ def test_config_file_fills_settings_and_flags_override(tmp_path, capsys):
     assert cfg.warmup_steps == DEFAULT_CPU_RUN["warmup_steps"]   # untouched settings keep defaults
     _, args = parse_train_args(["--config", str(tmp_path / "run.json")])   # a run's config.json
     assert (args.preset, args.seed) == ("base", 7)
+    (tmp_path / "yaml11.yaml").write_text("lr_scale: 5e-1\nwarmup_steps: '40'\n")   # strings to YAML 1.1
+    _, args = parse_train_args(["--config", str(tmp_path / "yaml11.yaml")])
+    assert (args.lr_scale, args.warmup_steps) == (0.5, 40)
     for text, message in (("batch_size: 3\n", "unknown setting 'batch_size'"),
-                          ("max_steps: ten\n", "'max_steps' must be int"), ("- a\n", "mapping")):
+                          ("max_steps: ten\n", "'max_steps' must be int"), ("- a\n", "mapping"),
+                          ("preset: huge\n", "'preset' must be one of tiny, small, base, big"),
+                          ("pair: en-xx\n", "'pair' must be one of en-de")):
         (tmp_path / "bad.yaml").write_text(text)
         with pytest.raises(SystemExit) as exit_info:
             parse_train_args(["--config", str(tmp_path / "bad.yaml")])
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    # The flags' checks hold for file values too: -5e-1 is a float, and not a positive one.
+    (tmp_path / "negative.yaml").write_text("lr_scale: -5e-1\n")
+    _, args = parse_train_args(["--config", str(tmp_path / "negative.yaml")])
+    with pytest.raises(ValueError, match="--lr-scale must be positive, got -0.5"):
+        from_args(args)
+    with pytest.raises(ValueError, match="--preset must be one of"):
+        TrainConfig(preset="huge")   # the library's own check, before any data is read
 
 
 # ---------------------------------------------------------------------- logging and progress

@@ -112,6 +112,11 @@ class TrainConfig:
             problems.append(f"--data-workers must be at least 0, got {self.data_workers}")
         if not self.max_length_ratio >= 1:
             problems.append(f"--max-length-ratio must be at least 1, got {self.max_length_ratio}")
+        from jaxformer.model.config import PRESETS
+
+        for name, allowed in (("pair", PAIRS), ("preset", tuple(PRESETS))):
+            if getattr(self, name) not in allowed:
+                problems.append(f"--{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         if problems:
             raise ValueError("; ".join(problems) + ".")
         if self.workdir is None:   # one run directory per data set: --pair en-fr never resumes en-de
@@ -295,6 +300,7 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"--config {str(path)!r} must hold a mapping of setting: value, "
                          f"got {type(data).__name__}.")
     hints = typing.get_type_hints(TrainConfig)
+    choices = _choices()
     out, problems = {}, []
     for key, value in data.items():
         name = str(key).replace("-", "_")
@@ -302,10 +308,20 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
             problems.append(f"unknown setting {key!r}")
             continue
         kind = _base_type(hints[name])
+        if isinstance(value, str) and kind in (int, float):
+            # YAML 1.1 reads 5e-1 and -5e-1 (no dot) as strings; a flag's type() takes them
+            try:
+                value = kind(value)
+            except ValueError:
+                pass
         ok = (value is None or (isinstance(value, kind) and not (kind is int and isinstance(value, bool)))
               or (kind is float and isinstance(value, int) and not isinstance(value, bool)))
         if not ok:
             problems.append(f"{key!r} must be {kind.__name__}, got {value!r}")
+            continue
+        if value is not None and name in choices and value not in choices[name]:
+            problems.append(f"{key!r} must be one of {', '.join(map(str, choices[name]))}; got {value!r}")
+            continue
         out[name] = float(value) if kind is float and value is not None else value
     if problems:
         raise ValueError(f"--config {str(path)!r}: " + "; ".join(problems) +
