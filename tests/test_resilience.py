@@ -140,6 +140,16 @@ def test_sigterm_checkpoints_exits_and_the_resumed_run_equals_an_uninterrupted_o
     assert _train_log_steps(workdir) == [2, 4, 6, 8, 10, 12], "every step is logged once"
 
 
+def test_a_finished_run_started_again_is_not_evaluated_twice(tmp_path, files, reference):
+    """The reference run ended at step 12, off the --eval-every grid, with a final dev
+    evaluation there; the same command again tests again but records no second one."""
+    workdir = tmp_path / "run"
+    shutil.copytree(reference, workdir)
+    assert train(_config(workdir, files, 12))["final_step"] == 12
+    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "dev/bleu" in r] == [12]
+
+
 def test_unreadable_latest_checkpoint_is_reported_and_the_previous_one_used(
         tmp_path, files, reference, capsys):
     workdir = _new_workdir(tmp_path, reference)

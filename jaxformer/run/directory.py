@@ -153,6 +153,13 @@ class RunDir:
                 return old
         return None
 
+    def last_evaluated_step(self) -> int:
+        """The latest step with a dev evaluation in ``metrics.jsonl`` (-1: none yet)."""
+        if not self.metrics.exists():
+            return -1
+        rows = (json.loads(line) for line in self.metrics.read_text().splitlines() if line.strip())
+        return max((row["step"] for row in rows if "dev/bleu" in row), default=-1)
+
     def read_config(self) -> dict[str, Any] | None:
         """The saved run record (``config.json``), or ``None`` if there is none yet."""
         return json.loads(self.config.read_text()) if self.config.exists() else None

@@ -12,6 +12,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import jax
+import numpy as np
+
 from jaxformer.model import sharding as sharding_lib
 from jaxformer.run.config import save_json
 from jaxformer.run.directory import write_plots
@@ -75,12 +78,23 @@ def average_and_compare(run: Run, abstract_params: Any, step: int) -> tuple[dict
     return {"steps": steps, "dev_bleu": bleu, "kept": kept}, params
 
 
+def _last_evaluated_step(run: Run) -> int:
+    """The latest step with a recorded dev evaluation, as process 0 (which writes the
+    records) reads it, the same in every process (evaluation is a collective)."""
+    step = run.run_dir.last_evaluated_step() if is_main_process() else -1
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        step = int(multihost_utils.broadcast_one_to_all(np.int32(step)))
+    return step
+
+
 def final_test(run: Run, loop: LoopState) -> dict[str, Any]:
     """A last dev evaluation (unless the last step had one), checkpoint averaging if
     asked, then test BLEU and chrF with the best parameters (the average if it won);
     writes ``results.json``, ``test.src/ref/hyp`` and the plots."""
     cfg, step = run.cfg, loop.step
-    if step % cfg.eval_every != 0 or run.best_bleu < 0:
+    if _last_evaluated_step(run) != step:   # a finished run started again is not evaluated twice
         evaluate(run, step)
     run.checkpoints.wait()
     log(f"training stopped at step {step} ({loop.stopped_by}); best dev BLEU {run.best_bleu:.2f}")
