@@ -155,6 +155,25 @@ def test_translate_n_best_beyond_the_beam_or_with_sampling_is_refused(run, capsy
     assert "--n-best 6 needs a beam" in err and "--beam-size 6" in err and "--sample gives one" in err
 
 
+def test_translate_refuses_a_config_that_no_longer_matches_the_checkpoint(run, tmp_path, capsys):
+    """An edited config.json (one decoder layer fewer) never translates with a subset of
+    the checkpoint: best and latest alike are an error naming the fields (exit 2)."""
+    from jaxformer.run.checkpoints import CheckpointMismatchError
+
+    workdir, _, _ = run
+    copy = tmp_path / "run"
+    shutil.copytree(workdir, copy)
+    record = json.loads((copy / "config.json").read_text())
+    record["model"]["num_decoder_layers"] -= 1
+    (copy / "config.json").write_text(json.dumps(record))
+    for which in ("auto", "latest", "best"):
+        with pytest.raises(CheckpointMismatchError, match=r"not in the model: \['decoder'\]\['layer_"):
+            Translator(copy, checkpoint=which)
+    with pytest.raises(SystemExit) as stop:
+        translate_main(["--workdir", str(copy), SENTENCES[0]])
+    assert stop.value.code == 2 and "does not hold this model's parameters" in capsys.readouterr().err
+
+
 def test_translate_flags_output_checkpoint_and_batches_sized_to_the_input(run, tmp_path, capsys,
                                                                           monkeypatch):
     from jaxformer.decode import evaluation

@@ -31,6 +31,44 @@ class CheckpointError(OSError):
     """No checkpoint of the run directory can be read."""
 
 
+class CheckpointMismatchError(ValueError):
+    """A checkpoint's parameters are not the model's: other names or shapes (the run's
+    ``config.json`` was edited, or belongs to another run)."""
+
+
+def check_params_match(saved: Any, abstract_params: Any, where: str) -> None:
+    """Raises :class:`CheckpointMismatchError` unless the saved parameter tree (orbax
+    metadata, or arrays) has exactly the names and shapes of ``abstract_params``.
+
+    A partial restore would otherwise read a subset of a larger checkpoint without a
+    word (a model of fewer layers translating at exit 0); the message names the fields.
+    """
+    def shapes(tree):
+        return {jax.tree_util.keystr(path): tuple(leaf.shape)
+                for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+    have, want = shapes(saved), shapes(abstract_params)
+    missing, extra = sorted(want.keys() - have.keys()), sorted(have.keys() - want.keys())
+    reshaped = sorted(f"{k}: saved {have[k]} vs model {want[k]}" for k in want.keys() & have.keys()
+                      if have[k] != want[k])
+    if missing or extra or reshaped:
+        def brief(items):
+            return ", ".join(items[:4]) + (f" and {len(items) - 4} more" if len(items) > 4 else "")
+        parts = ([f"missing from the checkpoint: {brief(missing)}"] if missing else []) + (
+            [f"not in the model: {brief(extra)}"] if extra else []) + (
+            [f"other shapes: {brief(reshaped)}"] if reshaped else [])
+        raise CheckpointMismatchError(
+            f"{where} does not hold this model's parameters ({'; '.join(parts)}). Does config.json "
+            f"still describe the run that saved it? Restore the run's own config.json.")
+
+
+def _saved_params(path: Path, key: str | None) -> Any:
+    """The parameter tree (names and shapes) stored at ``path``, from orbax's metadata."""
+    with ocp.PyTreeCheckpointer() as checkpointer:
+        tree = checkpointer.metadata(path).item_metadata.tree
+    return tree[key] if key is not None else tree
+
+
 def _first_line(error: BaseException) -> str:
     """A one-line reason: the error's first line without TensorStore's spec dump."""
     text = str(error).strip().splitlines()
@@ -210,14 +248,15 @@ class RunCheckpoints:
         Raises:
           FileNotFoundError: the run directory has no checkpoint.
           CheckpointError: it has checkpoints, but none is readable.
+          CheckpointMismatchError: a checkpoint holds other parameters than the model's.
         """
         _ignore_stray_read_callbacks()
         step = self.best.best_step()
         if step is not None:
             try:
-                restored = self.best.restore(step, args=ocp.args.Composite(
-                    params=ocp.args.StandardRestore(abstract_params)))
-                return restored.params, step, "best"
+                return self._best_params(step, abstract_params), step, "best"
+            except CheckpointMismatchError:
+                raise   # not a damaged file: the config is not the checkpoint's
             except Exception as error:  # fall back to the training checkpoints
                 report(f"best checkpoint step {step} is unreadable ({_first_line(error)}); "
                        f"using the latest training checkpoint")
@@ -225,12 +264,20 @@ class RunCheckpoints:
         for step in sorted(self.latest.all_steps(), reverse=True):
             try:
                 return self.params_at(step, abstract_params), step, "latest"
+            except CheckpointMismatchError:
+                raise
             except Exception as error:
                 failures.append(f"step {step}: {_first_line(error)}")
                 report(f"checkpoint step {step} is unreadable ({failures[-1]})")
         if failures:
             raise CheckpointError(f"No readable checkpoint in {self.workdir} ({'; '.join(failures)}).")
         raise FileNotFoundError("No checkpoint in this run directory; train first.")
+
+    def _best_params(self, step: int, abstract_params: Any) -> Any:
+        check_params_match(_saved_params(self.best.directory / str(step) / "params", None),
+                           abstract_params, f"best checkpoint step {step}")
+        return self.best.restore(step, args=ocp.args.Composite(
+            params=ocp.args.StandardRestore(abstract_params))).params
 
     def steps(self) -> list[int]:
         """The training checkpoints on disk, oldest first."""
@@ -242,8 +289,10 @@ class RunCheckpoints:
         # A checkpointer of its own: this process's manager may already have bound the
         # "state" item to the (whole-state) StandardCheckpointHandler by saving it.
         target = {"params": abstract_params}
+        path = self.latest.directory / str(step) / "state"
+        check_params_match(_saved_params(path, "params"), abstract_params, f"checkpoint step {step}")
         with ocp.PyTreeCheckpointer() as checkpointer:
-            restored = checkpointer.restore(self.latest.directory / str(step) / "state",
+            restored = checkpointer.restore(path,
                                             args=ocp.args.PyTreeRestore(
                                                 item=target, partial_restore=True,
                                                 restore_args=ocp.checkpoint_utils.construct_restore_args(target)))
@@ -287,8 +336,7 @@ class RunCheckpoints:
             ", averaged" if (self.workdir / "averaged").is_dir() else "")
         if which == "best" and self.best.best_step() is not None:
             step = self.best.best_step()
-            return self.best.restore(step, args=ocp.args.Composite(
-                params=ocp.args.StandardRestore(abstract_params))).params, step, "best"
+            return self._best_params(step, abstract_params), step, "best"
         if which == "latest" and steps:
             return self.params_at(steps[-1], abstract_params), steps[-1], "latest"
         if which == "averaged" and (self.workdir / "averaged").is_dir():
