@@ -150,6 +150,32 @@ def test_a_finished_run_started_again_is_not_evaluated_twice(tmp_path, files, re
     assert [r["step"] for r in rows if "dev/bleu" in r] == [12]
 
 
+def test_resuming_with_another_batch_plan_is_refused_and_the_same_plan_resumes(tmp_path, files, reference):
+    """Rows per batch decide the plan the saved data position counts through: 16 rows
+    (512 tokens / 32) with --grad-accum-steps 3 become 15, which is refused before
+    anything compiles; --grad-accum-steps 2 keeps 16 rows, the same batches, and resumes."""
+    workdir = tmp_path / "run"
+    shutil.copytree(reference, workdir)
+    assert json.loads((workdir / "config.json").read_text())["batch_rows"] == {"32": 16}
+    with pytest.raises(ValueError, match=r"batches of \{'32': 16\} rows.*give \{'32': 15\}.*"
+                                         r"--grad-accum-steps 1"):
+        train(_config(workdir, files, 14, grad_accum_steps=3))
+    assert train(_config(workdir, files, 14, grad_accum_steps=2))["final_step"] == 14
+
+
+def test_a_setup_that_fails_after_opening_checkpoints_exits_without_a_traceback(tmp_path, files):
+    """A run whose data check fails once the checkpoints are open (a missing dev file)
+    closes them: no orbax cleanup traceback at interpreter exit."""
+    cfg = _config(tmp_path / "run", files, 4)
+    code = (f"from jaxformer.run.config import TrainConfig\nfrom jaxformer.train.trainer import train\n"
+            f"try:\n    train(TrainConfig(**{dict(cfg.to_dict(), dev_file=str(tmp_path / 'nope.tsv'))!r}))\n"
+            f"except FileNotFoundError as e:\n    print('refused:', e)\n")
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert child.returncode == 0 and "refused:" in child.stdout, child.stderr[-2000:]
+    assert "Traceback" not in child.stderr, child.stderr[-3000:]
+
+
 def test_unreadable_latest_checkpoint_is_reported_and_the_previous_one_used(
         tmp_path, files, reference, capsys):
     workdir = _new_workdir(tmp_path, reference)

@@ -92,6 +92,14 @@ def bucket_batches(examples: Examples, batch_tokens: int, boundaries: Sequence[i
     return bucket_plan(src_len, tgt_len, batch_tokens, boundaries, np.random.default_rng(seed), row_multiple)
 
 
+def rows_per_batch(batch_tokens: int, length: int, row_multiple: int = 1) -> int:
+    """Rows of a batch of ``length``-token rows: ``batch_tokens // length``, rounded down to
+    a multiple of ``row_multiple`` (at least one multiple). With the seed, these counts
+    decide the whole batch plan: two settings that give the same counts give the same
+    batches, whatever the device count."""
+    return max(row_multiple, batch_tokens // length // row_multiple * row_multiple)
+
+
 def bucket_plan(src_len: np.ndarray, tgt_len: np.ndarray, batch_tokens: int, boundaries: Sequence[int],
                 rng: np.random.Generator, row_multiple: int = 1) -> list[tuple[int, np.ndarray]]:
     """:func:`bucket_batches` on lengths alone: ``src_len``/``tgt_len`` ``[N]`` are the
@@ -103,7 +111,7 @@ def bucket_plan(src_len: np.ndarray, tgt_len: np.ndarray, batch_tokens: int, bou
         members = np.flatnonzero(bucket_of == b)
         if members.size == 0:
             continue
-        rows = max(row_multiple, batch_tokens // length // row_multiple * row_multiple)
+        rows = rows_per_batch(batch_tokens, length, row_multiple)
         members = rng.permutation(members)
         for start in range(0, members.size, rows):
             chunk = members[start:start + rows]
@@ -178,7 +186,7 @@ def pack_plan(src_len: np.ndarray, tgt_len: np.ndarray, batch_tokens: int, lengt
         free_s, free_t = free_s - need_s, free_t - need_t
         open_rows[free_s, free_t].append(row)
         count[free_s, free_t] += 1
-    per_batch = max(row_multiple, batch_tokens // length // row_multiple * row_multiple)
+    per_batch = rows_per_batch(batch_tokens, length, row_multiple)
     width = max((len(r) for r in rows), default=1)
     table = np.full((-(-len(rows) // per_batch) * per_batch, width), -1, np.int64)
     for r, members in enumerate(rng.permutation(len(rows))):

@@ -17,7 +17,7 @@ from typing import Any
 
 import jax
 
-from jaxformer.data.batching import bucket_boundaries, tokenize_pairs
+from jaxformer.data.batching import bucket_boundaries, rows_per_batch, tokenize_pairs
 from jaxformer.data.corpus import target_language_of
 from jaxformer.data.prepared import PreparedCorpus
 from jaxformer.data.run_data import prepare_run_data
@@ -96,6 +96,16 @@ def setup(cfg: TrainConfig, *, fresh: bool = False) -> Run:
         multihost_utils.sync_global_devices("workdir")
     cfg = pretrained.with_saved_init_from(cfg, run_dir)
     checkpoints = RunCheckpoints(run_dir.root, keep=cfg.keep_checkpoints)
+    try:
+        return _setup_run(cfg, run_dir, checkpoints, mesh, previous, t_start)
+    except BaseException:
+        checkpoints.close()   # else orbax's cleanup thread prints a traceback at exit
+        raise
+
+
+def _setup_run(cfg: TrainConfig, run_dir: RunDir, checkpoints: RunCheckpoints, mesh: jax.sharding.Mesh,
+               previous, t_start: float) -> Run:
+    """:func:`setup` once the run directory and its checkpoints are open."""
     has_checkpoints = checkpoints.latest_step() is not None
     target_language = target_language_of(cfg)
     # Prepared once (jaxformer.data.prepare), reused on every resume; other data than the run's is an error.
@@ -112,6 +122,9 @@ def setup(cfg: TrainConfig, *, fresh: bool = False) -> Run:
     if checkpoints.latest_step() is not None and saved is not None:
         check_resume_compatible(saved, model_config)
     row_multiple = math.lcm(mesh.shape["data"] * cfg.grad_accum_steps, jax.process_count())
+    batch_rows = _batch_rows(cfg, model_config, row_multiple)
+    if has_checkpoints and saved is not None:
+        _check_same_batch_plan(saved, batch_rows, row_multiple)
     data = build_train_data(cfg, prepared, target_language, tokenizer, model_config, row_multiple)
 
     model = Transformer(model_config)
@@ -131,7 +144,7 @@ def setup(cfg: TrainConfig, *, fresh: bool = False) -> Run:
             cfg.init_from, sharding_lib.abstract_state(state).params))
         log(f"initialised from {cfg.init_from}")
     data.iterator.start_prefetch()   # data workers (if any) start now, while the step compiles
-    _write_run_record(run_dir, cfg, model_config, tokenizer, target_language, saved,
+    _write_run_record(run_dir, cfg, model_config, tokenizer, target_language, saved, batch_rows,
                       resumed=restored is not None,
                       tokenizer_record=pretrained_record["tokenizer"] if pretrained_record else None)
     if restored is not None and is_main_process():
@@ -175,6 +188,35 @@ def build_train_data(cfg: TrainConfig, prepared: PreparedCorpus, target_language
                      dev_examples=dev_examples)
 
 
+def _batch_rows(cfg: TrainConfig, model_config: TransformerConfig, row_multiple: int) -> dict[str, int]:
+    """Rows per batch for each row length the plan uses (packed: one): with the seed and
+    the data, what the saved data position indexes into."""
+    max_train_len = min(cfg.max_train_len or model_config.max_len, model_config.max_len)
+    lengths = bucket_boundaries(max_train_len)
+    return {str(length): rows_per_batch(cfg.batch_tokens, length, row_multiple)
+            for length in (lengths[-1:] if cfg.pack else lengths)}
+
+
+def _check_same_batch_plan(saved: dict[str, Any], batch_rows: dict[str, int], row_multiple: int) -> None:
+    """A resumed run's batches must be the ones its saved data position counts through.
+
+    Raises:
+      ValueError: the devices, ``--grad-accum-steps`` or process count now round the
+        batches to other row counts than the run's checkpoints were trained on.
+    """
+    before = saved.get("batch_rows")
+    if before is None or before == batch_rows:   # a run from before the record: nothing to compare
+        return
+    train = saved.get("train", {})
+    raise ValueError(
+        f"The run's checkpoints continue batches of {before} rows (by row length); these settings "
+        f"give {batch_rows} (rounded to multiples of {row_multiple} = data axis × --grad-accum-steps "
+        f"× processes), so the saved data position would point into other batches. Resume with the "
+        f"settings the run used (--devices {train.get('devices')}, --mesh {train.get('mesh')}, "
+        f"--grad-accum-steps {train.get('grad_accum_steps')}), or a --batch-tokens whose rows divide "
+        f"by both, or start a new run (--fresh, or --init-from this one).")
+
+
 def _check_batch_rows(batch_tokens: int, row_length: int, row_multiple: int) -> None:
     """Rows of a full-length batch: ``batch_tokens // row_length``, rounded down to a multiple
     of ``row_multiple`` (data axis × grad-accumulation steps × processes). Too small a budget is
@@ -193,7 +235,8 @@ def _check_batch_rows(batch_tokens: int, row_length: int, row_multiple: int) -> 
 
 def _write_run_record(run_dir: RunDir, cfg: TrainConfig, model_config: TransformerConfig,
                       tokenizer: Tokenizer, target_language: str, saved: dict[str, Any] | None,
-                      resumed: bool, tokenizer_record: dict[str, Any] | None = None) -> None:
+                      batch_rows: dict[str, int], resumed: bool,
+                      tokenizer_record: dict[str, Any] | None = None) -> None:
     """``config.json``: the architecture, the run settings (with their history on resume)
     and the tokenizer's special ids (``tokenizer_record``: an --init-from run's, kept
     as is); what :class:`jaxformer.decode.translator.Translator` reads."""
@@ -203,7 +246,7 @@ def _write_run_record(run_dir: RunDir, cfg: TrainConfig, model_config: Transform
                   "pad_id": tokenizer.pad_id, "bos_id": tokenizer.bos_id,
                   "eos_id": tokenizer.eos_id, "unk_id": tokenizer.unk_id,
                   "vocab_size": tokenizer.vocab_size},
-              "target_language": target_language}
+              "target_language": target_language, "batch_rows": batch_rows}
     if is_main_process():
         save_json(run_dir.config, resume_record(saved, record, resumed))
     log("model config: " + json.dumps(record["model"]))
