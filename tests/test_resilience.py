@@ -176,6 +176,24 @@ def test_a_setup_that_fails_after_opening_checkpoints_exits_without_a_traceback(
     assert "Traceback" not in child.stderr, child.stderr[-3000:]
 
 
+def test_train_py_keeps_the_compilation_cache_in_the_run_and_a_resume_compiles_nothing_new(
+        tmp_path, files, reference):
+    """``train.py`` (not the library) puts JAX's persistent cache in RUN/jax_cache; the
+    resumed run finds every program there and writes no new entry."""
+    workdir = _new_workdir(tmp_path, reference)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
+
+    def run(steps):
+        child = subprocess.run([sys.executable, str(REPO / "train.py"), *_argv(_config(workdir, files, steps))],
+                               capture_output=True, text=True, env=env, timeout=600)
+        assert child.returncode == 0, child.stderr[-2000:]
+        return sorted(p.name for p in (workdir / "jax_cache").iterdir() if not p.name.startswith("."))
+
+    first = run(4)
+    assert len(first) >= 2   # at least the train step and the decoder
+    assert run(8) == first, "the resume compiled a program the first run had not"
+
+
 def test_unreadable_latest_checkpoint_is_reported_and_the_previous_one_used(
         tmp_path, files, reference, capsys):
     workdir = _new_workdir(tmp_path, reference)

@@ -30,9 +30,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         cfg = from_args(args)
     except ValueError as e:
         parser.error(str(e))
+    from jaxformer.run.directory import RunDir, keep_compilation_cache
     from jaxformer.train.trainer import Preempted, TrainingDiverged, train
 
     console_logging()
+    keep_compilation_cache(RunDir(cfg.workdir))   # a resume compiles nothing it compiled before
     try:
         train(cfg, fresh=args.fresh)
     except (ValueError, OSError) as e:   # bad data, paths or checkpoints: a message, not a traceback

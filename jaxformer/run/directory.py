@@ -18,7 +18,7 @@
   results.json      final test scores (BLEU, chrF and their sacrebleu signatures)
   test.src test.ref test.hyp   the test sources, references and translations, one per line
   train.log         everything the run printed, with times
-  jax_cache/        JAX's persistent compilation cache (the translate tool's compiles)
+  jax_cache/        JAX's persistent compilation cache (jaxformer-train's and the translate tool's)
 """
 
 from __future__ import annotations
@@ -276,3 +276,16 @@ def enable_compilation_cache(run_dir: RunDir) -> bool:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     return True
 
+
+def keep_compilation_cache(run_dir: RunDir) -> bool:
+    """JAX's persistent compilation cache in ``run_dir/jax_cache`` for a training run, so a
+    resumed run compiles nothing it compiled before. JAX creates the folder at the first
+    compile, after setup's checks (a run that fails them changes no file). A cache folder
+    chosen already (``JAX_COMPILATION_CACHE_DIR``, or the JAX config) is left as it is.
+    Must run before the first compile; returns whether the run directory's cache is used."""
+    if jax.config.jax_compilation_cache_dir:
+        return False
+    jax.config.update("jax_compilation_cache_dir", str(run_dir.jax_cache))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    return True
