@@ -184,8 +184,8 @@ def test_train_py_keeps_the_compilation_cache_in_the_run_and_a_resume_compiles_n
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
 
     def run(steps):
-        child = subprocess.run([sys.executable, str(REPO / "train.py"), *_argv(_config(workdir, files, steps))],
-                               capture_output=True, text=True, env=env, timeout=600)
+        argv = [sys.executable, str(REPO / "train.py"), *_argv(_config(workdir, files, steps))]
+        child = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
         assert child.returncode == 0, child.stderr[-2000:]
         return sorted(p.name for p in (workdir / "jax_cache").iterdir() if not p.name.startswith("."))
 
