@@ -13,7 +13,9 @@ anew) into ``--out``; then, each in a fresh process whose peak RSS is read from
   sample, encode, write): seconds, pairs/s, peak RSS;
 * ``first run`` and ``resume``: ``setup()`` of the trainer (data, tokenizer, model,
   restore) up to the first train step done, on the prepared data; the first run saves
-  a checkpoint that the resume restores: seconds to the first step and peak RSS;
+  a checkpoint that the resume restores: seconds to the first step and peak RSS. Both
+  compile through the run directory's persistent cache, as ``train.py`` does (the first
+  run fills it); ``resume_uncached`` resumes once more without it;
 * ``old in-memory`` (sizes up to ``--old-up-to``): what the trainer did before,
   read + split + sentencepiece + tokenize + pack the whole corpus, to the first batch.
 
@@ -87,14 +89,19 @@ def _cfg(args: argparse.Namespace):
 
 
 def startup(args: argparse.Namespace) -> None:
-    """(child) ``setup()`` to the first train step done; saves a checkpoint for the resume."""
+    """(child) ``setup()`` to the first train step done; saves a checkpoint for the resume.
+    Compiles through the run directory's persistent cache, as ``train.py`` does, unless
+    ``--no-cache``."""
     import jax
 
     from jaxformer.model import sharding as sharding_lib
+    from jaxformer.run.directory import RunDir, keep_compilation_cache
     from jaxformer.train.step import jit_train_step
     from jaxformer.train.trainer import setup
 
     start = time.perf_counter()
+    if not args.no_cache:   # as train.py does: JAX's persistent cache in the run directory
+        keep_compilation_cache(RunDir(args.workdir))
     run = setup(_cfg(args))
     step = jit_train_step(run.model, run.cfg.label_smoothing, layout=run.layout)
     batch = sharding_lib.shard_batch(next(run.data.iterator), run.layout.batch)
@@ -199,6 +206,7 @@ def main() -> None:
     parser.add_argument("--child", choices=("startup", "old", "shipped"), help=argparse.SUPPRESS)
     parser.add_argument("--train-file", help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
+    parser.add_argument("--no-cache", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         {"startup": startup, "old": old_path, "shipped": shipped}[args.child](args)
@@ -214,9 +222,9 @@ def main() -> None:
         prep = measured(["-m", "jaxformer.prepare", "--train-file", str(data), "--workdir", str(workdir)])
         row = {"pairs": size, "prepare_s": prep["seconds"], "prepare_pairs_per_s": n / prep["seconds"],
                "prepare_rss_gb": prep["peak_rss_gb"]}
-        for name in ("first_run", "resume"):
+        for name, extra in (("first_run", []), ("resume", []), ("resume_uncached", ["--no-cache"])):
             child = measured(me + ["--child", "startup", "--train-file", str(data), "--workdir", str(workdir)]
-                             + common)
+                             + common + extra)
             row.update({f"{name}_to_first_step_s": child["to_first_step_s"],
                         f"{name}_rss_gb": child["peak_rss_gb"]})
         if n <= SIZES[args.old_up_to]:
