@@ -95,3 +95,18 @@ def test_exported_files_have_the_umask_permissions_not_0600(tmp_path):
         os.umask(previous)
     assert stat.S_IMODE((tmp_path / "entry.bin").stat().st_mode) == 0o664
     assert exported._read_verified(tmp_path / "entry.bin") == b"program"
+
+
+def test_the_source_digest_covers_every_wing():
+    """The key hashes the whole package: a change to the model wing is another key."""
+    import hashlib
+    from pathlib import Path
+
+    import jaxformer
+
+    root = Path(jaxformer.__file__).parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(f"{path.relative_to(root)}\0".encode() + path.read_bytes() + b"\0")
+    assert exported.source_digest() == digest.hexdigest()
+    assert any(p.parent.name == "model" for p in root.rglob("*.py"))

@@ -39,8 +39,8 @@ import numpy as np
 
 @functools.cache
 def source_digest() -> str:
-    """SHA-256 of jaxformer's own ``.py`` files (names and contents)."""
-    root = Path(__file__).resolve().parent
+    """SHA-256 of jaxformer's own ``.py`` files (names and contents), every wing."""
+    root = Path(__file__).resolve().parents[1]   # the package, not this wing
     digest = hashlib.sha256()
     for path in sorted(root.rglob("*.py")):
         digest.update(f"{path.relative_to(root)}\0".encode() + path.read_bytes() + b"\0")
