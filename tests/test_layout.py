@@ -1,6 +1,6 @@
 """The package's wings and the one way their imports run (issue #21).
 
-Bottom to top: ``model`` < ``run`` < ``data`` < ``decode`` < ``interop`` < ``train`` <
+Bottom to top: ``model`` < ``run`` < ``data`` < ``decode`` < ``interop`` < ``train`` < ``aot`` <
 ``cli``; a module may import its own wing and the wings below it, never one above, and
 no chain of imports between modules comes back to where it started. Every import
 counts: at module level, inside a function, or for type checking only.
@@ -16,7 +16,7 @@ from pathlib import Path
 import jaxformer
 
 PACKAGE = Path(jaxformer.__file__).parent
-WINGS = ("model", "run", "data", "decode", "interop", "train", "cli")
+WINGS = ("model", "run", "data", "decode", "interop", "train", "aot", "cli")
 ENTRY = len(WINGS)   # jaxformer/__init__.py and the ``python -m`` shims sit above every wing
 
 
@@ -50,7 +50,7 @@ MODULES = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
 
 def test_every_module_is_in_a_wing_or_an_entry_point():
     loose = {m for m in MODULES if m.count(".") == 1 and m.split(".")[1] not in WINGS}
-    assert loose == {"jaxformer.translate", "jaxformer.prepare"}   # the ``python -m`` shims
+    assert loose == {"jaxformer.translate", "jaxformer.prepare", "jaxformer.compile"}   # ``python -m`` shims
     assert {m.split(".")[1] for m in MODULES if m.count(".") >= 1} >= set(WINGS)
 
 
@@ -101,6 +101,7 @@ def test_public_names_and_entry_points_still_there():
     import tomllib
 
     import jaxformer as jf
+    from jaxformer.cli import compile as compile_cli
     from jaxformer.cli import convert, prepare, train, translate
 
     assert {"Transformer", "TransformerConfig", "preset", "create_padding_mask",
@@ -108,7 +109,8 @@ def test_public_names_and_entry_points_still_there():
     assert all(hasattr(jf, name) for name in jf.__all__)
     scripts = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["project"]["scripts"]
     modules = {"jaxformer.cli.train": train, "jaxformer.cli.prepare": prepare,
-               "jaxformer.cli.translate": translate, "jaxformer.cli.convert": convert}
+               "jaxformer.cli.translate": translate, "jaxformer.cli.convert": convert,
+               "jaxformer.cli.compile": compile_cli}
     for target in scripts.values():
         module, function = target.split(":")
         assert callable(getattr(modules[module], function)), target

@@ -131,13 +131,23 @@ def constrain(x: jax.Array, logical_names: Sequence[str | None]) -> jax.Array:
 
 
 def under_mesh(fn: Callable, mesh: Mesh) -> Callable:
-    """``fn`` called (and so traced) with ``mesh`` active, so :func:`constrain` applies."""
+    """``fn`` called (and so traced) with ``mesh`` active, so :func:`constrain` applies.
+
+    A jitted ``fn`` keeps its ahead-of-time path: ``wrapper.lower(*abstract_args)``
+    lowers it under the mesh too (``jax.ShapeDtypeStruct`` arguments with shardings;
+    what the compile tool, :mod:`jaxformer.aot`, compiles for a TPU topology)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         with jax.set_mesh(mesh):
             return fn(*args, **kwargs)
 
+    if hasattr(fn, "lower"):
+        def lower(*args, **kwargs):
+            with jax.set_mesh(mesh):
+                return fn.lower(*args, **kwargs)
+
+        wrapper.lower = lower
     return wrapper
 
 

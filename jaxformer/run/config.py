@@ -251,26 +251,34 @@ def build_parser(defaults: dict[str, Any] | None = None, description: str = "",
                         help="JSON or YAML file of run settings (flag names with _ or -); flags on the "
                              "command line override it. A run's own config.json replays that run "
                              "(give another --workdir to start a new one).")
-    hints = typing.get_type_hints(TrainConfig)
-    choices = _choices()
-    defaults = defaults or {}
-    for field in dataclasses.fields(TrainConfig):
-        flag = "--" + field.name.replace("_", "-")
-        default = defaults.get(field.name, field.default)
-        kind = _base_type(hints[field.name])
-        help_text = HELP.get(field.name, "")
-        if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
-        elif field.name in choices:
-            parser.add_argument(flag, type=kind, default=default, choices=choices[field.name],
-                                help=help_text)
-        else:
-            parser.add_argument(flag, type=kind, default=default, metavar=kind.__name__.upper(),
-                                help=help_text)
+    add_config_flags(parser, [f.name for f in dataclasses.fields(TrainConfig)], defaults)
     parser.add_argument("--fresh", action="store_true",
                         help="start a new run even if the workdir holds checkpoints "
                              "(moves the old run's files aside, deletes nothing)")
     return parser
+
+
+def add_config_flags(parser: argparse.ArgumentParser, names: list[str],
+                     defaults: dict[str, Any] | None = None) -> None:
+    """Adds the ``--flag`` of each named :class:`TrainConfig` field, as :func:`build_parser`
+    does (another tool that takes some of the training flags, e.g. ``jaxformer-compile``)."""
+    hints = typing.get_type_hints(TrainConfig)
+    choices = _choices()
+    defaults = defaults or {}
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    for name in names:
+        field = fields[name]
+        flag = "--" + name.replace("_", "-")
+        default = defaults.get(name, field.default)
+        kind = _base_type(hints[name])
+        help_text = HELP.get(name, "")
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+        elif name in choices:
+            parser.add_argument(flag, type=kind, default=default, choices=choices[name], help=help_text)
+        else:
+            parser.add_argument(flag, type=kind, default=default, metavar=kind.__name__.upper(),
+                                help=help_text)
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:

@@ -1,0 +1,94 @@
+"""Accelerator chips and TPU slice names: what the compile tool compiles for and judges
+against.
+
+:data:`CHIPS` holds each chip's HBM, dense bf16 peak, HBM bandwidth and inter-chip
+bandwidth, per chip, from the vendors' published specifications (the ``source`` of
+each row). :func:`slice_spec` maps the names users rent (``v4-8``, ``v5e-16``,
+``v5p-128``, ``v6e-8``) to the topology strings that
+``jax.experimental.topologies.get_topology_desc`` takes, as MaxText's
+``accelerator_to_spec_map.py`` and Cloud TPU's documentation name them: v4 and v5p
+names count TensorCores (two per chip, one "megacore" device per chip), v5e and v6e
+names count chips.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+GiB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    """One accelerator chip (per-chip figures)."""
+
+    name: str
+    hbm_bytes: int            # memory one device may use
+    bf16_flops: float         # dense peak, FLOP/s
+    hbm_bandwidth: float      # bytes/s
+    ici_bandwidth: float      # bytes/s per chip, bidirectional inter-chip links (NVLink for GPUs)
+    source: str
+
+
+_TPU_DOCS = "Cloud TPU system architecture, cloud.google.com/tpu/docs/"
+CHIPS: dict[str, Chip] = {
+    "v4": Chip("TPU v4", 32 * GiB, 275e12, 1200e9, 300e9,
+               _TPU_DOCS + "v4: 32 GiB HBM2, 275 TFLOP/s bf16, 1,200 GB/s, ICI 2,400 Gbit/s"),
+    "v5e": Chip("TPU v5e", 16 * GiB, 197e12, 819e9, 400e9,
+                _TPU_DOCS + "v5e: 16 GiB HBM2, 197 TFLOP/s bf16, 819 GB/s, bidirectional ICI 400 GB/s"),
+    "v5p": Chip("TPU v5p", 95 * GiB, 459e12, 2765e9, 1200e9,
+                _TPU_DOCS + "v5p: 95 GiB HBM2e, 459 TFLOP/s bf16, 2,765 GB/s, bidirectional ICI 1,200 GB/s"),
+    "v6e": Chip("TPU v6e (Trillium)", 32 * GiB, 918e12, 1640e9, 800e9,
+                _TPU_DOCS + "v6e: 32 GiB HBM, 918 TFLOP/s bf16, 1,640 GB/s, bidirectional ICI 800 GB/s"),
+    "h100": Chip("NVIDIA H100 SXM", 80 * 10**9, 989e12, 3.35e12, 900e9,
+                 "NVIDIA H100 datasheet: 80 GB HBM3, 989 TFLOP/s dense bf16, 3.35 TB/s, NVLink 900 GB/s"),
+    "h200": Chip("NVIDIA H200 SXM", 141 * 10**9, 989e12, 4.8e12, 900e9,
+                 "NVIDIA H200 datasheet: 141 GB HBM3e, 989 TFLOP/s dense bf16, 4.8 TB/s, NVLink 900 GB/s"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class SliceSpec:
+    """A TPU slice as ``get_topology_desc`` takes it."""
+
+    name: str                  # "v5e-16"
+    chip: str                  # a key of CHIPS
+    topology: str              # "v5e:4x4"
+    chip_config_name: str      # "megacore" (one device per v4/v5p chip) or "default"
+    chips_per_host_bounds: tuple[int, int, int]
+    chips: int
+
+
+# chips → topology shape, for the slice sizes Cloud TPU sells
+_SHAPES_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8",
+              256: "4x8x8", 512: "8x8x8"}
+_SHAPES_2D = {4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
+_FAMILIES = {  # name prefix: (chip, topology prefix, config, cores per chip in the name, shapes)
+    "v4": ("v4", "v4", "megacore", 2, _SHAPES_3D),
+    "v5p": ("v5p", "v5", "megacore", 2, _SHAPES_3D),
+    "v5e": ("v5e", "v5e", "default", 1, _SHAPES_2D),
+    "v6e": ("v6e", "v6e", "default", 1, _SHAPES_2D),
+}
+
+
+def slice_names() -> list[str]:
+    """Every slice name :func:`slice_spec` knows, e.g. ``v4-8 … v6e-256``."""
+    return [f"{family}-{chips * cores}" for family, (_, _, _, cores, shapes) in _FAMILIES.items()
+            for chips in shapes]
+
+
+def slice_spec(name: str) -> SliceSpec:
+    """The topology of a slice name (``v4-8``, ``v5e-16``, ``v5p-128``, ``v6e-8``).
+
+    Raises:
+      ValueError: an unknown name; the message lists the known ones.
+    """
+    family, _, size = name.lower().partition("-")
+    if family in _FAMILIES and size.isdigit():
+        chip, prefix, config, cores, shapes = _FAMILIES[family]
+        chips = int(size) // cores
+        if int(size) % cores == 0 and chips in shapes:
+            # A v5e/v6e host holds up to 8 chips (2x4); slices of 16 and more are 2x2 per host.
+            bounds = (2, 4, 1) if chips == 8 and cores == 1 else (2, 2, 1)
+            return SliceSpec(name.lower(), chip, f"{prefix}:{shapes[chips]}", config, bounds, chips)
+    raise ValueError(f"Unknown TPU slice {name!r}; known: {', '.join(slice_names())}.")

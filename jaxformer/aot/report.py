@@ -1,0 +1,133 @@
+"""What a compiled program needs of a chip: memory per device, FLOPs, collectives, whether
+it fits, and a roofline estimate of its time.
+
+Memory is XLA's own buffer assignment (``Compiled.memory_analysis()``, bytes per device):
+arguments, outputs, temporaries, the bytes an output reuses from a donated argument
+(alias) and the program code. Peak = arguments + outputs - alias + temporaries + code:
+everything live at once, an upper bound. FLOPs and bytes accessed are XLA's cost
+analysis of the partitioned (per-device) program; a ``while`` body (beam search's step)
+is counted once. Collectives are read off the optimized HLO: kind, count and result
+bytes.
+
+The time estimate is a roofline, not a measurement: the largest of compute (FLOPs /
+peak), memory traffic (bytes accessed / HBM bandwidth) and collectives (result bytes /
+inter-chip bandwidth, which understates a ring all-reduce by up to 2×), as if they
+overlapped perfectly; and the time at 50% MFU for comparison.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+from typing import Any
+
+import jax
+
+from jaxformer.aot.chips import Chip, GiB
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2,
+          "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+_ARRAY = re.compile(r"\b(" + "|".join(_BYTES) + r")\[([0-9,]*)\]")
+_OP = re.compile(r"=\s*(\(.*?\)|\S+)\s+(" + "|".join(COLLECTIVES) + r")(-start)?\(")
+# XLA:TPU's compile-time out-of-memory errors, in their two wordings
+_OOM = (re.compile(r"required for [^(]*\(([0-9.]+)([KMGT]?)\)\s*"
+                   r"exceeds available HBM \(([0-9.]+)([KMGT]?)\)"),
+        re.compile(r"Used ([0-9.]+)([KMGT]?)(?:i?B)? of ([0-9.]+)([KMGT]?)(?:i?B)? hbm", re.IGNORECASE))
+_UNIT = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def _array_bytes(type_text: str, last_only: bool) -> int:
+    arrays = _ARRAY.findall(type_text)
+    if last_only:   # an async start returns (operands…, result): count the result
+        arrays = arrays[-1:]
+    total = 0
+    for dtype, dims in arrays:
+        count = 1
+        for d in filter(None, dims.split(",")):
+            count *= int(d)
+        total += count * _BYTES[dtype]
+    return total
+
+
+def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
+    """``{kind: {"count", "bytes"}}`` of the collectives in optimized HLO text (an async
+    ``-start``/``-done`` pair counts once, by its result)."""
+    found: dict[str, dict[str, int]] = collections.defaultdict(lambda: {"count": 0, "bytes": 0})
+    for type_text, kind, start in _OP.findall(hlo_text):
+        found[kind]["count"] += 1
+        found[kind]["bytes"] += _array_bytes(type_text, last_only=bool(start))
+    return dict(sorted(found.items()))
+
+
+def memory(compiled: jax.stages.Compiled) -> dict[str, int]:
+    """Bytes per device: ``argument``, ``output``, ``alias``, ``temp``, ``code`` and ``peak``."""
+    m = compiled.memory_analysis()
+    out = {"argument": m.argument_size_in_bytes, "output": m.output_size_in_bytes,
+           "alias": m.alias_size_in_bytes, "temp": m.temp_size_in_bytes,
+           "code": m.generated_code_size_in_bytes}
+    out["peak"] = out["argument"] + out["output"] - out["alias"] + out["temp"] + out["code"]
+    return out
+
+
+def analyse(compiled: jax.stages.Compiled, chip: Chip, tokens_per_step: int) -> dict[str, Any]:
+    """The report of one compiled program on ``chip``: memory, fits, FLOPs, collectives
+    and the roofline estimate (``tokens_per_step``: target positions of the global batch)."""
+    mem = memory(compiled)
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    flops, accessed = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
+    comms = collectives(compiled.as_text())
+    seconds = {"compute": flops / chip.bf16_flops, "memory": accessed / chip.hbm_bandwidth,
+               "collectives": sum(c["bytes"] for c in comms.values()) / chip.ici_bandwidth}
+    roofline = max(seconds.values()) or float("nan")
+    at_half_mfu = flops / (0.5 * chip.bf16_flops) if flops else float("nan")
+    return {"memory": mem, "hbm": chip.hbm_bytes, "fits": mem["peak"] <= chip.hbm_bytes,
+            "flops_per_device": flops, "bytes_accessed_per_device": accessed, "collectives": comms,
+            "seconds": seconds, "roofline_step_s": roofline, "step_s_at_50_mfu": at_half_mfu,
+            "tokens_per_s_roofline": tokens_per_step / roofline,
+            "tokens_per_s_at_50_mfu": tokens_per_step / at_half_mfu,
+            "mfu_ceiling": seconds["compute"] / roofline}
+
+
+def out_of_memory(error: BaseException) -> tuple[int, int] | None:
+    """``(needed, available)`` bytes from XLA's TPU out-of-memory compile error, else ``None``."""
+    match = next(filter(None, (pattern.search(str(error)) for pattern in _OOM)), None)
+    if not match:
+        return None
+    used, used_unit, total, total_unit = match.groups()
+    return int(float(used) * _UNIT[used_unit.upper()]), int(float(total) * _UNIT[total_unit.upper()])
+
+
+REMEDIES = ("--remat (recompute activations in the backward pass)",
+            "more devices on --mesh model=… (heads, FFN and vocabulary split)",
+            "a smaller --batch-tokens, with --grad-accum-steps to keep the update's size",
+            "--dtype bfloat16")
+
+
+def does_not_fit(needed: int, available: int) -> str:
+    """The verdict line for a program that does not fit, with the usual remedies."""
+    return (f"does not fit: needs {needed / GiB:.2f} GiB of {available / GiB:.2f} GiB per chip. Try "
+            + "; ".join(REMEDIES) + ".")
+
+
+def format_report(name: str, report: dict[str, Any]) -> str:
+    """``report`` (from :func:`analyse`) as lines for a terminal."""
+    m, gib = report["memory"], GiB
+    lines = [f"{name}: per device argument {m['argument'] / gib:.3f} GiB, output {m['output'] / gib:.3f}, "
+             f"alias {m['alias'] / gib:.3f}, temp {m['temp'] / gib:.3f}, code {m['code'] / gib:.3f}; "
+             f"peak {m['peak'] / gib:.3f} of {report['hbm'] / gib:.2f} GiB HBM: "
+             + ("fits" if report["fits"] else does_not_fit(m["peak"], report["hbm"]))]
+    lines.append(f"  {report['flops_per_device'] / 1e12:.4f} TFLOP and "
+                 f"{report['bytes_accessed_per_device'] / 1e9:.3f} GB accessed per device")
+    comms = ", ".join(f"{k} ×{v['count']} ({v['bytes'] / 2**20:.1f} MiB)"
+                      for k, v in report["collectives"].items()) or "none"
+    lines.append(f"  collectives: {comms}")
+    s = report["seconds"]
+    lines.append(f"  estimate (roofline, not measured): {report['roofline_step_s'] * 1e3:.2f} ms/step "
+                 f"(compute {s['compute'] * 1e3:.2f}, memory {s['memory'] * 1e3:.2f}, collectives "
+                 f"{s['collectives'] * 1e3:.2f}), {report['tokens_per_s_roofline']:,.0f} tokens/s, "
+                 f"MFU ceiling {report['mfu_ceiling']:.0%}; at 50% MFU "
+                 f"{report['step_s_at_50_mfu'] * 1e3:.2f} ms/step, "
+                 f"{report['tokens_per_s_at_50_mfu']:,.0f} tokens/s")
+    return "\n".join(lines)

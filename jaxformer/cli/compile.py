@@ -1,0 +1,155 @@
+"""Compile a run's programs for a TPU slice from this machine: ``jaxformer-compile``.
+
+``jaxformer-compile --topology v5e-16 --preset base --vocab-size 32000 --batch-tokens
+32768 --max-train-len 128 --dtype bfloat16`` compiles the real train step (and beam
+search, unless --no-decode) for the slice's compile-only devices (libtpu:
+pip install 'jaxformer[tpu]'; no TPU needed) and prints, per device: argument, output,
+alias, temp, code and peak bytes, whether that fits the chip's HBM, FLOPs, the
+collectives in the compiled program, and a roofline estimate of step time, tokens/s
+and the MFU ceiling. A program that does not fit is reported as such, with remedies.
+Reports are cached (--cache-dir), so a second call with the same inputs compiles
+nothing; --save DIR writes the serialized executables.
+
+Exit status: 0 every program fits; 1 one does not; 2 bad flags or no libtpu.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from jaxformer.aot import report as report_lib
+from jaxformer.aot.cache import ReportCache, default_directory
+from jaxformer.aot.chips import CHIPS, slice_names, slice_spec
+from jaxformer.run.config import DEFAULT_CPU_RUN, TrainConfig, add_config_flags
+
+FLAGS = ("preset", "d_model", "num_heads", "d_ff", "num_layers", "max_len", "dtype", "attention_backend",
+         "remat", "vocab_size", "batch_tokens", "max_train_len", "mesh", "grad_accum_steps", "beam_size")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``jaxformer-compile``: the training flags that shape the step."""
+    parser = argparse.ArgumentParser(prog="jaxformer-compile", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--topology", required=True, metavar="SLICE",
+                        help=f"TPU slice to compile for: {', '.join(slice_names())}")
+    parser.add_argument("--num-slices", type=int, default=1,
+                        help="slices joined over DCN (multi-slice; the data axis spans them)")
+    add_config_flags(parser, list(FLAGS), DEFAULT_CPU_RUN)
+    parser.add_argument("--decode-batch", type=int, default=64, help="sentences per beam-search batch")
+    parser.add_argument("--no-decode", action="store_true", help="compile the train step only")
+    parser.add_argument("--save", metavar="DIR", help="write the serialized executables to DIR")
+    parser.add_argument("--cache-dir", default=str(default_directory()),
+                        help="where compile reports are kept (default: %(default)s)")
+    parser.add_argument("--no-cache", action="store_true", help="compile even if a report is cached")
+    parser.add_argument("--json", action="store_true", help="print the reports as one JSON object")
+    return parser
+
+
+def _compile(name: str, lower, chip, tokens: int, save: str | None) -> dict[str, Any]:
+    """Lowers and compiles one program; its report, or the does-not-fit verdict of an
+    out-of-memory compile."""
+    start = time.perf_counter()
+    lowered = lower()
+    try:
+        compiled = lowered.compile()
+    except Exception as e:   # XLA:TPU reports an out-of-memory program at compile time
+        needed = report_lib.out_of_memory(e)
+        if needed is None:
+            raise
+        return {"fits": False, "needed": needed[0], "hbm": needed[1],
+                "compile_s": time.perf_counter() - start, "verdict": report_lib.does_not_fit(*needed)}
+    result = report_lib.analyse(compiled, chip, tokens)
+    result["compile_s"] = time.perf_counter() - start
+    if save:
+        from jax.experimental.serialize_executable import serialize
+
+        Path(save).mkdir(parents=True, exist_ok=True)
+        (Path(save) / f"{name}.xla").write_bytes(serialize(compiled)[0])
+    return result
+
+
+def compile_all(args: argparse.Namespace, cfg: TrainConfig) -> dict[str, Any]:
+    """Every program's report, from the cache where it holds one."""
+    from jaxformer.aot.steps import DecodeShape, TrainShape, lower_beam_search, lower_train_step
+    from jaxformer.aot.target import target_mesh, tpu_devices
+    from jaxformer.data.batching import rows_per_batch
+    from jaxformer.model.config import preset
+    from jaxformer.model.sharding import parse_mesh
+
+    spec = slice_spec(args.topology)
+    chip = CHIPS[spec.chip]
+    config = preset(cfg.preset, src_vocab_size=cfg.vocab_size, **cfg.model_overrides())
+    devices_count = spec.chips * args.num_slices
+    data = parse_mesh(cfg.mesh, devices_count)["data"]
+    length = min(cfg.max_train_len or config.max_len, config.max_len)
+    rows = rows_per_batch(cfg.batch_tokens, length, data * cfg.grad_accum_steps)
+    shapes = {"train_step": TrainShape(rows=rows, length=length, label_smoothing=cfg.label_smoothing,
+                                       grad_accum_steps=cfg.grad_accum_steps)}
+    if not args.no_decode:
+        shapes["beam_search"] = DecodeShape(batch=args.decode_batch, src_len=length, beam_size=cfg.beam_size,
+                                            max_decode_len=min(config.max_len, length + 50))
+    cache = ReportCache(args.cache_dir)
+    header = {"topology": spec.name, "slice": spec.topology, "num_slices": args.num_slices,
+              "devices": devices_count, "chip": chip.name, "mesh": cfg.mesh or f"data={devices_count}",
+              "model": config.to_dict(), "batch": {"rows": rows, "length": length}}
+    out: dict[str, Any] = {"target": header}
+    mesh = None
+    for name, shape in shapes.items():
+        key = cache.key(target=header, program=name, shape=repr(shape))
+        cached = None if (args.no_cache or args.save) else cache.get(key)
+        if cached is not None:
+            out[name] = {**cached, "cached": True}
+            continue
+        if mesh is None:
+            mesh = target_mesh(tpu_devices(spec, args.num_slices), cfg.mesh, args.num_slices)
+        lower = {"train_step": lower_train_step, "beam_search": lower_beam_search}[name]
+        # beam search: XLA counts its while body (one token per sentence) once
+        tokens = rows * length if name == "train_step" else shape.batch
+        out[name] = _compile(name, functools.partial(lower, config, mesh, shape), chip, tokens, args.save)
+        cache.put(key, out[name])
+    return out
+
+
+def _print(out: dict[str, Any]) -> None:
+    t = out["target"]
+    print(f"{t['topology']} ({t['slice']} × {t['num_slices']} slice(s), {t['devices']} × {t['chip']}), mesh "
+          f"{t['mesh']}; d_model {t['model']['d_model']}, {t['model']['num_encoder_layers']}+"
+          f"{t['model']['num_decoder_layers']} layers, {t['model']['dtype']}; train batch "
+          f"{t['batch']['rows']} × {t['batch']['length']}")
+    for name, result in out.items():
+        if name == "target":
+            continue
+        how = "cached" if result.get("cached") else f"compiled in {result['compile_s']:.1f} s"
+        if "verdict" in result:
+            print(f"{name} ({how}): {result['verdict']}")
+        else:
+            print(report_lib.format_report(f"{name} ({how})", result))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        slice_spec(args.topology)
+        cfg = TrainConfig(**{name: getattr(args, name) for name in FLAGS})
+    except ValueError as e:
+        parser.error(str(e))
+    try:
+        out = compile_all(args, cfg)
+    except (ValueError, RuntimeError) as e:   # a mesh that does not fit, no libtpu
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
+    if args.json:
+        print(json.dumps(out, indent=2, sort_keys=True, default=float))
+    else:
+        _print(out)
+    sys.exit(0 if all(r.get("fits", True) for k, r in out.items() if k != "target") else 1)
+
+
+if __name__ == "__main__":
+    main()

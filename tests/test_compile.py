@@ -1,0 +1,114 @@
+"""``jaxformer-compile``: the real train step and beam search compiled for TPU slices on
+this CPU (libtpu's compile-only devices), with memory, FLOPs, collectives and the fit
+verdict (issue #18). The tiny preset keeps every compile to seconds."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("libtpu", reason="the compile tests need libtpu (pip install -e '.[test]')")
+
+from jaxformer.aot import report  # noqa: E402
+from jaxformer.aot.chips import GiB, slice_names, slice_spec  # noqa: E402
+from jaxformer.cli.compile import main  # noqa: E402
+
+TINY = ["--preset", "tiny", "--vocab-size", "300", "--batch-tokens", "512", "--max-train-len", "32"]
+
+
+def _compile(capsys, tmp_path, *flags: str) -> tuple[int, dict]:
+    with pytest.raises(SystemExit) as stop:
+        main([*TINY, "--cache-dir", str(tmp_path / "cache"), "--json", *flags])
+    return stop.value.code, json.loads(capsys.readouterr().out)
+
+
+def test_slice_names_map_to_topologies():
+    assert (slice_spec("v4-8").topology, slice_spec("v4-8").chips) == ("v4:2x2x1", 4)
+    assert slice_spec("v5e-16").topology == "v5e:4x4" and slice_spec("v5p-128").topology == "v5:4x4x4"
+    assert slice_spec("v6e-8").chips_per_host_bounds == (2, 4, 1)
+    assert {"v4-8", "v5e-16", "v5p-64", "v6e-8"} <= set(slice_names())
+    with pytest.raises(ValueError, match="Unknown TPU slice 'v5e-3'.*v5e-4"):
+        slice_spec("v5e-3")
+
+
+def test_tiny_compiles_for_v4_8_and_a_model_axis_shows_as_collectives(capsys, tmp_path):
+    code, split = _compile(capsys, tmp_path, "--topology", "v4-8", "--mesh", "data=2,model=2")
+    assert code == 0 and split["target"]["devices"] == 4 and split["target"]["batch"] == {"rows": 16,
+                                                                                          "length": 32}
+    for program in ("train_step", "beam_search"):
+        result = split[program]
+        memory = result["memory"]
+        assert result["fits"] and 0 < memory["peak"] < 32 * GiB and result["hbm"] == 32 * GiB
+        assert memory["argument"] > 0 and memory["temp"] > 0 and result["flops_per_device"] > 0
+        assert result["roofline_step_s"] > 0 and 0 < result["mfu_ceiling"] <= 1
+    # The donated train state is aliased to the new one: its bytes are counted once.
+    assert split["train_step"]["memory"]["alias"] > 0.9 * split["train_step"]["memory"]["argument"]
+    code, data_only = _compile(capsys, tmp_path, "--topology", "v4-8", "--mesh", "data=4", "--no-decode")
+    # Heads and FFN over `model` need all-reduces inside every layer; data parallelism
+    # only the gradients' (fused into a few).
+    count = lambda r: sum(c["count"] for c in r["train_step"]["collectives"].values())  # noqa: E731
+    assert count(split) >= 4 * layers(split) and count(data_only) < count(split)
+    assert data_only["train_step"]["flops_per_device"] > 0
+
+
+def layers(out: dict) -> int:
+    model = out["target"]["model"]
+    return model["num_encoder_layers"] + model["num_decoder_layers"]
+
+
+def test_two_slices_over_dcn_and_the_cache(capsys, tmp_path):
+    flags = ("--topology", "v5e-4", "--num-slices", "2", "--mesh", "data=8", "--no-decode")
+    code, first = _compile(capsys, tmp_path, *flags)
+    assert code == 0 and first["target"]["devices"] == 8 and "cached" not in first["train_step"]
+    assert "all-reduce" in first["train_step"]["collectives"]
+    code, again = _compile(capsys, tmp_path, *flags)   # the same inputs: read back, not compiled
+    assert code == 0 and again["train_step"]["cached"] is True
+    assert again["train_step"]["memory"] == first["train_step"]["memory"]
+
+
+def test_a_batch_too_big_does_not_fit_with_a_verdict_not_a_traceback(capsys, tmp_path):
+    with pytest.raises(SystemExit) as stop:
+        main([*TINY, "--topology", "v5e-4", "--batch-tokens", str(2**23), "--max-train-len", "64",
+              "--no-decode", "--cache-dir", str(tmp_path / "cache")])
+    out = capsys.readouterr().out
+    assert stop.value.code == 1
+    assert "train_step (compiled in" in out and "does not fit: needs" in out and "GiB per chip" in out
+    assert "--remat" in out and "--grad-accum-steps" in out
+
+
+def test_bad_flags_exit_2(capsys, tmp_path):
+    for flags, message in ((["--topology", "v9-8"], "Unknown TPU slice"),
+                           (["--topology", "v4-8", "--mesh", "data=3"], "mesh")):
+        with pytest.raises(SystemExit) as stop:
+            main([*TINY, *flags, "--cache-dir", str(tmp_path / "cache")])
+        assert stop.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_oom_message_is_read_in_both_wordings():
+    new = RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+                       "temporaries (27.62G) exceeds available HBM (15.75G).")
+    old = RuntimeError("XLA:TPU compile permanent error. Ran out of memory in memory space hbm. Used 20.5G "
+                       "of 15.48G hbm. Exceeded hbm capacity by 5.02G.")
+    assert report.out_of_memory(new) == (int(27.62 * GiB), int(15.75 * GiB))
+    assert report.out_of_memory(old) == (int(20.5 * GiB), int(15.48 * GiB))
+    assert report.out_of_memory(RuntimeError("something else")) is None
+
+
+def test_importing_jaxformer_sets_no_tpu_environment_and_starts_no_tpu_backend():
+    """Only the compile tool tells libtpu what a CPU host lacks: importing jaxformer adds
+    no TPU_* variable to what ``import jax`` itself sets, and computing on the CPU starts
+    no TPU backend."""
+    code = ("import os, jax\n"
+            "before = {k: v for k, v in os.environ.items() if k.startswith('TPU_')}\n"
+            "import jaxformer, jaxformer.cli.compile, jaxformer.train.trainer, jax.numpy as jnp\n"
+            "jnp.ones(2).block_until_ready()\n"
+            "from jax._src import xla_bridge\n"
+            "after = {k: v for k, v in os.environ.items() if k.startswith('TPU_')}\n"
+            "print(after == before, sorted(xla_bridge._backends))\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TPU_")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.strip() == "True ['cpu']", out.stdout + out.stderr[-2000:]
