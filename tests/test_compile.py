@@ -20,10 +20,19 @@ from jaxformer.cli.compile import main  # noqa: E402
 TINY = ["--preset", "tiny", "--vocab-size", "300", "--batch-tokens", "512", "--max-train-len", "32"]
 
 
+def _run(tmp_path, *flags: str) -> subprocess.CompletedProcess:
+    """``python -m jaxformer.compile`` as a user runs it: its own process (the tool turns
+    JAX's persistent compilation cache off for itself, which a test worker keeps on)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
+    return subprocess.run([sys.executable, "-m", "jaxformer.compile", *TINY, "--cache-dir",
+                           str(tmp_path / "cache"), *flags], capture_output=True, text=True, env=env,
+                          timeout=600)
+
+
 def _compile(capsys, tmp_path, *flags: str) -> tuple[int, dict]:
-    with pytest.raises(SystemExit) as stop:
-        main([*TINY, "--cache-dir", str(tmp_path / "cache"), "--json", *flags])
-    return stop.value.code, json.loads(capsys.readouterr().out)
+    done = _run(tmp_path, "--json", *flags)
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    return done.returncode, json.loads(done.stdout)
 
 
 def test_slice_names_map_to_topologies():
@@ -70,14 +79,12 @@ def test_two_slices_over_dcn_and_the_cache(capsys, tmp_path):
     assert again["train_step"]["memory"] == first["train_step"]["memory"]
 
 
-def test_a_batch_too_big_does_not_fit_with_a_verdict_not_a_traceback(capsys, tmp_path):
-    with pytest.raises(SystemExit) as stop:
-        main([*TINY, "--topology", "v5e-4", "--batch-tokens", str(2**23), "--max-train-len", "64",
-              "--no-decode", "--cache-dir", str(tmp_path / "cache")])
-    out = capsys.readouterr().out
-    assert stop.value.code == 1
-    assert "train_step (compiled in" in out and "does not fit: needs" in out and "GiB per chip" in out
-    assert "--remat" in out and "--grad-accum-steps" in out
+def test_a_batch_too_big_does_not_fit_with_a_verdict_not_a_traceback(tmp_path):
+    done = _run(tmp_path, "--topology", "v5e-4", "--batch-tokens", str(2**23), "--max-train-len", "64",
+                "--no-decode")
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert "train_step (compiled in" in done.stdout and "does not fit: needs" in done.stdout
+    assert "GiB per chip" in done.stdout and "--remat" in done.stdout and "--grad-accum-steps" in done.stdout
 
 
 def test_bad_flags_exit_2(capsys, tmp_path):
@@ -112,3 +119,14 @@ def test_importing_jaxformer_sets_no_tpu_environment_and_starts_no_tpu_backend()
     env = {k: v for k, v in os.environ.items() if not k.startswith("TPU_")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.strip() == "True ['cpu']", out.stdout + out.stderr[-2000:]
+
+
+def test_tiny_compiles_for_an_h100_node_without_a_gpu(capsys, tmp_path):
+    """The deviceless CUDA route (the gpu-aot extra: the jax CUDA plugin, and the host's
+    ptxas): 8 compile-only H100s, memory per device, FLOPs counted on the host."""
+    pytest.importorskip("jax_plugins.xla_cuda12", reason="pip install -e '.[gpu-aot]'")
+    code, out = _compile(capsys, tmp_path, "--topology", "h100-8", "--no-decode")
+    result = out["train_step"]
+    assert code == 0 and out["target"]["devices"] == 8 and out["target"]["chip"] == "NVIDIA H100 SXM"
+    assert result["fits"] and result["memory"]["argument"] > 0 and result["flops_per_device"] > 0
+    assert "all-reduce" in result["collectives"]

@@ -54,7 +54,7 @@ class SliceSpec:
     name: str                  # "v5e-16"
     chip: str                  # a key of CHIPS
     topology: str              # "v5e:4x4"
-    chip_config_name: str      # "megacore" (one device per v4/v5p chip) or "default"
+    chip_config_name: str      # "megacore" (one device per v4/v5p chip), "default", or "gpu"
     chips_per_host_bounds: tuple[int, int, int]
     chips: int
 
@@ -71,10 +71,37 @@ _FAMILIES = {  # name prefix: (chip, topology prefix, config, cores per chip in 
 }
 
 
+# GPU nodes: ``h100-8`` = 8 GPUs of one host over NVLink (more hosts: --num-slices).
+GPU_NODES = {"h100": 8, "h200": 8}
+
+# What XLA's GPU compiler needs to know of a chip it cannot see (a GpuTargetConfigProto,
+# xla/stream_executor/device_description.proto), from the vendor's specifications:
+# H100/H200 SXM, compute capability 9.0, 132 SMs, 50 MiB L2, 1.98 GHz boost.
+_HOPPER = {"threads_per_block_limit": 1024, "threads_per_warp": 32, "shared_memory_per_block": 49152,
+           "shared_memory_per_core": 233472, "threads_per_core_limit": 2048, "core_count": 132,
+           "fpus_per_core": 128, "block_dim_limit_x": 2147483647, "block_dim_limit_y": 65535,
+           "block_dim_limit_z": 65535, "l2_cache_size": 50 * 2**20, "clock_rate_ghz": 1.98,
+           "shared_memory_per_block_optin": 232448, "registers_per_core_limit": 65536,
+           "registers_per_block_limit": 65536, "thread_dim_limit_x": 1024, "thread_dim_limit_y": 1024,
+           "thread_dim_limit_z": 64}
+
+
+def gpu_target_config(chip: str) -> str:
+    """The text-format ``GpuTargetConfigProto`` of an ``h100`` or ``h200``, which
+    ``get_topology_desc(platform="cuda", target_config=...)`` takes."""
+    spec = CHIPS[chip]
+    fields = {**_HOPPER, "memory_bandwidth": int(spec.hbm_bandwidth), "device_memory_size": spec.hbm_bytes}
+    body = "".join(f"  {k}: {v}\n" for k, v in fields.items())
+    return (f"gpu_device_info {{\n{body}  cuda_compute_capability {{ major: 9 }}\n"
+            f'  device_vendor: "NVIDIA Corporation"\n  name: "{spec.name}"\n}}\n'
+            f'platform_name: "CUDA"\ndnn_version_info {{ major: 9 minor: 1 }}\n'
+            f'device_description_str: "{spec.name}"\n')
+
+
 def slice_names() -> list[str]:
     """Every slice name :func:`slice_spec` knows, e.g. ``v4-8 … v6e-256``."""
     return [f"{family}-{chips * cores}" for family, (_, _, _, cores, shapes) in _FAMILIES.items()
-            for chips in shapes]
+            for chips in shapes] + [f"{chip}-{count}" for chip, count in GPU_NODES.items()]
 
 
 def slice_spec(name: str) -> SliceSpec:
@@ -84,6 +111,8 @@ def slice_spec(name: str) -> SliceSpec:
       ValueError: an unknown name; the message lists the known ones.
     """
     family, _, size = name.lower().partition("-")
+    if family in GPU_NODES and size == str(GPU_NODES[family]):
+        return SliceSpec(name.lower(), family, f"1x1x{size}", "gpu", (1, 1, 1), int(size))
     if family in _FAMILIES and size.isdigit():
         chip, prefix, config, cores, shapes = _FAMILIES[family]
         chips = int(size) // cores

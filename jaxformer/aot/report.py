@@ -70,12 +70,18 @@ def memory(compiled: jax.stages.Compiled) -> dict[str, int]:
     return out
 
 
-def analyse(compiled: jax.stages.Compiled, chip: Chip, tokens_per_step: int) -> dict[str, Any]:
+def analyse(compiled: jax.stages.Compiled, chip: Chip, tokens_per_step: int,
+            global_cost: dict[str, float] | None = None, devices: int = 1) -> dict[str, Any]:
     """The report of one compiled program on ``chip``: memory, fits, FLOPs, collectives
-    and the roofline estimate (``tokens_per_step``: target positions of the global batch)."""
+    and the roofline estimate (``tokens_per_step``: target positions of the global batch).
+    Where the compiled program has no cost analysis (XLA:GPU), ``global_cost`` (the
+    lowered, unpartitioned program's) divided over ``devices`` stands in."""
     mem = memory(compiled)
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
+    if not cost and global_cost:
+        cost = {k: float(global_cost.get(k, 0.0)) / devices for k in ("flops", "bytes accessed")}
+    cost = cost or {}
     flops, accessed = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
     comms = collectives(compiled.as_text())
     seconds = {"compute": flops / chip.bf16_flops, "memory": accessed / chip.hbm_bandwidth,

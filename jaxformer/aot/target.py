@@ -53,6 +53,32 @@ def tpu_devices(spec: SliceSpec, num_slices: int = 1) -> list[jax.Device]:
     return list(topology.devices)
 
 
+def gpu_devices(spec: SliceSpec, num_hosts: int = 1) -> list[jax.Device]:
+    """Compile-only CUDA devices: ``num_hosts`` nodes of ``spec``'s GPUs (the jax CUDA
+    plugin: pip install 'jaxformer[gpu-aot]'; no GPU and no driver needed, the host's
+    ``ptxas`` compiles).
+
+    Raises:
+      RuntimeError: the plugin is missing, or refuses the topology.
+    """
+    from jax.experimental.topologies import get_topology_desc
+
+    from jaxformer.aot.chips import gpu_target_config
+
+    try:
+        topology = get_topology_desc(platform="cuda", topology_name="", target_config=gpu_target_config(
+            spec.chip), topology=f"{num_hosts}x1x{spec.chips}")
+    except Exception as e:   # NotImplementedError without the plugin; JaxRuntimeError from it
+        raise RuntimeError(f"No compile-only CUDA devices for {spec.name}: {str(e).strip().splitlines()[0]}. "
+                           f"Install the jax CUDA plugin with pip install 'jaxformer[gpu-aot]'.") from e
+    return list(topology.devices)
+
+
+def target_devices(spec: SliceSpec, num_slices: int = 1) -> list[jax.Device]:
+    """:func:`tpu_devices` or :func:`gpu_devices`, by the target's kind."""
+    return gpu_devices(spec, num_slices) if spec.chip_config_name == "gpu" else tpu_devices(spec, num_slices)
+
+
 def target_mesh(devices: list[jax.Device], spec: str | None, num_slices: int = 1) -> Mesh:
     """The run's ``(data, model)`` mesh over target ``devices``. Over several slices the
     ``data`` axis spans them (DCN: only the gradient all-reduce crosses slices) and

@@ -37,9 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxformer-compile", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--topology", required=True, metavar="SLICE",
-                        help=f"TPU slice to compile for: {', '.join(slice_names())}")
+                        help=f"TPU slice or GPU node to compile for: {', '.join(slice_names())}")
     parser.add_argument("--num-slices", type=int, default=1,
-                        help="slices joined over DCN (multi-slice; the data axis spans them)")
+                        help="slices (GPU: hosts) joined over DCN; the data axis spans them")
     add_config_flags(parser, list(FLAGS), DEFAULT_CPU_RUN)
     parser.add_argument("--decode-batch", type=int, default=64, help="sentences per beam-search batch")
     parser.add_argument("--no-decode", action="store_true", help="compile the train step only")
@@ -51,9 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _compile(name: str, lower, chip, tokens: int, save: str | None) -> dict[str, Any]:
+def _compile(name: str, lower, chip, tokens: int, save: str | None, devices: int,
+             host_cost=None) -> dict[str, Any]:
     """Lowers and compiles one program; its report, or the does-not-fit verdict of an
-    out-of-memory compile."""
+    out-of-memory compile. ``host_cost``: the program's FLOPs on one host device, for a
+    target whose compiler reports none (XLA:GPU)."""
     start = time.perf_counter()
     lowered = lower()
     try:
@@ -64,7 +66,7 @@ def _compile(name: str, lower, chip, tokens: int, save: str | None) -> dict[str,
             raise
         return {"fits": False, "needed": needed[0], "hbm": needed[1],
                 "compile_s": time.perf_counter() - start, "verdict": report_lib.does_not_fit(*needed)}
-    result = report_lib.analyse(compiled, chip, tokens)
+    result = report_lib.analyse(compiled, chip, tokens, host_cost() if host_cost else None, devices)
     result["compile_s"] = time.perf_counter() - start
     if save:
         from jax.experimental.serialize_executable import serialize
@@ -76,11 +78,13 @@ def _compile(name: str, lower, chip, tokens: int, save: str | None) -> dict[str,
 
 def compile_all(args: argparse.Namespace, cfg: TrainConfig) -> dict[str, Any]:
     """Every program's report, from the cache where it holds one."""
+    import jax
+
     from jaxformer.aot.steps import DecodeShape, TrainShape, lower_beam_search, lower_train_step
-    from jaxformer.aot.target import target_mesh, tpu_devices
+    from jaxformer.aot.target import target_devices, target_mesh
     from jaxformer.data.batching import rows_per_batch
     from jaxformer.model.config import preset
-    from jaxformer.model.sharding import parse_mesh
+    from jaxformer.model.sharding import make_mesh, parse_mesh
 
     spec = slice_spec(args.topology)
     chip = CHIPS[spec.chip]
@@ -107,11 +111,16 @@ def compile_all(args: argparse.Namespace, cfg: TrainConfig) -> dict[str, Any]:
             out[name] = {**cached, "cached": True}
             continue
         if mesh is None:
-            mesh = target_mesh(tpu_devices(spec, args.num_slices), cfg.mesh, args.num_slices)
+            mesh = target_mesh(target_devices(spec, args.num_slices), cfg.mesh, args.num_slices)
         lower = {"train_step": lower_train_step, "beam_search": lower_beam_search}[name]
         # beam search: XLA counts its while body (one token per sentence) once
         tokens = rows * length if name == "train_step" else shape.batch
-        out[name] = _compile(name, functools.partial(lower, config, mesh, shape), chip, tokens, args.save)
+        # XLA:GPU has no cost analysis: the same program on one host device counts its FLOPs.
+        host_cost = None if spec.chip_config_name != "gpu" else (
+            lambda lower=lower, shape=shape: lower(config, make_mesh(None, jax.devices("cpu")[:1]),
+                                                   shape).cost_analysis())
+        out[name] = _compile(name, functools.partial(lower, config, mesh, shape), chip, tokens, args.save,
+                             mesh.size, host_cost)
         cache.put(key, out[name])
     return out
 
@@ -133,6 +142,13 @@ def _print(out: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Parses the command line, compiles, prints; exits with the status documented above."""
+    import jax
+
+    # This tool compiles for devices it does not have; the host's CPU stays JAX's platform
+    # (and the CUDA plugin registers its compile-only devices without a driver).
+    if not jax.config.jax_platforms:
+        jax.config.update("jax_platforms", "cpu")
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -140,6 +156,9 @@ def main(argv: list[str] | None = None) -> None:
         cfg = TrainConfig(**{name: getattr(args, name) for name in FLAGS})
     except ValueError as e:
         parser.error(str(e))
+    # JAX's persistent cache would store executables that a compile-only client cannot
+    # load back (a warning on every later read); the reports are cached instead.
+    jax.config.update("jax_enable_compilation_cache", False)
     try:
         out = compile_all(args, cfg)
     except (ValueError, RuntimeError) as e:   # a mesh that does not fit, no libtpu
