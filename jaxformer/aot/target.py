@@ -25,6 +25,9 @@ def _quiet_libtpu(spec: SliceSpec) -> None:
     queries the server (and waits) and warns about the accelerator type and workers.
     Only the compile tool sets these, never an import of jaxformer."""
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    # Compile-only devices touch no chip: several processes may load libtpu at once
+    # (without this the second fails on /tmp/libtpu_lockfile).
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", spec.name)
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 
