@@ -130,3 +130,20 @@ def test_tiny_compiles_for_an_h100_node_without_a_gpu(capsys, tmp_path):
     assert code == 0 and out["target"]["devices"] == 8 and out["target"]["chip"] == "NVIDIA H100 SXM"
     assert result["fits"] and result["memory"]["argument"] > 0 and result["flops_per_device"] > 0
     assert "all-reduce" in result["collectives"]
+
+
+def test_with_libtpu_installed_a_cpu_host_never_starts_the_tpu_backend():
+    """The commands that run a model call skip_absent_tpu(): with JAX_PLATFORMS unset and
+    no TPU attached, JAX runs on the CPU without libtpu's metadata queries and warnings."""
+    from jaxformer.run.platform import tpu_attached
+
+    if tpu_attached():
+        pytest.skip("this machine has TPU chips")
+    code = ("from jaxformer.run.platform import skip_absent_tpu\n"
+            "chose = skip_absent_tpu()\n"
+            "import jax\n"
+            "print(chose, jax.devices()[0].platform)\n")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS" and not k.startswith("TPU_")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.split() == ["True", "cpu"]
+    assert "TPU" not in out.stderr, out.stderr[-2000:]

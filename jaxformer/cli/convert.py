@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 
 from jaxformer.interop.marian import export_marian, import_marian
+from jaxformer.run.platform import skip_absent_tpu
 
 
 def main(argv=None) -> None:
@@ -27,6 +28,7 @@ def main(argv=None) -> None:
     parser.add_argument("--workdir", help="run directory to write (with --from-hf)")
     parser.add_argument("--out", help="Hugging Face model folder to write (with --to-hf)")
     args = parser.parse_args(argv)
+    skip_absent_tpu()   # libtpu installed on a CPU host: never start the TPU backend
     if args.from_hf and not args.workdir:
         parser.error("--from-hf needs --workdir RUN")
     if args.to_hf and not args.out:

@@ -11,6 +11,7 @@ import argparse
 from jaxformer.data.run_data import prepare_run_data
 from jaxformer.run.config import TrainConfig
 from jaxformer.run.directory import RunDir
+from jaxformer.run.platform import skip_absent_tpu
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -29,6 +30,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-length-ratio", type=float, default=defaults.max_length_ratio,
                         help="drop pairs whose source/target id counts differ by more (Moses clean-corpus-n)")
     args = parser.parse_args(argv)
+    skip_absent_tpu()   # libtpu installed on a CPU host: never start the TPU backend
     fields = {k: v for k, v in vars(args).items() if v is not None}
     try:
         cfg = TrainConfig(**fields)

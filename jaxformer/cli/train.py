@@ -24,6 +24,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     """Parses the command line, trains, and exits with the status documented above."""
     from jaxformer.run.config import DEFAULT_CPU_RUN, from_args, parse_train_args
     from jaxformer.run.logs import console_logging
+    from jaxformer.run.platform import skip_absent_tpu
 
     parser, args = parse_train_args(argv, DEFAULT_CPU_RUN, DESCRIPTION, prog=prog)
     try:
@@ -34,6 +35,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     from jaxformer.train.trainer import Preempted, TrainingDiverged, train
 
     console_logging()
+    skip_absent_tpu()   # libtpu installed on a CPU host: never start the TPU backend
     keep_compilation_cache(RunDir(cfg.workdir))   # a resume compiles nothing it compiled before
     try:
         train(cfg, fresh=args.fresh)

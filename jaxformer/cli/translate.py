@@ -33,6 +33,7 @@ from pathlib import Path
 
 from jaxformer.decode.translator import Translator, save_attention_png
 from jaxformer.run.directory import RunDir, enable_compilation_cache
+from jaxformer.run.platform import skip_absent_tpu
 
 
 def _is_stream(stream) -> bool:
@@ -212,6 +213,7 @@ def main(argv=None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     _check_args(parser, args)
+    skip_absent_tpu()   # libtpu installed on a CPU host: never start the TPU backend
     run_dir = RunDir(Path(args.workdir))
     cached = run_dir.config.exists() and enable_compilation_cache(run_dir)
     if run_dir.config.exists() and not cached:
