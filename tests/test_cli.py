@@ -143,6 +143,19 @@ def test_translate_input_gives_one_line_per_line_whatever_its_bytes(run, tmp_pat
     assert "line 4" in capsys.readouterr().err
     lines = out.read_text(encoding="utf-8").split("\n")
     assert len(lines) == 10 and lines[-1] == "" and lines[2] == ""   # 9 lines, the empty one empty
+    # Gzipped input is read as training reads corpora; n-best lists keep n lines per line.
+    import gzip
+
+    gz = tmp_path / "in.txt.gz"
+    gz.write_bytes(gzip.compress(b"Click OK.\n\nChoose Format - Cells.\n"))
+    translate_main(["--workdir", str(workdir), "--input", str(gz), "--output", str(out), "--beam-size", "2",
+                    "--n-best", "2"])
+    rows = [line.split("\t") for line in out.read_text(encoding="utf-8").splitlines()]
+    assert [int(r[0]) for r in rows] == [0, 0, 1, 1, 2, 2] and rows[2][2] == rows[3][2] == ""
+    gz.write_bytes(gzip.compress(b"Click OK.\n" * 500)[:40])   # truncated
+    with pytest.raises(SystemExit) as stop:
+        translate_main(["--workdir", str(workdir), "--input", str(gz), "--beam-size", "1"])
+    assert stop.value.code == 2 and "truncated or corrupt gzip" in capsys.readouterr().err
 
 
 def test_translate_n_best_beyond_the_beam_or_with_sampling_is_refused(run, capsys):

@@ -158,7 +158,7 @@ def test_resuming_with_another_batch_plan_is_refused_and_the_same_plan_resumes(t
     shutil.copytree(reference, workdir)
     assert json.loads((workdir / "config.json").read_text())["batch_rows"] == {"32": 16}
     with pytest.raises(ValueError, match=r"batches of \{'32': 16\} rows.*give \{'32': 15\}.*"
-                                         r"--grad-accum-steps 1"):
+                                         r"--devices 1 --grad-accum-steps 1; no --mesh"):
         train(_config(workdir, files, 14, grad_accum_steps=3))
     assert train(_config(workdir, files, 14, grad_accum_steps=2))["final_step"] == 14
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 from jaxformer.data.run_data import prepare_run_data
-from jaxformer.run.config import TrainConfig
+from jaxformer.run.config import PAIRS, TrainConfig
 from jaxformer.run.directory import RunDir
 from jaxformer.run.platform import skip_absent_tpu
 
@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> None:
                             ("train-file", "source<TAB>target lines, plain or .gz"),
                             ("src-file", "or line-aligned source file"), ("tgt-file", "and target file"),
                             ("dev-file", "explicit dev TSV"), ("test-file", "explicit test TSV")):
-        parser.add_argument(f"--{name}", help=help_text)
+        parser.add_argument(f"--{name}", help=help_text, **({"choices": PAIRS} if name == "pair" else {}))
     parser.add_argument("--vocab-size", type=int, default=defaults.vocab_size)
     parser.add_argument("--max-length-ratio", type=float, default=defaults.max_length_ratio,
                         help="drop pairs whose source/target id counts differ by more (Moses clean-corpus-n)")

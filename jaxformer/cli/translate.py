@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import argparse
 import gc
+import gzip
 import os
 import select
 import stat
 import sys
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -151,6 +153,12 @@ def _read_lines(parser: argparse.ArgumentParser, args: argparse.Namespace) -> li
     else:   # a file redirected to stdin (a test's StringIO has no bytes underneath)
         buffer = getattr(sys.stdin, "buffer", None)
         data = buffer.read() if buffer is not None else sys.stdin.read().encode("utf-8")
+    if data[:2] == b"\x1f\x8b":   # gzip's magic number: a .gz corpus, as training reads them
+        try:
+            data = gzip.decompress(data)
+        except (EOFError, OSError, zlib.error) as e:
+            parser.exit(2, f"{parser.prog}: error: {args.input or 'stdin'} is a truncated or corrupt gzip "
+                           f"file ({e}); check it with gzip -t\n")
     raw_lines = data.split(b"\n")
     if raw_lines and raw_lines[-1] == b"":
         raw_lines.pop()   # the newline that ends the last line
@@ -198,10 +206,12 @@ def _translate_lines(translator: Translator, args, lines: list[str], first_index
                                                        length_normalization=args.length_normalization)]
     for i, n_best in zip(todo, results):
         best[i] = n_best[0][0]
-    if args.n_best > 1:
+    if args.n_best > 1:   # n lines per input line; an empty line's are empty (score 0)
         by_line = dict(zip(todo, results))
         for i in range(len(lines)):
-            for text, score in by_line.get(i, [])[: args.n_best]:
+            hypotheses = by_line.get(i, [("", 0.0)])[: args.n_best]
+            hypotheses += [hypotheses[-1]] * (args.n_best - len(hypotheses))
+            for text, score in hypotheses:
                 out.write(f"{first_index + i}\t{score:.4f}\t{text}\n")
     else:
         out.write("".join(f"{text}\n" for text in best))

@@ -120,6 +120,16 @@ class _CheckpointManager(ocp.CheckpointManager):
     def reached_preemption(self, step: int) -> bool:
         return False
 
+    def close(self) -> None:
+        """Waits for the removal of leftover temporary checkpoints, then closes. Orbax starts
+        it in a thread when the manager opens and only a save waits for it: a manager
+        closed before any save (a setup that fails its data checks) would leave that
+        thread running into interpreter shutdown, and a traceback at exit."""
+        await_cleanup = getattr(self, "_maybe_await_cleanup_tmp_directory", None)   # orbax 0.12
+        if await_cleanup is not None:
+            await_cleanup()
+        super().close()
+
 
 class RunCheckpoints:
     """The two checkpoint managers of a run directory."""

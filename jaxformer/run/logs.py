@@ -59,8 +59,8 @@ def console_logging(level: int = logging.INFO) -> None:
     logger.
 
     Idempotent; an application that configured its own handlers on ``"jaxformer"`` is
-    left alone. Records still propagate (a program whose root logger has no handlers
-    prints each once).
+    left alone. The records stop propagating to the root logger, where grain and orbax
+    (through absl) install a stderr handler of their own: each line prints once.
     """
     if logger.handlers:
         return
@@ -68,6 +68,7 @@ def console_logging(level: int = logging.INFO) -> None:
     handler.setLevel(level)
     logger.addHandler(handler)
     logger.setLevel(logging.DEBUG)
+    logger.propagate = False
 
 
 class RunLog:

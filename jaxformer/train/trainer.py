@@ -208,13 +208,16 @@ def _check_same_batch_plan(saved: dict[str, Any], batch_rows: dict[str, int], ro
     if before is None or before == batch_rows:   # a run from before the record: nothing to compare
         return
     train = saved.get("train", {})
+    used = " ".join(f"--{name.replace('_', '-')} {train[name]}"
+                    for name in ("devices", "mesh", "grad_accum_steps") if train.get(name) is not None)
+    unset = [f"--{name}" for name in ("devices", "mesh") if train.get(name) is None]
     raise ValueError(
         f"The run's checkpoints continue batches of {before} rows (by row length); these settings "
         f"give {batch_rows} (rounded to multiples of {row_multiple} = data axis × --grad-accum-steps "
         f"× processes), so the saved data position would point into other batches. Resume with the "
-        f"settings the run used (--devices {train.get('devices')}, --mesh {train.get('mesh')}, "
-        f"--grad-accum-steps {train.get('grad_accum_steps')}), or a --batch-tokens whose rows divide "
-        f"by both, or start a new run (--fresh, or --init-from this one).")
+        f"settings the run used ({used}" + (f"; no {' or '.join(unset)}" if unset else "") + f", on "
+        f"{train.get('num_processes') or 1} process(es)), or a --batch-tokens whose rows divide by "
+        f"both, or start a new run (--fresh, or --init-from this one).")
 
 
 def _check_batch_rows(batch_tokens: int, row_length: int, row_multiple: int) -> None:
