@@ -6,9 +6,8 @@ directory that ``jaxformer-translate --workdir RUN`` and ``train.py --init-from 
 use. ``--to-hf RUN --out DIR`` writes a post-norm run as a ``MarianMTModel``
 directory (safetensors, ``config.json``, ``generation_config.json``, tokenizer files).
 
-Neither direction needs torch: the weights go through ``safetensors.numpy``
-(the mapping: :mod:`jaxformer.interop.marian_weights`; the configs, after transformers'
-``MarianConfig``: here).
+Neither direction needs torch (the weights go through safetensors' NumPy API);
+how they are mapped: :mod:`jaxformer.interop.marian`.
 """
 
 from __future__ import annotations

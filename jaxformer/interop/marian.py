@@ -1,14 +1,11 @@
-"""OPUS-MT/Marian models in, jaxformer models out: ``jaxformer-convert``.
+"""Hugging Face Marian (OPUS-MT) folders as jaxformer run directories, and back.
 
-``--from-hf DIR --workdir RUN`` reads a local Hugging Face Marian directory
-(``config.json``, ``model.safetensors``, the tokenizer files) and writes a run
-directory that ``jaxformer-translate --workdir RUN`` and ``train.py --init-from RUN``
-use. ``--to-hf RUN --out DIR`` writes a post-norm run as a ``MarianMTModel``
-directory (safetensors, ``config.json``, ``generation_config.json``, tokenizer files).
-
-Neither direction needs torch: the weights go through ``safetensors.numpy``
-(the mapping: :mod:`jaxformer.interop.marian_weights`; the configs, after transformers'
-``MarianConfig``: here).
+:func:`import_marian` writes a run directory from a local ``MarianMTModel`` folder
+(config, ``model.safetensors``, tokenizer files, generation defaults);
+:func:`export_marian` writes a post-norm run as such a folder. :func:`config_from_hf`
+and :func:`config_to_hf` map the configs, after transformers' ``MarianConfig``; the
+weights go through ``safetensors.numpy`` (no torch), mapped by
+:mod:`jaxformer.interop.marian_weights`. The command: :mod:`jaxformer.cli.convert`.
 """
 
 from __future__ import annotations
