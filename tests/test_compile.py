@@ -71,8 +71,9 @@ def layers(out: dict) -> int:
 
 def test_two_slices_over_dcn_and_the_cache(capsys, tmp_path):
     flags = ("--topology", "v5e-4", "--num-slices", "2", "--mesh", "data=8", "--no-decode")
-    code, first = _compile(capsys, tmp_path, *flags)
+    code, first = _compile(capsys, tmp_path, *flags, "--save", str(tmp_path / "executables"))
     assert code == 0 and first["target"]["devices"] == 8 and "cached" not in first["train_step"]
+    assert (tmp_path / "executables" / "train_step.xla").stat().st_size > 1000   # the TPU executable
     assert "all-reduce" in first["train_step"]["collectives"]
     code, again = _compile(capsys, tmp_path, *flags)   # the same inputs: read back, not compiled
     assert code == 0 and again["train_step"]["cached"] is True
