@@ -45,7 +45,8 @@ def test_slice_names_map_to_topologies():
 
 
 def test_tiny_compiles_for_v4_8_and_a_model_axis_shows_as_collectives(capsys, tmp_path):
-    code, split = _compile(capsys, tmp_path, "--topology", "v4-8", "--mesh", "data=2,model=2")
+    code, split = _compile(capsys, tmp_path, "--topology", "v4-8", "--mesh", "data=2,model=2",
+                           "--decode-batch", "8")
     assert code == 0 and split["target"]["devices"] == 4 and split["target"]["batch"] == {"rows": 16,
                                                                                           "length": 32}
     for program in ("train_step", "beam_search"):
