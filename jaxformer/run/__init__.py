@@ -2,6 +2,7 @@
 
 ``config`` (``TrainConfig``, the flags of ``train.py``), ``directory`` (``RunDir``: the
 run directory's files, metrics, plots, JAX's compilation cache), ``checkpoints``
-(orbax), ``logs``. Below ``data``, ``decode``, ``interop`` and ``train``, which all
+(orbax), ``logs``, ``platform`` (the CPU when libtpu is installed but no TPU is attached).
+Below ``data``, ``decode``, ``interop`` and ``train``, which all
 read or write run directories; it imports only the ``model`` wing.
 """
