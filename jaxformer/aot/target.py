@@ -49,7 +49,7 @@ def tpu_devices(spec: SliceSpec, num_slices: int = 1) -> list[jax.Device]:
                                      chip_config_name=spec.chip_config_name,
                                      chips_per_host_bounds=spec.chips_per_host_bounds,
                                      num_slices=num_slices)
-    except Exception as e:   # libtpu missing: a RuntimeError or a JaxRuntimeError, by version
+    except (RuntimeError, NotImplementedError) as e:   # libtpu missing or refusing (JaxRuntimeError)
         raise RuntimeError(f"No compile-only TPU devices for {spec.name} ({spec.topology}): "
                            f"{str(e).strip().splitlines()[0]}. Install libtpu, paired with this jax, "
                            f"with pip install 'jaxformer[tpu]'.") from e
@@ -71,7 +71,7 @@ def gpu_devices(spec: SliceSpec, num_hosts: int = 1) -> list[jax.Device]:
     try:
         topology = get_topology_desc(platform="cuda", topology_name="", target_config=gpu_target_config(
             spec.chip), topology=f"{num_hosts}x1x{spec.chips}")
-    except Exception as e:   # NotImplementedError without the plugin; JaxRuntimeError from it
+    except (RuntimeError, NotImplementedError) as e:   # no plugin; or the plugin's JaxRuntimeError
         raise RuntimeError(f"No compile-only CUDA devices for {spec.name}: {str(e).strip().splitlines()[0]}. "
                            f"Install the jax CUDA plugin with pip install 'jaxformer[gpu-aot]'.") from e
     return list(topology.devices)

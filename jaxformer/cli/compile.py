@@ -91,7 +91,7 @@ def compile_all(args: argparse.Namespace, cfg: TrainConfig) -> dict[str, Any]:
     config = preset(cfg.preset, src_vocab_size=cfg.vocab_size, **cfg.model_overrides())
     devices_count = spec.chips * args.num_slices
     data = parse_mesh(cfg.mesh, devices_count)["data"]
-    length = min(cfg.max_train_len or config.max_len, config.max_len)
+    length = cfg.row_length(config.max_len)
     rows = rows_per_batch(cfg.batch_tokens, length, data * cfg.grad_accum_steps)
     shapes = {"train_step": TrainShape(rows=rows, length=length, label_smoothing=cfg.label_smoothing,
                                        grad_accum_steps=cfg.grad_accum_steps)}

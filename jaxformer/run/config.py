@@ -125,6 +125,10 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def row_length(self, max_len: int) -> int:
+        """Positions of a training row: ``--max-train-len``, never past the model's ``max_len``."""
+        return min(self.max_train_len or max_len, max_len)
+
     def model_overrides(self) -> dict[str, Any]:
         """The model fields set on the command line."""
         names = ("d_model", "num_heads", "d_ff", "dropout_rate", "max_len", "norm_position", "dtype",

@@ -271,10 +271,15 @@ def enable_compilation_cache(run_dir: RunDir) -> bool:
         return False
     if not os.access(run_dir.jax_cache, os.W_OK):
         return False
-    jax.config.update("jax_compilation_cache_dir", str(run_dir.jax_cache))
+    _cache_every_program_in(run_dir.jax_cache)
+    return True
+
+
+def _cache_every_program_in(path: Path) -> None:
+    """JAX's persistent compilation cache in ``path``, for every program however quick."""
+    jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-    return True
 
 
 def keep_compilation_cache(run_dir: RunDir) -> bool:
@@ -285,7 +290,5 @@ def keep_compilation_cache(run_dir: RunDir) -> bool:
     Must run before the first compile; returns whether the run directory's cache is used."""
     if jax.config.jax_compilation_cache_dir:
         return False
-    jax.config.update("jax_compilation_cache_dir", str(run_dir.jax_cache))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    _cache_every_program_in(run_dir.jax_cache)
     return True

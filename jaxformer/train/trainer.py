@@ -168,7 +168,7 @@ def build_train_data(cfg: TrainConfig, prepared: PreparedCorpus, target_language
     Raises:
       ValueError: no pair fits, or ``--batch-tokens`` is too small for one row per data shard.
     """
-    max_train_len = min(cfg.max_train_len or model_config.max_len, model_config.max_len)
+    max_train_len = cfg.row_length(model_config.max_len)
     _, too_long = kept_records(prepared, max_train_len)
     log(f"train: {len(prepared)} prepared pairs, {len(prepared) - too_long} used, {too_long} longer "
         f"than {max_train_len} tokens left out ({prepared.manifest['name']}: "
@@ -191,7 +191,7 @@ def build_train_data(cfg: TrainConfig, prepared: PreparedCorpus, target_language
 def _batch_rows(cfg: TrainConfig, model_config: TransformerConfig, row_multiple: int) -> dict[str, int]:
     """Rows per batch for each row length the plan uses (packed: one): with the seed and
     the data, what the saved data position indexes into."""
-    max_train_len = min(cfg.max_train_len or model_config.max_len, model_config.max_len)
+    max_train_len = cfg.row_length(model_config.max_len)
     lengths = bucket_boundaries(max_train_len)
     return {str(length): rows_per_batch(cfg.batch_tokens, length, row_multiple)
             for length in (lengths[-1:] if cfg.pack else lengths)}
