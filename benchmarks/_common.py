@@ -43,14 +43,11 @@ def alternating_median_seconds(fns, repeats: int) -> list[float]:
 
 
 def matmul_flops_per_s(n: int, repeats: int) -> float:
-    """The machine's limit: FLOP/s of a jitted float32 ``N×N`` by ``N×N`` ``jnp.dot`` (2·N³ FLOPs)."""
-    import jax
-    import jax.numpy as jnp
+    """The machine's limit: FLOP/s of a jitted float32 ``N×N`` by ``N×N`` ``jnp.dot`` (2·N³
+    FLOPs), as ``jaxformer.run.platform.matmul_flop_rate`` measures it for the trainer."""
+    from jaxformer.run.platform import matmul_flop_rate
 
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
-    dot = jax.jit(jnp.dot)
-    return 2 * n ** 3 / median_seconds(lambda: dot(a, b).block_until_ready(), repeats, warmup=True)
+    return matmul_flop_rate(n, repeats)
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, *, batch: int) -> None:

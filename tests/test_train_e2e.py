@@ -112,3 +112,52 @@ def test_translate_cli_uses_the_run(tmp_path, trained_run, capsys):
             main(argv)
         assert exit_info.value.code == 2
         assert message in capsys.readouterr().err
+
+
+def _final_params(workdir):
+    from jaxformer.decode.translator import Translator
+
+    return Translator(workdir, checkpoint="latest").params
+
+
+def test_step_budget_gives_the_same_run_on_a_slower_machine(tmp_path, trained_run, corpus_slice, monkeypatch):
+    """Issue 22: the default budget is steps, so a slow loop changes the wall time only."""
+    import time
+
+    import jax
+    import numpy as np
+
+    from jaxformer.train import trainer
+
+    checked, calls = trainer.check_token_ids, []
+
+    def slow_check(*args, **kwargs):   # runs once per batch tensor, before every step
+        calls.append(1)
+        time.sleep(0.02)
+        return checked(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "check_token_ids", slow_check)
+    slow = train(_config(tmp_path / "slow", corpus_slice, 30))
+    fast = json.loads((trained_run / "results.json").read_text())
+    for key in ("test_bleu", "test_chrf", "final_step", "best_dev_bleu", "degenerate", "steps"):
+        assert slow[key] == fast[key], key
+    assert slow["stopped_by"] == "max_steps" and slow["steps"]["cut_by_max_minutes"] is False
+    assert len(calls) == 3 * 30 and slow["matmul_gflops"] > 0   # 1.8 s of sleep in the loop
+    jax.tree_util.tree_map(np.testing.assert_array_equal, _final_params(tmp_path / "slow"),
+                           _final_params(trained_run))
+
+
+def test_a_max_minutes_cut_is_reported(tmp_path, corpus_slice, monkeypatch, capsys):
+    from jaxformer.train import trainer
+
+    # The clock is the preemption module's to read; here it says "time is up" at step 10.
+    monkeypatch.setattr(trainer, "past_deadline", lambda deadline, step, every: step >= 10)
+    cfg = TrainConfig(**{**_config(tmp_path / "cut", corpus_slice, 30).to_dict(), "max_minutes": 5.0,
+                         "lr_schedule": "wsd"})
+    results = train(cfg)
+    assert results["stopped_by"] == "max_minutes" and results["final_step"] == 10
+    assert results["steps"] == {"done": 10, "max_steps": 30, "fraction_done": 10 / 30,
+                                "cut_by_max_minutes": True}
+    out = capsys.readouterr().out
+    assert "--max-minutes 5 stopped training at step 10 of --max-steps 30 (33% of the step budget)" in out
+    assert "had not decayed" in out

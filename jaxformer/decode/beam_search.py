@@ -17,6 +17,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxformer.decode.penalties import NO_PENALTIES, Penalties
+
 # The model callback of every decoder: tokens_to_logits(ids [B, 1], cache) -> (logits [B, V], cache).
 TokensToLogits = Callable[[jax.Array, Any], tuple[jax.Array, Any]]
 
@@ -157,8 +159,8 @@ def still_open(state: dict[str, jax.Array], *, alpha: float, max_decode_len: int
 
 def beam_search(tokens_to_logits: TokensToLogits, cache: Any, *, batch_size: int, beam_size: int,
                 bos_id: int, eos_id: int, pad_id: int, max_decode_len: int, alpha: float = 0.6,
-                max_lengths: jax.Array | None = None,
-                length_normalization: str = "gnmt") -> tuple[jax.Array, jax.Array]:
+                max_lengths: jax.Array | None = None, length_normalization: str = "gnmt",
+                penalties: Penalties = NO_PENALTIES) -> tuple[jax.Array, jax.Array]:
     """Beam search (paper §6.1: k = 4, α = 0.6), GNMT- or Hugging Face-normalised.
 
     Each step extends the live beams, keeps the best 2k candidates, continues the
@@ -189,6 +191,10 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: Any, *, batch_size: int
       max_lengths: optional int ``[B]``, per-sentence limits ≤ M (e.g. source length
         + 50): eos is forced at that length (at M without it).
       length_normalization: ``"gnmt"`` or ``"hf"`` (see :func:`length_penalty`).
+      penalties: ``no_repeat_ngram_size`` and ``repetition_penalty``
+        (:mod:`jaxformer.decode.penalties`), applied to each beam's log-probabilities
+        before the candidates are ranked, as fairseq and ``generate`` do; the scores
+        returned are the penalised ones.
 
     Returns:
       ``(sequences [B, k, M] int32, scores [B, k] float32)``, best first; sequences end
@@ -229,6 +235,10 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: Any, *, batch_size: int
         logits, cache = tokens_to_logits(_flatten_beams(state["last_ids"])[:, None], state["cache"])
         logp_BNV = _unflatten_beams(jax.nn.log_softmax(logits.astype(jnp.float32), axis=vocab_axis),
                                     batch_size)
+        if penalties.active:
+            logp_BNV = _unflatten_beams(penalties.apply(
+                _flatten_beams(logp_BNV), _flatten_beams(state["live_seqs"]), step, banned_value=NEG_INF),
+                batch_size)
         logp_BNV = constrain_log_probs(logp_BNV, step + 1 >= limit_B, eos_id=eos_id, pad_id=pad_id,
                                        bos_id=bos_id, forced_eos_logprob_zero=hf)
         vocab = logp_BNV.shape[-1]

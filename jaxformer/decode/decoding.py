@@ -24,6 +24,7 @@ from jaxformer.decode.beam_search import (  # noqa: F401  (re-exported: callers 
     length_penalty,
     tile_beams,
 )
+from jaxformer.decode.penalties import NO_PENALTIES, Penalties
 from jaxformer.model.sharding import under_mesh
 from jaxformer.model.transformer import Transformer
 from jaxformer.model.validation import check_token_ids
@@ -48,7 +49,8 @@ def _host_checked(jitted: Callable) -> Callable:
 
 def _autoregress(tokens_to_logits: TokensToLogits, cache: Any, pick, *, batch_size: int,
                  bos_id: int, eos_id: int, pad_id: int, max_decode_len: int) -> jax.Array:
-    """The one decoding loop: feed the last token, ``pick(logits_BV, step)`` the next."""
+    """The one decoding loop: feed the last token, ``pick(logits_BV, step, out_BM)`` the next
+    (``out_BM``: the tokens so far, pad after ``step``)."""
     out0 = jnp.full((batch_size, max_decode_len), pad_id, jnp.int32)
     ids0 = jnp.full((batch_size, 1), bos_id, jnp.int32)
     done0 = jnp.zeros((batch_size,), jnp.bool_)
@@ -61,7 +63,7 @@ def _autoregress(tokens_to_logits: TokensToLogits, cache: Any, pick, *, batch_si
         step, ids_B1, cache, done, out = carry
         logits_BV, cache = tokens_to_logits(ids_B1, cache)
         chex.assert_shape(logits_BV, (batch_size, None))
-        next_B = jnp.where(done, pad_id, pick(logits_BV, step))
+        next_B = jnp.where(done, pad_id, pick(logits_BV, step, out))
         out = jax.lax.dynamic_update_slice_in_dim(out, next_B[:, None], step, axis=1)
         done = done | (next_B == eos_id)
         return step + 1, next_B[:, None], cache, done, out
@@ -86,7 +88,8 @@ def first_argmax(logits_BV: jax.Array) -> jax.Array:
 
 
 def greedy_search(tokens_to_logits: TokensToLogits, cache: Any, *, batch_size: int, bos_id: int,
-                  eos_id: int, pad_id: int, max_decode_len: int, forced_eos: bool = False) -> jax.Array:
+                  eos_id: int, pad_id: int, max_decode_len: int, forced_eos: bool = False,
+                  penalties: Penalties = NO_PENALTIES) -> jax.Array:
     """Greedy decoding; stops early once every sequence has produced eos.
 
     Args:
@@ -98,14 +101,17 @@ def greedy_search(tokens_to_logits: TokensToLogits, cache: Any, *, batch_size: i
       max_decode_len: M, the most tokens generated per sequence (eos included).
       forced_eos: the M-th token is eos (as beam search does, and as Hugging Face's
         ``forced_eos_token_id``); otherwise an unfinished sequence just stops.
+      penalties: repetition rules on the logits (:mod:`jaxformer.decode.penalties`).
 
     Returns:
       int32 ``[B, M]``: generated ids (without bos); eos then pad after the end.
     """
 
-    def pick(logits_BV, step):
+    def pick(logits_BV, step, out_BM):
         vocab_ids = jnp.arange(logits_BV.shape[-1], dtype=jnp.int32)
         never_V = (vocab_ids == pad_id) | (vocab_ids == bos_id)
+        if penalties.active:
+            logits_BV = penalties.apply(logits_BV.astype(jnp.float32), out_BM, step, banned_value=-jnp.inf)
         best_B = first_argmax(jnp.where(never_V[None, :], -jnp.inf, logits_BV))
         if forced_eos:
             best_B = jnp.where(step == max_decode_len - 1, eos_id, best_B)
@@ -116,11 +122,13 @@ def greedy_search(tokens_to_logits: TokensToLogits, cache: Any, *, batch_size: i
 
 
 @_host_checked
-@functools.partial(jax.jit, static_argnames=("model", "max_decode_len", "bos_id", "eos_id", "forced_eos"))
+@functools.partial(jax.jit, static_argnames=("model", "max_decode_len", "bos_id", "eos_id", "forced_eos",
+                                             "penalties"))
 def greedy_translate(model: Transformer, params: Any, src_BS: jax.Array, *, max_decode_len: int,
-                     bos_id: int, eos_id: int, forced_eos: bool = False) -> jax.Array:
+                     bos_id: int, eos_id: int, forced_eos: bool = False,
+                     penalties: Penalties = NO_PENALTIES) -> jax.Array:
     """Encodes ``src [B,S]`` once and greedily decodes up to ``max_decode_len`` tokens
-    (``forced_eos``: see :func:`greedy_search`).
+    (``forced_eos``, ``penalties``: see :func:`greedy_search`).
 
     Compiles once per (B, S, max_decode_len). Returns int32 ``[B, M]``. Raises
     ``ValueError`` (before dispatch) for concrete ids outside ``[0, V_src)``.
@@ -128,13 +136,14 @@ def greedy_translate(model: Transformer, params: Any, src_BS: jax.Array, *, max_
     tokens_to_logits, cache = _model_callback(model, params, src_BS, max_decode_len)
     return greedy_search(tokens_to_logits, cache, batch_size=src_BS.shape[0], bos_id=bos_id,
                          eos_id=eos_id, pad_id=model.config.pad_id, max_decode_len=max_decode_len,
-                         forced_eos=forced_eos)
+                         forced_eos=forced_eos, penalties=penalties)
 
 
 # ---------------------------------------------------------------------- sampling
 def sample(tokens_to_logits: TokensToLogits, cache: Any, rng: jax.Array, *, batch_size: int,
            bos_id: int, eos_id: int, pad_id: int, max_decode_len: int, temperature: float = 1.0,
-           top_k: int | None = None, top_p: float | None = None) -> jax.Array:
+           top_k: int | None = None, top_p: float | None = None,
+           penalties: Penalties = NO_PENALTIES) -> jax.Array:
     """Ancestral sampling with temperature, top-k and nucleus (top-p) filtering.
 
     Args:
@@ -143,6 +152,8 @@ def sample(tokens_to_logits: TokensToLogits, cache: Any, rng: jax.Array, *, batc
       temperature: > 0; logits are divided by it. ``temperature=0`` is greedy.
       top_k: keep only the k most likely tokens (``None`` = all).
       top_p: keep the smallest set of tokens whose probability reaches p (``None`` = all).
+      penalties: repetition rules on the logits, before the temperature
+        (:mod:`jaxformer.decode.penalties`; transformers' processor order).
 
     Returns:
       int32 ``[B, M]`` like :func:`greedy_search`.
@@ -158,10 +169,13 @@ def sample(tokens_to_logits: TokensToLogits, cache: Any, rng: jax.Array, *, batc
         raise ValueError(f"top_p must be in (0, 1], got {top_p}.")
     if temperature == 0:
         return greedy_search(tokens_to_logits, cache, batch_size=batch_size, bos_id=bos_id,
-                             eos_id=eos_id, pad_id=pad_id, max_decode_len=max_decode_len)
+                             eos_id=eos_id, pad_id=pad_id, max_decode_len=max_decode_len,
+                             penalties=penalties)
 
-    def pick(logits_BV, step):
+    def pick(logits_BV, step, out_BM):
         vocab_ids = jnp.arange(logits_BV.shape[-1])
+        if penalties.active:
+            logits_BV = penalties.apply(logits_BV.astype(jnp.float32), out_BM, step, banned_value=-jnp.inf)
         logits = jnp.where(((vocab_ids == pad_id) | (vocab_ids == bos_id))[None, :], -jnp.inf,
                            logits_BV.astype(jnp.float32) / temperature)
         if top_k is not None and top_k < logits.shape[-1]:
@@ -226,16 +240,16 @@ def uncached_model_callback(model: Transformer, params: Any, src_BS: jax.Array, 
 @_host_checked
 @functools.partial(jax.jit, static_argnames=("model", "max_decode_len", "bos_id", "eos_id",
                                              "beam_size", "alpha", "extra_len", "len_a",
-                                             "length_normalization"))
+                                             "length_normalization", "penalties"))
 def beam_translate(model: Transformer, params: Any, src_BS: jax.Array, *, beam_size: int,
                    max_decode_len: int, bos_id: int, eos_id: int, alpha: float = 0.6,
-                   extra_len: int | None = 50, len_a: float = 1.0, length_normalization: str = "gnmt"
-                   ) -> tuple[jax.Array, jax.Array]:
+                   extra_len: int | None = 50, len_a: float = 1.0, length_normalization: str = "gnmt",
+                   penalties: Penalties = NO_PENALTIES) -> tuple[jax.Array, jax.Array]:
     """Beam search translation of ``src [B,S]``; each output is at most ``len_a`` × its
     source length + ``extra_len`` tokens (paper §6.1: a = 1, b = 50; fairseq's
     ``--max-len-a/b``; ``extra_len=None`` = no such limit, as ``generate``), capped by
-    ``max_decode_len``. ``length_normalization``: ``"gnmt"`` or ``"hf"``
-    (:func:`jaxformer.decode.beam_search.beam_search`).
+    ``max_decode_len``. ``length_normalization`` (``"gnmt"`` or ``"hf"``) and ``penalties``:
+    see :func:`jaxformer.decode.beam_search.beam_search`.
 
     Raises ``ValueError`` (before dispatch) for concrete ids outside ``[0, V_src)``.
     Returns ``(sequences [B, k, M], scores [B, k])``, best first.
@@ -246,20 +260,21 @@ def beam_translate(model: Transformer, params: Any, src_BS: jax.Array, *, beam_s
                        bos_id=bos_id, eos_id=eos_id, pad_id=model.config.pad_id,
                        max_decode_len=max_decode_len, alpha=alpha,
                        max_lengths=None if extra_len is None else src_lengths + extra_len,
-                       length_normalization=length_normalization)
+                       length_normalization=length_normalization, penalties=penalties)
 
 
 @_host_checked
 @functools.partial(jax.jit, static_argnames=("model", "max_decode_len", "bos_id", "eos_id",
-                                             "temperature", "top_k", "top_p"))
+                                             "temperature", "top_k", "top_p", "penalties"))
 def sample_translate(model: Transformer, params: Any, src_BS: jax.Array, rng: jax.Array, *,
                      max_decode_len: int, bos_id: int, eos_id: int, temperature: float = 1.0,
-                     top_k: int | None = None, top_p: float | None = None) -> jax.Array:
+                     top_k: int | None = None, top_p: float | None = None,
+                     penalties: Penalties = NO_PENALTIES) -> jax.Array:
     """Sampled translations of ``src [B,S]`` → int32 ``[B, M]`` (see :func:`sample`)."""
     tokens_to_logits, cache = _model_callback(model, params, src_BS, max_decode_len)
     return sample(tokens_to_logits, cache, rng, batch_size=src_BS.shape[0], bos_id=bos_id,
                   eos_id=eos_id, pad_id=model.config.pad_id, max_decode_len=max_decode_len,
-                  temperature=temperature, top_k=top_k, top_p=top_p)
+                  temperature=temperature, top_k=top_k, top_p=top_p, penalties=penalties)
 
 
 def jit_decoder(decoder: Callable, model: Transformer, layout: Any = None, **static) -> Callable:

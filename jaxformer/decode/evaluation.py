@@ -27,6 +27,7 @@ from jaxformer.data.batching import Examples, bucket_boundaries, collate
 from jaxformer.data.tokenizer import Tokenizer
 from jaxformer.decode.decoding import beam_translate, greedy_translate, jit_decoder, sample_translate
 from jaxformer.decode.exported import ExportCache
+from jaxformer.decode.penalties import NO_PENALTIES, Penalties
 from jaxformer.model import sharding as sharding_lib
 from jaxformer.model.transformer import Transformer
 from jaxformer.model.validation import check_token_ids
@@ -137,12 +138,14 @@ class Evaluator:
         return max(1, min(int(self.max_len_a * source_length + self.max_len_b), self.model.config.max_len))
 
     def translate_n_best(self, params: Any, sources: Sequence[str], *, beam_size: int = 4,
-                         alpha: float = 0.6, length_normalization: str = "gnmt"
-                         ) -> list[list[tuple[str, float]]]:
+                         alpha: float = 0.6, length_normalization: str = "gnmt",
+                         penalties: Penalties = NO_PENALTIES) -> list[list[tuple[str, float]]]:
         """Beam search: for each source, ``beam_size`` (translation, score) pairs, best first.
 
         ``length_normalization="hf"`` decodes as Hugging Face ``generate`` does (length^α,
-        its stopping rule, no source-length limit; :func:`jaxformer.decode.beam_search.beam_search`).
+        its stopping rule, no source-length limit; :func:`jaxformer.decode.beam_search.beam_search`);
+        ``penalties``: ``--no-repeat-ngram-size``, ``--repetition-penalty``
+        (:mod:`jaxformer.decode.penalties`).
         """
         bos, eos = self.tokenizer.bos_id, self.tokenizer.eos_id
         extra_len = None if length_normalization == "hf" else self.max_len_b
@@ -150,29 +153,35 @@ class Evaluator:
         def decode_batch(src, max_decode_len):
             return self._decoder(beam_translate, beam_size=beam_size, alpha=alpha, len_a=self.max_len_a,
                                  extra_len=extra_len, length_normalization=length_normalization,
-                                 max_decode_len=max_decode_len, bos_id=bos, eos_id=eos)(params, src)
+                                 max_decode_len=max_decode_len, bos_id=bos, eos_id=eos,
+                                 **_penalty_static(penalties))(params, src)
 
         return self._decode(sources, decode_batch)
 
     def translate(self, params: Any, sources: Sequence[str], *, beam_size: int = 1,
-                  alpha: float = 0.6, length_normalization: str = "gnmt") -> list[str]:
+                  alpha: float = 0.6, length_normalization: str = "gnmt",
+                  penalties: Penalties = NO_PENALTIES) -> list[str]:
         """Best translation of each source, in input order: greedy for ``beam_size=1``,
         else beam search with the length penalty α (``"gnmt"`` or ``"hf"``; with ``"hf"``
-        greedy also forces eos at the last step, as ``generate``)."""
+        greedy also forces eos at the last step, as ``generate``); ``penalties`` as in
+        :meth:`translate_n_best`."""
         if beam_size > 1:
             return [n_best[0][0] for n_best in self.translate_n_best(
-                params, sources, beam_size=beam_size, alpha=alpha, length_normalization=length_normalization)]
+                params, sources, beam_size=beam_size, alpha=alpha, length_normalization=length_normalization,
+                penalties=penalties)]
         bos, eos = self.tokenizer.bos_id, self.tokenizer.eos_id
 
         def decode_batch(src, max_decode_len):
             hyp = self._decoder(greedy_translate, max_decode_len=max_decode_len, bos_id=bos, eos_id=eos,
-                                forced_eos=length_normalization == "hf")(params, src)
+                                forced_eos=length_normalization == "hf",
+                                **_penalty_static(penalties))(params, src)
             return hyp[:, None], jnp.zeros(hyp.shape[:1] + (1,))
 
         return [n_best[0][0] for n_best in self._decode(sources, decode_batch)]
 
     def sample(self, params: Any, sources: Sequence[str], rng: jax.Array, *, temperature: float = 1.0,
-               top_k: int | None = None, top_p: float | None = None) -> list[str]:
+               top_k: int | None = None, top_p: float | None = None,
+               penalties: Penalties = NO_PENALTIES) -> list[str]:
         """One sampled translation per source (see :func:`jaxformer.decode.decoding.sample`)."""
         bos, eos = self.tokenizer.bos_id, self.tokenizer.eos_id
         counter = iter(range(1 << 30))
@@ -180,6 +189,7 @@ class Evaluator:
         def decode_batch(src, max_decode_len):
             hyp = self._decoder(sample_translate, max_decode_len=max_decode_len, bos_id=bos, eos_id=eos,
                                 temperature=temperature, top_k=top_k, top_p=top_p,
+                                **_penalty_static(penalties),
                                 )(params, src, jax.random.fold_in(rng, next(counter)))
             return hyp[:, None], jnp.zeros(hyp.shape[:1] + (1,))
 
@@ -219,6 +229,18 @@ class Evaluator:
         _check_aligned(hypotheses, references)
         return float(self.bleu.corpus_score(list(hypotheses), [list(references)]).score)
 
+    def degenerate(self, hypotheses: Sequence[str]) -> dict[str, Any]:
+        """The hypotheses that repeat an n-gram three or more times in a row
+        (:func:`repeats_ngram` on the BLEU tokenizer's tokens: words and punctuation,
+        characters of Chinese), the mark of a looping decoder.
+
+        Returns:
+          ``{"count", "fraction", "examples"}``: examples are the first three indices.
+        """
+        found = [i for i, h in enumerate(hypotheses) if repeats_ngram(self.bleu.tokenizer(h).split())]
+        return {"count": len(found), "fraction": len(found) / max(len(hypotheses), 1),
+                "examples": found[:3]}
+
     def scores(self, hypotheses: Sequence[str], references: Sequence[str]) -> dict[str, Any]:
         """Corpus BLEU and chrF with their sacrebleu signatures (the strings to report with
         the numbers): ``{"bleu", "bleu_signature", "chrf", "chrf_signature"}``.
@@ -232,6 +254,24 @@ class Evaluator:
                 "bleu_signature": str(self.bleu.get_signature()),
                 "chrf": float(self.chrf.corpus_score(list(hypotheses), refs).score),
                 "chrf_signature": str(self.chrf.get_signature())}
+
+
+def repeats_ngram(tokens: Sequence[str], times: int = 3, max_n: int = 4) -> bool:
+    """Whether some n-gram (1 ≤ n ≤ ``max_n``) occurs ``times`` or more times in a row:
+    ``a , a , a ,`` (n = 2) and ``x x x`` (n = 1) do, ``a b a b`` does not."""
+    tokens = list(tokens)
+    for n in range(1, max_n + 1):
+        for start in range(len(tokens) - n * times + 1):
+            gram = tokens[start:start + n]
+            if all(tokens[start + r * n:start + (r + 1) * n] == gram for r in range(1, times)):
+                return True
+    return False
+
+
+def _penalty_static(penalties: Penalties) -> dict[str, Penalties]:
+    """The decoder's ``penalties`` argument, left out when inactive so the default keeps
+    the compiled programs and export-cache keys it always had."""
+    return {"penalties": penalties} if penalties.active else {}
 
 
 def _check_aligned(hypotheses: Sequence[str], references: Sequence[str]) -> None:

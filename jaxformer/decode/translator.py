@@ -15,6 +15,7 @@ import numpy as np
 from jaxformer.data.tokenizer import load_tokenizer
 from jaxformer.decode.evaluation import Evaluator
 from jaxformer.decode.exported import ExportCache
+from jaxformer.decode.penalties import Penalties
 from jaxformer.model.config import TransformerConfig
 from jaxformer.model.transformer import Transformer
 from jaxformer.run.checkpoints import RunCheckpoints
@@ -81,31 +82,55 @@ class Translator:
                                    max_len_a=self.max_len_a, max_len_b=self.max_len_b, exports=exports)
         # Decoding defaults: an imported model's generation_config (jaxformer.interop.marian), else §6.1.
         generation = record.get("generation", {})
+        # Repetition rules: the run's own (its --no-repeat-ngram-size / --repetition-penalty), or
+        # an imported model's generation config.
+        train = record.get("train", {})
         self.defaults = {"beam_size": generation.get("beam_size", 4),
                          "alpha": generation.get("length_penalty", 0.6),
-                         "length_normalization": generation.get("length_normalization", "gnmt")}
+                         "length_normalization": generation.get("length_normalization", "gnmt"),
+                         "no_repeat_ngram_size": generation.get(
+                             "no_repeat_ngram_size", train.get("no_repeat_ngram_size", 0)),
+                         "repetition_penalty": generation.get(
+                             "repetition_penalty", train.get("repetition_penalty", 1.0))}
 
-    def _options(self, beam_size, alpha, length_normalization):
+    def _penalties(self, no_repeat_ngram_size: int | None, repetition_penalty: float | None) -> Penalties:
+        n = self.defaults["no_repeat_ngram_size"] if no_repeat_ngram_size is None else no_repeat_ngram_size
+        p = self.defaults["repetition_penalty"] if repetition_penalty is None else repetition_penalty
+        return Penalties(no_repeat_ngram_size=n, repetition_penalty=p)
+
+    def _options(self, beam_size, alpha, length_normalization, no_repeat_ngram_size, repetition_penalty):
         chosen = dict(beam_size=beam_size, alpha=alpha, length_normalization=length_normalization)
-        return {k: self.defaults[k] if v is None else v for k, v in chosen.items()}
+        return {**{k: self.defaults[k] if v is None else v for k, v in chosen.items()},
+                "penalties": self._penalties(no_repeat_ngram_size, repetition_penalty)}
 
     def __call__(self, sentences: list[str], *, beam_size: int | None = None, alpha: float | None = None,
-                 length_normalization: str | None = None) -> list[str]:
+                 length_normalization: str | None = None, no_repeat_ngram_size: int | None = None,
+                 repetition_penalty: float | None = None) -> list[str]:
         """Best translations of ``sentences``, in order (``beam_size=1`` = greedy); options
-        left ``None`` take the run's defaults (:attr:`defaults`)."""
-        return self.evaluator.translate(self.params, sentences,
-                                        **self._options(beam_size, alpha, length_normalization))
+        left ``None`` take the run's defaults (:attr:`defaults`); the repetition rules are
+        those of :mod:`jaxformer.decode.penalties`.
+
+        Raises:
+          ValueError: ``no_repeat_ngram_size < 0`` or ``repetition_penalty <= 0``.
+        """
+        return self.evaluator.translate(self.params, sentences, **self._options(
+            beam_size, alpha, length_normalization, no_repeat_ngram_size, repetition_penalty))
 
     def n_best(self, sentences: list[str], *, beam_size: int | None = None, alpha: float | None = None,
-               length_normalization: str | None = None):
-        """``beam_size`` (translation, score) pairs per sentence, best first."""
-        return self.evaluator.translate_n_best(self.params, sentences,
-                                               **self._options(beam_size, alpha, length_normalization))
+               length_normalization: str | None = None, no_repeat_ngram_size: int | None = None,
+               repetition_penalty: float | None = None):
+        """``beam_size`` (translation, score) pairs per sentence, best first (options as
+        :meth:`__call__`)."""
+        return self.evaluator.translate_n_best(self.params, sentences, **self._options(
+            beam_size, alpha, length_normalization, no_repeat_ngram_size, repetition_penalty))
 
     def sample(self, sentences: list[str], *, seed: int = 0, temperature: float = 1.0,
-               top_k: int | None = None, top_p: float | None = None) -> list[str]:
+               top_k: int | None = None, top_p: float | None = None, no_repeat_ngram_size: int | None = None,
+               repetition_penalty: float | None = None) -> list[str]:
+        """One sampled translation per sentence (:func:`jaxformer.decode.decoding.sample`)."""
         return self.evaluator.sample(self.params, sentences, jax.random.key(seed),
-                                     temperature=temperature, top_k=top_k, top_p=top_p)
+                                     temperature=temperature, top_k=top_k, top_p=top_p,
+                                     penalties=self._penalties(no_repeat_ngram_size, repetition_penalty))
 
     def cross_attention(self, source: str, translation: str, layer: int | None = None,
                         head: int | None = None):

@@ -182,7 +182,8 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 def _generation_defaults(hf_dir: Path, hf: dict[str, Any]) -> dict[str, Any]:
     """Decoding defaults of the model (``generation_config.json``, else config.json):
-    beam size, length limit, HF length normalisation with its exponent, pad never generated.
+    beam size, length limit, HF length normalisation with its exponent, pad never generated,
+    and the repetition rules (``no_repeat_ngram_size``, ``repetition_penalty``).
     """
     gen = {**hf, **_read_json(hf_dir / "generation_config.json")}
     pad = hf["pad_token_id"]
@@ -206,7 +207,9 @@ def _generation_defaults(hf_dir: Path, hf: dict[str, Any]) -> dict[str, Any]:
             "max_length": int(gen["max_length"]) if gen.get("max_length") else None,
             "length_penalty": float(gen.get("length_penalty", 1.0)), "length_normalization": "hf",
             "banned_ids": sorted({ids[0] for ids in bad}),
-            "forced_eos": gen.get("forced_eos_token_id") is not None}
+            "forced_eos": gen.get("forced_eos_token_id") is not None,
+            "no_repeat_ngram_size": int(gen.get("no_repeat_ngram_size") or 0),
+            "repetition_penalty": float(gen.get("repetition_penalty") or 1.0)}
 
 
 def export_marian(workdir: str | Path, out_dir: str | Path) -> None:
@@ -246,5 +249,8 @@ def export_marian(workdir: str | Path, out_dir: str | Path) -> None:
            "forced_eos_token_id": tok.eos_id, "pad_token_id": config.pad_id,
            "bad_words_ids": [[i] for i in banned], "num_beams": generation.get("beam_size", 4),
            "max_length": generation.get("max_length") or config.max_len}
+    for name, off in (("no_repeat_ngram_size", 0), ("repetition_penalty", 1.0)):
+        if generation.get(name, off) != off:
+            gen[name] = generation[name]
     (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     tok.save_marian(out_dir)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 PAIRS = ("en-de", "en-fr", "en-zh")   # the shipped corpora (jaxformer/corpora/), --pair
+SCHEDULES = ("inverse_sqrt", "wsd")   # --lr-schedule (jaxformer.train.optimizer.make_schedule)
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainConfig:
@@ -49,6 +50,8 @@ class TrainConfig:
     max_steps: int = 100_000
     max_minutes: float | None = None   # wall-clock budget of the training loop
     warmup_steps: int = 4000
+    lr_schedule: str = "inverse_sqrt"  # the paper's (§5.3), or wsd: warm-up, stable, decay to 0
+    decay_fraction: float = 0.2        # wsd: the last fraction of --max-steps decays linearly
     lr_scale: float = 1.0
     label_smoothing: float = 0.1
     grad_clip: float | None = None
@@ -67,6 +70,8 @@ class TrainConfig:
     eval_batch_size: int = 64
     beam_size: int = 4                 # dev/test BLEU decoding; 1 = greedy
     alpha: float = 0.6                 # GNMT length penalty (§6.1)
+    no_repeat_ngram_size: int = 0      # decoding: ban repeating an n-gram (0 = off; fairseq's flag)
+    repetition_penalty: float = 1.0    # decoding: CTRL's penalty on generated tokens (1 = off)
     log_every: int = 50
     checkpoint_every: int = 1000
     keep_checkpoints: int = 3
@@ -97,10 +102,16 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 problems.append(f"--{name.replace('_', '-')} must be positive, got {value}")
+        if not 0.0 < self.decay_fraction <= 1.0:
+            problems.append(f"--decay-fraction must be in (0, 1], got {self.decay_fraction}")
         if not 0.0 <= self.label_smoothing < 1.0:
             problems.append(f"--label-smoothing must be in [0, 1), got {self.label_smoothing}")
         if self.devices is not None and self.devices < 1:
             problems.append(f"--devices must be at least 1, got {self.devices}")
+        if self.no_repeat_ngram_size < 0:
+            problems.append(f"--no-repeat-ngram-size must be at least 0 (0 = off), got {self.no_repeat_ngram_size}")
+        if not self.repetition_penalty > 0:
+            problems.append(f"--repetition-penalty must be positive (1 = off), got {self.repetition_penalty}")
         if self.patience is not None and self.patience < 1:
             problems.append(f"--patience must be at least 1, got {self.patience}")
         if self.average_last is not None and not 2 <= self.average_last <= self.keep_checkpoints:
@@ -114,7 +125,7 @@ class TrainConfig:
             problems.append(f"--max-length-ratio must be at least 1, got {self.max_length_ratio}")
         from jaxformer.model.config import PRESETS
 
-        for name, allowed in (("pair", PAIRS), ("preset", tuple(PRESETS))):
+        for name, allowed in (("pair", PAIRS), ("preset", tuple(PRESETS)), ("lr_schedule", SCHEDULES)):
             if getattr(self, name) not in allowed:
                 problems.append(f"--{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         if problems:
@@ -159,7 +170,7 @@ def default_workdir(cfg: TrainConfig) -> str:
 
 # The defaults of `python train.py`: a CPU run of under 10 minutes (see README), the
 # result of a sweep over model width, batch size and learning rate on 2 cores.
-DEFAULT_CPU_RUN = dict(max_minutes=7.0, max_steps=100_000, warmup_steps=150, lr_scale=0.5,
+DEFAULT_CPU_RUN = dict(max_steps=1600, lr_schedule="wsd", warmup_steps=150, lr_scale=0.5,
                        max_train_len=64, eval_every=400, dev_bleu_sentences=200,
                        checkpoint_every=200)   # a SIGKILL loses at most ~2 minutes
 
@@ -191,7 +202,10 @@ HELP: dict[str, str] = {
     "pack": "pack several pairs into each row; --no-pack uses length buckets instead",
     "max_steps": "stop after this many updates",
     "max_minutes": "stop after this many minutes of wall time (the progress bar follows it)",
-    "warmup_steps": "linear learning-rate warm-up steps of the paper's schedule",
+    "warmup_steps": "linear learning-rate warm-up steps (both schedules)",
+    "lr_schedule": "inverse_sqrt = the paper's warm-up then 1/sqrt(step) (§5.3); wsd = warm-up, "
+                   "the paper's peak held, then a linear decay to zero at --max-steps",
+    "decay_fraction": "wsd: the last fraction of --max-steps over which the rate decays to zero",
     "lr_scale": "multiplies the paper's learning-rate schedule",
     "label_smoothing": "label smoothing epsilon of the loss, in [0, 1)",
     "grad_clip": "clip the global gradient norm to this value (default: no clipping)",
@@ -208,6 +222,10 @@ HELP: dict[str, str] = {
     "eval_batch_size": "sentences per decoding batch in evaluation",
     "beam_size": "beam width for dev/test BLEU; 1 = greedy",
     "alpha": "GNMT length-penalty exponent of beam search",
+    "no_repeat_ngram_size": "dev/test decoding never repeats an n-gram of this size (0 = off; "
+                            "fairseq --no-repeat-ngram-size)",
+    "repetition_penalty": "dev/test decoding divides the scores of already generated tokens by "
+                          "this (1 = off; > 1 discourages repeats; CTRL, HF generate)",
     "log_every": "log loss, tokens/s and learning rate every this many steps",
     "checkpoint_every": "save a checkpoint every this many steps",
     "keep_checkpoints": "training checkpoints kept on disk (the newest ones)",
@@ -234,7 +252,7 @@ def _choices() -> dict[str, tuple[str, ...]]:
     from jaxformer.model.config import _FLOAT_DTYPES, ATTENTION_BACKENDS, PRESETS
 
     return {"pair": PAIRS, "preset": tuple(PRESETS), "norm_position": ("post", "pre"),
-            "dtype": _FLOAT_DTYPES, "attention_backend": ATTENTION_BACKENDS,
+            "dtype": _FLOAT_DTYPES, "attention_backend": ATTENTION_BACKENDS, "lr_schedule": SCHEDULES,
             "sacrebleu_tokenize": tuple(BLEU.TOKENIZERS)}
 
 

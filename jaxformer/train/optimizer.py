@@ -1,11 +1,14 @@
 """The paper's optimizer: Adam (β1 = 0.9, β2 = 0.98, ε = 1e-9) and the warm-up/inverse-square-root
-learning rate of §5.3 (Eq. 3).
+learning rate of §5.3 (Eq. 3), or a warm-up/stable/decay schedule that ends at zero on the
+step budget.
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 import optax
+
+from jaxformer.run.config import SCHEDULES
 
 
 def transformer_schedule(d_model: int, warmup_steps: int, scale: float = 1.0) -> optax.Schedule:
@@ -24,10 +27,56 @@ def transformer_schedule(d_model: int, warmup_steps: int, scale: float = 1.0) ->
     return schedule
 
 
+def wsd_schedule(d_model: int, warmup_steps: int, total_steps: int, decay_fraction: float,
+                 scale: float = 1.0) -> optax.Schedule:
+    """Warm-up, stable, decay: a linear warm-up to the paper's peak rate, that rate held,
+    then a linear decay that reaches zero at ``total_steps``.
+
+    The peak is Eq. 3's value at the end of warm-up, ``scale · d_model^-0.5 · warmup^-0.5``,
+    so ``--lr-scale`` means the same under both schedules. The decay takes the last
+    ``decay_fraction · total_steps`` updates; the last update (count ``total_steps - 1``)
+    gets ``peak / decay_steps``. A fixed budget trained this way ends in a minimum the
+    inverse square root never reaches (Hägele et al. 2024, "Scaling Laws and
+    Compute-Optimal Training Beyond Fixed Training Durations", §3: linear cool-down over
+    the last 20% matches cosine; Hu et al. 2024, MiniCPM, name it WSD).
+
+    Raises:
+      ValueError: non-positive steps, or ``decay_fraction`` outside (0, 1].
+    """
+    if warmup_steps <= 0 or total_steps <= 0:
+        raise ValueError(f"warmup_steps and total_steps must be positive, got {warmup_steps} and "
+                         f"{total_steps}.")
+    if not 0.0 < decay_fraction <= 1.0:
+        raise ValueError(f"decay_fraction must be in (0, 1], got {decay_fraction}.")
+    peak = scale * d_model ** -0.5 * warmup_steps ** -0.5
+    decay_steps = max(1, round(decay_fraction * total_steps))
+
+    def schedule(count):
+        count = jnp.asarray(count, jnp.float32)
+        warm = jnp.minimum(1.0, (count + 1.0) / warmup_steps)
+        cool = jnp.clip((total_steps - count) / decay_steps, 0.0, 1.0)
+        return peak * jnp.minimum(warm, cool)
+
+    return schedule
+
+
+def make_schedule(name: str, *, d_model: int, warmup_steps: int, total_steps: int,
+                  decay_fraction: float, scale: float = 1.0) -> optax.Schedule:
+    """The schedule named by ``--lr-schedule`` (:data:`SCHEDULES`).
+
+    Raises:
+      ValueError: an unknown name.
+    """
+    if name == "inverse_sqrt":
+        return transformer_schedule(d_model, warmup_steps, scale)
+    if name == "wsd":
+        return wsd_schedule(d_model, warmup_steps, total_steps, decay_fraction, scale)
+    raise ValueError(f"--lr-schedule must be one of {', '.join(SCHEDULES)}, got {name!r}.")
+
+
 def make_optimizer(schedule: optax.Schedule, grad_clip: float | None = None) -> optax.GradientTransformation:
     """Adam with β1 = 0.9, β2 = 0.98, ε = 1e-9 (§5.3), optionally after global-norm clipping."""
     adam = optax.adam(schedule, b1=0.9, b2=0.98, eps=1e-9)
     if grad_clip:
         return optax.chain(optax.clip_by_global_norm(grad_clip), adam)
     return adam
-

@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxformer.decode.penalties import Penalties
 from jaxformer.model import sharding as sharding_lib
 from jaxformer.run.config import save_json
 from jaxformer.run.directory import write_plots
@@ -23,14 +24,23 @@ from jaxformer.train.averaging import average_last_checkpoints
 from jaxformer.train.run_state import LoopState, Run
 
 
+DEGENERATE_WARNING = 0.02   # warn when more test hypotheses than this loop on an n-gram
+
+
+def _translate(run: Run, params: Any, sources: list[str]) -> list[str]:
+    """Dev/test decoding with the run's beam, length penalty and repetition rules."""
+    cfg = run.cfg
+    return run.evaluator.translate(params, sources, beam_size=cfg.beam_size, alpha=cfg.alpha,
+                                   penalties=Penalties(cfg.no_repeat_ngram_size, cfg.repetition_penalty))
+
+
 def evaluate(run: Run, step: int) -> float:
     """Dev loss, BLEU and chrF (on ``--dev-bleu-sentences``) with samples; keeps the best
     parameters by dev BLEU. Returns the BLEU."""
     cfg, t0 = run.cfg, time.perf_counter()
     dev_subset = run.data.splits["dev"][: cfg.dev_bleu_sentences]
     dev_loss = run.evaluator.loss(run.state.params, run.data.dev_examples, run.eval_step)
-    hyps = run.evaluator.translate(run.state.params, [p[0] for p in dev_subset], beam_size=cfg.beam_size,
-                                   alpha=cfg.alpha)
+    hyps = _translate(run, run.state.params, [p[0] for p in dev_subset])
     scores = run.evaluator.scores(hyps, [p[1] for p in dev_subset])
     bleu = scores["bleu"]
     run.metrics_log.write(step, {"dev/loss": dev_loss["loss"], "dev/ppl": dev_loss["ppl"],
@@ -67,8 +77,7 @@ def average_and_compare(run: Run, abstract_params: Any, step: int) -> tuple[dict
         return None, None
     params, steps = average_last_checkpoints(run.checkpoints, abstract_params, cfg.average_last)
     dev_subset = run.data.splits["dev"][: cfg.dev_bleu_sentences]
-    hyps = run.evaluator.translate(params, [p[0] for p in dev_subset], beam_size=cfg.beam_size,
-                                   alpha=cfg.alpha)
+    hyps = _translate(run, params, [p[0] for p in dev_subset])
     bleu = run.evaluator.score(hyps, [p[1] for p in dev_subset])
     kept = bleu > run.best_bleu
     if kept:
@@ -89,6 +98,34 @@ def _last_evaluated_step(run: Run) -> int:
     return step
 
 
+def _decoding_name(cfg) -> str:
+    name = "greedy" if cfg.beam_size == 1 else f"beam {cfg.beam_size}, alpha {cfg.alpha}"
+    if cfg.no_repeat_ngram_size:
+        name += f", no repeated {cfg.no_repeat_ngram_size}-grams"
+    if cfg.repetition_penalty != 1.0:
+        name += f", repetition penalty {cfg.repetition_penalty:g}"
+    return name
+
+
+def _step_budget(cfg, loop: LoopState) -> dict[str, Any]:
+    """How much of ``--max-steps`` was trained, and what stopped it."""
+    return {"done": loop.step, "max_steps": cfg.max_steps, "fraction_done": loop.step / cfg.max_steps,
+            "cut_by_max_minutes": loop.stopped_by == "max_minutes"}
+
+
+def _report_degenerate(degenerate: dict[str, Any], hyps: list[str]) -> None:
+    """Logs how many test hypotheses loop on an n-gram; warns above 2%."""
+    share = degenerate["fraction"]
+    text = (f"{degenerate['count']} of {len(hyps)} test translations ({share:.1%}) repeat an n-gram "
+            f"three or more times in a row")
+    if share <= DEGENERATE_WARNING:
+        log(text)
+        return
+    example = hyps[degenerate["examples"][0]]
+    log(f"WARNING: {text}, e.g. {example[:120]!r}. The model is undertrained or decoding loops: "
+        f"train longer, or decode with --no-repeat-ngram-size 3 / --repetition-penalty 1.2.")
+
+
 def final_test(run: Run, loop: LoopState) -> dict[str, Any]:
     """A last dev evaluation (unless the last step had one), checkpoint averaging if
     asked, then test BLEU and chrF with the best parameters (the average if it won);
@@ -107,15 +144,17 @@ def final_test(run: Run, loop: LoopState) -> dict[str, Any]:
             params, best_step, kind = averaged_params, step, "averaged"
     t0 = time.perf_counter()
     test = run.data.splits["test"]
-    hyps = run.evaluator.translate(params, [p[0] for p in test], beam_size=cfg.beam_size, alpha=cfg.alpha)
+    hyps = _translate(run, params, [p[0] for p in test])
     refs = [p[1] for p in test]
     scores = run.evaluator.scores(hyps, refs)
-    decoding = "greedy" if cfg.beam_size == 1 else f"beam {cfg.beam_size}, alpha {cfg.alpha}"
+    decoding = _decoding_name(cfg)
     results = {"test_bleu": scores["bleu"], "sacrebleu_signature": scores["bleu_signature"],
                "test_chrf": scores["chrf"], "chrf_signature": scores["chrf_signature"],
                "best_step": best_step, "checkpoint": kind, "decoding": decoding,
                "best_dev_bleu": run.best_bleu, "final_step": step, "stopped_by": loop.stopped_by,
                "test_sentences": len(refs), "num_params": int(run.num_params),
+               "degenerate": run.evaluator.degenerate(hyps), "steps": _step_budget(cfg, loop),
+               "matmul_gflops": run.matmul_flop_rate / 1e9,
                "wall_minutes": (time.perf_counter() - run.t_start) / 60}
     if averaged is not None:
         results["averaged"] = averaged
@@ -127,6 +166,13 @@ def final_test(run: Run, loop: LoopState) -> dict[str, Any]:
     log(f"test BLEU {scores['bleu']:.2f} chrF {scores['chrf']:.2f} on {len(refs)} sentences "
         f"({decoding}, {kind} checkpoint, step {best_step}, {time.perf_counter() - t0:.0f}s)")
     log(f"  BLEU {scores['bleu_signature']}\n  chrF {scores['chrf_signature']}")
+    _report_degenerate(results["degenerate"], hyps)
+    if loop.stopped_by == "max_minutes":
+        log(f"note: --max-minutes {cfg.max_minutes:g} stopped training at step {step} of --max-steps "
+            f"{cfg.max_steps} ({results['steps']['fraction_done']:.0%} of the step budget)"
+            + ("; the learning rate had not decayed to zero (--lr-schedule wsd), so this is not "
+               "the run's result" if cfg.lr_schedule == "wsd" else "")
+            + ". Run the same command again (without the limit, or a longer one) to train the rest.")
     run.close()
     if is_main_process():
         write_plots(run.run_dir)

@@ -60,6 +60,7 @@ class Run:
     num_params: int
     best_bleu: float   # -1 before the first evaluation
     t_start: float
+    matmul_flop_rate: float = 0.0   # FLOP/s of a float32 2048³ matmul at the start (README's speed)
     closed: bool = False
     early_stopping: EarlyStopping | None = None   # set from --patience in train_loop
 

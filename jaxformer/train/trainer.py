@@ -39,8 +39,9 @@ from jaxformer.run.directory import (
     set_aside_metrics_after,
 )
 from jaxformer.run.logs import Progress, RunLog, is_main_process, log
+from jaxformer.run.platform import matmul_flop_rate
 from jaxformer.train.early_stopping import EarlyStopping
-from jaxformer.train.optimizer import make_optimizer, transformer_schedule
+from jaxformer.train.optimizer import make_optimizer, make_schedule
 from jaxformer.train.preemption import Preempted, PreemptionGuard, past_deadline
 from jaxformer.train.run_eval import evaluate, final_test
 from jaxformer.train.run_state import LoopState, Run, TrainData, TrainingDiverged
@@ -128,12 +129,16 @@ def _setup_run(cfg: TrainConfig, run_dir: RunDir, checkpoints: RunCheckpoints, m
     data = build_train_data(cfg, prepared, target_language, tokenizer, model_config, row_multiple)
 
     model = Transformer(model_config)
-    schedule = transformer_schedule(model_config.d_model, cfg.warmup_steps, cfg.lr_scale)
+    schedule = make_schedule(cfg.lr_schedule, d_model=model_config.d_model, warmup_steps=cfg.warmup_steps,
+                             total_steps=cfg.max_steps, decay_fraction=cfg.decay_fraction, scale=cfg.lr_scale)
     init_key, dropout_key = jax.random.split(jax.random.key(cfg.seed))
     state, layout = create_sharded_train_state(model, init_key, make_optimizer(schedule, cfg.grad_clip),
                                                mesh)
     num_params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
     log(f"model: {num_params / 1e6:.2f}M parameters, preset {cfg.preset!r}")
+    matmul = matmul_flop_rate()
+    log(f"machine: a float32 2048³ matmul runs at {matmul / 1e9:.0f} GFLOP/s on "
+        f"{jax.devices()[0].platform} (the README's times say the rate they were measured at)")
     # Restore before writing anything: if no checkpoint is readable, the run dir is untouched.
     restored = checkpoints.restore_latest(sharding_lib.abstract_state(state), data.iterator, report=log)
     if restored is not None:
@@ -157,7 +162,8 @@ def _setup_run(cfg: TrainConfig, run_dir: RunDir, checkpoints: RunCheckpoints, m
                state=state, layout=layout, checkpoints=checkpoints, evaluator=evaluator,
                eval_step=jit_eval_step(model, cfg.label_smoothing, layout=layout),
                metrics_log=MetricsLog(run_dir), dropout_key=dropout_key, num_params=num_params,
-               best_bleu=-1.0 if best_bleu is None else best_bleu, t_start=t_start)
+               best_bleu=-1.0 if best_bleu is None else best_bleu, t_start=t_start,
+               matmul_flop_rate=matmul)
 
 
 def build_train_data(cfg: TrainConfig, prepared: PreparedCorpus, target_language: str,
