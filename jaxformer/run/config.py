@@ -109,7 +109,8 @@ class TrainConfig:
         if self.devices is not None and self.devices < 1:
             problems.append(f"--devices must be at least 1, got {self.devices}")
         if self.no_repeat_ngram_size < 0:
-            problems.append(f"--no-repeat-ngram-size must be at least 0 (0 = off), got {self.no_repeat_ngram_size}")
+            problems.append(f"--no-repeat-ngram-size must be at least 0 (0 = off), "
+                            f"got {self.no_repeat_ngram_size}")
         if not self.repetition_penalty > 0:
             problems.append(f"--repetition-penalty must be positive (1 = off), got {self.repetition_penalty}")
         if self.patience is not None and self.patience < 1:

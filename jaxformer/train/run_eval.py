@@ -23,7 +23,6 @@ from jaxformer.run.logs import is_main_process, log
 from jaxformer.train.averaging import average_last_checkpoints
 from jaxformer.train.run_state import LoopState, Run
 
-
 DEGENERATE_WARNING = 0.02   # warn when more test hypotheses than this loop on an n-gram
 
 
