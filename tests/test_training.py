@@ -11,7 +11,7 @@ import pytest
 
 import jaxformer as jf
 from jaxformer.train.losses import label_smoothed_cross_entropy, projected_cross_entropy
-from jaxformer.train.optimizer import make_optimizer, transformer_schedule
+from jaxformer.train.optimizer import make_optimizer, make_schedule, transformer_schedule, wsd_schedule
 from jaxformer.train.step import create_train_state, jit_train_step, train_step
 
 
@@ -29,6 +29,23 @@ def test_schedule_matches_formula(d_model, warmup):
     # Peak at the end of warmup.
     assert float(schedule(warmup - 1)) > float(schedule(warmup // 2))
     assert float(schedule(warmup - 1)) > float(schedule(2 * warmup))
+
+
+def test_wsd_schedule_warms_up_holds_the_paper_peak_and_reaches_zero_at_the_budget():
+    d_model, warmup, total = 128, 10, 100
+    schedule = wsd_schedule(d_model, warmup, total, decay_fraction=0.2, scale=0.5)
+    peak = 0.5 * d_model ** -0.5 * warmup ** -0.5   # Eq. 3 at the end of warm-up
+    np.testing.assert_allclose(float(schedule(warmup - 1)),
+                               float(transformer_schedule(d_model, warmup, 0.5)(warmup - 1)), rtol=1e-6)
+    lrs = np.array([float(schedule(c)) for c in range(total)])
+    np.testing.assert_allclose(lrs[:warmup], peak * np.arange(1, warmup + 1) / warmup, rtol=1e-6)
+    np.testing.assert_allclose(lrs[warmup:80], peak, rtol=1e-6)                 # stable
+    np.testing.assert_allclose(lrs[80:], peak * (total - np.arange(80, total)) / 20, rtol=1e-5)
+    assert lrs[-1] == pytest.approx(peak / 20) and float(schedule(total)) == 0.0
+    with pytest.raises(ValueError, match="decay_fraction"):
+        wsd_schedule(d_model, warmup, total, decay_fraction=0.0)
+    with pytest.raises(ValueError, match="--lr-schedule must be one of"):
+        make_schedule("cosine", d_model=d_model, warmup_steps=warmup, total_steps=total, decay_fraction=0.2)
 
 
 def _reference_smoothed_loss(logits, targets, smoothing):
