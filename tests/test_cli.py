@@ -168,6 +168,29 @@ def test_translate_n_best_beyond_the_beam_or_with_sampling_is_refused(run, capsy
     assert "--n-best 6 needs a beam" in err and "--beam-size 6" in err and "--sample gives one" in err
 
 
+def test_translate_repetition_flags_are_checked_and_used(run, capsys, monkeypatch):
+    workdir, _, _ = run
+    for flags, message in ((["--no-repeat-ngram-size", "-1"], "--no-repeat-ngram-size must be at least 0"),
+                           (["--repetition-penalty", "0"], "--repetition-penalty must be positive")):
+        with pytest.raises(SystemExit) as stop:
+            translate_main(["--workdir", str(workdir), *flags, SENTENCES[0]])
+        assert stop.value.code == 2 and message in capsys.readouterr().err
+    # The flags reach the decoder (the rules themselves: tests/test_penalties.py).
+    from jaxformer.decode.evaluation import Evaluator
+    from jaxformer.decode.penalties import Penalties
+
+    seen, decoder = [], Evaluator._decoder
+
+    def recording(self, fn, **static):
+        seen.append(static.get("penalties"))
+        return decoder(self, fn, **static)
+
+    monkeypatch.setattr(Evaluator, "_decoder", recording)
+    translate_main(["--workdir", str(workdir), "--no-repeat-ngram-size", "1", "--repetition-penalty", "1.2",
+                    *SENTENCES])
+    assert len(capsys.readouterr().out.splitlines()) == len(SENTENCES)
+    assert seen and set(seen) == {Penalties(no_repeat_ngram_size=1, repetition_penalty=1.2)}
+
 def test_translate_refuses_a_config_that_no_longer_matches_the_checkpoint(run, tmp_path, capsys):
     """An edited config.json (one decoder layer fewer) never translates with a subset of
     the checkpoint: best and latest alike are an error naming the fields (exit 2)."""

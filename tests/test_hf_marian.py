@@ -393,6 +393,31 @@ def test_translate_cli_prints_what_transformers_generates(converted, tokenizer_f
         assert printed == expected
 
 
+def test_repetition_rules_match_generate(converted, tokenizer_files, capsys):
+    """``--no-repeat-ngram-size`` and ``--repetition-penalty``, greedy and beam 4, print what
+    ``generate`` prints with ``no_repeat_ngram_size`` / ``repetition_penalty``: the
+    processors act on the same scores (logits in greedy, log-probabilities in beam search)."""
+    from jaxformer.cli.translate import main
+
+    name, model, hf_dir, run, *_ = converted
+    if name != "tied":
+        pytest.skip("one variant is enough: the rules act on the decoder's scores alike")
+    _, pairs, _ = tokenizer_files
+    sentences = [s for s, _ in pairs if len(s) < 24][:6]
+    _, plain = _hf_translations(model, hf_dir, sentences)
+    changed = 0
+    for flags, hf_args in ((["--no-repeat-ngram-size", "2"], {"no_repeat_ngram_size": 2}),
+                           (["--beam-size", "4", "--no-repeat-ngram-size", "2"],
+                            {"num_beams": 4, "no_repeat_ngram_size": 2}),
+                           (["--repetition-penalty", "1.5"], {"repetition_penalty": 1.5}),
+                           (["--beam-size", "4", "--repetition-penalty", "1.5"],
+                            {"num_beams": 4, "repetition_penalty": 1.5})):
+        _, expected = _hf_translations(model, hf_dir, sentences, **hf_args)
+        main(["--workdir", str(run), *flags, *sentences])
+        assert capsys.readouterr().out.removesuffix("\n").split("\n") == expected, flags
+        changed += expected != plain
+    assert changed >= 2   # the random model loops: the rules change its output
+
 
 def test_an_imported_model_decodes_with_its_own_generation_limit(tokenizer_files, tmp_path, capsys):
     """An OPUS-MT-layout model whose generation_config says max_length 12 and num_beams 4:

@@ -156,5 +156,7 @@ def test_repeats_ngram_counts_loops_only():
     assert repeats_ngram("Funktionen , Funktionen , Funktionen ,".split())
     assert repeats_ngram("sehr sehr sehr gut".split())
     assert not repeats_ngram("a b a b c".split()) and not repeats_ngram([])
+    assert not repeats_ngram("Klicken Sie auf Import . . . und".split())   # 13a's split of "..."
+    assert repeats_ngram("ISTPT ( Zins ; Zins ; Zins ; Zins )".split())
     assert repeats_ngram("a b c a b c a b c".split())
     assert not repeats_ngram("a b c d e a b c d e a b c d e".split())   # n = 5 > max_n

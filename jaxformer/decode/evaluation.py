@@ -257,13 +257,17 @@ class Evaluator:
 
 
 def repeats_ngram(tokens: Sequence[str], times: int = 3, max_n: int = 4) -> bool:
-    """Whether some n-gram (1 ≤ n ≤ ``max_n``) occurs ``times`` or more times in a row:
-    ``a , a , a ,`` (n = 2) and ``x x x`` (n = 1) do, ``a b a b`` does not."""
+    """Whether some n-gram (1 ≤ n ≤ ``max_n``) with a word in it (a token holding a letter
+    or digit) occurs ``times`` or more times in a row: ``a , a , a ,`` (n = 2) and
+    ``x x x`` (n = 1) do, ``a b a b`` does not, and neither does ``. . .`` (how the 13a
+    tokenizer splits an ellipsis typed as three dots)."""
     tokens = list(tokens)
+    wordy = [any(c.isalnum() for c in t) for t in tokens]
     for n in range(1, max_n + 1):
         for start in range(len(tokens) - n * times + 1):
             gram = tokens[start:start + n]
-            if all(tokens[start + r * n:start + (r + 1) * n] == gram for r in range(1, times)):
+            if any(wordy[start:start + n]) and all(
+                    tokens[start + r * n:start + (r + 1) * n] == gram for r in range(1, times)):
                 return True
     return False
 

@@ -136,7 +136,7 @@ def _setup_run(cfg: TrainConfig, run_dir: RunDir, checkpoints: RunCheckpoints, m
                                                mesh)
     num_params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
     log(f"model: {num_params / 1e6:.2f}M parameters, preset {cfg.preset!r}")
-    matmul = matmul_flop_rate()
+    matmul = matmul_flop_rate(repeats=2)   # ~0.4 s on 2 cores
     log(f"machine: a float32 2048³ matmul runs at {matmul / 1e9:.0f} GFLOP/s on "
         f"{jax.devices()[0].platform} (the README's times say the rate they were measured at)")
     # Restore before writing anything: if no checkpoint is readable, the run dir is untouched.
