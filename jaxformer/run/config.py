@@ -176,7 +176,7 @@ def default_workdir(cfg: TrainConfig) -> str:
 DEFAULT_CPU_RUN = dict(max_steps=1000, lr_schedule="wsd", warmup_steps=150, lr_scale=0.5,
                        max_train_len=64, eval_every=500, dev_bleu_sentences=200,
                        checkpoint_every=200,   # a SIGKILL loses at most ~1.5 minutes
-                       repetition_penalty=1.3)
+                       repetition_penalty=1.4)
 
 
 # One line of help per flag (``--help``); a test checks every field has one.
