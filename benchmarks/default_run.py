@@ -59,7 +59,8 @@ def run_setting(name: str, flags: list[str], out: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--setting", action="append", default=[], metavar='NAME="FLAGS"',
                         help="a setting to run after the default one: its name and train.py flags")
     parser.add_argument("--no-default", action="store_true", help="skip the default run")
@@ -82,7 +83,8 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         rate = f"{r['steps_per_s']:.2f}" if r["steps_per_s"] else "-"
-        print(f"| {r['setting']} | `{r['flags'] or '(defaults)'}` | {r['test_bleu']:.2f} | {r['test_chrf']:.2f} | "
+        print(f"| {r['setting']} | `{r['flags'] or '(defaults)'}` | {r['test_bleu']:.2f} | "
+              f"{r['test_chrf']:.2f} | "
               f"{r['steps']} | {rate} | {r['wall_minutes']:.1f} | {r['degenerate']:.1%} | "
               f"{r['matmul_gflops']:.0f} |")
 
