@@ -122,7 +122,7 @@ def _report_degenerate(degenerate: dict[str, Any], hyps: list[str]) -> None:
         return
     example = hyps[degenerate["examples"][0]]
     log(f"WARNING: {text}, e.g. {example[:120]!r}. The model is undertrained or decoding loops: "
-        f"train longer, or decode with --no-repeat-ngram-size 3 / --repetition-penalty 1.2.")
+        f"train longer, or decode with --repetition-penalty 1.4 or --no-repeat-ngram-size 4.")
 
 
 def final_test(run: Run, loop: LoopState) -> dict[str, Any]:
