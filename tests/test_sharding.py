@@ -1,5 +1,5 @@
-"""Scaling out (issue #5): meshes, partition specs, sharded checkpoints, mixed precision,
-gradient accumulation, remat and the fused attention backend, on 8 fake CPU devices."""
+"""Scaling out (issues #5, #19): meshes, partition specs, FSDP, sharded checkpoints, mixed
+precision, gradient accumulation, remat and the fused attention backend, on 8 fake CPU devices."""
 
 from __future__ import annotations
 
@@ -52,9 +52,10 @@ def _tx():
 
 # ------------------------------------------------------------------------ meshes
 def test_parse_mesh_defaults_and_errors():
-    assert sharding.parse_mesh(None, 8) == {"data": 8, "model": 1}
-    assert sharding.parse_mesh("data=4,model=2", 8) == {"data": 4, "model": 2}
-    assert sharding.parse_mesh("model=2", 8) == {"data": 4, "model": 2}
+    assert sharding.parse_mesh(None, 8) == {"data": 8, "fsdp": 1, "model": 1}
+    assert sharding.parse_mesh("data=4,model=2", 8) == {"data": 4, "fsdp": 1, "model": 2}
+    assert sharding.parse_mesh("model=2", 8) == {"data": 4, "fsdp": 1, "model": 2}
+    assert sharding.parse_mesh("fsdp=4", 8) == {"data": 2, "fsdp": 4, "model": 1}
     with pytest.raises(ValueError, match="product of the axis sizes must equal the device count"):
         sharding.parse_mesh("data=4,model=4", 8)
     with pytest.raises(ValueError, match="unknown axis 'tensor'"):
@@ -64,7 +65,7 @@ def test_parse_mesh_defaults_and_errors():
     with pytest.raises(ValueError, match="given twice"):
         sharding.parse_mesh("data=4,data=2", 8)
     mesh = sharding.make_mesh("data=2,model=4")
-    assert dict(mesh.shape) == {"data": 2, "model": 4}
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 1, "model": 4}
 
 
 @pytest.mark.parametrize("share", [True, False])
@@ -86,12 +87,12 @@ def test_every_partition_spec_fits_its_parameter(share):
         assert len(spec) <= len(leaf.shape), (jax.tree_util.keystr(path), spec, leaf.shape)
         assert {a for a in spec if a is not None} <= set(sharding.MESH_AXES)
     P, params = jax.sharding.PartitionSpec, layout.params
-    assert params["encoder"]["layer_0"]["self_attention"]["query_kernel"].spec == P(None, "model", None)
-    assert params["encoder"]["layer_0"]["feed_forward"]["w1"]["kernel"].spec == P(None, "model")
-    assert params["src_embedding"]["embedding"].spec == P("model", None)
+    assert params["encoder"]["layer_0"]["self_attention"]["query_kernel"].spec == P("fsdp", "model", None)
+    assert params["encoder"]["layer_0"]["feed_forward"]["w1"]["kernel"].spec == P("fsdp", "model")
+    assert params["src_embedding"]["embedding"].spec == P("model", "fsdp")
     # Adam's moments are laid out like their parameters; the step is replicated.
     mu = layout.state.opt_state[0].mu
-    assert mu["encoder"]["layer_0"]["self_attention"]["out_kernel"].spec == P("model", None, None)
+    assert mu["encoder"]["layer_0"]["self_attention"]["out_kernel"].spec == P("model", None, "fsdp")
     assert layout.state.step.spec == P()
 
 
@@ -100,7 +101,7 @@ def test_model_axis_must_divide_heads_ffn_and_vocab():
     model = jf.Transformer(jf.preset("tiny", src_vocab_size=15, max_len=16))
     with pytest.raises(ValueError, match=r"params/.* has shape .*15.*does not divide"):
         training.abstract_train_state(model, _tx(), mesh)
-    with pytest.raises(ValueError, match="not divisible by the mesh's data axis"):
+    with pytest.raises(ValueError, match="not divisible by the mesh's data × fsdp axes"):
         sharding.shard_batch(_batch(rows=6), jax.sharding.NamedSharding(
             mesh, jax.sharding.PartitionSpec("data")))
 
@@ -139,16 +140,45 @@ def test_untied_output_projection_trains_the_same_on_a_4x2_mesh():
                            jax.device_get(state.params), jax.device_get(ref_state.params))
 
 
-@pytest.mark.parametrize("mesh_spec", ["data=8,model=1", "data=4,model=2", "data=2,model=4"])
+def _mesh_sizes(spec):
+    return sharding.parse_mesh(spec, len(jax.devices()))
+
+
+@pytest.mark.parametrize("mesh_spec", ["data=8", "data=4,model=2", "data=2,model=4",
+                                       "data=2,fsdp=4", "fsdp=4,model=2"])
 def test_meshes_give_the_same_losses_and_parameters(mesh_spec):
+    """Data parallel, tensor parallel and FSDP (alone and with a model axis) equal one
+    device within float tolerance."""
     ref_params, ref_losses = _reference_run()
     state, losses = _train(mesh_spec, jax.devices())
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)
-    # The state really is laid out on the mesh (not silently replicated).
+    # The state really is laid out on the mesh (not silently replicated): each device
+    # holds 1/model of the heads and 1/fsdp of d_model of this kernel [D, H, K].
+    sizes = _mesh_sizes(mesh_spec)
     kernel = state.params["decoder"]["layer_0"]["cross_attention"]["key_kernel"]
-    assert kernel.sharding.mesh.shape["model"] == int(mesh_spec[-1])
+    d_model, heads, head_dim = kernel.shape
+    assert kernel.addressable_shards[0].data.shape == (d_model // sizes["fsdp"], heads // sizes["model"],
+                                                       head_dim)
     jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5),
                            jax.device_get(state.params), ref_params)
+
+
+def test_fsdp_shards_parameters_and_moments_not_activations():
+    """The rules table gives ``fsdp`` to parameters' ``embed`` axis, to activations' batch."""
+    mesh = sharding.make_mesh("fsdp=8")
+    P = jax.sharding.PartitionSpec
+    with jax.set_mesh(mesh):
+        assert sharding.logical_to_mesh_spec(("batch", "length", "embed")) == P(("data", "fsdp"), None, None)
+        assert sharding.logical_to_mesh_spec(("vocab", "embed")) == P("model", "fsdp")
+    _, layout = training.abstract_train_state(jf.Transformer(_config()), _tx(), mesh)
+    assert layout.data_size == 8 and layout.batch.spec == P(("data", "fsdp"), None)
+    d_model = _config().d_model
+    for path, shard in jax.tree_util.tree_leaves_with_path(layout.state.opt_state[0].nu):
+        name = jax.tree_util.keystr(path)
+        if "kernel" in name or "embedding" in name:   # every weight matrix is split 8 ways on D
+            assert "fsdp" in shard.spec, name
+    leaf = layout.params["src_embedding"]["embedding"]
+    assert leaf.shard_shape((VOCAB, d_model)) == (VOCAB, d_model // 8)
 
 
 def test_checkpoint_saved_on_4x2_restores_on_1x1_and_8x1(tmp_path):
@@ -275,12 +305,12 @@ def test_dot_product_attention_backend_matches_the_reference_core():
 
 
 def test_decoders_have_explicit_shardings_and_match_one_device():
-    """Greedy and beam decoding on a (4, 2) mesh: inputs and outputs laid out as asked,
-    the same tokens (and beam scores) as the plain decoder on one device."""
+    """Greedy and beam decoding on a (data 2, fsdp 2, model 2) mesh: inputs and outputs laid
+    out as asked, the same tokens (and beam scores) as the plain decoder on one device."""
     from jaxformer.decode.decoding import beam_translate, greedy_translate, jit_decoder
 
     model = jf.Transformer(_config())
-    mesh = sharding.make_mesh("data=4,model=2")
+    mesh = sharding.make_mesh("data=2,fsdp=2,model=2")
     state, layout = training.create_sharded_train_state(model, jax.random.key(3), _tx(), mesh)
     src = sharding.shard_batch({"src": _batch(4)["src"]}, layout.batch)["src"]
     params_1 = jax.device_get(state.params)
@@ -290,7 +320,7 @@ def test_decoders_have_explicit_shardings_and_match_one_device():
         sharded = jit_decoder(decoder, model, layout, **static, **extra)
         out = sharded(state.params, src)
         for leaf in jax.tree_util.tree_leaves(out):
-            assert leaf.sharding.spec[0] == "data", leaf.sharding
+            assert leaf.sharding.spec[0] == ("data", "fsdp"), leaf.sharding
         expected = jit_decoder(decoder, model, None, **static, **extra)(params_1, src_1)
         for a, b in zip(jax.tree_util.tree_leaves(jax.device_get(out)), jax.tree_util.tree_leaves(expected)):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)

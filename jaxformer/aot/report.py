@@ -105,7 +105,8 @@ def out_of_memory(error: BaseException) -> tuple[int, int] | None:
     return int(float(used) * _UNIT[used_unit.upper()]), int(float(total) * _UNIT[total_unit.upper()])
 
 
-REMEDIES = ("--remat (recompute activations in the backward pass)",
+REMEDIES = ("--mesh fsdp=… (parameters and Adam moments split over devices)",
+            "--remat (recompute activations in the backward pass)",
             "more devices on --mesh model=… (heads, FFN and vocabulary split)",
             "a smaller --batch-tokens, with --grad-accum-steps to keep the update's size",
             "--dtype bfloat16")

@@ -19,6 +19,7 @@ from jax.sharding import Mesh
 
 from jaxformer.decode.decoding import beam_translate, jit_decoder
 from jaxformer.model.config import TransformerConfig
+from jaxformer.model.sharding import batch_shards
 from jaxformer.model.transformer import Transformer
 from jaxformer.train.optimizer import make_optimizer, transformer_schedule
 from jaxformer.train.step import abstract_train_state, jit_train_step
@@ -56,10 +57,10 @@ def lower_train_step(config: TransformerConfig, mesh: Mesh, shape: TrainShape) -
       ValueError: a sharded dimension does not divide by its mesh axis, or the rows do
         not divide by data axis × accumulation steps.
     """
-    data = mesh.shape["data"] * shape.grad_accum_steps
+    data = batch_shards(mesh) * shape.grad_accum_steps
     if shape.rows % data:
-        raise ValueError(f"{shape.rows} batch rows do not divide into data axis {mesh.shape['data']} × "
-                         f"--grad-accum-steps {shape.grad_accum_steps}.")
+        raise ValueError(f"{shape.rows} batch rows do not divide into data × fsdp axes "
+                         f"{batch_shards(mesh)} × --grad-accum-steps {shape.grad_accum_steps}.")
     model = Transformer(config)
     tx = make_optimizer(transformer_schedule(config.d_model, shape.warmup_steps))
     state, layout = abstract_train_state(model, tx, mesh)
@@ -78,9 +79,9 @@ def lower_beam_search(config: TransformerConfig, mesh: Mesh, shape: DecodeShape)
     Raises:
       ValueError: ``shape.batch`` does not divide by the data axis.
     """
-    if shape.batch % mesh.shape["data"]:
-        raise ValueError(f"a decoding batch of {shape.batch} does not divide by data axis "
-                         f"{mesh.shape['data']}.")
+    if shape.batch % batch_shards(mesh):
+        raise ValueError(f"a decoding batch of {shape.batch} does not divide by the data × fsdp axes "
+                         f"{batch_shards(mesh)}.")
     model = Transformer(config)
     tx = make_optimizer(transformer_schedule(config.d_model, 1))
     state, layout = abstract_train_state(model, tx, mesh)

@@ -83,9 +83,9 @@ def target_devices(spec: SliceSpec, num_slices: int = 1) -> list[jax.Device]:
 
 
 def target_mesh(devices: list[jax.Device], spec: str | None, num_slices: int = 1) -> Mesh:
-    """The run's ``(data, model)`` mesh over target ``devices``. Over several slices the
-    ``data`` axis spans them (DCN: only the gradient all-reduce crosses slices) and
-    ``model`` stays inside each slice (ICI), as MaxText's ``dcn_data_parallelism``.
+    """The run's ``(data, fsdp, model)`` mesh over target ``devices``. Over several slices
+    the ``data`` axis spans them (DCN: only the gradient all-reduce crosses slices) and
+    ``fsdp`` and ``model`` stay inside each slice (ICI), as MaxText's ``dcn_data_parallelism``.
 
     Raises:
       ValueError: the mesh does not fit the devices, or ``data`` is not a multiple of
@@ -97,6 +97,6 @@ def target_mesh(devices: list[jax.Device], spec: str | None, num_slices: int = 1
     if sizes["data"] % num_slices:
         raise ValueError(f"--mesh data={sizes['data']} must be a multiple of --num-slices {num_slices}: "
                          f"the data axis spans the slices.")
-    ici = (sizes["data"] // num_slices, sizes["model"])
-    grid = mesh_utils.create_hybrid_device_mesh(ici, (num_slices, 1), devices)
+    ici = (sizes["data"] // num_slices, sizes["fsdp"], sizes["model"])
+    grid = mesh_utils.create_hybrid_device_mesh(ici, (num_slices, 1, 1), devices)
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))

@@ -110,7 +110,7 @@ class Evaluator:
         shapes), at most ``batch_size``, and a multiple of the data shards under a layout."""
         rows = min(self.batch_size, 1 << max(count - 1, 0).bit_length())
         if self.layout is not None:
-            multiple = self.layout.batch.mesh.shape["data"] * jax.process_count()
+            multiple = self.layout.data_size * jax.process_count()
             rows = -(-rows // multiple) * multiple
         return rows
 

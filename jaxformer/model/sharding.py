@@ -1,14 +1,15 @@
 """Meshes, the one logical-axis rules table, and the shardings of state and batches.
 
 One code path serves a laptop, one GPU and a multi-host slice: ``jax.jit`` with
-``NamedSharding`` over a ``Mesh`` with axes ``("data", "model")``. Parameters carry
+``NamedSharding`` over a ``Mesh`` with axes ``("data", "fsdp", "model")``. Parameters carry
 logical axis names at their initializers (``nn.with_logical_partitioning``);
 :data:`LOGICAL_AXIS_RULES` maps those names onto mesh axes. Activations are
 constrained with :func:`constrain` where the layout matters; that is a no-op unless a
 mesh is active (:func:`under_mesh`), so eager and unsharded code is untouched.
 
 Logical names (shape letters of the glossary in brackets): ``batch`` [B], ``length``
-[S or T], ``embed`` [D], ``heads`` [H], ``kv`` [K], ``mlp`` [F], ``vocab`` [V].
+[S or T], ``embed`` [D], ``heads`` [H], ``kv`` [K], ``mlp`` [F], ``vocab`` [V], and
+``layers`` [N], the stacking axis of scanned layers (``TransformerConfig.scan_layers``).
 """
 
 from __future__ import annotations
@@ -24,29 +25,38 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-MESH_AXES = ("data", "model")
+MESH_AXES = ("data", "fsdp", "model")
+BATCH_AXES = ("data", "fsdp")   # the mesh axes that split batch rows
 
-# The one table: logical axis name → mesh axis (None = replicated). Data parallel
-# over examples; tensor parallel (Megatron style) over heads, the FFN hidden width and
-# the vocabulary. A mesh of shape (n, 1) is pure data parallelism, (1, n) pure tensor
-# parallelism, anything else both.
-LOGICAL_AXIS_RULES: tuple[tuple[str, str | None], ...] = (
-    ("batch", "data"),
+# The one table: logical axis name → mesh axis (None = replicated).
+# - data parallel over examples: rows split over ``data`` and ``fsdp``;
+# - fully sharded data parallel (ZeRO-3; MaxText's and T5X's ``fsdp`` axis): parameters
+#   and Adam moments split over ``fsdp`` on their ``embed`` dimension, so each chip
+#   holds 1/fsdp of them; XLA all-gathers each weight where a layer uses it and
+#   reduce-scatters its gradient;
+# - tensor parallel (Megatron style) over heads, the FFN hidden width and the vocabulary.
+# A mesh (n, 1, 1) is pure data parallelism, (1, n, 1) pure FSDP, (1, 1, n) pure tensor
+# parallelism. Rules apply in order and a mesh axis is used once per array (flax's
+# ``logical_to_mesh_axes``): an activation ``(batch, length, embed)`` gives ``fsdp`` to
+# its batch, so only parameters (which have no batch axis) are split on ``embed``.
+LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    ("batch", BATCH_AXES),
     ("heads", "model"),
     ("mlp", "model"),
     ("vocab", "model"),
-    ("embed", None),
+    ("embed", "fsdp"),
     ("kv", None),
     ("length", None),
+    ("layers", None),
 )
 
 
 def parse_mesh(spec: str | None, num_devices: int) -> dict[str, int]:
-    """Parses ``"data=4,model=2"`` into mesh axis sizes.
+    """Parses ``"data=4,model=2"`` or ``"data=2,fsdp=4"`` into mesh axis sizes.
 
     An empty or ``None`` spec puts every device on ``data``. An axis left out gets
     size 1, except ``data``, which takes the devices the other axes leave (so
-    ``"model=2"`` on 8 devices means ``data=4,model=2``).
+    ``"model=2"`` on 8 devices means ``data=4,fsdp=1,model=2``).
 
     Raises:
       ValueError: bad syntax, an unknown or repeated axis name, a size below 1, or
@@ -68,8 +78,9 @@ def parse_mesh(spec: str | None, num_devices: int) -> dict[str, int]:
             raise ValueError(f"Bad --mesh {spec!r}: axis {name!r} must have size >= 1.")
         sizes[name] = int(value)
     sizes.setdefault("model", 1)
+    sizes.setdefault("fsdp", 1)
     if "data" not in sizes:
-        sizes["data"] = max(1, num_devices // sizes["model"])
+        sizes["data"] = max(1, num_devices // (sizes["model"] * sizes["fsdp"]))
     product = math.prod(sizes.values())
     if product != num_devices:
         raise ValueError(f"--mesh {spec!r} gives {' × '.join(f'{a}={sizes[a]}' for a in MESH_AXES)} = "
@@ -98,8 +109,13 @@ def first_devices(count: int | None) -> list[jax.Device] | None:
     return devices[:count]
 
 
+def batch_shards(mesh: Mesh) -> int:
+    """How many ways batch rows are split: the ``data`` × ``fsdp`` axis sizes."""
+    return math.prod(mesh.shape.get(axis, 1) for axis in BATCH_AXES)
+
+
 def make_mesh(spec: str | None = None, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A ``Mesh(('data', 'model'))`` over ``devices`` (default: all, every process).
+    """A ``Mesh(('data', 'fsdp', 'model'))`` over ``devices`` (default: all, every process).
 
     Args:
       spec: ``"data=4,model=2"`` (see :func:`parse_mesh`); ``None`` = all on ``data``.
@@ -201,7 +217,7 @@ def check_divisible(name: str, shape: Sequence[int], spec: PartitionSpec, mesh: 
                 f"{name} has shape {tuple(shape)}: a dimension of {dim} is split over mesh axis "
                 f"{'×'.join(axes)} of size {size}, which does not divide it. Choose a mesh whose "
                 f"'model' size divides num_heads, d_ff and the vocabulary size (e.g. --vocab-size "
-                f"a multiple of it), or a smaller 'model' axis.")
+                f"a multiple of it) and whose 'fsdp' size divides d_model, or smaller axes.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,7 +229,7 @@ class Layout:
 
     @property
     def batch(self) -> NamedSharding:
-        """Batches ``[B, L]``: rows split over ``data`` (the ``batch`` rule)."""
+        """Batches ``[B, L]``: rows split over ``data`` × ``fsdp`` (the ``batch`` rule)."""
         return NamedSharding(self.mesh, logical_to_mesh_spec(("batch", "length")))
 
     @property
@@ -226,7 +242,8 @@ class Layout:
 
     @property
     def data_size(self) -> int:
-        return self.mesh.shape["data"]
+        """How many ways batch rows are split (:func:`batch_shards`)."""
+        return batch_shards(self.mesh)
 
 
 def shard_batch(batch: Mapping[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
@@ -242,16 +259,16 @@ def shard_batch(batch: Mapping[str, np.ndarray], sharding: NamedSharding) -> dic
       sharding: the batch sharding (:attr:`Layout.batch`).
 
     Raises:
-      ValueError: the global row count is not divisible by the ``data`` axis.
+      ValueError: the global row count is not divisible by the ``data`` × ``fsdp`` axes.
     """
-    data_size = sharding.mesh.shape["data"]
+    data_size = batch_shards(sharding.mesh)
     out = {}
     for name, local in batch.items():
         local = np.asarray(local)
         global_shape = (local.shape[0] * jax.process_count(),) + local.shape[1:]
         if global_shape[0] % data_size:
             raise ValueError(f"batch {name!r} has {global_shape[0]} rows, not divisible by the mesh's "
-                             f"data axis ({data_size}); make the batch size a multiple of it.")
+                             f"data × fsdp axes ({data_size}); make the batch size a multiple of it.")
         out[name] = jax.make_array_from_process_local_data(sharding, local, global_shape)
     return out
 

@@ -122,7 +122,7 @@ def _setup_run(cfg: TrainConfig, run_dir: RunDir, checkpoints: RunCheckpoints, m
     saved = run_dir.read_config()
     if checkpoints.latest_step() is not None and saved is not None:
         check_resume_compatible(saved, model_config)
-    row_multiple = math.lcm(mesh.shape["data"] * cfg.grad_accum_steps, jax.process_count())
+    row_multiple = math.lcm(sharding_lib.batch_shards(mesh) * cfg.grad_accum_steps, jax.process_count())
     batch_rows = _batch_rows(cfg, model_config, row_multiple)
     if has_checkpoints and saved is not None:
         _check_same_batch_plan(saved, batch_rows, row_multiple)
