@@ -1,11 +1,13 @@
 """End to end: train.py on a slice of the shipped corpus, then resume (issue: the main job)."""
 
+import dataclasses
 import json
 import shutil
 
 import pytest
 
 from jaxformer.data import corpus
+from jaxformer.decode.translator import Translator
 from jaxformer.run.config import TrainConfig
 from jaxformer.train.trainer import train
 
@@ -39,10 +41,13 @@ def test_train_checkpoints_and_resumes(tmp_path, trained_run, corpus_slice, caps
     workdir = tmp_path / "run"
     shutil.copytree(trained_run, workdir)
     capsys.readouterr()
-    second = train(_config(workdir, corpus_slice, 60))
+    # The second half runs its layers under nn.scan (issue #19): the unrolled checkpoint of
+    # step 30 converts on restore; evaluation decodes through the unrolled view.
+    second = train(dataclasses.replace(_config(workdir, corpus_slice, 60), scan_layers=True))
     out = capsys.readouterr().out
     assert "resumed" in out and "at step 30" in out
     assert second["final_step"] == 60
+    assert json.loads((workdir / "config.json").read_text())["model"]["scan_layers"]
     rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in rows]
     assert min(s for s in steps if s > 30) == 40, "the resumed run must continue, not start over"
@@ -57,6 +62,13 @@ def test_train_checkpoints_and_resumes(tmp_path, trained_run, corpus_slice, caps
     results = json.loads((workdir / "results.json").read_text())
     assert "nrefs:1" in results["sacrebleu_signature"] and results["test_sentences"] > 0
     assert results["final_step"] == 60
+    # The scanned model translates from the step-60 (scanned) and the best (step 30 here:
+    # unrolled) checkpoints, and draws its heat maps.
+    assert Translator(workdir, checkpoint="latest").step == 60
+    translator = Translator(workdir)
+    assert len(translator(["Click OK."], beam_size=1)) == 1
+    weights, src_pieces, tgt_pieces = translator.cross_attention("Click OK.", "Klicken Sie auf OK.")
+    assert weights.shape == (len(tgt_pieces), len(src_pieces))
 
     # Resuming with another architecture names the differing field.
     with pytest.raises(ValueError, match="d_model"):

@@ -29,7 +29,8 @@ from jaxformer.aot.chips import CHIPS, slice_names, slice_spec
 from jaxformer.run.config import DEFAULT_CPU_RUN, TrainConfig, add_config_flags
 
 FLAGS = ("preset", "d_model", "num_heads", "d_ff", "num_layers", "max_len", "dtype", "attention_backend",
-         "remat", "vocab_size", "batch_tokens", "max_train_len", "mesh", "grad_accum_steps", "beam_size")
+         "remat", "scan_layers", "vocab_size", "batch_tokens", "max_train_len", "mesh", "grad_accum_steps",
+         "beam_size")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,7 +91,8 @@ def compile_all(args: argparse.Namespace, cfg: TrainConfig) -> dict[str, Any]:
     chip = CHIPS[spec.chip]
     config = preset(cfg.preset, src_vocab_size=cfg.vocab_size, **cfg.model_overrides())
     devices_count = spec.chips * args.num_slices
-    data = parse_mesh(cfg.mesh, devices_count)["data"]
+    sizes = parse_mesh(cfg.mesh, devices_count)
+    data = sizes["data"] * sizes["fsdp"]
     length = cfg.row_length(config.max_len)
     rows = rows_per_batch(cfg.batch_tokens, length, data * cfg.grad_accum_steps)
     shapes = {"train_step": TrainShape(rows=rows, length=length, label_smoothing=cfg.label_smoothing,

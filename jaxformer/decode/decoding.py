@@ -25,6 +25,7 @@ from jaxformer.decode.beam_search import (  # noqa: F401  (re-exported: callers 
     tile_beams,
 )
 from jaxformer.decode.penalties import NO_PENALTIES, Penalties
+from jaxformer.model.scan import unrolled
 from jaxformer.model.sharding import under_mesh
 from jaxformer.model.transformer import Transformer
 from jaxformer.model.validation import check_token_ids
@@ -196,7 +197,10 @@ def sample(tokens_to_logits: TokensToLogits, cache: Any, rng: jax.Array, *, batc
 
 def _model_callback(model: Transformer, params: Any, src_BS: jax.Array, max_decode_len: int,
                     beam_size: int = 1):
-    """Encodes once, builds the cache (tiled over beams) and the ``tokens_to_logits`` callback."""
+    """Encodes once, builds the cache (tiled over beams) and the ``tokens_to_logits`` callback.
+
+    A model with scanned layers decodes through its unrolled view (one cache per layer)."""
+    model, params = unrolled(model, params)
     variables = {"params": params}
     encoder_output = model.apply(variables, src_BS, method=Transformer.encode)
     cache = model.apply(variables, encoder_output, src_BS, max_decode_len, method=Transformer.init_cache)

@@ -17,6 +17,7 @@ from jaxformer.decode.evaluation import Evaluator
 from jaxformer.decode.exported import ExportCache
 from jaxformer.decode.penalties import Penalties
 from jaxformer.model.config import TransformerConfig
+from jaxformer.model.scan import unrolled
 from jaxformer.model.transformer import Transformer
 from jaxformer.run.checkpoints import RunCheckpoints
 from jaxformer.run.directory import RunDir
@@ -148,7 +149,8 @@ class Translator:
         tgt_ids = tok.encode_target([translation])[0][: self.config.max_len - 1]
         src = jnp.asarray([src_ids], jnp.int32)
         tgt_in = jnp.asarray([[tok.bos_id, *tgt_ids]], jnp.int32)
-        _, state = self.model.apply({"params": self.params}, src, tgt_in, mutable=["intermediates"])
+        model, variables = unrolled(self.model, {"params": self.params})   # one entry per layer
+        _, state = model.apply(variables, src, tgt_in, mutable=["intermediates"])
         layers = state["intermediates"]["decoder"]
         stack = np.stack([np.asarray(layers[f"layer_{i}"]["cross_attention"]["attention_weights"][0][0])
                           for i in range(self.config.num_decoder_layers)])      # [N, H, T, S]

@@ -24,6 +24,7 @@ from jaxformer.interop.marian_weights import (  # noqa: F401  (the public names 
     read_hf_weights,
 )
 from jaxformer.model.config import TransformerConfig
+from jaxformer.model.scan import unstack_layers
 
 # Marian keys that name behaviour jaxformer does not have, with the value it needs.
 _REQUIRED_HF = {"scale_embedding": True, "normalize_before": False, "normalize_embedding": False,
@@ -229,7 +230,8 @@ def export_marian(workdir: str | Path, out_dir: str | Path) -> None:
     config = TransformerConfig.from_dict(record["model"])
     config_to_hf(config, eos_id=0, decoder_start_id=0)   # fails early on a pre-norm run
     translator = Translator(workdir, batch_size=1)
-    params = translator.params
+    params = unstack_layers(translator.params)   # Marian names each layer; a scanned run is unrolled
+    config = config.replace(scan_layers=False)
     if config.positional_layout != "split":
         # Marian computes the split table; permuting D turns ours into it exactly.
         params = interleaved_to_split(params, config)

@@ -15,7 +15,7 @@ NormPosition = Literal["post", "pre"]
 ACTIVATIONS = ("relu", "swish", "gelu")
 POSITIONAL_LAYOUTS = ("interleaved", "split")
 _FLOAT_DTYPES = ("float32", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("reference", "xla", "cudnn")
+ATTENTION_BACKENDS = ("reference", "xla", "cudnn", "pallas")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -45,10 +45,18 @@ class TransformerConfig:
       attention_backend: ``"reference"`` (the vmapped core of
         :func:`jaxformer.scaled_dot_product_attention`, which can sow attention
         weights), or :func:`jax.nn.dot_product_attention` with ``"xla"`` (any device)
-        or ``"cudnn"`` (flash attention on NVIDIA GPUs; bfloat16/float16 only). The
+        or ``"cudnn"`` (flash attention on NVIDIA GPUs; bfloat16/float16 only), or
+        ``"pallas"`` (Pallas's TPU splash-attention kernel, :mod:`jaxformer.model.splash`;
+        interpret mode on CPU, not on GPU; cached decoding steps use ``"xla"``). The
         fused backends return no weights and need ``attention_dropout_rate == 0``.
       remat: recompute each encoder/decoder layer's activations in the backward pass
         (``nn.remat``): less memory, about one extra forward pass of compute.
+      scan_layers: run each stack's layers as one ``nn.scan`` over parameters stacked
+        on a leading ``layers`` axis ``[N, ...]`` (MaxText's ``scan_layers``, T5X's
+        ``scalable_t5``): one compiled layer body, so compile time and program size
+        stop growing with depth. Numerically the unrolled model; checkpoints convert
+        either way (:mod:`jaxformer.model.scan`). Cached decoding runs the unrolled
+        layers on the same parameters (:func:`jaxformer.model.scan.unrolled`).
       activation: the FFN non-linearity: ``"relu"`` (paper, Eq. 2), or, departing
         from it for imported models, ``"swish"`` (SiLU, Marian/OPUS-MT) or ``"gelu"``
         (exact erf form, as Hugging Face's ``"gelu"``).
@@ -83,6 +91,7 @@ class TransformerConfig:
     param_dtype: str = "float32"
     attention_backend: str = "reference"
     remat: bool = False
+    scan_layers: bool = False
     activation: str = "relu"
     positional_layout: str = "interleaved"
     final_logits_bias: bool = False
@@ -116,7 +125,7 @@ class TransformerConfig:
                              f"got {self.attention_backend!r}.")
         if self.attention_backend != "reference" and self.attention_dropout_rate > 0.0:
             raise ValueError(
-                f"attention_backend={self.attention_backend!r} (jax.nn.dot_product_attention) has no "
+                f"attention_backend={self.attention_backend!r} (a fused kernel) has no "
                 f"attention dropout, but attention_dropout_rate={self.attention_dropout_rate}; "
                 f"use attention_backend='reference' or attention_dropout_rate=0.")
         if self.activation not in ACTIVATIONS:

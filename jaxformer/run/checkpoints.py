@@ -10,6 +10,10 @@ leaves at most a ``<step>.orbax-checkpoint-tmp*`` folder, which is ignored and
 cleaned up on the next start. A step that is complete but unreadable (a corrupted
 or truncated file) is reported, moved to ``<workdir>/corrupt/`` and the previous
 step is used (:meth:`RunCheckpoints.restore_latest`).
+
+A checkpoint saved with unrolled layers restores into a model with scanned layers
+and back (``TransformerConfig.scan_layers``): it is read in the layout it was saved in
+and converted (:mod:`jaxformer.model.scan`), then placed with the target's shardings.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from jaxformer.model import scan
 from jaxformer.model.validation import DataPositionError
 
 
@@ -67,6 +72,21 @@ def _saved_params(path: Path, key: str | None) -> Any:
     with ocp.PyTreeCheckpointer() as checkpointer:
         tree = checkpointer.metadata(path).item_metadata.tree
     return tree[key] if key is not None else tree
+
+
+def _in_layout(saved: Any, abstract: Any, restore: Callable[[Any], Any]) -> Any:
+    """``restore(target)`` into ``abstract``, reading a checkpoint saved with the other layer
+    layout (scanned or unrolled, :mod:`jaxformer.model.scan`) in its own layout first.
+
+    ``saved`` is the checkpoint's tree of names and shapes (orbax metadata).
+    """
+    saved_scanned, want_scanned = scan.layout_of(saved), scan.layout_of(abstract)
+    if saved_scanned is None or want_scanned is None or saved_scanned == want_scanned:
+        return restore(abstract)
+    target = scan.to_layout(abstract, saved_scanned)
+    restored = restore(target)
+    shardings = jax.tree_util.tree_map(lambda x: x.sharding, abstract)
+    return jax.jit(lambda tree: scan.to_layout(tree, want_scanned), out_shardings=shardings)(restored)
 
 
 def _first_line(error: BaseException) -> str:
@@ -167,10 +187,13 @@ class RunCheckpoints:
         """Restores the state into ``abstract_state``'s structure and the iterator in place."""
         import grain
 
-        restored = self.latest.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state),
-            data=grain.checkpoint.CheckpointRestore(data_iterator)))
-        return restored.state
+        def restore(target):
+            return self.latest.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(target),
+                data=grain.checkpoint.CheckpointRestore(data_iterator))).state
+
+        saved = _saved_params(self.latest.directory / str(step) / "state", None)
+        return _in_layout(saved, abstract_state, restore)
 
     def restore_latest(self, abstract_state: Any, data_iterator: Any,
                        report: Callable[[str], None] = _stderr) -> tuple[Any, int] | None:
@@ -284,10 +307,11 @@ class RunCheckpoints:
         raise FileNotFoundError("No checkpoint in this run directory; train first.")
 
     def _best_params(self, step: int, abstract_params: Any) -> Any:
-        check_params_match(_saved_params(self.best.directory / str(step) / "params", None),
-                           abstract_params, f"best checkpoint step {step}")
-        return self.best.restore(step, args=ocp.args.Composite(
-            params=ocp.args.StandardRestore(abstract_params))).params
+        saved = _saved_params(self.best.directory / str(step) / "params", None)
+        check_params_match(saved, scan.to_layout(abstract_params, bool(scan.layout_of(saved))),
+                           f"best checkpoint step {step}")
+        return _in_layout(saved, abstract_params, lambda target: self.best.restore(
+            step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target))).params)
 
     def steps(self) -> list[int]:
         """The training checkpoints on disk, oldest first."""
@@ -298,15 +322,19 @@ class RunCheckpoints:
         optimizer state is not read)."""
         # A checkpointer of its own: this process's manager may already have bound the
         # "state" item to the (whole-state) StandardCheckpointHandler by saving it.
-        target = {"params": abstract_params}
         path = self.latest.directory / str(step) / "state"
-        check_params_match(_saved_params(path, "params"), abstract_params, f"checkpoint step {step}")
-        with ocp.PyTreeCheckpointer() as checkpointer:
-            restored = checkpointer.restore(path,
-                                            args=ocp.args.PyTreeRestore(
-                                                item=target, partial_restore=True,
-                                                restore_args=ocp.checkpoint_utils.construct_restore_args(target)))
-        return restored["params"]
+        saved = _saved_params(path, "params")
+        check_params_match(saved, scan.to_layout(abstract_params, bool(scan.layout_of(saved))),
+                           f"checkpoint step {step}")
+
+        def restore(params):
+            target = {"params": params}
+            with ocp.PyTreeCheckpointer() as checkpointer:
+                return checkpointer.restore(path, args=ocp.args.PyTreeRestore(
+                    item=target, partial_restore=True,
+                    restore_args=ocp.checkpoint_utils.construct_restore_args(target)))["params"]
+
+        return _in_layout(saved, abstract_params, restore)
 
     def _averaged(self) -> ocp.CheckpointManager:
         # Opened on use: most runs never write one, and a reader must not create the folder.
@@ -354,8 +382,10 @@ class RunCheckpoints:
             try:
                 step = manager.latest_step()
                 if step is not None:
-                    return manager.restore(step, args=ocp.args.Composite(
-                        params=ocp.args.StandardRestore(abstract_params))).params, step, "averaged"
+                    saved = _saved_params(manager.directory / str(step) / "params", None)
+                    params = _in_layout(saved, abstract_params, lambda target: manager.restore(
+                        step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target))).params)
+                    return params, step, "averaged"
             finally:
                 manager.close()
         if isinstance(which, int) and which in steps:

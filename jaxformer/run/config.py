@@ -41,6 +41,7 @@ class TrainConfig:
     dtype: str | None = None          # compute dtype; bfloat16 on GPU/TPU (params stay float32)
     attention_backend: str | None = None   # reference | xla | cudnn (jax.nn.dot_product_attention)
     remat: bool | None = None          # recompute layer activations in the backward pass
+    scan_layers: bool | None = None    # each stack's layers as one nn.scan (compile time flat in depth)
     vocab_size: int = 8000
     max_train_len: int | None = None  # drop (and count) longer training pairs; default max_len
     # Optimisation (§5.3, §5.4).
@@ -57,7 +58,7 @@ class TrainConfig:
     grad_clip: float | None = None
     grad_accum_steps: int = 1          # micro-batches per update (batch_tokens is per update)
     # Scaling out (README, "Scaling out").
-    mesh: str | None = None            # e.g. "data=4,model=2"; default: every device on data
+    mesh: str | None = None            # e.g. "data=4,model=2" or "fsdp=8"; default: every device on data
     devices: int | None = None         # single-process runs: train on the first N devices only
     distributed: bool = False          # jax.distributed.initialize() with cluster auto-detection
     coordinator_address: str | None = None   # host:port of process 0 (multi-process runs)
@@ -144,7 +145,7 @@ class TrainConfig:
     def model_overrides(self) -> dict[str, Any]:
         """The model fields set on the command line."""
         names = ("d_model", "num_heads", "d_ff", "dropout_rate", "max_len", "norm_position", "dtype",
-                 "attention_backend", "remat")
+                 "attention_backend", "remat", "scan_layers")
         out = {n: getattr(self, n) for n in names if getattr(self, n) is not None}
         if self.num_layers is not None:
             out.update(num_encoder_layers=self.num_layers, num_decoder_layers=self.num_layers)
@@ -198,8 +199,11 @@ HELP: dict[str, str] = {
     "max_len": "longest sequence in tokens, source or target (default: the preset's)",
     "norm_position": "post = the paper's LayerNorm after the residual, pre = before",
     "dtype": "compute dtype; parameters stay float32 (default: float32)",
-    "attention_backend": "reference (can return weights), xla (any device) or cudnn (NVIDIA GPUs)",
+    "attention_backend": "reference (can return weights), xla (any device), cudnn (NVIDIA GPUs) or "
+                         "pallas (TPU splash attention)",
     "remat": "recompute layer activations in the backward pass: less memory, more compute",
+    "scan_layers": "run each stack's layers as one scanned body over stacked parameters: compile "
+                   "time and program size stop growing with depth; checkpoints convert either way",
     "vocab_size": "sentencepiece vocabulary size, shared by source and target",
     "max_train_len": "drop (and count) longer training pairs, in tokens (default: --max-len)",
     "batch_tokens": "padded tokens per update (rows x row length)",
@@ -214,7 +218,8 @@ HELP: dict[str, str] = {
     "label_smoothing": "label smoothing epsilon of the loss, in [0, 1)",
     "grad_clip": "clip the global gradient norm to this value (default: no clipping)",
     "grad_accum_steps": "micro-batches per update; --batch-tokens is per update",
-    "mesh": "device mesh, e.g. data=4,model=2 (default: every device on data)",
+    "mesh": "device mesh over data, fsdp and model, e.g. data=4,model=2 or data=2,fsdp=4 "
+            "(default: every device on data)",
     "devices": "single-process runs: use only the first N devices (default: all)",
     "distributed": "call jax.distributed.initialize() with cluster auto-detection",
     "coordinator_address": "host:port of process 0 in a multi-process run",

@@ -1,0 +1,154 @@
+"""Scanned and unrolled layer stacks: one model's parameters in two layouts.
+
+Unrolled (the default), each stack holds ``layer_0 … layer_{N-1}``, one subtree per
+layer. With ``TransformerConfig.scan_layers`` the stack runs as one ``nn.scan`` and
+holds a single subtree ``layers`` whose every leaf has a leading axis of N layers
+(logical name ``layers``; MaxText's ``scan_layers``, T5X's ``scalable_t5``). Layer
+``i`` of the unrolled tree is row ``i`` of the scanned one, so the conversion is
+exact both ways: :func:`stack_layers`, :func:`unstack_layers`.
+
+They convert any tree whose dicts hold the stacks: ``{"params": …}`` variables, a bare
+parameter tree, a train state (parameters and Adam moments alike), or its abstract
+form (``jax.ShapeDtypeStruct`` leaves keep their sharding, the ``layers`` axis
+replicated). Checkpoints of either layout restore into the other
+(:mod:`jaxformer.run.checkpoints`), and cached decoding runs the unrolled layers on
+a scanned model's parameters (:func:`unrolled`).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+SCANNED = "layers"
+_LAYER = re.compile(r"layer_(\d+)")
+_STACKS = ("encoder", "decoder")
+
+
+def _stack_leaves(leaves: list[Any]) -> Any:
+    first = leaves[0]
+    if isinstance(first, nn.Partitioned):
+        return first.replace_boxed(_stack_leaves([x.unbox() for x in leaves])).replace(
+            names=(SCANNED,) + tuple(first.names))
+    if isinstance(first, jax.ShapeDtypeStruct):
+        sharding = first.sharding
+        if isinstance(sharding, NamedSharding):
+            sharding = NamedSharding(sharding.mesh, PartitionSpec(None, *sharding.spec))
+        return jax.ShapeDtypeStruct((len(leaves),) + tuple(first.shape), first.dtype, sharding=sharding)
+    return jnp.stack(leaves)
+
+
+def _unstack_leaf(leaf: Any, count: int) -> list[Any]:
+    if isinstance(leaf, nn.Partitioned):
+        return [leaf.replace(value=v, names=tuple(leaf.names)[1:])
+                for v in _unstack_leaf(leaf.unbox(), count)]
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        sharding = leaf.sharding
+        if isinstance(sharding, NamedSharding):
+            sharding = NamedSharding(sharding.mesh, PartitionSpec(*tuple(sharding.spec)[1:]))
+        return [jax.ShapeDtypeStruct(tuple(leaf.shape)[1:], leaf.dtype, sharding=sharding)] * count
+    return [leaf[i] for i in range(count)]
+
+
+def _is_leaf(x: Any) -> bool:
+    return isinstance(x, (nn.Partitioned, jax.ShapeDtypeStruct))
+
+
+def _stack_dict(tree: dict, parent: str | None) -> dict:
+    layer_keys = [k for k in tree if isinstance(k, str) and _LAYER.fullmatch(k)]
+    out = {k: _stack_dict(v, k) if isinstance(v, dict) else v
+           for k, v in tree.items() if k not in layer_keys}
+    if parent in _STACKS and layer_keys:
+        count = len(layer_keys)
+        if sorted(int(_LAYER.fullmatch(k).group(1)) for k in layer_keys) != list(range(count)):
+            raise ValueError(f"{parent}: layers {sorted(layer_keys)} are not layer_0 … layer_{count - 1}; "
+                             f"cannot stack them.")
+        layers = [tree[f"layer_{i}"] for i in range(count)]
+        out[SCANNED] = jax.tree_util.tree_map(lambda *xs: _stack_leaves(list(xs)), *layers, is_leaf=_is_leaf)
+    return out
+
+
+def _unstack_dict(tree: dict, parent: str | None) -> dict:
+    out = {k: _unstack_dict(v, k) if isinstance(v, dict) else v
+           for k, v in tree.items() if not (parent in _STACKS and k == SCANNED)}
+    if parent in _STACKS and SCANNED in tree:
+        leaves, treedef = jax.tree_util.tree_flatten(tree[SCANNED], is_leaf=_is_leaf)
+        first = leaves[0].unbox() if isinstance(leaves[0], nn.Partitioned) else leaves[0]
+        count = int(first.shape[0])
+        per_leaf = [_unstack_leaf(leaf, count) for leaf in leaves]
+        for i in range(count):
+            out[f"layer_{i}"] = jax.tree_util.tree_unflatten(treedef, [rows[i] for rows in per_leaf])
+    return out
+
+
+def _map_dicts(fn, tree: Any) -> Any:
+    """``fn(d, None)`` on every outermost dict of ``tree`` (a dict, or a pytree holding dicts)."""
+    if isinstance(tree, dict):
+        return fn(tree, None)
+    return jax.tree_util.tree_map(lambda x: fn(x, None) if isinstance(x, dict) else x, tree,
+                                  is_leaf=lambda x: isinstance(x, dict))
+
+
+def stack_layers(tree: Any) -> Any:
+    """The scanned layout of ``tree``: in every ``encoder``/``decoder`` dict the subtrees
+    ``layer_0 … layer_{N-1}`` become one ``layers`` subtree with leaves ``[N, ...]``.
+
+    Leaves may be arrays (stacked with ``jnp.stack``; works under ``jit``),
+    ``jax.ShapeDtypeStruct`` (a leading unsharded axis is added to the sharding) or
+    ``nn.Partitioned`` boxes (the logical name ``layers`` is prepended). A tree already
+    scanned is returned as it is.
+
+    Raises:
+      ValueError: a stack's layer names are not ``layer_0`` … ``layer_{N-1}``.
+    """
+    return _map_dicts(_stack_dict, tree)
+
+
+def unstack_layers(tree: Any) -> Any:
+    """The unrolled layout of ``tree``: the inverse of :func:`stack_layers` (row ``i``
+    of every ``layers`` leaf becomes ``layer_i``). A tree already unrolled is returned as it is."""
+    return _map_dicts(_unstack_dict, tree)
+
+
+def layout_of(tree: Any) -> bool | None:
+    """``True`` if ``tree``'s stacks are scanned, ``False`` if unrolled, ``None`` if it has
+    no layer stack (e.g. an empty tree). Works on orbax metadata trees too."""
+    for path, _ in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_leaf)[0]:
+        names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+        for parent, child in zip(names, names[1:]):
+            if parent in _STACKS:
+                if child == SCANNED:
+                    return True
+                if _LAYER.fullmatch(child):
+                    return False
+    return None
+
+
+def to_layout(tree: Any, scanned: bool) -> Any:
+    """:func:`stack_layers` if ``scanned`` else :func:`unstack_layers`."""
+    return stack_layers(tree) if scanned else unstack_layers(tree)
+
+
+def unrolled(model: nn.Module, variables: Any) -> tuple[nn.Module, Any]:
+    """The same model with unrolled layers, and its variables in that layout.
+
+    Cached decoding (``Transformer.init_cache`` / ``decode_step``) keeps one cache per
+    layer and runs the layers one by one; a model trained with ``scan_layers`` decodes
+    through this view of its own parameters (the decoders of :mod:`jaxformer.decode`
+    call it). Under ``jit`` the conversion is a slice per leaf.
+
+    Args:
+      model: a ``jaxformer.Transformer``.
+      variables: ``{"params": …}`` (boxed or plain) or a bare parameter tree.
+
+    Returns:
+      ``(model, variables)``, unchanged when the model is not scanned.
+    """
+    if not model.config.scan_layers:
+        return model, variables
+    return type(model)(model.config.replace(scan_layers=False)), unstack_layers(variables)
