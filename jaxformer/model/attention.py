@@ -1,7 +1,10 @@
 """Scaled dot-product attention (§3.2.1) and multi-head attention (§3.2.2).
 
 Shapes: B batch, S source length, T target (query) length, D d_model, H heads,
-K = D / H per-head width. Masks follow :mod:`jaxformer.model.masks` (bool, True = attend).
+K = D / H per-head width. Masks follow :mod:`jaxformer.model.masks` (bool, True = attend;
+the layers pass :class:`~jaxformer.model.masks.AttentionMask`). Backends: the reference
+core, :func:`jax.nn.dot_product_attention` (``"xla"``, ``"cudnn"``) and Pallas's TPU
+splash kernel (``"pallas"``, :mod:`jaxformer.model.splash`).
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ import jax.numpy as jnp
 
 from jaxformer.model.config import TransformerConfig
 from jaxformer.model.dropout import keep_mask
+from jaxformer.model.masks import AttentionMask
 from jaxformer.model.sharding import constrain
+from jaxformer.model.splash import splash_dot_product_attention
 
 
 def _single_head_attention(q_TK, k_SK, v_SK, mask_TS, keep_TS):
@@ -142,7 +147,8 @@ class MultiHeadAttention(nn.Module):
     ``out`` kernel ``[H, K, D]`` with bias ``[D]``. The attention weights are sown
     into the ``"intermediates"`` collection as ``attention_weights`` ``[B, H, T, S]``
     when that collection is mutable (``apply(..., mutable=["intermediates"])``) and
-    ``config.attention_backend == "reference"`` (the fused backends return no weights).
+    ``config.attention_backend == "reference"`` (the fused and Pallas backends return no
+    weights).
     Logical axes: kernels ``(embed, heads, kv)`` / ``(heads, kv, embed)``.
     """
 
@@ -191,18 +197,30 @@ class MultiHeadAttention(nn.Module):
         return k, v
 
     def attend(self, q_BHTK, k_BHSK, v_BHSK, mask, deterministic: bool):
-        """Attention of projected heads, then the output projection → ``[B, T, D]``."""
+        """Attention of projected heads, then the output projection → ``[B, T, D]``.
+
+        ``mask``: an :class:`~jaxformer.model.masks.AttentionMask` (what the model
+        builds for training, encoding and teacher-forced decoding), or a bool array
+        broadcastable to ``[B, H, T, S]`` (the cached decoding step), or ``None``.
+        """
         c = self.config
+        dense = mask.dense if isinstance(mask, AttentionMask) else mask
         if c.attention_backend == "reference":
             rng = None
             if not deterministic and c.attention_dropout_rate > 0.0:
                 rng = self.make_rng("dropout")
             out_BHTK, weights_BHTS = scaled_dot_product_attention(
-                q_BHTK, k_BHSK, v_BHSK, mask, dropout_rate=c.attention_dropout_rate, dropout_rng=rng)
+                q_BHTK, k_BHSK, v_BHSK, dense, dropout_rate=c.attention_dropout_rate, dropout_rng=rng)
             self.sow("intermediates", "attention_weights", weights_BHTS)
+        elif c.attention_backend == "pallas" and isinstance(mask, AttentionMask):
+            out_BHTK = splash_dot_product_attention(q_BHTK, k_BHSK, v_BHSK, mask.q_segments,
+                                                    mask.kv_segments, causal=mask.causal)
         else:
-            out_BHTK = fused_dot_product_attention(q_BHTK, k_BHSK, v_BHSK, mask,
-                                                   implementation=c.attention_backend)
+            # Splash is a prefill/training kernel: the cached decoding step (one query, a
+            # plain bool mask) runs "pallas" models on XLA's attention.
+            implementation = "xla" if c.attention_backend == "pallas" else c.attention_backend
+            out_BHTK = fused_dot_product_attention(q_BHTK, k_BHSK, v_BHSK, dense,
+                                                   implementation=implementation)
         out_BTD = jnp.einsum("BHTK,HKD->BTD", out_BHTK, self.out_kernel.astype(c.compute_dtype))
         out_BTD = out_BTD + self.out_bias.astype(c.compute_dtype)[None, None, :]
         out_BTD = constrain(out_BTD, ("batch", "length", "embed"))

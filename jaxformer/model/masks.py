@@ -3,6 +3,12 @@
 Convention: masks are boolean and ``True`` means "may attend". They broadcast
 against attention scores ``[B, H, Tq, Tk]``. Special ids come from the tokenizer or
 the config (``pad_id``), never a literal 0.
+
+The model's masks travel through the layers as an :class:`AttentionMask`: the dense
+bool mask (what the reference and ``jax.nn.dot_product_attention`` backends read) and
+the same mask as segment ids plus a causal flag (what the splash-attention kernel
+reads, :mod:`jaxformer.model.splash`). Every mask the model builds is "key is not
+padding AND same segment (AND causal)", which segment ids express exactly.
 """
 
 from __future__ import annotations
@@ -10,6 +16,13 @@ from __future__ import annotations
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+# The kv segment id of a key no query may attend to (padding): no query carries it.
+# Segment ids are non-negative in practice (collate_packed numbers segments 1, 2, …
+# and padding 0); any id above int32's minimum works.
+PADDING_SEGMENT = np.iinfo(np.int32).min
 
 
 def create_padding_mask(tokens: chex.Array, pad_id: int) -> chex.Array:
@@ -58,11 +71,17 @@ def create_decoder_mask(tgt: chex.Array, pad_id: int) -> chex.Array:
       bool ``[B, 1, T, T]``.
     """
     batch, length = tgt.shape
-    is_start_1L = (jnp.arange(length) == 0)[None, :]
-    keys_B11T = ((tgt != pad_id) | is_start_1L)[:, None, None, :]
+    keys_B11T = _decoder_keys(tgt, pad_id)[:, None, None, :]
     mask = create_causal_mask(length)[None, None] & keys_B11T
     chex.assert_shape(mask, (batch, 1, length, length))
     return mask
+
+
+def _decoder_keys(tgt: chex.Array, pad_id: int) -> chex.Array:
+    """bool ``[B, T]``: the target positions a decoder query may attend to (not padding;
+    position 0, the start token, always; see :func:`create_decoder_mask`)."""
+    is_start_1T = (jnp.arange(tgt.shape[1]) == 0)[None, :]
+    return (tgt != pad_id) | is_start_1T
 
 
 def create_segment_mask(query_segments: chex.Array, key_segments: chex.Array) -> chex.Array:
@@ -93,3 +112,97 @@ def segment_positions(segments: chex.Array) -> chex.Array:
                               segments[:, 1:] != segments[:, :-1]], axis=1)
     start_of_segment = jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
     return index - start_of_segment
+
+
+@struct.dataclass
+class AttentionMask:
+    """One attention mask in both forms the backends read; a pytree (``causal`` static).
+
+    Attributes:
+      dense: bool, broadcastable to ``[B, 1, Tq, Tk]``, True = may attend: exactly the
+        mask the model always built (``[B, 1, 1, S]`` padding, ``[B, 1, T, T]`` decoder,
+        ``[B, 1, Tq, Tk]`` with packed rows).
+      q_segments: int32 ``[B, Tq]``, each query's segment (1 everywhere when unpacked).
+      kv_segments: int32 ``[B, Tk]``, each key's segment, :data:`PADDING_SEGMENT` where
+        the key is padding.
+      causal: static; query t may attend only to keys ``<= t`` (self-attention, Tq = Tk).
+
+    ``dense == dense_from_segments(q_segments, kv_segments, causal)`` after broadcasting
+    (``tests/test_pallas_attention.py`` checks it for padded and packed batches).
+    """
+
+    dense: jax.Array
+    q_segments: jax.Array
+    kv_segments: jax.Array
+    causal: bool = struct.field(pytree_node=False, default=False)
+
+
+def dense_from_segments(q_segments: chex.Array, kv_segments: chex.Array, causal: bool) -> chex.Array:
+    """The dense mask that segment ids stand for: bool ``[B, 1, Tq, Tk]``, True where the
+    query's and the key's segments are equal (and, if ``causal``, the key is not after
+    the query). What the splash kernel computes from the same ids."""
+    mask = create_segment_mask(q_segments, kv_segments)
+    if causal:
+        chex.assert_equal(q_segments.shape[1], kv_segments.shape[1])
+        mask = mask & create_causal_mask(q_segments.shape[1])[None, None]
+    return mask
+
+
+def _segments(keys_valid_BL, query_len, q_segments=None, kv_segments=None):
+    """``(q_segments [B, Tq], kv_segments [B, L])`` int32: one segment (1) when the rows
+    are not packed; padding keys (``keys_valid`` False) get :data:`PADDING_SEGMENT`."""
+    batch = keys_valid_BL.shape[0]
+    if q_segments is None:
+        q_segments = jnp.ones((batch, query_len), jnp.int32)
+        kv_segments = jnp.ones(keys_valid_BL.shape, jnp.int32)
+    kv_segments = jnp.where(keys_valid_BL, kv_segments.astype(jnp.int32), PADDING_SEGMENT)
+    return q_segments.astype(jnp.int32), kv_segments
+
+
+def encoder_mask(src: chex.Array, pad_id: int, src_segments: chex.Array | None = None) -> AttentionMask:
+    """The encoder self-attention mask: source key padding (& same segment when packed).
+
+    Args:
+      src: source ids ``[B, S]``.
+      pad_id: the padding id.
+      src_segments: int ``[B, S]`` for packed rows, or ``None``.
+
+    Returns:
+      an :class:`AttentionMask` whose ``dense`` is ``[B, 1, 1, S]`` (``[B, 1, S, S]``
+      packed).
+    """
+    dense = create_padding_mask(src, pad_id)
+    if src_segments is not None:
+        dense = dense & create_segment_mask(src_segments, src_segments)
+    q_segments, kv_segments = _segments(src != pad_id, src.shape[1], src_segments, src_segments)
+    return AttentionMask(dense=dense, q_segments=q_segments, kv_segments=kv_segments)
+
+
+def decoder_masks(src: chex.Array, tgt: chex.Array, pad_id: int, src_segments: chex.Array | None = None,
+                  tgt_segments: chex.Array | None = None) -> tuple[AttentionMask, AttentionMask]:
+    """The decoder's masks: ``(self-attention, cross-attention)``.
+
+    Self-attention: causal & target key padding (:func:`create_decoder_mask`), & same
+    segment when packed. Cross-attention: source key padding, & target segment j sees
+    only source segment j when packed.
+
+    Args:
+      src: source ids ``[B, S]``; tgt: shifted target ids ``[B, T]``.
+      pad_id: the padding id.
+      src_segments, tgt_segments: int ``[B, S]`` / ``[B, T]`` for packed rows (both or
+        neither), or ``None``.
+
+    Returns:
+      ``(tgt_mask, src_mask)``: dense ``[B, 1, T, T]`` and ``[B, 1, 1, S]``
+      (``[B, 1, T, S]`` packed).
+    """
+    tgt_dense = create_decoder_mask(tgt, pad_id)
+    src_dense = create_padding_mask(src, pad_id)
+    if tgt_segments is not None:
+        src_dense = src_dense & create_segment_mask(tgt_segments, src_segments)   # [B,1,T,S]
+        tgt_dense = tgt_dense & create_segment_mask(tgt_segments, tgt_segments)   # [B,1,T,T]
+    length = tgt.shape[1]
+    tgt_q, tgt_kv = _segments(_decoder_keys(tgt, pad_id), length, tgt_segments, tgt_segments)
+    src_q, src_kv = _segments(src != pad_id, length, tgt_segments, src_segments)
+    return (AttentionMask(dense=tgt_dense, q_segments=tgt_q, kv_segments=tgt_kv, causal=True),
+            AttentionMask(dense=src_dense, q_segments=src_q, kv_segments=src_kv))

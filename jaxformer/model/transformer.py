@@ -24,12 +24,7 @@ from flax import struct
 
 from jaxformer.model.config import TransformerConfig
 from jaxformer.model.layers import Decoder, Embedding, Encoder, OutputProjection, PositionalEncoding
-from jaxformer.model.masks import (
-    create_decoder_mask,
-    create_padding_mask,
-    create_segment_mask,
-    segment_positions,
-)
+from jaxformer.model.masks import create_padding_mask, decoder_masks, encoder_mask, segment_positions
 from jaxformer.model.validation import check_same_batch, check_token_ids
 
 
@@ -121,12 +116,11 @@ class Transformer(nn.Module):
         c = self.config
         check_token_ids(src, name="src", vocab_size=c.src_vocab_size, max_len=c.max_len)
         batch, src_len = src.shape
-        src_mask = create_padding_mask(src, c.pad_id)
         positions = None
         if src_segments is not None:
             chex.assert_shape(src_segments, src.shape)
-            src_mask = src_mask & create_segment_mask(src_segments, src_segments)
             positions = segment_positions(src_segments)
+        src_mask = encoder_mask(src, c.pad_id, src_segments)
         src_x = self.positional_encoding(self.src_embedding(src), deterministic, positions_BL=positions)
         chex.assert_shape(src_x, (batch, src_len, c.d_model))
         encoder_output = self.encoder(src_x, src_mask, deterministic)
@@ -182,17 +176,15 @@ class Transformer(nn.Module):
         check_same_batch(src, tgt)
         batch, tgt_len = tgt.shape
         chex.assert_shape(encoder_output, (batch, src.shape[1], c.d_model))
-        src_mask = create_padding_mask(src, c.pad_id)
-        tgt_mask = create_decoder_mask(tgt, c.pad_id)
         positions = None
         if (src_segments is None) != (tgt_segments is None):
             raise ValueError("Packed decoding needs both src_segments and tgt_segments, or neither.")
         if tgt_segments is not None:
             chex.assert_shape(src_segments, src.shape)
             chex.assert_shape(tgt_segments, tgt.shape)
-            src_mask = src_mask & create_segment_mask(tgt_segments, src_segments)   # [B,1,T,S]
-            tgt_mask = tgt_mask & create_segment_mask(tgt_segments, tgt_segments)   # [B,1,T,T]
             positions = segment_positions(tgt_segments)
+        # [B,1,T,T] and [B,1,1,S] ([B,1,T,S] packed), with their segment-id forms
+        tgt_mask, src_mask = decoder_masks(src, tgt, c.pad_id, src_segments, tgt_segments)
         tgt_x = self.positional_encoding(self.tgt_embedding(tgt), deterministic, positions_BL=positions)
         chex.assert_shape(tgt_x, (batch, tgt_len, c.d_model))
         decoder_output = self.decoder(tgt_x, encoder_output, tgt_mask, src_mask, deterministic)

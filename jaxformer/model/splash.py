@@ -1,0 +1,178 @@
+"""Splash attention, Pallas's TPU flash-attention kernel: ``attention_backend="pallas"``.
+
+Wraps :mod:`jax.experimental.pallas.ops.tpu.splash_attention` (``make_splash_mha``,
+``SegmentIds``, ``CausalMask``/``FullMask``, ``BlockSizes``) the way MaxText's
+``attention_op`` does: the kernel runs per example (``jax.vmap`` over the batch) on
+``[H, L, K]`` heads, never builds the ``[T, S]`` scores in HBM, and skips the blocks a
+causal mask rules out. Masks arrive as segment ids (:class:`jaxformer.model.masks.AttentionMask`):
+a query attends to the keys of its own segment (and, causal, not after it); padding
+keys carry :data:`~jaxformer.model.masks.PADDING_SEGMENT`, which no query has.
+
+Where it runs: TPU (Mosaic) natively; on CPU only in Pallas's interpret mode (slow:
+tests); not on GPU (its kernels are TPU's). Under a mesh a ``pallas_call`` cannot be
+split by XLA's SPMD partitioner, so the kernel runs in ``jax.shard_map`` over the batch
+and head axes of the rules table (:mod:`jaxformer.model.sharding`).
+
+Shapes: B batch, H heads, T query length, S key length, K head width; Tp/Sp the
+lengths padded to the kernel's block.
+"""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
+from jax.sharding import PartitionSpec
+
+from jaxformer.model.masks import PADDING_SEGMENT, dense_from_segments
+from jaxformer.model.sharding import logical_to_mesh_spec
+
+_LANES = 128                  # the kernel's blocks are multiples of the TPU's 128 lanes
+_BLOCKS = (512, 256, 128)     # MaxText's default sa_block_* is 512
+
+
+def padded_length(length: int) -> tuple[int, int]:
+    """``(padded length, block)``: ``length`` rounded up to a multiple of 128 and the
+    largest of 512, 256, 128 that divides it (the kernel tiles the length by its block)."""
+    padded = -(-length // _LANES) * _LANES
+    return padded, next(b for b in _BLOCKS if padded % b == 0)
+
+
+def _target_platform() -> str:
+    """The platform the kernel is compiled for: the active mesh's devices (the compile
+    tool's compile-only TPU devices on a CPU host), else JAX's default backend."""
+    mesh = jax.sharding.get_abstract_mesh()
+    device = None if mesh.empty else mesh.abstract_device
+    return device.platform if device is not None else jax.default_backend()
+
+
+def _interpret_mode(interpret: bool | None) -> bool:
+    """``interpret`` resolved: ``None`` = native on TPU, interpret mode on CPU.
+
+    Raises:
+      ValueError: ``None`` on a GPU (splash is a TPU kernel), naming the backends to use.
+    """
+    if interpret is not None:
+        return interpret
+    platform = _target_platform()
+    if platform in ("gpu", "cuda", "rocm"):
+        raise ValueError(f"attention_backend='pallas' runs Pallas's TPU splash-attention kernel, which "
+                         f"does not run on {platform}; use attention_backend='cudnn' (flash attention "
+                         f"on NVIDIA GPUs) or 'xla'.")
+    return platform != "tpu"
+
+
+def _kernel(heads: int, q_len: int, kv_len: int, causal: bool, interpret: bool):
+    """The splash kernel for ``[heads, q_len, K]`` queries and ``[heads, kv_len, K]`` keys
+    (lengths already padded to their blocks); forward and backward blocks alike.
+
+    Built anew in every trace (it holds arrays, which must not outlive one); the block
+    analysis of the mask behind it is cached by the splash library itself.
+    """
+    _, block_q = padded_length(q_len)
+    _, block_kv = padded_length(kv_len)
+    blocks = splash.BlockSizes(block_q=block_q, block_kv=block_kv, block_kv_compute=block_kv,
+                               block_q_dkv=block_q, block_kv_dkv=block_kv, block_kv_dkv_compute=block_kv,
+                               block_q_dq=block_q, block_kv_dq=block_kv)
+    one_head = (splash_mask.CausalMask((q_len, kv_len)) if causal
+                else splash_mask.FullMask((q_len, kv_len)))
+    return splash.make_splash_mha(splash_mask.MultiHeadMask([one_head] * heads), block_sizes=blocks,
+                                  head_shards=1, q_seq_shards=1, interpret=interpret)
+
+
+def _fitting(axes, size: int, mesh) -> str | tuple[str, ...] | None:
+    """The mesh axes of one dimension's rule, or ``None`` (replicated) when they do not
+    divide ``size`` (say, a small evaluation batch on a wide data axis)."""
+    if axes is None:
+        return None
+    names = (axes,) if isinstance(axes, str) else tuple(axes)
+    return axes if size % int(np.prod([mesh.shape[a] for a in names])) == 0 else None
+
+
+def _run_kernel(q_BHTK, k_BHSK, v_BHSK, q_segments_BT, kv_segments_BS, causal: bool, interpret: bool):
+    """The kernel on padded inputs, per example; in ``shard_map`` over batch and heads
+    when a mesh is active (the rules' ``batch`` and ``heads`` axes)."""
+
+    def per_shard(q, k, v, q_segments, kv_segments):
+        kernel = _kernel(q.shape[1], q.shape[2], k.shape[2], causal, interpret)
+        one = lambda q, k, v, qs, ks: kernel(q, k, v, segment_ids=splash.SegmentIds(q=qs, kv=ks))  # noqa: E731
+        return jax.vmap(one)(q, k, v, q_segments, kv_segments)
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return per_shard(q_BHTK, k_BHSK, v_BHSK, q_segments_BT, kv_segments_BS)
+    batch, heads = q_BHTK.shape[:2]
+    batch_axes = _fitting(logical_to_mesh_spec(("batch",))[0], batch, mesh)
+    head_axes = _fitting(logical_to_mesh_spec(("heads",))[0], heads, mesh)
+    heads_spec = PartitionSpec(batch_axes, head_axes, None, None)
+    segments_spec = PartitionSpec(batch_axes, None)
+    # check_vma=False: a pallas_call states no varying-axes rule (MaxText's check_rep=False).
+    sharded = jax.shard_map(per_shard, mesh=mesh, in_specs=(heads_spec,) * 3 + (segments_spec,) * 2,
+                            out_specs=heads_spec, check_vma=False)
+    return sharded(q_BHTK, k_BHSK, v_BHSK, q_segments_BT, kv_segments_BS)
+
+
+def splash_dot_product_attention(q_BHTK, k_BHSK, v_BHSK, q_segments_BT, kv_segments_BS, *,
+                                 causal: bool, interpret: bool | None = None):
+    """softmax(QKᵀ/√K + M)V by the splash kernel, M given by segment ids.
+
+    Query t of row b may attend to key s iff ``q_segments[b, t] == kv_segments[b, s]``
+    (and ``s <= t`` if ``causal``): :func:`jaxformer.model.masks.dense_from_segments`.
+    A query with no such key gets a zero output (the kernel alone would give the mean
+    of ``v``), forward and backward. Scores and softmax run in float32 inside the
+    kernel. Lengths need not be multiples of the block: q/k/v and the ids are padded
+    (padded keys get :data:`~jaxformer.model.masks.PADDING_SEGMENT`) and the output
+    sliced back. No dropout, no weights. Differentiable (the kernel's own backward).
+
+    Args:
+      q_BHTK: queries ``[B, H, T, K]`` (float32 or bfloat16; any K).
+      k_BHSK, v_BHSK: keys and values ``[B, H, S, K]``, the dtype of ``q``.
+      q_segments_BT: int ``[B, T]``; kv_segments_BS: int ``[B, S]``.
+      causal: self-attention look-ahead mask (requires T = S).
+      interpret: Pallas interpret mode. ``None``: native on TPU (including the compile
+        tool's compile-only TPU devices, read from the active mesh), interpret mode on
+        CPU (correct but slow: for tests), ``ValueError`` on GPU.
+
+    Returns:
+      outputs ``[B, H, T, K]`` in ``v``'s dtype.
+
+    Raises:
+      ValueError: ``interpret=None`` on a GPU (use ``"cudnn"`` or ``"xla"``), or a
+        causal mask with T ≠ S.
+    """
+    batch, heads, q_len, head_dim = q_BHTK.shape
+    kv_len = k_BHSK.shape[2]
+    chex.assert_shape([k_BHSK, v_BHSK], (batch, heads, kv_len, head_dim))
+    chex.assert_shape(q_segments_BT, (batch, q_len))
+    chex.assert_shape(kv_segments_BS, (batch, kv_len))
+    if causal and q_len != kv_len:
+        raise ValueError(f"causal splash attention needs as many queries as keys, got T={q_len}, "
+                         f"S={kv_len}.")
+    interpret = _interpret_mode(interpret)
+    q_segments_BT = q_segments_BT.astype(jnp.int32)
+    kv_segments_BS = kv_segments_BS.astype(jnp.int32)
+    q_padded, _ = padded_length(q_len)
+    kv_padded, _ = padded_length(kv_len)
+
+    def pad(x, length, value=0):    # along axis 2 ([B,H,L,K]) or 1 ([B,L])
+        axis = 2 if x.ndim == 4 else 1
+        widths = [(0, 0)] * x.ndim
+        widths[axis] = (0, length - x.shape[axis])
+        return jnp.pad(x, widths, constant_values=value)
+
+    # The kernel does not scale; scaled in q's dtype as the reference core does.
+    q_BHTK_scaled = q_BHTK * jnp.asarray(head_dim ** -0.5, q_BHTK.dtype)
+    out_BHTK = _run_kernel(pad(q_BHTK_scaled, q_padded), pad(k_BHSK, kv_padded), pad(v_BHSK, kv_padded),
+                           pad(q_segments_BT, q_padded, PADDING_SEGMENT),
+                           pad(kv_segments_BS, kv_padded, PADDING_SEGMENT), causal, interpret)
+    out_BHTK = out_BHTK[:, :, :q_len].astype(v_BHSK.dtype)
+    # Rows with no key (an all-padding source; a pad query of a packed row): zeros.
+    # XLA fuses the comparison into the reduction; no [B, T, S] array is built.
+    any_key_B1T1 = jnp.any(dense_from_segments(q_segments_BT, kv_segments_BS, causal), axis=-1,
+                           keepdims=True)
+    out_BHTK = jnp.where(any_key_B1T1, out_BHTK, jnp.zeros((), out_BHTK.dtype))
+    chex.assert_shape(out_BHTK, (batch, heads, q_len, head_dim))
+    return out_BHTK
