@@ -164,4 +164,5 @@ def test_tiny_with_fsdp_scanned_layers_and_the_pallas_kernel_compiles_for_v5e(ca
     result = out["train_step"]
     assert result["fits"] and result["memory"]["temp"] > 0 and result["flops_per_device"] > 0
     assert "all-gather" in result["collectives"]           # fsdp: weights gathered where used
+    assert result["cost_from_host"]   # XLA counts a scanned body once: FLOPs of the unrolled program
     assert b"tpu_custom_call" in (tmp_path / "executables" / "train_step.xla").read_bytes()

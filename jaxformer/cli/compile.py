@@ -117,10 +117,13 @@ def compile_all(args: argparse.Namespace, cfg: TrainConfig) -> dict[str, Any]:
         lower = {"train_step": lower_train_step, "beam_search": lower_beam_search}[name]
         # beam search: XLA counts its while body (one token per sentence) once
         tokens = rows * length if name == "train_step" else shape.batch
-        # XLA:GPU has no cost analysis: the same program on one host device counts its FLOPs.
-        host_cost = None if spec.chip_config_name != "gpu" else (
-            lambda lower=lower, shape=shape: lower(config, make_mesh(None, jax.devices("cpu")[:1]),
-                                                   shape).cost_analysis())
+        # XLA:GPU has no cost analysis, and XLA counts the loop body of scanned layers once:
+        # then the same program, unrolled and lowered for one host device, counts the FLOPs.
+        host_cost = None
+        if spec.chip_config_name == "gpu" or (name == "train_step" and config.scan_layers):
+            def host_cost(lower=lower, shape=shape):
+                host = make_mesh(None, jax.devices("cpu")[:1])
+                return lower(config.replace(scan_layers=False), host, shape).cost_analysis()
         out[name] = _compile(name, functools.partial(lower, config, mesh, shape), chip, tokens, args.save,
                              mesh.size, host_cost)
         cache.put(key, out[name])
