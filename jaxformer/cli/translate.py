@@ -1,7 +1,12 @@
 """Translate with a trained run: ``jaxformer-translate --workdir RUN "sentence"``.
 
 Reads sentences from the arguments, from ``--input FILE``, or from stdin, and writes
-one translation per line, in input order, to stdout or ``--output FILE``. A file (or
+one translation per line, in input order, to stdout or ``--output FILE``. With both
+--input and --output a file of any size is translated in bulk: streamed in chunks of
+--chunk-lines lines, each sorted by length into batches and written whole to
+OUTPUT.parts/ (a killed run started again with the same command decodes only the
+missing chunks and gives the same file), with a progress bar on a terminal and a
+report of lines/s at the end; --mesh decodes on several devices. Another file (or
 stdin redirected from one) is read whole and sorted by length into batches; stdin
 that is a terminal or a pipe is answered as lines arrive: each batch holds the lines
 that are already there, so an interactive session or a process that writes one line
@@ -26,6 +31,7 @@ from __future__ import annotations
 import argparse
 import gc
 import gzip
+import io
 import os
 import select
 import stat
@@ -34,6 +40,7 @@ import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
+from jaxformer.decode import bulk
 from jaxformer.decode.translator import Translator, save_attention_png
 from jaxformer.run.directory import RunDir, enable_compilation_cache
 from jaxformer.run.platform import skip_absent_tpu
@@ -115,6 +122,14 @@ def build_parser() -> argparse.ArgumentParser:
     add("--top-k", type=int, default=None, help="sample from the k most likely tokens")
     add("--top-p", type=float, default=None, help="sample from the smallest set of probability >= p")
     add("--seed", type=int, default=0, help="rng seed for --sample (default: 0)")
+    add("--long-lines", choices=("truncate", "empty"), default="truncate",
+        help="sentences longer than the model's max_len tokens: translate their first max_len "
+             "tokens, or write an empty line; counted either way (default: truncate)")
+    add("--chunk-lines", type=int, default=10_000,
+        help="bulk mode (--input and --output): lines per chunk, the unit that is sorted, written "
+             "and resumed (default: 10000)")
+    add("--mesh", help="decode data-parallel on all of this process's devices, e.g. data=8 (the "
+                       "sizes multiply to the device count; default: one device)")
     add("--attention-png", help="write the first sentence's cross-attention heat map")
     add("--layer", type=int, default=None, help="decoder layer for the heat map (default: mean)")
     add("--head", type=int, default=None, help="head for the heat map (default: mean)")
@@ -130,8 +145,8 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     if (args.beam_size is not None and args.beam_size < 1) or args.n_best < 1 \
             or (args.beam_size is not None and args.n_best > args.beam_size):
         parser.error("need --beam-size >= 1 and 1 <= --n-best <= --beam-size")
-    if args.batch_size < 1:
-        parser.error("--batch-size must be at least 1")
+    if args.batch_size < 1 or args.chunk_lines < 1:
+        parser.error("--batch-size and --chunk-lines must be at least 1")
     if args.no_repeat_ngram_size is not None and args.no_repeat_ngram_size < 0:
         parser.error("--no-repeat-ngram-size must be at least 0 (0 = off)")
     if args.repetition_penalty is not None and not args.repetition_penalty > 0:
@@ -185,7 +200,7 @@ def _read_lines(parser: argparse.ArgumentParser, args: argparse.Namespace) -> li
             lines.append(raw.decode("utf-8", errors="replace"))
     if bad:
         where = args.input or "stdin"
-        numbers = ", ".join(map(str, bad[:10])) + (", ..." if len(bad) > 10 else "")
+        numbers = bulk.line_numbers(bad)
         if args.input_errors == "strict":
             parser.exit(2, f"{parser.prog}: error: {len(bad)} line(s) of {where} are not valid UTF-8 "
                            f"(line {numbers}); fix the file (e.g. iconv -f LATIN1 -t UTF-8) or pass "
@@ -195,22 +210,30 @@ def _read_lines(parser: argparse.ArgumentParser, args: argparse.Namespace) -> li
     return lines
 
 
-def _translate_lines(translator: Translator, args, lines: list[str], first_index: int, out) -> list[str]:
-    """Translates one batch of ``lines`` and writes them; empty lines stay empty.
-    Returns the best translation of each line."""
+def _translate_lines(translator: Translator, args, lines: list[str], first_index: int, out,
+                     stream: int | None = None) -> tuple[list[str], dict[str, int]]:
+    """Translates one batch of ``lines`` and writes them; empty lines stay empty, and so
+    do lines longer than ``max_len`` tokens with ``--long-lines empty``. ``stream``: the
+    sampling stream (bulk mode's chunk index).
+
+    Returns:
+      the best translation of each line, and counts: ``empty`` lines, ``long`` lines
+      (over ``max_len`` tokens), source ``tokens`` decoded.
+    """
+    max_len = translator.config.max_len
     todo = [i for i, line in enumerate(lines) if line.strip()]
+    lengths = [len(ids) for ids in translator.tokenizer.encode_source([lines[i] for i in todo])]
+    counts = {"empty": len(lines) - len(todo), "long": sum(n > max_len for n in lengths)}
+    if args.long_lines == "empty":
+        todo = [i for i, n in zip(todo, lengths) if n <= max_len]
+    counts["tokens"] = sum(min(n, max_len) for n in lengths if args.long_lines == "truncate" or n <= max_len)
     sources = [lines[i] for i in todo]
-    too_long = sum(len(ids) > translator.config.max_len
-                   for ids in translator.tokenizer.encode_source(sources))
-    if too_long:
-        print(f"warning: {too_long} sentence(s) longer than max_len={translator.config.max_len} tokens "
-              f"were truncated to it", file=sys.stderr)
     best = [""] * len(lines)
     rules = dict(no_repeat_ngram_size=args.no_repeat_ngram_size, repetition_penalty=args.repetition_penalty)
     if args.sample:
         results = [[(text, 0.0)] for text in translator.sample(
             sources, seed=args.seed, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-            **rules)]
+            stream=stream, **rules)]
     elif args.n_best > 1:
         results = translator.n_best(sources, beam_size=args.beam_size, alpha=args.alpha,
                                     length_normalization=args.length_normalization, **rules)
@@ -230,13 +253,39 @@ def _translate_lines(translator: Translator, args, lines: list[str], first_index
     else:
         out.write("".join(f"{text}\n" for text in best))
     out.flush()
-    return best
+    return best, counts
 
 
-def main(argv=None) -> None:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    _check_args(parser, args)
+def _bulk(parser: argparse.ArgumentParser, args, translator: Translator) -> None:
+    """``--input FILE --output FILE``: :func:`jaxformer.decode.bulk.translate_file`, each
+    chunk through :func:`_translate_lines`; the report on stderr."""
+    def translate_chunk(lines, first_index, index):
+        buffer = io.StringIO()
+        _, counts = _translate_lines(translator, args, lines, first_index, buffer, stream=index)
+        return buffer.getvalue(), counts
+
+    settings = ("beam_size", "alpha", "length_normalization", "max_len_a", "max_len_b",
+                "no_repeat_ngram_size", "repetition_penalty", "n_best", "sample", "temperature", "top_k",
+                "top_p", "seed", "batch_size", "long_lines", "mesh")
+    record = {"workdir": str(Path(args.workdir).resolve()),
+              "checkpoint": f"{translator.kind} step {translator.step}",
+              **{name: getattr(args, name) for name in settings}}
+    try:
+        info = bulk.scan_input(args.input)
+        if info.bad_lines and args.input_errors == "replace":
+            print(f"warning: {len(info.bad_lines)} line(s) of {args.input} were not valid UTF-8 (line "
+                  f"{bulk.line_numbers(info.bad_lines)}); their bad bytes were replaced with U+FFFD",
+                  file=sys.stderr)
+        report = bulk.translate_file(translate_chunk, args.input, args.output, record=record, info=info,
+                                     chunk_lines=args.chunk_lines, errors=args.input_errors)
+    except (bulk.BulkInputError, bulk.BulkResumeError) as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
+    print(report.summary(), file=sys.stderr)
+
+
+def _load(parser: argparse.ArgumentParser, args) -> Translator:
+    """The run's translator (on ``--mesh``'s devices if given), its flags checked against
+    the model; bad input exits with status 2."""
     skip_absent_tpu()   # libtpu installed on a CPU host: never start the TPU backend
     run_dir = RunDir(Path(args.workdir))
     cached = run_dir.config.exists() and enable_compilation_cache(run_dir)
@@ -244,8 +293,16 @@ def main(argv=None) -> None:
         print(f"note: {run_dir.root} is not writable; decoders are compiled without a cache",
               file=sys.stderr)
     try:
+        mesh = None
+        if args.mesh:
+            import jax
+
+            from jaxformer.model.sharding import make_mesh
+
+            mesh = make_mesh(args.mesh, jax.local_devices())
         translator = Translator(args.workdir, batch_size=args.batch_size, checkpoint=args.checkpoint,
-                                max_len_a=args.max_len_a, max_len_b=args.max_len_b, exported=cached)
+                                max_len_a=args.max_len_a, max_len_b=args.max_len_b, exported=cached,
+                                mesh=mesh)
     except (ValueError, OSError) as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
     for flag, value, count in (("--layer", args.layer, translator.config.num_decoder_layers),
@@ -257,27 +314,50 @@ def main(argv=None) -> None:
     if not args.sample and args.n_best > beam_size:
         parser.exit(2, f"{parser.prog}: error: --n-best {args.n_best} needs a beam at least as wide; "
                        f"this run decodes with beam {beam_size}: pass --beam-size {args.n_best}\n")
-    print(f"[{translator.kind} checkpoint, step {translator.step}]", file=sys.stderr)
+    return translator
+
+
+def _translate_text(parser: argparse.ArgumentParser, args, translator: Translator):
+    """The arguments, stdin or a file read whole (or stdin's lines as they arrive), to
+    stdout or ``--output``. Returns the first non-empty line and its translation."""
     out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
-    first = None
+    first, long_lines = None, 0
     try:
         if args.sentences or args.input or not _is_stream(sys.stdin):
-            if args.sentences:
-                lines = args.sentences
-            else:
-                lines = _read_lines(parser, args)
+            lines = args.sentences or _read_lines(parser, args)
             batches: Iterator[list[str]] = iter([lines])
         else:   # a terminal or a pipe: answer each batch of arrived lines at once
             batches = arriving_lines(sys.stdin, args.batch_size)
         done = 0
         for lines in batches:
-            best = _translate_lines(translator, args, lines, done, out)
+            best, counts = _translate_lines(translator, args, lines, done, out)
+            long_lines += counts["long"]
             if first is None and any(line.strip() for line in lines):
                 first = next((line, hyp) for line, hyp in zip(lines, best) if line.strip())
             done += len(lines)
     finally:
         if out is not sys.stdout:
             out.close()
+    if long_lines:
+        done = "were truncated to it" if args.long_lines == "truncate" else "gave empty lines"
+        print(f"warning: {long_lines} sentence(s) longer than max_len={translator.config.max_len} tokens "
+              f"{done}", file=sys.stderr)
+    return first
+
+
+def main(argv=None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check_args(parser, args)
+    translator = _load(parser, args)
+    print(f"[{translator.kind} checkpoint, step {translator.step}]", file=sys.stderr)
+    if args.input and args.output and not args.sentences:
+        _bulk(parser, args, translator)
+        first = next(((line, translator([line], beam_size=args.beam_size)[0])
+                      for chunk in bulk.read_chunks(args.input, 1000, args.input_errors) for line in chunk
+                      if line.strip()), None) if args.attention_png else None
+    else:
+        first = _translate_text(parser, args, translator)
     if args.attention_png and first is not None:
         weights, src_pieces, tgt_pieces = translator.cross_attention(*first, args.layer, args.head)
         which = (f"layer {args.layer}" if args.layer is not None else "mean of layers") + ", " + \

@@ -18,6 +18,7 @@ from jaxformer.decode.exported import ExportCache
 from jaxformer.decode.penalties import Penalties
 from jaxformer.model.config import TransformerConfig
 from jaxformer.model.scan import unrolled
+from jaxformer.model.sharding import Layout
 from jaxformer.model.transformer import Transformer
 from jaxformer.run.checkpoints import RunCheckpoints
 from jaxformer.run.directory import RunDir
@@ -38,7 +39,10 @@ class Translator:
       exported: keep the parameters' shapes and the exported greedy/beam decoders in
         ``RUN/jax_cache/exported`` (:mod:`jaxformer.decode.exported`), so a later process neither
         traces the model nor the decoders (the translate tool does, when the run
-        directory is writable).
+        directory is writable). Not with a ``mesh``.
+      mesh: decode data-parallel over this mesh's devices (sentences split over ``data``
+        × ``fsdp``, parameters laid out by the rules table as in training); ``None`` =
+        one device.
 
     Raises:
       FileNotFoundError: the run directory lacks ``config.json``, the tokenizer or the
@@ -46,10 +50,12 @@ class Translator:
     """
 
     def __init__(self, workdir: str | Path, batch_size: int = 32, checkpoint: str | int = "auto",
-                 max_len_a: float | None = None, max_len_b: int | None = None, exported: bool = False):
+                 max_len_a: float | None = None, max_len_b: int | None = None, exported: bool = False,
+                 mesh: jax.sharding.Mesh | None = None):
         from flax import linen as nn
 
         workdir = Path(workdir)
+        exported = exported and mesh is None   # exported decoders are one-device programs
         exports = ExportCache(RunDir(workdir).jax_cache / "exported") if exported else None
         config_path = RunDir(workdir).config
         if not config_path.exists():
@@ -60,14 +66,21 @@ class Translator:
         self.tokenizer = load_tokenizer(workdir, record)
         self.model = Transformer(self.config)
         ids = jnp.ones((1, 8), jnp.int32)
-        # Restore onto one device, whatever mesh the run was trained on.
+        # Restore onto one device (or this mesh), whatever mesh the run was trained on.
         one_device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         def params_shapes():
             return jax.eval_shape(lambda: nn.unbox(self.model.init(jax.random.key(0), ids, ids)["params"]))
 
-        abstract_params = jax.tree_util.tree_map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one_device),
-            params_shapes() if exports is None else exports.abstract_params(self.config, params_shapes))
+        layout = None
+        if mesh is not None:
+            boxed = jax.eval_shape(lambda: self.model.init(jax.random.key(0), ids, ids)["params"])
+            layout = Layout.for_params(mesh, boxed)
+            abstract_params = jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(
+                x.shape, x.dtype, sharding=s), nn.unbox(boxed), layout.params)
+        else:
+            abstract_params = jax.tree_util.tree_map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one_device),
+                params_shapes() if exports is None else exports.abstract_params(self.config, params_shapes))
         checkpoints = RunCheckpoints(workdir, read_only=True)
         try:   # parameters only: the optimizer state is never read
             self.params, self.step, self.kind = checkpoints.restore_params_from(checkpoint, abstract_params)
@@ -79,6 +92,7 @@ class Translator:
         self.max_len_a = 1.0 if max_len_a is None else float(max_len_a)
         self.max_len_b = 50 if max_len_b is None else int(max_len_b)
         self.evaluator = Evaluator(self.model, self.tokenizer, batch_size=batch_size, scoring=False,
+                                   layout=layout,
                                    target_language=record.get("target_language", "xx"),
                                    max_len_a=self.max_len_a, max_len_b=self.max_len_b, exports=exports)
         # Decoding defaults: an imported model's generation_config (jaxformer.interop.marian), else §6.1.
@@ -127,9 +141,14 @@ class Translator:
 
     def sample(self, sentences: list[str], *, seed: int = 0, temperature: float = 1.0,
                top_k: int | None = None, top_p: float | None = None, no_repeat_ngram_size: int | None = None,
-               repetition_penalty: float | None = None) -> list[str]:
-        """One sampled translation per sentence (:func:`jaxformer.decode.decoding.sample`)."""
-        return self.evaluator.sample(self.params, sentences, jax.random.key(seed),
+               repetition_penalty: float | None = None, stream: int | None = None) -> list[str]:
+        """One sampled translation per sentence (:func:`jaxformer.decode.decoding.sample`).
+
+        ``stream``: draws from ``fold_in(key(seed), stream)`` instead of ``key(seed)``
+        (bulk translation gives each chunk its own stream, so a resumed run draws the same)."""
+        key = jax.random.key(seed)
+        key = key if stream is None else jax.random.fold_in(key, stream)
+        return self.evaluator.sample(self.params, sentences, key,
                                      temperature=temperature, top_k=top_k, top_p=top_p,
                                      penalties=self._penalties(no_repeat_ngram_size, repetition_penalty))
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -226,6 +227,13 @@ class Layout:
 
     mesh: Mesh
     state: Any   # a TrainState-shaped tree of NamedSharding
+
+    @classmethod
+    def for_params(cls, mesh: Mesh, boxed_params: Any) -> Layout:
+        """The layout of parameters alone (decoding without a train state): the rules
+        table's shardings of ``boxed_params`` (e.g. ``jax.eval_shape`` of ``model.init``'s
+        ``"params"``, still boxed) on ``mesh``."""
+        return cls(mesh=mesh, state=types.SimpleNamespace(params=tree_shardings(boxed_params, mesh)))
 
     @property
     def batch(self) -> NamedSharding:

@@ -1,0 +1,273 @@
+"""Bulk translation of a file of any size: streamed, resumable, one line out per line in.
+
+``jaxformer-translate --input FILE --output FILE`` (and :func:`translate_file`) reads
+the input as a stream of chunks of ``chunk_lines`` lines (constant memory whatever the
+file's size), decodes each chunk in batches sorted by length inside the chunk (the
+bounded window that fills batches), and writes each finished chunk to
+``OUTPUT.parts/<chunk>.txt`` under a temporary name renamed into place: a chunk file
+exists whole or not at all. When every chunk is there they are joined into ``OUTPUT``
+(again by rename) and the parts folder is removed.
+
+A run killed at any point (SIGKILL included) and started again with the same command
+finds the chunks already written and decodes only the others. Their batches are the
+same as in an uninterrupted run (chunk boundaries and batch size are fixed), so the
+output is the same byte for byte. ``OUTPUT.parts/manifest.json`` records what the
+output depends on (the input's SHA-256 and size, the checkpoint, every decoding
+setting, the chunk and batch sizes); a resume whose input or settings differ is
+refused with the differences named, never continued on other data.
+
+Input lines are split at ``\\n`` only (a bare ``\\r`` stays inside its line; ``\\r\\n``
+is a Windows line end), a UTF-8 byte-order mark is dropped, gzip is read as training
+reads corpora. One pass before decoding counts the lines (the progress bar's total),
+hashes the file and finds lines that are not UTF-8: ``errors="strict"`` refuses them by
+line number before anything is decoded, ``"replace"`` decodes them with U+FFFD.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import hashlib
+import json
+import os
+import shutil
+import time
+import zlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, BinaryIO
+
+MANIFEST = "manifest.json"
+
+
+class BulkInputError(ValueError):
+    """The input cannot be read as lines of text (not UTF-8 in strict mode, a corrupt gzip)."""
+
+
+class BulkResumeError(ValueError):
+    """``OUTPUT.parts`` belongs to another input or other settings."""
+
+
+@dataclasses.dataclass(frozen=True)
+class InputInfo:
+    """What one pass over the input found: its SHA-256 (of the bytes on disk), size in
+    bytes, number of lines, and the 1-based numbers of lines that are not UTF-8."""
+
+    sha256: str
+    size: int
+    lines: int
+    bad_lines: tuple[int, ...]
+
+
+def line_numbers(numbers) -> str:
+    """``"4, 9, 12"``: the first ten of ``numbers``, ``", ..."`` if there are more."""
+    return ", ".join(map(str, list(numbers)[:10])) + (", ..." if len(numbers) > 10 else "")
+
+
+def _open(path: Path) -> BinaryIO:
+    with open(path, "rb") as probe:
+        gzipped = probe.read(2) == b"\x1f\x8b"   # gzip's magic number, whatever the name
+    return gzip.open(path, "rb") if gzipped else open(path, "rb")
+
+
+def _raw_lines(path: Path) -> Iterator[bytes]:
+    """The input's lines as bytes: split at ``\\n`` only, one ``\\r`` before it dropped,
+    a leading byte-order mark dropped. Raises :class:`BulkInputError` on a corrupt gzip."""
+    try:
+        with _open(path) as stream:
+            pending, first = b"", True
+            while chunk := stream.read(1 << 20):
+                pending += chunk
+                *complete, pending = pending.split(b"\n")
+                for raw in complete:
+                    if first:
+                        raw, first = raw.removeprefix(b"\xef\xbb\xbf"), False
+                    yield raw[:-1] if raw.endswith(b"\r") else raw
+            if pending:   # a last line without its newline
+                yield pending.removeprefix(b"\xef\xbb\xbf") if first else pending
+    except (EOFError, OSError, zlib.error) as e:
+        raise BulkInputError(f"{path} is a truncated or corrupt gzip file ({e}); check it with "
+                             f"gzip -t") from e
+
+
+def scan_input(path: str | Path) -> InputInfo:
+    """One streaming pass: hash, size, line count and the lines that are not UTF-8.
+
+    Raises:
+      BulkInputError: a truncated or corrupt gzip file.
+    """
+    path = Path(path)
+    digest = hashlib.sha256()
+    with open(path, "rb") as stream:
+        while block := stream.read(1 << 20):
+            digest.update(block)
+    count, bad = 0, []
+    for count, raw in enumerate(_raw_lines(path), 1):   # noqa: B007  (count is the total)
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError:
+            bad.append(count)
+    return InputInfo(sha256=digest.hexdigest(), size=path.stat().st_size, lines=count, bad_lines=tuple(bad))
+
+
+def read_chunks(path: str | Path, chunk_lines: int, errors: str = "strict") -> Iterator[list[str]]:
+    """The input's lines as text, ``chunk_lines`` at a time (the last chunk may be shorter)."""
+    chunk: list[str] = []
+    for raw in _raw_lines(Path(path)):
+        chunk.append(raw.decode("utf-8", errors=errors))
+        if len(chunk) == chunk_lines:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+class BulkJob:
+    """The parts folder of one output file: its manifest and finished chunks."""
+
+    def __init__(self, output: str | Path, record: dict[str, Any]):
+        """
+        Args:
+          output: the output file; parts go to ``<output>.parts/``.
+          record: everything the output depends on (JSON-serialisable).
+
+        Raises:
+          BulkResumeError: the folder holds another input's or other settings' chunks.
+        """
+        self.output = Path(output)
+        self.parts = self.output.with_name(self.output.name + ".parts")
+        self.record = record
+        manifest = self.parts / MANIFEST
+        if manifest.exists():
+            saved = json.loads(manifest.read_text())
+            differing = sorted(k for k in set(saved) | set(record) if saved.get(k) != record.get(k))
+            if differing:
+                changes = "; ".join(f"{k}: then {saved.get(k)!r}, now {record.get(k)!r}" for k in differing)
+                raise BulkResumeError(
+                    f"{self.parts} holds the chunks of an unfinished translation with other inputs or "
+                    f"settings ({changes}). Run the command that started it to finish it, or delete "
+                    f"{self.parts} to start over.")
+        else:
+            self.parts.mkdir(parents=True, exist_ok=True)
+            _write_atomically(manifest, json.dumps(record, indent=1, sort_keys=True))
+
+    def chunk_path(self, index: int) -> Path:
+        return self.parts / f"{index:08d}.txt"
+
+    def done(self, index: int) -> bool:
+        return self.chunk_path(index).exists()
+
+    def write(self, index: int, text: str) -> None:
+        """Writes chunk ``index`` whole (temporary name, fsync, rename)."""
+        _write_atomically(self.chunk_path(index), text)
+
+    def finish(self, chunks: int) -> None:
+        """Joins chunks ``0 … chunks-1`` into the output (by rename) and removes the parts."""
+        tmp = self.output.with_name(self.output.name + ".tmp")
+        with open(tmp, "wb") as out:
+            for index in range(chunks):
+                with open(self.chunk_path(index), "rb") as part:
+                    shutil.copyfileobj(part, out)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, self.output)
+        shutil.rmtree(self.parts)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+@dataclasses.dataclass
+class BulkReport:
+    """Counts and rates of one call of :func:`translate_file` (rates over the chunks it decoded)."""
+
+    lines: int = 0              # input lines
+    chunks: int = 0
+    resumed_chunks: int = 0     # found finished, not decoded again
+    decoded_lines: int = 0      # lines of the chunks decoded by this call
+    empty_lines: int = 0        # of those, empty (an empty output line)
+    long_lines: int = 0         # of those, longer than max_len tokens (handled as asked)
+    replaced_lines: int = 0     # input lines with bytes that were not UTF-8 (errors="replace")
+    source_tokens: int = 0      # of the decoded lines
+    seconds: float = 0.0
+
+    def summary(self) -> str:
+        rate = self.decoded_lines / self.seconds if self.seconds else 0.0
+        tokens = self.source_tokens / self.seconds if self.seconds else 0.0
+        return (f"{self.lines:,} lines in {self.chunks} chunk(s), {self.resumed_chunks} found finished; "
+                f"decoded {self.decoded_lines:,} lines ({self.empty_lines:,} empty, {self.long_lines:,} "
+                f"longer than max_len, {self.replaced_lines:,} with bytes not UTF-8 replaced) in "
+                f"{self.seconds:.1f} s: {rate:,.1f} sentences/s, {tokens:,.0f} source tokens/s")
+
+
+ChunkTranslator = Callable[[list[str], int, int], tuple[str, dict[str, int]]]
+
+
+def translate_file(translate_chunk: ChunkTranslator, input_path: str | Path, output: str | Path, *,
+                   record: dict[str, Any], chunk_lines: int = 10_000, errors: str = "strict",
+                   progress: bool | None = None, info: InputInfo | None = None) -> BulkReport:
+    """Translates ``input_path`` into ``output``, chunk by chunk, resuming a killed run.
+
+    Args:
+      translate_chunk: ``(lines, first_line_index, chunk_index) -> (text, counts)``: the
+        output text of one chunk (one line per input line, or n per line for n-best
+        lists, each ending in ``\\n``) and its counts (``empty``, ``long``, ``tokens``).
+        It must depend only on its arguments, so a resumed run repeats it exactly.
+      input_path: plain text or gzip, one sentence per line.
+      output: the output file.
+      record: the settings the output depends on, kept in the manifest (the input's
+        hash, size, ``chunk_lines`` and ``errors`` are added here).
+      chunk_lines: lines per chunk (the resume granularity and the sorting window).
+      errors: ``"strict"`` (lines that are not UTF-8 refuse the input) or ``"replace"``.
+      progress: a tqdm bar on stderr (lines/s, ETA); ``None`` = when stderr is a terminal.
+      info: the input's :func:`scan_input`, if already made.
+
+    Returns:
+      a :class:`BulkReport`.
+
+    Raises:
+      BulkInputError: lines that are not UTF-8 in strict mode (their numbers named), a
+        corrupt gzip, ``chunk_lines < 1``.
+      BulkResumeError: the output's parts folder belongs to other inputs or settings.
+    """
+    from tqdm import tqdm
+
+    if chunk_lines < 1:
+        raise BulkInputError(f"chunk_lines must be at least 1, got {chunk_lines}.")
+    info = info or scan_input(input_path)
+    if info.bad_lines and errors == "strict":
+        raise BulkInputError(f"{len(info.bad_lines)} line(s) of {input_path} are not valid UTF-8 (line "
+                             f"{line_numbers(info.bad_lines)}); fix the file (e.g. iconv -f LATIN1 -t "
+                             f"UTF-8) or pass --input-errors replace")
+    job = BulkJob(output, {**record, "input_sha256": info.sha256, "input_bytes": info.size,
+                           "chunk_lines": chunk_lines, "input_errors": errors})
+    report = BulkReport(lines=info.lines, chunks=-(-info.lines // chunk_lines))
+    bar = tqdm(total=info.lines, unit="lines", disable=None if progress is None else not progress,
+               dynamic_ncols=True, smoothing=0.1, leave=False)
+    bad = set(info.bad_lines)
+    start = time.perf_counter()
+    try:
+        for index, lines in enumerate(read_chunks(input_path, chunk_lines, errors)):
+            first = index * chunk_lines
+            if not job.done(index):
+                text, counts = translate_chunk(lines, first, index)
+                job.write(index, text)
+                report.decoded_lines += len(lines)
+                report.empty_lines += counts.get("empty", 0)
+                report.long_lines += counts.get("long", 0)
+                report.source_tokens += counts.get("tokens", 0)
+                report.replaced_lines += sum(first < n <= first + len(lines) for n in bad)
+            else:
+                report.resumed_chunks += 1
+            bar.update(len(lines))
+    finally:
+        bar.close()
+    report.seconds = time.perf_counter() - start
+    job.finish(report.chunks)
+    return report

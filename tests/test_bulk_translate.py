@@ -1,0 +1,135 @@
+"""Bulk translation (issue #23, first part): ``jaxformer-translate --input FILE --output
+FILE`` streams a file in chunks, writes one line per line in whatever the bytes, resumes
+a SIGKILL'd run to the same file byte for byte, and decodes on several devices."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from jaxformer.cli import translate as translate_lib
+from jaxformer.cli.translate import main as translate_main
+from jaxformer.decode import bulk
+from jaxformer.run.config import TrainConfig
+from jaxformer.train.trainer import train
+
+WORDS = "the house is small and we go home click ok choose format cells enter name table".split()
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory, short_corpus):
+    """A tiny run of 2 steps: what it translates does not matter here, only that the same
+    input and settings give the same bytes."""
+    root = tmp_path_factory.mktemp("bulk") / "run"
+    train(TrainConfig(workdir=str(root), train_file=str(short_corpus["train"]),
+                      dev_file=str(short_corpus["dev"]), test_file=str(short_corpus["test"]), preset="tiny",
+                      vocab_size=300, max_len=32, batch_tokens=256, max_steps=2, warmup_steps=1,
+                      eval_every=1000, dev_bleu_sentences=4, beam_size=1, progress=False, devices=1))
+    return root
+
+
+@pytest.fixture(autouse=True)
+def no_process_wide_cache(monkeypatch):
+    monkeypatch.setattr(translate_lib, "enable_compilation_cache", lambda run_dir: False)
+
+
+def _input(path, lines=120):
+    """Sentences of 1-5 words, every 17th line empty, every 29th over max_len (30 times as
+    long), every 31st not UTF-8; a byte-order mark, Windows line ends, a bare \\r in a line."""
+    rows = []
+    for i in range(lines):
+        words = [WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(1 + i % 5)]
+        row = " ".join(words).encode()
+        if i % 17 == 0:
+            row = b""
+        elif i % 29 == 0:
+            row = b" ".join([row] * 30)
+        elif i % 31 == 0:
+            row = b"caf\xe9 " + row
+        elif i % 37 == 0:
+            row = row + b"\rmore"
+        rows.append(row)
+    path.write_bytes(b"\xef\xbb\xbf" + b"\r\n".join(rows) + b"\r\n")
+    return rows
+
+
+def test_one_line_out_per_line_in_whatever_the_bytes(workdir, tmp_path, capsys):
+    rows = _input(tmp_path / "in.txt")
+    flags = ["--workdir", str(workdir), "--input", str(tmp_path / "in.txt"), "--beam-size", "1"]
+    with pytest.raises(SystemExit) as stop:   # strict: refused by line number, nothing decoded
+        translate_main([*flags, "--output", str(tmp_path / "out.txt")])
+    assert stop.value.code == 2 and "line 32, 63, 94" in capsys.readouterr().err
+    assert not (tmp_path / "out.txt").exists() and not (tmp_path / "out.txt.parts").exists()
+
+    for long_lines in ("truncate", "empty"):
+        out = tmp_path / f"{long_lines}.txt"
+        translate_main([*flags, "--output", str(out), "--chunk-lines", "25", "--input-errors", "replace",
+                        "--long-lines", long_lines])
+        report = capsys.readouterr().err
+        assert ("120 lines in 5 chunk(s), 0 found finished; decoded 120 lines (8 empty, 4 longer than "
+                "max_len, 3 with bytes not UTF-8 replaced)") in report, report
+        lines = out.read_text(encoding="utf-8").split("\n")
+        assert len(lines) == 121 and lines[-1] == "" and not (tmp_path / f"{long_lines}.txt.parts").exists()
+        assert all(lines[i] == "" for i, row in enumerate(rows) if not row)
+    long_rows = [i for i in range(len(rows)) if i % 29 == 0 and i % 17]
+    assert all(lines[i] == "" for i in long_rows)   # --long-lines empty
+
+
+def _command(workdir, source, out, *flags):
+    return [sys.executable, "-m", "jaxformer.translate", "--workdir", str(workdir), "--input", str(source),
+            "--output", str(out), "--chunk-lines", "2", "--input-errors", "replace", *flags]
+
+
+def test_a_sigkilled_run_resumes_to_the_same_file_and_other_settings_are_refused(workdir, tmp_path, capsys):
+    """Sampling, so every chunk's random stream must be the same after the restart."""
+    source = tmp_path / "in.txt"
+    _input(source, lines=400)
+    flags = ["--sample", "--seed", "3", "--top-k", "5"]
+    out = tmp_path / "killed.txt"
+    child = subprocess.Popen(_command(workdir, source, out, *flags), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    parts = tmp_path / "killed.txt.parts"
+    deadline = time.monotonic() + 300
+    while not (parts.is_dir() and len(list(parts.glob("*.txt"))) >= 3) and time.monotonic() < deadline:
+        assert child.poll() is None, child.communicate()[1][-3000:]
+        time.sleep(0.01)
+    child.send_signal(signal.SIGKILL)
+    child.communicate()
+    assert child.returncode == -signal.SIGKILL and not out.exists()
+    finished = len(list(parts.glob("*.txt")))
+    assert 3 <= finished < 200
+
+    argv = _command(workdir, source, out, *flags)[3:]
+    with pytest.raises(SystemExit) as stop:   # other settings: refused, the chunks kept
+        translate_main([*argv[:-len(flags)], "--sample", "--seed", "4", "--top-k", "5"])
+    assert stop.value.code == 2 and "seed: then 3, now 4" in capsys.readouterr().err
+    translate_main(argv)
+    assert f"{finished} found finished" in capsys.readouterr().err
+    translate_main(_command(workdir, source, tmp_path / "straight.txt", *flags)[3:])
+    assert out.read_bytes() == (tmp_path / "straight.txt").read_bytes()
+    assert len(out.read_bytes().split(b"\n")) == 401
+
+
+def test_data_parallel_on_eight_devices_gives_the_one_device_file(workdir, tmp_path):
+    source = tmp_path / "in.txt"
+    _input(source, lines=40)
+    common = ["--workdir", str(workdir), "--input", str(source), "--input-errors", "replace",
+              "--beam-size", "2", "--batch-size", "8", "--chunk-lines", "16"]
+    translate_main([*common, "--output", str(tmp_path / "one.txt")])
+    translate_main([*common, "--output", str(tmp_path / "eight.txt"), "--mesh", "data=8"])
+    assert (tmp_path / "eight.txt").read_bytes() == (tmp_path / "one.txt").read_bytes()
+
+
+def test_scan_input_counts_hashes_and_finds_bad_lines(tmp_path):
+    path = tmp_path / "in.txt"
+    path.write_bytes(b"a\n\xff\nlast without newline")
+    info = bulk.scan_input(path)
+    assert (info.lines, info.bad_lines, info.size) == (3, (2,), path.stat().st_size)
+    assert [len(c) for c in bulk.read_chunks(path, 2, "replace")] == [2, 1]
+    with pytest.raises(bulk.BulkInputError, match="chunk_lines must be at least 1"):
+        bulk.translate_file(lambda *a: ("", {}), path, tmp_path / "out.txt", record={}, chunk_lines=0)
