@@ -71,19 +71,25 @@ def memory(compiled: jax.stages.Compiled) -> dict[str, int]:
 
 
 def analyse(compiled: jax.stages.Compiled, chip: Chip, tokens_per_step: int,
-            global_cost: dict[str, float] | None = None, devices: int = 1) -> dict[str, Any]:
+            global_cost: dict[str, float] | None = None, devices: int = 1,
+            cost_scale: dict[str, float] | None = None) -> dict[str, Any]:
     """The report of one compiled program on ``chip``: memory, fits, FLOPs, collectives
     and the roofline estimate (``tokens_per_step``: target positions of the global batch).
+
     ``global_cost`` (a lowered, unpartitioned program's cost analysis), divided over
-    ``devices``, replaces the compiled program's FLOPs and bytes: where it has none
-    (XLA:GPU), and for scanned layers, whose loop body XLA counts once (the caller lowers
-    the unrolled program). Collectives inside a loop body are still counted once."""
+    ``devices``, stands in where the compiled program has none (XLA:GPU).
+    ``cost_scale`` multiplies the compiled program's FLOPs and bytes: XLA counts a loop
+    body once, so scanned layers pass the ratio of the unrolled to the scanned program,
+    both lowered for the host (``jaxformer-compile``). Collectives inside a loop body are
+    still counted once."""
     mem = memory(compiled)
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
-    if global_cost:
+    if not cost and global_cost:
         cost = {k: float(global_cost.get(k, 0.0)) / devices for k in ("flops", "bytes accessed")}
-    cost = cost or {}
+    cost = dict(cost or {})
+    for key, factor in (cost_scale or {}).items():
+        cost[key] = float(cost.get(key, 0.0)) * factor
     flops, accessed = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
     comms = collectives(compiled.as_text())
     seconds = {"compute": flops / chip.bf16_flops, "memory": accessed / chip.hbm_bandwidth,
@@ -95,7 +101,7 @@ def analyse(compiled: jax.stages.Compiled, chip: Chip, tokens_per_step: int,
             "seconds": seconds, "roofline_step_s": roofline, "step_s_at_50_mfu": at_half_mfu,
             "tokens_per_s_roofline": tokens_per_step / roofline,
             "tokens_per_s_at_50_mfu": tokens_per_step / at_half_mfu,
-            "mfu_ceiling": seconds["compute"] / roofline, "cost_from_host": bool(global_cost)}
+            "mfu_ceiling": seconds["compute"] / roofline, "loop_scale": cost_scale}
 
 
 def out_of_memory(error: BaseException) -> tuple[int, int] | None:
@@ -129,8 +135,8 @@ def format_report(name: str, report: dict[str, Any]) -> str:
              + ("fits" if report["fits"] else does_not_fit(m["peak"], report["hbm"]))]
     lines.append(f"  {report['flops_per_device'] / 1e12:.4f} TFLOP and "
                  f"{report['bytes_accessed_per_device'] / 1e9:.3f} GB accessed per device"
-                 + (" (counted on the unrolled program lowered for the host, over the devices)"
-                    if report.get("cost_from_host") else ""))
+                 + (f" (XLA's count × {report['loop_scale']['flops']:.1f}, the unrolled/scanned "
+                    f"ratio of the programs lowered for the host)" if report.get("loop_scale") else ""))
     comms = ", ".join(f"{k} ×{v['count']} ({v['bytes'] / 2**20:.1f} MiB)"
                       for k, v in report["collectives"].items()) or "none"
     lines.append(f"  collectives: {comms}")

@@ -53,10 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _compile(name: str, lower, chip, tokens: int, save: str | None, devices: int,
-             host_cost=None) -> dict[str, Any]:
+             host_cost=None, loop_scale=None) -> dict[str, Any]:
     """Lowers and compiles one program; its report, or the does-not-fit verdict of an
     out-of-memory compile. ``host_cost``: the program's FLOPs on one host device, for a
-    target whose compiler reports none (XLA:GPU)."""
+    target whose compiler reports none (XLA:GPU). ``loop_scale``: by how much the
+    compiled program's cost analysis undercounts (scanned layers; see :func:`compile_all`).
+    ``compile_s`` is the lowering and compile alone."""
     start = time.perf_counter()
     lowered = lower()
     try:
@@ -67,8 +69,10 @@ def _compile(name: str, lower, chip, tokens: int, save: str | None, devices: int
             raise
         return {"fits": False, "needed": needed[0], "hbm": needed[1],
                 "compile_s": time.perf_counter() - start, "verdict": report_lib.does_not_fit(*needed)}
-    result = report_lib.analyse(compiled, chip, tokens, host_cost() if host_cost else None, devices)
-    result["compile_s"] = time.perf_counter() - start
+    compile_s = time.perf_counter() - start
+    result = report_lib.analyse(compiled, chip, tokens, host_cost() if host_cost else None, devices,
+                                cost_scale=loop_scale() if loop_scale else None)
+    result["compile_s"] = compile_s
     if save:
         from jax.experimental.serialize_executable import serialize
 
@@ -77,15 +81,25 @@ def _compile(name: str, lower, chip, tokens: int, save: str | None, devices: int
     return result
 
 
+def _host_cost(lower, config, shape, scanned: bool) -> dict[str, float]:
+    """Cost analysis of the program lowered (not compiled) for one host CPU device, with
+    scanned or unrolled layers: seconds, whatever the target."""
+    import jax
+
+    from jaxformer.model.sharding import make_mesh
+
+    host = make_mesh(None, jax.devices("cpu")[:1])
+    return lower(config.replace(scan_layers=scanned), host, shape).cost_analysis()
+
+
 def compile_all(args: argparse.Namespace, cfg: TrainConfig) -> dict[str, Any]:
     """Every program's report, from the cache where it holds one."""
-    import jax
 
     from jaxformer.aot.steps import DecodeShape, TrainShape, lower_beam_search, lower_train_step
     from jaxformer.aot.target import target_devices, target_mesh
     from jaxformer.data.batching import rows_per_batch
     from jaxformer.model.config import preset
-    from jaxformer.model.sharding import make_mesh, parse_mesh
+    from jaxformer.model.sharding import parse_mesh
 
     spec = slice_spec(args.topology)
     chip = CHIPS[spec.chip]
@@ -117,15 +131,19 @@ def compile_all(args: argparse.Namespace, cfg: TrainConfig) -> dict[str, Any]:
         lower = {"train_step": lower_train_step, "beam_search": lower_beam_search}[name]
         # beam search: XLA counts its while body (one token per sentence) once
         tokens = rows * length if name == "train_step" else shape.batch
-        # XLA:GPU has no cost analysis, and XLA counts the loop body of scanned layers once:
-        # then the same program, unrolled and lowered for one host device, counts the FLOPs.
-        host_cost = None
-        if spec.chip_config_name == "gpu" or (name == "train_step" and config.scan_layers):
-            def host_cost(lower=lower, shape=shape):
-                host = make_mesh(None, jax.devices("cpu")[:1])
-                return lower(config.replace(scan_layers=False), host, shape).cost_analysis()
+        # XLA:GPU has no cost analysis: the same program (unrolled) lowered for one host
+        # device counts its FLOPs. XLA counts the loop body of scanned layers once: the
+        # compiled program's cost is scaled by unrolled / scanned, both lowered for the host.
+        host = functools.partial(_host_cost, lower, config, shape)
+        host_cost = (lambda host=host: host(scanned=False)) if spec.chip_config_name == "gpu" else None
+        loop_scale = None
+        if host_cost is None and name == "train_step" and config.scan_layers:
+            def loop_scale(host=host):
+                unrolled, scanned = host(scanned=False), host(scanned=True)
+                return {k: unrolled.get(k, 0.0) / scanned[k] if scanned.get(k) else 1.0
+                        for k in ("flops", "bytes accessed")}
         out[name] = _compile(name, functools.partial(lower, config, mesh, shape), chip, tokens, args.save,
-                             mesh.size, host_cost)
+                             mesh.size, host_cost, loop_scale)
         cache.put(key, out[name])
     return out
 
