@@ -333,8 +333,9 @@ def test_console_scripts_from_a_wheel_install_train_and_translate(tmp_path, shor
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
                     "--target", str(target), str(source)], check=True, timeout=300, cwd=tmp_path)
-    env = {**os.environ, "PYTHONPATH": str(target), "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
+    # One CPU device, as a user's machine; compiled at the suite's XLA optimization level.
+    env = {**os.environ, "PYTHONPATH": str(target), "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": "--xla_backend_optimization_level=0"}
     where = subprocess.run([sys.executable, "-c", "import jaxformer; print(jaxformer.__file__)"], env=env,
                            capture_output=True, text=True, cwd=tmp_path, check=True).stdout
     assert where.startswith(str(target)), where   # the installed copy, not the checkout

@@ -77,17 +77,17 @@ def _leaves(params: dict) -> dict[str, np.ndarray]:
             for path, value in jax.tree_util.tree_flatten_with_path(params)[0]}
 
 
-def test_two_process_trainer_preempted_resumes_exactly_and_matches_one_process(
+def test_two_process_trainer_preempted_resumes_and_matches_one_process(
         tmp_path, short_corpus, capsys):
     """``train()`` as two processes on a data=4,model=2 mesh. SIGTERM reaches process 1
     only, before its 6th step: both processes stop at the same step (JAX's preemption
     sync point) with a checkpoint there. The second launch gets SIGTERM on process 1
     while it is still starting up, and also stops after a step or more; the third
-    resumes and finishes. Process 0 alone logs and writes the records.
+    resumes and finishes. Process 0 alone logs and writes the records; every step is
+    logged once.
 
-    Resume is exact: the preempted run's losses and weights equal an uninterrupted
-    two-process run's bit for bit. Against one process on 8 devices (the same mesh and
-    tokenizer) they agree to round-off only, and the tolerances say why: gloo sums the
+    The preempted run is compared with one process on 8 devices (the same mesh and
+    tokenizer, no interruption). They agree to round-off only, and the tolerances say why: gloo sums the
     gradients across processes in another order than XLA's in-process all-reduce, so the
     two differ from step 2 by float32 round-off (measured: ≤ 1.2e-7 relative in the
     loss), and that difference then grows, because Adam divides every gradient by its
@@ -97,7 +97,10 @@ def test_two_process_trainer_preempted_resumes_exactly_and_matches_one_process(
     embedding entries by 1e-3. A wrong batch or a repeated step changes the loss by
     1e-2 relative and each weight matrix by ~10% of its norm, so the one-process
     comparison still catches both at rtol 1e-3 on the losses and 1e-2 on each weight's
-    relative norm. A one-device ``Translator`` reads the checkpoints."""
+    relative norm. That a resume is exact bit for bit is tested in one process
+    (``tests/test_resilience.py``), where no second summation order exists; an
+    uninterrupted two-process run as the exact reference here cost a fourth launch of
+    two processes (~45 s of the suite). A one-device ``Translator`` reads the checkpoints."""
     config = dict(train_file=str(short_corpus["train"]), dev_file=str(short_corpus["dev"]),
                   test_file=str(short_corpus["test"]), preset="tiny", vocab_size=300, max_len=32,
                   batch_tokens=512, warmup_steps=10, eval_every=1000, dev_bleu_sentences=12,
@@ -106,14 +109,10 @@ def test_two_process_trainer_preempted_resumes_exactly_and_matches_one_process(
                   log_every=1,      # a resume at any step leaves no partly logged window
                   max_minutes=60)   # not reached; the processes agree on it every log_every steps
     last = 14   # preempted at 6 and at 7 (or later), checkpoints at 8 and 14
-    straight, two, one = tmp_path / "straight", tmp_path / "two", tmp_path / "one"
+    two, one = tmp_path / "two", tmp_path / "one"
 
     def arguments(workdir: Path) -> str:
         return json.dumps({**config, "workdir": str(workdir), "max_steps": last})
-
-    _run_two_processes(arguments(straight))   # the exact reference: two processes, no stop
-    for workdir in (two, one):                # the same tokenizer for all three runs
-        shutil.copytree(straight / "tokenizer", workdir / "tokenizer")
 
     def preempted(signal_at: str, after: int) -> int:
         outputs = _run_two_processes(arguments(two), env_1={"SIGTERM_AT_STEP": signal_at})
@@ -134,14 +133,10 @@ def test_two_process_trainer_preempted_resumes_exactly_and_matches_one_process(
     assert result["results"]["final_step"] == last
     assert json.loads((two / "results.json").read_text())["final_step"] == last
 
-    losses, exact = _train_losses(two), _train_losses(straight)
+    losses, params = _train_losses(two), _leaves(_params_at(two, last))
     assert sorted(losses) == list(range(1, last + 1))   # one record per step, none repeated
-    assert losses == exact                              # bit for bit
-    params, exact_params = _leaves(_params_at(two, last)), _leaves(_params_at(straight, last))
-    assert params.keys() == exact_params.keys()
-    for name, value in params.items():
-        np.testing.assert_array_equal(value, exact_params[name], err_msg=name)
 
+    shutil.copytree(two / "tokenizer", one / "tokenizer")   # the same vocabulary
     assert train(TrainConfig(**config, workdir=str(one), max_steps=last))["final_step"] == last
     reference, reference_params = _train_losses(one), _leaves(_params_at(one, last))
     assert sorted(reference) == sorted(losses)
