@@ -4,16 +4,15 @@ from jaxformer.model.attention import MultiHeadAttention, scaled_dot_product_att
 from jaxformer.model.config import PRESETS, TransformerConfig, preset
 from jaxformer.model.layers import (
     AddNorm,
-    Decoder,
     DecoderLayer,
     Embedding,
-    Encoder,
     EncoderLayer,
     PositionalEncoding,
     PositionwiseFeedForward,
     sinusoidal_positional_encoding,
 )
 from jaxformer.model.masks import create_causal_mask, create_decoder_mask, create_padding_mask
+from jaxformer.model.stacks import Decoder, Encoder
 from jaxformer.model.transformer import DecodeCache, LayerCache, Transformer
 from jaxformer.model.validation import check_token_ids
 

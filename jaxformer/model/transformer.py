@@ -23,8 +23,9 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxformer.model.config import TransformerConfig
-from jaxformer.model.layers import Decoder, Embedding, Encoder, OutputProjection, PositionalEncoding
+from jaxformer.model.layers import Embedding, OutputProjection, PositionalEncoding
 from jaxformer.model.masks import create_padding_mask, decoder_masks, encoder_mask, segment_positions
+from jaxformer.model.stacks import Decoder, Encoder
 from jaxformer.model.validation import check_same_batch, check_token_ids
 
 
