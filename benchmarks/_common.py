@@ -59,3 +59,13 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, batch: int) -> None:
     parser.add_argument("--vocab", type=int, default=8000)
     parser.add_argument("--batch", type=int, default=batch)
     parser.add_argument("--src-len", type=int, default=32)
+
+
+def write_between_markers(path, markers: tuple[str, str], lines: list[str]) -> None:
+    """Replaces what lies between ``markers`` (begin, end) in the text file ``path`` with ``lines``."""
+    from pathlib import Path
+
+    path = Path(path)
+    text = path.read_text()
+    start, end = text.index(markers[0]) + len(markers[0]), text.index(markers[1])
+    path.write_text(text[:start] + "\n" + "\n".join(lines) + "\n" + text[end:])

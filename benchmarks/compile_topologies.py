@@ -24,7 +24,8 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
+
+from _common import write_between_markers
 
 COMMON = ["--vocab-size", "32000", "--batch-tokens", "25600", "--max-train-len", "128",
           "--dtype", "bfloat16", "--no-decode"]
@@ -98,10 +99,7 @@ def main() -> None:
         lines.append(table_row(compile_row(name, args.no_cache)))
         print(lines[-1], flush=True)
     if args.write:
-        path = Path(args.write)
-        text = path.read_text()
-        start, end = text.index(MARKERS[0]) + len(MARKERS[0]), text.index(MARKERS[1])
-        path.write_text(text[:start] + "\n" + "\n".join(lines) + "\n" + text[end:])
+        write_between_markers(args.write, MARKERS, lines)
 
 
 if __name__ == "__main__":
