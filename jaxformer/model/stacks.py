@@ -49,6 +49,16 @@ def layer_stack(layer_cls, scanned_cls, config: TransformerConfig, num_layers: i
     return scanned(config, name="layers")
 
 
+def run_stack(layers, scan_layers: bool, x, *args):
+    """``x`` through a :func:`layer_stack`: one scanned call, or each layer in turn; every
+    layer gets the same ``args``."""
+    if scan_layers:
+        return layers(x, *args)[0]
+    for layer in layers:
+        x = layer(x, *args)
+    return x
+
+
 class Encoder(nn.Module):
     """N encoder layers, each fed the previous layer's output (unrolled, or one
     ``nn.scan`` with ``config.scan_layers``; see :func:`layer_stack`)."""
@@ -66,11 +76,7 @@ class Encoder(nn.Module):
         ``[B, S, D]``. ``src_mask``: bool broadcastable to ``[B, H, S, S]``,
         **True = may attend** (see :meth:`EncoderLayer.__call__`). Pre-norm adds a final
         LayerNorm."""
-        if self.config.scan_layers:
-            x_BSD, _ = self.layers(x_BSD, src_mask, deterministic)
-        else:
-            for layer in self.layers:
-                x_BSD = layer(x_BSD, src_mask, deterministic)
+        x_BSD = run_stack(self.layers, self.config.scan_layers, x_BSD, src_mask, deterministic)
         if self.config.norm_position == "pre":
             x_BSD = self.final_norm(x_BSD)
         return x_BSD
@@ -102,11 +108,8 @@ class Decoder(nn.Module):
         ``encoder_output_BSD [B, S, D]`` → ``[B, T, D]`` (before the output projection).
         ``tgt_mask`` bool broadcastable to ``[B, H, T, T]`` and ``src_mask`` to
         ``[B, H, T, S]``, both **True = may attend** (see :meth:`DecoderLayer.__call__`)."""
-        if self.config.scan_layers:
-            x_BTD, _ = self.layers(x_BTD, encoder_output_BSD, tgt_mask, src_mask, deterministic)
-        else:
-            for layer in self.layers:
-                x_BTD = layer(x_BTD, encoder_output_BSD, tgt_mask, src_mask, deterministic)
+        x_BTD = run_stack(self.layers, self.config.scan_layers, x_BTD, encoder_output_BSD, tgt_mask,
+                          src_mask, deterministic)
         return self._final(x_BTD)
 
     def _unrolled_layers(self, what: str):
