@@ -133,3 +133,16 @@ def test_scan_input_counts_hashes_and_finds_bad_lines(tmp_path):
     assert [len(c) for c in bulk.read_chunks(path, 2, "replace")] == [2, 1]
     with pytest.raises(bulk.BulkInputError, match="chunk_lines must be at least 1"):
         bulk.translate_file(lambda *a: ("", {}), path, tmp_path / "out.txt", record={}, chunk_lines=0)
+
+
+def test_an_output_that_is_the_input_a_folder_or_gz_named_is_refused_before_loading(tmp_path, capsys):
+    source = tmp_path / "in.txt"
+    source.write_text("Click OK.\n")
+    (tmp_path / "folder").mkdir()
+    for output, message in ((source, "is the --input file"), (tmp_path / "folder", "is a folder"),
+                            (tmp_path / "out.txt.gz", "ends in .gz")):
+        with pytest.raises(SystemExit) as stop:   # no run directory needed: refused first
+            translate_main(["--workdir", str(tmp_path / "none"), "--input", str(source), "--output",
+                            str(output)])
+        assert stop.value.code == 2 and message in capsys.readouterr().err
+    assert source.read_text() == "Click OK.\n" and not list(tmp_path.glob("*.parts"))

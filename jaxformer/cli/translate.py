@@ -165,6 +165,24 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         if path and not Path(path).absolute().parent.is_dir():
             parser.exit(2, f"{parser.prog}: error: the folder of --{flag.replace('_', '-')} {path!r} "
                            f"does not exist\n")
+    _check_output(parser, args)
+
+
+def _check_output(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--output`` must be a file that is not the input (it would be overwritten before it
+    is read whole) and not gzip-named (the translations are written as plain text)."""
+    if not args.output:
+        return
+    out = Path(args.output)
+    problem = None
+    if out.is_dir():
+        problem = "is a folder; name a file in it"
+    elif args.input and out.exists() and out.resolve() == Path(args.input).resolve():
+        problem = "is the --input file, which it would overwrite; write to another file"
+    elif out.suffix == ".gz":
+        problem = "ends in .gz, but translations are written as plain text; drop .gz (or gzip the file after)"
+    if problem:
+        parser.exit(2, f"{parser.prog}: error: --output {args.output!r} {problem}\n")
 
 
 def _read_lines(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
