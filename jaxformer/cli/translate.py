@@ -203,14 +203,8 @@ def _read_lines(parser: argparse.ArgumentParser, args: argparse.Namespace) -> li
         except (EOFError, OSError, zlib.error) as e:
             parser.exit(2, f"{parser.prog}: error: {args.input or 'stdin'} is a truncated or corrupt gzip "
                            f"file ({e}); check it with gzip -t\n")
-    raw_lines = data.split(b"\n")
-    if raw_lines and raw_lines[-1] == b"":
-        raw_lines.pop()   # the newline that ends the last line
-    if raw_lines and raw_lines[0].startswith(b"\xef\xbb\xbf"):
-        raw_lines[0] = raw_lines[0][3:]   # a UTF-8 byte-order mark
     lines, bad = [], []
-    for number, raw in enumerate(raw_lines, 1):
-        raw = raw[:-1] if raw.endswith(b"\r") else raw
+    for number, raw in enumerate(bulk.split_lines(io.BytesIO(data)), 1):   # the bulk mode's rules
         try:
             lines.append(raw.decode("utf-8"))
         except UnicodeDecodeError:

@@ -70,21 +70,31 @@ def _open(path: Path) -> BinaryIO:
     return gzip.open(path, "rb") if gzipped else open(path, "rb")
 
 
+def split_lines(stream: BinaryIO) -> Iterator[bytes]:
+    """The lines of a binary stream, the translate tool's rules: split at ``\\n`` only (a
+    bare ``\\r`` stays inside its line), one ``\\r`` at a line's end dropped (a Windows
+    line end), a leading UTF-8 byte-order mark dropped; a last line needs no newline."""
+    pending, first = b"", True
+    while True:
+        chunk = stream.read(1 << 20)
+        pending += chunk
+        *complete, pending = pending.split(b"\n")
+        if not chunk and pending:   # a last line without its newline
+            complete, pending = complete + [pending], b""
+        for raw in complete:
+            if first:
+                raw, first = raw.removeprefix(b"\xef\xbb\xbf"), False
+            yield raw[:-1] if raw.endswith(b"\r") else raw
+        if not chunk:
+            return
+
+
 def _raw_lines(path: Path) -> Iterator[bytes]:
-    """The input's lines as bytes: split at ``\\n`` only, one ``\\r`` before it dropped,
-    a leading byte-order mark dropped. Raises :class:`BulkInputError` on a corrupt gzip."""
+    """The lines of the file at ``path`` (:func:`split_lines`), gzip or not. Raises
+    :class:`BulkInputError` on a corrupt gzip."""
     try:
         with _open(path) as stream:
-            pending, first = b"", True
-            while chunk := stream.read(1 << 20):
-                pending += chunk
-                *complete, pending = pending.split(b"\n")
-                for raw in complete:
-                    if first:
-                        raw, first = raw.removeprefix(b"\xef\xbb\xbf"), False
-                    yield raw[:-1] if raw.endswith(b"\r") else raw
-            if pending:   # a last line without its newline
-                yield pending.removeprefix(b"\xef\xbb\xbf") if first else pending
+            yield from split_lines(stream)
     except (EOFError, OSError, zlib.error) as e:
         raise BulkInputError(f"{path} is a truncated or corrupt gzip file ({e}); check it with "
                              f"gzip -t") from e
