@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -123,6 +124,38 @@ def test_data_parallel_on_eight_devices_gives_the_one_device_file(workdir, tmp_p
     translate_main([*common, "--output", str(tmp_path / "one.txt")])
     translate_main([*common, "--output", str(tmp_path / "eight.txt"), "--mesh", "data=8"])
     assert (tmp_path / "eight.txt").read_bytes() == (tmp_path / "one.txt").read_bytes()
+
+
+def test_two_processes_on_localhost_give_the_one_process_file(workdir, tmp_path):
+    """``jax.distributed`` on localhost: two processes of 2 CPU devices each, each on its
+    own ``--mesh data=2``, split the chunks and process 0 joins them; the file equals one
+    process's on one device, byte for byte."""
+    source = tmp_path / "in.txt"
+    _input(source, lines=60)
+    flags = ["--beam-size", "2", "--batch-size", "4"]
+    translate_main(_command(workdir, source, tmp_path / "one.txt", *flags)[3:])
+    port = _free_port()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    workers = [subprocess.Popen(
+        [*_command(workdir, source, tmp_path / "two.txt", *flags, "--mesh", "data=2"),
+         "--coordinator-address", f"localhost:{port}", "--num-processes", "2", "--process-id", str(i)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    try:
+        errors = [worker.communicate(timeout=240)[1] for worker in workers]
+    finally:
+        for worker in workers:
+            worker.kill()
+    assert [w.returncode for w in workers] == [0, 0], errors[0][-3000:] + errors[1][-3000:]
+    assert "60 lines in 30 chunk(s), 0 found finished; decoded 60 lines" in errors[0]
+    assert "by 2 processes" in errors[0] and "sentences/s" not in errors[1]
+    assert (tmp_path / "two.txt").read_bytes() == (tmp_path / "one.txt").read_bytes()
+    assert not (tmp_path / "two.txt.parts").exists()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
 
 
 def test_scan_input_counts_hashes_and_finds_bad_lines(tmp_path):

@@ -6,7 +6,9 @@ one translation per line, in input order, to stdout or ``--output FILE``. With b
 --chunk-lines lines, each sorted by length into batches and written whole to
 OUTPUT.parts/ (a killed run started again with the same command decodes only the
 missing chunks and gives the same file), with a progress bar on a terminal and a
-report of lines/s at the end; --mesh decodes on several devices. Another file (or
+report of lines/s at the end; --mesh decodes on several devices, and several processes
+(jax.distributed: --coordinator-address, --num-processes, --process-id) share the
+chunks, each on its own devices (jaxformer.cli.bulk). Another file (or
 stdin redirected from one) is read whole and sorted by length into batches; stdin
 that is a terminal or a pipe is answered as lines arrive: each batch holds the lines
 that are already there, so an interactive session or a process that writes one line
@@ -40,6 +42,7 @@ import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
+from jaxformer.cli import bulk as bulk_cli
 from jaxformer.decode import bulk
 from jaxformer.decode.translator import Translator, save_attention_png
 from jaxformer.run.directory import RunDir, enable_compilation_cache
@@ -130,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
              "and resumed (default: 10000)")
     add("--mesh", help="decode data-parallel on all of this process's devices, e.g. data=8 (the "
                        "sizes multiply to the device count; default: one device)")
+    bulk_cli.add_process_flags(parser)
     add("--attention-png", help="write the first sentence's cross-attention heat map")
     add("--layer", type=int, default=None, help="decoder layer for the heat map (default: mean)")
     add("--head", type=int, default=None, help="head for the heat map (default: mean)")
@@ -166,6 +170,9 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
             parser.exit(2, f"{parser.prog}: error: the folder of --{flag.replace('_', '-')} {path!r} "
                            f"does not exist\n")
     _check_output(parser, args)
+    if bulk_cli.multi_process(args) and (not (args.input and args.output) or args.sentences):
+        parser.error("several processes translate a file in bulk only: give --input and --output "
+                     "(and no sentences)")
 
 
 def _check_output(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -268,37 +275,11 @@ def _translate_lines(translator: Translator, args, lines: list[str], first_index
     return best, counts
 
 
-def _bulk(parser: argparse.ArgumentParser, args, translator: Translator) -> None:
-    """``--input FILE --output FILE``: :func:`jaxformer.decode.bulk.translate_file`, each
-    chunk through :func:`_translate_lines`; the report on stderr."""
-    def translate_chunk(lines, first_index, index):
-        buffer = io.StringIO()
-        _, counts = _translate_lines(translator, args, lines, first_index, buffer, stream=index)
-        return buffer.getvalue(), counts
-
-    settings = ("beam_size", "alpha", "length_normalization", "max_len_a", "max_len_b",
-                "no_repeat_ngram_size", "repetition_penalty", "n_best", "sample", "temperature", "top_k",
-                "top_p", "seed", "batch_size", "long_lines", "mesh")
-    record = {"workdir": str(Path(args.workdir).resolve()),
-              "checkpoint": f"{translator.kind} step {translator.step}",
-              **{name: getattr(args, name) for name in settings}}
-    try:
-        info = bulk.scan_input(args.input)
-        if info.bad_lines and args.input_errors == "replace":
-            print(f"warning: {len(info.bad_lines)} line(s) of {args.input} were not valid UTF-8 (line "
-                  f"{bulk.line_numbers(info.bad_lines)}); their bad bytes were replaced with U+FFFD",
-                  file=sys.stderr)
-        report = bulk.translate_file(translate_chunk, args.input, args.output, record=record, info=info,
-                                     chunk_lines=args.chunk_lines, errors=args.input_errors)
-    except (bulk.BulkInputError, bulk.BulkResumeError) as e:
-        parser.exit(2, f"{parser.prog}: error: {e}\n")
-    print(report.summary(), file=sys.stderr)
-
-
 def _load(parser: argparse.ArgumentParser, args) -> Translator:
     """The run's translator (on ``--mesh``'s devices if given), its flags checked against
     the model; bad input exits with status 2."""
     skip_absent_tpu()   # libtpu installed on a CPU host: never start the TPU backend
+    bulk_cli.initialize(parser, args)   # jax.distributed, before any other JAX use
     run_dir = RunDir(Path(args.workdir))
     cached = run_dir.config.exists() and enable_compilation_cache(run_dir)
     if run_dir.config.exists() and not cached:
@@ -364,10 +345,10 @@ def main(argv=None) -> None:
     translator = _load(parser, args)
     print(f"[{translator.kind} checkpoint, step {translator.step}]", file=sys.stderr)
     if args.input and args.output and not args.sentences:
-        _bulk(parser, args, translator)
+        process = bulk_cli.translate(parser, args, translator, _translate_lines)
         first = next(((line, translator([line], beam_size=args.beam_size)[0])
                       for chunk in bulk.read_chunks(args.input, 1000, args.input_errors) for line in chunk
-                      if line.strip()), None) if args.attention_png else None
+                      if line.strip()), None) if args.attention_png and process == 0 else None
     else:
         first = _translate_text(parser, args, translator)
     if args.attention_png and first is not None:

@@ -167,9 +167,15 @@ class BulkJob:
     def done(self, index: int) -> bool:
         return self.chunk_path(index).exists()
 
-    def write(self, index: int, text: str) -> None:
-        """Writes chunk ``index`` whole (temporary name, fsync, rename)."""
+    def write(self, index: int, text: str, counts: dict[str, int]) -> None:
+        """Writes chunk ``index`` whole (temporary name, fsync, rename), its counts first:
+        a chunk's text exists only once its counts do."""
+        _write_atomically(self.chunk_path(index).with_suffix(".json"), json.dumps(counts))
         _write_atomically(self.chunk_path(index), text)
+
+    def counts(self, index: int) -> dict[str, int]:
+        """The counts written with chunk ``index``."""
+        return json.loads(self.chunk_path(index).with_suffix(".json").read_text())
 
     def finish(self, chunks: int) -> None:
         """Joins chunks ``0 … chunks-1`` into the output (by rename) and removes the parts."""
@@ -185,7 +191,7 @@ class BulkJob:
 
 
 def _write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")   # processes may write the same file
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(text)
         f.flush()
@@ -195,7 +201,9 @@ def _write_atomically(path: Path, text: str) -> None:
 
 @dataclasses.dataclass
 class BulkReport:
-    """Counts and rates of one call of :func:`translate_file` (rates over the chunks it decoded)."""
+    """Counts and rates of one call of :func:`translate_file`: over the whole cluster's
+    work in process 0's report, over its own share in another process's (rates over the
+    chunks this call decoded)."""
 
     lines: int = 0              # input lines
     chunks: int = 0
@@ -203,16 +211,26 @@ class BulkReport:
     decoded_lines: int = 0      # lines of the chunks decoded by this call
     empty_lines: int = 0        # of those, empty (an empty output line)
     long_lines: int = 0         # of those, longer than max_len tokens (handled as asked)
-    replaced_lines: int = 0     # input lines with bytes that were not UTF-8 (errors="replace")
+    replaced_lines: int = 0     # of those, with bytes that were not UTF-8 (errors="replace")
     source_tokens: int = 0      # of the decoded lines
     seconds: float = 0.0
+    processes: int = 1
+
+    def add(self, lines: int, counts: dict[str, int]) -> None:
+        """Counts one decoded chunk of ``lines`` lines."""
+        self.decoded_lines += lines
+        self.empty_lines += counts.get("empty", 0)
+        self.long_lines += counts.get("long", 0)
+        self.source_tokens += counts.get("tokens", 0)
+        self.replaced_lines += counts.get("replaced", 0)
 
     def summary(self) -> str:
         rate = self.decoded_lines / self.seconds if self.seconds else 0.0
         tokens = self.source_tokens / self.seconds if self.seconds else 0.0
+        by = f" by {self.processes} processes" if self.processes > 1 else ""
         return (f"{self.lines:,} lines in {self.chunks} chunk(s), {self.resumed_chunks} found finished; "
                 f"decoded {self.decoded_lines:,} lines ({self.empty_lines:,} empty, {self.long_lines:,} "
-                f"longer than max_len, {self.replaced_lines:,} with bytes not UTF-8 replaced) in "
+                f"longer than max_len, {self.replaced_lines:,} with bytes not UTF-8 replaced){by} in "
                 f"{self.seconds:.1f} s: {rate:,.1f} sentences/s, {tokens:,.0f} source tokens/s")
 
 
@@ -221,8 +239,17 @@ ChunkTranslator = Callable[[list[str], int, int], tuple[str, dict[str, int]]]
 
 def translate_file(translate_chunk: ChunkTranslator, input_path: str | Path, output: str | Path, *,
                    record: dict[str, Any], chunk_lines: int = 10_000, errors: str = "strict",
-                   progress: bool | None = None, info: InputInfo | None = None) -> BulkReport:
+                   progress: bool | None = None, info: InputInfo | None = None,
+                   process_index: int = 0, process_count: int = 1,
+                   barrier: Callable[[str], None] | None = None) -> BulkReport:
     """Translates ``input_path`` into ``output``, chunk by chunk, resuming a killed run.
+
+    Several processes (``jax.distributed``) share the work: each calls this with its
+    ``process_index`` and decodes the chunks whose index is ``process_index`` modulo
+    ``process_count``, into the same parts folder (a filesystem all of them see, as for
+    checkpoints); process 0 joins the chunks in input order once ``barrier`` says every
+    process is done. A chunk's output does not depend on who decoded it, so any number
+    of processes, or a resume with another number, gives the same file.
 
     Args:
       translate_chunk: ``(lines, first_line_index, chunk_index) -> (text, counts)``: the
@@ -237,9 +264,13 @@ def translate_file(translate_chunk: ChunkTranslator, input_path: str | Path, out
       errors: ``"strict"`` (lines that are not UTF-8 refuse the input) or ``"replace"``.
       progress: a tqdm bar on stderr (lines/s, ETA); ``None`` = when stderr is a terminal.
       info: the input's :func:`scan_input`, if already made.
+      process_index, process_count: this process's share of the chunks.
+      barrier: ``barrier(name)`` returns when every process has called it
+        (:func:`jaxformer.model.sharding.process_barrier`); needed when
+        ``process_count > 1``.
 
     Returns:
-      a :class:`BulkReport`.
+      a :class:`BulkReport`: the whole file's in process 0, this process's share in others.
 
     Raises:
       BulkInputError: lines that are not UTF-8 in strict mode (their numbers named), a
@@ -250,6 +281,9 @@ def translate_file(translate_chunk: ChunkTranslator, input_path: str | Path, out
 
     if chunk_lines < 1:
         raise BulkInputError(f"chunk_lines must be at least 1, got {chunk_lines}.")
+    if not 0 <= process_index < process_count or (process_count > 1 and barrier is None):
+        raise ValueError(f"process {process_index} of {process_count}: need 0 <= index < count, and a "
+                         f"barrier with more than one process.")
     info = info or scan_input(input_path)
     if info.bad_lines and errors == "strict":
         raise BulkInputError(f"{len(info.bad_lines)} line(s) of {input_path} are not valid UTF-8 (line "
@@ -257,27 +291,41 @@ def translate_file(translate_chunk: ChunkTranslator, input_path: str | Path, out
                              f"UTF-8) or pass --input-errors replace")
     job = BulkJob(output, {**record, "input_sha256": info.sha256, "input_bytes": info.size,
                            "chunk_lines": chunk_lines, "input_errors": errors})
-    report = BulkReport(lines=info.lines, chunks=-(-info.lines // chunk_lines))
-    bar = tqdm(total=info.lines, unit="lines", disable=None if progress is None else not progress,
-               dynamic_ncols=True, smoothing=0.1, leave=False)
+    chunks = -(-info.lines // chunk_lines)
+    sizes = [min(chunk_lines, info.lines - i * chunk_lines) for i in range(chunks)]
+    finished = {i for i in range(chunks) if job.done(i)}
+    if barrier is not None:   # nobody writes a chunk before every process has listed them
+        barrier("bulk: listed")
+    mine = [i for i in range(chunks) if i % process_count == process_index]
+    report = BulkReport(lines=info.lines, chunks=chunks, resumed_chunks=len(finished),
+                        processes=process_count)
+    bar = tqdm(total=sum(sizes[i] for i in mine), unit="lines", dynamic_ncols=True, smoothing=0.1,
+               leave=False, disable=None if progress is None else not progress)
     bad = set(info.bad_lines)
     start = time.perf_counter()
     try:
         for index, lines in enumerate(read_chunks(input_path, chunk_lines, errors)):
-            first = index * chunk_lines
-            if not job.done(index):
+            if index % process_count != process_index:
+                continue
+            if index not in finished:
+                first = index * chunk_lines
                 text, counts = translate_chunk(lines, first, index)
-                job.write(index, text)
-                report.decoded_lines += len(lines)
-                report.empty_lines += counts.get("empty", 0)
-                report.long_lines += counts.get("long", 0)
-                report.source_tokens += counts.get("tokens", 0)
-                report.replaced_lines += sum(first < n <= first + len(lines) for n in bad)
-            else:
-                report.resumed_chunks += 1
+                counts = {**counts, "replaced": sum(first < n <= first + len(lines) for n in bad)}
+                job.write(index, text, counts)
+                report.add(len(lines), counts)
             bar.update(len(lines))
     finally:
         bar.close()
+    if barrier is not None:
+        barrier("bulk: decoded")
+        if process_index == 0:   # the whole cluster's counts, from the chunks' records
+            report = BulkReport(lines=info.lines, chunks=chunks, resumed_chunks=len(finished),
+                                processes=process_count)
+            for index in sorted(set(range(chunks)) - finished):
+                report.add(sizes[index], job.counts(index))
     report.seconds = time.perf_counter() - start
-    job.finish(report.chunks)
+    if process_index == 0:
+        job.finish(chunks)
+    if barrier is not None:   # nobody returns (and may start over) before the file is whole
+        barrier("bulk: joined")
     return report

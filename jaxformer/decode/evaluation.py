@@ -92,8 +92,9 @@ class Evaluator:
 
     def _place(self, batch):
         """This process's block of rows of a (whole, host) batch, as global sharded arrays."""
-        rows = next(iter(batch.values())).shape[0] // jax.process_count()
-        start = jax.process_index() * rows
+        count, position = sharding_lib.mesh_processes(self.layout.mesh)
+        rows = next(iter(batch.values())).shape[0] // count
+        start = position * rows
         return sharding_lib.shard_batch({k: v[start:start + rows] for k, v in batch.items()},
                                         self.layout.batch)
 
@@ -110,7 +111,7 @@ class Evaluator:
         shapes), at most ``batch_size``, and a multiple of the data shards under a layout."""
         rows = min(self.batch_size, 1 << max(count - 1, 0).bit_length())
         if self.layout is not None:
-            multiple = self.layout.data_size * jax.process_count()
+            multiple = self.layout.data_size * sharding_lib.mesh_processes(self.layout.mesh)[0]
             rows = -(-rows // multiple) * multiple
         return rows
 

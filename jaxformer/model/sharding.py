@@ -257,10 +257,10 @@ class Layout:
 def shard_batch(batch: Mapping[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
     """Places this process's rows of a batch as global arrays split over ``data``.
 
-    With one process the local batch is the whole batch. With several, each process
-    passes only its own contiguous block of rows (see ``process_index`` in
-    :func:`jaxformer.data.batching.train_dataset`) and the global batch has
-    ``process_count ×`` as many rows.
+    On a mesh of this process's devices alone the local batch is the whole batch. On a
+    mesh over several processes, each passes only its own contiguous block of rows (see
+    ``process_index`` in :func:`jaxformer.data.batching.train_dataset`) and the global
+    batch has as many times more rows as the mesh has processes (:func:`mesh_processes`).
 
     Args:
       batch: name → int array ``[b, L]`` of this process's rows.
@@ -270,10 +270,11 @@ def shard_batch(batch: Mapping[str, np.ndarray], sharding: NamedSharding) -> dic
       ValueError: the global row count is not divisible by the ``data`` × ``fsdp`` axes.
     """
     data_size = batch_shards(sharding.mesh)
+    processes, _ = mesh_processes(sharding.mesh)
     out = {}
     for name, local in batch.items():
         local = np.asarray(local)
-        global_shape = (local.shape[0] * jax.process_count(),) + local.shape[1:]
+        global_shape = (local.shape[0] * processes,) + local.shape[1:]
         if global_shape[0] % data_size:
             raise ValueError(f"batch {name!r} has {global_shape[0]} rows, not divisible by the mesh's "
                              f"data × fsdp axes ({data_size}); make the batch size a multiple of it.")
@@ -281,9 +282,45 @@ def shard_batch(batch: Mapping[str, np.ndarray], sharding: NamedSharding) -> dic
     return out
 
 
-def to_host(tree: Any) -> Any:
-    """NumPy copies of a tree of arrays, gathered from every process when sharded across them."""
+def mesh_processes(mesh: Mesh) -> tuple[int, int]:
+    """``(count, position)``: how many processes own devices of ``mesh``, and where this
+    process stands among them (by process index). A mesh of ``jax.local_devices()`` is
+    ``(1, 0)`` in any run, so each process of a cluster can work on its own mesh (bulk
+    translation); a training mesh over every device is ``(process_count, process_index)``.
+
+    Raises:
+      ValueError: this process owns no device of ``mesh``.
+    """
+    owners = sorted({d.process_index for d in mesh.devices.flat})
+    if jax.process_index() not in owners:
+        raise ValueError(f"process {jax.process_index()} owns no device of this mesh (its devices "
+                         f"belong to processes {owners}); build the mesh from devices it includes.")
+    return len(owners), owners.index(jax.process_index())
+
+
+def process_barrier(name: str, timeout_s: float = 24 * 3600) -> None:
+    """Waits until every process of the cluster reaches the barrier ``name`` (each name
+    once per run); returns at once in a single-process run.
+
+    The coordination service's barrier, as JAX's own array serialization uses it: no
+    device computation, so a process may wait for hours while the others finish their
+    share (a collective would hit gloo's timeout), and a process that died fails it.
+
+    Raises:
+      jax.errors.JaxRuntimeError: ``timeout_s`` passed, or a process left the cluster.
+    """
     if jax.process_count() == 1:
+        return
+    from jax._src import distributed  # the client JAX's array_serialization waits on
+
+    distributed.global_state.client.wait_at_barrier(f"jaxformer:{name}", int(timeout_s * 1000))
+
+
+def to_host(tree: Any) -> Any:
+    """NumPy copies of a tree of arrays, gathered from every process when sharded across
+    them (arrays this process holds whole are copied without any exchange)."""
+    leaves = jax.tree_util.tree_leaves(tree)
+    if jax.process_count() == 1 or all(getattr(x, "is_fully_addressable", True) for x in leaves):
         return jax.device_get(tree)
     from jax.experimental import multihost_utils
 

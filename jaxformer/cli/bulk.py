@@ -1,0 +1,103 @@
+"""The translate tool's bulk mode (``--input FILE --output FILE``), on one process or
+several: :func:`jaxformer.decode.bulk.translate_file` with each chunk decoded by the
+tool's line translator, and the flags that start ``jax.distributed``.
+
+With ``--coordinator-address``/``--num-processes``/``--process-id`` (or
+``--distributed`` for cluster auto-detection, as in training) every process runs the
+same command: each decodes its own share of the chunks on its own devices (``--mesh``
+is a mesh of this process's devices), writes them to ``OUTPUT.parts/`` on a filesystem
+all of them see, and process 0 joins the file in input order once all are done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from jaxformer.decode import bulk
+
+# Everything a chunk's bytes depend on, recorded in the manifest: a resume with other
+# values is refused (the process count is not among them: it does not change a byte).
+SETTINGS = ("beam_size", "alpha", "length_normalization", "max_len_a", "max_len_b", "no_repeat_ngram_size",
+            "repetition_penalty", "n_best", "sample", "temperature", "top_k", "top_p", "seed", "batch_size",
+            "long_lines", "mesh")
+
+
+def add_process_flags(parser: argparse.ArgumentParser) -> None:
+    """``--coordinator-address``, ``--num-processes``, ``--process-id``, ``--distributed``:
+    the training script's names (:class:`jaxformer.run.config.TrainConfig`)."""
+    add = parser.add_argument
+    add("--coordinator-address", help="bulk mode on several processes: host:port of process 0")
+    add("--num-processes", type=int, help="bulk mode on several processes: how many")
+    add("--process-id", type=int, help="bulk mode on several processes: this one's index")
+    add("--distributed", action="store_true",
+        help="bulk mode on several processes, found by jax.distributed's cluster auto-detection "
+             "(TPU pods, SLURM, Open MPI, Kubernetes)")
+
+
+def multi_process(args: argparse.Namespace) -> bool:
+    """Whether the flags ask for ``jax.distributed``."""
+    return bool(args.distributed or args.coordinator_address or args.num_processes is not None
+                or args.process_id is not None)
+
+
+def initialize(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Starts ``jax.distributed`` when the flags ask for it (before any other JAX use);
+    bad flags exit with status 2."""
+    if not multi_process(args):
+        return
+    explicit = (args.coordinator_address, args.num_processes, args.process_id)
+    if not args.distributed and None in explicit:
+        parser.error("several processes need all of --coordinator-address, --num-processes and "
+                     "--process-id (or --distributed for auto-detection)")
+    if args.num_processes is not None and not 0 <= (args.process_id or 0) < args.num_processes:
+        parser.error(f"--process-id {args.process_id} is not in 0..{args.num_processes - 1}")
+    from jaxformer.model.sharding import initialize_distributed
+
+    initialize_distributed(args.coordinator_address, args.num_processes, args.process_id, auto=True)
+
+
+def translate(parser: argparse.ArgumentParser, args: argparse.Namespace, translator,
+              translate_lines: Callable) -> int:
+    """Translates ``--input`` into ``--output`` (this process's share when there are several);
+    process 0 prints the report on stderr. Input and resume errors exit with status 2.
+
+    Args:
+      translator: the run's :class:`jaxformer.decode.translator.Translator`.
+      translate_lines: ``(translator, args, lines, first_index, out, stream=) -> (best, counts)``,
+        the tool's translation of a batch of lines into ``out``.
+
+    Returns:
+      this process's index.
+    """
+    import jax
+
+    from jaxformer.model.sharding import process_barrier
+
+    def translate_chunk(lines, first_index, index):
+        buffer = io.StringIO()
+        _, counts = translate_lines(translator, args, lines, first_index, buffer, stream=index)
+        return buffer.getvalue(), counts
+
+    record = {"workdir": str(Path(args.workdir).resolve()),
+              "checkpoint": f"{translator.kind} step {translator.step}",
+              **{name: getattr(args, name) for name in SETTINGS}}
+    process, processes = jax.process_index(), jax.process_count()
+    try:
+        info = bulk.scan_input(args.input)
+        if info.bad_lines and args.input_errors == "replace" and process == 0:
+            print(f"warning: {len(info.bad_lines)} line(s) of {args.input} were not valid UTF-8 (line "
+                  f"{bulk.line_numbers(info.bad_lines)}); their bad bytes were replaced with U+FFFD",
+                  file=sys.stderr)
+        report = bulk.translate_file(translate_chunk, args.input, args.output, record=record, info=info,
+                                     chunk_lines=args.chunk_lines, errors=args.input_errors,
+                                     process_index=process, process_count=processes,
+                                     barrier=process_barrier if processes > 1 else None)
+    except (bulk.BulkInputError, bulk.BulkResumeError) as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
+    if process == 0:
+        print(report.summary(), file=sys.stderr)
+    return process
