@@ -24,11 +24,15 @@ def main(argv: list[str] | None = None) -> None:
                             ("pair", f"shipped corpus (default {defaults.pair})"),
                             ("train-file", "source<TAB>target lines, plain or .gz"),
                             ("src-file", "or line-aligned source file"), ("tgt-file", "and target file"),
-                            ("dev-file", "explicit dev TSV"), ("test-file", "explicit test TSV")):
+                            ("dev-file", "explicit dev TSV"), ("test-file", "explicit test TSV"),
+                            ("bt-file", "back-translated pairs (TSV), added to training with tagged "
+                                        "sources")):
         parser.add_argument(f"--{name}", help=help_text, **({"choices": PAIRS} if name == "pair" else {}))
     parser.add_argument("--vocab-size", type=int, default=defaults.vocab_size)
     parser.add_argument("--max-length-ratio", type=float, default=defaults.max_length_ratio,
                         help="drop pairs whose source/target id counts differ by more (Moses clean-corpus-n)")
+    parser.add_argument("--bt-ratio", type=float,
+                        help="synthetic pairs per real training pair (default: each --bt-file pair once)")
     args = parser.parse_args(argv)
     skip_absent_tpu()   # libtpu installed on a CPU host: never start the TPU backend
     fields = {k: v for k, v in vars(args).items() if v is not None}

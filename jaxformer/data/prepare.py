@@ -38,10 +38,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from jaxformer.data import corpus
+from jaxformer.data import back_translation, corpus
 from jaxformer.data.corpus import DataReport, Pair, Splitter
 from jaxformer.data.prepared import FORMAT_VERSION, file_digest, tokenizer_digest
-from jaxformer.data.tokenizer import TextTokenizer, Tokenizer
+from jaxformer.data.tokenizer import BT_TAG, TextTokenizer, Tokenizer
 from jaxformer.run.logs import log
 
 if TYPE_CHECKING:
@@ -88,18 +88,21 @@ def prepare(spec: DataSpec, directory: str | os.PathLike, tokenizer_file: str | 
     elif retrain_tokenizer or not tokenizer_file.exists():
         t0 = time.perf_counter()
         sentences = [s for pair in sample if splitter(pair[0]) == "train" for s in pair]
-        tokenizer = Tokenizer.train(sentences, tokenizer_file.parent, vocab_size=spec.vocab_size)
+        tokenizer = Tokenizer.train(sentences, tokenizer_file.parent, vocab_size=spec.vocab_size,
+                                    reserved=(BT_TAG,) if spec.bt_file else ())
         log(f"prepare: trained sentencepiece ({tokenizer.vocab_size} pieces) on {len(sentences)} "
             f"sampled sentences in {time.perf_counter() - t0:.0f}s")
     else:
         tokenizer = Tokenizer(tokenizer_file)
+    if spec.bt_file:
+        back_translation.tag_id(tokenizer)   # refused before anything is written
     del sample
     for stale in directory.parent.glob(f"{directory.name}.partial-*"):   # left by a killed prepare
         shutil.rmtree(stale, ignore_errors=True)
     tmp = directory.with_name(f"{directory.name}.partial-{os.getpid()}")
     tmp.mkdir(parents=True)
     read_report = DataReport()
-    counts, histogram = _write_splits(spec, splitter, tokenizer, tmp, read_report)
+    counts, histogram = _write_splits(spec, splitter, tokenizer, tmp, read_report, seed)
     read_report.kept = n
     log(read_report.summary(spec.name))
     for name, path in explicit.items():
@@ -178,55 +181,77 @@ def _largest_vocab(tokenizer: TextTokenizer) -> int:
     return max(tokenizer.src_vocab_size, tokenizer.tgt_vocab_size)
 
 
-def _write_splits(spec: DataSpec, splitter: Splitter, tokenizer: TextTokenizer, out: Path,
-                  report: DataReport) -> tuple[dict[str, Any], dict[str, list[int]]]:
-    """Second pass: dev/test pairs to TSV, training pairs encoded, filtered and appended to
-    the id files. Returns the counts and the length histogram (ids per side, bins of 8)."""
-    dtype = np.uint16 if _largest_vocab(tokenizer) <= 1 << 16 else np.int32
-    held: dict[str, list[Pair]] = {"dev": [], "test": []}
-    dropped: dict[str, int] = {}
-    lengths: list[np.ndarray] = []
+def encode_pairs(tokenizer: TextTokenizer, pairs: list[Pair]) -> tuple[list[list[int]], list[list[int]]]:
+    """Source and target ids of ``pairs`` (no bos/eos), on all cores for sentencepiece
+    (which releases the GIL), by the tokenizer's own source/target rules otherwise (Marian)."""
+    if not isinstance(tokenizer, Tokenizer):
+        return tokenizer.encode_source([p[0] for p in pairs]), tokenizer.encode_target([p[1] for p in pairs])
     threads = os.cpu_count() or 1
+    return (tokenizer.sp.encode([p[0] for p in pairs], num_threads=threads),
+            tokenizer.sp.encode([p[1] for p in pairs], num_threads=threads))
 
-    def encode(train: list[Pair]) -> tuple[list[list[int]], list[list[int]]]:   # releases the GIL
-        if not isinstance(tokenizer, Tokenizer):   # another kind (Marian): its own source/target rules
-            return (tokenizer.encode_source([p[0] for p in train]),
-                    tokenizer.encode_target([p[1] for p in train]))
-        return (tokenizer.sp.encode([p[0] for p in train], num_threads=threads),
-                tokenizer.sp.encode([p[1] for p in train], num_threads=threads))
 
-    def write(src: list[list[int]], tgt: list[list[int]]) -> None:
+class IdWriter:
+    """Appends encoded training pairs to ``train-src.bin``/``train-tgt.bin`` after the
+    length filters (:func:`keep_mask`), keeping their lengths and the drop counts."""
+
+    def __init__(self, out: Path, spec: DataSpec, dtype: np.dtype):
+        self.spec, self.dtype = spec, dtype
+        self.files = ((out / "train-src.bin").open("wb"), (out / "train-tgt.bin").open("wb"))
+        self.dropped: dict[str, int] = {}
+        self.lengths: list[np.ndarray] = []
+
+    def write(self, src: list[list[int]], tgt: list[list[int]]) -> int:
+        """Filters and appends one chunk; returns how many pairs were kept."""
         src_len = np.fromiter(map(len, src), np.int64, len(src))
         tgt_len = np.fromiter(map(len, tgt), np.int64, len(tgt))
-        keep, reasons = keep_mask(src_len, tgt_len, spec.max_tokens, spec.max_length_ratio)
+        keep, reasons = keep_mask(src_len, tgt_len, self.spec.max_tokens, self.spec.max_length_ratio)
         for reason, count in reasons.items():
-            dropped[reason] = dropped.get(reason, 0) + count
+            self.dropped[reason] = self.dropped.get(reason, 0) + count
         kept = np.flatnonzero(keep)
-        for f, ids, side_len in ((fs, src, src_len), (ft, tgt, tgt_len)):
+        for f, ids, side_len in zip(self.files, (src, tgt), (src_len, tgt_len)):
             rows = ids if len(kept) == len(ids) else [ids[i] for i in kept]
-            f.write(np.fromiter(itertools.chain.from_iterable(rows), dtype,
+            f.write(np.fromiter(itertools.chain.from_iterable(rows), self.dtype,
                                 int(side_len[kept].sum())).tobytes())
-        lengths.append(np.stack([src_len[kept], tgt_len[kept]], axis=1))
+        self.lengths.append(np.stack([src_len[kept], tgt_len[kept]], axis=1))
+        return len(kept)
 
+    def close(self) -> np.ndarray:
+        """Closes the files; returns the kept pairs' lengths ``[N, 2]`` (source, target)."""
+        for f in self.files:
+            f.close()
+        return np.concatenate(self.lengths) if self.lengths else np.zeros((0, 2), np.int64)
+
+
+def _write_splits(spec: DataSpec, splitter: Splitter, tokenizer: TextTokenizer, out: Path,
+                  report: DataReport, seed: int = 0) -> tuple[dict[str, Any], dict[str, list[int]]]:
+    """Second pass: dev/test pairs to TSV, training pairs encoded, filtered and appended to
+    the id files, then the back-translated pairs (:mod:`jaxformer.data.back_translation`).
+    Returns the counts and the length histogram (ids per side, bins of 8)."""
+    dtype = np.uint16 if _largest_vocab(tokenizer) <= 1 << 16 else np.int32
+    held: dict[str, list[Pair]] = {"dev": [], "test": []}
+    writer = IdWriter(out, spec, dtype)
     # Chunk k is encoded in a thread (sentencepiece releases the GIL) while this thread
     # reads and splits chunk k + 1; chunks are written in order.
-    with ((out / "train-src.bin").open("wb") as fs, (out / "train-tgt.bin").open("wb") as ft,
-          concurrent.futures.ThreadPoolExecutor(1) as pool):
-        pending = None
-        for chunk in _chunks(spec.read(report), CHUNK_PAIRS):
-            train = []
-            for pair in chunk:
-                name = splitter(pair[0])
-                (train if name == "train" else held[name]).append(pair)
-            if train:
-                if pending is not None:
-                    write(*pending.result())
-                pending = pool.submit(encode, train)
-        if pending is not None:
-            write(*pending.result())
-    all_lengths = np.concatenate(lengths) if lengths else np.zeros((0, 2), np.int64)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pending, real = None, 0
+            for chunk in _chunks(spec.read(report), CHUNK_PAIRS):
+                train = []
+                for pair in chunk:
+                    name = splitter(pair[0])
+                    (train if name == "train" else held[name]).append(pair)
+                if train:
+                    if pending is not None:
+                        real += writer.write(*pending.result())
+                    pending = pool.submit(encode_pairs, tokenizer, train)
+            if pending is not None:
+                real += writer.write(*pending.result())
+        synthetic = back_translation.append(spec, tokenizer, writer, real, seed) if spec.bt_file else None
+    finally:
+        all_lengths = writer.close()
     if not len(all_lengths):
-        raise ValueError(f"Every training pair of {spec.name} was filtered out ({dropped}); "
+        raise ValueError(f"Every training pair of {spec.name} was filtered out ({writer.dropped}); "
                          f"raise --max-length-ratio or check the corpus.")
     np.save(out / "train-lengths.npy", all_lengths.astype(np.int32))
     for name, pairs in held.items():
@@ -236,7 +261,9 @@ def _write_splits(spec: DataSpec, splitter: Splitter, tokenizer: TextTokenizer, 
                  "src": np.histogram(all_lengths[:, 0], bins)[0].tolist(),
                  "tgt": np.histogram(all_lengths[:, 1], bins)[0].tolist()}
     counts = {"train": len(all_lengths), "dev": len(held["dev"]), "test": len(held["test"]),
-              "train_dropped": dropped}
+              "train_dropped": writer.dropped}
+    if synthetic is not None:
+        counts["back_translation"] = synthetic
     return counts, histogram
 
 

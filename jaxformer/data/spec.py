@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from jaxformer.data import corpus
 from jaxformer.data.corpus import DataReport, Pair
 from jaxformer.data.prepared import FORMAT_VERSION, file_digest
+from jaxformer.data.tokenizer import BT_TAG
 
 if TYPE_CHECKING:
     from jaxformer.run.config import TrainConfig
@@ -23,7 +24,9 @@ if TYPE_CHECKING:
 class DataSpec:
     """What the data of a run is: the corpus files and every setting that changes the ids.
 
-    ``corpus_files`` is one TSV file, or a source and a target file (``aligned``).
+    ``corpus_files`` is one TSV file, or a source and a target file (``aligned``);
+    ``bt_file`` a TSV file of synthetic pairs added to training with tagged sources, at
+    ``bt_ratio`` synthetic pairs per real one (:mod:`jaxformer.data.back_translation`).
     """
 
     corpus_files: tuple[str, ...]
@@ -34,6 +37,8 @@ class DataSpec:
     max_tokens: int = 1024
     max_length_ratio: float = 9.0
     name: str = ""
+    bt_file: str | None = None          # synthetic pairs, tagged (jaxformer.data.back_translation)
+    bt_ratio: float | None = None       # synthetic pairs per real training pair; None = each once
 
     @classmethod
     def from_config(cls, cfg: TrainConfig) -> DataSpec:
@@ -48,7 +53,7 @@ class DataSpec:
         if bool(cfg.src_file) != bool(cfg.tgt_file):
             raise ValueError("--src-file and --tgt-file go together.")
         common = dict(dev_file=cfg.dev_file, test_file=cfg.test_file, vocab_size=cfg.vocab_size,
-                      max_length_ratio=cfg.max_length_ratio)
+                      max_length_ratio=cfg.max_length_ratio, bt_file=cfg.bt_file, bt_ratio=cfg.bt_ratio)
         if cfg.train_file:
             return cls((cfg.train_file,), name=cfg.train_file, **common)
         if cfg.src_file:
@@ -77,7 +82,11 @@ class DataSpec:
                 raise FileNotFoundError(f"Corpus file {path!r} does not exist; check the path.")
             return {"path": str(p.resolve()), "size": p.stat().st_size, "sha256": file_digest(p)}
 
-        return {"format_version": FORMAT_VERSION, "corpus": [describe(p) for p in self.corpus_files],
-                "aligned": self.aligned, "dev_file": describe(self.dev_file),
-                "test_file": describe(self.test_file), "vocab_size": self.vocab_size,
-                "max_tokens": self.max_tokens, "max_length_ratio": self.max_length_ratio}
+        fingerprint = {"format_version": FORMAT_VERSION, "corpus": [describe(p) for p in self.corpus_files],
+                       "aligned": self.aligned, "dev_file": describe(self.dev_file),
+                       "test_file": describe(self.test_file), "vocab_size": self.vocab_size,
+                       "max_tokens": self.max_tokens, "max_length_ratio": self.max_length_ratio}
+        if self.bt_file:   # only then: the fingerprints of runs without synthetic data are unchanged
+            fingerprint["back_translation"] = {"file": describe(self.bt_file), "ratio": self.bt_ratio,
+                                               "tag": BT_TAG}
+        return fingerprint

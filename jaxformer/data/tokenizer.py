@@ -19,6 +19,10 @@ from typing import Any, Protocol
 
 from jaxformer.model.validation import check_special_ids
 
+# The tag of back-translated sources (Caswell et al. 2019, "Tagged Back-Translation"): a
+# reserved piece of a run's tokenizer when the run has --bt-file data.
+BT_TAG = "<BT>"
+
 
 class Tokenizer:
     """A joint sentencepiece vocabulary for source and target.
@@ -83,12 +87,28 @@ class Tokenizer:
             out.append(self.sp.decode([t for t in seq if t not in (self.pad_id, self.bos_id)]))
         return out
 
+    def reserved_id(self, piece: str) -> int:
+        """The id of a reserved piece (a sentencepiece control symbol, e.g. the
+        back-translation tag :data:`BT_TAG`): never produced by encoding text, dropped
+        when decoding.
+
+        Raises:
+          ValueError: this tokenizer has no such reserved piece (it was trained without it).
+        """
+        piece_id = self.sp.piece_to_id(piece)
+        if piece_id == self.unk_id or not self.sp.is_control(piece_id):
+            raise ValueError(f"{self.model_file} has no reserved {piece!r} piece: it was trained without "
+                             f"back-translation data. Start the run with --bt-file from the beginning "
+                             f"(another --workdir, or --fresh), so its tokenizer reserves the tag.")
+        return piece_id
+
     @staticmethod
     def train(sentences: Iterable[str], model_dir: str | os.PathLike, vocab_size: int = 8000,
-              seed_sentences: int = 200_000) -> Tokenizer:
+              seed_sentences: int = 200_000, reserved: Sequence[str] = ()) -> Tokenizer:
         """Trains a unigram sentencepiece model on ``sentences`` into ``model_dir/spm.model``.
 
-        Ids: pad 0, unk 1, bos 2, eos 3.
+        Ids: pad 0, unk 1, bos 2, eos 3, then the ``reserved`` pieces (control symbols,
+        see :meth:`reserved_id`), then the learned pieces.
         """
         import sentencepiece as spm
 
@@ -99,7 +119,8 @@ class Tokenizer:
             sentence_iterator=iter(list(sentences)), model_writer=buffer, vocab_size=vocab_size,
             model_type="unigram", character_coverage=0.9995, pad_id=0, unk_id=1, bos_id=2,
             eos_id=3, input_sentence_size=seed_sentences, shuffle_input_sentence=True,
-            num_threads=os.cpu_count() or 1, minloglevel=2, hard_vocab_limit=False)
+            num_threads=os.cpu_count() or 1, minloglevel=2, hard_vocab_limit=False,
+            control_symbols=list(reserved))
         path = model_dir / "spm.model"
         tmp = path.with_suffix(".tmp")
         tmp.write_bytes(buffer.getvalue())
