@@ -1,9 +1,11 @@
-"""Bulk translation (issue #23, first part): ``jaxformer-translate --input FILE --output
-FILE`` streams a file in chunks, writes one line per line in whatever the bytes, resumes
-a SIGKILL'd run to the same file byte for byte, and decodes on several devices."""
+"""Bulk translation (issue #23): ``jaxformer-translate --input FILE --output FILE`` streams
+a file in chunks, writes one line per line whatever the bytes, resumes a SIGKILL'd run
+to the same file byte for byte, and decodes on several devices and processes; the
+distillation recipe runs on it."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -14,11 +16,16 @@ import time
 import pytest
 
 from jaxformer.cli import translate as translate_lib
+from jaxformer.cli.prepare import main as prepare_main
 from jaxformer.cli.translate import main as translate_main
+from jaxformer.data import corpus
+from jaxformer.data.distillation import write_training_sources
 from jaxformer.decode import bulk
 from jaxformer.run.config import TrainConfig
 from jaxformer.train.trainer import train
 
+TINY_RUN = dict(vocab_size=200, max_len=32, eval_every=1000, dev_bleu_sentences=4, beam_size=1,
+                progress=False, devices=1)
 WORDS = "the house is small and we go home click ok choose format cells enter name table".split()
 
 
@@ -32,6 +39,20 @@ def workdir(tmp_path_factory, short_corpus):
                       vocab_size=300, max_len=32, batch_tokens=256, max_steps=2, warmup_steps=1,
                       eval_every=1000, dev_bleu_sentences=4, beam_size=1, progress=False, devices=1))
     return root
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory):
+    """A tiny run of 2 steps on 400 short pairs of the shipped en-de corpus, its dev and test
+    split off by hash: the distillation test's teacher."""
+    pairs, _ = corpus.read_tsv(corpus.builtin_corpus_path("en-de"))
+    root = tmp_path_factory.mktemp("teacher")
+    corpus_file = root / "corpus.tsv"
+    corpus_file.write_text("".join(f"{s}\t{t}\n" for s, t in
+                                   [p for p in pairs if len(p[0]) < 60 and len(p[1]) < 60][:400]))
+    train(TrainConfig(workdir=str(root / "run"), train_file=str(corpus_file), preset="tiny", max_steps=2,
+                      warmup_steps=1, batch_tokens=256, **TINY_RUN))
+    return root / "run"
 
 
 @pytest.fixture(autouse=True)
@@ -179,3 +200,50 @@ def test_an_output_that_is_the_input_a_folder_or_gz_named_is_refused_before_load
                             str(output)])
         assert stop.value.code == 2 and message in capsys.readouterr().err
     assert source.read_text() == "Click OK.\n" and not list(tmp_path.glob("*.parts"))
+
+
+def test_distillation_a_student_trains_on_the_teachers_output_for_its_training_sources(
+        teacher, tmp_path):
+    """Sequence-level distillation (README, "Distillation"): the teacher translates the
+    sources of its own training split (not its dev and test sources) in bulk, and a
+    smaller student trains on the result through the normal path, scored on the teacher's
+    real dev and test pairs.
+
+    The recipe decodes with beam search; this test samples. A tiny teacher's beam ends
+    every translation at once (end-of-sentence is its likeliest first token: measured,
+    tiny runs of up to 400 steps on these pairs translate everything to an empty line,
+    and a small-preset teacher that emits tokens costs 45-60 s to train here), which would
+    leave the student no pair. Sampling draws from the same model through the same bulk
+    path; beam search in bulk mode is tested above, and the real-size recipe with beam 4
+    is measured in benchmarks/README.md ("Distillation")."""
+    sources = tmp_path / "train.en"
+    prepare_main(["--workdir", str(teacher), "--write-train-sources", str(sources)])
+    lines = sources.read_text().splitlines()
+    held_out = {line.split("\t")[0] for name in ("dev", "test")
+                for line in (teacher / "prepared" / f"{name}.tsv").read_text().splitlines()}
+    counts = json.loads((teacher / "prepared" / "manifest.json").read_text())["counts"]
+    assert len(lines) == counts["train"] + sum(counts["train_dropped"].values()) > 100
+    assert not held_out & set(lines) and len(lines) + counts["dev"] + counts["test"] == 400
+
+    hyps = tmp_path / "train.distilled.de"
+    translate_main(["--workdir", str(teacher), "--input", str(sources), "--output", str(hyps),
+                    "--sample", "--seed", "0", "--chunk-lines", "64"])
+    outputs = hyps.read_text().split("\n")[:-1]
+    assert len(outputs) == len(lines) and sum(map(bool, outputs)) > len(lines) // 2
+    distilled = tmp_path / "distilled.tsv"
+    distilled.write_text("".join(f"{s}\t{t}\n" for s, t in zip(lines, outputs)))
+
+    student = tmp_path / "student"
+    results = train(TrainConfig(
+        workdir=str(student), train_file=str(distilled), dev_file=str(teacher / "prepared" / "dev.tsv"),
+        test_file=str(teacher / "prepared" / "test.tsv"), preset="tiny", d_model=16, d_ff=32, max_steps=2,
+        **TINY_RUN))
+    record = json.loads((student / "config.json").read_text())
+    assert record["model"]["d_model"] == 16 and results["test_sentences"] == counts["test"]
+    student_counts = json.loads((student / "prepared" / "manifest.json").read_text())["counts"]
+    assert student_counts["train"] + sum(student_counts["train_dropped"].values()) == sum(map(bool, outputs))
+
+
+def test_training_sources_need_a_prepared_run(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no run with prepared data"):
+        write_training_sources(tmp_path, tmp_path / "out.txt")

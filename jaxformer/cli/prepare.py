@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 
+from jaxformer.data.distillation import write_training_sources
 from jaxformer.data.run_data import prepare_run_data
 from jaxformer.run.config import PAIRS, TrainConfig
 from jaxformer.run.directory import RunDir
@@ -33,8 +34,21 @@ def main(argv: list[str] | None = None) -> None:
                         help="drop pairs whose source/target id counts differ by more (Moses clean-corpus-n)")
     parser.add_argument("--bt-ratio", type=float,
                         help="synthetic pairs per real training pair (default: each --bt-file pair once)")
+    parser.add_argument("--write-train-sources", metavar="FILE",
+                        help="instead of preparing: write the sources of --workdir's training split, one "
+                             "per line (a teacher's input for distillation; README, 'Distillation')")
     args = parser.parse_args(argv)
     skip_absent_tpu()   # libtpu installed on a CPU host: never start the TPU backend
+    if args.write_train_sources:
+        if not args.workdir:
+            parser.error("--write-train-sources needs the --workdir of a prepared run")
+        try:
+            lines = write_training_sources(args.workdir, args.write_train_sources)
+        except (ValueError, OSError) as e:
+            parser.exit(2, f"jaxformer-prepare: error: {e}\n")
+        print(f"wrote {lines} training sources of {args.workdir} to {args.write_train_sources}")
+        return
+    del args.write_train_sources
     fields = {k: v for k, v in vars(args).items() if v is not None}
     try:
         cfg = TrainConfig(**fields)

@@ -10,7 +10,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from jaxformer.run.flag_help import HELP   # one line of help per flag
+from jaxformer.run.flag_help import HELP  # one line of help per flag
 
 PAIRS = ("en-de", "en-fr", "en-zh")   # the shipped corpora (jaxformer/corpora/), --pair
 SCHEDULES = ("inverse_sqrt", "wsd")   # --lr-schedule (jaxformer.train.optimizer.make_schedule)

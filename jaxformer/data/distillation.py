@@ -1,0 +1,74 @@
+"""Sequence-level knowledge distillation (Kim & Rush 2016): a student trained on its
+teacher's beam-search translations of the teacher's own training sources.
+
+The recipe (README, "Distillation"), every step a normal command::
+
+    jaxformer-prepare --workdir runs/en-de --write-train-sources train.en
+    jaxformer-translate --workdir runs/en-de --input train.en --output train.distilled.de --beam-size 4
+    paste train.en train.distilled.de > distilled.tsv
+    python train.py --workdir runs/en-de-student --train-file distilled.tsv \\
+        --dev-file runs/en-de/prepared/dev.tsv --test-file runs/en-de/prepared/test.tsv \\
+        --d-model 64 --d-ff 256
+
+:func:`write_training_sources` gives the first step: the sources of exactly the pairs
+the teacher trained on. The teacher's dev and test pairs are split off its corpus by
+the hash of their source (:class:`jaxformer.data.corpus.Splitter`); translating the
+whole corpus would put the teacher's output for its dev and test sources into the
+student's training data, and the student's own split of ``distilled.tsv`` would score
+it against teacher output instead of references. So the student takes the teacher's
+dev and test files (real references) and trains on the training split alone.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from jaxformer.data.corpus import DataReport, Splitter
+from jaxformer.data.prepared import read_manifest
+from jaxformer.data.run_data import fingerprint_differences, same_data
+from jaxformer.data.spec import DataSpec
+from jaxformer.run.config import TrainConfig, load_config_file
+from jaxformer.run.directory import RunDir
+
+
+def write_training_sources(workdir: str | os.PathLike, output: str | os.PathLike) -> int:
+    """Writes the source side of a run's training split, one sentence per line, in corpus
+    order (back-translated pairs of ``--bt-file`` are not part of it), streaming.
+
+    The corpus is read again from the run's flags (``config.json``) and split as
+    preparing split it; the corpus files must be the ones the run was prepared from.
+
+    Returns:
+      the number of lines written (the training split before the length filters).
+
+    Raises:
+      FileNotFoundError: no run (``config.json``) or no prepared data at ``workdir``.
+      ValueError: the corpus files changed since the run was prepared (named).
+    """
+    run_dir = RunDir(Path(workdir))
+    if not run_dir.config.exists() or read_manifest(run_dir.prepared) is None:
+        raise FileNotFoundError(f"{workdir} has no run with prepared data (config.json and prepared/); "
+                                f"give the teacher's --workdir.")
+    cfg = TrainConfig(**{**load_config_file(run_dir.config), "workdir": str(run_dir.root)})
+    spec = DataSpec.from_config(cfg)
+    saved = read_manifest(run_dir.prepared)["fingerprint"]
+    now = spec.fingerprint()
+    saved, now = ({k: v for k, v in f.items() if k != "back_translation"} for f in (saved, now))
+    if not same_data(saved, now):
+        raise ValueError(f"The corpus of {workdir} changed since it was prepared "
+                         f"({'; '.join(fingerprint_differences(saved, now))}); its training split "
+                         f"cannot be reproduced. Restore the files it was trained on.")
+    n = sum(1 for _ in spec.read(DataReport()))
+    explicit = tuple(name for name, path in (("dev", spec.dev_file), ("test", spec.test_file)) if path)
+    splitter = Splitter.for_size(n, merged_into_train=explicit)
+    output = Path(output)
+    tmp = output.with_name(f"{output.name}.{os.getpid()}.tmp")
+    written = 0
+    with open(tmp, "w", encoding="utf-8") as out:
+        for source, _ in spec.read(DataReport()):
+            if splitter(source) == "train":
+                out.write(source + "\n")
+                written += 1
+    os.replace(tmp, output)
+    return written
