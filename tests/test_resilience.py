@@ -122,20 +122,31 @@ def _argv(cfg):
 
 def test_sigterm_checkpoints_exits_and_the_resumed_run_equals_an_uninterrupted_one(
         tmp_path, files, reference):
-    """The child collates in 2 grain worker processes; the resumed run in this process
-    (--data-workers 0 on CPU) continues from the batch the child's step 6 took."""
+    """``train.py`` in a child that collates in 2 grain worker processes gets SIGTERM at
+    step 6; ``train.py`` again (--data-workers 0 on CPU) continues from the batch the
+    child's step 6 took. Both keep JAX's persistent cache in RUN/jax_cache (train.py does,
+    not the library), and the resume compiles no train step the first run had not."""
     workdir = _new_workdir(tmp_path, reference)
     cfg = _config(workdir, files, 12)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
+    env.update(SIGNAL_AT_STEP="6", REPO=str(REPO))
     child = subprocess.run([sys.executable, "-c", _CHILD, *_argv(cfg), "--data-workers", "2"],
-                           capture_output=True, text=True,
-                           env={**os.environ, "SIGNAL_AT_STEP": "6", "REPO": str(REPO)}, timeout=600)
+                           capture_output=True, text=True, env=env, timeout=600)
     assert child.returncode == 128 + signal.SIGTERM, child.stderr[-2000:]
     assert "SIGTERM received: stopped at step 6" in child.stdout + child.stderr
     assert "Run the same command again to resume" in child.stdout + child.stderr
     assert RunCheckpoints(workdir, read_only=True).latest_step() == 6   # not a checkpoint_every step
 
-    result = train(cfg)   # a new process would do the same: everything comes from the files
-    assert result["final_step"] == 12
+    def train_steps():
+        return sorted(p.name for p in (workdir / "jax_cache").glob("jit_train_step-*"))
+
+    compiled = train_steps()
+    assert compiled, "train.py keeps the compiled train step in RUN/jax_cache"
+    env["SIGNAL_AT_STEP"] = "0"   # never
+    child = subprocess.run([sys.executable, "-c", _CHILD, *_argv(cfg)], capture_output=True, text=True,
+                           env=env, timeout=600)
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert train_steps() == compiled, "the resume compiled a train step the first run had not"
     chex.assert_trees_all_equal(_state_at(workdir, 12), _state_at(reference, 12))
     assert _train_log_steps(workdir) == [2, 4, 6, 8, 10, 12], "every step is logged once"
 
@@ -174,24 +185,6 @@ def test_a_setup_that_fails_after_opening_checkpoints_exits_without_a_traceback(
                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert child.returncode == 0 and "refused:" in child.stdout, child.stderr[-2000:]
     assert "Traceback" not in child.stderr, child.stderr[-3000:]
-
-
-def test_train_py_keeps_the_compilation_cache_in_the_run_and_a_resume_compiles_nothing_new(
-        tmp_path, files, reference):
-    """``train.py`` (not the library) puts JAX's persistent cache in RUN/jax_cache; the
-    resumed run finds every program there and writes no new entry."""
-    workdir = _new_workdir(tmp_path, reference)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
-
-    def run(steps):
-        argv = [sys.executable, str(REPO / "train.py"), *_argv(_config(workdir, files, steps))]
-        child = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
-        assert child.returncode == 0, child.stderr[-2000:]
-        return sorted(p.name for p in (workdir / "jax_cache").iterdir() if not p.name.startswith("."))
-
-    first = run(4)
-    assert len(first) >= 2   # at least the train step and the decoder
-    assert run(8) == first, "the resume compiled a program the first run had not"
 
 
 def test_unreadable_latest_checkpoint_is_reported_and_the_previous_one_used(
