@@ -55,6 +55,9 @@ def test_tiny_compiles_for_v4_8_and_a_model_axis_shows_as_collectives(capsys, tm
         assert result["fits"] and 0 < memory["peak"] < 32 * GiB and result["hbm"] == 32 * GiB
         assert memory["argument"] > 0 and memory["temp"] > 0 and result["flops_per_device"] > 0
         assert result["roofline_step_s"] > 0 and 0 < result["mfu_ceiling"] <= 1
+        # The estimate is never faster than the roofline allows (50% MFU may be out of reach).
+        assert result["step_s_estimate"] == max(result["roofline_step_s"], result["step_s_at_50_mfu"])
+        assert (result["estimate_bound_by"] == "50% MFU") == (result["mfu_ceiling"] >= 0.5)
     # The donated train state is aliased to the new one: its bytes are counted once.
     assert split["train_step"]["memory"]["alias"] > 0.9 * split["train_step"]["memory"]["argument"]
     code, data_only = _compile(capsys, tmp_path, "--topology", "v4-8", "--mesh", "data=4", "--no-decode")

@@ -12,7 +12,9 @@ bytes.
 The time estimate is a roofline, not a measurement: the largest of compute (FLOPs /
 peak), memory traffic (bytes accessed / HBM bandwidth) and collectives (result bytes /
 inter-chip bandwidth, which understates a ring all-reduce by up to 2×), as if they
-overlapped perfectly; and the time at 50% MFU for comparison.
+overlapped perfectly; and the time at 50% MFU for comparison. The step-time estimate
+(``step_s_estimate``) is the slower of the two: 50% MFU where the roofline allows it,
+else the roofline's bound (``estimate_bound_by``).
 """
 
 from __future__ import annotations
@@ -96,11 +98,16 @@ def analyse(compiled: jax.stages.Compiled, chip: Chip, tokens_per_step: int,
                "collectives": sum(c["bytes"] for c in comms.values()) / chip.ici_bandwidth}
     roofline = max(seconds.values()) or float("nan")
     at_half_mfu = flops / (0.5 * chip.bf16_flops) if flops else float("nan")
+    # 50% MFU is out of reach when the roofline's bound (memory traffic or collectives) is
+    # slower: the estimate is then the bound, never a time the roofline rules out.
+    estimate = max(roofline, at_half_mfu)
     return {"memory": mem, "hbm": chip.hbm_bytes, "fits": mem["peak"] <= chip.hbm_bytes,
             "flops_per_device": flops, "bytes_accessed_per_device": accessed, "collectives": comms,
             "seconds": seconds, "roofline_step_s": roofline, "step_s_at_50_mfu": at_half_mfu,
             "tokens_per_s_roofline": tokens_per_step / roofline,
             "tokens_per_s_at_50_mfu": tokens_per_step / at_half_mfu,
+            "step_s_estimate": estimate, "tokens_per_s_estimate": tokens_per_step / estimate,
+            "estimate_bound_by": "50% MFU" if at_half_mfu >= roofline else max(seconds, key=seconds.get),
             "mfu_ceiling": seconds["compute"] / roofline, "loop_scale": cost_scale}
 
 
@@ -146,5 +153,8 @@ def format_report(name: str, report: dict[str, Any]) -> str:
                  f"{s['collectives'] * 1e3:.2f}), {report['tokens_per_s_roofline']:,.0f} tokens/s, "
                  f"MFU ceiling {report['mfu_ceiling']:.0%}; at 50% MFU "
                  f"{report['step_s_at_50_mfu'] * 1e3:.2f} ms/step, "
-                 f"{report['tokens_per_s_at_50_mfu']:,.0f} tokens/s")
+                 f"{report['tokens_per_s_at_50_mfu']:,.0f} tokens/s"
+                 + ("" if report["estimate_bound_by"] == "50% MFU" else
+                    f" (out of reach: the {report['estimate_bound_by']} bound is slower; estimate "
+                    f"{report['step_s_estimate'] * 1e3:.2f} ms/step)"))
     return "\n".join(lines)
