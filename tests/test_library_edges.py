@@ -302,3 +302,20 @@ def test_arriving_lines_answers_a_line_before_the_next_is_written():
     thread.join()
     assert first == ["first", "second"]
     assert [line for batch in rest for line in batch] == ["third", "last without newline"]
+
+
+def test_the_looping_warning_suggests_only_the_decoding_rules_not_already_used(monkeypatch):
+    from jaxformer.run.config import TrainConfig
+    from jaxformer.train import run_eval
+
+    logged: list[str] = []
+    monkeypatch.setattr(run_eval, "log", logged.append)
+    degenerate = {"count": 9, "fraction": 0.09, "examples": [0]}
+    for penalty, ngram in ((1.0, 0), (1.4, 0), (1.4, 3)):
+        logged.clear()
+        run_eval._report_degenerate(degenerate, ["a a a a"],
+                                    TrainConfig(repetition_penalty=penalty, no_repeat_ngram_size=ngram))
+        text = logged[0]
+        assert text.startswith("WARNING: 9 of 1 test translations") and "train longer" in text
+        assert ("--repetition-penalty 1.4" in text) == (penalty == 1.0)
+        assert ("--no-repeat-ngram-size 4" in text) == (ngram == 0)

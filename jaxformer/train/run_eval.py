@@ -112,8 +112,9 @@ def _step_budget(cfg, loop: LoopState) -> dict[str, Any]:
             "cut_by_max_minutes": loop.stopped_by == "max_minutes"}
 
 
-def _report_degenerate(degenerate: dict[str, Any], hyps: list[str]) -> None:
-    """Logs how many test hypotheses loop on an n-gram; warns above 2%."""
+def _report_degenerate(degenerate: dict[str, Any], hyps: list[str], cfg) -> None:
+    """Logs how many test hypotheses loop on an n-gram; warns above 2%, suggesting only the
+    decoding rules the run does not already use."""
     share = degenerate["fraction"]
     text = (f"{degenerate['count']} of {len(hyps)} test translations ({share:.1%}) repeat an n-gram "
             f"three or more times in a row")
@@ -121,8 +122,10 @@ def _report_degenerate(degenerate: dict[str, Any], hyps: list[str]) -> None:
         log(text)
         return
     example = hyps[degenerate["examples"][0]]
-    log(f"WARNING: {text}, e.g. {example[:120]!r}. The model is undertrained or decoding loops: "
-        f"train longer, or decode with --repetition-penalty 1.4 or --no-repeat-ngram-size 4.")
+    rules = [rule for rule, unused in (("--repetition-penalty 1.4", cfg.repetition_penalty == 1.0),
+                                       ("--no-repeat-ngram-size 4", cfg.no_repeat_ngram_size == 0)) if unused]
+    fix = "train longer" + (f", or decode with {' or '.join(rules)}" if rules else "")
+    log(f"WARNING: {text}, e.g. {example[:120]!r}. The model is undertrained or decoding loops: {fix}.")
 
 
 def final_test(run: Run, loop: LoopState) -> dict[str, Any]:
@@ -165,7 +168,7 @@ def final_test(run: Run, loop: LoopState) -> dict[str, Any]:
     log(f"test BLEU {scores['bleu']:.2f} chrF {scores['chrf']:.2f} on {len(refs)} sentences "
         f"({decoding}, {kind} checkpoint, step {best_step}, {time.perf_counter() - t0:.0f}s)")
     log(f"  BLEU {scores['bleu_signature']}\n  chrF {scores['chrf_signature']}")
-    _report_degenerate(results["degenerate"], hyps)
+    _report_degenerate(results["degenerate"], hyps, cfg)
     if loop.stopped_by == "max_minutes":
         log(f"note: --max-minutes {cfg.max_minutes:g} stopped training at step {step} of --max-steps "
             f"{cfg.max_steps} ({results['steps']['fraction_done']:.0%} of the step budget)"
