@@ -321,7 +321,8 @@ def test_checkpoints_and_tokenizer_are_data_not_pickle(reference):
 
 @pytest.mark.parametrize("problem", ["missing train file", "workdir is a file", "empty dev file",
                                      "corrupt tokenizer", "malformed test file", "zero accumulation",
-                                     "negative budget", "batch below one row", "more devices than there are"])
+                                     "negative budget", "batch below one row", "more devices than there are",
+                                     "fsdp that does not divide d_model"])
 def test_bad_paths_and_files_fail_before_any_compile(tmp_path, files, monkeypatch, capsys, problem):
     import runpy
 
@@ -353,6 +354,9 @@ def test_bad_paths_and_files_fail_before_any_compile(tmp_path, files, monkeypatc
              "negative budget": (["--max-minutes", "-1"], "--max-minutes must be positive"),
              "batch below one row": (["--batch-tokens", "10"], "--batch-tokens 10 gives 0 row"),
              "more devices than there are": (["--devices", "9"], "--devices 9: this process has 8 cpu"),
+             "fsdp that does not divide d_model": (
+                 ["--devices", "8", "--mesh", "fsdp=8", "--d-model", "36"],
+                 "d_model 36 is not a multiple of the mesh's fsdp axis"),
              }.get(problem, ([], None))
     expected = extra[1] or expected
     monkeypatch.setattr(sys, "argv", ["train.py", *_argv(cfg), *extra[0]])
@@ -362,6 +366,8 @@ def test_bad_paths_and_files_fail_before_any_compile(tmp_path, files, monkeypatc
     err = capsys.readouterr().err
     assert "Traceback" not in err
     assert re.search(expected, err), err
+    if problem == "fsdp that does not divide d_model":   # refused before the run directory is made
+        assert not (tmp_path / "run").exists()
 
 
 def test_translator_falls_back_to_the_latest_checkpoint_when_best_is_unreadable(

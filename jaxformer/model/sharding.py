@@ -110,6 +110,25 @@ def first_devices(count: int | None) -> list[jax.Device] | None:
     return devices[:count]
 
 
+def check_mesh_divides(mesh: Mesh, config: Any) -> None:
+    """Refuses a mesh whose ``fsdp`` axis does not divide ``d_model`` or whose ``model`` axis
+    does not divide ``num_heads`` and ``d_ff``: known from the flags alone, so a run can
+    say so before it prepares data (the vocabulary's split is checked with the parameters).
+
+    Raises:
+      ValueError: naming each size that does not divide and the fix.
+    """
+    fsdp, model = mesh.shape.get("fsdp", 1), mesh.shape.get("model", 1)
+    problems = [f"{name} {size} is not a multiple of the mesh's {axis} axis ({ways})"
+                for name, size, axis, ways in (("d_model", config.d_model, "fsdp", fsdp),
+                                               ("num_heads", config.num_heads, "model", model),
+                                               ("d_ff", config.d_ff, "model", model)) if size % ways]
+    if problems:
+        raise ValueError("--mesh " + ", ".join(f"{a}={n}" for a, n in mesh.shape.items()) + ": "
+                         + "; ".join(problems) + ". Choose a mesh whose 'fsdp' size divides d_model and "
+                         "whose 'model' size divides num_heads and d_ff, or other model sizes.")
+
+
 def batch_shards(mesh: Mesh) -> int:
     """How many ways batch rows are split: the ``data`` × ``fsdp`` axis sizes."""
     return math.prod(mesh.shape.get(axis, 1) for axis in BATCH_AXES)

@@ -87,6 +87,9 @@ def setup(cfg: TrainConfig, *, fresh: bool = False) -> Run:
                                         auto=cfg.distributed)
     # A bad --mesh or --devices fails here, before any data work.
     mesh = sharding_lib.make_mesh(cfg.mesh, sharding_lib.first_devices(cfg.devices))
+    if not cfg.init_from:   # the model's widths are the flags': a mesh that cannot split them fails now
+        sharding_lib.check_mesh_divides(mesh, preset(cfg.preset, src_vocab_size=cfg.vocab_size,
+                                                     **cfg.model_overrides()))
     if cfg.devices is not None:
         log(f"using {cfg.devices} of {len(jax.devices())} devices (--devices)")
     run_dir = RunDir(cfg.workdir)
