@@ -30,63 +30,16 @@ import orbax.checkpoint as ocp
 
 from jaxformer.model import scan
 from jaxformer.model.validation import DataPositionError
+from jaxformer.run.saved_params import (  # noqa: F401  (CheckpointMismatchError: re-exported)
+    CheckpointMismatchError,
+    check_params_match,
+    in_layout,
+    saved_params,
+)
 
 
 class CheckpointError(OSError):
     """No checkpoint of the run directory can be read."""
-
-
-class CheckpointMismatchError(ValueError):
-    """A checkpoint's parameters are not the model's: other names or shapes (the run's
-    ``config.json`` was edited, or belongs to another run)."""
-
-
-def check_params_match(saved: Any, abstract_params: Any, where: str) -> None:
-    """Raises :class:`CheckpointMismatchError` unless the saved parameter tree (orbax
-    metadata, or arrays) has exactly the names and shapes of ``abstract_params``.
-
-    A partial restore would otherwise read a subset of a larger checkpoint without a
-    word (a model of fewer layers translating at exit 0); the message names the fields.
-    """
-    def shapes(tree):
-        return {jax.tree_util.keystr(path): tuple(leaf.shape)
-                for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
-
-    have, want = shapes(saved), shapes(abstract_params)
-    missing, extra = sorted(want.keys() - have.keys()), sorted(have.keys() - want.keys())
-    reshaped = sorted(f"{k}: saved {have[k]} vs model {want[k]}" for k in want.keys() & have.keys()
-                      if have[k] != want[k])
-    if missing or extra or reshaped:
-        def brief(items):
-            return ", ".join(items[:4]) + (f" and {len(items) - 4} more" if len(items) > 4 else "")
-        parts = ([f"missing from the checkpoint: {brief(missing)}"] if missing else []) + (
-            [f"not in the model: {brief(extra)}"] if extra else []) + (
-            [f"other shapes: {brief(reshaped)}"] if reshaped else [])
-        raise CheckpointMismatchError(
-            f"{where} does not hold this model's parameters ({'; '.join(parts)}). Does config.json "
-            f"still describe the run that saved it? Restore the run's own config.json.")
-
-
-def _saved_params(path: Path, key: str | None) -> Any:
-    """The parameter tree (names and shapes) stored at ``path``, from orbax's metadata."""
-    with ocp.PyTreeCheckpointer() as checkpointer:
-        tree = checkpointer.metadata(path).item_metadata.tree
-    return tree[key] if key is not None else tree
-
-
-def _in_layout(saved: Any, abstract: Any, restore: Callable[[Any], Any]) -> Any:
-    """``restore(target)`` into ``abstract``, reading a checkpoint saved with the other layer
-    layout (scanned or unrolled, :mod:`jaxformer.model.scan`) in its own layout first.
-
-    ``saved`` is the checkpoint's tree of names and shapes (orbax metadata).
-    """
-    saved_scanned, want_scanned = scan.layout_of(saved), scan.layout_of(abstract)
-    if saved_scanned is None or want_scanned is None or saved_scanned == want_scanned:
-        return restore(abstract)
-    target = scan.to_layout(abstract, saved_scanned)
-    restored = restore(target)
-    shardings = jax.tree_util.tree_map(lambda x: x.sharding, abstract)
-    return jax.jit(lambda tree: scan.to_layout(tree, want_scanned), out_shardings=shardings)(restored)
 
 
 def _first_line(error: BaseException) -> str:
@@ -192,8 +145,8 @@ class RunCheckpoints:
                 state=ocp.args.StandardRestore(target),
                 data=grain.checkpoint.CheckpointRestore(data_iterator))).state
 
-        saved = _saved_params(self.latest.directory / str(step) / "state", None)
-        return _in_layout(saved, abstract_state, restore)
+        saved = saved_params(self.latest.directory / str(step) / "state", None)
+        return in_layout(saved, abstract_state, restore)
 
     def restore_latest(self, abstract_state: Any, data_iterator: Any,
                        report: Callable[[str], None] = _stderr) -> tuple[Any, int] | None:
@@ -307,10 +260,10 @@ class RunCheckpoints:
         raise FileNotFoundError("No checkpoint in this run directory; train first.")
 
     def _best_params(self, step: int, abstract_params: Any) -> Any:
-        saved = _saved_params(self.best.directory / str(step) / "params", None)
+        saved = saved_params(self.best.directory / str(step) / "params", None)
         check_params_match(saved, scan.to_layout(abstract_params, bool(scan.layout_of(saved))),
                            f"best checkpoint step {step}")
-        return _in_layout(saved, abstract_params, lambda target: self.best.restore(
+        return in_layout(saved, abstract_params, lambda target: self.best.restore(
             step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target))).params)
 
     def steps(self) -> list[int]:
@@ -323,7 +276,7 @@ class RunCheckpoints:
         # A checkpointer of its own: this process's manager may already have bound the
         # "state" item to the (whole-state) StandardCheckpointHandler by saving it.
         path = self.latest.directory / str(step) / "state"
-        saved = _saved_params(path, "params")
+        saved = saved_params(path, "params")
         check_params_match(saved, scan.to_layout(abstract_params, bool(scan.layout_of(saved))),
                            f"checkpoint step {step}")
 
@@ -334,7 +287,7 @@ class RunCheckpoints:
                     item=target, partial_restore=True,
                     restore_args=ocp.checkpoint_utils.construct_restore_args(target)))["params"]
 
-        return _in_layout(saved, abstract_params, restore)
+        return in_layout(saved, abstract_params, restore)
 
     def _averaged(self) -> ocp.CheckpointManager:
         # Opened on use: most runs never write one, and a reader must not create the folder.
@@ -382,8 +335,8 @@ class RunCheckpoints:
             try:
                 step = manager.latest_step()
                 if step is not None:
-                    saved = _saved_params(manager.directory / str(step) / "params", None)
-                    params = _in_layout(saved, abstract_params, lambda target: manager.restore(
+                    saved = saved_params(manager.directory / str(step) / "params", None)
+                    params = in_layout(saved, abstract_params, lambda target: manager.restore(
                         step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target))).params)
                     return params, step, "averaged"
             finally:
