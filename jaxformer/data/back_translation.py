@@ -25,18 +25,20 @@ data's fingerprint, so a run never continues on other synthetic data.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from jaxformer.data import corpus
-from jaxformer.data.corpus import DataReport
+from jaxformer.data.corpus import DataReport, Pair
 from jaxformer.data.tokenizer import BT_TAG, TextTokenizer, Tokenizer
 from jaxformer.run.logs import log
 
 if TYPE_CHECKING:
-    from jaxformer.data.prepare import IdWriter
     from jaxformer.data.spec import DataSpec
+
+Encoder = Callable[[TextTokenizer, list[Pair]], tuple[list[list[int]], list[list[int]]]]
 
 CHUNK_PAIRS = 20_000
 
@@ -67,11 +69,12 @@ def multiplicities(available: int, wanted: int, seed: int) -> np.ndarray:
     return counts
 
 
-def append(spec: DataSpec, tokenizer: TextTokenizer, writer: IdWriter, real_pairs: int,
-           seed: int) -> dict[str, Any]:
-    """Encodes ``spec.bt_file``'s pairs, tags their sources, repeats or samples them to
-    ``spec.bt_ratio`` × ``real_pairs`` and appends them through ``writer`` (which applies
-    the length filters). Reads the file twice as a stream (count, then write).
+def append(spec: DataSpec, tokenizer: TextTokenizer, writer: Any, real_pairs: int, seed: int,
+           encode: Encoder) -> dict[str, Any]:
+    """Encodes ``spec.bt_file``'s pairs with ``encode`` (:func:`jaxformer.data.prepare.encode_pairs`),
+    tags their sources, repeats or samples them to ``spec.bt_ratio`` × ``real_pairs`` and
+    appends them through ``writer`` (a :class:`jaxformer.data.prepare.IdWriter`, which
+    applies the length filters). Reads the file twice as a stream (count, then write).
 
     Returns:
       counts for the manifest: ``read`` (usable pairs in the file), ``chosen`` (after
@@ -80,8 +83,6 @@ def append(spec: DataSpec, tokenizer: TextTokenizer, writer: IdWriter, real_pair
     Raises:
       ValueError: the tokenizer has no tag (:func:`tag_id`), or the file has no usable pair.
     """
-    from jaxformer.data.prepare import encode_pairs
-
     tag = tag_id(tokenizer)
     report = DataReport()
     available = sum(1 for _ in corpus.iter_tsv(spec.bt_file, report))
@@ -94,7 +95,7 @@ def append(spec: DataSpec, tokenizer: TextTokenizer, writer: IdWriter, real_pair
     kept, index, chunk = 0, 0, []
 
     def flush() -> int:
-        src, tgt = encode_pairs(tokenizer, chunk)
+        src, tgt = encode(tokenizer, chunk)
         return writer.write([[tag, *ids] for ids in src], tgt)
 
     for pair in corpus.iter_tsv(spec.bt_file, DataReport()):

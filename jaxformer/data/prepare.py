@@ -247,7 +247,8 @@ def _write_splits(spec: DataSpec, splitter: Splitter, tokenizer: TextTokenizer, 
                     pending = pool.submit(encode_pairs, tokenizer, train)
             if pending is not None:
                 real += writer.write(*pending.result())
-        synthetic = back_translation.append(spec, tokenizer, writer, real, seed) if spec.bt_file else None
+        synthetic = (back_translation.append(spec, tokenizer, writer, real, seed, encode_pairs)
+                     if spec.bt_file else None)
     finally:
         all_lengths = writer.close()
     if not len(all_lengths):
