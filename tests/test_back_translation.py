@@ -4,6 +4,8 @@ ratio asked, fingerprinted like any other input."""
 
 from __future__ import annotations
 
+import gzip
+
 import numpy as np
 import pytest
 
@@ -81,6 +83,9 @@ def test_the_synthetic_data_is_in_the_fingerprint_and_a_tagless_tokenizer_is_ref
         "back_translation")
     with pytest.raises(ValueError, match="--bt-ratio needs --bt-file"):
         _cfg(short_corpus, tmp_path / "a", bt_ratio=1.0)
+    for ratio in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="a positive finite value"):
+            _cfg(short_corpus, tmp_path / "a", bt_file=str(bt_file), bt_ratio=ratio)
     tagless = Tokenizer.train(["Click OK.", "Klicken Sie auf OK."] * 50, tmp_path / "tok", vocab_size=40)
     with pytest.raises(ValueError, match="no reserved '<BT>' piece"):
         back_translation.tag_id(tagless)
@@ -92,3 +97,15 @@ def test_multiplicities_repeat_whole_copies_then_sample_the_rest():
     fewer = back_translation.multiplicities(150, 40, seed=0)
     assert fewer.sum() == 40 and set(np.unique(fewer)) == {0, 1}
     assert np.array_equal(fewer, back_translation.multiplicities(150, 40, seed=0))
+
+
+def test_a_gzip_bt_file_of_any_name_is_read_and_a_ratio_that_chooses_nothing_is_refused(
+        tmp_path, short_corpus, bt_file):
+    gzipped = tmp_path / "bt-no-suffix"   # gzip by its magic number, not its name
+    gzipped.write_bytes(gzip.compress(bt_file.read_bytes()))
+    assert len(list(corpus.iter_tsv(gzipped, corpus.DataReport()))) == 150
+    run = RunDir(tmp_path / "run")
+    run.create()
+    with pytest.raises(ValueError, match="chooses no synthetic pair"):
+        rundata.prepare_run_data(_cfg(short_corpus, run.root, bt_file=str(gzipped), bt_ratio=1e-6), run,
+                                 has_checkpoints=False)

@@ -200,6 +200,16 @@ def test_an_output_that_is_the_input_a_folder_or_gz_named_is_refused_before_load
                             str(output)])
         assert stop.value.code == 2 and message in capsys.readouterr().err
     assert source.read_text() == "Click OK.\n" and not list(tmp_path.glob("*.parts"))
+    common = ["--workdir", str(tmp_path / "none"), "--input", str(source), "--coordinator-address", "host:1"]
+    out = ["--output", str(tmp_path / "o.txt")]
+    for flags, message in (([*out, "--num-processes", "0", "--process-id", "0"],
+                            "--num-processes must be at least 1"),
+                           ([*out, "--num-processes", "2"],
+                            "need all of --coordinator-address, --num-processes and --process-id"),
+                           (["--num-processes", "2", "--process-id", "0"], "are for bulk mode only")):
+        with pytest.raises(SystemExit) as stop:   # refused before jax.distributed starts
+            translate_main([*common, *flags])
+        assert stop.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_distillation_a_student_trains_on_the_teachers_output_for_its_training_sources(
@@ -244,6 +254,10 @@ def test_distillation_a_student_trains_on_the_teachers_output_for_its_training_s
     assert student_counts["train"] + sum(student_counts["train_dropped"].values()) == sum(map(bool, outputs))
 
 
-def test_training_sources_need_a_prepared_run(tmp_path):
+def test_training_sources_need_a_prepared_run_and_a_file_to_write(teacher, tmp_path):
     with pytest.raises(FileNotFoundError, match="no run with prepared data"):
         write_training_sources(tmp_path, tmp_path / "out.txt")
+    for output in (tmp_path, tmp_path / "missing" / "out.txt"):
+        with pytest.raises(ValueError, match="is a folder, or its folder does not exist"):
+            write_training_sources(teacher, output)
+    assert not list(tmp_path.glob("*.tmp"))

@@ -53,6 +53,8 @@ def initialize(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if not args.distributed and None in explicit:
         parser.error("several processes need all of --coordinator-address, --num-processes and "
                      "--process-id (or --distributed for auto-detection)")
+    if args.num_processes is not None and args.num_processes < 1:
+        parser.error(f"--num-processes must be at least 1, got {args.num_processes}")
     if args.num_processes is not None and not 0 <= (args.process_id or 0) < args.num_processes:
         parser.error(f"--process-id {args.process_id} is not in 0..{args.num_processes - 1}")
     from jaxformer.model.sharding import initialize_distributed

@@ -171,8 +171,8 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
                            f"does not exist\n")
     _check_output(parser, args)
     if bulk_cli.multi_process(args) and (not (args.input and args.output) or args.sentences):
-        parser.error("several processes translate a file in bulk only: give --input and --output "
-                     "(and no sentences)")
+        parser.error("the multi-process flags (--coordinator-address, --num-processes, --process-id, "
+                     "--distributed) are for bulk mode only: give --input and --output (and no sentences)")
 
 
 def _check_output(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -91,6 +91,10 @@ def append(spec: DataSpec, tokenizer: TextTokenizer, writer: Any, real_pairs: in
                          f"it must hold synthetic-source<TAB>real-target lines.")
     report.kept = available
     wanted = available if spec.bt_ratio is None else round(spec.bt_ratio * real_pairs)
+    if not wanted:
+        raise ValueError(f"--bt-ratio {spec.bt_ratio:g} chooses no synthetic pair for {real_pairs} real "
+                         f"training pairs; raise it (e.g. 1 = as many synthetic pairs as real ones) or "
+                         f"leave it out to use each of the {available} pairs once.")
     counts = multiplicities(available, wanted, seed) if wanted != available else None
     kept, index, chunk = 0, 0, []
 
@@ -99,10 +103,11 @@ def append(spec: DataSpec, tokenizer: TextTokenizer, writer: Any, real_pairs: in
         return writer.write([[tag, *ids] for ids in src], tgt)
 
     for pair in corpus.iter_tsv(spec.bt_file, DataReport()):
-        chunk.extend([pair] * (1 if counts is None else int(counts[index])))
+        for _ in range(1 if counts is None else int(counts[index])):   # memory: one chunk at most
+            chunk.append(pair)
+            if len(chunk) >= CHUNK_PAIRS:
+                kept, chunk = kept + flush(), []
         index += 1
-        if len(chunk) >= CHUNK_PAIRS:
-            kept, chunk = kept + flush(), []
     if chunk:
         kept += flush()
     log(f"prepare: back-translation: {report.summary(spec.bt_file)}; {wanted} synthetic pairs "

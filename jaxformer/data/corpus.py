@@ -52,7 +52,8 @@ def _open_bytes(path: Path):
     if not os.access(path, os.R_OK):
         raise PermissionError(f"Corpus file {str(path)!r} is not readable; check its permissions.")
     raw = path.open("rb")
-    return gzip.open(raw) if path.suffix == ".gz" else raw
+    gzipped = raw.peek(2)[:2] == b"\x1f\x8b"   # gzip's magic number, whatever the file's name
+    return gzip.open(raw) if gzipped else raw
 
 
 _UTF8_BOM = b"\xef\xbb\xbf"

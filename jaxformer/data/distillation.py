@@ -44,7 +44,8 @@ def write_training_sources(workdir: str | os.PathLike, output: str | os.PathLike
 
     Raises:
       FileNotFoundError: no run (``config.json``) or no prepared data at ``workdir``.
-      ValueError: the corpus files changed since the run was prepared (named).
+      ValueError: the corpus files changed since the run was prepared (named), or
+        ``output`` is a folder or in a folder that does not exist.
     """
     run_dir = RunDir(Path(workdir))
     if not run_dir.config.exists() or read_manifest(run_dir.prepared) is None:
@@ -63,12 +64,18 @@ def write_training_sources(workdir: str | os.PathLike, output: str | os.PathLike
     explicit = tuple(name for name, path in (("dev", spec.dev_file), ("test", spec.test_file)) if path)
     splitter = Splitter.for_size(n, merged_into_train=explicit)
     output = Path(output)
+    if output.is_dir() or not output.absolute().parent.is_dir():
+        raise ValueError(f"--write-train-sources {str(output)!r} is a folder, or its folder does not "
+                         f"exist; name a file in an existing folder.")
     tmp = output.with_name(f"{output.name}.{os.getpid()}.tmp")
     written = 0
-    with open(tmp, "w", encoding="utf-8") as out:
-        for source, _ in spec.read(DataReport()):
-            if splitter(source) == "train":
-                out.write(source + "\n")
-                written += 1
-    os.replace(tmp, output)
+    try:
+        with open(tmp, "w", encoding="utf-8") as out:
+            for source, _ in spec.read(DataReport()):
+                if splitter(source) == "train":
+                    out.write(source + "\n")
+                    written += 1
+        os.replace(tmp, output)
+    finally:
+        tmp.unlink(missing_ok=True)
     return written

@@ -127,8 +127,8 @@ class TrainConfig:
             problems.append(f"--max-train-len must be at least 2, got {self.max_train_len}")
         if self.data_workers is not None and self.data_workers < 0:
             problems.append(f"--data-workers must be at least 0, got {self.data_workers}")
-        if self.bt_ratio is not None and not (self.bt_ratio > 0 and self.bt_file):
-            problems.append(f"--bt-ratio needs --bt-file and a positive value, got {self.bt_ratio}")
+        if self.bt_ratio is not None and not (0 < self.bt_ratio < float("inf") and self.bt_file):
+            problems.append(f"--bt-ratio needs --bt-file and a positive finite value, got {self.bt_ratio}")
         if not self.max_length_ratio >= 1:
             problems.append(f"--max-length-ratio must be at least 1, got {self.max_length_ratio}")
         from jaxformer.model.config import PRESETS
