@@ -52,7 +52,9 @@ def _open_bytes(path: Path):
     if not os.access(path, os.R_OK):
         raise PermissionError(f"Corpus file {str(path)!r} is not readable; check its permissions.")
     raw = path.open("rb")
-    gzipped = raw.peek(2)[:2] == b"\x1f\x8b"   # gzip's magic number, whatever the file's name
+    # gzip by name, or by gzip's magic number whatever the name (a .gz that is not gzip stays
+    # an error naming the file, from _raw_lines)
+    gzipped = path.suffix == ".gz" or raw.peek(2)[:2] == b"\x1f\x8b"
     return gzip.open(raw) if gzipped else raw
 
 
