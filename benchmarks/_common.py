@@ -69,3 +69,12 @@ def write_between_markers(path, markers: tuple[str, str], lines: list[str]) -> N
     text = path.read_text()
     start, end = text.index(markers[0]) + len(markers[0]), text.index(markers[1])
     path.write_text(text[:start] + "\n" + "\n".join(lines) + "\n" + text[end:])
+
+
+def publish(lines: list[str], path, markers: tuple[str, str]) -> None:
+    """Prints a result table and, when ``path`` is given (a script's ``--write``), puts it
+    between ``markers`` there."""
+    print("\n" + "\n".join(lines))
+    if path:
+        write_between_markers(path, markers, lines)
+        print(f"wrote the table into {path}")

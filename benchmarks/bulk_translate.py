@@ -64,7 +64,7 @@ import time
 from pathlib import Path
 
 import _ct2
-from _common import matmul_flops_per_s, usable_cores, write_between_markers
+from _common import matmul_flops_per_s, publish, usable_cores
 
 REPO = Path(__file__).resolve().parents[1]
 MARKERS = ("<!-- bulk_translate: begin -->", "<!-- bulk_translate: end -->")
@@ -367,10 +367,7 @@ def main() -> None:
             shutil.rmtree(args.out, ignore_errors=True)
     command = " ".join(["python", "benchmarks/bulk_translate.py", *sys.argv[1:]])
     lines = [f"`{command}` ({datetime.date.today()}, run `{Path(args.workdir).name}`):", ""] + table
-    print("\n" + "\n".join(lines))
-    if args.write:
-        write_between_markers(args.write, MARKERS, lines)
-        print(f"wrote the table into {args.write}")
+    publish(lines, args.write, MARKERS)
 
 
 if __name__ == "__main__":

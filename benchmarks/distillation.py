@@ -40,7 +40,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import matmul_flops_per_s, write_between_markers
+from _common import matmul_flops_per_s, publish
 
 REPO = Path(__file__).resolve().parents[1]
 MARKERS = ("<!-- distillation: begin -->", "<!-- distillation: end -->")
@@ -232,10 +232,7 @@ def main() -> None:
         f"64, after a call that filled the compile cache; float32 2048³ matmul {gflops[0]:.0f} "
         f"GFLOP/s at start, {gflops[1]:.0f} at end",
     ]
-    print("\n" + "\n".join(table))
-    if args.write:
-        write_between_markers(args.write, MARKERS, table)
-        print(f"wrote the table into {args.write}")
+    publish(table, args.write, MARKERS)
 
 
 if __name__ == "__main__":
