@@ -91,6 +91,28 @@ def test_length_penalty_lets_a_longer_hypothesis_beat_an_early_eos():
     assert [int(t) for t in run(0.6)] == [3, EOS, PAD]
 
 
+def test_early_stopping_closes_a_sentence_at_k_finished_hypotheses():
+    # Beam 2, α = 0. Step 0: eos 0.3 (finished, log 0.3), token 3 0.5, token 4 0.2. Step 1:
+    # 4 → eos 0.9 finishes log 0.18: two finished, so early stopping closes the sentence
+    # with [eos]; the exact rule sees the live 3 4 (log 0.49) still able to win, and it
+    # does at step 2.
+    eps = 1e-6
+    table = np.full((3, VOCAB, VOCAB), np.log(eps))
+    table[0, BOS, [EOS, 3, 4]] = np.log([0.3, 0.5, 0.2])
+    table[1, 3, [EOS, 4]] = np.log([0.02, 0.98])
+    table[1, 4, [EOS, 3]] = np.log([0.9, 0.1])
+    table[2, :, EOS] = 0.0
+    cache = {"index": jnp.zeros((), jnp.int32)}
+    run = lambda early: decoding.beam_search(  # noqa: E731
+        _stub(table), cache, batch_size=1, beam_size=2, bos_id=BOS, eos_id=EOS, pad_id=PAD,
+        max_decode_len=3, alpha=0.0, early_stopping=early)
+    early, exact = run(True), run(False)
+    assert [int(t) for t in early[0][0, 0]] == [EOS, PAD, PAD]
+    assert [int(t) for t in early[0][0, 1]] == [4, EOS, PAD]
+    assert [int(t) for t in exact[0][0, 0]] == [3, 4, EOS]
+    np.testing.assert_allclose(float(exact[1][0, 0]), np.log(0.49), rtol=1e-4)   # eps mass aside
+
+
 def test_per_sentence_length_limit_forces_eos():
     table = np.zeros((8, VOCAB, VOCAB))
     table[:, :, EOS] = -20.0                 # eos is very unlikely

@@ -139,27 +139,124 @@ def constrain_log_probs(logp_BNV: jax.Array, at_limit_B: jax.Array, *, eos_id: i
     return logp_BNV
 
 
-def still_open(state: dict[str, jax.Array], *, alpha: float, max_decode_len: int,
-               length_normalization: str = "gnmt") -> jax.Array:
+def still_open(state: dict[str, jax.Array], *, alpha: float, length_normalization: str = "gnmt",
+               early_stopping: bool = False) -> jax.Array:
     """The stopping rule: per sentence (bool ``[B]``), can a live beam still beat the worst
-    finished hypothesis? (See :func:`beam_search` for the two rules.)
+    finished hypothesis? (See :func:`beam_search` for the rules.)
 
     Args:
-      state: the loop state: ``open [B]``, ``step`` (tokens so far), ``live_logprobs
-        [B, k]`` (best first), ``finished_scores``/``finished_flags [B, k]``.
+      state: the loop state: ``open [B]``, ``step`` (tokens so far), ``limit [B]`` (each
+        sentence's most tokens), ``live_logprobs [B, k]`` (best first),
+        ``finished_scores``/``finished_flags [B, k]``.
     """
-    worst_finished = jnp.min(jnp.where(state["finished_flags"], state["finished_scores"], NEG_INF), axis=1)
     all_full = jnp.all(state["finished_flags"], axis=1)
+    if early_stopping:   # fairseq, CTranslate2, generate(early_stopping=True): k finished
+        return state["open"] & ~all_full
+    worst_finished = jnp.min(jnp.where(state["finished_flags"], state["finished_scores"], NEG_INF), axis=1)
     if length_normalization == "hf":   # transformers' heuristic: the live beam as if it ended now
         best_live = state["live_logprobs"][:, 0] / length_penalty(state["step"], alpha, "hf")
         return state["open"] & (best_live > jnp.where(all_full, worst_finished, NEG_INF))
-    best_live = state["live_logprobs"][:, 0] / length_penalty(max_decode_len, alpha, length_normalization)
+    # Exact: a live log-probability only falls, and its penalty is largest at the sentence's limit.
+    best_live = state["live_logprobs"][:, 0] / length_penalty(state["limit"], alpha, length_normalization)
     return state["open"] & ~(all_full & (worst_finished >= best_live))
+
+
+def init_beam_state(cache: Any, *, batch_size: int, beam_size: int, bos_id: int, pad_id: int,
+                    length: int, limits_B: jax.Array) -> dict[str, Any]:
+    """The loop state before the first step: only beam 0 is live (so the first step does
+    not pick k copies), nothing finished, every sentence open.
+
+    Args:
+      cache: the model callback's state for ``B*k`` rows.
+      length: the length of the token arrays ``live_seqs``/``finished_seqs [B, k, length]``.
+      limits_B: int32 ``[B]``, each sentence's most tokens (eos forced there), ≤ ``length``
+        of the last stage.
+    """
+    k = beam_size
+    live_logprobs0 = jnp.tile(jnp.array([0.0] + [NEG_INF] * (k - 1), jnp.float32), (batch_size, 1))
+    return dict(
+        step=jnp.zeros((), jnp.int32),
+        live_seqs=jnp.full((batch_size, k, length), pad_id, jnp.int32),
+        live_logprobs=live_logprobs0,
+        last_ids=jnp.full((batch_size, k), bos_id, jnp.int32),
+        finished_seqs=jnp.full((batch_size, k, length), pad_id, jnp.int32),
+        finished_scores=jnp.full((batch_size, k), NEG_INF, jnp.float32),
+        finished_flags=jnp.zeros((batch_size, k), jnp.bool_),
+        open=jnp.ones((batch_size,), jnp.bool_),
+        limit=jnp.asarray(limits_B, jnp.int32),
+        cache=cache)
+
+
+def beam_step(state: dict[str, Any], tokens_to_logits: TokensToLogits, *, bos_id: int, eos_id: int,
+              pad_id: int, alpha: float = 0.6, length_normalization: str = "gnmt",
+              early_stopping: bool = False, penalties: Penalties = NO_PENALTIES) -> dict[str, Any]:
+    """One step of :func:`beam_search`: extend, rank, merge the finished, re-check each
+    sentence's stopping rule. Works on any number of sentences B (the state's rows) and
+    any token-array length greater than ``state["step"]``."""
+    hf = length_normalization == "hf"
+    batch_size, k = state["live_logprobs"].shape
+    step = state["step"]
+    logits, cache = tokens_to_logits(_flatten_beams(state["last_ids"])[:, None], state["cache"])
+    logp_BNV = _unflatten_beams(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), batch_size)
+    if penalties.active:
+        logp_BNV = _unflatten_beams(penalties.apply(
+            _flatten_beams(logp_BNV), _flatten_beams(state["live_seqs"]), step, banned_value=NEG_INF),
+            batch_size)
+    logp_BNV = constrain_log_probs(logp_BNV, step + 1 >= state["limit"], eos_id=eos_id, pad_id=pad_id,
+                                   bos_id=bos_id, forced_eos_logprob_zero=hf)
+    vocab = logp_BNV.shape[-1]
+    candidates = (state["live_logprobs"][:, :, None] + logp_BNV).reshape(batch_size, k * vocab)
+    top_logprobs, top_idx = blocked_top_k(candidates, 2 * k)            # [B, 2k]
+    top_beam, top_token = top_idx // vocab, (top_idx % vocab).astype(jnp.int32)
+    top_seqs = jnp.take_along_axis(state["live_seqs"], top_beam[:, :, None], axis=1)
+    top_seqs = jax.lax.dynamic_update_slice_in_dim(top_seqs, top_token[:, :, None], step, axis=2)
+    is_eos = top_token == eos_id
+    alive = top_logprobs > NEG_INF / 2
+
+    # New live beams: the best k candidates that did not end.
+    live_scores = jnp.where(is_eos | ~alive, NEG_INF, top_logprobs)
+    new_live_logprobs, live_pick = jax.lax.top_k(live_scores, k)
+    new_live_seqs = jnp.take_along_axis(top_seqs, live_pick[:, :, None], axis=1)
+    new_last = jnp.take_along_axis(top_token, live_pick, axis=1)
+    cache = _gather_beams(cache, jnp.take_along_axis(top_beam, live_pick, axis=1), batch_size)
+
+    # New finished: merge the old ones with the candidates that ended here. As in
+    # fairseq and transformers, only an eos among the top k candidates finishes a
+    # hypothesis, so beam size 1 is exactly greedy decoding; a closed sentence
+    # takes no more.
+    ended = is_eos & alive & (jnp.arange(2 * k) < k)[None, :] & state["open"][:, None]
+    ended_scores = jnp.where(ended, top_logprobs / length_penalty(step + 1, alpha, length_normalization),
+                             NEG_INF)
+    merged_scores = jnp.concatenate([state["finished_scores"], ended_scores], axis=1)
+    merged_seqs = jnp.concatenate([state["finished_seqs"], top_seqs], axis=1)
+    merged_flags = jnp.concatenate([state["finished_flags"], ended], axis=1)
+    new_finished_scores, finished_pick = jax.lax.top_k(jnp.where(merged_flags, merged_scores, NEG_INF), k)
+    new_state = dict(   # other keys a caller keeps in the state pass through
+        state, step=step + 1, live_seqs=new_live_seqs, live_logprobs=new_live_logprobs, last_ids=new_last,
+        finished_seqs=jnp.take_along_axis(merged_seqs, finished_pick[:, :, None], axis=1),
+        finished_scores=new_finished_scores,
+        finished_flags=jnp.take_along_axis(merged_flags, finished_pick, axis=1),
+        cache=cache)
+    return dict(new_state, open=still_open(new_state, alpha=alpha, length_normalization=length_normalization,
+                                           early_stopping=early_stopping))
+
+
+def beam_output(state: dict[str, Any], *, pad_id: int, alpha: float = 0.6,
+                length_normalization: str = "gnmt") -> tuple[jax.Array, jax.Array]:
+    """``(sequences [B, k, L], scores [B, k])`` of a loop state, best first. A sentence with
+    no finished hypothesis (only when M is tiny) falls back to its live ones."""
+    any_finished = jnp.any(state["finished_flags"], axis=1)
+    lengths = jnp.sum(state["live_seqs"] != pad_id, axis=2)
+    live_scores = state["live_logprobs"] / length_penalty(lengths, alpha, length_normalization)
+    seqs = jnp.where(any_finished[:, None, None], state["finished_seqs"], state["live_seqs"])
+    scores = jnp.where(any_finished[:, None], state["finished_scores"], live_scores)
+    return seqs, scores
 
 
 def beam_search(tokens_to_logits: TokensToLogits, cache: Any, *, batch_size: int, beam_size: int,
                 bos_id: int, eos_id: int, pad_id: int, max_decode_len: int, alpha: float = 0.6,
                 max_lengths: jax.Array | None = None, length_normalization: str = "gnmt",
+                early_stopping: bool = False,
                 penalties: Penalties = NO_PENALTIES) -> tuple[jax.Array, jax.Array]:
     """Beam search (paper §6.1: k = 4, α = 0.6), GNMT- or Hugging Face-normalised.
 
@@ -170,14 +267,17 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: Any, *, batch_size: int
     every sentence is closed (or at M tokens):
 
     * ``"gnmt"``: closed when k hypotheses are finished and the best live
-      log-probability divided by the largest possible penalty lp(M) is below the
-      worst finished score: exact, as log-probabilities only fall.
+      log-probability divided by the largest penalty it could still get, lp(its
+      limit), is below the worst finished score: exact, as log-probabilities only fall.
     * ``"hf"``: ``generate``'s rule with ``early_stopping=False`` (transformers
       ``generation/utils.py``, ``_check_early_stop_heuristic``): the best live
       log-probability is divided by the *current* length^α. Eos is forced at M with
       log-probability 0, as ``forced_eos_token_id`` does (``ForcedEOSTokenLogitsProcessor``).
       This reproduces ``generate(num_beams=k, length_penalty=α)``'s sequences and
       ``sequences_scores``.
+    * ``early_stopping=True`` (either normalization): closed as soon as k hypotheses
+      are finished, the rule of fairseq, CTranslate2 and ``generate(early_stopping=True)``.
+      Faster (a sentence whose live beams would only lose is not carried on), not exact.
 
     Args:
       tokens_to_logits: model callback on ``[B*k, 1]`` ids.
@@ -191,6 +291,7 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: Any, *, batch_size: int
       max_lengths: optional int ``[B]``, per-sentence limits ≤ M (e.g. source length
         + 50): eos is forced at that length (at M without it).
       length_normalization: ``"gnmt"`` or ``"hf"`` (see :func:`length_penalty`).
+      early_stopping: close a sentence once k hypotheses are finished.
       penalties: ``no_repeat_ngram_size`` and ``repetition_penalty``
         (:mod:`jaxformer.decode.penalties`), applied to each beam's log-probabilities
         before the candidates are ranked, as fairseq and ``generate`` do; the scores
@@ -203,84 +304,25 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: Any, *, batch_size: int
     Raises:
       ValueError: an unknown ``length_normalization``.
     """
-    if length_normalization not in LENGTH_NORMALIZATIONS:
-        raise ValueError(f"length_normalization must be one of {LENGTH_NORMALIZATIONS}, "
-                         f"got {length_normalization!r}.")
-    hf = length_normalization == "hf"
-    k, vocab_axis = beam_size, -1
-    limit_B = (jnp.full((batch_size,), max_decode_len, jnp.int32) if max_lengths is None
-               else jnp.minimum(jnp.asarray(max_lengths, jnp.int32), max_decode_len))
-
-    def penalty(length):
-        return length_penalty(length, alpha, length_normalization)
-
-    # Only beam 0 is live at the start, so the first step does not pick k copies.
-    live_logprobs0 = jnp.tile(jnp.array([0.0] + [NEG_INF] * (k - 1), jnp.float32), (batch_size, 1))
-    state0 = dict(
-        step=jnp.zeros((), jnp.int32),
-        live_seqs=jnp.full((batch_size, k, max_decode_len), pad_id, jnp.int32),
-        live_logprobs=live_logprobs0,
-        last_ids=jnp.full((batch_size, k), bos_id, jnp.int32),
-        finished_seqs=jnp.full((batch_size, k, max_decode_len), pad_id, jnp.int32),
-        finished_scores=jnp.full((batch_size, k), NEG_INF, jnp.float32),
-        finished_flags=jnp.zeros((batch_size, k), jnp.bool_),
-        open=jnp.ones((batch_size,), jnp.bool_),
-        cache=cache)
+    check_length_normalization(length_normalization)
+    limits_B = (jnp.full((batch_size,), max_decode_len, jnp.int32) if max_lengths is None
+                else jnp.minimum(jnp.asarray(max_lengths, jnp.int32), max_decode_len))
+    state0 = init_beam_state(cache, batch_size=batch_size, beam_size=beam_size, bos_id=bos_id,
+                             pad_id=pad_id, length=max_decode_len, limits_B=limits_B)
+    rule = dict(alpha=alpha, length_normalization=length_normalization)
 
     def cond(state):
         return (state["step"] < max_decode_len) & jnp.any(state["open"])
 
     def body(state):
-        step = state["step"]
-        logits, cache = tokens_to_logits(_flatten_beams(state["last_ids"])[:, None], state["cache"])
-        logp_BNV = _unflatten_beams(jax.nn.log_softmax(logits.astype(jnp.float32), axis=vocab_axis),
-                                    batch_size)
-        if penalties.active:
-            logp_BNV = _unflatten_beams(penalties.apply(
-                _flatten_beams(logp_BNV), _flatten_beams(state["live_seqs"]), step, banned_value=NEG_INF),
-                batch_size)
-        logp_BNV = constrain_log_probs(logp_BNV, step + 1 >= limit_B, eos_id=eos_id, pad_id=pad_id,
-                                       bos_id=bos_id, forced_eos_logprob_zero=hf)
-        vocab = logp_BNV.shape[-1]
-        candidates = (state["live_logprobs"][:, :, None] + logp_BNV).reshape(batch_size, k * vocab)
-        top_logprobs, top_idx = blocked_top_k(candidates, 2 * k)            # [B, 2k]
-        top_beam, top_token = top_idx // vocab, (top_idx % vocab).astype(jnp.int32)
-        top_seqs = jnp.take_along_axis(state["live_seqs"], top_beam[:, :, None], axis=1)
-        top_seqs = jax.lax.dynamic_update_slice_in_dim(top_seqs, top_token[:, :, None], step, axis=2)
-        is_eos = top_token == eos_id
-        alive = top_logprobs > NEG_INF / 2
+        return beam_step(state, tokens_to_logits, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id,
+                         early_stopping=early_stopping, penalties=penalties, **rule)
 
-        # New live beams: the best k candidates that did not end.
-        live_scores = jnp.where(is_eos | ~alive, NEG_INF, top_logprobs)
-        new_live_logprobs, live_pick = jax.lax.top_k(live_scores, k)
-        new_live_seqs = jnp.take_along_axis(top_seqs, live_pick[:, :, None], axis=1)
-        new_last = jnp.take_along_axis(top_token, live_pick, axis=1)
-        cache = _gather_beams(cache, jnp.take_along_axis(top_beam, live_pick, axis=1), batch_size)
+    return beam_output(jax.lax.while_loop(cond, body, state0), pad_id=pad_id, **rule)
 
-        # New finished: merge the old ones with the candidates that ended here. As in
-        # fairseq and transformers, only an eos among the top k candidates finishes a
-        # hypothesis, so beam size 1 is exactly greedy decoding; a closed sentence
-        # takes no more.
-        ended = is_eos & alive & (jnp.arange(2 * k) < k)[None, :] & state["open"][:, None]
-        ended_scores = jnp.where(ended, top_logprobs / penalty(step + 1), NEG_INF)
-        merged_scores = jnp.concatenate([state["finished_scores"], ended_scores], axis=1)
-        merged_seqs = jnp.concatenate([state["finished_seqs"], top_seqs], axis=1)
-        merged_flags = jnp.concatenate([state["finished_flags"], ended], axis=1)
-        new_finished_scores, finished_pick = jax.lax.top_k(jnp.where(merged_flags, merged_scores, NEG_INF), k)
-        new_state = dict(
-            step=step + 1, live_seqs=new_live_seqs, live_logprobs=new_live_logprobs, last_ids=new_last,
-            finished_seqs=jnp.take_along_axis(merged_seqs, finished_pick[:, :, None], axis=1),
-            finished_scores=new_finished_scores,
-            finished_flags=jnp.take_along_axis(merged_flags, finished_pick, axis=1),
-            open=state["open"], cache=cache)
-        return dict(new_state, open=still_open(new_state, alpha=alpha, max_decode_len=max_decode_len,
-                                               length_normalization=length_normalization))
 
-    state = jax.lax.while_loop(cond, body, state0)
-    # A sentence with no finished hypothesis (only when M is tiny) falls back to live ones.
-    any_finished = jnp.any(state["finished_flags"], axis=1)
-    lengths = jnp.sum(state["live_seqs"] != pad_id, axis=2)
-    live_scores = state["live_logprobs"] / penalty(lengths)
-    seqs = jnp.where(any_finished[:, None, None], state["finished_seqs"], state["live_seqs"])
-    scores = jnp.where(any_finished[:, None], state["finished_scores"], live_scores)
-    return seqs, scores
+def check_length_normalization(length_normalization: str) -> None:
+    """Raises ``ValueError`` for a ``length_normalization`` other than ``"gnmt"``/``"hf"``."""
+    if length_normalization not in LENGTH_NORMALIZATIONS:
+        raise ValueError(f"length_normalization must be one of {LENGTH_NORMALIZATIONS}, "
+                         f"got {length_normalization!r}.")

@@ -244,16 +244,17 @@ def uncached_model_callback(model: Transformer, params: Any, src_BS: jax.Array, 
 @_host_checked
 @functools.partial(jax.jit, static_argnames=("model", "max_decode_len", "bos_id", "eos_id",
                                              "beam_size", "alpha", "extra_len", "len_a",
-                                             "length_normalization", "penalties"))
+                                             "length_normalization", "early_stopping", "penalties"))
 def beam_translate(model: Transformer, params: Any, src_BS: jax.Array, *, beam_size: int,
                    max_decode_len: int, bos_id: int, eos_id: int, alpha: float = 0.6,
                    extra_len: int | None = 50, len_a: float = 1.0, length_normalization: str = "gnmt",
+                   early_stopping: bool = False,
                    penalties: Penalties = NO_PENALTIES) -> tuple[jax.Array, jax.Array]:
     """Beam search translation of ``src [B,S]``; each output is at most ``len_a`` × its
     source length + ``extra_len`` tokens (paper §6.1: a = 1, b = 50; fairseq's
     ``--max-len-a/b``; ``extra_len=None`` = no such limit, as ``generate``), capped by
-    ``max_decode_len``. ``length_normalization`` (``"gnmt"`` or ``"hf"``) and ``penalties``:
-    see :func:`jaxformer.decode.beam_search.beam_search`.
+    ``max_decode_len``. ``length_normalization`` (``"gnmt"`` or ``"hf"``), ``early_stopping``
+    and ``penalties``: see :func:`jaxformer.decode.beam_search.beam_search`.
 
     Raises ``ValueError`` (before dispatch) for concrete ids outside ``[0, V_src)``.
     Returns ``(sequences [B, k, M], scores [B, k])``, best first.
@@ -264,7 +265,8 @@ def beam_translate(model: Transformer, params: Any, src_BS: jax.Array, *, beam_s
                        bos_id=bos_id, eos_id=eos_id, pad_id=model.config.pad_id,
                        max_decode_len=max_decode_len, alpha=alpha,
                        max_lengths=None if extra_len is None else src_lengths + extra_len,
-                       length_normalization=length_normalization, penalties=penalties)
+                       length_normalization=length_normalization, early_stopping=early_stopping,
+                       penalties=penalties)
 
 
 @_host_checked
