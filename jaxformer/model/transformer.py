@@ -74,6 +74,18 @@ class DecodeCache:
         return self.replace(layers=tuple(layer.replace(self_k=fn(layer.self_k), self_v=fn(layer.self_v))
                                          for layer in self.layers))
 
+    def select_rows(self, rows: jax.Array) -> DecodeCache:
+        """The cache of the batch rows ``rows`` (int ``[R]``), in that order."""
+        return jax.tree_util.tree_map(lambda x: x if x.ndim == 0 else x[rows], self)
+
+    def with_length(self, length: int) -> DecodeCache:
+        """The cache for ``length`` target positions (≥ the current M): the self-attention
+        K/V padded with zeros on the position axis (positions past ``index`` are never read)."""
+        current = self.layers[0].self_k.shape[2]
+        if length < current:
+            raise ValueError(f"with_length({length}): the cache already holds {current} positions.")
+        return self.map_beam_state(lambda x: jnp.pad(x, [(0, 0), (0, 0), (0, length - current), (0, 0)]))
+
 
 class Transformer(nn.Module):
     """Encoder-decoder Transformer; ``__call__`` = ``decode(encode(src), src, tgt)``.

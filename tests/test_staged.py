@@ -1,0 +1,60 @@
+"""Staged beam search (:mod:`jaxformer.decode.staged`) against the one-loop ``beam_translate``."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxformer as jf
+from jaxformer.decode import decoding
+from jaxformer.decode.staged import StagedBeamSearch
+
+BOS, M = 1, 24
+
+
+@pytest.fixture(scope="module")
+def model_params_src():
+    """A random tiny model, 8 sources of 3-12 tokens, and an eos id the model does produce
+    (the token that greedy decoding without eos emits first at the most different steps),
+    so the sentences end at different steps."""
+    config = jf.TransformerConfig(src_vocab_size=40, tgt_vocab_size=40, d_model=32, num_heads=4, d_ff=64,
+                                  num_encoder_layers=2, num_decoder_layers=2, dropout_rate=0.0,
+                                  max_len=48, norm_position="post")
+    model = jf.Transformer(config)
+    rng = np.random.default_rng(0)
+    src = np.zeros((8, 12), np.int32)
+    for row, length in enumerate(rng.permutation(np.arange(3, 13))[:8]):
+        src[row, :length] = rng.integers(4, 40, length)
+    params = jax.jit(model.init)(jax.random.key(0), jnp.asarray(src), jnp.asarray(src))["params"]
+    greedy = np.asarray(decoding.greedy_translate(model, params, jnp.asarray(src), max_decode_len=M,
+                                                  bos_id=BOS, eos_id=99))
+    first_steps = {t: {int(np.argmax(row == t)) for row in greedy if t in row} for t in range(4, 40)}
+    eos = max(first_steps, key=lambda t: len(first_steps[t]))
+    return model, params, src, eos
+
+
+@pytest.mark.parametrize("rule", [dict(), dict(early_stopping=True), dict(length_normalization="hf",
+                                                                          extra_len=None)])
+def test_staged_beam_search_equals_beam_translate(model_params_src, rule):
+    model, params, src, eos = model_params_src
+    settings = {**dict(beam_size=3, bos_id=BOS, eos_id=eos, alpha=0.6, extra_len=10), **rule}
+    staged = StagedBeamSearch(model, first_length=4, **settings)
+    seqs, scores = staged(params, src, M)
+    expected_seqs, expected_scores = jax.device_get(decoding.beam_translate(
+        model, params, jnp.asarray(src), max_decode_len=M, **settings))
+    np.testing.assert_array_equal(seqs, expected_seqs)
+    np.testing.assert_allclose(scores, expected_scores, rtol=1e-5, atol=1e-5)
+    rows = [r for r, _, _ in staged.stages]
+    lengths = [n for _, n, _ in staged.stages]
+    assert lengths[0] == 4 and lengths[-1] > 4, staged.stages   # the cache grew
+    assert rows[0] == 8 and rows == sorted(rows, reverse=True), staged.stages
+    if "extra_len" not in rule:   # each sentence ends by its own limit: closed ones leave the batch
+        assert rows[-1] < 8, staged.stages
+
+
+def test_staged_beam_search_refuses_bad_settings(model_params_src):
+    model = model_params_src[0]
+    with pytest.raises(ValueError, match="length_normalization"):
+        StagedBeamSearch(model, beam_size=2, bos_id=BOS, eos_id=2, length_normalization="fairseq")
+    with pytest.raises(ValueError, match="first_length"):
+        StagedBeamSearch(model, beam_size=2, bos_id=BOS, eos_id=2, first_length=0)
