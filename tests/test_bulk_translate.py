@@ -141,7 +141,7 @@ def test_data_parallel_on_eight_devices_gives_the_one_device_file(workdir, tmp_p
     source = tmp_path / "in.txt"
     _input(source, lines=40)
     common = ["--workdir", str(workdir), "--input", str(source), "--input-errors", "replace",
-              "--beam-size", "2", "--batch-size", "8", "--chunk-lines", "16"]
+              "--beam-size", "2", "--batch-size", "8", "--chunk-lines", "16", "--early-stopping"]
     translate_main([*common, "--output", str(tmp_path / "one.txt")])
     translate_main([*common, "--output", str(tmp_path / "eight.txt"), "--mesh", "data=8"])
     assert (tmp_path / "eight.txt").read_bytes() == (tmp_path / "one.txt").read_bytes()

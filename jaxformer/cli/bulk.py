@@ -21,9 +21,15 @@ from jaxformer.decode import bulk
 
 # Everything a chunk's bytes depend on, recorded in the manifest: a resume with other
 # values is refused (the process count is not among them: it does not change a byte).
-SETTINGS = ("beam_size", "alpha", "length_normalization", "max_len_a", "max_len_b", "no_repeat_ngram_size",
-            "repetition_penalty", "n_best", "sample", "temperature", "top_k", "top_p", "seed", "batch_size",
-            "long_lines", "mesh")
+SETTINGS = ("beam_size", "alpha", "length_normalization", "early_stopping", "max_len_a", "max_len_b",
+            "no_repeat_ngram_size", "repetition_penalty", "n_best", "sample", "temperature", "top_k",
+            "top_p", "seed", "batch_size", "long_lines", "mesh")
+
+
+def bulk_mode(args: argparse.Namespace) -> bool:
+    """Whether the flags ask for bulk mode: ``--input`` and ``--output``, no sentences as
+    arguments. Its beam search runs in stages (:mod:`jaxformer.decode.staged`) on one device."""
+    return bool(args.input and args.output and not args.sentences)
 
 
 def add_process_flags(parser: argparse.ArgumentParser) -> None:

@@ -106,6 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--length-normalization", choices=("gnmt", "hf"), default=None,
         help="gnmt: ((5+|Y|)/6)^alpha (paper); hf: |Y|^alpha with Hugging Face generate's stopping "
              "rule (default: the run's, else gnmt)")
+    add("--early-stopping", action=argparse.BooleanOptionalAction, default=None,
+        help="beam search: a sentence is done once --beam-size hypotheses ended (fairseq's and "
+             "CTranslate2's rule; faster, not exact). Default: the run's, else off: done when no "
+             "live beam can still win")
     add("--max-len-a", type=float, default=None,
         help="output limit a * source length + b: a (default: an imported model's generation "
              "max_length, else 1)")
@@ -255,11 +259,12 @@ def _translate_lines(translator: Translator, args, lines: list[str], first_index
             stream=stream, **rules)]
     elif args.n_best > 1:
         results = translator.n_best(sources, beam_size=args.beam_size, alpha=args.alpha,
-                                    length_normalization=args.length_normalization, **rules)
+                                    length_normalization=args.length_normalization,
+                                    early_stopping=args.early_stopping, **rules)
     else:
         results = [[(text, 0.0)] for text in translator(sources, beam_size=args.beam_size, alpha=args.alpha,
                                                        length_normalization=args.length_normalization,
-                                                       **rules)]
+                                                       early_stopping=args.early_stopping, **rules)]
     for i, n_best in zip(todo, results):
         best[i] = n_best[0][0]
     if args.n_best > 1:   # n lines per input line; an empty line's are empty (score 0)
@@ -295,7 +300,7 @@ def _load(parser: argparse.ArgumentParser, args) -> Translator:
             mesh = make_mesh(args.mesh, jax.local_devices())
         translator = Translator(args.workdir, batch_size=args.batch_size, checkpoint=args.checkpoint,
                                 max_len_a=args.max_len_a, max_len_b=args.max_len_b, exported=cached,
-                                mesh=mesh)
+                                mesh=mesh, staged=bulk_cli.bulk_mode(args))
     except (ValueError, OSError) as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
     for flag, value, count in (("--layer", args.layer, translator.config.num_decoder_layers),
@@ -344,7 +349,7 @@ def main(argv=None) -> None:
     _check_args(parser, args)
     translator = _load(parser, args)
     print(f"[{translator.kind} checkpoint, step {translator.step}]", file=sys.stderr)
-    if args.input and args.output and not args.sentences:
+    if bulk_cli.bulk_mode(args):
         process = bulk_cli.translate(parser, args, translator, _translate_lines)
         first = next(((line, translator([line], beam_size=args.beam_size)[0])
                       for chunk in bulk.read_chunks(args.input, 1000, args.input_errors) for line in chunk

@@ -28,6 +28,7 @@ from jaxformer.data.tokenizer import Tokenizer
 from jaxformer.decode.decoding import beam_translate, greedy_translate, jit_decoder, sample_translate
 from jaxformer.decode.exported import ExportCache
 from jaxformer.decode.penalties import NO_PENALTIES, Penalties
+from jaxformer.decode.staged import StagedBeamSearch
 from jaxformer.model import sharding as sharding_lib
 from jaxformer.model.transformer import Transformer
 from jaxformer.model.validation import check_token_ids
@@ -39,7 +40,7 @@ class Evaluator:
     def __init__(self, model: Transformer, tokenizer: Tokenizer, *, batch_size: int,
                  target_language: str, layout: sharding_lib.Layout | None = None,
                  tokenize: str | None = None, max_len_a: float = 1.0, max_len_b: int = 50,
-                 scoring: bool = True, exports: ExportCache | None = None):
+                 scoring: bool = True, exports: ExportCache | None = None, staged: bool = False):
         """
         Args:
           batch_size: the most sentences per decoding batch; a smaller input is padded
@@ -53,6 +54,8 @@ class Evaluator:
           scoring: build the BLEU/chrF scorers (the translate tool needs none).
           exports: serve greedy and beam decoders from this cache of exported programs
             (:mod:`jaxformer.decode.exported`; the translate tool's, without a layout).
+          staged: beam search in stages (:class:`jaxformer.decode.staged.StagedBeamSearch`),
+            without a layout; bulk translation's choice.
 
         Raises:
           ValueError: an unknown tokenizer, or one whose package is missing (the
@@ -65,6 +68,7 @@ class Evaluator:
         self.boundaries = bucket_boundaries(model.config.max_len, step=32)
         self._decoders: dict[Any, Any] = {}
         self.exports = exports
+        self.staged = staged and layout is None
         self.max_len_a, self.max_len_b = max_len_a, max_len_b
         if max_len_a < 0 or max_len_b < 1 - max_len_a:
             raise ValueError(f"max_len_a={max_len_a}, max_len_b={max_len_b} allow no output token: "
@@ -88,6 +92,13 @@ class Evaluator:
                 self._decoders[key] = self.exports.decoder(fn, decoder.__name__, model.config, **static)
             else:
                 self._decoders[key] = jit_decoder(decoder, self.model, self.layout, **static)
+        return self._decoders[key]
+
+    def _staged(self, **rule) -> StagedBeamSearch:
+        """The staged beam search for these settings (cached: its compiled stages are kept)."""
+        key = ("staged", tuple(sorted(rule.items())))
+        if key not in self._decoders:
+            self._decoders[key] = StagedBeamSearch(self.model, **rule)
         return self._decoders[key]
 
     def _place(self, batch):
@@ -139,28 +150,33 @@ class Evaluator:
         return max(1, min(int(self.max_len_a * source_length + self.max_len_b), self.model.config.max_len))
 
     def translate_n_best(self, params: Any, sources: Sequence[str], *, beam_size: int = 4,
-                         alpha: float = 0.6, length_normalization: str = "gnmt",
+                         alpha: float = 0.6, length_normalization: str = "gnmt", early_stopping: bool = False,
                          penalties: Penalties = NO_PENALTIES) -> list[list[tuple[str, float]]]:
         """Beam search: for each source, ``beam_size`` (translation, score) pairs, best first.
 
         ``length_normalization="hf"`` decodes as Hugging Face ``generate`` does (length^α,
         its stopping rule, no source-length limit; :func:`jaxformer.decode.beam_search.beam_search`);
-        ``penalties``: ``--no-repeat-ngram-size``, ``--repetition-penalty``
+        ``early_stopping``: a sentence closes once ``beam_size`` hypotheses ended (fairseq's,
+        CTranslate2's rule); ``penalties``: ``--no-repeat-ngram-size``, ``--repetition-penalty``
         (:mod:`jaxformer.decode.penalties`).
         """
         bos, eos = self.tokenizer.bos_id, self.tokenizer.eos_id
         extra_len = None if length_normalization == "hf" else self.max_len_b
+        rule = dict(beam_size=beam_size, alpha=alpha, len_a=self.max_len_a, extra_len=extra_len,
+                    length_normalization=length_normalization, bos_id=bos, eos_id=eos,
+                    # left out when off, so the exported programs keep their cache keys
+                    **({"early_stopping": True} if early_stopping else {}), **_penalty_static(penalties))
+        if self.staged:
+            staged = self._staged(**rule)
+            return self._decode(sources, lambda src, max_decode_len: staged(params, src, max_decode_len))
 
         def decode_batch(src, max_decode_len):
-            return self._decoder(beam_translate, beam_size=beam_size, alpha=alpha, len_a=self.max_len_a,
-                                 extra_len=extra_len, length_normalization=length_normalization,
-                                 max_decode_len=max_decode_len, bos_id=bos, eos_id=eos,
-                                 **_penalty_static(penalties))(params, src)
+            return self._decoder(beam_translate, max_decode_len=max_decode_len, **rule)(params, src)
 
         return self._decode(sources, decode_batch)
 
     def translate(self, params: Any, sources: Sequence[str], *, beam_size: int = 1,
-                  alpha: float = 0.6, length_normalization: str = "gnmt",
+                  alpha: float = 0.6, length_normalization: str = "gnmt", early_stopping: bool = False,
                   penalties: Penalties = NO_PENALTIES) -> list[str]:
         """Best translation of each source, in input order: greedy for ``beam_size=1``,
         else beam search with the length penalty α (``"gnmt"`` or ``"hf"``; with ``"hf"``
@@ -169,7 +185,7 @@ class Evaluator:
         if beam_size > 1:
             return [n_best[0][0] for n_best in self.translate_n_best(
                 params, sources, beam_size=beam_size, alpha=alpha, length_normalization=length_normalization,
-                penalties=penalties)]
+                early_stopping=early_stopping, penalties=penalties)]
         bos, eos = self.tokenizer.bos_id, self.tokenizer.eos_id
 
         def decode_batch(src, max_decode_len):

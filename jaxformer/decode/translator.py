@@ -43,6 +43,9 @@ class Translator:
       mesh: decode data-parallel over this mesh's devices (sentences split over ``data``
         × ``fsdp``, parameters laid out by the rules table as in training); ``None`` =
         one device.
+      staged: beam search in stages (:mod:`jaxformer.decode.staged`: closed sentences
+        leave the batch, the cache grows with the output), for bulk translation; one
+        device only (ignored with a ``mesh``).
 
     Raises:
       FileNotFoundError: the run directory lacks ``config.json``, the tokenizer or the
@@ -51,7 +54,7 @@ class Translator:
 
     def __init__(self, workdir: str | Path, batch_size: int = 32, checkpoint: str | int = "auto",
                  max_len_a: float | None = None, max_len_b: int | None = None, exported: bool = False,
-                 mesh: jax.sharding.Mesh | None = None):
+                 mesh: jax.sharding.Mesh | None = None, staged: bool = False):
         from flax import linen as nn
 
         workdir = Path(workdir)
@@ -94,7 +97,8 @@ class Translator:
         self.evaluator = Evaluator(self.model, self.tokenizer, batch_size=batch_size, scoring=False,
                                    layout=layout,
                                    target_language=record.get("target_language", "xx"),
-                                   max_len_a=self.max_len_a, max_len_b=self.max_len_b, exports=exports)
+                                   max_len_a=self.max_len_a, max_len_b=self.max_len_b, exports=exports,
+                                   staged=staged)
         # Decoding defaults: an imported model's generation_config (jaxformer.interop.marian), else §6.1.
         generation = record.get("generation", {})
         # Repetition rules: the run's own (its --no-repeat-ngram-size / --repetition-penalty), or
@@ -103,6 +107,7 @@ class Translator:
         self.defaults = {"beam_size": generation.get("beam_size", 4),
                          "alpha": generation.get("length_penalty", 0.6),
                          "length_normalization": generation.get("length_normalization", "gnmt"),
+                         "early_stopping": generation.get("early_stopping", False),
                          "no_repeat_ngram_size": generation.get(
                              "no_repeat_ngram_size", train.get("no_repeat_ngram_size", 0)),
                          "repetition_penalty": generation.get(
@@ -113,31 +118,35 @@ class Translator:
         p = self.defaults["repetition_penalty"] if repetition_penalty is None else repetition_penalty
         return Penalties(no_repeat_ngram_size=n, repetition_penalty=p)
 
-    def _options(self, beam_size, alpha, length_normalization, no_repeat_ngram_size, repetition_penalty):
-        chosen = dict(beam_size=beam_size, alpha=alpha, length_normalization=length_normalization)
+    def _options(self, beam_size, alpha, length_normalization, early_stopping, no_repeat_ngram_size,
+                 repetition_penalty):
+        chosen = dict(beam_size=beam_size, alpha=alpha, length_normalization=length_normalization,
+                      early_stopping=early_stopping)
         return {**{k: self.defaults[k] if v is None else v for k, v in chosen.items()},
                 "penalties": self._penalties(no_repeat_ngram_size, repetition_penalty)}
 
     def __call__(self, sentences: list[str], *, beam_size: int | None = None, alpha: float | None = None,
-                 length_normalization: str | None = None, no_repeat_ngram_size: int | None = None,
+                 length_normalization: str | None = None, early_stopping: bool | None = None,
+                 no_repeat_ngram_size: int | None = None,
                  repetition_penalty: float | None = None) -> list[str]:
         """Best translations of ``sentences``, in order (``beam_size=1`` = greedy); options
-        left ``None`` take the run's defaults (:attr:`defaults`); the repetition rules are
-        those of :mod:`jaxformer.decode.penalties`.
+        left ``None`` take the run's defaults (:attr:`defaults`); ``early_stopping``: close
+        a sentence once ``beam_size`` hypotheses end (:func:`jaxformer.decode.beam_search.beam_search`);
+        the repetition rules are those of :mod:`jaxformer.decode.penalties`.
 
         Raises:
           ValueError: ``no_repeat_ngram_size < 0`` or ``repetition_penalty <= 0``.
         """
         return self.evaluator.translate(self.params, sentences, **self._options(
-            beam_size, alpha, length_normalization, no_repeat_ngram_size, repetition_penalty))
+            beam_size, alpha, length_normalization, early_stopping, no_repeat_ngram_size, repetition_penalty))
 
     def n_best(self, sentences: list[str], *, beam_size: int | None = None, alpha: float | None = None,
-               length_normalization: str | None = None, no_repeat_ngram_size: int | None = None,
-               repetition_penalty: float | None = None):
+               length_normalization: str | None = None, early_stopping: bool | None = None,
+               no_repeat_ngram_size: int | None = None, repetition_penalty: float | None = None):
         """``beam_size`` (translation, score) pairs per sentence, best first (options as
         :meth:`__call__`)."""
         return self.evaluator.translate_n_best(self.params, sentences, **self._options(
-            beam_size, alpha, length_normalization, no_repeat_ngram_size, repetition_penalty))
+            beam_size, alpha, length_normalization, early_stopping, no_repeat_ngram_size, repetition_penalty))
 
     def sample(self, sentences: list[str], *, seed: int = 0, temperature: float = 1.0,
                top_k: int | None = None, top_p: float | None = None, no_repeat_ngram_size: int | None = None,

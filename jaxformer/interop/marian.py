@@ -192,7 +192,7 @@ def _generation_defaults(hf_dir: Path, hf: dict[str, Any]) -> dict[str, Any]:
     if any(ids != [pad] for ids in bad):
         raise ConversionError(f"generation config bad_words_ids={bad}: jaxformer's decoders ban only "
                               f"the pad id {pad} (and the decoder start id); other bans are not supported.")
-    if gen.get("early_stopping") not in (None, False):
+    if gen.get("early_stopping") not in (None, False, True):
         print(f"note: early_stopping={gen['early_stopping']!r} in the generation config; jaxformer "
               f"reproduces generate's default (False) stopping rule", file=sys.stderr)
     eos = hf.get("eos_token_id", 0)
@@ -207,6 +207,7 @@ def _generation_defaults(hf_dir: Path, hf: dict[str, Any]) -> dict[str, Any]:
     return {"beam_size": int(gen.get("num_beams") or 1),
             "max_length": int(gen["max_length"]) if gen.get("max_length") else None,
             "length_penalty": float(gen.get("length_penalty", 1.0)), "length_normalization": "hf",
+            "early_stopping": gen.get("early_stopping") is True,
             "banned_ids": sorted({ids[0] for ids in bad}),
             "forced_eos": gen.get("forced_eos_token_id") is not None,
             "no_repeat_ngram_size": int(gen.get("no_repeat_ngram_size") or 0),
@@ -251,7 +252,7 @@ def export_marian(workdir: str | Path, out_dir: str | Path) -> None:
            "forced_eos_token_id": tok.eos_id, "pad_token_id": config.pad_id,
            "bad_words_ids": [[i] for i in banned], "num_beams": generation.get("beam_size", 4),
            "max_length": generation.get("max_length") or config.max_len}
-    for name, off in (("no_repeat_ngram_size", 0), ("repetition_penalty", 1.0)):
+    for name, off in (("no_repeat_ngram_size", 0), ("repetition_penalty", 1.0), ("early_stopping", False)):
         if generation.get(name, off) != off:
             gen[name] = generation[name]
     (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
