@@ -15,13 +15,18 @@ preset, which is pre-norm). Each step is a fresh process, one at a time:
    int8 with Marian's loader minus two OPUS-MT rules: it drops the last vocabulary row as
    ``<pad>`` (here ``<pad>`` is id 0: the conversion fails) and starts decoding from a
    zero vector (here from ``<s>``); and with the run's LayerNorm ε (the export has 1e-5).
-3. Warm-up, not timed: one jaxformer call per beam width on a small file whose batches
-   take every shape the input's can (row counts min(B, a power of two) × the length
-   buckets in the input) fills ``RUN/jax_cache``; its time, compiles included, is printed.
-   The timed runs count their compile-cache misses: 0 = compile time excluded.
+3. Warm-up, not timed, fills ``RUN/jax_cache``; its time, compiles included, is printed.
+   Greedy: one call on a small file whose batches take every shape the input's can (row
+   counts min(B, a power of two) × the length buckets in the input). Beam 4: the input
+   itself, once per stopping rule (the staged beam search's stages depend on when the
+   sentences close). The timed runs count their compile-cache misses: 0 = compile time
+   excluded.
 4. Timed, ``--repeats`` rounds, each in turns: jaxformer, CT2 float32, CT2 int8 at beam 1,
-   then at beam 4. jaxformer: ``jaxformer-translate --input --output --beam-size k
-   --batch-size B --chunk-lines C --repetition-penalty P`` (GNMT α 0.6, ≤ L + 50 tokens).
+   then at beam 4 (and jaxformer with the exact stopping rule). jaxformer:
+   ``jaxformer-translate --input --output --beam-size k --batch-size B --chunk-lines C
+   --repetition-penalty P --early-stopping`` (GNMT α 0.6, ≤ L + 50 tokens; a sentence is
+   done once k hypotheses ended, CT2's rule with a length penalty; beam search in stages,
+   :mod:`jaxformer.decode.staged`); "jaxformer, exact stop": ``--no-early-stopping``.
    CT2: ``Translator(device="cpu", inter_threads=1, intra_threads=cores)``,
    ``translate_iterable`` over the file streamed in pieces of the export's ``source.spm``
    (the run's sentencepiece), ``max_batch_size=B``, ``length_penalty`` α (|Y|^α, not
@@ -29,9 +34,10 @@ preset, which is pre-norm). Each step is a fresh process, one at a time:
    M = jaxformer's limit for the first length bucket (32 + 50, at most max_len), M - 1 at
    beam > 1 (jaxformer's beam counts the eos that ends every hypothesis, CT2 stops at M
    tokens without one); ``<pad>`` and ``<s>`` suppressed (jaxformer never emits them).
-5. RSS flat in file size: jaxformer greedy on the first N/10 lines and on all N (each
-   batch shape's decoder held in the process counts too: at ``--quick`` sizes the N/10
-   run meets fewer shapes, so its RSS is lower for that reason alone).
+5. RSS flat in file size: jaxformer greedy on the warm-up file followed by the first N/10
+   lines, and by all N lines, chunked like the warm-up file. Both meet every batch shape
+   (each shape's decoder held in the process counts too), so the difference is the file
+   size's alone.
 6. Resume: jaxformer greedy SIGKILLed once half its chunks are in OUTPUT.parts/, then the
    same command again: its time as a share of the uninterrupted greedy run's, and its
    output compared with that run's byte for byte.
@@ -79,6 +85,7 @@ try:
 finally:
     print("EVENTS " + json.dumps({k.rsplit("/", 1)[-1]: v for k, v in events.items()}), file=sys.stderr)
 """
+EXACT = "jaxformer, exact stop"
 TARGETS = {("CT2 int8", 4): " [target ≥ 1.0×]", ("CT2 float32", 4): " [target ≥ 1.3×]"}
 LOOP = re.compile(r" in ([\d.]+) s: ([\d,.]+) sentences/s")
 
@@ -138,19 +145,23 @@ def _clear(output: Path) -> None:
     shutil.rmtree(output.with_name(output.name + ".parts"), ignore_errors=True)
 
 
-def jaxformer_cmd(args, source: Path, output: Path, beam: int, chunk_lines: int) -> list[str]:
+def jaxformer_cmd(args, source: Path, output: Path, beam: int, chunk_lines: int,
+                  early_stopping: bool = True) -> list[str]:
     return [sys.executable, "-c", COUNTING, "--workdir", args.workdir, "--input", str(source),
             "--output", str(output), "--beam-size", str(beam), "--batch-size", str(args.batch_size),
-            "--chunk-lines", str(chunk_lines), "--repetition-penalty", str(args.repetition_penalty)]
+            "--chunk-lines", str(chunk_lines), "--repetition-penalty", str(args.repetition_penalty),
+            "--early-stopping" if early_stopping else "--no-early-stopping"]
 
 
-def jaxformer_run(args, source: Path, output: Path, beam: int, chunk_lines: int, lines: int) -> Result:
+def jaxformer_run(args, source: Path, output: Path, beam: int, chunk_lines: int, lines: int,
+                  early_stopping: bool = True) -> Result:
     _clear(output)
-    cmd = jaxformer_cmd(args, source, output, beam, chunk_lines)
+    cmd = jaxformer_cmd(args, source, output, beam, chunk_lines, early_stopping)
     seconds, rss, text = measured(cmd, output.with_suffix(".log"))
     events = json.loads([x for x in text.splitlines() if x.startswith("EVENTS ")][-1][len("EVENTS "):])
     misses = events.get("cache_misses", 0)
-    return Result("jaxformer", beam, lines, seconds, rss, _loop_rate(text), misses, output)
+    engine = "jaxformer" if early_stopping else EXACT
+    return Result(engine, beam, lines, seconds, rss, _loop_rate(text), misses, output)
 
 
 def ct2_run(args, spec: dict, quantization: str, beam: int, lines: int) -> Result:
@@ -170,9 +181,11 @@ def child(spec: dict) -> None:
     elif spec["do"] == "inputs":
         source = Path(spec["source"])
         build_input(source, spec["lines"])
-        with source.open("rb") as f:
-            Path(spec["small"]).write_bytes(b"".join(line for _, line in zip(range(spec["small_lines"]), f)))
         print(f"WARM_CHUNK {warmup_input(spec, source)}")
+        warm = Path(spec["warm"]).read_bytes()
+        for name, lines in (("small", spec["small_lines"]), ("big", spec["lines"])):
+            with source.open("rb") as f:   # every batch shape first, then the first lines
+                Path(spec[name]).write_bytes(warm + b"".join(line for _, line in zip(range(lines), f)))
     elif spec["do"] == "convert":
         _ct2.convert(spec)
     else:
@@ -287,32 +300,41 @@ def report(runs: list[list[Result]], notes: list[str]) -> list[str]:
 def measure(args, spec: dict, chunk_lines: int) -> tuple[list[list[Result]], list[str]]:
     """Warm-up, the timed rounds, RSS at N/10 and N lines, resume; returns results and notes."""
     lines, small_lines = args.lines, max(1, args.lines // 10)
-    source, small, warm = (args.out / name for name in ("input.en", "input-tenth.en", "warmup.en"))
-    inputs = {"do": "inputs", "source": str(source), "lines": lines, "small": str(small),
+    source, small, big, warm = (args.out / name for name in ("input.en", "rss-tenth.en", "rss-all.en",
+                                                             "warmup.en"))
+    inputs = {"do": "inputs", "source": str(source), "lines": lines, "small": str(small), "big": str(big),
               "small_lines": small_lines, "warm": str(warm), **spec}
     warm_chunk = int(re.search(r"WARM_CHUNK (\d+)", in_child(inputs, args.out / "inputs.log")[2]).group(1))
     notes = []
-    for beam in (1, 4):
-        run = jaxformer_run(args, warm, args.out / f"warmup-beam{beam}.de", beam, warm_chunk, 0)
-        notes.append(f"warm-up, beam {beam} (fills RUN/jax_cache; not in the table): {run.seconds:.1f} s "
-                     f"wall, {run.misses} compile-cache misses")
+    for beam, early in ((1, True), (4, True), (4, False)):
+        # Greedy: the warm-up file's batches take every shape. The staged beam search's
+        # shapes depend on when sentences close, so its warm-up is the input itself.
+        path, chunk = (warm, warm_chunk) if beam == 1 else (source, chunk_lines)
+        run = jaxformer_run(args, path, args.out / f"warmup-beam{beam}.de", beam, chunk, 0, early)
+        notes.append(f"warm-up, beam {beam}{'' if early else ', exact stop'} (fills RUN/jax_cache; not in "
+                     f"the table): {run.seconds:.1f} s wall, {run.misses} compile-cache misses")
         print(notes[-1], flush=True)
-    tenth = jaxformer_run(args, small, args.out / "tenth.de", 1, chunk_lines, small_lines)
+    # Both files start with the warm-up block, so both meet every batch shape: the RSS
+    # difference is the file size's alone, not that of more compiled shapes.
+    rss = [jaxformer_run(args, path, args.out / f"{path.stem}.de", 1, warm_chunk, n)
+           for path, n in ((small, small_lines), (big, lines))]
     rounds = []
     for i in range(args.repeats):
         rnd = []
         for beam in (1, 4):
             rnd.append(jaxformer_run(args, source, args.out / f"jaxformer-beam{beam}.de", beam, chunk_lines,
                                      lines))
+            if beam > 1:
+                rnd.append(jaxformer_run(args, source, args.out / f"jaxformer-beam{beam}-exact.de", beam,
+                                         chunk_lines, lines, early_stopping=False))
             rnd += [ct2_run(args, spec, quantization, beam, lines) for quantization in ("float32", "int8")]
-            for r in rnd[-3:]:
+            for r in rnd[-3 - (beam > 1):]:
                 print(f"round {i + 1}: {r.engine} beam {beam}: {r.rate:,.1f} sent/s", flush=True)
         rounds.append(rnd)
     greedy = [rnd[0] for rnd in rounds]
-    full = max(r.rss_mib for r in greedy)
-    notes.append(f"RSS flat in file size, jaxformer greedy, --chunk-lines {chunk_lines:,}: {small_lines:,} "
-                 f"lines {tenth.rss_mib:,.0f} MiB, {lines:,} lines {full:,.0f} MiB "
-                 f"({full / tenth.rss_mib:.2f}×)")
+    notes.append(f"RSS flat in file size, jaxformer greedy, --chunk-lines {warm_chunk:,}, each file led by "
+                 f"the warm-up block (every batch shape): + {small_lines:,} lines {rss[0].rss_mib:,.0f} MiB, "
+                 f"+ {lines:,} lines {rss[1].rss_mib:,.0f} MiB ({rss[1].rss_mib / rss[0].rss_mib:.2f}×)")
     res = resume(args, source, greedy[-1].output, chunk_lines, lines)
     whole = statistics.median(r.seconds for r in greedy)
     notes.append(f"resume: greedy run SIGKILLed{'' if res['killed'] else ' (NOT: it finished first)'} with "

@@ -11,11 +11,12 @@ to open sentences), and M is the bucket's bound (32 + 50 positions) where output
 :class:`StagedBeamSearch` runs the same :func:`~jaxformer.decode.beam_search.beam_step`
 in stages driven from the host. A stage is a ``while_loop`` over R sentences with token
 arrays and cache of length L; it returns once at most R/2 sentences are open, or at
-step L. Between stages the open sentences are gathered into the next power of two rows
-(fairseq and CTranslate2 drop finished sentences from their batch the same way) and
-the arrays are padded to 2L (at most M). Each (R, L) is one compiled program, so a
-source bucket has at most (log2 B + 1) × (log2(M / L0) + 2) of them; the persistent
-compile cache keeps them between processes. Each stage's end reads two scalars and the
+step L. Between stages the open sentences are gathered into R/2 rows (fairseq and
+CTranslate2 drop finished sentences from their batch the same way), and
+once a stage reaches step L the arrays are padded to M (the sentences still open then
+are few, so a longer cache costs little more). Each (R, L) is one compiled program: a
+source bucket has at most 2 × (log2 B + 1) of them, which the persistent compile cache
+keeps between processes. Each stage's end reads two scalars and the
 stage's results back to the host.
 
 A sentence's steps are the same arithmetic on its own rows as in ``beam_translate``;
@@ -156,7 +157,9 @@ class StagedBeamSearch:
             self.stages.append((rows, length, int(step)))
             if still_open == 0 or step >= max_decode_len:
                 return seqs_BNM, scores_BN
-            rows = min(rows, 1 << (int(still_open) - 1).bit_length())
-            if step >= length:
-                length = min(2 * length, max_decode_len)
+            # Halve (once more at the next stage's first check if few enough are open): one
+            # restaging program per (rows, length) pair, however many closed at once.
+            rows = rows // 2 if still_open <= rows // 2 else rows
+            if step >= length:   # the few sentences this long decode with rows to match
+                length = max_decode_len
             state = self._restage(state, rows=rows, length=length)
