@@ -157,9 +157,10 @@ class StagedBeamSearch:
             self.stages.append((rows, length, int(step)))
             if still_open == 0 or step >= max_decode_len:
                 return seqs_BNM, scores_BN
-            # Halve (once more at the next stage's first check if few enough are open): one
-            # restaging program per (rows, length) pair, however many closed at once.
-            rows = rows // 2 if still_open <= rows // 2 else rows
-            if step >= length:   # the few sentences this long decode with rows to match
-                length = max_decode_len
-            state = self._restage(state, rows=rows, length=length)
+            # Halve the rows as often as the open sentences allow, one level per restaging
+            # (one small program per (rows, length) pair), and grow the arrays once.
+            grown = max_decode_len if step >= length else length
+            while still_open <= rows // 2 or grown > length:
+                rows = rows // 2 if still_open <= rows // 2 else rows
+                length = grown
+                state = self._restage(state, rows=rows, length=length)
