@@ -11,13 +11,14 @@ to open sentences), and M is the bucket's bound (32 + 50 positions) where output
 :class:`StagedBeamSearch` runs the same :func:`~jaxformer.decode.beam_search.beam_step`
 in stages driven from the host. A stage is a ``while_loop`` over R sentences with token
 arrays and cache of length L; it returns once at most R/2 sentences are open, or at
-step L. Between stages the open sentences are gathered into R/2 rows (fairseq and
-CTranslate2 drop finished sentences from their batch the same way), and
-once a stage reaches step L the arrays are padded to M (the sentences still open then
-are few, so a longer cache costs little more). Each (R, L) is one compiled program: a
-source bucket has at most 2 × (log2 B + 1) of them, which the persistent compile cache
-keeps between processes. Each stage's end reads two scalars and the
-stage's results back to the host.
+step L. Between stages the open sentences are gathered into R/2 rows, and again into
+R/4 while at most that many are open (fairseq and CTranslate2 drop finished sentences
+from their batch the same way); once a stage reaches step L the arrays are padded to M
+(the sentences still open then are few, so a longer cache costs little more). Each
+(R, L) is one compiled decoding loop, at most 2 × (log2 B + 1) per source bucket, plus
+a small restaging program per pair of levels; the persistent compile cache keeps them
+between processes. Each stage's end reads two scalars and the stage's results back to
+the host.
 
 A sentence's steps are the same arithmetic on its own rows as in ``beam_translate``;
 only the batch it shares a matmul with and the number of masked cache positions
