@@ -206,19 +206,21 @@ def test_greedy_matches_generate(converted):
         assert _ours(got[row], config.pad_id) == _strip(expected[row], config.pad_id)
 
 
-@pytest.mark.parametrize("length_penalty", [1.0, 0.6])
-def test_beam_search_matches_generate(converted, length_penalty):
-    """Beam 4: the n-best lists (tokens) and sequences_scores equal generate's."""
+@pytest.mark.parametrize("length_penalty,early_stopping", [(1.0, False), (0.6, False), (0.6, True)])
+def test_beam_search_matches_generate(converted, length_penalty, early_stopping):
+    """Beam 4: the n-best lists (tokens) and sequences_scores equal generate's, under its
+    default stopping rule and with ``early_stopping=True`` (done at k finished)."""
     _, model, _, _, config, params = converted
     src, _ = _padded_batch(config.src_vocab_size, config.pad_id, seed=2)
     steps, k = 14, 4
     out = _generate(model, src, num_beams=k, num_return_sequences=k, max_new_tokens=steps,
-                    length_penalty=length_penalty, early_stopping=False)
+                    length_penalty=length_penalty, early_stopping=early_stopping)
     expected = out.sequences.numpy().reshape(src.shape[0], k, -1)
     expected_scores = out.sequences_scores.numpy().reshape(src.shape[0], k)
     seqs, scores = beam_translate(Transformer(config), params, jnp.asarray(src, jnp.int32), beam_size=k,
                                   max_decode_len=steps, bos_id=config.pad_id, eos_id=EOS,
-                                  alpha=length_penalty, extra_len=None, length_normalization="hf")
+                                  alpha=length_penalty, extra_len=None, length_normalization="hf",
+                                  early_stopping=early_stopping)
     seqs, scores = np.asarray(seqs), np.asarray(scores)
     for row in range(src.shape[0]):
         assert [_ours(s, config.pad_id) for s in seqs[row]] == \
@@ -537,3 +539,15 @@ def test_exported_run_converts_with_ctranslate2_and_decodes_as_transformers(conv
     results = translator.translate_batch(sources, beam_size=1, max_decoding_length=11, min_decoding_length=0)
     got = [[pieces[i] for i in ids if i != EOS][:11] for ids in expected]
     assert [r.hypotheses[0] for r in results] == got
+
+
+def test_generation_config_early_stopping_is_imported_and_exported(tmp_path, capsys):
+    """``early_stopping=True`` (done at k finished) is kept on import; ``"never"`` is not
+    supported and said so."""
+    from jaxformer.interop import marian
+
+    hf = {"pad_token_id": 5, "eos_token_id": 0}
+    for value, kept in ((True, True), (False, False), ("never", False)):
+        (tmp_path / "generation_config.json").write_text(json.dumps({"early_stopping": value}))
+        assert marian._generation_defaults(tmp_path, hf)["early_stopping"] is kept
+    assert "early_stopping='never'" in capsys.readouterr().err
