@@ -162,15 +162,16 @@ def still_open(state: dict[str, jax.Array], *, alpha: float, length_normalizatio
 
 
 def init_beam_state(cache: Any, *, batch_size: int, beam_size: int, bos_id: int, pad_id: int,
-                    length: int, limits_B: jax.Array) -> dict[str, Any]:
+                    length: int, max_decode_len: int, max_lengths: jax.Array | None = None) -> dict[str, Any]:
     """The loop state before the first step: only beam 0 is live (so the first step does
     not pick k copies), nothing finished, every sentence open.
 
     Args:
       cache: the model callback's state for ``B*k`` rows.
       length: the length of the token arrays ``live_seqs``/``finished_seqs [B, k, length]``.
-      limits_B: int32 ``[B]``, each sentence's most tokens (eos forced there), ≤ ``length``
-        of the last stage.
+      max_decode_len: M, tokens per hypothesis at most (≥ ``length``).
+      max_lengths: optional int ``[B]``, per-sentence limits; each sentence's ``limit``
+        (eos forced there) is min(its limit, M).
     """
     k = beam_size
     live_logprobs0 = jnp.tile(jnp.array([0.0] + [NEG_INF] * (k - 1), jnp.float32), (batch_size, 1))
@@ -183,7 +184,8 @@ def init_beam_state(cache: Any, *, batch_size: int, beam_size: int, bos_id: int,
         finished_scores=jnp.full((batch_size, k), NEG_INF, jnp.float32),
         finished_flags=jnp.zeros((batch_size, k), jnp.bool_),
         open=jnp.ones((batch_size,), jnp.bool_),
-        limit=jnp.asarray(limits_B, jnp.int32),
+        limit=(jnp.full((batch_size,), max_decode_len, jnp.int32) if max_lengths is None
+               else jnp.minimum(jnp.asarray(max_lengths, jnp.int32), max_decode_len)),
         cache=cache)
 
 
@@ -305,10 +307,9 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: Any, *, batch_size: int
       ValueError: an unknown ``length_normalization``.
     """
     check_length_normalization(length_normalization)
-    limits_B = (jnp.full((batch_size,), max_decode_len, jnp.int32) if max_lengths is None
-                else jnp.minimum(jnp.asarray(max_lengths, jnp.int32), max_decode_len))
     state0 = init_beam_state(cache, batch_size=batch_size, beam_size=beam_size, bos_id=bos_id,
-                             pad_id=pad_id, length=max_decode_len, limits_B=limits_B)
+                             pad_id=pad_id, length=max_decode_len, max_decode_len=max_decode_len,
+                             max_lengths=max_lengths)
     rule = dict(alpha=alpha, length_normalization=length_normalization)
 
     def cond(state):

@@ -200,17 +200,34 @@ def _model_callback(model: Transformer, params: Any, src_BS: jax.Array, max_deco
     """Encodes once, builds the cache (tiled over beams) and the ``tokens_to_logits`` callback.
 
     A model with scanned layers decodes through its unrolled view (one cache per layer)."""
-    model, params = unrolled(model, params)
-    variables = {"params": params}
-    encoder_output = model.apply(variables, src_BS, method=Transformer.encode)
-    cache = model.apply(variables, encoder_output, src_BS, max_decode_len, method=Transformer.init_cache)
+    unrolled_model, unrolled_params = unrolled(model, params)
+    variables = {"params": unrolled_params}
+    encoder_output = unrolled_model.apply(variables, src_BS, method=Transformer.encode)
+    cache = unrolled_model.apply(variables, encoder_output, src_BS, max_decode_len,
+                                 method=Transformer.init_cache)
     if beam_size > 1:
         cache = tile_beams(cache, beam_size)
+    return decode_step_callback(model, params), cache
+
+
+def decode_step_callback(model: Transformer, params: Any) -> TokensToLogits:
+    """``tokens_to_logits(ids [B, 1], cache) -> (logits [B, V], cache)``: one
+    :meth:`Transformer.decode_step` (a scanned model through its unrolled view)."""
+    model, params = unrolled(model, params)
+    variables = {"params": params}
 
     def tokens_to_logits(ids, cache):
         return model.apply(variables, ids, cache, method=Transformer.decode_step)
 
-    return tokens_to_logits, cache
+    return tokens_to_logits
+
+
+def source_limits(src_BS: jax.Array, *, pad_id: int, len_a: float, extra_len: int | None) -> jax.Array | None:
+    """Each sentence's most output tokens, ``len_a`` × its source length + ``extra_len``
+    (int32 ``[B]``; fairseq's ``--max-len-a/b``), or ``None`` without ``extra_len``."""
+    if extra_len is None:
+        return None
+    return jnp.floor(len_a * jnp.sum(src_BS != pad_id, axis=1)).astype(jnp.int32) + extra_len
 
 
 def uncached_model_callback(model: Transformer, params: Any, src_BS: jax.Array, max_decode_len: int,
@@ -259,12 +276,12 @@ def beam_translate(model: Transformer, params: Any, src_BS: jax.Array, *, beam_s
     Raises ``ValueError`` (before dispatch) for concrete ids outside ``[0, V_src)``.
     Returns ``(sequences [B, k, M], scores [B, k])``, best first.
     """
-    src_lengths = jnp.floor(len_a * jnp.sum(src_BS != model.config.pad_id, axis=1)).astype(jnp.int32)
     tokens_to_logits, cache = _model_callback(model, params, src_BS, max_decode_len, beam_size)
     return beam_search(tokens_to_logits, cache, batch_size=src_BS.shape[0], beam_size=beam_size,
                        bos_id=bos_id, eos_id=eos_id, pad_id=model.config.pad_id,
                        max_decode_len=max_decode_len, alpha=alpha,
-                       max_lengths=None if extra_len is None else src_lengths + extra_len,
+                       max_lengths=source_limits(src_BS, pad_id=model.config.pad_id, len_a=len_a,
+                                                 extra_len=extra_len),
                        length_normalization=length_normalization, early_stopping=early_stopping,
                        penalties=penalties)
 

@@ -36,15 +36,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxformer.decode.beam_search import (
-    beam_output,
-    beam_step,
-    check_length_normalization,
-    init_beam_state,
-    tile_beams,
-)
+from jaxformer.decode.beam_search import beam_output, beam_step, check_length_normalization, init_beam_state
+from jaxformer.decode.decoding import _model_callback, decode_step_callback, source_limits
 from jaxformer.decode.penalties import NO_PENALTIES, Penalties
-from jaxformer.model.scan import unrolled
 from jaxformer.model.transformer import DecodeCache, Transformer
 
 _SENTENCE_KEYS = ("live_seqs", "live_logprobs", "last_ids", "finished_seqs", "finished_scores",
@@ -91,33 +85,19 @@ class StagedBeamSearch:
         self._advance = jax.jit(self._run_stage, static_argnames=("stop_at",), donate_argnums=(1,))
         self._restage = jax.jit(self._next_stage, static_argnames=("rows", "length"))
 
-    def _callback(self, params):
-        model, params = unrolled(self.model, params)
-        variables = {"params": params}
-        return model, variables
-
     def _start_stage(self, params, src_BS, *, length: int, max_decode_len: int) -> dict[str, Any]:
         """Encodes ``src [B, S]`` and builds the first stage's state (cache length ``length``)."""
-        model, variables = self._callback(params)
-        encoder_output = model.apply(variables, src_BS, method=Transformer.encode)
-        cache = model.apply(variables, encoder_output, src_BS, length, method=Transformer.init_cache)
+        _, cache = _model_callback(self.model, params, src_BS, length, self.beam_size)
+        limits = source_limits(src_BS, pad_id=self.pad_id, len_a=self._len_a, extra_len=self._extra_len)
         batch = src_BS.shape[0]
-        limits_B = jnp.full((batch,), max_decode_len, jnp.int32)
-        if self._extra_len is not None:
-            src_lengths = jnp.floor(self._len_a * jnp.sum(src_BS != self.pad_id, axis=1)).astype(jnp.int32)
-            limits_B = jnp.minimum(src_lengths + self._extra_len, max_decode_len)
-        state = self._init(tile_beams(cache, self.beam_size), batch_size=batch, length=length,
-                           limits_B=limits_B)
+        state = self._init(cache, batch_size=batch, length=length, max_decode_len=max_decode_len,
+                           max_lengths=limits)
         return dict(state, origin=jnp.arange(batch, dtype=jnp.int32))
 
     def _run_stage(self, params, state, *, stop_at: int):
         """Steps until at most ``stop_at`` sentences are open or the arrays are full.
         Returns ``(state, (seqs [R, k, L], scores [R, k], origin [R], open count, step))``."""
-        model, variables = self._callback(params)
-
-        def tokens_to_logits(ids, cache):
-            return model.apply(variables, ids, cache, method=Transformer.decode_step)
-
+        tokens_to_logits = decode_step_callback(self.model, params)
         length = state["live_seqs"].shape[2]
 
         def cond(state):
