@@ -277,8 +277,6 @@ def translate_file(translate_chunk: ChunkTranslator, input_path: str | Path, out
         corrupt gzip, ``chunk_lines < 1``.
       BulkResumeError: the output's parts folder belongs to other inputs or settings.
     """
-    from tqdm import tqdm
-
     if chunk_lines < 1:
         raise BulkInputError(f"chunk_lines must be at least 1, got {chunk_lines}.")
     if not 0 <= process_index < process_count or (process_count > 1 and barrier is None):
@@ -292,17 +290,41 @@ def translate_file(translate_chunk: ChunkTranslator, input_path: str | Path, out
     job = BulkJob(output, {**record, "input_sha256": info.sha256, "input_bytes": info.size,
                            "chunk_lines": chunk_lines, "input_errors": errors})
     chunks = -(-info.lines // chunk_lines)
-    sizes = [min(chunk_lines, info.lines - i * chunk_lines) for i in range(chunks)]
     finished = {i for i in range(chunks) if job.done(i)}
     if barrier is not None:   # nobody writes a chunk before every process has listed them
         barrier("bulk: listed")
-    mine = [i for i in range(chunks) if i % process_count == process_index]
     report = BulkReport(lines=info.lines, chunks=chunks, resumed_chunks=len(finished),
                         processes=process_count)
-    bar = tqdm(total=sum(sizes[i] for i in mine), unit="lines", dynamic_ncols=True, smoothing=0.1,
-               leave=False, disable=None if progress is None else not progress)
-    bad = set(info.bad_lines)
     start = time.perf_counter()
+    _decode_share(translate_chunk, input_path, job, report, info, finished, chunk_lines=chunk_lines,
+                  errors=errors, progress=progress, process_index=process_index, process_count=process_count)
+    if barrier is not None:
+        barrier("bulk: decoded")
+        if process_index == 0:   # the whole cluster's counts, from the chunks' records
+            report = BulkReport(lines=info.lines, chunks=chunks, resumed_chunks=len(finished),
+                                processes=process_count)
+            for index in sorted(set(range(chunks)) - finished):
+                report.add(min(chunk_lines, info.lines - index * chunk_lines), job.counts(index))
+    report.seconds = time.perf_counter() - start
+    if process_index == 0:
+        job.finish(chunks)
+    if barrier is not None:   # nobody returns (and may start over) before the file is whole
+        barrier("bulk: joined")
+    return report
+
+
+def _decode_share(translate_chunk: ChunkTranslator, input_path: str | Path, job: BulkJob, report: BulkReport,
+                  info: InputInfo, finished: set[int], *, chunk_lines: int, errors: str, progress: bool | None,
+                  process_index: int, process_count: int) -> None:
+    """:func:`translate_file`'s loop: this process's chunks that are not ``finished`` are
+    decoded, written to ``job`` and counted in ``report``, under a tqdm bar."""
+    from tqdm import tqdm
+
+    mine = range(process_index, report.chunks, process_count)
+    bar = tqdm(total=sum(min(chunk_lines, info.lines - i * chunk_lines) for i in mine), unit="lines",
+               dynamic_ncols=True, smoothing=0.1, leave=False,
+               disable=None if progress is None else not progress)
+    bad = set(info.bad_lines)
     try:
         for index, lines in enumerate(read_chunks(input_path, chunk_lines, errors)):
             if index % process_count != process_index:
@@ -316,16 +338,3 @@ def translate_file(translate_chunk: ChunkTranslator, input_path: str | Path, out
             bar.update(len(lines))
     finally:
         bar.close()
-    if barrier is not None:
-        barrier("bulk: decoded")
-        if process_index == 0:   # the whole cluster's counts, from the chunks' records
-            report = BulkReport(lines=info.lines, chunks=chunks, resumed_chunks=len(finished),
-                                processes=process_count)
-            for index in sorted(set(range(chunks)) - finished):
-                report.add(sizes[index], job.counts(index))
-    report.seconds = time.perf_counter() - start
-    if process_index == 0:
-        job.finish(chunks)
-    if barrier is not None:   # nobody returns (and may start over) before the file is whole
-        barrier("bulk: joined")
-    return report
