@@ -169,6 +169,22 @@ def test_workdir_defaults_to_the_data():
     assert TrainConfig(workdir="mine", pair="en-fr").workdir == "mine"
 
 
+def test_a_failed_prepare_leaves_no_folder_it_made_and_keeps_one_it_found(tmp_path, capsys):
+    from jaxformer.cli.prepare import main
+
+    missing = tmp_path / "absent.tsv"
+    for workdir, kept in ((tmp_path / "new" / "run", False), (tmp_path / "mine", True)):
+        if kept:
+            workdir.mkdir()
+            (workdir / "notes.txt").write_text("the user's")
+        with pytest.raises(SystemExit) as stop:
+            main(["--workdir", str(workdir), "--train-file", str(missing)])
+        assert stop.value.code == 2
+        assert f"Corpus file {str(missing)!r} does not exist" in capsys.readouterr().err
+        assert workdir.exists() is kept and (tmp_path / "new").exists() is False
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "the user's"
+
+
 def test_training_on_other_data_is_refused_and_fresh_starts_over(corpus_file, run_dir, tmp_path):
     """The trainer's check comes before any compile; ``--fresh`` moves the old data aside."""
     copy = _copy(run_dir, tmp_path)

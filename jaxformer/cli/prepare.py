@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import shutil
 
 from jaxformer.data.distillation import write_training_sources
 from jaxformer.data.run_data import prepare_run_data
@@ -50,13 +51,18 @@ def main(argv: list[str] | None = None) -> None:
         return
     del args.write_train_sources
     fields = {k: v for k, v in vars(args).items() if v is not None}
+    created = None
     try:
         cfg = TrainConfig(**fields)
         run_dir = RunDir(cfg.workdir)
+        # the topmost folder this call makes: removed again if preparing fails
+        created = next((d for d in reversed([run_dir.root, *run_dir.root.parents]) if not d.exists()), None)
         run_dir.root.mkdir(parents=True, exist_ok=True)
         has_checkpoints = run_dir.checkpoints.exists() and any(run_dir.checkpoints.iterdir())
         prepare_run_data(cfg, run_dir, has_checkpoints=has_checkpoints)
     except (ValueError, OSError) as e:
+        if created is not None:   # what this call made holds nothing worth keeping
+            shutil.rmtree(created, ignore_errors=True)
         parser.exit(2, f"jaxformer-prepare: error: {e}\n")
 
 
