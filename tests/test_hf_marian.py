@@ -11,6 +11,7 @@ pass, ``generate``, tokenizer, and loss.
 import gzip
 import io
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -233,13 +234,24 @@ def test_beam_search_matches_generate(converted, length_penalty, early_stopping)
 
 
 def test_export_round_trip_is_bit_identical(converted, tmp_path):
+    """Weights bit for bit, and the run's decoding settings (early stopping, penalties)
+    through generation_config.json and back."""
     _, _, _, run, config, params = converted
+    run = shutil.copytree(run, tmp_path / "run")
+    record = json.loads((run / "config.json").read_text())
+    settings = {"early_stopping": True, "no_repeat_ngram_size": 3, "repetition_penalty": 1.2}
+    record["generation"] = {**record.get("generation", {}), **settings}
+    (run / "config.json").write_text(json.dumps(record))
     out = tmp_path / "exported"
     convert_cli.main(["--to-hf", str(run), "--out", str(out)])
+    exported = json.loads((out / "generation_config.json").read_text())
+    assert {name: exported.get(name) for name in settings} == settings
     run2 = tmp_path / "run2"
     convert_cli.main(["--from-hf", str(out), "--workdir", str(run2)])
     from jaxformer.decode.translator import Translator
 
+    generation = json.loads((run2 / "config.json").read_text())["generation"]
+    assert {name: generation.get(name) for name in settings} == settings
     again = Translator(run2, batch_size=4)
     assert again.config == config
     flat = jax.tree_util.tree_leaves_with_path(params)
