@@ -30,18 +30,6 @@ WORDS = "the house is small and we go home click ok choose format cells enter na
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory, short_corpus):
-    """A tiny run of 2 steps: what it translates does not matter here, only that the same
-    input and settings give the same bytes."""
-    root = tmp_path_factory.mktemp("bulk") / "run"
-    train(TrainConfig(workdir=str(root), train_file=str(short_corpus["train"]),
-                      dev_file=str(short_corpus["dev"]), test_file=str(short_corpus["test"]), preset="tiny",
-                      vocab_size=300, max_len=32, batch_tokens=256, max_steps=2, warmup_steps=1,
-                      eval_every=1000, dev_bleu_sentences=4, beam_size=1, progress=False, devices=1))
-    return root
-
-
-@pytest.fixture(scope="module")
 def teacher(tmp_path_factory):
     """A tiny run of 2 steps on 200 short pairs of the shipped en-de corpus, its dev and test
     split off by hash (a quarter each): the distillation test's teacher."""
@@ -53,6 +41,13 @@ def teacher(tmp_path_factory):
     train(TrainConfig(workdir=str(root / "run"), train_file=str(corpus_file), preset="tiny", max_steps=2,
                       warmup_steps=1, batch_tokens=256, **TINY_RUN))
     return root / "run"
+
+
+@pytest.fixture(scope="module")
+def workdir(teacher):
+    """The run the bulk tests translate with: the teacher. What it translates does not
+    matter there, only that the same input and settings give the same bytes."""
+    return teacher
 
 
 @pytest.fixture(autouse=True)
@@ -156,7 +151,10 @@ def test_two_processes_on_localhost_give_the_one_process_file(workdir, tmp_path)
     flags = ["--beam-size", "2", "--batch-size", "4"]
     translate_main(_command(workdir, source, tmp_path / "one.txt", *flags)[3:])
     port = _free_port()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    # conftest.py's optimization level 0 kept: process 1's programs never reach JAX's persistent
+    # cache (only process 0 writes it; a key names the devices), so it compiles them every time.
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0"}
     workers = [subprocess.Popen(
         [*_command(workdir, source, tmp_path / "two.txt", *flags, "--mesh", "data=2"),
          "--coordinator-address", f"localhost:{port}", "--num-processes", "2", "--process-id", str(i)],
