@@ -27,7 +27,9 @@ preset, which is pre-norm). Each step is a fresh process, one at a time:
    --repetition-penalty P --early-stopping`` (GNMT α 0.6, ≤ L + 50 tokens; a sentence is
    done once k hypotheses ended, CT2's rule with a length penalty; beam search in stages,
    :mod:`jaxformer.decode.staged`); "jaxformer, exact stop": ``--no-early-stopping``.
-   CT2: ``Translator(device="cpu", inter_threads=1, intra_threads=cores)``,
+   CT2: ``Translator(device="cpu", inter_threads=1, intra_threads=cores)``, and at beam 4
+   also CT2's throughput setting, ``inter_threads=cores, intra_threads=1`` (one translator
+   per core, each on its own batches; "N translators × 1 thread" in the table),
    ``translate_iterable`` over the file streamed in pieces of the export's ``source.spm``
    (the run's sentencepiece), ``max_batch_size=B``, ``length_penalty`` α (|Y|^α, not
    GNMT), ``min_decoding_length=0``, ``max_input_length`` = max_len, ``max_decoding_length``
@@ -164,11 +166,16 @@ def jaxformer_run(args, source: Path, output: Path, beam: int, chunk_lines: int,
     return Result(engine, beam, lines, seconds, rss, _loop_rate(text), misses, output)
 
 
-def ct2_run(args, spec: dict, quantization: str, beam: int, lines: int) -> Result:
-    output = args.out / f"ct2-{quantization}-beam{beam}.de"
-    seconds, rss, text = in_child({**spec, "do": "translate", "model": str(args.out / f"ct2-{quantization}"),
-                                   "beam": beam, "output": str(output)}, output.with_suffix(".log"))
-    return Result(f"CT2 {quantization}", beam, lines, seconds, rss, _loop_rate(text), None, output)
+def ct2_run(args, spec: dict, quantization: str, beam: int, lines: int, translators: int = 1) -> Result:
+    """CT2 on the input: one translator with ``--threads`` intra threads, or (``translators``
+    > 1) that many translators of one thread each, working on batches in parallel."""
+    output = args.out / f"ct2-{quantization}-beam{beam}-x{translators}.de"
+    threads = {"inter_threads": 1, "threads": args.threads} if translators == 1 else \
+        {"inter_threads": translators, "threads": 1}
+    seconds, rss, text = in_child({**spec, **threads, "do": "translate", "beam": beam, "output": str(output),
+                                   "model": str(args.out / f"ct2-{quantization}")}, output.with_suffix(".log"))
+    engine = f"CT2 {quantization}" + (f", {translators} translators × 1 thread" if translators > 1 else "")
+    return Result(engine, beam, lines, seconds, rss, _loop_rate(text), None, output)
 
 
 def child(spec: dict) -> None:
@@ -322,13 +329,17 @@ def measure(args, spec: dict, chunk_lines: int) -> tuple[list[list[Result]], lis
     for i in range(args.repeats):
         rnd = []
         for beam in (1, 4):
+            first = len(rnd)
             rnd.append(jaxformer_run(args, source, args.out / f"jaxformer-beam{beam}.de", beam, chunk_lines,
                                      lines))
             if beam > 1:
                 rnd.append(jaxformer_run(args, source, args.out / f"jaxformer-beam{beam}-exact.de", beam,
                                          chunk_lines, lines, early_stopping=False))
             rnd += [ct2_run(args, spec, quantization, beam, lines) for quantization in ("float32", "int8")]
-            for r in rnd[-3 - (beam > 1):]:
+            if beam > 1 and args.threads > 1:   # CT2's throughput setting: parallel batches
+                rnd += [ct2_run(args, spec, quantization, beam, lines, translators=args.threads)
+                        for quantization in ("float32", "int8")]
+            for r in rnd[first:]:
                 print(f"round {i + 1}: {r.engine} beam {beam}: {r.rate:,.1f} sent/s", flush=True)
         rounds.append(rnd)
     greedy = [rnd[0] for rnd in rounds]

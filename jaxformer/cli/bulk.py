@@ -7,6 +7,9 @@ With ``--coordinator-address``/``--num-processes``/``--process-id`` (or
 same command: each decodes its own share of the chunks on its own devices (``--mesh``
 is a mesh of this process's devices), writes them to ``OUTPUT.parts/`` on a filesystem
 all of them see, and process 0 joins the file in input order once all are done.
+JAX writes its persistent compilation cache (``RUN/jax_cache/``) from process 0 only,
+and a program's cache key names its devices, so the other processes compile their
+decoders on every run (measured in benchmarks/README.md, "Bulk translation").
 """
 
 from __future__ import annotations
