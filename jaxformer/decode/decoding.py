@@ -207,7 +207,7 @@ def _model_callback(model: Transformer, params: Any, src_BS: jax.Array, max_deco
                                  method=Transformer.init_cache)
     if beam_size > 1:
         cache = tile_beams(cache, beam_size)
-    return decode_step_callback(model, params), cache
+    return decode_step_callback(unrolled_model, unrolled_params), cache
 
 
 def decode_step_callback(model: Transformer, params: Any) -> TokensToLogits:
