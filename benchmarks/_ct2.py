@@ -37,7 +37,8 @@ def translate(spec: dict) -> None:
     import sentencepiece as spm
 
     sp = spm.SentencePieceProcessor(model_file=spec["spm"])
-    translator = ctranslate2.Translator(spec["model"], device="cpu", inter_threads=spec.get("inter_threads", 1),
+    translator = ctranslate2.Translator(spec["model"], device="cpu",
+                                        inter_threads=spec.get("inter_threads", 1),
                                         intra_threads=spec["threads"])
     options = dict(max_batch_size=spec["batch_size"], beam_size=spec["beam"], length_penalty=spec["alpha"],
                    repetition_penalty=spec["repetition_penalty"], min_decoding_length=0,

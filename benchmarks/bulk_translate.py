@@ -172,8 +172,9 @@ def ct2_run(args, spec: dict, quantization: str, beam: int, lines: int, translat
     output = args.out / f"ct2-{quantization}-beam{beam}-x{translators}.de"
     threads = {"inter_threads": 1, "threads": args.threads} if translators == 1 else \
         {"inter_threads": translators, "threads": 1}
-    seconds, rss, text = in_child({**spec, **threads, "do": "translate", "beam": beam, "output": str(output),
-                                   "model": str(args.out / f"ct2-{quantization}")}, output.with_suffix(".log"))
+    seconds, rss, text = in_child({**spec, **threads, "do": "translate", "beam": beam,
+                                   "output": str(output), "model": str(args.out / f"ct2-{quantization}")},
+                                  output.with_suffix(".log"))
     engine = f"CT2 {quantization}" + (f", {translators} translators × 1 thread" if translators > 1 else "")
     return Result(engine, beam, lines, seconds, rss, _loop_rate(text), None, output)
 

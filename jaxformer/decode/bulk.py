@@ -313,9 +313,9 @@ def translate_file(translate_chunk: ChunkTranslator, input_path: str | Path, out
     return report
 
 
-def _decode_share(translate_chunk: ChunkTranslator, input_path: str | Path, job: BulkJob, report: BulkReport,
-                  info: InputInfo, finished: set[int], *, chunk_lines: int, errors: str, progress: bool | None,
-                  process_index: int, process_count: int) -> None:
+def _decode_share(translate_chunk: ChunkTranslator, input_path: str | Path, job: BulkJob,
+                  report: BulkReport, info: InputInfo, finished: set[int], *, chunk_lines: int,
+                  errors: str, progress: bool | None, process_index: int, process_count: int) -> None:
     """:func:`translate_file`'s loop: this process's chunks that are not ``finished`` are
     decoded, written to ``job`` and counted in ``report``, under a tqdm bar."""
     from tqdm import tqdm
