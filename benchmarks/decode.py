@@ -3,6 +3,8 @@
     python benchmarks/decode.py                # the sizes, batch 32, ~3 minutes
     python benchmarks/decode.py --quick        # 1 repeat, no uncached runs
     python benchmarks/decode.py --no-hf        # jaxformer only
+    python benchmarks/decode.py --no-hf --no-uncached --matmul-dtype bfloat16
+                                               # float32 against bfloat16 weight matmuls
 
 Model (both sides, random initialisation): D 256, 4 heads, F 1024, 3+3 layers, a
 shared vocabulary of 8000 with tied output projection, post-norm, ReLU, sinusoidal
@@ -43,6 +45,7 @@ from _common import add_model_arguments, alternating_median_seconds, matmul_flop
 
 import jaxformer as jf
 from jaxformer.decode import decoding
+from jaxformer.model.matmul import cast_matmul_weights
 
 
 @functools.partial(jax.jit, static_argnames=("model", "out_len", "beam_size", "cached"))
@@ -108,6 +111,9 @@ def main():
     parser.add_argument("--no-hf", action="store_true", help="skip Hugging Face transformers")
     parser.add_argument("--no-uncached", action="store_true", help="skip the uncached jaxformer runs")
     parser.add_argument("--quick", action="store_true", help="1 repeat and no uncached runs")
+    parser.add_argument("--matmul-dtype", choices=("bfloat16", "float16"), default=None,
+                        help="also time the cached decoder with its weight matmuls in this dtype "
+                             "(jaxformer.model.matmul), in turns with the float32 one")
     args = parser.parse_args()
     if args.quick:
         args.repeats, args.no_uncached = 1, True
@@ -141,6 +147,11 @@ def main():
         sides = {cached: functools.partial(run, model, params, src, out_len=args.out_len, beam_size=beam,
                                            cached=cached)
                  for cached in ((True, False) if not args.no_uncached else (True,))}
+        if args.matmul_dtype:
+            narrow = config.replace(matmul_dtype=args.matmul_dtype)
+            sides[args.matmul_dtype] = functools.partial(
+                run, jf.Transformer(narrow), cast_matmul_weights(params, narrow), src, out_len=args.out_len,
+                beam_size=beam, cached=True)
         sides = {key: (lambda fn=fn: jax.block_until_ready(fn())) for key, fn in sides.items()}
         if not args.no_hf:
             try:
@@ -151,12 +162,15 @@ def main():
         # Timed in turns (jaxformer, HF, jaxformer, ...): the ratio survives a drifting machine.
         for key, seconds in zip(sides, alternating_median_seconds(list(sides.values()), args.repeats)):
             results[beam, key] = args.batch * args.out_len / seconds
-            label = (f"jaxformer {name:7s} {'cached' if key else 'uncached':8s}" if key != "hf"
-                     else f"hf generate {name:7s}         ")
+            kind = {True: "cached", False: "uncached", args.matmul_dtype: args.matmul_dtype}.get(key)
+            label = (f"jaxformer {name:7s} {kind:8s}" if key != "hf" else f"hf generate {name:7s}         ")
             print(f"{label} {seconds * 1000:8.1f} ms  {results[beam, key]:9.0f} output tokens/s"
                   + (f"  ({rate(beam, results[beam, key])})" if key is not False else ""), flush=True)
     for beam, target in ((1, 3.0), (4, 2.0)):
         name = "greedy" if beam == 1 else f"beam {beam}"
+        if (beam, args.matmul_dtype) in results:
+            print(f"{name}: jaxformer {args.matmul_dtype} / float32 weight matmuls = "
+                  f"{results[beam, args.matmul_dtype] / results[beam, True]:.2f}x")
         if (beam, False) in results:
             print(f"{name}: jaxformer cached / uncached = {results[beam, True] / results[beam, False]:.1f}x")
         if (beam, "hf") in results:

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 
+import jax
 import pytest
 
 from jaxformer.cli import translate as translate_lib
@@ -130,6 +131,43 @@ def test_a_sigkilled_run_resumes_to_the_same_file_and_other_settings_are_refused
     translate_main(_command(workdir, source, tmp_path / "straight.txt", *flags)[3:])
     assert out.read_bytes() == (tmp_path / "straight.txt").read_bytes()
     assert len(out.read_bytes().split(b"\n")) == 401
+
+
+def test_bfloat16_matmuls_in_bulk_and_a_resume_with_other_matmuls_is_refused(workdir, tmp_path, capsys,
+                                                                              monkeypatch):
+    """``--matmul-dtype bfloat16``: the run's weight matrices are cast once, the file gets one
+    line per line; the dtype is in the manifest, so finishing an interrupted bulk run with
+    float32 matmuls (other bytes) is refused."""
+    from jaxformer.decode.translator import Translator
+
+    translator = Translator(workdir, matmul_dtype="bfloat16")
+    assert translator.config.matmul_dtype == "bfloat16"
+    leaves = jax.tree_util.tree_leaves_with_path(translator.params)
+    assert {str(x.dtype) for p, x in leaves if jax.tree_util.keystr(p).endswith("kernel']")} == {"bfloat16"}
+    assert {str(x.dtype) for p, x in leaves if jax.tree_util.keystr(p).endswith("scale']")} == {"float32"}
+
+    source, out = tmp_path / "in.txt", tmp_path / "out.txt"
+    _input(source, lines=40)
+    flags = ["--workdir", str(workdir), "--input", str(source), "--output", str(out), "--beam-size", "2",
+             "--chunk-lines", "8", "--input-errors", "replace", "--early-stopping"]
+    real, calls = translate_lib._translate_lines, []
+
+    def interrupted(*args, **kwargs):   # the third chunk never finishes
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(translate_lib, "_translate_lines", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        translate_main([*flags, "--matmul-dtype", "bfloat16"])
+    monkeypatch.setattr(translate_lib, "_translate_lines", real)
+    with pytest.raises(SystemExit) as stop:
+        translate_main(flags)
+    assert stop.value.code == 2 and "matmul_dtype: then 'bfloat16', now None" in capsys.readouterr().err
+    translate_main([*flags, "--matmul-dtype", "bfloat16"])
+    assert "5 chunk(s), 2 found finished" in capsys.readouterr().err
+    assert len(out.read_text(encoding="utf-8").split("\n")) == 41
 
 
 def test_data_parallel_on_eight_devices_gives_the_one_device_file(workdir, tmp_path):

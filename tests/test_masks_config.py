@@ -160,6 +160,7 @@ def test_share_embeddings_needs_one_vocabulary():
     ("dtype", "float64"),
     ("dtype", "int32"),
     ("param_dtype", "bf16"),
+    ("matmul_dtype", "int8"),
     ("dropout_rate", 1.0),
     ("dropout_rate", -0.1),
     ("dropout_rate", float("nan")),
@@ -193,7 +194,7 @@ def test_replace_validates_again():
 
 def test_dict_round_trip():
     c = _config(share_embeddings=False, norm_position="pre", dtype="float16", dropout_rate=0.25,
-                attention_dropout_rate=0.125, pad_id=3)
+                attention_dropout_rate=0.125, pad_id=3, matmul_dtype="bfloat16")
     assert TransformerConfig.from_dict(c.to_dict()) == c
     assert TransformerConfig.from_dict(json.loads(json.dumps(c.to_dict()))) == c
     with pytest.raises(ValueError, match="bogus"):
@@ -206,6 +207,17 @@ def test_config_json_without_the_marian_fields_loads_with_paper_defaults():
     c = TransformerConfig.from_dict(old)
     assert (c.activation, c.positional_layout, c.final_logits_bias, c.layer_norm_epsilon) == \
         ("relu", "interleaved", False, 1e-6)
+
+
+def test_a_run_resumes_with_another_matmul_dtype_but_not_another_width():
+    """``matmul_dtype`` is how the weights are multiplied, not what they are: an older
+    run's record without the field, or with another value, resumes; d_model does not."""
+    from jaxformer.run.directory import check_resume_compatible
+
+    saved = {"model": {k: v for k, v in _config().to_dict().items() if k != "matmul_dtype"}}
+    check_resume_compatible(saved, _config(matmul_dtype="bfloat16"))
+    with pytest.raises(ValueError, match="d_model: saved"):
+        check_resume_compatible(saved, _config(d_model=64, num_heads=4))
 
 
 def test_split_positional_layout_is_sines_then_cosines():

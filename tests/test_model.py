@@ -31,6 +31,7 @@ from jaxformer import (
     create_padding_mask,
     sinusoidal_positional_encoding,
 )
+from jaxformer.model.matmul import cast_matmul_weights
 
 B, S, T, H, K, F = 2, 5, 7, 3, 11, 23
 D = H * K
@@ -498,6 +499,51 @@ def test_cached_decoding_matches_teacher_forcing(changes):
         chex.assert_shape(logits, (3, config.tgt_vocab_size))
         assert int(cache.index) == t + 1
         np.testing.assert_allclose(logits, full[:, t], atol=1e-5, rtol=1e-5, err_msg=f"position {t}")
+
+
+def test_bfloat16_weight_matmuls_round_the_operands_and_sum_in_float32():
+    """``matmul_dtype="bfloat16"`` (jaxformer.model.matmul): every weight matmul takes
+    bfloat16 operands and returns float32; the logits stay within bfloat16 rounding of the
+    float32 model's; parameters cast once by ``cast_matmul_weights`` give the same
+    logits bit for bit; cached decoding still equals teacher forcing."""
+    config = make_config(**SHARED)
+    narrow = config.replace(matmul_dtype="bfloat16")
+    _, variables = model_and_params(config)
+    params = variables["params"]
+    rng = np.random.default_rng(12)
+    src = ids(rng, (B, S), V_SRC, lengths=[S, 3])
+    tgt = ids(rng, (B, T), V_SRC)
+    wide_logits = np.asarray(forward(config)({"params": params}, src, tgt))
+    narrow_logits = forward(narrow)({"params": params}, src, tgt)
+    assert narrow_logits.dtype == jnp.float32
+    gap = np.abs(np.asarray(narrow_logits) - wide_logits).max()
+    assert 0 < gap < 0.03 * np.abs(wide_logits).max(), gap
+
+    lowered = {c.matmul_dtype: jax.jit(lambda p, c=c: Transformer(c).apply(p, src, tgt)).lower(
+        {"params": params}).as_text() for c in (config, narrow)}
+    dots = [line for line in lowered["bfloat16"].splitlines() if "dot_general" in line]
+    weight_dots = [line for line in dots if "bf16" in line]
+    # per layer 4 (encoder: Q K V out, FFN 2) / decoder (self 4, cross 4, FFN 2), plus the logits
+    assert len(weight_dots) == 2 * 6 + 2 * 10 + 1, "\n".join(dots)
+    assert all("-> tensor<" in line and "xf32>" in line.split("->")[-1] for line in weight_dots)
+    assert "bf16" not in lowered[None]
+
+    cast = cast_matmul_weights(params, narrow)
+    kinds = {jax.tree_util.keystr(path): x.dtype for path, x in jax.tree_util.tree_leaves_with_path(cast)}
+    assert kinds["['src_embedding']['embedding']"] == jnp.bfloat16
+    for name, dtype in kinds.items():
+        wants = jnp.bfloat16 if name.endswith("kernel']") or name.endswith("['embedding']") else jnp.float32
+        assert dtype == wants, name
+    assert cast_matmul_weights(params, config) is params
+    np.testing.assert_array_equal(forward(narrow)({"params": cast}, src, tgt), narrow_logits)
+
+    model = Transformer(narrow)
+    encoder_output = model.apply({"params": cast}, src, method=Transformer.encode)
+    cache = model.apply({"params": cast}, encoder_output, src, T, method=Transformer.init_cache)
+    step = jax.jit(lambda p, token, cache: model.apply(p, token, cache, method=Transformer.decode_step))
+    for t in range(T):
+        logits, cache = step({"params": cast}, tgt[:, t: t + 1], cache)
+        np.testing.assert_allclose(logits, narrow_logits[:, t], atol=0.02, rtol=0.02, err_msg=f"position {t}")
 
 
 # ------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from jaxformer.decode import bulk
 # values is refused (the process count is not among them: it does not change a byte).
 SETTINGS = ("beam_size", "alpha", "length_normalization", "early_stopping", "max_len_a", "max_len_b",
             "no_repeat_ngram_size", "repetition_penalty", "n_best", "sample", "temperature", "top_k",
-            "top_p", "seed", "batch_size", "long_lines", "mesh")
+            "top_p", "seed", "batch_size", "long_lines", "mesh", "matmul_dtype")
 
 
 def bulk_mode(args: argparse.Namespace) -> bool:

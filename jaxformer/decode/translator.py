@@ -17,6 +17,7 @@ from jaxformer.decode.evaluation import Evaluator
 from jaxformer.decode.exported import ExportCache
 from jaxformer.decode.penalties import Penalties
 from jaxformer.model.config import TransformerConfig
+from jaxformer.model.matmul import cast_matmul_weights
 from jaxformer.model.scan import unrolled
 from jaxformer.model.sharding import Layout
 from jaxformer.model.transformer import Transformer
@@ -46,6 +47,9 @@ class Translator:
       staged: beam search in stages (:mod:`jaxformer.decode.staged`: closed sentences
         leave the batch, the cache grows with the output), for bulk translation; one
         device only (ignored with a ``mesh``).
+      matmul_dtype: decode with the weight matmuls in this dtype (``"bfloat16"``: the
+        weight matrices are cast once, activations at each matmul, sums in float32;
+        :mod:`jaxformer.model.matmul`); ``None`` = the run's.
 
     Raises:
       FileNotFoundError: the run directory lacks ``config.json``, the tokenizer or the
@@ -54,7 +58,8 @@ class Translator:
 
     def __init__(self, workdir: str | Path, batch_size: int = 32, checkpoint: str | int = "auto",
                  max_len_a: float | None = None, max_len_b: int | None = None, exported: bool = False,
-                 mesh: jax.sharding.Mesh | None = None, staged: bool = False):
+                 mesh: jax.sharding.Mesh | None = None, staged: bool = False,
+                 matmul_dtype: str | None = None):
         from flax import linen as nn
 
         workdir = Path(workdir)
@@ -66,6 +71,8 @@ class Translator:
                                     f"directory? Train one with `python train.py --workdir ...`.")
         record = json.loads(config_path.read_text())
         self.config = TransformerConfig.from_dict(record["model"])
+        if matmul_dtype is not None:
+            self.config = self.config.replace(matmul_dtype=matmul_dtype)
         self.tokenizer = load_tokenizer(workdir, record)
         self.model = Transformer(self.config)
         ids = jnp.ones((1, 8), jnp.int32)
@@ -89,6 +96,7 @@ class Translator:
             self.params, self.step, self.kind = checkpoints.restore_params_from(checkpoint, abstract_params)
         finally:
             checkpoints.close()
+        self.params = cast_matmul_weights(self.params, self.config)
         generation = record.get("generation", {})
         if max_len_a is None and max_len_b is None and generation.get("max_length"):
             max_len_a, max_len_b = 0.0, int(generation["max_length"]) - 1

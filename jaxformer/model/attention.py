@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jaxformer.model.config import TransformerConfig
 from jaxformer.model.dropout import keep_mask
 from jaxformer.model.masks import AttentionMask
+from jaxformer.model.matmul import weight_einsum
 from jaxformer.model.sharding import constrain
 from jaxformer.model.splash import splash_dot_product_attention
 
@@ -177,7 +178,7 @@ class MultiHeadAttention(nn.Module):
         dtype = self.config.compute_dtype
         # [B, L, H, K] first: the matmul's natural output, so the kernel is never
         # transposed (XLA would otherwise re-transpose it at every decoding step).
-        y_BLHK = jnp.einsum("BLD,DHK->BLHK", x_BLD.astype(dtype), kernel_DHK.astype(dtype))
+        y_BLHK = weight_einsum("BLD,DHK->BLHK", x_BLD, kernel_DHK, self.config)
         y_BHLK = jnp.swapaxes(y_BLHK + bias_HK.astype(dtype)[None, None, :, :], 1, 2)
         return constrain(y_BHLK, ("batch", "heads", "length", "kv"))
 
@@ -221,7 +222,7 @@ class MultiHeadAttention(nn.Module):
             implementation = "xla" if c.attention_backend == "pallas" else c.attention_backend
             out_BHTK = fused_dot_product_attention(q_BHTK, k_BHSK, v_BHSK, dense,
                                                    implementation=implementation)
-        out_BTD = jnp.einsum("BHTK,HKD->BTD", out_BHTK, self.out_kernel.astype(c.compute_dtype))
+        out_BTD = weight_einsum("BHTK,HKD->BTD", out_BHTK, self.out_kernel, c)
         out_BTD = out_BTD + self.out_bias.astype(c.compute_dtype)[None, None, :]
         out_BTD = constrain(out_BTD, ("batch", "length", "embed"))
         chex.assert_shape(out_BTD, (q_BHTK.shape[0], q_BHTK.shape[2], c.d_model))

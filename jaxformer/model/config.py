@@ -42,6 +42,10 @@ class TransformerConfig:
       dtype: compute dtype name (``"float32"``, ``"bfloat16"``, ``"float16"``).
         Softmax and the loss always run in float32.
       param_dtype: parameter dtype name (float32 by default).
+      matmul_dtype: operand dtype of the weight matmuls (projections, feed-forward,
+        logits), summed and returned in ``dtype`` (:mod:`jaxformer.model.matmul`);
+        ``None`` = ``dtype``. ``"bfloat16"`` is a decoding speed option on bfloat16
+        matmul hardware (the translate tool's ``--matmul-dtype``).
       attention_backend: ``"reference"`` (the vmapped core of
         :func:`jaxformer.scaled_dot_product_attention`, which can sow attention
         weights), or :func:`jax.nn.dot_product_attention` with ``"xla"`` (any device)
@@ -89,6 +93,7 @@ class TransformerConfig:
     norm_position: NormPosition = "post"
     dtype: str = "float32"
     param_dtype: str = "float32"
+    matmul_dtype: str | None = None
     attention_backend: str = "reference"
     remat: bool = False
     scan_layers: bool = False
@@ -120,6 +125,9 @@ class TransformerConfig:
             if getattr(self, name) not in _FLOAT_DTYPES:
                 raise ValueError(f"TransformerConfig.{name} must be one of {_FLOAT_DTYPES}, "
                                  f"got {getattr(self, name)!r}.")
+        if self.matmul_dtype is not None and self.matmul_dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"TransformerConfig.matmul_dtype must be None (= dtype) or one of "
+                             f"{_FLOAT_DTYPES}, got {self.matmul_dtype!r}.")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                              f"got {self.attention_backend!r}.")

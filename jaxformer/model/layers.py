@@ -15,6 +15,7 @@ import numpy as np
 from jaxformer.model.attention import MultiHeadAttention
 from jaxformer.model.config import TransformerConfig
 from jaxformer.model.dropout import Dropout
+from jaxformer.model.matmul import dense_dot_general, weight_einsum
 from jaxformer.model.sharding import constrain
 
 
@@ -77,7 +78,10 @@ class Embedding(nn.Module):
     def __call__(self, ids_BL):
         """ids ``[B, L]`` int → ``[B, L, D]`` in the compute dtype."""
         c = self.config
-        x = jnp.take(self.embedding, ids_BL, axis=0).astype(c.compute_dtype)
+        x = jnp.take(self.embedding, ids_BL, axis=0)
+        if c.matmul_dtype is not None:   # the table's rows as the tied projection sees them
+            x = x.astype(c.matmul_dtype)
+        x = x.astype(c.compute_dtype)
         x = x * jnp.asarray(np.sqrt(c.d_model), c.compute_dtype)
         chex.assert_shape(x, ids_BL.shape + (c.d_model,))
         return constrain(x, ("batch", "length", "embed"))
@@ -85,7 +89,7 @@ class Embedding(nn.Module):
     def attend(self, x_BLD):
         """Logits with the shared table as output projection: ``[B, L, V]``."""
         c = self.config
-        logits = jnp.einsum("BLD,VD->BLV", x_BLD, self.embedding.astype(c.compute_dtype))
+        logits = weight_einsum("BLD,VD->BLV", x_BLD, self.embedding, c)
         chex.assert_shape(logits, x_BLD.shape[:2] + (self.vocab_size,))
         return constrain(logits, ("batch", "length", "vocab"))
 
@@ -120,8 +124,9 @@ class OutputProjection(nn.Module):
 
     def __call__(self, x_BLD):
         """``[B, L, D]`` → logits ``[B, L, V]`` in the compute dtype."""
-        kernel_DV, bias_V = self.weights()
-        logits = jnp.einsum("BLD,DV->BLV", x_BLD.astype(kernel_DV.dtype), kernel_DV) + bias_V[None, None, :]
+        c = self.config
+        logits = weight_einsum("BLD,DV->BLV", x_BLD, self.kernel, c)
+        logits = logits + self.bias.astype(c.compute_dtype)[None, None, :]
         chex.assert_shape(logits, x_BLD.shape[:2] + (self.vocab_size,))
         return constrain(logits, ("batch", "length", "vocab"))
 
@@ -175,7 +180,7 @@ class PositionwiseFeedForward(nn.Module):
     @nn.compact
     def __call__(self, x_BLD):
         c = self.config
-        dense = dict(dtype=c.compute_dtype, param_dtype=c.parameter_dtype)
+        dense = dict(dtype=c.compute_dtype, param_dtype=c.parameter_dtype, dot_general=dense_dot_general(c))
         xavier, zeros = nn.initializers.xavier_uniform(), nn.initializers.zeros_init()
         w1 = nn.Dense(c.d_ff, name="w1", kernel_init=_partitioned(xavier, "embed", "mlp"),
                       bias_init=_partitioned(zeros, "mlp"), **dense)

@@ -182,11 +182,11 @@ def set_aside_metrics_after(run_dir: RunDir, step: int) -> None:
 def check_resume_compatible(saved: dict[str, Any], model_config: TransformerConfig) -> None:
     """Raises ``ValueError`` naming every architecture field that differs from the saved run."""
     saved_model = saved.get("model", {})
-    # How the weights are computed (attention kernel, remat, scanned layers: their
+    # How the weights are computed (attention kernel, remat, matmul dtype, scanned layers: their
     # checkpoints convert, jaxformer.model.scan) may change between runs;
     # a field missing from an older run's record has its default.
     defaults = {f.name: f.default for f in dataclasses.fields(TransformerConfig)}
-    changeable = ("attention_backend", "remat", "scan_layers")
+    changeable = ("attention_backend", "remat", "scan_layers", "matmul_dtype")
     differing = {k: (saved_model.get(k, defaults[k]), v) for k, v in model_config.to_dict().items()
                  if k not in changeable and saved_model.get(k, defaults[k]) != v}
     if differing:

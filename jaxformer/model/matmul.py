@@ -1,0 +1,85 @@
+"""The weight matmuls in a narrower operand dtype: ``config.matmul_dtype``.
+
+Every matmul of activations with a weight matrix (the Q/K/V and output projections,
+the feed-forward layers, the logits) goes through :func:`weight_einsum` or
+:func:`dense_dot_general`. With ``matmul_dtype=None`` they compute in the model's
+``dtype`` as before. With ``matmul_dtype="bfloat16"`` both operands are rounded to
+bfloat16 and the products are summed and returned in ``dtype`` (float32 accumulation,
+``preferred_element_type``); LayerNorm, softmax, residuals and the attention core keep
+``dtype``. That is what bfloat16 matmul units compute (TPU MXU passes at default
+precision, Intel AMX, NVIDIA tensor cores) and what CTranslate2's ``compute_type`` and
+Marian's ``--gemm-type`` choose for decoding. On a CPU with AMX, XLA runs a bfloat16
+``[128, 128] × [128, 8000]`` matmul ~3-5× faster than float32
+(``benchmarks/decode.py --matmul-dtype bfloat16``).
+
+Weights already stored in ``matmul_dtype`` are used as they are (the translator casts
+a run's float32 matrices once when it loads them, :func:`cast_matmul_weights`), so a
+decoding step casts only its activations. The embedding lookup rounds its rows to
+``matmul_dtype`` too, so the model computes the same with float32 parameters as with
+cast ones.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxformer.model.config import TransformerConfig
+
+
+def weight_einsum(subscripts: str, x, kernel, config: TransformerConfig):
+    """``jnp.einsum(subscripts, x, kernel)`` with operands in ``config.matmul_dtype``.
+
+    Args:
+      subscripts: the einsum of one activation array and one weight array.
+      x: activations, any float dtype.
+      kernel: the weight (any float dtype; float32 parameters or ones already cast).
+
+    Returns:
+      The product in ``config.compute_dtype`` (accumulated in it when the operands
+      are narrower).
+    """
+    compute = config.compute_dtype
+    if config.matmul_dtype is None:
+        return jnp.einsum(subscripts, x.astype(compute), kernel.astype(compute))
+    operand = jnp.dtype(config.matmul_dtype)
+    return jnp.einsum(subscripts, x.astype(operand), kernel.astype(operand), preferred_element_type=compute)
+
+
+def dense_dot_general(config: TransformerConfig):
+    """The ``dot_general`` for :class:`flax.linen.Dense` layers (``dtype=compute_dtype``):
+    :func:`jax.lax.dot_general` with operands in ``config.matmul_dtype`` and the result
+    in the compute dtype; plain ``dot_general`` when ``matmul_dtype`` is ``None``."""
+    if config.matmul_dtype is None:
+        return jax.lax.dot_general
+    operand, compute = jnp.dtype(config.matmul_dtype), config.compute_dtype
+
+    @functools.wraps(jax.lax.dot_general)
+    def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
+        del preferred_element_type   # Dense asks for none; the product is summed in the compute dtype
+        return jax.lax.dot_general(lhs.astype(operand), rhs.astype(operand), dimension_numbers,
+                                   precision=precision, preferred_element_type=compute, **kwargs)
+
+    return dot_general
+
+
+def _is_matmul_weight(name: str) -> bool:
+    return name == "embedding" or name.endswith("kernel")
+
+
+def cast_matmul_weights(params, config: TransformerConfig):
+    """``params`` with the weight matrices (``*kernel``, ``embedding``) in
+    ``config.matmul_dtype``, once, so the decoding steps do not cast them again;
+    biases and LayerNorm parameters keep their dtype. ``params`` unchanged when
+    ``matmul_dtype`` is ``None``."""
+    if config.matmul_dtype is None:
+        return params
+    operand = jnp.dtype(config.matmul_dtype)
+
+    def cast(path, x):
+        name = getattr(path[-1], "key", "")
+        return x.astype(operand) if _is_matmul_weight(str(name)) else x
+
+    return jax.tree_util.tree_map_with_path(cast, params)
