@@ -26,7 +26,9 @@ preset, which is pre-norm). Each step is a fresh process, one at a time:
    ``jaxformer-translate --input --output --beam-size k --batch-size B --chunk-lines C
    --repetition-penalty P --early-stopping`` (GNMT α 0.6, ≤ L + 50 tokens; a sentence is
    done once k hypotheses ended, CT2's rule with a length penalty; beam search in stages,
-   :mod:`jaxformer.decode.staged`); "jaxformer, exact stop": ``--no-early-stopping``.
+   :mod:`jaxformer.decode.staged`); "jaxformer, exact stop": ``--no-early-stopping``;
+   "jaxformer, bfloat16 matmuls": ``--matmul-dtype bfloat16`` (``--matmul-dtype none``
+   leaves it out), its "= jaxformer" the share of lines equal to float32's.
    CT2: ``Translator(device="cpu", inter_threads=1, intra_threads=cores)``, and at beam 4
    also CT2's throughput setting, ``inter_threads=cores, intra_threads=1`` (one translator
    per core, each on its own batches; "N translators × 1 thread" in the table),
@@ -148,21 +150,23 @@ def _clear(output: Path) -> None:
 
 
 def jaxformer_cmd(args, source: Path, output: Path, beam: int, chunk_lines: int,
-                  early_stopping: bool = True) -> list[str]:
+                  early_stopping: bool = True, matmul_dtype: str | None = None) -> list[str]:
     return [sys.executable, "-c", COUNTING, "--workdir", args.workdir, "--input", str(source),
             "--output", str(output), "--beam-size", str(beam), "--batch-size", str(args.batch_size),
             "--chunk-lines", str(chunk_lines), "--repetition-penalty", str(args.repetition_penalty),
-            "--early-stopping" if early_stopping else "--no-early-stopping"]
+            "--early-stopping" if early_stopping else "--no-early-stopping",
+            *(["--matmul-dtype", matmul_dtype] if matmul_dtype else [])]
 
 
 def jaxformer_run(args, source: Path, output: Path, beam: int, chunk_lines: int, lines: int,
-                  early_stopping: bool = True) -> Result:
+                  early_stopping: bool = True, matmul_dtype: str | None = None) -> Result:
     _clear(output)
-    cmd = jaxformer_cmd(args, source, output, beam, chunk_lines, early_stopping)
+    cmd = jaxformer_cmd(args, source, output, beam, chunk_lines, early_stopping, matmul_dtype)
     seconds, rss, text = measured(cmd, output.with_suffix(".log"))
     events = json.loads([x for x in text.splitlines() if x.startswith("EVENTS ")][-1][len("EVENTS "):])
     misses = events.get("cache_misses", 0)
-    engine = "jaxformer" if early_stopping else EXACT
+    engine = (f"jaxformer, {matmul_dtype} matmuls" if matmul_dtype else "jaxformer") if early_stopping \
+        else EXACT
     return Result(engine, beam, lines, seconds, rss, _loop_rate(text), misses, output)
 
 
@@ -297,11 +301,15 @@ def report(runs: list[list[Result]], notes: list[str]) -> list[str]:
                     f"{statistics.median(r.rate for r in same):,.1f} | "
                     f"{statistics.median(loops) if loops else float('nan'):,.1f} | "
                     f"{max(r.rss_mib for r in same):,.0f} | {agree} | {misses} |")
-        if first.engine != "jaxformer":
-            values = [j.rate / r.rate for j, r in zip(ours, same)]
-            each, target = ", ".join(f"{v:.2f}" for v in values), TARGETS.get((first.engine, first.beam), "")
-            ratios.append(f"- jaxformer / {first.engine}, beam {first.beam}: "
-                          f"**{statistics.median(values):.2f}×** (rounds: {each}){target}")
+        if first.engine.startswith("CT2"):   # each early-stopping jaxformer against each CT2 setting
+            for k, mine in enumerate(runs[0]):
+                if mine.beam != first.beam or not mine.engine.startswith("jaxformer") or mine.engine == EXACT:
+                    continue
+                values = [rnd[k].rate / r.rate for rnd, r in zip(runs, same)]
+                each = ", ".join(f"{v:.2f}" for v in values)
+                target = TARGETS.get((first.engine, first.beam), "")
+                ratios.append(f"- {mine.engine} / {first.engine}, beam {first.beam}: "
+                              f"**{statistics.median(values):.2f}×** (rounds: {each}){target}")
     return rows + [""] + sorted(ratios, key=lambda line: "beam 4" not in line) + [f"- {n}" for n in notes]
 
 
@@ -314,12 +322,15 @@ def measure(args, spec: dict, chunk_lines: int) -> tuple[list[list[Result]], lis
               "small_lines": small_lines, "warm": str(warm), **spec}
     warm_chunk = int(re.search(r"WARM_CHUNK (\d+)", in_child(inputs, args.out / "inputs.log")[2]).group(1))
     notes = []
-    for beam, early in ((1, True), (4, True), (4, False)):
+    narrow = [args.matmul_dtype] if args.matmul_dtype != "none" else []
+    for beam, early, dtype in ((1, True, None), (4, True, None), (4, False, None),
+                               *((b, True, d) for d in narrow for b in (1, 4))):
         # Greedy: the warm-up file's batches take every shape. The staged beam search's
         # shapes depend on when sentences close, so its warm-up is the input itself.
         path, chunk = (warm, warm_chunk) if beam == 1 else (source, chunk_lines)
-        run = jaxformer_run(args, path, args.out / f"warmup-beam{beam}.de", beam, chunk, 0, early)
-        notes.append(f"warm-up, beam {beam}{'' if early else ', exact stop'} (fills RUN/jax_cache; not in "
+        run = jaxformer_run(args, path, args.out / f"warmup-beam{beam}.de", beam, chunk, 0, early, dtype)
+        notes.append(f"warm-up, beam {beam}{'' if early else ', exact stop'}"
+                     f"{f', {dtype} matmuls' if dtype else ''} (fills RUN/jax_cache; not in "
                      f"the table): {run.seconds:.1f} s wall, {run.misses} compile-cache misses")
         print(notes[-1], flush=True)
     # Both files start with the warm-up block, so both meet every batch shape: the RSS
@@ -336,6 +347,8 @@ def measure(args, spec: dict, chunk_lines: int) -> tuple[list[list[Result]], lis
             if beam > 1:
                 rnd.append(jaxformer_run(args, source, args.out / f"jaxformer-beam{beam}-exact.de", beam,
                                          chunk_lines, lines, early_stopping=False))
+            rnd += [jaxformer_run(args, source, args.out / f"jaxformer-beam{beam}-{dtype}.de", beam,
+                                  chunk_lines, lines, matmul_dtype=dtype) for dtype in narrow]
             rnd += [ct2_run(args, spec, quantization, beam, lines) for quantization in ("float32", "int8")]
             if beam > 1 and args.threads > 1:   # CT2's throughput setting: parallel batches
                 rnd += [ct2_run(args, spec, quantization, beam, lines, translators=args.threads)
@@ -370,6 +383,8 @@ def main() -> None:
     add("--threads", type=int, default=usable_cores(), help="CT2 intra_threads (default: usable cores)")
     add("--out", type=Path, help="scratch folder (default: a new one in /tmp, removed at the end)")
     add("--write", metavar="MARKDOWN", help="put the table between the markers in this file")
+    add("--matmul-dtype", choices=("bfloat16", "float16", "none"), default="bfloat16",
+        help="also time jaxformer with --matmul-dtype this (default bfloat16; none: only float32)")
     add("--quick", action="store_true", help="2,000 lines, one round: to check that it runs")
     add("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()

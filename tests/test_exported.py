@@ -37,7 +37,10 @@ def test_a_decoder_is_exported_once_and_later_read_from_disk(tmp_path):
     changed = ExportCache(tmp_path).decoder(_counting(calls), "toy", config.replace(activation="gelu"),
                                            beam_size=4)
     changed(params, src)              # another model config: its own export
-    assert calls == [(2, 3), (4, 3), (2, 3), (2, 3)] and len(list(tmp_path.glob("*.jaxexport"))) == 4
+    narrow = ExportCache(tmp_path).decoder(_counting(calls), "toy", config.replace(matmul_dtype="bfloat16"),
+                                          beam_size=4)
+    narrow(params, src)               # other weight matmuls (--matmul-dtype): its own export
+    assert calls == [(2, 3), (4, 3), (2, 3), (2, 3), (2, 3)] and len(list(tmp_path.glob("*.jaxexport"))) == 5
 
 
 def test_a_damaged_export_is_made_again(tmp_path):

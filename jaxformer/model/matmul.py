@@ -8,9 +8,12 @@ bfloat16 and the products are summed and returned in ``dtype`` (float32 accumula
 ``preferred_element_type``); LayerNorm, softmax, residuals and the attention core keep
 ``dtype``. That is what bfloat16 matmul units compute (TPU MXU passes at default
 precision, Intel AMX, NVIDIA tensor cores) and what CTranslate2's ``compute_type`` and
-Marian's ``--gemm-type`` choose for decoding. On a CPU with AMX, XLA runs a bfloat16
-``[128, 128] × [128, 8000]`` matmul ~3-5× faster than float32
-(``benchmarks/decode.py --matmul-dtype bfloat16``).
+Marian's ``--gemm-type`` choose for decoding. On a 2-core Sapphire Rapids VM (AMX), XLA
+ran a ``[128, 128] × [128, 8000]`` matmul with bfloat16 operands 3-4.6× faster than in
+float32; whole decoding gains less, as the attention core, the beam reorder and the
+elementwise work stay in float32 (``benchmarks/decode.py --matmul-dtype bfloat16``).
+The training loss's fused output projection
+(:func:`jaxformer.train.losses.projected_cross_entropy`) keeps ``dtype``.
 
 Weights already stored in ``matmul_dtype`` are used as they are (the translator casts
 a run's float32 matrices once when it loads them, :func:`cast_matmul_weights`), so a
