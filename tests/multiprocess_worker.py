@@ -23,8 +23,33 @@ import sys
 import time
 
 
+def _let_every_process_write_the_compilation_cache() -> None:
+    """JAX writes persistent cache entries from process 0 only (for shared file systems;
+    ``jax._src.compiler._cache_write``), and process 1's cache keys differ from process
+    0's (its train step missed the entry process 0 had written). So process 1 compiled its ~60
+    programs again at every launch of the test, the train step included (a launch took
+    38 s, now 25 s). On one machine with one cache folder, each process writes its own
+    keys. Only a speed-up: where JAX's internals differ, nothing is changed."""
+    from jax._src import compiler, distributed
+
+    write = getattr(compiler, "_cache_write", None)
+    if write is None or not hasattr(distributed.global_state, "process_id"):
+        return
+
+    def cache_write(*args, **kwargs):
+        process_id = distributed.global_state.process_id
+        distributed.global_state.process_id = 0
+        try:
+            return write(*args, **kwargs)
+        finally:
+            distributed.global_state.process_id = process_id
+    compiler._cache_write = cache_write
+
+
 def main(port: str, process_id: int, config_json: str) -> None:
     import jax
+
+    _let_every_process_write_the_compilation_cache()
 
     from jaxformer.run.config import TrainConfig
     from jaxformer.run.logs import console_logging
