@@ -37,8 +37,8 @@ def _run_two_processes(*args: str, env_1: dict[str, str] | None = None) -> list[
     Returns, in process order, each worker's last stdout line (JSON) and its whole stdout.
     """
     port = _free_port()
-    # conftest.py's optimization level 0 kept: each launch compiles what the persistent cache
-    # lacks (process 1's one-process programs: only process 0 writes the cache) in seconds less.
+    # conftest.py's optimization level 0 kept: the first launch compiles every program of
+    # both processes (their cache keys differ; multiprocess_worker.py lets both write them).
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS="--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0",
                PYTHONPATH=os.pathsep.join([str(WORKER.parents[1]), os.environ.get("PYTHONPATH", "")]))
