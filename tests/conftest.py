@@ -54,12 +54,18 @@ def short_corpus(tmp_path_factory):
 
 
 # The longest modules first. Under --dist loadfile (pyproject.toml) each xdist worker takes
-# the next module when it finishes one, in collection order; started first, the long ones
-# no longer leave one worker running a long module alone at the end (longest-first
-# scheduling). Measured on a clean clone (2 workers): test_multiprocess ~140 s,
-# test_resilience ~170 s, test_train_e2e ~120 s, test_hf_marian ~105 s, test_compile ~90 s.
-_LONGEST_FIRST = ("test_resilience.py", "test_multiprocess.py", "test_train_e2e.py", "test_hf_marian.py",
-                  "test_compile.py", "test_training.py", "test_sharding.py", "test_cli.py")
+# the next module when it is about to finish one, in collection order (pyproject.toml also
+# sets --no-loadscope-reorder: xdist's default orders the modules by their number of tests,
+# which put the one-test, two-minute test_multiprocess last in the queue). Started first, the
+# long ones do not leave one worker running a long module alone at the end (longest-first
+# scheduling). Seconds of each module on a clean clone with 2 workers (after commit
+# 7285af0, 124-149 GFLOP/s): resilience 208, sharding 153, hf_marian 136, cli 132,
+# multiprocess 131, bulk_translate 127, train_e2e 118, training 115, compile 115,
+# decoding 80, scan 73, model 68, packing 57, staged 46; the rest 35 or less.
+_LONGEST_FIRST = ("test_resilience.py", "test_sharding.py", "test_hf_marian.py", "test_cli.py",
+                  "test_multiprocess.py", "test_bulk_translate.py", "test_train_e2e.py", "test_training.py",
+                  "test_compile.py", "test_decoding.py", "test_scan.py", "test_model.py", "test_packing.py",
+                  "test_staged.py")
 
 
 def pytest_collection_modifyitems(items):
