@@ -14,6 +14,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+import pytest
 
 from jaxformer.decode.translator import Translator
 from jaxformer.run.checkpoints import RunCheckpoints
@@ -80,14 +81,21 @@ def _leaves(params: dict) -> dict[str, np.ndarray]:
             for path, value in jax.tree_util.tree_flatten_with_path(params)[0]}
 
 
-def test_two_process_trainer_preempted_resumes_and_matches_one_process(
-        tmp_path, short_corpus, capsys):
+_CONFIG = dict(preset="tiny", vocab_size=300, max_len=32, batch_tokens=512, warmup_steps=10, eval_every=1000,
+               dev_bleu_sentences=12, eval_batch_size=16, beam_size=1, checkpoint_every=8, progress=False,
+               mesh="data=4,model=2",
+               log_every=1,      # a resume at any step leaves no partly logged window
+               max_minutes=60)   # not reached; the processes agree on it every log_every steps
+_LAST = 14   # preempted at 6 (and at 7 or later), checkpoints at 8 and 14
+
+
+def _preempt_resume_and_compare(tmp_path: Path, short_corpus, capsys, *, preempt_at_restore: bool) -> None:
     """``train()`` as two processes on a data=4,model=2 mesh. SIGTERM reaches process 1
     only, before its 6th step: both processes stop at the same step (JAX's preemption
-    sync point) with a checkpoint there. The second launch gets SIGTERM on process 1
-    while it is still starting up, and also stops after a step or more; the third
-    resumes and finishes. Process 0 alone logs and writes the records; every step is
-    logged once.
+    sync point) with a checkpoint there. With ``preempt_at_restore`` a second launch gets
+    SIGTERM on process 1 while it is still starting up, and also stops after a step or
+    more. The last launch resumes and finishes. Process 0 alone logs and writes the
+    records; every step is logged once.
 
     The preempted run is compared with one process on 8 devices (the same mesh and
     tokenizer, no interruption). They agree to round-off only, and the tolerances say why: gloo sums the
@@ -102,46 +110,42 @@ def test_two_process_trainer_preempted_resumes_and_matches_one_process(
     comparison still catches both at rtol 1e-3 on the losses and 1e-2 on each weight's
     relative norm. That a resume is exact bit for bit is tested in one process
     (``tests/test_resilience.py``), where no second summation order exists; an
-    uninterrupted two-process run as the exact reference here cost a fourth launch of
+    uninterrupted two-process run as the exact reference here cost another launch of
     two processes (~45 s of the suite). A one-device ``Translator`` reads the checkpoints."""
-    config = dict(train_file=str(short_corpus["train"]), dev_file=str(short_corpus["dev"]),
-                  test_file=str(short_corpus["test"]), preset="tiny", vocab_size=300, max_len=32,
-                  batch_tokens=512, warmup_steps=10, eval_every=1000, dev_bleu_sentences=12,
-                  eval_batch_size=16, beam_size=1, checkpoint_every=8, progress=False,
-                  mesh="data=4,model=2",
-                  log_every=1,      # a resume at any step leaves no partly logged window
-                  max_minutes=60)   # not reached; the processes agree on it every log_every steps
-    last = 14   # preempted at 6 and at 7 (or later), checkpoints at 8 and 14
+    config = dict(_CONFIG, train_file=str(short_corpus["train"]), dev_file=str(short_corpus["dev"]),
+                  test_file=str(short_corpus["test"]))
     two, one = tmp_path / "two", tmp_path / "one"
 
     def arguments(workdir: Path) -> str:
-        return json.dumps({**config, "workdir": str(workdir), "max_steps": last})
+        return json.dumps({**config, "workdir": str(workdir), "max_steps": _LAST})
 
     def preempted(signal_at: str, after: int) -> int:
         outputs = _run_two_processes(arguments(two), env_1={"SIGTERM_AT_STEP": signal_at})
         stops = {o.get("preempted_at") for o, _ in outputs}
         assert len(stops) == 1 and [o.get("signal") for o, _ in outputs] == ["SIGTERM"] * 2, outputs
         stop = stops.pop()
-        assert after < stop < last
+        assert after < stop < _LAST
         assert RunCheckpoints(two, read_only=True).latest_step() == stop
         assert "SIGTERM received: stopped at step" in outputs[0][1]
+        assert "SIGTERM received" not in outputs[1][1]   # process 0 alone speaks
         return stop
 
     stop = preempted("6", after=5)
-    stop = preempted("restore", after=stop)   # the notice comes before the first step
+    if preempt_at_restore:
+        stop = preempted("restore", after=stop)   # the notice comes before the first step
 
     (result, out_0), (_, out_1) = _run_two_processes(arguments(two))
     assert "resumed" in out_0 and f"at step {stop}" in out_0
     assert "resumed" not in out_1 and "test BLEU" not in out_1   # process 0 alone speaks
-    assert result["results"]["final_step"] == last
-    assert json.loads((two / "results.json").read_text())["final_step"] == last
+    assert result["results"]["final_step"] == _LAST
+    assert json.loads((two / "results.json").read_text())["final_step"] == _LAST
 
-    losses, params = _train_losses(two), _leaves(_params_at(two, last))
-    assert sorted(losses) == list(range(1, last + 1))   # one record per step, none repeated
+    losses, params = _train_losses(two), _leaves(_params_at(two, _LAST))
+    assert sorted(losses) == list(range(1, _LAST + 1))   # one record per step, none repeated
 
     shutil.copytree(two / "tokenizer", one / "tokenizer")   # the same vocabulary
-    assert train(TrainConfig(**config, workdir=str(one), max_steps=last))["final_step"] == last
-    reference, reference_params = _train_losses(one), _leaves(_params_at(one, last))
+    assert train(TrainConfig(**config, workdir=str(one), max_steps=_LAST))["final_step"] == _LAST
+    reference, reference_params = _train_losses(one), _leaves(_params_at(one, _LAST))
     assert sorted(reference) == sorted(losses)
     np.testing.assert_allclose([losses[s] for s in sorted(losses)],
                                [reference[s] for s in sorted(losses)], rtol=1e-3)
@@ -154,4 +158,17 @@ def test_two_process_trainer_preempted_resumes_and_matches_one_process(
 
     capsys.readouterr()
     translator = Translator(two)
-    assert translator.step <= last and len(translator(["Click OK."], beam_size=1)) == 1
+    assert translator.step <= _LAST and len(translator(["Click OK."], beam_size=1)) == 1
+
+
+def test_two_process_trainer_preempted_resumes_and_matches_one_process(tmp_path, short_corpus, capsys):
+    """Two launches: preempted at step 6, then resumed to the end (the helper's docstring)."""
+    _preempt_resume_and_compare(tmp_path, short_corpus, capsys, preempt_at_restore=False)
+
+
+@pytest.mark.slow
+def test_two_process_trainer_preempted_while_starting_up_resumes_and_matches_one_process(
+        tmp_path, short_corpus, capsys):
+    """Three launches: the default test's, plus one preempted while it restores its
+    checkpoint, before its first step (the signal comes as the processes set up)."""
+    _preempt_resume_and_compare(tmp_path, short_corpus, capsys, preempt_at_restore=True)
