@@ -3,8 +3,8 @@
 The run is trained through ``jaxformer.cli.train.main`` with a ``--config`` file and flags, a
 learning rate too small to change a translation (dev BLEU stays flat, so ``--patience 2`` stops
 it at step 30 of 40), ``--average-last 2`` and ``--tgt-lang zh``. The tests read its
-files and run the translate command on it; one test installs the package (not
-editable) and runs both console scripts.
+files and run the translate command on it. One test builds the wheel and checks what it
+holds; a slow one installs it (not editable) and runs both console scripts.
 """
 
 import contextlib
@@ -323,13 +323,51 @@ def test_second_translate_invocation_compiles_and_traces_nothing(run, tmp_path):
     assert len(list((copy / "jax_cache" / "exported").glob("*.jaxexport"))) == 1
 
 
-def test_console_scripts_from_a_wheel_install_train_and_translate(tmp_path, short_corpus):
+def _source_tree(tmp_path):
+    """What a source distribution holds: the project files and the package, no caches."""
     source = tmp_path / "src"
     source.mkdir()
     for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(REPO / name, source / name)
     shutil.copytree(REPO / "jaxformer", source / "jaxformer",
                     ignore=shutil.ignore_patterns("__pycache__"))
+    return source
+
+
+def test_the_wheel_holds_every_package_file_and_its_console_scripts_resolve(tmp_path):
+    """The wheel ``pip install .`` builds holds every file of the package (each wing's
+    modules, the shipped corpora and their licence), and its console scripts are the ones
+    pyproject.toml names, each an existing function. The slow test below installs it and
+    runs ``jaxformer-train`` and ``jaxformer-translate`` from the installed copy."""
+    import configparser
+    import importlib
+    import tomllib
+    import zipfile
+
+    source = _source_tree(tmp_path)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--wheel-dir", str(tmp_path / "dist"), str(source)],
+                   check=True, timeout=300, cwd=tmp_path)
+    wheel, = (tmp_path / "dist").glob("jaxformer-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        info = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+        entry_points = configparser.ConfigParser()
+        entry_points.read_string(archive.read(info).decode())
+    packaged = {name for name in names if name.startswith("jaxformer/")}
+    expected = {p.relative_to(source).as_posix() for p in (source / "jaxformer").rglob("*") if p.is_file()}
+    assert packaged == expected, (sorted(expected - packaged), sorted(packaged - expected))
+    assert {"jaxformer/corpora/en-de.tsv.gz", "jaxformer/train/trainer.py"} <= packaged
+    scripts = dict(entry_points["console_scripts"])
+    assert scripts == tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    for target in scripts.values():
+        module, function = target.split(":")
+        assert callable(getattr(importlib.import_module(module), function)), target
+
+
+@pytest.mark.slow
+def test_console_scripts_from_a_wheel_install_train_and_translate(tmp_path, short_corpus):
+    source = _source_tree(tmp_path)
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
                     "--target", str(target), str(source)], check=True, timeout=300, cwd=tmp_path)
