@@ -120,6 +120,42 @@ def _argv(cfg):
     return out
 
 
+def test_sigterm_checkpoints_and_the_resumed_run_equals_an_uninterrupted_one(
+        tmp_path, files, reference, monkeypatch):
+    """SIGTERM before step 6, as a preempting scheduler sends it: ``train()`` finishes the
+    step, checkpoints it (not a --checkpoint-every step) and raises ``Preempted``;
+    ``train()`` again continues from the batch step 6 took and ends bit for bit where the
+    uninterrupted run did, every step logged once. The slow test below does the same
+    through ``train.py`` in child processes (exit status, grain workers, RUN/jax_cache)."""
+    import threading
+
+    assert threading.current_thread() is threading.main_thread(), "the guard's handler needs it"
+    workdir = _new_workdir(tmp_path, reference)
+    real = trainer.jit_train_step
+
+    def jit_train_step(*args, **kwargs):
+        step, calls = real(*args, **kwargs), [0]
+
+        def stepped(*a, **k):
+            calls[0] += 1
+            if calls[0] == 6:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return step(*a, **k)
+        return stepped
+
+    monkeypatch.setattr(trainer, "jit_train_step", jit_train_step)
+    with pytest.raises(trainer.Preempted) as stop:
+        train(_config(workdir, files, 12))
+    assert (stop.value.step, stop.value.signum) == (6, signal.SIGTERM)
+    assert "Run the same command again to resume" in str(stop.value)
+    assert RunCheckpoints(workdir, read_only=True).latest_step() == 6
+    monkeypatch.setattr(trainer, "jit_train_step", real)
+    assert train(_config(workdir, files, 12))["final_step"] == 12
+    chex.assert_trees_all_equal(_state_at(workdir, 12), _state_at(reference, 12))
+    assert _train_log_steps(workdir) == [2, 4, 6, 8, 10, 12], "every step is logged once"
+
+
+@pytest.mark.slow
 def test_sigterm_checkpoints_exits_and_the_resumed_run_equals_an_uninterrupted_one(
         tmp_path, files, reference):
     """``train.py`` in a child that collates in 2 grain worker processes gets SIGTERM at
