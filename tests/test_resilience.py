@@ -320,6 +320,30 @@ def test_half_written_step_is_ignored_and_cleaned_up(tmp_path):
     assert not list((tmp_path / "checkpoints").glob("*tmp*"))
 
 
+@pytest.mark.parametrize("stop,status", [("SIGTERM", 128 + signal.SIGTERM), ("SIGINT", 128 + signal.SIGINT),
+                                         ("diverged", 1), ("bad data", 2)])
+def test_train_command_exit_status_says_how_the_run_ended(tmp_path, files, monkeypatch, capsys, stop, status):
+    """``jaxformer-train``'s documented exit status for each way ``train()`` can end (the
+    run itself: the tests above; the same through ``train.py`` children: the slow test)."""
+    from jaxformer.cli.train import main as train_main
+
+    def ended(cfg, fresh=False):
+        if stop.startswith("SIG"):
+            raise trainer.Preempted(signal.Signals[stop], 6, "stopped at step 6 with a checkpoint")
+        if stop == "diverged":
+            raise TrainingDiverged("non-finite updates; the last checkpoint (step 12) is intact")
+        raise ValueError("No usable sentence pair in the dev file")
+
+    monkeypatch.setattr(trainer, "train", ended)
+    with pytest.raises(SystemExit) as exit_info:
+        train_main(_argv(_config(tmp_path / "run", files, 12)))
+    assert exit_info.value.code == status
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    if status in (1, 2):
+        assert "error:" in err and ("non-finite" in err or "No usable" in err), err
+
+
 def test_signal_guard_sets_a_flag_and_a_second_ctrl_c_stops_at_once():
     child = subprocess.run([sys.executable, "-c", """
 import os, signal, time
