@@ -4,6 +4,10 @@
 * XLA's CPU backend at optimization level 0: the suite's tiny programs spend far
   more time compiling than running, and the tests check what they compute, not how
   fast (``tests/test_training.py`` and ``tests/test_packing.py``: 127 s → 86 s).
+* XLA's CPU fusion emitters off where this jaxlib has the flag: its older elemental
+  emitter compiles small programs ~1.5× faster, and the tests' eager operations and
+  tiny models compile hundreds of them (``tests/test_scan.py`` and
+  ``tests/test_decoding.py`` with a cold cache: 184 s → 124 s at ~100 GFLOP/s).
 * ``jax_numpy_rank_promotion="raise"``: implicit rank broadcasting is an error.
 * JAX's persistent compilation cache in ``.pytest_cache/jax-compilation-cache``: the
   suite compiles the same tiny-model programs again and again (every ``train()`` call,
@@ -12,11 +16,28 @@
   the program, the compile options and the JAX version, so a stale entry is never used.
 """
 
+import mmap
 import os
 from pathlib import Path
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-                           " --xla_backend_optimization_level=0").strip()
+import jaxlib
+
+
+def _xla_has_flag(name: str) -> bool:
+    """Whether this jaxlib's XLA defines ``--name`` (an unknown flag in XLA_FLAGS is fatal)."""
+    library = Path(jaxlib.__file__).with_name("libjax_common.so")
+    if not library.is_file():
+        return False
+    with open(library, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as image:
+        return image.find(b"\0" + name.encode() + b"\0") >= 0   # the flag's registered name
+
+
+# The compile settings of every program the tests build, subprocesses' included (the
+# `xla_flags` fixture gives them with another device count).
+COMPILE_FLAGS = " ".join(["--xla_backend_optimization_level=0"] + [
+    "--xla_cpu_use_fusion_emitters=false"] * _xla_has_flag("xla_cpu_use_fusion_emitters"))
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8 "
+                           + COMPILE_FLAGS).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       str(Path(__file__).resolve().parents[1] / ".pytest_cache" / "jax-compilation-cache"))
@@ -34,6 +55,15 @@ from jaxformer.run.logs import console_logging  # noqa: E402
 
 # What the command-line programs do first; the tests read train()'s console output.
 console_logging()
+
+
+@pytest.fixture(scope="session")
+def xla_flags():
+    """``xla_flags(devices)``: XLA_FLAGS for a test's subprocess with ``devices`` fake CPU
+    devices (None: JAX's one), compiled as the rest of the suite is."""
+    def flags(devices: int | None = None) -> str:
+        return (f"--xla_force_host_platform_device_count={devices} " * (devices is not None)) + COMPILE_FLAGS
+    return flags
 
 
 @pytest.fixture(scope="session")

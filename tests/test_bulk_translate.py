@@ -180,7 +180,7 @@ def test_data_parallel_on_eight_devices_gives_the_one_device_file(workdir, tmp_p
     assert (tmp_path / "eight.txt").read_bytes() == (tmp_path / "one.txt").read_bytes()
 
 
-def test_two_processes_on_localhost_give_the_one_process_file(workdir, tmp_path):
+def test_two_processes_on_localhost_give_the_one_process_file(workdir, tmp_path, xla_flags):
     """``jax.distributed`` on localhost: two processes of 2 CPU devices each, each on its
     own ``--mesh data=2``, split the chunks and process 0 joins them; the file equals one
     process's on one device, byte for byte."""
@@ -189,10 +189,9 @@ def test_two_processes_on_localhost_give_the_one_process_file(workdir, tmp_path)
     flags = ["--beam-size", "2", "--batch-size", "4"]
     translate_main(_command(workdir, source, tmp_path / "one.txt", *flags)[3:])
     port = _free_port()
-    # conftest.py's optimization level 0 kept: process 1's programs never reach JAX's persistent
+    # conftest.py's compile settings kept: process 1's programs never reach JAX's persistent
     # cache (only process 0 writes it; a key names the devices), so it compiles them every time.
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(2)}
     workers = [subprocess.Popen(
         [*_command(workdir, source, tmp_path / "two.txt", *flags, "--mesh", "data=2"),
          "--coordinator-address", f"localhost:{port}", "--num-processes", "2", "--process-id", str(i)],

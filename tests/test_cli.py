@@ -366,14 +366,13 @@ def test_the_wheel_holds_every_package_file_and_its_console_scripts_resolve(tmp_
 
 
 @pytest.mark.slow
-def test_console_scripts_from_a_wheel_install_train_and_translate(tmp_path, short_corpus):
+def test_console_scripts_from_a_wheel_install_train_and_translate(tmp_path, short_corpus, xla_flags):
     source = _source_tree(tmp_path)
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
                     "--target", str(target), str(source)], check=True, timeout=300, cwd=tmp_path)
-    # One CPU device, as a user's machine; compiled at the suite's XLA optimization level.
-    env = {**os.environ, "PYTHONPATH": str(target), "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": "--xla_backend_optimization_level=0"}
+    # One CPU device, as a user's machine; compiled as the rest of the suite is.
+    env = {**os.environ, "PYTHONPATH": str(target), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags()}
     where = subprocess.run([sys.executable, "-c", "import jaxformer; print(jaxformer.__file__)"], env=env,
                            capture_output=True, text=True, cwd=tmp_path, check=True).stdout
     assert where.startswith(str(target)), where   # the installed copy, not the checkout

@@ -31,17 +31,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_two_processes(*args: str, env_1: dict[str, str] | None = None) -> list[tuple[dict, str]]:
+def _run_two_processes(xla_flags: str, *args: str,
+                       env_1: dict[str, str] | None = None) -> list[tuple[dict, str]]:
     """Runs the worker as processes 0 and 1 of one cluster (``env_1``: extra environment
     of process 1).
 
     Returns, in process order, each worker's last stdout line (JSON) and its whole stdout.
     """
     port = _free_port()
-    # conftest.py's optimization level 0 kept: the first launch compiles every program of
-    # both processes (their cache keys differ; multiprocess_worker.py lets both write them).
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0",
+    # conftest.py's compile settings kept: the first launch compiles every program of both
+    # processes (their cache keys differ; multiprocess_worker.py lets both write them).
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags,
                PYTHONPATH=os.pathsep.join([str(WORKER.parents[1]), os.environ.get("PYTHONPATH", "")]))
     workers = [subprocess.Popen([sys.executable, str(WORKER), str(port), str(i), *args],
                                 env={**env, **(env_1 or {})} if i == 1 else env,
@@ -89,7 +89,8 @@ _CONFIG = dict(preset="tiny", vocab_size=300, max_len=32, batch_tokens=512, warm
 _LAST = 14   # preempted at 6 (and at 7 or later), checkpoints at 8 and 14
 
 
-def _preempt_resume_and_compare(tmp_path: Path, short_corpus, capsys, *, preempt_at_restore: bool) -> None:
+def _preempt_resume_and_compare(tmp_path: Path, short_corpus, capsys, xla_flags, *,
+                                preempt_at_restore: bool) -> None:
     """``train()`` as two processes on a data=4,model=2 mesh. SIGTERM reaches process 1
     only, before its 6th step: both processes stop at the same step (JAX's preemption
     sync point) with a checkpoint there. With ``preempt_at_restore`` a second launch gets
@@ -120,7 +121,7 @@ def _preempt_resume_and_compare(tmp_path: Path, short_corpus, capsys, *, preempt
         return json.dumps({**config, "workdir": str(workdir), "max_steps": _LAST})
 
     def preempted(signal_at: str, after: int) -> int:
-        outputs = _run_two_processes(arguments(two), env_1={"SIGTERM_AT_STEP": signal_at})
+        outputs = _run_two_processes(xla_flags(4), arguments(two), env_1={"SIGTERM_AT_STEP": signal_at})
         stops = {o.get("preempted_at") for o, _ in outputs}
         assert len(stops) == 1 and [o.get("signal") for o, _ in outputs] == ["SIGTERM"] * 2, outputs
         stop = stops.pop()
@@ -134,7 +135,7 @@ def _preempt_resume_and_compare(tmp_path: Path, short_corpus, capsys, *, preempt
     if preempt_at_restore:
         stop = preempted("restore", after=stop)   # the notice comes before the first step
 
-    (result, out_0), (_, out_1) = _run_two_processes(arguments(two))
+    (result, out_0), (_, out_1) = _run_two_processes(xla_flags(4), arguments(two))
     assert "resumed" in out_0 and f"at step {stop}" in out_0
     assert "resumed" not in out_1 and "test BLEU" not in out_1   # process 0 alone speaks
     assert result["results"]["final_step"] == _LAST
@@ -161,14 +162,15 @@ def _preempt_resume_and_compare(tmp_path: Path, short_corpus, capsys, *, preempt
     assert translator.step <= _LAST and len(translator(["Click OK."], beam_size=1)) == 1
 
 
-def test_two_process_trainer_preempted_resumes_and_matches_one_process(tmp_path, short_corpus, capsys):
+def test_two_process_trainer_preempted_resumes_and_matches_one_process(tmp_path, short_corpus, capsys,
+                                                                        xla_flags):
     """Two launches: preempted at step 6, then resumed to the end (the helper's docstring)."""
-    _preempt_resume_and_compare(tmp_path, short_corpus, capsys, preempt_at_restore=False)
+    _preempt_resume_and_compare(tmp_path, short_corpus, capsys, xla_flags, preempt_at_restore=False)
 
 
 @pytest.mark.slow
 def test_two_process_trainer_preempted_while_starting_up_resumes_and_matches_one_process(
-        tmp_path, short_corpus, capsys):
+        tmp_path, short_corpus, capsys, xla_flags):
     """Three launches: the default test's, plus one preempted while it restores its
     checkpoint, before its first step (the signal comes as the processes set up)."""
-    _preempt_resume_and_compare(tmp_path, short_corpus, capsys, preempt_at_restore=True)
+    _preempt_resume_and_compare(tmp_path, short_corpus, capsys, xla_flags, preempt_at_restore=True)
