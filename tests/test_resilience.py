@@ -271,6 +271,23 @@ def test_a_checkpoint_from_before_streamed_data_is_refused_with_the_fix(tmp_path
     assert _snapshot(workdir) == before
 
 
+def test_a_run_saved_by_other_processes_is_refused_with_the_count_not_set_aside(tmp_path, files, reference):
+    """Each process saves its own data position (``process_<i>-of-<n>.json``). A two-process
+    run resumed on one process finds none of its own: it is refused with both counts and
+    the fix, not read as three unreadable steps (which would move a newer step written by
+    two processes aside and resume from an older one); nothing changes."""
+    workdir = tmp_path / "run"
+    shutil.copytree(reference, workdir)
+    for data in workdir.glob("checkpoints/*/data"):   # as two processes leave them
+        (data / "process_0-of-1.json").rename(data / "process_0-of-2.json")
+        shutil.copy(data / "process_0-of-2.json", data / "process_1-of-2.json")
+    before = _snapshot(workdir)
+    with pytest.raises(DataPositionError, match=r"step 12 .*saved by 2 process\(es\).*this run has 1\. "
+                                                r"Resume it with 2 process\(es\).*Nothing was changed"):
+        train(_config(workdir, files, 16))
+    assert _snapshot(workdir) == before and not (workdir / "corrupt").exists()
+
+
 def test_a_data_axis_that_does_not_divide_the_eval_batch_evaluates(tmp_path, files):
     """--devices 3: training rounds its rows to 15; the dev loss pads its batches of 16 to 18
     rows (a multiple of the data axis) instead of failing at the first evaluation."""

@@ -42,6 +42,23 @@ class CheckpointError(OSError):
     """No checkpoint of the run directory can be read."""
 
 
+def _check_process_count(data_dir: Path) -> None:
+    """A step's data positions are one file per process, ``process_<i>-of-<n>.json``
+    (grain's checkpoint handler); a run resumed on another number of processes would
+    find none of its own and read every step as unreadable. Raises
+    :class:`DataPositionError` naming both counts and the fix; files named otherwise
+    (another grain) are left to the restore."""
+    import re
+
+    counts = {int(match.group(1)) for path in data_dir.glob("process_*-of-*.json")
+              if (match := re.fullmatch(r"process_\d+-of-(\d+)\.json", path.name))}
+    if len(counts) == 1 and (saved := counts.pop()) != jax.process_count():
+        raise DataPositionError(
+            f"its data positions were saved by {saved} process(es), one each, and this run has "
+            f"{jax.process_count()}. Resume it with {saved} process(es) (the --num-processes "
+            f"it ran with), or start a new run from its weights (--init-from this run).")
+
+
 def _first_line(error: BaseException) -> str:
     """A one-line reason: the error's first line without TensorStore's spec dump."""
     text = str(error).strip().splitlines()
@@ -137,9 +154,15 @@ class RunCheckpoints:
             data=grain.checkpoint.CheckpointSave(data_iterator)))
 
     def restore(self, step: int, abstract_state: Any, data_iterator: Any) -> Any:
-        """Restores the state into ``abstract_state``'s structure and the iterator in place."""
+        """Restores the state into ``abstract_state``'s structure and the iterator in place.
+
+        Raises:
+          DataPositionError: the step's data positions were saved by another number of
+            processes (one position per process), so they cannot be continued here.
+        """
         import grain
 
+        _check_process_count(self.latest.directory / str(step) / "data")
         def restore(target):
             return self.latest.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(target),
