@@ -89,13 +89,12 @@ def short_corpus(tmp_path_factory):
 # which put the one-test, two-minute test_multiprocess last in the queue). Started first, the
 # long ones do not leave one worker running a long module alone at the end (longest-first
 # scheduling). Seconds of each module on a clean clone with 2 workers (after commit
-# 7285af0, 124-149 GFLOP/s): resilience 208, sharding 153, hf_marian 136, cli 132,
-# multiprocess 131, bulk_translate 127, train_e2e 118, training 115, compile 115,
-# decoding 80, scan 73, model 68, packing 57, staged 46; the rest 35 or less.
-_LONGEST_FIRST = ("test_resilience.py", "test_sharding.py", "test_hf_marian.py", "test_cli.py",
-                  "test_multiprocess.py", "test_bulk_translate.py", "test_train_e2e.py", "test_training.py",
-                  "test_compile.py", "test_decoding.py", "test_scan.py", "test_model.py", "test_packing.py",
-                  "test_staged.py")
+# 2eb3446, 87-98 GFLOP/s): resilience 197, train_e2e 180, multiprocess 179, hf_marian 130,
+# bulk_translate 128, sharding 125, cli 121, compile 102, training 101, model 56, scan 53,
+# decoding 47, packing 42; the rest 23 or less.
+_LONGEST_FIRST = ("test_resilience.py", "test_train_e2e.py", "test_multiprocess.py", "test_hf_marian.py",
+                  "test_bulk_translate.py", "test_sharding.py", "test_cli.py", "test_compile.py",
+                  "test_training.py", "test_model.py", "test_scan.py", "test_decoding.py", "test_packing.py")
 
 
 def pytest_collection_modifyitems(items):
