@@ -18,6 +18,7 @@ and converted (:mod:`jaxformer.model.scan`), then placed with the target's shard
 
 from __future__ import annotations
 
+import re
 import shutil
 import sys
 import time
@@ -48,8 +49,6 @@ def _check_process_count(data_dir: Path) -> None:
     find none of its own and read every step as unreadable. Raises
     :class:`DataPositionError` naming both counts and the fix; files named otherwise
     (another grain) are left to the restore."""
-    import re
-
     counts = {int(match.group(1)) for path in data_dir.glob("process_*-of-*.json")
               if (match := re.fullmatch(r"process_\d+-of-(\d+)\.json", path.name))}
     if len(counts) == 1 and (saved := counts.pop()) != jax.process_count():
@@ -163,6 +162,7 @@ class RunCheckpoints:
         import grain
 
         _check_process_count(self.latest.directory / str(step) / "data")
+
         def restore(target):
             return self.latest.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(target),
