@@ -138,7 +138,10 @@ def final_test(run: Run, loop: LoopState) -> dict[str, Any]:
     run.checkpoints.wait()
     log(f"training stopped at step {step} ({loop.stopped_by}); best dev BLEU {run.best_bleu:.2f}")
     abstract_params = sharding_lib.abstract_state(run.state).params
-    params, best_step, kind = run.checkpoints.restore_params(abstract_params, report=log)
+    if run.checkpoints.best_step() == step:   # saved from the parameters in memory: not read back
+        params, best_step, kind = run.state.params, step, "best"
+    else:
+        params, best_step, kind = run.checkpoints.restore_params(abstract_params, report=log)
     averaged = None
     if cfg.average_last:
         averaged, averaged_params = average_and_compare(run, abstract_params, step)
