@@ -55,7 +55,7 @@ def _check_process_count(data_dir: Path) -> None:
         raise DataPositionError(
             f"its data positions were saved by {saved} process(es), one each, and this run has "
             f"{jax.process_count()}. Resume it with {saved} process(es) (the --num-processes "
-            f"it ran with), or start a new run from its weights (--init-from this run).")
+            f"it ran with), or start a new run from its weights in another --workdir (--init-from this run).")
 
 
 def _first_line(error: BaseException) -> str:
@@ -131,6 +131,7 @@ class RunCheckpoints:
         touches the folders.
         """
         self.workdir = workdir = Path(workdir).absolute()
+        self.saved_best_step: int | None = None   # the best step save_best wrote, if any
         # (Not orbax's own read_only option: it logs warnings on every open.)
         common = dict(create=not read_only, cleanup_tmp_directories=not read_only)
         self.latest = _CheckpointManager(
@@ -224,10 +225,14 @@ class RunCheckpoints:
         shutil.move(str(path), str(target))
 
     def save_best(self, step: int, params: Any, bleu: float) -> None:
+        """Saves ``params`` as the best of step ``step`` (async); a step that already has
+        one (re-evaluated after a resume) keeps it. :attr:`saved_best_step` names the
+        step this object saved, so a caller knows when ``params`` are the best on disk."""
         if step in self.best.all_steps():   # re-evaluating a step after a resume
             return
         self.best.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params)),
                        metrics={"bleu": float(bleu)})
+        self.saved_best_step = step
 
     def best_step(self) -> int | None:
         return self.best.best_step()

@@ -138,7 +138,9 @@ def final_test(run: Run, loop: LoopState) -> dict[str, Any]:
     run.checkpoints.wait()
     log(f"training stopped at step {step} ({loop.stopped_by}); best dev BLEU {run.best_bleu:.2f}")
     abstract_params = sharding_lib.abstract_state(run.state).params
-    if run.checkpoints.best_step() == step:   # saved from the parameters in memory: not read back
+    if run.checkpoints.saved_best_step == step == run.checkpoints.best_step():
+        # This run saved the best from the parameters in memory at this step: not read back.
+        # (A best of this step from an earlier run is read: a retrained step may differ.)
         params, best_step, kind = run.state.params, step, "best"
     else:
         params, best_step, kind = run.checkpoints.restore_params(abstract_params, report=log)
