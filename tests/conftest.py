@@ -57,24 +57,19 @@ from jaxformer.run.logs import console_logging  # noqa: E402
 console_logging()
 
 
-_MATMUL_RATE: list[float] = []
-
-
-@pytest.fixture(autouse=True)
-def matmul_rate_measured_once(monkeypatch):
+@pytest.fixture(scope="session", autouse=True)
+def matmul_rate_measured_once():
     """``train()`` times a 2048³ matmul for its record (0.5-1 s on 2 cores); the dozens
-    of in-process runs of a test worker share its first measurement (runs in subprocesses
-    measure their own). No test checks more than that the rate is positive."""
+    of in-process runs of a test worker, module fixtures' included, share its first
+    measurement (runs in subprocesses measure their own). No test checks more than that
+    the rate is positive."""
+    import functools
+
     from jaxformer.train import trainer
 
-    measure = trainer.matmul_flop_rate
-
-    def once(*args, **kwargs):
-        if not _MATMUL_RATE:
-            _MATMUL_RATE.append(measure(*args, **kwargs))
-        return _MATMUL_RATE[0]
-
-    monkeypatch.setattr(trainer, "matmul_flop_rate", once)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(trainer, "matmul_flop_rate", functools.cache(trainer.matmul_flop_rate))
+        yield
 
 
 @pytest.fixture(scope="session")
