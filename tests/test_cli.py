@@ -323,14 +323,25 @@ def test_second_translate_invocation_compiles_and_traces_nothing(run, tmp_path):
     assert len(list((copy / "jax_cache" / "exported").glob("*.jaxexport"))) == 1
 
 
+def _package_files() -> list[str]:
+    """The package's files as the repository holds them: git's tracked files in a
+    checkout (an editor's or a build's stray file is not part of the package), every
+    file but caches elsewhere (an unpacked source archive)."""
+    if (REPO / ".git").exists():
+        listed = subprocess.run(["git", "ls-files", "-z", "jaxformer"], cwd=REPO, check=True,
+                                capture_output=True, text=True).stdout
+        return sorted(name for name in listed.split("\0") if name)
+    return sorted(p.relative_to(REPO).as_posix() for p in (REPO / "jaxformer").rglob("*")
+                  if p.is_file() and "__pycache__" not in p.parts)
+
+
 def _source_tree(tmp_path):
     """What a source distribution holds: the project files and the package, no caches."""
     source = tmp_path / "src"
     source.mkdir()
-    for name in ("pyproject.toml", "README.md", "LICENSE"):
+    for name in ("pyproject.toml", "README.md", "LICENSE", *_package_files()):
+        (source / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(REPO / name, source / name)
-    shutil.copytree(REPO / "jaxformer", source / "jaxformer",
-                    ignore=shutil.ignore_patterns("__pycache__"))
     return source
 
 
@@ -355,7 +366,7 @@ def test_the_wheel_holds_every_package_file_and_its_console_scripts_resolve(tmp_
         entry_points = configparser.ConfigParser()
         entry_points.read_string(archive.read(info).decode())
     packaged = {name for name in names if name.startswith("jaxformer/")}
-    expected = {p.relative_to(source).as_posix() for p in (source / "jaxformer").rglob("*") if p.is_file()}
+    expected = set(_package_files())
     assert packaged == expected, (sorted(expected - packaged), sorted(packaged - expected))
     assert {"jaxformer/corpora/en-de.tsv.gz", "jaxformer/train/trainer.py"} <= packaged
     scripts = dict(entry_points["console_scripts"])
