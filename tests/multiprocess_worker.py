@@ -16,6 +16,7 @@ covered it: equal losses and weights to one process over every step.)
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -69,10 +70,10 @@ def main(port: str, process_id: int, config_json: str) -> None:
             return restored
         trainer.RunCheckpoints.restore_latest = restore_latest
     if signal_at is not None:
-        real_jit_train_step = trainer.jit_train_step
+        real_run_programs = trainer.run_programs
 
-        def jit_train_step(*args, **kwargs):
-            step, calls = real_jit_train_step(*args, **kwargs), [0]
+        def run_programs(*args, **kwargs):
+            programs, calls = real_run_programs(*args, **kwargs), [0]
 
             def stepped(*a, **k):
                 calls[0] += 1
@@ -81,9 +82,9 @@ def main(port: str, process_id: int, config_json: str) -> None:
                     signalled[0] = True
                 if signalled[0]:
                     time.sleep(0.3)
-                return step(*a, **k)
-            return stepped
-        trainer.jit_train_step = jit_train_step
+                return programs.train_step(*a, **k)
+            return dataclasses.replace(programs, train_step=stepped)
+        trainer.run_programs = run_programs
 
     # The trainer initialises jax.distributed itself, from the config.
     config = TrainConfig(**json.loads(config_json), coordinator_address=f"localhost:{port}",

@@ -5,8 +5,10 @@ The runs are tiny (tiny preset, 12 steps, explicit 12-sentence dev/test files), 
 one tokenizer, and compare checkpoints bit for bit.
 """
 
+import dataclasses
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -16,17 +18,21 @@ import sys
 from pathlib import Path
 
 import chex
+import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 import reference_data
+from jax.experimental import multihost_utils
 
 from jaxformer.data import batching
 from jaxformer.model.validation import DataPositionError
+from jaxformer.run import directory
 from jaxformer.run.checkpoints import CheckpointError, RunCheckpoints
 from jaxformer.run.config import TrainConfig
-from jaxformer.train import trainer
+from jaxformer.train import preemption, trainer
+from jaxformer.train.preemption import PreemptionGuard
 from jaxformer.train.trainer import TrainingDiverged, train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -92,18 +98,18 @@ def reference(tmp_path_factory, files):
 
 
 _CHILD = """
-import os, runpy, signal, sys
+import dataclasses, os, runpy, signal, sys
 from jaxformer.train import trainer
-real = trainer.jit_train_step
-def jit_train_step(*args, **kwargs):
-    step, calls = real(*args, **kwargs), [0]
+real = trainer.run_programs
+def run_programs(*args, **kwargs):
+    programs, calls = real(*args, **kwargs), [0]
     def stepped(*a, **k):
         calls[0] += 1
         if calls[0] == int(os.environ["SIGNAL_AT_STEP"]):
             os.kill(os.getpid(), signal.SIGTERM)   # as a preempting scheduler would
-        return step(*a, **k)
-    return stepped
-trainer.jit_train_step = jit_train_step
+        return programs.train_step(*a, **k)
+    return dataclasses.replace(programs, train_step=stepped)
+trainer.run_programs = run_programs
 sys.argv = ["train.py", *sys.argv[1:]]
 runpy.run_path(os.path.join(os.environ["REPO"], "train.py"), run_name="__main__")
 """
@@ -121,7 +127,7 @@ def _argv(cfg):
 
 
 def test_sigterm_checkpoints_and_the_resumed_run_equals_an_uninterrupted_one(
-        tmp_path, files, reference, monkeypatch):
+        tmp_path, files, reference, monkeypatch, caplog):
     """SIGTERM before step 6, as a preempting scheduler sends it: ``train()`` finishes the
     step, checkpoints it (not a --checkpoint-every step) and raises ``Preempted``;
     ``train()`` again continues from the batch step 6 took and ends bit for bit where the
@@ -131,28 +137,65 @@ def test_sigterm_checkpoints_and_the_resumed_run_equals_an_uninterrupted_one(
 
     assert threading.current_thread() is threading.main_thread(), "the guard's handler needs it"
     workdir = _new_workdir(tmp_path, reference)
-    real = trainer.jit_train_step
+    real = trainer.run_programs
 
-    def jit_train_step(*args, **kwargs):
-        step, calls = real(*args, **kwargs), [0]
+    def run_programs(*args, **kwargs):
+        programs, calls = real(*args, **kwargs), [0]
 
         def stepped(*a, **k):
             calls[0] += 1
             if calls[0] == 6:
                 os.kill(os.getpid(), signal.SIGTERM)
-            return step(*a, **k)
-        return stepped
+            return programs.train_step(*a, **k)
+        return dataclasses.replace(programs, train_step=stepped)
 
-    monkeypatch.setattr(trainer, "jit_train_step", jit_train_step)
+    monkeypatch.setattr(trainer, "run_programs", run_programs)
     with pytest.raises(trainer.Preempted) as stop:
         train(_config(workdir, files, 12))
     assert (stop.value.step, stop.value.signum) == (6, signal.SIGTERM)
     assert "Run the same command again to resume" in str(stop.value)
     assert RunCheckpoints(workdir, read_only=True).latest_step() == 6
-    monkeypatch.setattr(trainer, "jit_train_step", real)
-    assert train(_config(workdir, files, 12))["final_step"] == 12
+    monkeypatch.setattr(trainer, "run_programs", real)
+    # The resume asks the stop question as a multi-process run would, through a stand-in
+    # for JAX's preemption sync point: once per step, with ids counted from 0 in this
+    # launch, not from the restored step (a notice JAX gets during a resumed run's
+    # start-up is set to id 1; with ids 6, 7, ... it would never be met).
+    asked = []
+    monkeypatch.setattr(multihost_utils, "reached_preemption_sync_point", lambda i: asked.append(i) or False)
+    monkeypatch.setattr(trainer, "PreemptionGuard", lambda multi_process: PreemptionGuard(multi_process=True))
+    with jax.log_compiles(True), caplog.at_level(logging.WARNING):
+        assert train(_config(workdir, files, 12))["final_step"] == 12
+    assert asked == [0, 1, 2, 3, 4, 5], asked
+    # The resume (and the reference run before it) had these settings: their programs are
+    # kept in the process (jaxformer.train.programs), so this run traced nothing.
+    traced = [r.getMessage()[:80] for r in caplog.records if r.getMessage().startswith("Finished tracing")]
+    assert not traced, traced
     chex.assert_trees_all_equal(_state_at(workdir, 12), _state_at(reference, 12))
     assert _train_log_steps(workdir) == [2, 4, 6, 8, 10, 12], "every step is logged once"
+
+
+def test_multi_process_stop_comes_when_jax_agrees_and_without_its_service_is_turned_off(monkeypatch):
+    """With several processes the guard asks JAX's sync point (ids 0, 1, ... of this
+    launch) and stops when it says so; without JAX's preemption service it says so in the
+    log, stops asking and keeps training (signals are then not caught)."""
+    asked = []
+    monkeypatch.setattr(multihost_utils, "reached_preemption_sync_point", lambda i: asked.append(i) or i == 2)
+    guard = PreemptionGuard(multi_process=True)
+    assert [guard.stop_requested() for _ in range(3)] == [False, False, True]
+    assert guard.received == signal.SIGTERM and asked == [0, 1, 2]
+    assert guard.stop_requested() and asked == [0, 1, 2], "an agreed stop is not asked again"
+
+    def no_service(i):
+        raise RuntimeError("Preemption sync manager has not been initialized.\nmore")
+
+    monkeypatch.setattr(multihost_utils, "reached_preemption_sync_point", no_service)
+    logged = []
+    monkeypatch.setattr(preemption, "log", logged.append)
+    guard = PreemptionGuard(multi_process=True)
+    assert not guard.stop_requested() and not guard.stop_requested()
+    assert not guard.multi_process and guard.received is None
+    assert logged == ["multi-process run without JAX's preemption service (Preemption sync manager has "
+                      "not been initialized.); SIGTERM and Ctrl-C will not checkpoint"], logged
 
 
 @pytest.mark.slow
@@ -351,14 +394,48 @@ def test_train_command_exit_status_says_how_the_run_ended(tmp_path, files, monke
             raise TrainingDiverged("non-finite updates; the last checkpoint (step 12) is intact")
         raise ValueError("No usable sentence pair in the dev file")
 
+    cached_in = []
     monkeypatch.setattr(trainer, "train", ended)
+    monkeypatch.setattr(directory, "keep_compilation_cache", lambda run_dir: cached_in.append(run_dir.root))
     with pytest.raises(SystemExit) as exit_info:
         train_main(_argv(_config(tmp_path / "run", files, 12)))
     assert exit_info.value.code == status
+    assert cached_in == [Path(tmp_path / "run")], "the command keeps its compiles in RUN/jax_cache"
     err = capsys.readouterr().err
     assert "Traceback" not in err
     if status in (1, 2):
         assert "error:" in err and ("non-finite" in err or "No usable" in err), err
+
+
+def test_a_training_run_keeps_its_compiles_in_its_folder_unless_a_cache_is_chosen(tmp_path):
+    """``keep_compilation_cache``: JAX's persistent cache (which a resumed run reads) goes to
+    RUN/jax_cache, made at the first compile (not before, so a run failing its checks writes
+    nothing); a cache folder the user chose is left alone. Child processes, since JAX reads
+    its cache setting once per process (the slow test above finds RUN/jax_cache's train step
+    after ``train.py``; the exit-status test, that the command asks for it)."""
+    child = """
+import sys, jax, jax.numpy as jnp
+from jaxformer.run.directory import RunDir, keep_compilation_cache
+run = RunDir(sys.argv[1])
+kept = keep_compilation_cache(run)
+made_early = run.jax_cache.exists()
+jax.jit(lambda x: x * 2 + 1)(jnp.arange(3.0)).block_until_ready()
+print(kept, made_early, len(list(run.jax_cache.glob("jit_*"))))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    run = tmp_path / "run"
+
+    def launch(**extra):
+        out = subprocess.run([sys.executable, "-c", child, str(run)], env={**env, **extra},
+                             capture_output=True, text=True, timeout=300, check=True)
+        return out.stdout.split()
+
+    kept, made_early, programs = launch()
+    assert (kept, made_early) == ("True", "False") and int(programs) > 0
+    chosen = tmp_path / "chosen"
+    shutil.rmtree(run / "jax_cache")
+    assert launch(JAX_COMPILATION_CACHE_DIR=str(chosen)) == ["False", "False", "0"]
+    assert list(chosen.glob("jit__lambda-*")), "JAX's cache is where the user chose"
 
 
 def test_signal_guard_sets_a_flag_and_a_second_ctrl_c_stops_at_once():
@@ -404,9 +481,9 @@ def test_bad_paths_and_files_fail_before_any_compile(tmp_path, files, monkeypatc
     import runpy
 
     def no_compile(*args, **kwargs):
-        raise AssertionError("compiled a train step before reporting the problem")
+        raise AssertionError("built the model's programs before reporting the problem")
 
-    monkeypatch.setattr(trainer, "jit_train_step", no_compile)
+    monkeypatch.setattr(trainer, "run_programs", no_compile)
     cfg = _config(tmp_path / "run", files, 4)
     if problem == "missing train file":
         cfg = TrainConfig(**{**cfg.to_dict(), "train_file": str(tmp_path / "nope.tsv")})

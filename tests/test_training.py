@@ -266,3 +266,37 @@ def test_non_finite_update_is_skipped_and_reported():
     # The same batch from the healthy state updates normally.
     _, metrics = step(healthy, batch, jax.random.key(1))
     assert float(metrics["skipped"]) == 0.0 and np.isfinite(float(metrics["loss_sum"]))
+
+
+def test_run_programs_are_kept_for_the_same_settings_and_built_anew_for_others():
+    """``train()`` takes its model, optimizer and jitted programs from ``run_programs``:
+    the same objects for settings that give the same programs (data, seed, directory and,
+    under the inverse square root, the step budget do not matter), new ones otherwise."""
+    import dataclasses
+
+    from jaxformer.model.sharding import first_devices, make_mesh
+    from jaxformer.run.config import TrainConfig
+    from jaxformer.train import programs
+
+    programs.clear()
+    mesh = make_mesh(None, first_devices(1))
+    config = jf.preset("tiny", src_vocab_size=40, max_len=16)
+    cfg = TrainConfig(preset="tiny", vocab_size=40, max_steps=100)
+    kept = programs.run_programs(cfg, config, mesh)
+    same = dataclasses.replace(cfg, workdir="elsewhere", train_file="other.tsv", seed=7, max_steps=300,
+                               decay_fraction=0.5, eval_every=3)
+    assert programs.run_programs(same, config, mesh) is kept
+    assert programs.run_programs(same, jf.preset("tiny", src_vocab_size=40, max_len=16), mesh) is kept
+    others = [(dataclasses.replace(cfg, **change), config, mesh) for change in (
+        dict(lr_scale=2.0), dict(warmup_steps=9), dict(grad_clip=1.0), dict(label_smoothing=0.0),
+        dict(grad_accum_steps=2), dict(lr_schedule="wsd"))]
+    others += [(cfg, dataclasses.replace(config, dropout_rate=0.3), mesh),
+               (cfg, config, make_mesh(None, first_devices(2)))]
+    built = [programs.run_programs(*args) for args in others]
+    assert all(p is not kept for p in built) and len({id(p) for p in built}) == len(built)
+    wsd = dataclasses.replace(cfg, lr_schedule="wsd")
+    assert programs.run_programs(dataclasses.replace(wsd, max_steps=300), config, mesh) is not \
+        programs.run_programs(wsd, config, mesh), "a WSD decay ends on the step budget"
+    assert float(kept.schedule(0)) == float(transformer_schedule(config.d_model, cfg.warmup_steps)(0))
+    programs.clear()
+    assert programs.run_programs(cfg, config, mesh) is not kept

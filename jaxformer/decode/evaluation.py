@@ -40,7 +40,8 @@ class Evaluator:
     def __init__(self, model: Transformer, tokenizer: Tokenizer, *, batch_size: int,
                  target_language: str, layout: sharding_lib.Layout | None = None,
                  tokenize: str | None = None, max_len_a: float = 1.0, max_len_b: int = 50,
-                 scoring: bool = True, exports: ExportCache | None = None, staged: bool = False):
+                 scoring: bool = True, exports: ExportCache | None = None, staged: bool = False,
+                 decoders: dict[Any, Any] | None = None):
         """
         Args:
           batch_size: the most sentences per decoding batch; a smaller input is padded
@@ -56,6 +57,10 @@ class Evaluator:
             (:mod:`jaxformer.decode.exported`; the translate tool's, without a layout).
           staged: beam search in stages (:class:`jaxformer.decode.staged.StagedBeamSearch`),
             without a layout; bulk translation's choice.
+          decoders: where to keep the jitted decoders, by their settings (default: a new
+            dict); evaluators of one model, layout and ``exports``/``staged`` choice may
+            share one, as a training run's do across runs
+            (:class:`jaxformer.train.programs.RunPrograms`).
 
         Raises:
           ValueError: an unknown tokenizer, or one whose package is missing (the
@@ -66,7 +71,7 @@ class Evaluator:
         self.batch_size = batch_size
         # Coarse buckets: each is one compile of the decode loop and of the eval step.
         self.boundaries = bucket_boundaries(model.config.max_len, step=32)
-        self._decoders: dict[Any, Any] = {}
+        self._decoders: dict[Any, Any] = {} if decoders is None else decoders
         self.exports = exports
         self.staged = staged and layout is None
         self.max_len_a, self.max_len_b = max_len_a, max_len_b

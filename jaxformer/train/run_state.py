@@ -23,6 +23,7 @@ from jaxformer.run.checkpoints import RunCheckpoints
 from jaxformer.run.config import TrainConfig
 from jaxformer.run.directory import MetricsLog, RunDir
 from jaxformer.train.early_stopping import EarlyStopping
+from jaxformer.train.programs import RunPrograms
 from jaxformer.train.step import TrainState
 
 
@@ -48,13 +49,10 @@ class Run:
     run_dir: RunDir
     data: TrainData
     tokenizer: Tokenizer
-    model: Transformer
-    schedule: optax.Schedule
+    programs: RunPrograms   # model, schedule, layout and jitted programs (kept across runs)
     state: TrainState
-    layout: sharding_lib.Layout
     checkpoints: RunCheckpoints
     evaluator: Evaluator
-    eval_step: Callable   # the jitted teacher-forced dev-loss step (sums)
     metrics_log: MetricsLog
     dropout_key: jax.Array
     num_params: int
@@ -63,6 +61,23 @@ class Run:
     matmul_flop_rate: float = 0.0   # FLOP/s of a float32 2048³ matmul at the start (README's speed)
     closed: bool = False
     early_stopping: EarlyStopping | None = None   # set from --patience in train_loop
+
+    @property
+    def model(self) -> Transformer:
+        return self.programs.model
+
+    @property
+    def schedule(self) -> optax.Schedule:
+        return self.programs.schedule
+
+    @property
+    def layout(self) -> sharding_lib.Layout:
+        return self.programs.layout
+
+    @property
+    def eval_step(self) -> Callable:
+        """The jitted teacher-forced dev-loss step (sums)."""
+        return self.programs.eval_step
 
     def close(self) -> None:
         """Waits for pending checkpoint saves and closes the writers (idempotent)."""

@@ -7,6 +7,7 @@ Shapes: B batch, L row length. The losses: :mod:`jaxformer.train.losses`.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import chex
@@ -60,11 +61,25 @@ def create_sharded_train_state(model: Transformer, rng: chex.PRNGKey, tx: optax.
       ValueError: a sharded dimension (heads, d_ff, vocabulary) is not divisible by
         the ``model`` axis.
     """
-    init = functools.partial(_boxed_train_state, model, tx, example_shape)
+    init, layout = jit_sharded_init(model, tx, mesh, example_shape)
+    return init(rng), layout
+
+
+def jit_sharded_init(model: Transformer, tx: optax.GradientTransformation, mesh: jax.sharding.Mesh,
+                     example_shape: tuple[int, int] = (1, 8)
+                     ) -> tuple[Callable[[chex.PRNGKey], TrainState], Layout]:
+    """:func:`create_sharded_train_state` in two parts: ``(init, layout)``, where the
+    jitted ``init(rng)`` creates the train state directly in ``layout``'s shards.
+
+    Raises:
+      ValueError: as :func:`create_sharded_train_state`.
+    """
+    boxed_state = functools.partial(_boxed_train_state, model, tx, example_shape)
     _, layout = abstract_train_state(model, tx, mesh, example_shape)
-    state = jax.jit(lambda r: nn.unbox(init(r)), in_shardings=layout.replicated,
-                    out_shardings=layout.state)(rng)
-    return state, layout
+    def init_train_state(rng):
+        return nn.unbox(boxed_state(rng))
+
+    return jax.jit(init_train_state, in_shardings=layout.replicated, out_shardings=layout.state), layout
 
 
 def abstract_train_state(model: Transformer, tx: optax.GradientTransformation, mesh: jax.sharding.Mesh,

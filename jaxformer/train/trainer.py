@@ -27,7 +27,6 @@ from jaxformer.decode.evaluation import Evaluator
 from jaxformer.interop import pretrained
 from jaxformer.model import sharding as sharding_lib
 from jaxformer.model.config import TransformerConfig, preset
-from jaxformer.model.transformer import Transformer
 from jaxformer.model.validation import check_token_ids
 from jaxformer.run.checkpoints import RunCheckpoints
 from jaxformer.run.config import TrainConfig, save_json
@@ -41,11 +40,11 @@ from jaxformer.run.directory import (
 from jaxformer.run.logs import Progress, RunLog, is_main_process, log
 from jaxformer.run.platform import matmul_flop_rate
 from jaxformer.train.early_stopping import EarlyStopping
-from jaxformer.train.optimizer import make_optimizer, make_schedule
 from jaxformer.train.preemption import Preempted, PreemptionGuard, past_deadline
+from jaxformer.train.programs import run_programs
 from jaxformer.train.run_eval import evaluate, final_test
 from jaxformer.train.run_state import LoopState, Run, TrainData, TrainingDiverged
-from jaxformer.train.step import add_metrics, create_sharded_train_state, jit_eval_step, jit_train_step
+from jaxformer.train.step import add_metrics
 
 __all__ = ["Preempted", "TrainingDiverged", "train", "setup", "train_loop", "evaluate", "final_test"]
 
@@ -131,12 +130,9 @@ def _setup_run(cfg: TrainConfig, run_dir: RunDir, checkpoints: RunCheckpoints, m
         _check_same_batch_plan(saved, batch_rows, row_multiple)
     data = build_train_data(cfg, prepared, target_language, tokenizer, model_config, row_multiple)
 
-    model = Transformer(model_config)
-    schedule = make_schedule(cfg.lr_schedule, d_model=model_config.d_model, warmup_steps=cfg.warmup_steps,
-                             total_steps=cfg.max_steps, decay_fraction=cfg.decay_fraction, scale=cfg.lr_scale)
+    programs = run_programs(cfg, model_config, mesh)   # kept from an earlier run of these settings
     init_key, dropout_key = jax.random.split(jax.random.key(cfg.seed))
-    state, layout = create_sharded_train_state(model, init_key, make_optimizer(schedule, cfg.grad_clip),
-                                               mesh)
+    state = programs.init(init_key)
     num_params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
     log(f"model: {num_params / 1e6:.2f}M parameters, preset {cfg.preset!r}")
     matmul = matmul_flop_rate(repeats=2)   # ~0.4 s on 2 cores
@@ -157,13 +153,12 @@ def _setup_run(cfg: TrainConfig, run_dir: RunDir, checkpoints: RunCheckpoints, m
                       tokenizer_record=pretrained_record["tokenizer"] if pretrained_record else None)
     if restored is not None and is_main_process():
         set_aside_metrics_after(run_dir, start_step)
-    evaluator = Evaluator(model, tokenizer, batch_size=cfg.eval_batch_size,
+    evaluator = Evaluator(programs.model, tokenizer, batch_size=cfg.eval_batch_size,
                           target_language=cfg.tgt_lang or target_language, tokenize=cfg.sacrebleu_tokenize,
-                          layout=layout)
+                          layout=programs.layout, decoders=programs.decoders)
     best_bleu = checkpoints.best_bleu()   # on resume, the score recorded with the best checkpoint
-    return Run(cfg=cfg, run_dir=run_dir, data=data, tokenizer=tokenizer, model=model, schedule=schedule,
-               state=state, layout=layout, checkpoints=checkpoints, evaluator=evaluator,
-               eval_step=jit_eval_step(model, cfg.label_smoothing, layout=layout),
+    return Run(cfg=cfg, run_dir=run_dir, data=data, tokenizer=tokenizer, programs=programs, state=state,
+               checkpoints=checkpoints, evaluator=evaluator,
                metrics_log=MetricsLog(run_dir), dropout_key=dropout_key, num_params=num_params,
                best_bleu=-1.0 if best_bleu is None else best_bleu, t_start=t_start,
                matmul_flop_rate=matmul)
@@ -278,8 +273,7 @@ def train_loop(run: Run) -> LoopState:
     cfg, c = run.cfg, run.model.config
     loop = LoopState(step=int(run.state.step), last_log_time=time.perf_counter())
     deadline = None if cfg.max_minutes is None else run.t_start + 60 * cfg.max_minutes
-    train_step = jit_train_step(run.model, cfg.label_smoothing, layout=run.layout,
-                                grad_accum_steps=cfg.grad_accum_steps)
+    train_step = run.programs.train_step
     run.early_stopping = EarlyStopping(cfg.patience, best=run.best_bleu if run.best_bleu >= 0 else -math.inf)
     progress = Progress(enabled=cfg.progress, step=loop.step, max_steps=cfg.max_steps, t_start=run.t_start,
                         deadline=deadline)
