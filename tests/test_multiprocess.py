@@ -112,7 +112,8 @@ def _preempt_resume_and_compare(tmp_path: Path, short_corpus, capsys, xla_flags,
     relative norm. That a resume is exact bit for bit is tested in one process
     (``tests/test_resilience.py``), where no second summation order exists; an
     uninterrupted two-process run as the exact reference here cost another launch of
-    two processes (~45 s of the suite). A one-device ``Translator`` reads the checkpoints."""
+    two processes (~45 s of the suite). The first stop's checkpoint is also resumed by one
+    process, and compared the same way. A one-device ``Translator`` reads the checkpoints."""
     config = dict(_CONFIG, train_file=str(short_corpus["train"]), dev_file=str(short_corpus["dev"]),
                   test_file=str(short_corpus["test"]))
     two, one = tmp_path / "two", tmp_path / "one"
@@ -132,6 +133,7 @@ def _preempt_resume_and_compare(tmp_path: Path, short_corpus, capsys, xla_flags,
         return stop
 
     stop = preempted("6", after=5)
+    shutil.copytree(two, elastic := tmp_path / "elastic")   # this checkpoint, to resume on one process
     if preempt_at_restore:
         stop = preempted("restore", after=stop)   # the notice comes before the first step
 
@@ -147,15 +149,25 @@ def _preempt_resume_and_compare(tmp_path: Path, short_corpus, capsys, xla_flags,
     shutil.copytree(two / "tokenizer", one / "tokenizer")   # the same vocabulary
     assert train(TrainConfig(**config, workdir=str(one), max_steps=_LAST))["final_step"] == _LAST
     reference, reference_params = _train_losses(one), _leaves(_params_at(one, _LAST))
-    assert sorted(reference) == sorted(losses)
-    np.testing.assert_allclose([losses[s] for s in sorted(losses)],
-                               [reference[s] for s in sorted(losses)], rtol=1e-3)
-    assert params.keys() == reference_params.keys()
-    for name, value in params.items():
-        expected = reference_params[name]
-        assert value.shape == expected.shape, name
-        if not name.endswith("['key_bias']"):   # round-off noise only (see the docstring)
-            assert np.linalg.norm(value - expected) <= 1e-2 * np.linalg.norm(expected), name
+
+    def assert_like_the_reference(losses, params):
+        assert sorted(reference) == sorted(losses)
+        np.testing.assert_allclose([losses[s] for s in sorted(losses)],
+                                   [reference[s] for s in sorted(losses)], rtol=1e-3)
+        assert params.keys() == reference_params.keys()
+        for name, value in params.items():
+            expected = reference_params[name]
+            assert value.shape == expected.shape, name
+            if not name.endswith("['key_bias']"):   # round-off noise only (see the docstring)
+                assert np.linalg.norm(value - expected) <= 1e-2 * np.linalg.norm(expected), name
+
+    assert_like_the_reference(losses, params)
+    # The first stop's checkpoint, saved by two processes, resumed by one (elastic): the
+    # same global batches from there on (the one process kept the reference's programs).
+    capsys.readouterr()
+    assert train(TrainConfig(**config, workdir=str(elastic), max_steps=_LAST))["final_step"] == _LAST
+    assert "saved by 2 process(es), continues on 1" in capsys.readouterr().out
+    assert_like_the_reference(_train_losses(elastic), _leaves(_params_at(elastic, _LAST)))
 
     capsys.readouterr()
     translator = Translator(two)

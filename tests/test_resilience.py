@@ -314,21 +314,39 @@ def test_a_checkpoint_from_before_streamed_data_is_refused_with_the_fix(tmp_path
     assert _snapshot(workdir) == before
 
 
-def test_a_run_saved_by_other_processes_is_refused_with_the_count_not_set_aside(tmp_path, files, reference):
-    """Each process saves its own data position (``process_<i>-of-<n>.json``). A two-process
-    run resumed on one process finds none of its own: it is refused with both counts and
-    the fix, not read as three unreadable steps (which would move a newer step written by
-    two processes aside and resume from an older one); nothing changes."""
-    workdir = tmp_path / "run"
-    shutil.copytree(reference, workdir)
-    for data in workdir.glob("checkpoints/*/data"):   # as two processes leave them
+def test_a_run_saved_by_two_processes_continues_exactly_on_one(tmp_path, files, reference, capsys):
+    """Each process saves its own data position (``process_<i>-of-<n>.json``), and they are
+    all the same global position. A run saved by two processes resumes on one from it,
+    says so, and trains exactly what the one-process run trains from the same step
+    (``tests/test_multiprocess.py`` resumes a real two-process checkpoint on one).
+    Positions that disagree, or a missing process's file, are refused with the fix, and
+    nothing changes."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    shutil.copytree(reference, one)
+    shutil.copytree(reference, two)
+    for data in two.glob("checkpoints/*/data"):   # as two processes leave them
         (data / "process_0-of-1.json").rename(data / "process_0-of-2.json")
         shutil.copy(data / "process_0-of-2.json", data / "process_1-of-2.json")
-    before = _snapshot(workdir)
-    with pytest.raises(DataPositionError, match=r"step 12 .*saved by 2 process\(es\).*this run has 1\. "
-                                                r"Resume it with 2 process\(es\).*Nothing was changed"):
-        train(_config(workdir, files, 16))
-    assert _snapshot(workdir) == before and not (workdir / "corrupt").exists()
+    second = two / "checkpoints" / "12" / "data" / "process_1-of-2.json"
+    position = json.loads(second.read_text())
+    for change, message in ((dict(position, batch=position["batch"] + 1), r"saved different data positions"),
+                            (None, r"only those of processes \[0\] are there")):
+        if change is None:
+            second.unlink()
+        else:
+            second.write_text(json.dumps(change))
+        before = _snapshot(two)
+        with pytest.raises(DataPositionError, match=r"step 12 .*" + message + r".*Resume it with 2 "
+                                                    r"process\(es\).*Nothing was changed"):
+            train(_config(two, files, 16))
+        assert _snapshot(two) == before and not (two / "corrupt").exists()
+    second.write_text(json.dumps(position))
+    capsys.readouterr()
+    assert train(_config(two, files, 16))["final_step"] == 16
+    assert "its data position, saved by 2 process(es), continues on 1" in capsys.readouterr().out
+    assert train(_config(one, files, 16))["final_step"] == 16
+    chex.assert_trees_all_equal(_state_at(two, 16), _state_at(one, 16))
+    assert (two / "checkpoints" / "16" / "data" / "process_0-of-1.json").is_file()
 
 
 def test_a_data_axis_that_does_not_divide_the_eval_batch_evaluates(tmp_path, files):

@@ -18,7 +18,6 @@ and converted (:mod:`jaxformer.model.scan`), then placed with the target's shard
 
 from __future__ import annotations
 
-import re
 import shutil
 import sys
 import time
@@ -31,6 +30,7 @@ import orbax.checkpoint as ocp
 
 from jaxformer.model import scan
 from jaxformer.model.validation import DataPositionError
+from jaxformer.run.positions import position_for_other_process_count
 from jaxformer.run.saved_params import (  # noqa: F401  (CheckpointMismatchError: re-exported)
     CheckpointMismatchError,
     check_params_match,
@@ -41,21 +41,6 @@ from jaxformer.run.saved_params import (  # noqa: F401  (CheckpointMismatchError
 
 class CheckpointError(OSError):
     """No checkpoint of the run directory can be read."""
-
-
-def _check_process_count(data_dir: Path) -> None:
-    """A step's data positions are one file per process, ``process_<i>-of-<n>.json``
-    (grain's checkpoint handler); a run resumed on another number of processes would
-    find none of its own and read every step as unreadable. Raises
-    :class:`DataPositionError` naming both counts and the fix; files named otherwise
-    (another grain) are left to the restore."""
-    counts = {int(match.group(1)) for path in data_dir.glob("process_*-of-*.json")
-              if (match := re.fullmatch(r"process_\d+-of-(\d+)\.json", path.name))}
-    if len(counts) == 1 and (saved := counts.pop()) != jax.process_count():
-        raise DataPositionError(
-            f"its data positions were saved by {saved} process(es), one each, and this run has "
-            f"{jax.process_count()}. Resume it with {saved} process(es) (the --num-processes "
-            f"it ran with), or start a new run from its weights in another --workdir (--init-from this run).")
 
 
 def _first_line(error: BaseException) -> str:
@@ -153,21 +138,32 @@ class RunCheckpoints:
             state=ocp.args.StandardSave(state),
             data=grain.checkpoint.CheckpointSave(data_iterator)))
 
-    def restore(self, step: int, abstract_state: Any, data_iterator: Any) -> Any:
+    def restore(self, step: int, abstract_state: Any, data_iterator: Any,
+                report: Callable[[str], None] = _stderr) -> Any:
         """Restores the state into ``abstract_state``'s structure and the iterator in place.
 
+        A step saved by another number of processes continues from the one position
+        they all saved (:mod:`jaxformer.run.positions`); ``report`` says so.
+
         Raises:
-          DataPositionError: the step's data positions were saved by another number of
-            processes (one position per process), so they cannot be continued here.
+          DataPositionError: the step's data positions cannot be continued: not a
+            position, or saved by another number of processes that disagree.
         """
         import grain
 
-        _check_process_count(self.latest.directory / str(step) / "data")
+        other = position_for_other_process_count(self.latest.directory / str(step) / "data")
 
         def restore(target):
-            return self.latest.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(target),
-                data=grain.checkpoint.CheckpointRestore(data_iterator))).state
+            if other is None:   # grain reads this process's own file
+                return self.latest.restore(step, args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(target),
+                    data=grain.checkpoint.CheckpointRestore(data_iterator))).state
+            state = self.latest.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(target))).state
+            data_iterator.set_state(other[0])
+            report(f"checkpoint step {step}: its data position, saved by {other[1]} process(es), "
+                   f"continues on {jax.process_count()} (every process plans the same global batches)")
+            return state
 
         saved = saved_params(self.latest.directory / str(step) / "state", None)
         return in_layout(saved, abstract_state, restore)
@@ -194,7 +190,7 @@ class RunCheckpoints:
         failures: list[tuple[int, str]] = []
         for step in steps:
             try:
-                state = self.restore(step, abstract_state, data_iterator)
+                state = self.restore(step, abstract_state, data_iterator, report)
             except DataPositionError as error:   # readable, but another pipeline's: refuse, move nothing
                 raise DataPositionError(f"Checkpoint step {step} in {self.latest.directory}: {error} "
                                         f"Nothing was changed.") from error

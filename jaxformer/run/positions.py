@@ -1,0 +1,52 @@
+"""The training data's position in a checkpoint step, and continuing it on another number
+of processes.
+
+Each process saves its own position, ``data/process_<i>-of-<n>.json`` (grain's
+checkpoint handler), and on a resume grain reads the file of the same index and count.
+jaxformer's positions are global, not per process: every process plans the same global
+batches and takes its own block of rows (:func:`jaxformer.data.streaming.process_plans`),
+so all ``n`` files hold the same ``{"epoch", "block", "batch"}``. A run saved by ``n``
+processes therefore continues exactly on ``m``, from that one position, as long as the
+batches keep their rows (the trainer refuses a resume whose devices, accumulation steps
+or process count change them, before any checkpoint is read).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from jaxformer.model.validation import DataPositionError
+
+_NAME = re.compile(r"process_(\d+)-of-(\d+)\.json")
+
+
+def position_for_other_process_count(data_dir: Path) -> tuple[dict[str, Any], int] | None:
+    """The position a step saved with another number of processes than this run's, and
+    that number; ``None`` when this number saved it (grain restores it) or when its files
+    are not grain's ``process_<i>-of-<n>.json`` (left to the restore, which reports them).
+
+    Raises:
+      DataPositionError: the saving processes' files are missing or disagree, so no one
+        position can be continued (the message names the fix).
+    """
+    saved: dict[int, set[int]] = {}
+    for path in data_dir.glob("process_*-of-*.json"):
+        if match := _NAME.fullmatch(path.name):
+            saved.setdefault(int(match.group(2)), set()).add(int(match.group(1)))
+    if len(saved) != 1 or (count := next(iter(saved))) == jax.process_count():
+        return None
+    fix = (f"Resume it with {count} process(es) (the --num-processes it ran with), or start a new "
+           f"run from its weights in another --workdir (--init-from this run).")
+    if saved[count] != set(range(count)):
+        raise DataPositionError(f"its data positions were saved by {count} process(es), but only "
+                                f"those of processes {sorted(saved[count])} are there. {fix}")
+    positions = [json.loads((data_dir / f"process_{i}-of-{count}.json").read_text()) for i in range(count)]
+    if any(position != positions[0] for position in positions):
+        raise DataPositionError(f"its {count} processes saved different data positions ({positions}), "
+                                f"so it cannot continue on {jax.process_count()}. {fix}")
+    return positions[0], count
