@@ -165,9 +165,10 @@ def test_sigterm_checkpoints_and_the_resumed_run_equals_an_uninterrupted_one(
     with jax.log_compiles(True), caplog.at_level(logging.WARNING):
         assert train(_config(workdir, files, 12))["final_step"] == 12
     assert asked == [0, 1, 2, 3, 4, 5], asked
-    # The resume (and the reference run before it) had these settings: their programs are
-    # kept in the process (jaxformer.train.programs), so this run traced nothing.
-    traced = [r.getMessage()[:80] for r in caplog.records if r.getMessage().startswith("Finished tracing")]
+    # The preempted run had these settings: their programs are kept in the process
+    # (jaxformer.train.programs), so the resume traced neither the init nor the train step.
+    traced = [r.getMessage()[:80] for r in caplog.records if r.getMessage().startswith("Finished tracing")
+              and any(f" {name} " in r.getMessage() for name in ("init_train_state", "train_step"))]
     assert not traced, traced
     chex.assert_trees_all_equal(_state_at(workdir, 12), _state_at(reference, 12))
     assert _train_log_steps(workdir) == [2, 4, 6, 8, 10, 12], "every step is logged once"
@@ -316,6 +317,12 @@ def test_a_run_saved_by_two_processes_continues_exactly_on_one(tmp_path, files, 
             train(_config(two, files, 16))
         assert _snapshot(two) == before and not (two / "corrupt").exists()
     second.write_text(json.dumps(position))
+    config = json.loads((two / "config.json").read_text())
+    (two / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "batch_rows"}))
+    with pytest.raises(DataPositionError, match=r"does not record the rows of its batches.*Resume it with "
+                                                r"2 process\(es\)"):   # a run from before the record
+        train(_config(two, files, 16))
+    (two / "config.json").write_text(json.dumps(config))
     capsys.readouterr()
     assert train(_config(two, files, 16))["final_step"] == 16
     assert "its data position, saved by 2 process(es), continues on 1" in capsys.readouterr().out

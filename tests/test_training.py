@@ -289,7 +289,7 @@ def test_run_programs_are_kept_for_the_same_settings_and_built_anew_for_others()
     assert programs.run_programs(same, jf.preset("tiny", src_vocab_size=40, max_len=16), mesh) is kept
     others = [(dataclasses.replace(cfg, **change), config, mesh) for change in (
         dict(lr_scale=2.0), dict(warmup_steps=9), dict(grad_clip=1.0), dict(label_smoothing=0.0),
-        dict(grad_accum_steps=2), dict(lr_schedule="wsd"))]
+        dict(grad_accum_steps=2), dict(lr_schedule="wsd"), dict(lr_schedule="wsd", decay_fraction=0.5))]
     others += [(cfg, dataclasses.replace(config, dropout_rate=0.3), mesh),
                (cfg, config, make_mesh(None, first_devices(2)))]
     built = [programs.run_programs(*args) for args in others]

@@ -139,19 +139,21 @@ class RunCheckpoints:
             data=grain.checkpoint.CheckpointSave(data_iterator)))
 
     def restore(self, step: int, abstract_state: Any, data_iterator: Any,
-                report: Callable[[str], None] = _stderr) -> Any:
+                report: Callable[[str], None] = _stderr, same_rows: bool = True) -> Any:
         """Restores the state into ``abstract_state``'s structure and the iterator in place.
 
         A step saved by another number of processes continues from the one position
-        they all saved (:mod:`jaxformer.run.positions`); ``report`` says so.
+        they all saved (:mod:`jaxformer.run.positions`) when ``same_rows`` (the caller
+        checked that the batches keep their rows); ``report`` says so.
 
         Raises:
           DataPositionError: the step's data positions cannot be continued: not a
-            position, or saved by another number of processes that disagree.
+            position, or saved by another number of processes whose files are missing
+            or disagree, or without ``same_rows``.
         """
         import grain
 
-        other = position_for_other_process_count(self.latest.directory / str(step) / "data")
+        other = position_for_other_process_count(self.latest.directory / str(step) / "data", same_rows)
 
         def restore(target):
             if other is None:   # grain reads this process's own file
@@ -169,14 +171,15 @@ class RunCheckpoints:
         return in_layout(saved, abstract_state, restore)
 
     def restore_latest(self, abstract_state: Any, data_iterator: Any,
-                       report: Callable[[str], None] = _stderr) -> tuple[Any, int] | None:
+                       report: Callable[[str], None] = _stderr, same_rows: bool = True
+                       ) -> tuple[Any, int] | None:
         """Restores the newest readable step; unreadable newer steps are set aside.
 
         Each step, newest first, is restored into ``abstract_state``'s structure (and
         the iterator's position). A step that fails to read is reported; once an
         older step restores, the unreadable newer ones are moved to
         ``<workdir>/corrupt/<step>-<time>`` (kept, never deleted) so training can
-        write those steps again.
+        write those steps again. ``same_rows``: as :meth:`restore`.
 
         Returns:
           ``(state, step)``, or ``None`` when the run has no checkpoint yet.
@@ -190,7 +193,7 @@ class RunCheckpoints:
         failures: list[tuple[int, str]] = []
         for step in steps:
             try:
-                state = self.restore(step, abstract_state, data_iterator, report)
+                state = self.restore(step, abstract_state, data_iterator, report, same_rows)
             except DataPositionError as error:   # readable, but another pipeline's: refuse, move nothing
                 raise DataPositionError(f"Checkpoint step {step} in {self.latest.directory}: {error} "
                                         f"Nothing was changed.") from error

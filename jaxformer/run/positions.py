@@ -7,8 +7,9 @@ jaxformer's positions are global, not per process: every process plans the same 
 batches and takes its own block of rows (:func:`jaxformer.data.streaming.process_plans`),
 so all ``n`` files hold the same ``{"epoch", "block", "batch"}``. A run saved by ``n``
 processes therefore continues exactly on ``m``, from that one position, as long as the
-batches keep their rows (the trainer refuses a resume whose devices, accumulation steps
-or process count change them, before any checkpoint is read).
+batches keep their rows: the trainer refuses a resume whose devices, accumulation steps
+or process count change them, before any checkpoint is read, and a run whose rows were
+not recorded (``config.json`` from before ``batch_rows``) only continues on ``n``.
 """
 
 from __future__ import annotations
@@ -25,14 +26,21 @@ from jaxformer.model.validation import DataPositionError
 _NAME = re.compile(r"process_(\d+)-of-(\d+)\.json")
 
 
-def position_for_other_process_count(data_dir: Path) -> tuple[dict[str, Any], int] | None:
+def position_for_other_process_count(data_dir: Path, same_rows: bool = True
+                                     ) -> tuple[dict[str, Any], int] | None:
     """The position a step saved with another number of processes than this run's, and
     that number; ``None`` when this number saved it (grain restores it) or when its files
     are not grain's ``process_<i>-of-<n>.json`` (left to the restore, which reports them).
 
+    Args:
+      same_rows: whether the caller checked that this run's batches have the rows the
+        saved run's had (else another process count is refused).
+
     Raises:
-      DataPositionError: the saving processes' files are missing or disagree, so no one
-        position can be continued (the message names the fix).
+      DataPositionError: another number of processes saved it and ``same_rows`` is
+        false, or one of their files is missing, or they disagree, so no one position
+        can be continued (the message names the fix; a missing file is refused, not
+        read as an unreadable step, since every step of the run would lack it).
     """
     saved: dict[int, set[int]] = {}
     for path in data_dir.glob("process_*-of-*.json"):
@@ -42,6 +50,10 @@ def position_for_other_process_count(data_dir: Path) -> tuple[dict[str, Any], in
         return None
     fix = (f"Resume it with {count} process(es) (the --num-processes it ran with), or start a new "
            f"run from its weights in another --workdir (--init-from this run).")
+    if not same_rows:
+        raise DataPositionError(f"its data positions were saved by {count} process(es) and this run "
+                                f"has {jax.process_count()}; its config.json does not record the rows "
+                                f"of its batches, so another count may plan other batches. {fix}")
     if saved[count] != set(range(count)):
         raise DataPositionError(f"its data positions were saved by {count} process(es), but only "
                                 f"those of processes {sorted(saved[count])} are there. {fix}")

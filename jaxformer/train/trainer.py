@@ -139,7 +139,8 @@ def _setup_run(cfg: TrainConfig, run_dir: RunDir, checkpoints: RunCheckpoints, m
     log(f"machine: a float32 2048³ matmul runs at {matmul / 1e9:.0f} GFLOP/s on "
         f"{jax.devices()[0].platform} (the README's times say the rate they were measured at)")
     # Restore before writing anything: if no checkpoint is readable, the run dir is untouched.
-    restored = checkpoints.restore_latest(sharding_lib.abstract_state(state), data.iterator, report=log)
+    restored = checkpoints.restore_latest(sharding_lib.abstract_state(state), data.iterator, report=log,
+                                          same_rows=saved is not None and "batch_rows" in saved)
     if restored is not None:
         state, start_step = restored
         log(f"resumed from {run_dir.checkpoints} at step {int(state.step)}")
