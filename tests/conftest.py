@@ -103,13 +103,13 @@ def short_corpus(tmp_path_factory):
 # sets --no-loadscope-reorder: xdist's default orders the modules by their number of tests,
 # which put the one-test, two-minute test_multiprocess last in the queue). Started first, the
 # long ones do not leave one worker running a long module alone at the end (longest-first
-# scheduling). Seconds of each module on a clean clone with 2 workers (after commit
-# 2eb3446, 87-98 GFLOP/s): resilience 197, train_e2e 180, multiprocess 179, hf_marian 130,
-# bulk_translate 128, sharding 125, cli 121, compile 102, training 101, model 56, scan 53,
-# decoding 47, packing 42; the rest 23 or less.
-_LONGEST_FIRST = ("test_resilience.py", "test_train_e2e.py", "test_multiprocess.py", "test_hf_marian.py",
-                  "test_bulk_translate.py", "test_sharding.py", "test_cli.py", "test_compile.py",
-                  "test_training.py", "test_model.py", "test_scan.py", "test_decoding.py", "test_packing.py")
+# scheduling). Seconds of each module on a clean clone with 2 workers (commit 9d94a22,
+# 128-143 GFLOP/s): multiprocess 134, bulk_translate 126, resilience 117, sharding 111,
+# compile 104, hf_marian 104, training 95, cli 75, train_e2e 75, scan 58, model 51,
+# decoding 46, packing 40; the rest 26 or less.
+_LONGEST_FIRST = ("test_multiprocess.py", "test_bulk_translate.py", "test_resilience.py", "test_sharding.py",
+                  "test_compile.py", "test_hf_marian.py", "test_training.py", "test_cli.py",
+                  "test_train_e2e.py", "test_scan.py", "test_model.py", "test_decoding.py", "test_packing.py")
 
 
 def pytest_collection_modifyitems(items):
