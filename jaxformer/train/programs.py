@@ -6,10 +6,12 @@ optimizer, state layout and jitted programs (initialisation, train step, dev-los
 step, dev/test decoders) from :func:`run_programs`. They depend on the run's settings
 only, not on its data, seed or directory, so a second ``train()`` in one process with
 the same settings (a resume in the same session, runs over other data or seeds, a
-notebook, the test suite) reuses the same jitted functions: JAX then finds each
-program in its in-memory cache and neither traces, lowers nor reads its persistent
-cache again. On 2 CPU cores that is ~8 s of a 14 s tiny-preset run. The programs of
-the :data:`KEPT` most recently used settings are kept; :func:`clear` drops them.
+notebook, the test suite) reuses the same jitted functions: for every input shape met
+before, JAX finds the program in its in-memory cache and neither traces, lowers nor
+reads its persistent cache again (new shapes, e.g. other data's dev lengths, still
+compile). On 2 CPU cores that was ~8 s of a 14 s tiny-preset run. The programs of the
+:data:`KEPT` most recently used settings are kept, with their compiled code (on an
+accelerator, device memory for programs); :func:`clear` drops them.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from jaxformer.run.config import TrainConfig
 from jaxformer.train.optimizer import make_optimizer, make_schedule
 from jaxformer.train.step import TrainState, jit_eval_step, jit_sharded_init, jit_train_step
 
-KEPT = 4   # settings whose programs a process keeps (a few MB of compiled code each at test scale)
+KEPT = 4   # settings whose programs a process keeps
 
 
 @dataclasses.dataclass(frozen=True)
