@@ -305,17 +305,24 @@ def test_a_run_saved_by_two_processes_continues_exactly_on_one(tmp_path, files, 
         shutil.copy(data / "process_0-of-2.json", data / "process_1-of-2.json")
     second = two / "checkpoints" / "12" / "data" / "process_1-of-2.json"
     position = json.loads(second.read_text())
-    for change, message in ((dict(position, batch=position["batch"] + 1), r"saved different data positions"),
-                            (None, r"only those of processes \[0\] are there")):
-        if change is None:
+    stray = second.with_name("process_0-of-1.json")   # a file of this run's count: grain would read it
+    resume = r".*Resume it with 2 process\(es\)"
+    for change, message in ((dict(position, batch=position["batch"] + 1),
+                             r"saved different data positions" + resume),
+                            (None, r"only those of processes \[0\] are there" + resume),
+                            ("stray", r"saved by \[1, 2\] processes, which one run never writes")):
+        if change == "stray":
+            second.write_text(json.dumps(position))
+            stray.write_text(json.dumps(dict(position, batch=position["batch"] + 7)))
+        elif change is None:
             second.unlink()
         else:
             second.write_text(json.dumps(change))
         before = _snapshot(two)
-        with pytest.raises(DataPositionError, match=r"step 12 .*" + message + r".*Resume it with 2 "
-                                                    r"process\(es\).*Nothing was changed"):
+        with pytest.raises(DataPositionError, match=r"step 12 .*" + message + r".*Nothing was changed"):
             train(_config(two, files, 16))
         assert _snapshot(two) == before and not (two / "corrupt").exists()
+    stray.unlink()
     second.write_text(json.dumps(position))
     config = json.loads((two / "config.json").read_text())
     (two / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "batch_rows"}))

@@ -37,16 +37,22 @@ def position_for_other_process_count(data_dir: Path, same_rows: bool = True
         saved run's had (else another process count is refused).
 
     Raises:
-      DataPositionError: another number of processes saved it and ``same_rows`` is
-        false, or one of their files is missing, or they disagree, so no one position
-        can be continued (the message names the fix; a missing file is refused, not
-        read as an unreadable step, since every step of the run would lack it).
+      DataPositionError: files of several process counts (one run writes one count), or
+        another number of processes saved it and ``same_rows`` is false, or one of their
+        files is missing, or they disagree, so no one position can be continued (the
+        message names the fix; a missing file is refused, not read as an unreadable
+        step, since every step of the run would lack it).
     """
     saved: dict[int, set[int]] = {}
     for path in data_dir.glob("process_*-of-*.json"):
         if match := _NAME.fullmatch(path.name):
             saved.setdefault(int(match.group(2)), set()).add(int(match.group(1)))
-    if len(saved) != 1 or (count := next(iter(saved))) == jax.process_count():
+    if len(saved) > 1:   # a stray file: grain would read this count's, maybe another run's
+        raise DataPositionError(f"it holds data positions saved by {sorted(saved)} processes, which one "
+                                f"run never writes; remove the files of the count the run did not have, "
+                                f"or start a new run from its weights in another --workdir (--init-from "
+                                f"this run).")
+    if not saved or (count := next(iter(saved))) == jax.process_count():
         return None
     fix = (f"Resume it with {count} process(es) (the --num-processes it ran with), or start a new "
            f"run from its weights in another --workdir (--init-from this run).")
