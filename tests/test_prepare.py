@@ -312,8 +312,15 @@ def test_worker_processes_give_the_same_batches_and_resume_with_any_worker_count
             resumed.close()
 
 
-@pytest.mark.parametrize("state", [{"next_index": 7}, {"epoch": 0, "block": -1, "batch": 2}, [0, 0, 1]])
-def test_a_saved_position_of_another_format_is_a_clear_error(state):
+@pytest.mark.parametrize("state, diagnosis", [
+    ({"next_index": 7}, "older jaxformer.*--fresh"),
+    ({"epoch": 0, "block": -1, "batch": 2}, "Not a data position.*damaged or edited.*--fresh"),
+    ({"epoch": 0, "block": 1}, "Not a data position.*damaged or edited.*--fresh"),
+    ({"epoch": 0, "block": 1, "batch": True}, "Not a data position.*damaged or edited.*--fresh"),
+    ([0, 0, 1], "Not a data position.*damaged or edited.*--fresh")])
+def test_a_saved_position_of_another_format_is_a_clear_error(state, diagnosis):
+    """grain's old in-memory position is named as an older jaxformer's; anything else that
+    is not a position is named as a damaged file, not misdiagnosed as an old version."""
     stream = streaming.BatchStream(lambda start: None)
-    with pytest.raises(ValueError, match="older jaxformer.*--fresh"):
+    with pytest.raises(ValueError, match=diagnosis):
         stream.set_state(state)

@@ -216,6 +216,21 @@ def test_a_finished_run_started_again_is_not_evaluated_twice(tmp_path, files, re
     assert [r["step"] for r in rows if "dev/bleu" in r] == [12]
 
 
+def test_the_first_window_after_a_resume_between_logged_steps_says_how_many_steps_it_averages(
+        tmp_path, files, reference):
+    """Resumed at step 8 with --log-every 3, the first record (step 9) averages one step,
+    not three, and says so (``train/steps``); the next averages three. The state at step 12
+    is the reference's: the logging rhythm changes nothing of the training."""
+    workdir = tmp_path / "run"
+    shutil.copytree(reference, workdir)
+    shutil.rmtree(workdir / "checkpoints" / "12")
+    train(_config(workdir, files, 12, log_every=3))
+    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    windows = [(r["step"], r["train/steps"]) for r in rows if "train/loss" in r]
+    assert windows == [(2, 2), (4, 2), (6, 2), (8, 2), (9, 1), (12, 3)]
+    chex.assert_trees_all_equal(_state_at(workdir, 12), _state_at(reference, 12))
+
+
 def test_resuming_with_another_batch_plan_is_refused_and_the_same_plan_resumes(tmp_path, files, reference):
     """Rows per batch decide the plan the saved data position counts through: 16 rows
     (512 tokens / 32) with --grad-accum-steps 3 become 15, which is refused before

@@ -55,17 +55,24 @@ def check_position(state: Any) -> Position:
 
     Raises:
       DataPositionError: ``state`` is not ``{"epoch", "block", "batch"}`` of non-negative
-        integers, e.g. the data position of a checkpoint written by a jaxformer
-        from before prepared, streamed data (2026-11-30), which held the in-memory
-        pipeline's position; its batches cannot be reproduced exactly.
+        integers. Two diagnoses: grain's ``{"next_index": …}`` is the data position of a
+        checkpoint written by a jaxformer from before prepared, streamed data
+        (2026-11-30), which held the in-memory pipeline's position and whose batches
+        cannot be reproduced exactly; anything else is a damaged or edited file.
     """
-    if (not isinstance(state, dict) or set(state) != set(START)
-            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in state.values())):
+    if (isinstance(state, dict) and set(state) == set(START)
+            and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in state.values())):
+        return {k: int(state[k]) for k in START}
+    if isinstance(state, dict) and "next_index" in state:
         raise DataPositionError(
             f"Data position from an older jaxformer (before streamed data), whose batches cannot be "
             f"continued exactly: start over with --fresh or finish with the version that began the "
             f"run (got {state!r}).")
-    return {k: int(state[k]) for k in START}
+    raise DataPositionError(
+        f"Not a data position: expected {{\"epoch\", \"block\", \"batch\"}} of non-negative integers, "
+        f"got {state!r}; the file was damaged or edited. Put back the file the run wrote, or move "
+        f"this checkpoint step out of checkpoints/ to resume from an older one, or start over "
+        f"with --fresh.")
 
 
 class BlockPlanDataset(grain.IterDataset):

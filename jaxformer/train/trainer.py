@@ -315,7 +315,9 @@ def train_loop(run: Run) -> LoopState:
 
 def _log_window(run: Run, loop: LoopState, progress: Progress) -> None:
     """Reads the window's sums back (the one host sync every ``--log-every`` steps), writes
-    the metrics record and reports it to the progress bar / log line.
+    the metrics record and reports it to the progress bar / log line. ``train/steps`` is
+    the number of steps the record averages: ``--log-every``, except in the first window
+    of a run resumed between two logged steps, which starts at the restored step.
 
     Raises:
       TrainingDiverged: every update of the window was skipped as non-finite.
@@ -333,6 +335,7 @@ def _log_window(run: Run, loop: LoopState, progress: Progress) -> None:
               "train/accuracy": float(values["correct"]) / tokens,
               "train/grad_norm": float(values["grad_norm"]) / applied,
               "train/skipped": float(values["skipped"]),
+              "train/steps": int(values["steps"]),
               "train/lr": float(run.schedule(loop.step - 1)),
               "train/tokens_per_s": tokens / max(now - loop.last_log_time, 1e-9)}
     run.metrics_log.write(loop.step, record)
