@@ -107,6 +107,21 @@ def test_bleu_tokenizer_follows_the_target_language():
             make_bleu("ja")
 
 
+def test_a_bleu_tokenizer_that_cannot_start_stops_training_before_the_run_directory_is_made(tmp_path):
+    """An unknown --sacrebleu-tokenize (or, without MeCab, a Japanese target) is refused by
+    train() before it makes the run directory or prepares any data."""
+    from jaxformer.run.config import TrainConfig
+    from jaxformer.train.trainer import train
+
+    corpus_file = tmp_path / "pairs.tsv"
+    corpus_file.write_text("Hello.\tHallo.\n" * 50)
+    cfg = TrainConfig(workdir=str(tmp_path / "run"), train_file=str(corpus_file), preset="tiny",
+                      vocab_size=100, max_steps=1, progress=False, sacrebleu_tokenize="nope")
+    with pytest.raises(ValueError, match="Unknown sacrebleu tokenizer 'nope'"):
+        train(cfg)
+    assert not (tmp_path / "run").exists()
+
+
 def test_evaluator_pads_batches_to_a_power_of_two_not_the_batch_size(tiny):
     evaluator = Evaluator(tiny[0], None, batch_size=32, target_language="de",
                           scoring=False, max_len_a=0.5, max_len_b=3)

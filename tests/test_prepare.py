@@ -18,6 +18,7 @@ import reference_data
 from jaxformer.data import batching, corpus, prepare, streaming
 from jaxformer.data import run_data as rundata
 from jaxformer.data.prepared import PreparedCorpus, PreparedDataError
+from jaxformer.data.spec import DataSpec
 from jaxformer.data.tokenizer import Tokenizer
 from jaxformer.run.checkpoints import RunCheckpoints
 from jaxformer.run.config import TrainConfig
@@ -183,6 +184,44 @@ def test_a_failed_prepare_leaves_no_folder_it_made_and_keeps_one_it_found(tmp_pa
         assert f"Corpus file {str(missing)!r} does not exist" in capsys.readouterr().err
         assert workdir.exists() is kept and (tmp_path / "new").exists() is False
     assert (tmp_path / "mine" / "notes.txt").read_text() == "the user's"
+
+
+def test_a_corpus_with_no_training_pair_is_a_clear_error_not_a_tokenizer_crash(tmp_path):
+    """Pairs are split by the hash of their source: 50 copies of one pair all land in one
+    split. When that is dev, the training side is empty, which sentencepiece reports as an
+    internal error; it is named before the tokenizer is trained."""
+    splitter = corpus.Splitter.for_size(50)
+    source = next(f"Sentence {i}." for i in range(1000) if splitter(f"Sentence {i}.") == "dev")
+    (tmp_path / "pairs.tsv").write_text(f"{source}\tSatz.\n" * 50)
+    with pytest.raises(ValueError, match="The train split is empty.*--dev-file"):
+        prepare.prepare(DataSpec.from_config(_cfg(tmp_path / "pairs.tsv", tmp_path / "run")),
+                        tmp_path / "run" / "prepared", tmp_path / "run" / "tokenizer" / "spm.model")
+    with pytest.raises(ValueError, match="No sentence to train a tokenizer on"):
+        Tokenizer.train(["", " "], tmp_path / "tok")
+
+
+def test_a_failed_start_removes_the_run_directory_it_made_unless_the_data_was_prepared(
+        corpus_file, tmp_path):
+    """train() in a new --workdir that fails before its data is prepared leaves no folder it
+    made; one that fails after (too few rows for 8 devices) keeps the prepared data for the
+    next attempt; a folder that was there is never removed."""
+    splitter = corpus.Splitter.for_size(50)
+    source = next(f"Sentence {i}." for i in range(1000) if splitter(f"Sentence {i}.") == "dev")
+    (tmp_path / "dev-only.tsv").write_text(f"{source}\tSatz.\n" * 50)
+    for workdir, kept in ((tmp_path / "new" / "run", False), (tmp_path / "mine", True)):
+        if kept:
+            workdir.mkdir()
+            (workdir / "notes.txt").write_text("the user's")
+        with pytest.raises(ValueError, match="The train split is empty"):
+            train(_cfg(tmp_path / "dev-only.tsv", workdir, preset="tiny", max_steps=1, progress=False))
+        assert workdir.exists() is kept and (tmp_path / "new").exists() is False
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "the user's"
+    workdir = tmp_path / "prepared" / "run"
+    with pytest.raises(ValueError, match="--batch-tokens 128 gives 4 row"):
+        train(_cfg(corpus_file, workdir, preset="tiny", max_len=32, batch_tokens=128, devices=8,
+                   max_steps=1, progress=False))
+    assert (workdir / "prepared" / "manifest.json").exists()
+    assert (workdir / "tokenizer" / "spm.model").exists()
 
 
 def test_training_on_other_data_is_refused_and_fresh_starts_over(corpus_file, run_dir, tmp_path):

@@ -12,7 +12,7 @@ import shutil
 from jaxformer.data.distillation import write_training_sources
 from jaxformer.data.run_data import prepare_run_data
 from jaxformer.run.config import PAIRS, TrainConfig
-from jaxformer.run.directory import RunDir
+from jaxformer.run.directory import RunDir, topmost_missing
 from jaxformer.run.platform import skip_absent_tpu
 
 
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
         cfg = TrainConfig(**fields)
         run_dir = RunDir(cfg.workdir)
         # the topmost folder this call makes: removed again if preparing fails
-        created = next((d for d in reversed([run_dir.root, *run_dir.root.parents]) if not d.exists()), None)
+        created = topmost_missing(run_dir.root)
         run_dir.root.mkdir(parents=True, exist_ok=True)
         has_checkpoints = run_dir.checkpoints.exists() and any(run_dir.checkpoints.iterdir())
         prepare_run_data(cfg, run_dir, has_checkpoints=has_checkpoints)

@@ -238,8 +238,9 @@ def check_splits_nonempty(sizes: dict[str, int], n: int) -> None:
     """Raises ``ValueError`` naming the first empty split of an ``n``-pair corpus."""
     for name, size in sizes.items():
         if not size:
-            raise ValueError(f"The {name} split is empty ({n} pairs in all); give a larger corpus "
-                             f"or explicit --dev-file/--test-file.")
+            raise ValueError(f"The {name} split is empty ({n} pairs in all; a pair's split is chosen by "
+                             f"the hash of its source, so repeated sources share one); give a larger "
+                             f"corpus or explicit --dev-file/--test-file.")
 
 
 def target_language_of(cfg: TrainConfig) -> str:

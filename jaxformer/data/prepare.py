@@ -88,6 +88,8 @@ def prepare(spec: DataSpec, directory: str | os.PathLike, tokenizer_file: str | 
     elif retrain_tokenizer or not tokenizer_file.exists():
         t0 = time.perf_counter()
         sentences = [s for pair in sample if splitter(pair[0]) == "train" for s in pair]
+        if not sentences:   # sentencepiece would fail with an internal error instead
+            corpus.check_splits_nonempty({"train": 0}, n)
         tokenizer = Tokenizer.train(sentences, tokenizer_file.parent, vocab_size=spec.vocab_size,
                                     reserved=(BT_TAG,) if spec.bt_file else ())
         log(f"prepare: trained sentencepiece ({tokenizer.vocab_size} pieces) on {len(sentences)} "

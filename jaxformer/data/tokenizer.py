@@ -109,14 +109,21 @@ class Tokenizer:
 
         Ids: pad 0, unk 1, bos 2, eos 3, then the ``reserved`` pieces (control symbols,
         see :meth:`reserved_id`), then the learned pieces.
+
+        Raises:
+          ValueError: no sentence with text (sentencepiece's own error is an internal one).
         """
         import sentencepiece as spm
 
+        sentences = list(sentences)
+        if not any(sentence.strip() for sentence in sentences):
+            raise ValueError(f"No sentence to train a tokenizer on ({len(sentences)} given, none with "
+                             f"text): give a corpus with text on its training side.")
         model_dir = Path(model_dir)
         model_dir.mkdir(parents=True, exist_ok=True)
         buffer = io.BytesIO()
         spm.SentencePieceTrainer.train(
-            sentence_iterator=iter(list(sentences)), model_writer=buffer, vocab_size=vocab_size,
+            sentence_iterator=iter(sentences), model_writer=buffer, vocab_size=vocab_size,
             model_type="unigram", character_coverage=0.9995, pad_id=0, unk_id=1, bos_id=2,
             eos_id=3, input_sentence_size=seed_sentences, shuffle_input_sentence=True,
             num_threads=os.cpu_count() or 1, minloglevel=2, hard_vocab_limit=False,

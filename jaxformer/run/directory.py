@@ -153,6 +153,14 @@ class RunDir:
                 return old
         return None
 
+    def remove_if_made_and_unprepared(self, made: Path | None) -> None:
+        """After a failed start: removes ``made`` (the topmost folder of :attr:`root` that did
+        not exist before, :func:`topmost_missing`) unless the data was prepared in it, which
+        the next attempt reuses. Process 0 only; ``None`` (the folder was there) changes nothing."""
+        if made is None or not is_main_process() or (self.prepared / "manifest.json").exists():
+            return
+        shutil.rmtree(made, ignore_errors=True)
+
     def last_evaluated_step(self) -> int:
         """The latest step with a dev evaluation in ``metrics.jsonl`` (-1: none yet)."""
         if not self.metrics.exists():
@@ -193,6 +201,13 @@ def check_resume_compatible(saved: dict[str, Any], model_config: TransformerConf
         fields = ", ".join(f"{k}: saved {a!r} vs now {b!r}" for k, (a, b) in sorted(differing.items()))
         raise ValueError(f"The run directory holds checkpoints of another architecture ({fields}). "
                          f"Use the same flags to resume, another --workdir, or --fresh to start over.")
+
+
+def topmost_missing(path: Path) -> Path | None:
+    """The topmost folder of ``path`` (itself or an ancestor) that does not exist yet:
+    what creating ``path`` makes and a failed start may remove again; ``None`` if it exists."""
+    path = Path(path).absolute()
+    return next((d for d in reversed([path, *path.parents]) if not d.exists()), None)
 
 
 def resume_record(saved: dict[str, Any] | None, run_record: dict[str, Any], resumed: bool) -> dict[str, Any]:

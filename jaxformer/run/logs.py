@@ -78,7 +78,8 @@ class RunLog:
     directory exists and ``--fresh`` has moved the previous run's log aside), so the
     data report and everything else printed before that is in the file too. An error
     that ends the run after that is written to the file (only: the command line prints
-    it); one during setup leaves the run directory untouched.
+    it); one during setup writes no ``train.log`` (and :func:`jaxformer.train.trainer.train`
+    removes a run directory it made, unless its data was prepared, kept for the next attempt).
     Process 0 only (decided at :meth:`open`, after ``jax.distributed.initialize``);
     appends across resumed runs.
     """
@@ -113,8 +114,8 @@ class RunLog:
         logger.addHandler(self.file)
 
     def __exit__(self, kind, error, traceback) -> None:
-        # Not opened = setup failed: the run directory stays untouched (a run without a
-        # readable checkpoint changes no file); the command line prints the error.
+        # Not opened = setup failed: no train.log is written (a run without a readable
+        # checkpoint changes no file); the command line prints the error.
         logger.removeHandler(self.buffer)
         self.buffer.buffer.clear()
         if self.file is not None:

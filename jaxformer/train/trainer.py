@@ -13,6 +13,7 @@ import json
 import math
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -23,7 +24,7 @@ from jaxformer.data.prepared import PreparedCorpus
 from jaxformer.data.run_data import prepare_run_data
 from jaxformer.data.streaming import BatchStream, kept_records, stream_dataset
 from jaxformer.data.tokenizer import Tokenizer
-from jaxformer.decode.evaluation import Evaluator
+from jaxformer.decode.evaluation import Evaluator, make_bleu
 from jaxformer.interop import pretrained
 from jaxformer.model import sharding as sharding_lib
 from jaxformer.model.config import TransformerConfig, preset
@@ -36,6 +37,7 @@ from jaxformer.run.directory import (
     check_resume_compatible,
     resume_record,
     set_aside_metrics_after,
+    topmost_missing,
 )
 from jaxformer.run.logs import Progress, RunLog, is_main_process, log
 from jaxformer.run.platform import matmul_flop_rate
@@ -61,14 +63,20 @@ def train(cfg: TrainConfig, *, fresh: bool = False) -> dict[str, Any]:
 
     Raises:
       ValueError / FileNotFoundError / OSError: bad corpus, bad paths, or an
-        incompatible checkpoint; all before any compile.
+        incompatible checkpoint; all before any compile. A run directory this call
+        made is removed again, unless its data was prepared (the next attempt reuses it).
       CheckpointError: checkpoints exist but none is readable (nothing is changed).
       Preempted: SIGTERM/SIGINT; the current step was checkpointed first.
       TrainingDiverged: a whole logging window of non-finite updates (all skipped);
         the last checkpoint is intact.
     """
-    with RunLog(RunDir(cfg.workdir).log) as run_log:   # train.log: everything printed
-        run = setup(cfg, fresh=fresh)
+    run_dir, made = RunDir(cfg.workdir), topmost_missing(Path(cfg.workdir))
+    with RunLog(run_dir.log) as run_log:   # train.log: everything printed
+        try:
+            run = setup(cfg, fresh=fresh)
+        except BaseException:   # a folder this call made, holding no prepared data, is removed
+            run_dir.remove_if_made_and_unprepared(made)
+            raise
         run_log.open()   # after --fresh moved the previous run's log aside
         try:
             return final_test(run, train_loop(run))
@@ -80,8 +88,12 @@ def train(cfg: TrainConfig, *, fresh: bool = False) -> dict[str, Any]:
 def setup(cfg: TrainConfig, *, fresh: bool = False) -> Run:
     """Mesh, run directory, data, tokenizer, model and train state (restored if a
     checkpoint exists); writes ``config.json``. Nothing compiles before the data and
-    the checkpoint compatibility are checked."""
+    the checkpoint compatibility are checked, and nothing is written before the flags
+    that need no data (BLEU's tokenizer, the mesh) are."""
     t_start = time.perf_counter()
+    # A BLEU tokenizer that cannot start (MeCab missing, an unknown name) fails before the
+    # run directory and its data are made, not after minutes of preparing them.
+    make_bleu(cfg.tgt_lang or target_language_of(cfg), cfg.sacrebleu_tokenize)
     sharding_lib.initialize_distributed(cfg.coordinator_address, cfg.num_processes, cfg.process_id,
                                         auto=cfg.distributed)
     # A bad --mesh or --devices fails here, before any data work.
