@@ -206,12 +206,20 @@ def test_sigterm_checkpoints_exits_and_the_resumed_run_equals_an_uninterrupted_o
     assert _train_log_steps(workdir) == [2, 4, 6, 8, 10, 12], "every step is logged once"
 
 
-def test_a_finished_run_started_again_is_not_evaluated_twice(tmp_path, files, reference):
+def test_a_finished_run_started_again_is_not_evaluated_twice(tmp_path, files, reference, monkeypatch):
     """The reference run ended at step 12, off the --eval-every grid, with a final dev
-    evaluation there; the same command again tests again but records no second one."""
+    evaluation there; the same command again tests again but records no second one. The
+    resume restores into the abstract state: it never computes an initial one."""
     workdir = tmp_path / "run"
     shutil.copytree(reference, workdir)
+    real, inits = trainer.run_programs, []
+
+    def run_programs(*args, **kwargs):
+        programs = real(*args, **kwargs)
+        return dataclasses.replace(programs, init=lambda key: inits.append(key) or programs.init(key))
+    monkeypatch.setattr(trainer, "run_programs", run_programs)
     assert train(_config(workdir, files, 12))["final_step"] == 12
+    assert inits == [], "a resumed run computed an initial train state"
     rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "dev/bleu" in r] == [12]
 

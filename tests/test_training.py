@@ -274,7 +274,7 @@ def test_run_programs_are_kept_for_the_same_settings_and_built_anew_for_others()
     under the inverse square root, the step budget do not matter), new ones otherwise."""
     import dataclasses
 
-    from jaxformer.model.sharding import first_devices, make_mesh
+    from jaxformer.model.sharding import abstract_state, first_devices, make_mesh
     from jaxformer.run.config import TrainConfig
     from jaxformer.train import programs
 
@@ -298,5 +298,10 @@ def test_run_programs_are_kept_for_the_same_settings_and_built_anew_for_others()
     assert programs.run_programs(dataclasses.replace(wsd, max_steps=300), config, mesh) is not \
         programs.run_programs(wsd, config, mesh), "a WSD decay ends on the step budget"
     assert float(kept.schedule(0)) == float(transformer_schedule(config.d_model, cfg.warmup_steps)(0))
+    # The restore target of a resumed run is the init's shapes, dtypes and shardings, exactly.
+    two, initial = built[-1], abstract_state(built[-1].init(jax.random.key(0)))   # on 2 devices
+    assert jax.tree_util.tree_structure(two.abstract_state) == jax.tree_util.tree_structure(initial)
+    assert [(x.shape, x.dtype, x.sharding) for x in jax.tree_util.tree_leaves(two.abstract_state)] == \
+        [(x.shape, x.dtype, x.sharding) for x in jax.tree_util.tree_leaves(initial)]
     programs.clear()
     assert programs.run_programs(cfg, config, mesh) is not kept

@@ -44,6 +44,9 @@ class RunPrograms:
       tx: the optimizer (Adam on ``schedule``, clipped if asked).
       layout: the mesh and the train state's shardings.
       init: jitted ``init(rng) -> TrainState``, each array created in its shard.
+      abstract_state: the train state's ``jax.ShapeDtypeStruct`` tree with shardings: a
+        resumed run restores into it without computing an initial state (whose arrays
+        would sit beside the restored ones: twice the state's memory at the peak).
       train_step: jitted ``(state, batch, rng) -> (state, metrics)``, the state donated
         (:func:`jaxformer.train.step.jit_train_step`).
       eval_step: jitted ``(params, batch) -> metrics``, teacher-forced loss sums.
@@ -56,6 +59,7 @@ class RunPrograms:
     tx: optax.GradientTransformation
     layout: Layout
     init: Callable[[jax.Array], TrainState]
+    abstract_state: Any
     train_step: Callable[..., Any]
     eval_step: Callable[..., Any]
     decoders: dict[Any, Any]
@@ -87,8 +91,9 @@ def _built(model_config: TransformerConfig, mesh: jax.sharding.Mesh, schedule_se
     schedule = make_schedule(name, d_model=model_config.d_model, warmup_steps=warmup_steps,
                              total_steps=total_steps, decay_fraction=decay_fraction, scale=scale)
     tx = make_optimizer(schedule, grad_clip)
-    init, layout = jit_sharded_init(model, tx, mesh)
+    init, layout, abstract_state = jit_sharded_init(model, tx, mesh)
     return RunPrograms(model=model, schedule=schedule, tx=tx, layout=layout, init=init,
+                       abstract_state=abstract_state,
                        train_step=jit_train_step(model, label_smoothing, layout=layout,
                                                  grad_accum_steps=grad_accum_steps),
                        eval_step=jit_eval_step(model, label_smoothing, layout=layout), decoders={})

@@ -61,25 +61,28 @@ def create_sharded_train_state(model: Transformer, rng: chex.PRNGKey, tx: optax.
       ValueError: a sharded dimension (heads, d_ff, vocabulary) is not divisible by
         the ``model`` axis.
     """
-    init, layout = jit_sharded_init(model, tx, mesh, example_shape)
+    init, layout, _ = jit_sharded_init(model, tx, mesh, example_shape)
     return init(rng), layout
 
 
 def jit_sharded_init(model: Transformer, tx: optax.GradientTransformation, mesh: jax.sharding.Mesh,
                      example_shape: tuple[int, int] = (1, 8)
-                     ) -> tuple[Callable[[chex.PRNGKey], TrainState], Layout]:
-    """:func:`create_sharded_train_state` in two parts: ``(init, layout)``, where the
-    jitted ``init(rng)`` creates the train state directly in ``layout``'s shards.
+                     ) -> tuple[Callable[[chex.PRNGKey], TrainState], Layout, Any]:
+    """:func:`create_sharded_train_state` in parts: ``(init, layout, abstract_state)``, where
+    the jitted ``init(rng)`` creates the train state directly in ``layout``'s shards and
+    ``abstract_state`` is its shapes, dtypes and shardings (:func:`abstract_train_state`):
+    the restore target of a resumed run, which then never computes an initial state.
 
     Raises:
       ValueError: as :func:`create_sharded_train_state`.
     """
     boxed_state = functools.partial(_boxed_train_state, model, tx, example_shape)
-    _, layout = abstract_train_state(model, tx, mesh, example_shape)
+    abstract, layout = abstract_train_state(model, tx, mesh, example_shape)
     def init_train_state(rng):
         return nn.unbox(boxed_state(rng))
 
-    return jax.jit(init_train_state, in_shardings=layout.replicated, out_shardings=layout.state), layout
+    init = jax.jit(init_train_state, in_shardings=layout.replicated, out_shardings=layout.state)
+    return init, layout, abstract
 
 
 def abstract_train_state(model: Transformer, tx: optax.GradientTransformation, mesh: jax.sharding.Mesh,

@@ -144,22 +144,23 @@ def _setup_run(cfg: TrainConfig, run_dir: RunDir, checkpoints: RunCheckpoints, m
 
     programs = run_programs(cfg, model_config, mesh)   # kept from an earlier run of these settings
     init_key, dropout_key = jax.random.split(jax.random.key(cfg.seed))
-    state = programs.init(init_key)
-    num_params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
+    abstract = programs.abstract_state   # a resume restores into it; only a new run computes an init
+    num_params = sum(x.size for x in jax.tree_util.tree_leaves(abstract.params))
     log(f"model: {num_params / 1e6:.2f}M parameters, preset {cfg.preset!r}")
     matmul = matmul_flop_rate(repeats=2)   # ~0.4 s on 2 cores
     log(f"machine: a float32 2048³ matmul runs at {matmul / 1e9:.0f} GFLOP/s on "
         f"{jax.devices()[0].platform} (the README's times say the rate they were measured at)")
     # Restore before writing anything: if no checkpoint is readable, the run dir is untouched.
-    restored = checkpoints.restore_latest(sharding_lib.abstract_state(state), data.iterator, report=log,
+    restored = checkpoints.restore_latest(abstract, data.iterator, report=log,
                                           same_rows=saved is not None and "batch_rows" in saved)
     if restored is not None:
         state, start_step = restored
         log(f"resumed from {run_dir.checkpoints} at step {int(state.step)}")
-    elif pretrained_record is not None:   # fine-tuning: that run's weights, a fresh optimizer and step
-        state = state.replace(params=pretrained.load_params(
-            cfg.init_from, sharding_lib.abstract_state(state).params))
-        log(f"initialised from {cfg.init_from}")
+    else:
+        state = programs.init(init_key)
+        if pretrained_record is not None:   # fine-tuning: that run's weights, a fresh optimizer and step
+            state = state.replace(params=pretrained.load_params(cfg.init_from, abstract.params))
+            log(f"initialised from {cfg.init_from}")
     data.iterator.start_prefetch()   # data workers (if any) start now, while the step compiles
     _write_run_record(run_dir, cfg, model_config, tokenizer, target_language, saved, batch_rows,
                       resumed=restored is not None,
