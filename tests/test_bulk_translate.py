@@ -248,7 +248,7 @@ def test_an_output_that_is_the_input_a_folder_or_gz_named_is_refused_before_load
 
 
 def test_distillation_a_student_trains_on_the_teachers_output_for_its_training_sources(
-        teacher, tmp_path):
+        teacher, tmp_path, capsys):
     """Sequence-level distillation (README, "Distillation"): the teacher translates the
     sources of its own training split (not its dev and test sources) in bulk, and a
     smaller student trains on the result through the normal path, scored on the teacher's
@@ -262,6 +262,14 @@ def test_distillation_a_student_trains_on_the_teachers_output_for_its_training_s
     path; beam search in bulk mode is tested above, and the real-size recipe with beam 4
     is measured in benchmarks/README.md ("Distillation")."""
     sources = tmp_path / "train.en"
+    corpus_file = teacher.parent / "corpus.tsv"
+    before = corpus_file.read_bytes()
+    for output, message in ((corpus_file, "is the run's corpus file"),
+                            (teacher / "config.json", "the run's own config.json")):
+        with pytest.raises(SystemExit) as stop:   # the recipe's own input is never cut to its sources
+            prepare_main(["--workdir", str(teacher), "--write-train-sources", str(output)])
+        assert stop.value.code == 2 and message in capsys.readouterr().err
+    assert corpus_file.read_bytes() == before
     prepare_main(["--workdir", str(teacher), "--write-train-sources", str(sources)])
     lines = sources.read_text().splitlines()
     held_out = {line.split("\t")[0] for name in ("dev", "test")
@@ -296,3 +304,45 @@ def test_training_sources_need_a_prepared_run_and_a_file_to_write(teacher, tmp_p
         with pytest.raises(ValueError, match="is a folder, or its folder does not exist"):
             write_training_sources(teacher, output)
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_trained_run_exports_to_hugging_face_and_back_and_the_export_never_overwrites_a_run(
+        teacher, tmp_path, capsys):
+    """A run trained here (the teacher: its decoder starts from bos, not pad, so the export
+    bans both) goes to a Marian folder and back with the same weights. ``--out`` naming a
+    run (itself included) or a folder of other files is refused, and a Hugging Face folder
+    given as a run directory is named as one, with the conversion to run."""
+    import numpy as np
+
+    from jaxformer.cli.convert import main as convert_main
+    from jaxformer.decode.translator import Translator
+
+    snapshot = {p: p.read_bytes() for p in teacher.rglob("*") if p.is_file() and "jax_cache" not in p.parts}
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("mine")
+    for out, message in ((teacher, "holds a jaxformer run"), (tmp_path / "notes", "folder of other files")):
+        with pytest.raises(SystemExit) as stop:
+            convert_main(["--to-hf", str(teacher), "--out", str(out)])
+        assert stop.value.code == 2 and message in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in snapshot} == snapshot
+    hf = tmp_path / "hf"
+    convert_main(["--to-hf", str(teacher), "--out", str(hf)])
+    assert json.loads((hf / "generation_config.json").read_text())["bad_words_ids"] == [[0], [2]]
+    convert_main(["--to-hf", str(teacher), "--out", str(hf)])   # an earlier export is replaced
+    convert_main(["--from-hf", str(hf), "--workdir", str(tmp_path / "back")])
+    # The same function: the export permutes d_model into Marian's positional layout, and
+    # Marian's LayerNorm epsilon (1e-5, ours 1e-6) moves the logits by round-off only.
+    original, back = Translator(teacher), Translator(tmp_path / "back")
+    src, tgt_in = jax.numpy.array([[5, 9, 14, 3]]), jax.numpy.array([[2, 5, 9]])
+    logits = [t.model.apply({"params": t.params}, src, tgt_in) for t in (original, back)]
+    np.testing.assert_allclose(np.asarray(logits[1]), np.asarray(logits[0]), rtol=1e-3, atol=1e-3)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        translate_main(["--workdir", str(hf), "x"])
+    assert stop.value.code == 2 and "holds a Hugging Face model ('marian')" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="Hugging Face model.*jaxformer-convert --from-hf"):
+        train(TrainConfig(workdir=str(tmp_path / "tuned"), init_from=str(hf), max_steps=1, **TINY_RUN))
+    (tmp_path / "back" / "config.json").write_text('{"model": {"d_mod')   # damaged
+    with pytest.raises(SystemExit) as stop:
+        translate_main(["--workdir", str(tmp_path / "back"), "x"])
+    assert stop.value.code == 2 and "config.json is not readable JSON" in capsys.readouterr().err

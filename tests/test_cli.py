@@ -244,7 +244,12 @@ def test_translate_flags_output_checkpoint_and_batches_sized_to_the_input(run, t
                  "No 'averaged' checkpoint": ["--checkpoint", "averaged"],
                  "is not best, latest": ["--checkpoint", "newest"],
                  "folder of --output": ["--output", str(tmp_path / "no" / "out.txt")],
-                 "--max-len-a + --max-len-b >= 1": ["--max-len-a", "0", "--max-len-b", "0"]}
+                 "--max-len-a + --max-len-b >= 1": ["--max-len-a", "0", "--max-len-b", "0"],
+                 "a finite --max-len-a": ["--max-len-a", "nan"],
+                 "finite --max-len-a >= 0": ["--max-len-a", "inf"],
+                 "--alpha must be a finite number": ["--alpha", "nan"],
+                 "a finite --temperature > 0": ["--sample", "--temperature", "nan"],
+                 "--seed must be in [0, 2**32)": ["--sample", "--seed", str(2**64)]}
     for message, argv in bad_calls.items():
         with pytest.raises(SystemExit) as exit_info:
             translate_main(["--workdir", str(workdir), *argv, "x"])

@@ -176,6 +176,11 @@ def test_every_flag_has_help_and_help_has_no_rest_markup(capsys):
     assert "invalid choice" in capsys.readouterr().err
     with pytest.raises(ValueError, match="--average-last must be in"):
         TrainConfig(average_last=5, keep_checkpoints=3)
+    for field, message in ((dict(seed=-1), "--seed must be in"), (dict(seed=2**63), "--seed must be in"),
+                           (dict(alpha=float("nan")), "--alpha must be a finite"),
+                           (dict(workdir=""), "--workdir must name a folder")):
+        with pytest.raises(ValueError, match=message):
+            TrainConfig(**field)
 
     from jaxformer.cli.translate import build_parser as translate_parser
 

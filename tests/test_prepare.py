@@ -200,6 +200,40 @@ def test_a_corpus_with_no_training_pair_is_a_clear_error_not_a_tokenizer_crash(t
         Tokenizer.train(["", " "], tmp_path / "tok")
 
 
+def test_a_vocabulary_sentencepiece_cannot_reach_and_a_utf16_corpus_are_clear_errors(corpus_file, tmp_path):
+    """Fewer pieces than the corpus's characters was sentencepiece's internal RuntimeError
+    (a traceback from the tools); a UTF-16 file (BOM) passed its ASCII lines through as
+    NUL-interleaved "UTF-8" and skipped the rest."""
+    with pytest.raises(ValueError, match="vocabulary of 5 pieces.*required_chars.*larger --vocab-size"):
+        Tokenizer.train(["The quick brown fox jumps over the lazy dog."] * 20, tmp_path / "tok", vocab_size=5)
+    for encoding in ("utf-16", "utf-16-be"):
+        path = tmp_path / f"{encoding}.tsv"
+        path.write_bytes(("\ufeff" if encoding.endswith("be") else "").encode(encoding)
+                         + "Hello.\tHallo.\n".encode(encoding))
+        assert path.read_bytes()[:2] in (b"\xff\xfe", b"\xfe\xff")
+        with pytest.raises(ValueError, match="is UTF-16.*iconv -f UTF-16 -t UTF-8"):
+            list(corpus.iter_tsv(path, corpus.DataReport()))
+
+
+def test_prepare_prints_its_data_report(corpus_file, tmp_path, capsys):
+    from jaxformer.cli.prepare import main
+
+    main(["--workdir", str(tmp_path / "run"), "--train-file", str(corpus_file), "--vocab-size", "300"])
+    out = capsys.readouterr().out
+    assert "prepare: read" in out and "skipped" in out and "prepare: " in out.splitlines()[-1], out
+
+
+def test_init_from_a_run_without_a_checkpoint_fails_before_preparing_and_names_it(corpus_file, tmp_path):
+    """The run it names has a config.json but no step: the error names that run (not "this
+    run directory") and comes before this run prepares data or keeps a folder."""
+    teacher = tmp_path / "untrained"
+    (teacher / "checkpoints").mkdir(parents=True)
+    (teacher / "config.json").write_text(json.dumps({"model": {}, "train": {}}))
+    with pytest.raises(FileNotFoundError, match=f"--init-from '{teacher}' has no checkpoint"):
+        train(_cfg(corpus_file, tmp_path / "student", init_from=str(teacher), max_steps=1, progress=False))
+    assert not (tmp_path / "student").exists()
+
+
 def test_a_failed_start_removes_the_run_directory_it_made_unless_the_data_was_prepared(
         corpus_file, tmp_path):
     """train() in a new --workdir that fails before its data is prepared leaves no folder it

@@ -13,6 +13,7 @@ from jaxformer.data.distillation import write_training_sources
 from jaxformer.data.run_data import prepare_run_data
 from jaxformer.run.config import PAIRS, TrainConfig
 from jaxformer.run.directory import RunDir, topmost_missing
+from jaxformer.run.logs import console_logging
 from jaxformer.run.platform import skip_absent_tpu
 
 
@@ -40,6 +41,7 @@ def main(argv: list[str] | None = None) -> None:
                              "per line (a teacher's input for distillation; README, 'Distillation')")
     args = parser.parse_args(argv)
     skip_absent_tpu()   # libtpu installed on a CPU host: never start the TPU backend
+    console_logging()   # the data report (read, kept, skipped by reason) and the timings, as train.py
     if args.write_train_sources:
         if not args.workdir:
             parser.error("--write-train-sources needs the --workdir of a prepared run")

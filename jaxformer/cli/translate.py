@@ -34,6 +34,7 @@ import argparse
 import gc
 import gzip
 import io
+import math
 import os
 import select
 import stat
@@ -164,11 +165,15 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error("--repetition-penalty must be positive (1 = off, > 1 discourages repeats)")
     a = 1.0 if args.max_len_a is None else args.max_len_a
     b = 50 if args.max_len_b is None else args.max_len_b
-    if a < 0 or a + b < 1:
-        parser.error("need --max-len-a >= 0 and --max-len-a + --max-len-b >= 1 (room for one token)")
-    if args.sample and (args.temperature <= 0 or (args.top_k is not None and args.top_k < 1)
+    if not (math.isfinite(a) and a >= 0 and a + b >= 1):   # NaN fails every comparison: say so
+        parser.error("need a finite --max-len-a >= 0 and --max-len-a + --max-len-b >= 1 (room for one token)")
+    if args.alpha is not None and not math.isfinite(args.alpha):
+        parser.error(f"--alpha must be a finite number, got {args.alpha}")
+    if not 0 <= args.seed < 2**32:
+        parser.error(f"--seed must be in [0, 2**32), got {args.seed}")
+    if args.sample and (not 0 < args.temperature < math.inf or (args.top_k is not None and args.top_k < 1)
                         or (args.top_p is not None and not 0 < args.top_p <= 1)):
-        parser.error("sampling needs --temperature > 0, --top-k >= 1 and 0 < --top-p <= 1")
+        parser.error("sampling needs a finite --temperature > 0, --top-k >= 1 and 0 < --top-p <= 1")
     if args.input and not Path(args.input).is_file():
         parser.exit(2, f"{parser.prog}: error: --input file {args.input!r} does not exist\n")
     for flag in ("output", "attention_png"):

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 Encoder = Callable[[TextTokenizer, list[Pair]], tuple[list[list[int]], list[list[int]]]]
 
 CHUNK_PAIRS = 20_000
+MAX_REPEATS = 100   # copies of one synthetic pair --bt-ratio may ask for
 
 
 def tag_id(tokenizer: TextTokenizer) -> int:
@@ -81,7 +82,8 @@ def append(spec: DataSpec, tokenizer: TextTokenizer, writer: Any, real_pairs: in
       the ratio), ``kept`` (after the length filters), ``ratio``, ``tag_id``.
 
     Raises:
-      ValueError: the tokenizer has no tag (:func:`tag_id`), or the file has no usable pair.
+      ValueError: the tokenizer has no tag (:func:`tag_id`), the file has no usable pair,
+        or the ratio would repeat each synthetic pair more than ``MAX_REPEATS`` times.
     """
     tag = tag_id(tokenizer)
     report = DataReport()
@@ -95,6 +97,11 @@ def append(spec: DataSpec, tokenizer: TextTokenizer, writer: Any, real_pairs: in
         raise ValueError(f"--bt-ratio {spec.bt_ratio:g} chooses no synthetic pair for {real_pairs} real "
                          f"training pairs; raise it (e.g. 1 = as many synthetic pairs as real ones) or "
                          f"leave it out to use each of the {available} pairs once.")
+    if wanted > MAX_REPEATS * available:   # e.g. --bt-ratio 1e9: a disk-filling file, not a mix
+        raise ValueError(f"--bt-ratio {spec.bt_ratio:g} asks for {wanted:,} synthetic pairs from the "
+                         f"{available:,} of --bt-file {spec.bt_file}: each repeated "
+                         f"{wanted / available:,.0f} times (at most {MAX_REPEATS}). Lower --bt-ratio or "
+                         f"give more synthetic pairs.")
     counts = multiplicities(available, wanted, seed) if wanted != available else None
     kept, index, chunk = 0, 0, []
 

@@ -59,19 +59,25 @@ def _open_bytes(path: Path):
 
 
 _UTF8_BOM = b"\xef\xbb\xbf"
+_UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")   # little- and big-endian (UTF-32 LE starts like UTF-16 LE)
 
 
 @contextlib.contextmanager
 def _raw_lines(path: Path) -> Iterator[Iterator[bytes]]:
     """The lines of a plain or gzipped file as bytes, with a UTF-8 byte-order mark (which
     Windows editors write) dropped from the first line. A damaged gzip stream is a
-    ``ValueError`` naming the file, not an ``EOFError`` or ``zlib.error`` traceback.
+    ``ValueError`` naming the file, not an ``EOFError`` or ``zlib.error`` traceback, and
+    so is a UTF-16 file (by its byte-order mark: what Windows tools write as "Unicode").
     Lines end at ``\\n`` only: a stray ``\\r`` stays inside its line."""
     def lines(f) -> Iterator[bytes]:
         try:
             first = next(f, None)
             if first is None:
                 return
+            if first.startswith(_UTF16_BOMS):   # its ASCII lines would pass as UTF-8, NUL-interleaved
+                raise ValueError(f"Corpus file {str(path)!r} is UTF-16 (it starts with a UTF-16 byte-order "
+                                 f"mark); convert it to UTF-8, e.g. iconv -f UTF-16 -t UTF-8 {path} > "
+                                 f"{path.stem}.utf8{path.suffix}")
             yield first[len(_UTF8_BOM):] if first.startswith(_UTF8_BOM) else first
             yield from f
         except (EOFError, gzip.BadGzipFile, zlib.error) as e:

@@ -32,6 +32,25 @@ from jaxformer.run.config import TrainConfig, load_config_file
 from jaxformer.run.directory import RunDir
 
 
+def _check_not_an_input(output: Path, spec: DataSpec, run_dir: RunDir) -> None:
+    """Refuses an output that is one of the run's corpus files (the recipe's own input, which
+    writing would cut to its training sources) or a file of the run directory.
+
+    Raises:
+      ValueError: naming the file.
+    """
+    inputs = [Path(p) for p in (*spec.corpus_files, spec.dev_file, spec.test_file, spec.bt_file) if p]
+    same = [p for p in inputs if p.absolute().resolve() == output.absolute().resolve()
+            or (p.exists() and output.exists() and os.path.samefile(p, output))]
+    if same:
+        raise ValueError(f"--write-train-sources {str(output)!r} is the run's corpus file {str(same[0])!r}, "
+                         f"which writing would replace with its training sources; name a new file.")
+    in_run = output.absolute().resolve().parent == run_dir.root.absolute().resolve()
+    if in_run and output.name in RunDir.NAMES:
+        raise ValueError(f"--write-train-sources {str(output)!r} is the run's own {output.name}; name a "
+                         f"file outside the run's records.")
+
+
 def write_training_sources(workdir: str | os.PathLike, output: str | os.PathLike) -> int:
     """Writes the source side of a run's training split, one sentence per line, in corpus
     order (back-translated pairs of ``--bt-file`` are not part of it), streaming.
@@ -45,7 +64,8 @@ def write_training_sources(workdir: str | os.PathLike, output: str | os.PathLike
     Raises:
       FileNotFoundError: no run (``config.json``) or no prepared data at ``workdir``.
       ValueError: the corpus files changed since the run was prepared (named), or
-        ``output`` is a folder or in a folder that does not exist.
+        ``output`` is a folder, in a folder that does not exist, one of the run's corpus
+        files or one of its records.
     """
     run_dir = RunDir(Path(workdir))
     if not run_dir.config.exists() or read_manifest(run_dir.prepared) is None:
@@ -60,13 +80,14 @@ def write_training_sources(workdir: str | os.PathLike, output: str | os.PathLike
         raise ValueError(f"The corpus of {workdir} changed since it was prepared "
                          f"({'; '.join(fingerprint_differences(saved, now))}); its training split "
                          f"cannot be reproduced. Restore the files it was trained on.")
-    n = sum(1 for _ in spec.read(DataReport()))
-    explicit = tuple(name for name, path in (("dev", spec.dev_file), ("test", spec.test_file)) if path)
-    splitter = Splitter.for_size(n, merged_into_train=explicit)
     output = Path(output)
     if output.is_dir() or not output.absolute().parent.is_dir():
         raise ValueError(f"--write-train-sources {str(output)!r} is a folder, or its folder does not "
                          f"exist; name a file in an existing folder.")
+    _check_not_an_input(output, spec, run_dir)
+    n = sum(1 for _ in spec.read(DataReport()))
+    explicit = tuple(name for name, path in (("dev", spec.dev_file), ("test", spec.test_file)) if path)
+    splitter = Splitter.for_size(n, merged_into_train=explicit)
     tmp = output.with_name(f"{output.name}.{os.getpid()}.tmp")
     written = 0
     try:

@@ -111,7 +111,8 @@ class Tokenizer:
         see :meth:`reserved_id`), then the learned pieces.
 
         Raises:
-          ValueError: no sentence with text (sentencepiece's own error is an internal one).
+          ValueError: no sentence with text, or a ``vocab_size`` sentencepiece cannot
+            reach (fewer pieces than the corpus's characters); its own errors are internal ones.
         """
         import sentencepiece as spm
 
@@ -122,12 +123,18 @@ class Tokenizer:
         model_dir = Path(model_dir)
         model_dir.mkdir(parents=True, exist_ok=True)
         buffer = io.BytesIO()
-        spm.SentencePieceTrainer.train(
-            sentence_iterator=iter(sentences), model_writer=buffer, vocab_size=vocab_size,
-            model_type="unigram", character_coverage=0.9995, pad_id=0, unk_id=1, bos_id=2,
-            eos_id=3, input_sentence_size=seed_sentences, shuffle_input_sentence=True,
-            num_threads=os.cpu_count() or 1, minloglevel=2, hard_vocab_limit=False,
-            control_symbols=list(reserved))
+        try:
+            spm.SentencePieceTrainer.train(
+                sentence_iterator=iter(sentences), model_writer=buffer, vocab_size=vocab_size,
+                model_type="unigram", character_coverage=0.9995, pad_id=0, unk_id=1, bos_id=2,
+                eos_id=3, input_sentence_size=seed_sentences, shuffle_input_sentence=True,
+                num_threads=os.cpu_count() or 1, minloglevel=2, hard_vocab_limit=False,
+                control_symbols=list(reserved))
+        except RuntimeError as e:   # e.g. "Vocabulary size is smaller than required_chars. 5 vs 81"
+            reason = str(e).strip().split("] ")[-1].split(" Increase vocab_size")[0]
+            raise ValueError(f"sentencepiece cannot train a vocabulary of {vocab_size} pieces on this "
+                             f"corpus ({reason}); use a larger --vocab-size (at least the corpus's "
+                             f"distinct characters plus {4 + len(reserved)} special pieces).") from e
         path = model_dir / "spm.model"
         tmp = path.with_suffix(".tmp")
         tmp.write_bytes(buffer.getvalue())

@@ -5,7 +5,6 @@ device, with beam search, n-best lists, sampling and cross-attention maps
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import jax
@@ -54,6 +53,8 @@ class Translator:
     Raises:
       FileNotFoundError: the run directory lacks ``config.json``, the tokenizer or the
         checkpoint asked for.
+      ValueError: ``config.json`` is damaged or a Hugging Face model's
+        (:meth:`jaxformer.run.directory.RunDir.read_run_record`).
     """
 
     def __init__(self, workdir: str | Path, batch_size: int = 32, checkpoint: str | int = "auto",
@@ -65,11 +66,7 @@ class Translator:
         workdir = Path(workdir)
         exported = exported and mesh is None   # exported decoders are one-device programs
         exports = ExportCache(RunDir(workdir).jax_cache / "exported") if exported else None
-        config_path = RunDir(workdir).config
-        if not config_path.exists():
-            raise FileNotFoundError(f"{config_path} not found: is {str(workdir)!r} a jaxformer run "
-                                    f"directory? Train one with `python train.py --workdir ...`.")
-        record = json.loads(config_path.read_text())
+        record = RunDir(workdir).read_run_record()
         self.config = TransformerConfig.from_dict(record["model"])
         if matmul_dtype is not None:
             self.config = self.config.replace(matmul_dtype=matmul_dtype)

@@ -25,6 +25,7 @@ from jaxformer.interop.marian_weights import (  # noqa: F401  (the public names 
 )
 from jaxformer.model.config import TransformerConfig
 from jaxformer.model.scan import unstack_layers
+from jaxformer.run.directory import RunDir
 
 # Marian keys that name behaviour jaxformer does not have, with the value it needs.
 _REQUIRED_HF = {"scale_embedding": True, "normalize_before": False, "normalize_embedding": False,
@@ -188,10 +189,12 @@ def _generation_defaults(hf_dir: Path, hf: dict[str, Any]) -> dict[str, Any]:
     """
     gen = {**hf, **_read_json(hf_dir / "generation_config.json")}
     pad = hf["pad_token_id"]
+    start = gen.get("decoder_start_token_id", pad)
     bad = gen.get("bad_words_ids") or [[pad]]
-    if any(ids != [pad] for ids in bad):
+    if any(ids not in ([pad], [start]) for ids in bad):   # what our decoders never generate anyway
         raise ConversionError(f"generation config bad_words_ids={bad}: jaxformer's decoders ban only "
-                              f"the pad id {pad} (and the decoder start id); other bans are not supported.")
+                              f"the pad id {pad} and the decoder start id {start}; other bans are not "
+                              f"supported.")
     if gen.get("early_stopping") not in (None, False, True):
         print(f"note: early_stopping={gen['early_stopping']!r} in the generation config; jaxformer "
               f"reproduces generate's default (False) stopping rule", file=sys.stderr)
@@ -214,21 +217,47 @@ def _generation_defaults(hf_dir: Path, hf: dict[str, Any]) -> dict[str, Any]:
             "repetition_penalty": float(gen.get("repetition_penalty") or 1.0)}
 
 
+def _check_export_folder(workdir: Path, out_dir: Path) -> None:
+    """Refuses an ``--out`` that would write over a run (this one or any other) or over a
+    folder of other files; a Hugging Face model folder (an earlier export) is replaced.
+
+    Raises:
+      ConversionError: naming the folder and the fix.
+    """
+    if not out_dir.exists():
+        return
+    if not out_dir.is_dir():
+        raise ConversionError(f"--out {str(out_dir)!r} is a file; choose a new folder.")
+    if out_dir.resolve() == workdir.resolve() or any(
+            (out_dir / name).exists() for name in ("checkpoints", "best", "prepared", "tokenizer")):
+        raise ConversionError(f"--out {str(out_dir)!r} holds a jaxformer run, which the export would "
+                              f"overwrite; choose a new folder.")
+    try:
+        existing = _read_json(out_dir / "config.json")
+    except (ValueError, OSError):   # damaged JSON (a ValueError) or unreadable: not an export
+        existing = None
+    if any(out_dir.iterdir()) and not (isinstance(existing, dict) and existing.get("model_type")):
+        raise ConversionError(f"--out {str(out_dir)!r} is a folder of other files, not a Hugging Face "
+                              f"model; choose a new or empty folder.")
+
+
 def export_marian(workdir: str | Path, out_dir: str | Path) -> None:
     """Writes run ``workdir`` as a Hugging Face ``MarianMTModel`` directory ``out_dir``.
 
     Raises:
       ConversionError: a pre-norm run; a run whose tokenizer is not a Marian one
         (a joint sentencepiece model exports as ``source.spm = target.spm`` with a
-        ``vocab.json`` built from it).
+        ``vocab.json`` built from it); an ``out_dir`` holding a run or other files (an
+        earlier export is replaced).
     """
     from safetensors.numpy import save_file
 
     from jaxformer.decode.translator import Translator
 
     workdir, out_dir = Path(workdir), Path(out_dir)
-    record = json.loads((workdir / "config.json").read_text())
+    record = RunDir(workdir).read_run_record()
     config = TransformerConfig.from_dict(record["model"])
+    _check_export_folder(workdir, out_dir)
     config_to_hf(config, eos_id=0, decoder_start_id=0)   # fails early on a pre-norm run
     translator = Translator(workdir, batch_size=1)
     params = unstack_layers(translator.params)   # Marian names each layer; a scanned run is unrolled

@@ -8,7 +8,6 @@ tokenizer and parameters; a fresh optimizer and step.
 from __future__ import annotations
 
 import dataclasses
-import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -36,7 +35,10 @@ def read_run(init_from: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise FileNotFoundError(f"--init-from {str(init_from)!r}: {path} not found; pass a run directory "
                                 f"(from train.py or jaxformer-convert --from-hf).")
-    return json.loads(path.read_text())
+    try:
+        return RunDir(init_from).read_run_record()
+    except ValueError as e:
+        raise ValueError(f"--init-from {str(init_from)!r}: {e}") from e
 
 
 def model_config(record: dict[str, Any], overrides: dict[str, Any]) -> TransformerConfig:
@@ -64,6 +66,22 @@ def copy_tokenizer(init_from: str | Path, record: dict[str, Any], target: Path) 
     if not (target.exists() and any(target.iterdir())):
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copytree(Path(init_from) / folder, target, dirs_exist_ok=True)
+
+
+def check_has_checkpoint(init_from: str | Path) -> None:
+    """Fails fast, before this run prepares its data, when ``--init-from RUN`` has no
+    checkpoint step to start from (files only; the restore reads them later).
+
+    Raises:
+      FileNotFoundError: naming ``RUN``; ValueError: not a run (as :func:`read_run`).
+    """
+    read_run(init_from)   # a Hugging Face folder or a damaged record: that diagnosis first
+    steps = [p for sub in ("best", "checkpoints") for p in (Path(init_from) / sub).glob("*")
+             if p.name.isdigit() and p.is_dir()]
+    if not steps:
+        raise FileNotFoundError(f"--init-from {str(init_from)!r} has no checkpoint (its best/ and "
+                                f"checkpoints/ hold no step): train it first, or start from a run that "
+                                f"has one.")
 
 
 def load_params(init_from: str | Path, abstract_params: Any) -> Any:

@@ -284,7 +284,8 @@ class RunCheckpoints:
                 report(f"checkpoint step {step} is unreadable ({failures[-1]})")
         if failures:
             raise CheckpointError(f"No readable checkpoint in {self.workdir} ({'; '.join(failures)}).")
-        raise FileNotFoundError("No checkpoint in this run directory; train first.")
+        raise FileNotFoundError(f"No checkpoint in {self.workdir} (best/ and checkpoints/ hold no "
+                                f"step); train it first.")
 
     def _best_params(self, step: int, abstract_params: Any) -> Any:
         saved = saved_params(self.best.directory / str(step) / "params", None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import types
 import typing
 from pathlib import Path
@@ -129,6 +130,12 @@ class TrainConfig:
             problems.append(f"--data-workers must be at least 0, got {self.data_workers}")
         if self.bt_ratio is not None and not (0 < self.bt_ratio < float("inf") and self.bt_file):
             problems.append(f"--bt-ratio needs --bt-file and a positive finite value, got {self.bt_ratio}")
+        if not 0 <= self.seed < 2**32:   # numpy's and JAX's seeds; larger ones overflow deep inside
+            problems.append(f"--seed must be in [0, 2**32), got {self.seed}")
+        if not math.isfinite(self.alpha):
+            problems.append(f"--alpha must be a finite number, got {self.alpha}")
+        if self.workdir is not None and not str(self.workdir).strip():   # "" would be the current folder
+            problems.append("--workdir must name a folder, got an empty value (an unset variable?)")
         if not self.max_length_ratio >= 1:
             problems.append(f"--max-length-ratio must be at least 1, got {self.max_length_ratio}")
         from jaxformer.model.config import PRESETS

@@ -169,8 +169,28 @@ class RunDir:
         return max((row["step"] for row in rows if "dev/bleu" in row), default=-1)
 
     def read_config(self) -> dict[str, Any] | None:
-        """The saved run record (``config.json``), or ``None`` if there is none yet."""
-        return json.loads(self.config.read_text()) if self.config.exists() else None
+        """The saved run record (``config.json``), or ``None`` if there is none yet.
+
+        Raises:
+          ValueError: it is not a JSON object, or it is a Hugging Face model's (as
+            :meth:`read_run_record`), so a run never writes over it.
+        """
+        return _read_record(self.config, need_model=False) if self.config.exists() else None
+
+    def read_run_record(self) -> dict[str, Any]:
+        """The record of a run to translate with, export or fine-tune from: ``config.json``
+        with its ``"model"`` section.
+
+        Raises:
+          FileNotFoundError: no ``config.json`` (not a run directory).
+          ValueError: unreadable JSON (a damaged file; the message names it), a Hugging
+            Face model folder (the message says how to convert it), or no ``"model"``.
+        """
+        if not self.config.is_file():
+            raise FileNotFoundError(f"{self.config} not found: is {str(self.root)!r} a jaxformer run "
+                                    f"directory? Train one with `jaxformer-train --workdir ...`, or convert "
+                                    f"a Hugging Face model with `jaxformer-convert --from-hf`.")
+        return _read_record(self.config, need_model=True)
 
 
 def set_aside_metrics_after(run_dir: RunDir, step: int) -> None:
@@ -201,6 +221,23 @@ def check_resume_compatible(saved: dict[str, Any], model_config: TransformerConf
         fields = ", ".join(f"{k}: saved {a!r} vs now {b!r}" for k, (a, b) in sorted(differing.items()))
         raise ValueError(f"The run directory holds checkpoints of another architecture ({fields}). "
                          f"Use the same flags to resume, another --workdir, or --fresh to start over.")
+
+
+def _read_record(path: Path, need_model: bool) -> dict[str, Any]:
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not readable JSON ({e}): the run record is damaged. Put back "
+                         f"the file the run wrote (its settings are also at the top of train.log), "
+                         f"or start over with --fresh.") from e
+    if isinstance(record, dict) and "model_type" in record and "model" not in record:
+        raise ValueError(f"{path.parent} holds a Hugging Face model ({record['model_type']!r}), not a "
+                         f"jaxformer run: convert it with `jaxformer-convert --from-hf {path.parent} "
+                         f"--workdir RUN` and use RUN.")
+    if not isinstance(record, dict) or (need_model and not isinstance(record.get("model"), dict)):
+        raise ValueError(f"{path} is not a jaxformer run record (a JSON object with a \"model\" "
+                         f"section, written by jaxformer-train or jaxformer-convert).")
+    return record
 
 
 def topmost_missing(path: Path) -> Path | None:

@@ -125,6 +125,8 @@ def _setup_run(cfg: TrainConfig, run_dir: RunDir, checkpoints: RunCheckpoints, m
     target_language = target_language_of(cfg)
     # Prepared once (jaxformer.data.prepare), reused on every resume; other data than the run's is an error.
     if cfg.init_from:   # fine-tuning: that run's architecture and tokenizer encode the data
+        if not has_checkpoints:   # its weights are needed: no data work for a run that has none
+            pretrained.check_has_checkpoint(cfg.init_from)
         tokenizer, model_config, pretrained_record = pretrained.tokenizer_and_model_config(cfg, run_dir)
         prepared = prepare_run_data(cfg, run_dir, has_checkpoints=has_checkpoints, tokenizer=tokenizer,
                                     previous=previous)
