@@ -215,6 +215,17 @@ def test_a_vocabulary_sentencepiece_cannot_reach_and_a_utf16_corpus_are_clear_er
             list(corpus.iter_tsv(path, corpus.DataReport()))
 
 
+def test_a_corpus_from_a_pipe_is_refused_not_read_as_empty(tmp_path):
+    """``--train-file <(zcat x.gz)``: the fingerprint's hash would drain the pipe and the
+    corpus then read as 0 lines; a named pipe stands in for the shell's."""
+    import os
+
+    os.mkfifo(tmp_path / "pipe.tsv")
+    spec = DataSpec.from_config(_cfg(tmp_path / "pipe.tsv", tmp_path / "run"))
+    with pytest.raises(ValueError, match="not a regular file.*save it to a file first"):
+        spec.fingerprint()
+
+
 def test_prepare_prints_its_data_report(corpus_file, tmp_path, capsys):
     from jaxformer.cli.prepare import main
 

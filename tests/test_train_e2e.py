@@ -122,6 +122,7 @@ def test_translate_cli_uses_the_run(tmp_path, trained_run, capsys):
         "--layer 9 is out of range": ["--workdir", str(workdir), "--attention-png",
                                       str(tmp_path / "a.png"), "--layer", "9", "x"],
         "--input file": ["--workdir", str(workdir), "--input", str(tmp_path / "missing.txt")],
+        "is not a regular file (a folder, a pipe?)": ["--workdir", str(workdir), "--input", str(tmp_path)],
         "folder of --attention-png": ["--workdir", str(workdir), "--attention-png",
                                       str(tmp_path / "no" / "a.png"), "x"],
         "--temperature > 0": ["--workdir", str(workdir), "--sample", "--temperature", "0", "x"],

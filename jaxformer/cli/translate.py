@@ -174,8 +174,11 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     if args.sample and (not 0 < args.temperature < math.inf or (args.top_k is not None and args.top_k < 1)
                         or (args.top_p is not None and not 0 < args.top_p <= 1)):
         parser.error("sampling needs a finite --temperature > 0, --top-k >= 1 and 0 < --top-p <= 1")
-    if args.input and not Path(args.input).is_file():
+    if args.input and not Path(args.input).exists():
         parser.exit(2, f"{parser.prog}: error: --input file {args.input!r} does not exist\n")
+    if args.input and not Path(args.input).is_file():
+        parser.exit(2, f"{parser.prog}: error: --input {args.input!r} is not a regular file (a folder, a "
+                       f"pipe?); give a file, or pipe the text to stdin without --input\n")
     for flag in ("output", "attention_png"):
         path = getattr(args, flag)
         if path and not Path(path).absolute().parent.is_dir():

@@ -69,8 +69,12 @@ def write_training_sources(workdir: str | os.PathLike, output: str | os.PathLike
     """
     run_dir = RunDir(Path(workdir))
     if not run_dir.config.exists() or read_manifest(run_dir.prepared) is None:
-        raise FileNotFoundError(f"{workdir} has no run with prepared data (config.json and prepared/); "
-                                f"give the teacher's --workdir.")
+        only_data = read_manifest(run_dir.prepared) is not None
+        raise FileNotFoundError(
+            f"{workdir} holds prepared data but no run record (config.json, written when training "
+            f"starts); train the teacher there first." if only_data else
+            f"{workdir} has no run with prepared data (config.json and prepared/); give the teacher's "
+            f"--workdir.")
     cfg = TrainConfig(**{**load_config_file(run_dir.config), "workdir": str(run_dir.root)})
     spec = DataSpec.from_config(cfg)
     saved = read_manifest(run_dir.prepared)["fingerprint"]

@@ -72,7 +72,7 @@ class DataSpec:
         """Every input file's path, size and SHA-256, and the settings that change the ids.
 
         Raises:
-          FileNotFoundError: an input file is missing.
+          FileNotFoundError: an input file is missing; ValueError: one is a pipe or device.
         """
         def describe(path: str | None) -> dict[str, Any] | None:
             if path is None:
@@ -80,6 +80,10 @@ class DataSpec:
             p = Path(path)
             if not p.exists():
                 raise FileNotFoundError(f"Corpus file {path!r} does not exist; check the path.")
+            if not (p.is_file() or p.is_dir()):   # a directory is refused by name when it is read
+                raise ValueError(f"Corpus file {path!r} is not a regular file (a pipe or a device?): a "
+                                 f"corpus is read more than once (its fingerprint, the tokenizer's sample, "
+                                 f"the splits); save it to a file first.")
             return {"path": str(p.resolve()), "size": p.stat().st_size, "sha256": file_digest(p)}
 
         fingerprint = {"format_version": FORMAT_VERSION, "corpus": [describe(p) for p in self.corpus_files],
