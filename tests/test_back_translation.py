@@ -109,7 +109,8 @@ def test_a_gzip_bt_file_of_any_name_is_read_and_a_ratio_that_chooses_nothing_is_
     with pytest.raises(ValueError, match="chooses no synthetic pair"):
         rundata.prepare_run_data(_cfg(short_corpus, run.root, bt_file=str(gzipped), bt_ratio=1e-6), run,
                                  has_checkpoints=False)
-    # 1e9 synthetic pairs per real one would fill the disk with copies of 150: refused at once
+    # 1e9 synthetic pairs per real one would fill the disk with copies of 150: refused before
+    # any synthetic pair is written
     with pytest.raises(ValueError, match=r"--bt-ratio 1e\+09 asks for .* each repeated .* \(at most 100\)"):
         rundata.prepare_run_data(_cfg(short_corpus, run.root, bt_file=str(gzipped), bt_ratio=1e9), run,
                                  has_checkpoints=False)

@@ -310,25 +310,27 @@ def test_a_trained_run_exports_to_hugging_face_and_back_and_the_export_never_ove
         teacher, tmp_path, capsys):
     """A run trained here (the teacher: its decoder starts from bos, not pad, so the export
     bans both) goes to a Marian folder and back with the same weights. ``--out`` naming a
-    run (itself included) or a folder of other files is refused, and a Hugging Face folder
-    given as a run directory is named as one, with the conversion to run."""
+    run (itself included) or a folder holding a model (an earlier export) is refused; other
+    files stay beside the export. A Hugging Face folder given as a run directory is named
+    as one, with the conversion to run."""
     import numpy as np
 
     from jaxformer.cli.convert import main as convert_main
     from jaxformer.decode.translator import Translator
 
     snapshot = {p: p.read_bytes() for p in teacher.rglob("*") if p.is_file() and "jax_cache" not in p.parts}
-    (tmp_path / "notes").mkdir()
-    (tmp_path / "notes" / "todo.txt").write_text("mine")
-    for out, message in ((teacher, "holds a jaxformer run"), (tmp_path / "notes", "folder of other files")):
+    hf = tmp_path / "hf"   # say, a clone of a Hub repository: its own files stay
+    hf.mkdir()
+    (hf / "README.md").write_text("mine")
+    convert_main(["--to-hf", str(teacher), "--out", str(hf)])
+    assert json.loads((hf / "generation_config.json").read_text())["bad_words_ids"] == [[0], [2]]
+    assert (hf / "README.md").read_text() == "mine"
+    for out, message in ((teacher, "holds a jaxformer run"),
+                         (hf, "already holds a model (model.safetensors")):
         with pytest.raises(SystemExit) as stop:
             convert_main(["--to-hf", str(teacher), "--out", str(out)])
         assert stop.value.code == 2 and message in capsys.readouterr().err
     assert {p: p.read_bytes() for p in snapshot} == snapshot
-    hf = tmp_path / "hf"
-    convert_main(["--to-hf", str(teacher), "--out", str(hf)])
-    assert json.loads((hf / "generation_config.json").read_text())["bad_words_ids"] == [[0], [2]]
-    convert_main(["--to-hf", str(teacher), "--out", str(hf)])   # an earlier export is replaced
     convert_main(["--from-hf", str(hf), "--workdir", str(tmp_path / "back")])
     # The same function: the export permutes d_model into Marian's positional layout, and
     # Marian's LayerNorm epsilon (1e-5, ours 1e-6) moves the logits by round-off only.

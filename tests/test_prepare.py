@@ -23,6 +23,7 @@ from jaxformer.data.tokenizer import Tokenizer
 from jaxformer.run.checkpoints import RunCheckpoints
 from jaxformer.run.config import TrainConfig
 from jaxformer.run.directory import RunDir
+from jaxformer.train import trainer
 from jaxformer.train.trainer import train
 
 MAX_LEN = 24
@@ -219,11 +220,20 @@ def test_a_corpus_from_a_pipe_is_refused_not_read_as_empty(tmp_path):
     """``--train-file <(zcat x.gz)``: the fingerprint's hash would drain the pipe and the
     corpus then read as 0 lines; a named pipe stands in for the shell's."""
     import os
+    import threading
 
     os.mkfifo(tmp_path / "pipe.tsv")
-    spec = DataSpec.from_config(_cfg(tmp_path / "pipe.tsv", tmp_path / "run"))
-    with pytest.raises(ValueError, match="not a regular file.*save it to a file first"):
-        spec.fingerprint()
+    spec, errors = DataSpec.from_config(_cfg(tmp_path / "pipe.tsv", tmp_path / "run")), []
+
+    def fingerprint():   # in a thread: reading a pipe without a writer would block the suite
+        try:
+            spec.fingerprint()
+        except ValueError as error:
+            errors.append(str(error))
+    thread = threading.Thread(target=fingerprint, daemon=True)
+    thread.start()
+    thread.join(timeout=60)
+    assert errors and "not a regular file" in errors[0] and "save it to a file first" in errors[0]
 
 
 def test_prepare_prints_its_data_report(corpus_file, tmp_path, capsys):
@@ -246,7 +256,7 @@ def test_init_from_a_run_without_a_checkpoint_fails_before_preparing_and_names_i
 
 
 def test_a_failed_start_removes_the_run_directory_it_made_unless_the_data_was_prepared(
-        corpus_file, tmp_path):
+        corpus_file, tmp_path, monkeypatch):
     """train() in a new --workdir that fails before its data is prepared leaves no folder it
     made; one that fails after (too few rows for 8 devices) keeps the prepared data for the
     next attempt; a folder that was there is never removed."""
@@ -261,6 +271,16 @@ def test_a_failed_start_removes_the_run_directory_it_made_unless_the_data_was_pr
             train(_cfg(tmp_path / "dev-only.tsv", workdir, preset="tiny", max_steps=1, progress=False))
         assert workdir.exists() is kept and (tmp_path / "new").exists() is False
     assert (tmp_path / "mine" / "notes.txt").read_text() == "the user's"
+    # Another run of a sweep made its folder beside this one meanwhile: only this run's goes.
+    def setup_that_fails(cfg, fresh=False):
+        (tmp_path / "sweep" / "b" / "prepared").mkdir(parents=True)
+        RunDir(cfg.workdir).create()
+        raise ValueError("a bad flag")
+    monkeypatch.setattr(trainer, "setup", setup_that_fails)
+    with pytest.raises(ValueError, match="a bad flag"):
+        train(_cfg(corpus_file, tmp_path / "sweep" / "a", preset="tiny", max_steps=1, progress=False))
+    assert not (tmp_path / "sweep" / "a").exists() and (tmp_path / "sweep" / "b" / "prepared").is_dir()
+    monkeypatch.undo()
     workdir = tmp_path / "prepared" / "run"
     with pytest.raises(ValueError, match="--batch-tokens 128 gives 4 row"):
         train(_cfg(corpus_file, workdir, preset="tiny", max_len=32, batch_tokens=128, devices=8,

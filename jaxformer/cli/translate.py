@@ -169,7 +169,7 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error("need a finite --max-len-a >= 0 and --max-len-a + --max-len-b >= 1 (room for one token)")
     if args.alpha is not None and not math.isfinite(args.alpha):
         parser.error(f"--alpha must be a finite number, got {args.alpha}")
-    if not 0 <= args.seed < 2**32:
+    if args.sample and not 0 <= args.seed < 2**32:
         parser.error(f"--seed must be in [0, 2**32), got {args.seed}")
     if args.sample and (not 0 < args.temperature < math.inf or (args.top_k is not None and args.top_k < 1)
                         or (args.top_p is not None and not 0 < args.top_p <= 1)):

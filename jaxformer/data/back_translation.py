@@ -100,8 +100,8 @@ def append(spec: DataSpec, tokenizer: TextTokenizer, writer: Any, real_pairs: in
     if wanted > MAX_REPEATS * available:   # e.g. --bt-ratio 1e9: a disk-filling file, not a mix
         raise ValueError(f"--bt-ratio {spec.bt_ratio:g} asks for {wanted:,} synthetic pairs from the "
                          f"{available:,} of --bt-file {spec.bt_file}: each repeated "
-                         f"{wanted / available:,.0f} times (at most {MAX_REPEATS}). Lower --bt-ratio or "
-                         f"give more synthetic pairs.")
+                         f"{wanted / available:,.1f} times on average (at most {MAX_REPEATS}). Lower "
+                         f"--bt-ratio or give more synthetic pairs.")
     counts = multiplicities(available, wanted, seed) if wanted != available else None
     kept, index, chunk = 0, 0, []
 

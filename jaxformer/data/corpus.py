@@ -75,9 +75,10 @@ def _raw_lines(path: Path) -> Iterator[Iterator[bytes]]:
             if first is None:
                 return
             if first.startswith(_UTF16_BOMS):   # its ASCII lines would pass as UTF-8, NUL-interleaved
+                reader = "zcat" if path.suffix == ".gz" else "cat"
                 raise ValueError(f"Corpus file {str(path)!r} is UTF-16 (it starts with a UTF-16 byte-order "
-                                 f"mark); convert it to UTF-8, e.g. iconv -f UTF-16 -t UTF-8 {path} > "
-                                 f"{path.stem}.utf8{path.suffix}")
+                                 f"mark); convert it to UTF-8, e.g. {reader} {path} | iconv -f UTF-16 "
+                                 f"-t UTF-8 > {path.name.split('.')[0]}.utf8.tsv")
             yield first[len(_UTF8_BOM):] if first.startswith(_UTF8_BOM) else first
             yield from f
         except (EOFError, gzip.BadGzipFile, zlib.error) as e:

@@ -217,9 +217,14 @@ def _generation_defaults(hf_dir: Path, hf: dict[str, Any]) -> dict[str, Any]:
             "repetition_penalty": float(gen.get("repetition_penalty") or 1.0)}
 
 
+EXPORT_FILES = ("model.safetensors", "config.json", "generation_config.json", *TOKENIZER_FILES)
+
+
 def _check_export_folder(workdir: Path, out_dir: Path) -> None:
     """Refuses an ``--out`` that would write over a run (this one or any other) or over a
-    folder of other files; a Hugging Face model folder (an earlier export) is replaced.
+    model: a folder holding any file the export writes (an earlier export, the Hugging Face
+    model a run was converted from). Other files (a Hub clone's ``.git``, ``README.md``)
+    stay beside the export.
 
     Raises:
       ConversionError: naming the folder and the fix.
@@ -232,13 +237,10 @@ def _check_export_folder(workdir: Path, out_dir: Path) -> None:
             (out_dir / name).exists() for name in ("checkpoints", "best", "prepared", "tokenizer")):
         raise ConversionError(f"--out {str(out_dir)!r} holds a jaxformer run, which the export would "
                               f"overwrite; choose a new folder.")
-    try:
-        existing = _read_json(out_dir / "config.json")
-    except (ValueError, OSError):   # damaged JSON (a ValueError) or unreadable: not an export
-        existing = None
-    if any(out_dir.iterdir()) and not (isinstance(existing, dict) and existing.get("model_type")):
-        raise ConversionError(f"--out {str(out_dir)!r} is a folder of other files, not a Hugging Face "
-                              f"model; choose a new or empty folder.")
+    present = [name for name in EXPORT_FILES if (out_dir / name).exists()]
+    if present:
+        raise ConversionError(f"--out {str(out_dir)!r} already holds a model ({', '.join(present)}), which "
+                              f"the export would overwrite; remove those files or choose a new folder.")
 
 
 def export_marian(workdir: str | Path, out_dir: str | Path) -> None:
@@ -247,8 +249,8 @@ def export_marian(workdir: str | Path, out_dir: str | Path) -> None:
     Raises:
       ConversionError: a pre-norm run; a run whose tokenizer is not a Marian one
         (a joint sentencepiece model exports as ``source.spm = target.spm`` with a
-        ``vocab.json`` built from it); an ``out_dir`` holding a run or other files (an
-        earlier export is replaced).
+        ``vocab.json`` built from it); an ``out_dir`` holding a run or a model (any
+        file the export writes).
     """
     from safetensors.numpy import save_file
 

@@ -30,6 +30,8 @@ def read_run(init_from: str | Path) -> dict[str, Any]:
 
     Raises:
       FileNotFoundError: not a run directory.
+      ValueError: a Hugging Face folder or a damaged record
+        (:meth:`jaxformer.run.directory.RunDir.read_run_record`).
     """
     path = Path(init_from) / "config.json"
     if not path.is_file():
@@ -104,7 +106,8 @@ def tokenizer_and_model_config(cfg: TrainConfig, run_dir: RunDir):
 
     Raises:
       FileNotFoundError: ``RUN`` is not a run directory.
-      ValueError: a model flag would change the architecture.
+      ValueError: a model flag would change the architecture, or ``RUN`` is a Hugging Face
+        folder or its ``config.json`` is damaged (:func:`read_run`).
     """
     record = read_run(cfg.init_from)
     config = model_config(record, cfg.model_overrides())

@@ -85,5 +85,7 @@ def check_special_ids(*, pad_id: int, bos_id: int, eos_id: int, unk_id: int | No
 
 
 class DataPositionError(ValueError):
-    """A checkpoint's data position is not the streaming pipeline's (a checkpoint of a
-    jaxformer from before streamed data): readable, but its batches cannot be continued."""
+    """A checkpoint's data position cannot be continued: readable, but not the streaming
+    pipeline's (a checkpoint of a jaxformer from before streamed data, or a damaged or
+    edited file), or saved by processes whose positions cannot be joined
+    (:mod:`jaxformer.run.positions`)."""

@@ -154,12 +154,23 @@ class RunDir:
         return None
 
     def remove_if_made_and_unprepared(self, made: Path | None) -> None:
-        """After a failed start: removes ``made`` (the topmost folder of :attr:`root` that did
-        not exist before, :func:`topmost_missing`) unless the data was prepared in it, which
+        """After a failed start: removes :attr:`root` when this start made it (``made``, the
+        topmost missing folder :func:`topmost_missing` found before), then each parent it
+        made up to ``made`` that is still empty (another run may have made its own folder
+        there meanwhile). Kept when its data was prepared or its tokenizer trained, which
         the next attempt reuses. Process 0 only; ``None`` (the folder was there) changes nothing."""
-        if made is None or not is_main_process() or (self.prepared / "manifest.json").exists():
+        if made is None or not self.root.exists() or not is_main_process():
             return
-        shutil.rmtree(made, ignore_errors=True)
+        if (self.prepared / "manifest.json").exists() or (self.tokenizer_dir / "spm.model").exists():
+            return
+        shutil.rmtree(self.root, ignore_errors=True)
+        made, folder = made.absolute(), self.root.absolute().parent
+        while folder != made.parent and folder.is_relative_to(made):
+            try:
+                folder.rmdir()   # only if empty
+            except OSError:
+                return
+            folder = folder.parent
 
     def last_evaluated_step(self) -> int:
         """The latest step with a dev evaluation in ``metrics.jsonl`` (-1: none yet)."""
@@ -228,8 +239,8 @@ def _read_record(path: Path, need_model: bool) -> dict[str, Any]:
         record = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is not readable JSON ({e}): the run record is damaged. Put back "
-                         f"the file the run wrote (its settings are also at the top of train.log), "
-                         f"or start over with --fresh.") from e
+                         f"the file the run wrote (train.log also logs its model and run config), "
+                         f"or, to train there anew, start over with jaxformer-train --fresh.") from e
     if isinstance(record, dict) and "model_type" in record and "model" not in record:
         raise ValueError(f"{path.parent} holds a Hugging Face model ({record['model_type']!r}), not a "
                          f"jaxformer run: convert it with `jaxformer-convert --from-hf {path.parent} "
@@ -244,7 +255,10 @@ def topmost_missing(path: Path) -> Path | None:
     """The topmost folder of ``path`` (itself or an ancestor) that does not exist yet:
     what creating ``path`` makes and a failed start may remove again; ``None`` if it exists."""
     path = Path(path).absolute()
-    return next((d for d in reversed([path, *path.parents]) if not d.exists()), None)
+    try:
+        return next((d for d in reversed([path, *path.parents]) if not d.exists()), None)
+    except OSError:   # a parent that cannot be searched: RunDir.create names the problem
+        return None
 
 
 def resume_record(saved: dict[str, Any] | None, run_record: dict[str, Any], resumed: bool) -> dict[str, Any]:

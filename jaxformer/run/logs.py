@@ -79,7 +79,8 @@ class RunLog:
     data report and everything else printed before that is in the file too. An error
     that ends the run after that is written to the file (only: the command line prints
     it); one during setup writes no ``train.log`` (and :func:`jaxformer.train.trainer.train`
-    removes a run directory it made, unless its data was prepared, kept for the next attempt).
+    removes a run directory it made, unless its data or tokenizer was prepared, kept for the
+    next attempt).
     Process 0 only (decided at :meth:`open`, after ``jax.distributed.initialize``);
     appends across resumed runs.
     """

@@ -64,7 +64,8 @@ def train(cfg: TrainConfig, *, fresh: bool = False) -> dict[str, Any]:
     Raises:
       ValueError / FileNotFoundError / OSError: bad corpus, bad paths, or an
         incompatible checkpoint; all before any compile. A run directory this call
-        made is removed again, unless its data was prepared (the next attempt reuses it).
+        made is removed again, unless its data was prepared or its tokenizer trained
+        (the next attempt reuses them).
       CheckpointError: checkpoints exist but none is readable (nothing is changed).
       Preempted: SIGTERM/SIGINT; the current step was checkpointed first.
       TrainingDiverged: a whole logging window of non-finite updates (all skipped);
@@ -74,7 +75,7 @@ def train(cfg: TrainConfig, *, fresh: bool = False) -> dict[str, Any]:
     with RunLog(run_dir.log) as run_log:   # train.log: everything printed
         try:
             run = setup(cfg, fresh=fresh)
-        except BaseException:   # a folder this call made, holding no prepared data, is removed
+        except Exception:   # a folder this call made, holding no prepared data, is removed
             run_dir.remove_if_made_and_unprepared(made)
             raise
         run_log.open()   # after --fresh moved the previous run's log aside
