@@ -205,6 +205,7 @@ def test_config_file_fills_settings_and_flags_override(tmp_path, capsys):
     assert (args.lr_scale, args.warmup_steps) == (0.5, 40)
     for text, message in (("batch_size: 3\n", "unknown setting 'batch_size'"),
                           ("max_steps: ten\n", "'max_steps' must be int"), ("- a\n", "mapping"),
+                          ("seed: null\n", "'seed' must be int, got null"),
                           ("preset: huge\n", "'preset' must be one of tiny, small, base, big"),
                           ("pair: en-xx\n", "'pair' must be one of en-de")):
         (tmp_path / "bad.yaml").write_text(text)

@@ -292,6 +292,9 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
                 value = kind(value)
             except ValueError:
                 pass
+        if value is None and type(None) not in typing.get_args(hints[name]):
+            problems.append(f"{key!r} must be {kind.__name__}, got null (leave it out for the default)")
+            continue
         ok = (value is None or (isinstance(value, kind) and not (kind is int and isinstance(value, bool)))
               or (kind is float and isinstance(value, int) and not isinstance(value, bool)))
         if not ok:
