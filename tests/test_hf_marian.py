@@ -478,10 +478,14 @@ def test_a_decoder_that_starts_with_eos_is_refused_by_name(tokenizer_files, tmp_
     assert not (tmp_path / "run" / "config.json").exists()
 
 
-def test_train_init_from_converted_run(converted, tokenizer_files, tmp_path, capsys):
+def test_train_init_from_converted_run(converted, tokenizer_files, tmp_path, capsys, monkeypatch):
     """``train.py --init-from RUN`` fine-tunes the imported model: its tokenizer and
-    architecture, a fresh step, and the training loss falls."""
+    architecture, a fresh step, and the training loss falls. It starts from the loaded
+    weights alone: no initial train state is computed beside them."""
+    import dataclasses
+
     from jaxformer.run.config import TrainConfig
+    from jaxformer.train import trainer
     from jaxformer.train.trainer import train
 
     name, _, _, run, config, _ = converted
@@ -491,13 +495,20 @@ def test_train_init_from_converted_run(converted, tokenizer_files, tmp_path, cap
     tsv = tmp_path / "mine.tsv"
     tsv.write_text("".join(f"{s}\t{t}\n" for s, t in short))
     workdir = tmp_path / "finetuned"
+    real, inits = trainer.run_programs, []
+
+    def run_programs(*args, **kwargs):
+        programs = real(*args, **kwargs)
+        return dataclasses.replace(programs, init=lambda key: inits.append(key) or programs.init(key))
+
+    monkeypatch.setattr(trainer, "run_programs", run_programs)
     results = train(TrainConfig(workdir=str(workdir), train_file=str(tsv), init_from=str(run),
                                 dropout_rate=0.0, batch_tokens=320, max_steps=12, warmup_steps=2,
                                 lr_scale=3.0, eval_every=1000, dev_bleu_sentences=4, eval_batch_size=8,
                                 beam_size=1, log_every=2, checkpoint_every=1000, progress=False,
                                 devices=1))
     assert "initialised from" in capsys.readouterr().out
-    assert results["final_step"] == 12
+    assert results["final_step"] == 12 and inits == [], "the fine-tune computed an initial train state"
     record = json.loads((workdir / "config.json").read_text())
     assert record["tokenizer"]["kind"] == "marian" and (workdir / "tokenizer" / "vocab.json").exists()
     assert TransformerConfig.from_dict(record["model"]) == config.replace(dropout_rate=0.0)

@@ -29,7 +29,13 @@ from jaxformer.model.sharding import Layout
 from jaxformer.model.transformer import Transformer
 from jaxformer.run.config import TrainConfig
 from jaxformer.train.optimizer import make_optimizer, make_schedule
-from jaxformer.train.step import TrainState, jit_eval_step, jit_sharded_init, jit_train_step
+from jaxformer.train.step import (
+    TrainState,
+    jit_eval_step,
+    jit_sharded_init,
+    jit_state_from_params,
+    jit_train_step,
+)
 
 KEPT = 4   # settings whose programs a process keeps
 
@@ -44,6 +50,9 @@ class RunPrograms:
       tx: the optimizer (Adam on ``schedule``, clipped if asked).
       layout: the mesh and the train state's shardings.
       init: jitted ``init(rng) -> TrainState``, each array created in its shard.
+      start_from: jitted ``start_from(params) -> TrainState``: step 0 and a fresh
+        optimizer state around given parameters, donated (a fine-tune's start; it
+        computes no initial parameters beside the loaded ones).
       abstract_state: the train state's ``jax.ShapeDtypeStruct`` tree with shardings: a
         resumed run restores into it without computing an initial state (whose arrays
         would sit beside the restored ones: twice the state's memory at the peak).
@@ -59,6 +68,7 @@ class RunPrograms:
     tx: optax.GradientTransformation
     layout: Layout
     init: Callable[[jax.Array], TrainState]
+    start_from: Callable[[Any], TrainState]
     abstract_state: Any
     train_step: Callable[..., Any]
     eval_step: Callable[..., Any]
@@ -93,6 +103,7 @@ def _built(model_config: TransformerConfig, mesh: jax.sharding.Mesh, schedule_se
     tx = make_optimizer(schedule, grad_clip)
     init, layout, abstract_state = jit_sharded_init(model, tx, mesh)
     return RunPrograms(model=model, schedule=schedule, tx=tx, layout=layout, init=init,
+                       start_from=jit_state_from_params(model, tx, layout),
                        abstract_state=abstract_state,
                        train_step=jit_train_step(model, label_smoothing, layout=layout,
                                                  grad_accum_steps=grad_accum_steps),

@@ -85,6 +85,23 @@ def jit_sharded_init(model: Transformer, tx: optax.GradientTransformation, mesh:
     return init, layout, abstract
 
 
+def jit_state_from_params(model: Transformer, tx: optax.GradientTransformation, layout: Layout
+                          ) -> Callable[[Any], TrainState]:
+    """Jitted ``start(params) -> TrainState``: a new train state around given parameters
+    (step 0, fresh optimizer state: Adam's moments at zero, as
+    :func:`create_sharded_train_state` makes them), laid out as ``layout``.
+
+    A fine-tune (``--init-from``) starts with it: the loaded parameters are donated and
+    become the state's, so no initial parameters are computed beside them (their
+    memory, and an init program, saved at the start of every fine-tune).
+    """
+    def start(params):
+        state = TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+        return state.replace(step=jnp.zeros((), jnp.int32))   # as _boxed_train_state's
+
+    return jax.jit(start, in_shardings=(layout.params,), out_shardings=layout.state, donate_argnums=0)
+
+
 def abstract_train_state(model: Transformer, tx: optax.GradientTransformation, mesh: jax.sharding.Mesh,
                          example_shape: tuple[int, int] = (1, 8)) -> tuple[Any, Layout]:
     """The train state's shapes, dtypes and shardings on ``mesh``, without computing it.

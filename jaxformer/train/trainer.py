@@ -159,11 +159,11 @@ def _setup_run(cfg: TrainConfig, run_dir: RunDir, checkpoints: RunCheckpoints, m
     if restored is not None:
         state, start_step = restored
         log(f"resumed from {run_dir.checkpoints} at step {int(state.step)}")
+    elif pretrained_record is not None:   # fine-tuning: that run's weights, a fresh optimizer and step
+        state = programs.start_from(pretrained.load_params(cfg.init_from, abstract.params))
+        log(f"initialised from {cfg.init_from}")
     else:
         state = programs.init(init_key)
-        if pretrained_record is not None:   # fine-tuning: that run's weights, a fresh optimizer and step
-            state = state.replace(params=pretrained.load_params(cfg.init_from, abstract.params))
-            log(f"initialised from {cfg.init_from}")
     data.iterator.start_prefetch()   # data workers (if any) start now, while the step compiles
     _write_run_record(run_dir, cfg, model_config, tokenizer, target_language, saved, batch_rows,
                       resumed=restored is not None,
