@@ -508,7 +508,8 @@ def test_train_init_from_converted_run(converted, tokenizer_files, tmp_path, cap
                                 beam_size=1, log_every=2, checkpoint_every=1000, progress=False,
                                 devices=1))
     assert "initialised from" in capsys.readouterr().out
-    assert results["final_step"] == 12 and inits == [], "the fine-tune computed an initial train state"
+    assert results["final_step"] == 12
+    assert inits == [], "the fine-tune computed an initial train state"
     record = json.loads((workdir / "config.json").read_text())
     assert record["tokenizer"]["kind"] == "marian" and (workdir / "tokenizer" / "vocab.json").exists()
     assert TransformerConfig.from_dict(record["model"]) == config.replace(dropout_rate=0.0)

@@ -304,14 +304,16 @@ def test_run_programs_are_kept_for_the_same_settings_and_built_anew_for_others()
     assert [(x.shape, x.dtype, x.sharding) for x in jax.tree_util.tree_leaves(two.abstract_state)] == \
         [(x.shape, x.dtype, x.sharding) for x in jax.tree_util.tree_leaves(initial)]
     # A fine-tune's start: the init's state with the loaded params in it, laid out the same,
-    # the params donated into it (no initial params are computed beside them).
-    state = two.init(jax.random.key(0))
-    loaded = jax.tree_util.tree_map(lambda x: x + 1.0, state.params)   # another run's weights
-    expected = jax.tree_util.tree_map(np.array, state.replace(params=loaded))   # a copy (a view pins)
-    started = two.start_from(loaded)
-    jax.tree_util.tree_map(np.testing.assert_array_equal, started, expected)
-    assert [(x.dtype, x.sharding) for x in jax.tree_util.tree_leaves(started)] == \
-        [(x.dtype, x.sharding) for x in jax.tree_util.tree_leaves(state)]
-    assert all(x.is_deleted() for x in jax.tree_util.tree_leaves(loaded)), "the loaded params were copied"
+    # the params donated into it (no initial params are computed beside them); with a
+    # clipped optimizer too (built[2]: --grad-clip).
+    for built_programs in (two, built[2]):
+        state = built_programs.init(jax.random.key(0))
+        loaded = jax.tree_util.tree_map(lambda x: x + 1.0, state.params)   # another run's weights
+        expected = jax.tree_util.tree_map(np.array, state.replace(params=loaded))   # a copy (a view pins)
+        started = built_programs.start_from(loaded)
+        jax.tree_util.tree_map(np.testing.assert_array_equal, started, expected)
+        assert [(x.dtype, x.sharding) for x in jax.tree_util.tree_leaves(started)] == \
+            [(x.dtype, x.sharding) for x in jax.tree_util.tree_leaves(state)]
+        assert all(x.is_deleted() for x in jax.tree_util.tree_leaves(loaded)), "the loaded params were copied"
     programs.clear()
     assert programs.run_programs(cfg, config, mesh) is not kept

@@ -2,8 +2,8 @@
 the next run in the same process.
 
 :func:`jaxformer.train.trainer.train` gets its model, learning-rate schedule,
-optimizer, state layout and jitted programs (initialisation, train step, dev-loss
-step, dev/test decoders) from :func:`run_programs`. They depend on the run's settings
+optimizer, state layout and jitted programs (initialisation, a fine-tune's start,
+train step, dev-loss step, dev/test decoders) from :func:`run_programs`. They depend on the run's settings
 only, not on its data, seed or directory, so a second ``train()`` in one process with
 the same settings (a resume in the same session, runs over other data or seeds, a
 notebook, the test suite) reuses the same jitted functions: for every input shape met

@@ -92,8 +92,9 @@ def jit_state_from_params(model: Transformer, tx: optax.GradientTransformation, 
     :func:`create_sharded_train_state` makes them), laid out as ``layout``.
 
     A fine-tune (``--init-from``) starts with it: the loaded parameters are donated and
-    become the state's, so no initial parameters are computed beside them (their
-    memory, and an init program, saved at the start of every fine-tune).
+    become the state's. Before, a fine-tune computed a whole initial state (``model.init``
+    traced, compiled and run) and then replaced its parameters, holding one copy of the
+    parameters more than training needs while it started.
     """
     def start(params):
         state = TrainState.create(apply_fn=model.apply, params=params, tx=tx)

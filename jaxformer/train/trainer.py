@@ -147,7 +147,7 @@ def _setup_run(cfg: TrainConfig, run_dir: RunDir, checkpoints: RunCheckpoints, m
 
     programs = run_programs(cfg, model_config, mesh)   # kept from an earlier run of these settings
     init_key, dropout_key = jax.random.split(jax.random.key(cfg.seed))
-    abstract = programs.abstract_state   # a resume restores into it; only a new run computes an init
+    abstract = programs.abstract_state   # a resume and a fine-tune load into it; neither computes an init
     num_params = sum(x.size for x in jax.tree_util.tree_leaves(abstract.params))
     log(f"model: {num_params / 1e6:.2f}M parameters, preset {cfg.preset!r}")
     matmul = matmul_flop_rate(repeats=2)   # ~0.4 s on 2 cores
