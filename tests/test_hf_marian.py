@@ -495,6 +495,7 @@ def test_train_init_from_converted_run(converted, tokenizer_files, tmp_path, cap
     tsv = tmp_path / "mine.tsv"
     tsv.write_text("".join(f"{s}\t{t}\n" for s, t in short))
     workdir = tmp_path / "finetuned"
+    run = shutil.copytree(run, tmp_path / "teacher")   # deleted below: the fine-tune resumes without it
     real, inits = trainer.run_programs, []
 
     def run_programs(*args, **kwargs):
@@ -502,11 +503,11 @@ def test_train_init_from_converted_run(converted, tokenizer_files, tmp_path, cap
         return dataclasses.replace(programs, init=lambda key: inits.append(key) or programs.init(key))
 
     monkeypatch.setattr(trainer, "run_programs", run_programs)
-    results = train(TrainConfig(workdir=str(workdir), train_file=str(tsv), init_from=str(run),
-                                dropout_rate=0.0, batch_tokens=320, max_steps=12, warmup_steps=2,
-                                lr_scale=3.0, eval_every=1000, dev_bleu_sentences=4, eval_batch_size=8,
-                                beam_size=1, log_every=2, checkpoint_every=1000, progress=False,
-                                devices=1))
+    cfg = TrainConfig(workdir=str(workdir), train_file=str(tsv), init_from=str(run),
+                      dropout_rate=0.0, batch_tokens=320, max_steps=12, warmup_steps=2,
+                      lr_scale=3.0, eval_every=1000, dev_bleu_sentences=4, eval_batch_size=8,
+                      beam_size=1, log_every=2, checkpoint_every=1000, progress=False, devices=1)
+    results = train(cfg)
     assert "initialised from" in capsys.readouterr().out
     assert results["final_step"] == 12
     assert inits == [], "the fine-tune computed an initial train state"
@@ -519,6 +520,19 @@ def test_train_init_from_converted_run(converted, tokenizer_files, tmp_path, cap
     with pytest.raises(ValueError, match="--d-model"):
         train(TrainConfig(workdir=str(tmp_path / "other"), train_file=str(tsv), init_from=str(run),
                           d_model=32, progress=False))
+    # --fresh would move this run's own files (the weights to load) aside: refused first.
+    before = sorted(p.name for p in workdir.iterdir())
+    with pytest.raises(ValueError, match="own --workdir, whose files --fresh would move aside"):
+        train(dataclasses.replace(cfg, init_from=str(workdir)), fresh=True)
+    assert sorted(p.name for p in workdir.iterdir()) == before
+    # The fine-tune resumes from its own checkpoint, config and tokenizer: the run it was
+    # initialised from may be gone (moved, deleted, or left on another machine).
+    shutil.rmtree(run)
+    capsys.readouterr()
+    assert train(dataclasses.replace(cfg, max_steps=14))["final_step"] == 14
+    assert "resumed from" in capsys.readouterr().out
+    assert [r["step"] for r in map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines())
+            if "train/loss" in r][-1] == 14
 
 
 def test_resuming_a_finetuning_run_keeps_its_init_from(tmp_path):

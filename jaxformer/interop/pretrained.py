@@ -70,6 +70,19 @@ def copy_tokenizer(init_from: str | Path, record: dict[str, Any], target: Path) 
         shutil.copytree(Path(init_from) / folder, target, dirs_exist_ok=True)
 
 
+def check_not_moved_by_fresh(init_from: str | Path | None, run_dir: RunDir, fresh: bool) -> None:
+    """Refuses ``--fresh`` with ``--init-from`` this very run directory, before ``--fresh``
+    moves its files (the weights to load among them) into ``old-<time>/``.
+
+    Raises:
+      ValueError: naming the flags and the fix.
+    """
+    if fresh and init_from and Path(init_from).resolve() == run_dir.root.resolve():
+        raise ValueError(f"--init-from {str(init_from)!r} is this run's own --workdir, whose files "
+                         f"--fresh would move aside before loading them: fine-tune into another "
+                         f"--workdir (nothing was moved).")
+
+
 def check_has_checkpoint(init_from: str | Path) -> None:
     """Fails fast, before this run prepares its data, when ``--init-from RUN`` has no
     checkpoint step to start from (files only; the restore reads them later).
@@ -97,18 +110,25 @@ def load_params(init_from: str | Path, abstract_params: Any) -> Any:
     return params
 
 
-def tokenizer_and_model_config(cfg: TrainConfig, run_dir: RunDir):
+def tokenizer_and_model_config(cfg: TrainConfig, run_dir: RunDir, *, resuming: bool = False):
     """The tokenizer and architecture of ``--init-from RUN`` (its tokenizer folder copied
     into this run's ``tokenizer/``; the prepared data is encoded with it).
 
+    ``resuming`` (this run has checkpoints): this run's own ``config.json`` and
+    ``tokenizer/`` give both, so a fine-tune resumes without ``RUN``, which may have
+    been moved or deleted since (or the run copied to another machine).
+
     Returns:
-      ``(tokenizer, model_config, the --init-from run's config.json record)``.
+      ``(tokenizer, model_config, the config.json record they come from)``.
 
     Raises:
       FileNotFoundError: ``RUN`` is not a run directory.
       ValueError: a model flag would change the architecture, or ``RUN`` is a Hugging Face
         folder or its ``config.json`` is damaged (:func:`read_run`).
     """
+    own = run_dir.read_config() if resuming else None
+    if own is not None and "model" in own and "tokenizer" in own:
+        return load_tokenizer(run_dir.root, own), model_config(own, cfg.model_overrides()), own
     record = read_run(cfg.init_from)
     config = model_config(record, cfg.model_overrides())
     if is_main_process():

@@ -105,6 +105,7 @@ def setup(cfg: TrainConfig, *, fresh: bool = False) -> Run:
     if cfg.devices is not None:
         log(f"using {cfg.devices} of {len(jax.devices())} devices (--devices)")
     run_dir = RunDir(cfg.workdir)
+    pretrained.check_not_moved_by_fresh(cfg.init_from, run_dir, fresh)
     previous = run_dir.create(fresh)   # --fresh: where the previous run's files went
     if jax.process_count() > 1:   # every process sees the directory after --fresh moved things
         from jax.experimental import multihost_utils
@@ -128,7 +129,8 @@ def _setup_run(cfg: TrainConfig, run_dir: RunDir, checkpoints: RunCheckpoints, m
     if cfg.init_from:   # fine-tuning: that run's architecture and tokenizer encode the data
         if not has_checkpoints:   # its weights are needed: no data work for a run that has none
             pretrained.check_has_checkpoint(cfg.init_from)
-        tokenizer, model_config, pretrained_record = pretrained.tokenizer_and_model_config(cfg, run_dir)
+        tokenizer, model_config, pretrained_record = pretrained.tokenizer_and_model_config(
+            cfg, run_dir, resuming=has_checkpoints)
         prepared = prepare_run_data(cfg, run_dir, has_checkpoints=has_checkpoints, tokenizer=tokenizer,
                                     previous=previous)
     else:
@@ -149,7 +151,8 @@ def _setup_run(cfg: TrainConfig, run_dir: RunDir, checkpoints: RunCheckpoints, m
     init_key, dropout_key = jax.random.split(jax.random.key(cfg.seed))
     abstract = programs.abstract_state   # a resume and a fine-tune load into it; neither computes an init
     num_params = sum(x.size for x in jax.tree_util.tree_leaves(abstract.params))
-    log(f"model: {num_params / 1e6:.2f}M parameters, preset {cfg.preset!r}")
+    source = f"the architecture of {cfg.init_from}" if cfg.init_from else f"preset {cfg.preset!r}"
+    log(f"model: {num_params / 1e6:.2f}M parameters, {source}")
     matmul = matmul_flop_rate(repeats=2)   # ~0.4 s on 2 cores
     log(f"machine: a float32 2048³ matmul runs at {matmul / 1e9:.0f} GFLOP/s on "
         f"{jax.devices()[0].platform} (the README's times say the rate they were measured at)")
