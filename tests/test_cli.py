@@ -168,6 +168,18 @@ def test_translate_n_best_beyond_the_beam_or_with_sampling_is_refused(run, capsy
     assert "--n-best 6 needs a beam" in err and "--beam-size 6" in err and "--sample gives one" in err
 
 
+def test_flags_a_fine_tune_ignores_are_refused(run, tmp_path, capsys):
+    """``--init-from`` takes the architecture and tokenizer from the run it loads: a typed
+    ``--preset`` or ``--vocab-size`` would do nothing (and be recorded), so it is an error."""
+    workdir, _, _ = run
+    for flags, named in ((["--preset", "base"], "--preset would do nothing: drop it"),
+                         (["--vocab-size=500", "--preset", "tiny"], "--preset and --vocab-size would do")):
+        with pytest.raises(SystemExit) as stop:
+            train_main(["--workdir", str(tmp_path / "tuned"), "--init-from", str(workdir), *flags])
+        assert stop.value.code == 2 and named in capsys.readouterr().err
+    assert not (tmp_path / "tuned").exists()
+
+
 def test_translate_repetition_flags_are_checked_and_used(run, capsys, monkeypatch):
     workdir, _, _ = run
     for flags, message in ((["--no-repeat-ngram-size", "-1"], "--no-repeat-ngram-size must be at least 0"),

@@ -50,7 +50,8 @@ MODULES = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
 
 def test_every_module_is_in_a_wing_or_an_entry_point():
     loose = {m for m in MODULES if m.count(".") == 1 and m.split(".")[1] not in WINGS}
-    assert loose == {"jaxformer.translate", "jaxformer.prepare", "jaxformer.compile"}   # ``python -m`` shims
+    assert loose == {"jaxformer.translate", "jaxformer.prepare", "jaxformer.convert",
+                     "jaxformer.compile"}   # ``python -m`` shims
     assert {m.split(".")[1] for m in MODULES if m.count(".") >= 1} >= set(WINGS)
 
 
@@ -114,3 +115,9 @@ def test_public_names_and_entry_points_still_there():
     for target in scripts.values():
         module, function = target.split(":")
         assert callable(getattr(modules[module], function)), target
+    import importlib.util
+
+    # Every command but training (train.py) also runs as `python -m jaxformer.<name>`.
+    for name in scripts:
+        if name != "jaxformer-train":
+            assert importlib.util.find_spec(name.replace("-", ".")) is not None, name

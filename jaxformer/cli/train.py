@@ -7,6 +7,8 @@ or SIGINT (130), once the current step is checkpointed: run again to resume.
 
 from __future__ import annotations
 
+import sys
+
 DESCRIPTION = """\
 Train an encoder-decoder Transformer translator (Vaswani et al. 2017).
 
@@ -33,6 +35,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         cfg = from_args(args)
     except ValueError as e:
         parser.error(str(e))
+    typed = {a.split("=")[0] for a in (sys.argv[1:] if argv is None else argv)}
+    if cfg.init_from and (ignored := sorted(typed & {"--preset", "--vocab-size"})):
+        them = "them" if len(ignored) > 1 else "it"
+        parser.error(f"--init-from takes the architecture and tokenizer from the run it loads, so "
+                     f"{' and '.join(ignored)} would do nothing: drop {them}.")
     from jaxformer.run.directory import RunDir, keep_compilation_cache
     from jaxformer.train.trainer import Preempted, TrainingDiverged, train
 
