@@ -180,6 +180,21 @@ def test_flags_a_fine_tune_ignores_are_refused(run, tmp_path, capsys):
     assert not (tmp_path / "tuned").exists()
 
 
+def test_ctrl_c_while_a_run_starts_exits_130_with_the_way_back_not_a_traceback(tmp_path, capsys,
+                                                                               monkeypatch):
+    from jaxformer.train import trainer
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(trainer, "setup", interrupted)
+    with pytest.raises(SystemExit) as stop:
+        train_main(["--workdir", str(tmp_path / "run"), "--preset", "tiny"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 130 and "interrupted; run the same command again" in err
+    assert "Traceback" not in err
+
+
 def test_translate_repetition_flags_are_checked_and_used(run, capsys, monkeypatch):
     workdir, _, _ = run
     for flags, message in ((["--no-repeat-ngram-size", "-1"], "--no-repeat-ngram-size must be at least 0"),

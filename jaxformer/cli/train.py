@@ -2,7 +2,8 @@
 
 Exit status: 0 done; 2 bad input (data, paths, flags, unreadable checkpoints);
 1 training diverged (non-finite updates); 128 + signal number after SIGTERM (143)
-or SIGINT (130), once the current step is checkpointed: run again to resume.
+or SIGINT (130), once the current step is checkpointed: run again to resume. Ctrl-C
+while the run starts or evaluates also exits 130, with that hint, not a traceback.
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         parser.exit(1, f"{parser.prog}: error: {e}\n")
     except Preempted as e:               # the message with the resume hint is already printed
         parser.exit(128 + e.signum)
+    except KeyboardInterrupt:            # Ctrl-C outside the steps (the steps stop as Preempted)
+        parser.exit(130, f"{parser.prog}: interrupted; run the same command again to continue from the "
+                         f"run's last checkpoint (or to start it, if it has none yet).\n")
 
 
 if __name__ == "__main__":
