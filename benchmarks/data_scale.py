@@ -96,8 +96,8 @@ def startup(args: argparse.Namespace) -> None:
 
     from jaxformer.model import sharding as sharding_lib
     from jaxformer.run.directory import RunDir, keep_compilation_cache
+    from jaxformer.train.run_setup import setup
     from jaxformer.train.step import jit_train_step
-    from jaxformer.train.trainer import setup
 
     start = time.perf_counter()
     if not args.no_cache:   # as train.py does: JAX's persistent cache in the run directory
@@ -148,8 +148,8 @@ def shipped(args: argparse.Namespace) -> None:
     from jaxformer.data.prepared import PreparedCorpus
     from jaxformer.data.streaming import process_plans
     from jaxformer.model import sharding as sharding_lib
+    from jaxformer.train.run_setup import build_train_data, setup
     from jaxformer.train.step import jit_train_step
-    from jaxformer.train.trainer import build_train_data, setup
 
     cfg = _cfg(args)
     run = setup(cfg)   # on CPU the default: collated in this process (--data-workers 0)

@@ -65,10 +65,10 @@ def matmul_rate_measured_once():
     the rate is positive."""
     import functools
 
-    from jaxformer.train import trainer
+    from jaxformer.train import run_setup
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(trainer, "matmul_flop_rate", functools.cache(trainer.matmul_flop_rate))
+        patch.setattr(run_setup, "matmul_flop_rate", functools.cache(run_setup.matmul_flop_rate))
         yield
 
 

@@ -54,23 +54,23 @@ def main(port: str, process_id: int, config_json: str) -> None:
 
     from jaxformer.run.config import TrainConfig
     from jaxformer.run.logs import console_logging
-    from jaxformer.train import trainer
+    from jaxformer.train import run_setup, trainer
 
     jax.config.update("jax_numpy_rank_promotion", "raise")
     console_logging()   # as train.py does
     signal_at = os.environ.get("SIGTERM_AT_STEP")
     signalled = [False]
     if signal_at == "restore":
-        real_restore = trainer.RunCheckpoints.restore_latest
+        real_restore = run_setup.RunCheckpoints.restore_latest
 
         def restore_latest(*args, **kwargs):
             restored = real_restore(*args, **kwargs)
             os.kill(os.getpid(), signal.SIGTERM)
             signalled[0] = True
             return restored
-        trainer.RunCheckpoints.restore_latest = restore_latest
+        run_setup.RunCheckpoints.restore_latest = restore_latest
     if signal_at is not None:
-        real_run_programs = trainer.run_programs
+        real_run_programs = run_setup.run_programs
 
         def run_programs(*args, **kwargs):
             programs, calls = real_run_programs(*args, **kwargs), [0]
@@ -84,7 +84,7 @@ def main(port: str, process_id: int, config_json: str) -> None:
                     time.sleep(0.3)
                 return programs.train_step(*a, **k)
             return dataclasses.replace(programs, train_step=stepped)
-        trainer.run_programs = run_programs
+        run_setup.run_programs = run_programs
 
     # The trainer initialises jax.distributed itself, from the config.
     config = TrainConfig(**json.loads(config_json), coordinator_address=f"localhost:{port}",

@@ -485,7 +485,7 @@ def test_train_init_from_converted_run(converted, tokenizer_files, tmp_path, cap
     import dataclasses
 
     from jaxformer.run.config import TrainConfig
-    from jaxformer.train import trainer
+    from jaxformer.train import run_setup
     from jaxformer.train.trainer import train
 
     name, _, _, run, config, _ = converted
@@ -496,13 +496,13 @@ def test_train_init_from_converted_run(converted, tokenizer_files, tmp_path, cap
     tsv.write_text("".join(f"{s}\t{t}\n" for s, t in short))
     workdir = tmp_path / "finetuned"
     run = shutil.copytree(run, tmp_path / "teacher")   # deleted below: the fine-tune resumes without it
-    real, inits = trainer.run_programs, []
+    real, inits = run_setup.run_programs, []
 
     def run_programs(*args, **kwargs):
         programs = real(*args, **kwargs)
         return dataclasses.replace(programs, init=lambda key: inits.append(key) or programs.init(key))
 
-    monkeypatch.setattr(trainer, "run_programs", run_programs)
+    monkeypatch.setattr(run_setup, "run_programs", run_programs)
     cfg = TrainConfig(workdir=str(workdir), train_file=str(tsv), init_from=str(run),
                       dropout_rate=0.0, batch_tokens=320, max_steps=12, warmup_steps=2,
                       lr_scale=3.0, eval_every=1000, dev_bleu_sentences=4, eval_batch_size=8,

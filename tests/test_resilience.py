@@ -30,7 +30,7 @@ from jaxformer.data import batching
 from jaxformer.model.validation import DataPositionError
 from jaxformer.run.checkpoints import CheckpointError, RunCheckpoints
 from jaxformer.run.config import TrainConfig
-from jaxformer.train import trainer
+from jaxformer.train import run_setup, trainer
 from jaxformer.train.preemption import PreemptionGuard
 from jaxformer.train.trainer import TrainingDiverged, train
 
@@ -98,8 +98,8 @@ def reference(tmp_path_factory, files):
 
 _CHILD = """
 import dataclasses, os, runpy, signal, sys
-from jaxformer.train import trainer
-real = trainer.run_programs
+from jaxformer.train import run_setup
+real = run_setup.run_programs
 def run_programs(*args, **kwargs):
     programs, calls = real(*args, **kwargs), [0]
     def stepped(*a, **k):
@@ -108,7 +108,7 @@ def run_programs(*args, **kwargs):
             os.kill(os.getpid(), signal.SIGTERM)   # as a preempting scheduler would
         return programs.train_step(*a, **k)
     return dataclasses.replace(programs, train_step=stepped)
-trainer.run_programs = run_programs
+run_setup.run_programs = run_programs
 sys.argv = ["train.py", *sys.argv[1:]]
 runpy.run_path(os.path.join(os.environ["REPO"], "train.py"), run_name="__main__")
 """
@@ -136,7 +136,7 @@ def test_sigterm_checkpoints_and_the_resumed_run_equals_an_uninterrupted_one(
 
     assert threading.current_thread() is threading.main_thread(), "the guard's handler needs it"
     workdir = _new_workdir(tmp_path, reference)
-    real = trainer.run_programs
+    real = run_setup.run_programs
 
     def run_programs(*args, **kwargs):
         programs, calls = real(*args, **kwargs), [0]
@@ -148,13 +148,13 @@ def test_sigterm_checkpoints_and_the_resumed_run_equals_an_uninterrupted_one(
             return programs.train_step(*a, **k)
         return dataclasses.replace(programs, train_step=stepped)
 
-    monkeypatch.setattr(trainer, "run_programs", run_programs)
+    monkeypatch.setattr(run_setup, "run_programs", run_programs)
     with pytest.raises(trainer.Preempted) as stop:
         train(_config(workdir, files, 12))
     assert (stop.value.step, stop.value.signum) == (6, signal.SIGTERM)
     assert "Run the same command again to resume" in str(stop.value)
     assert RunCheckpoints(workdir, read_only=True).latest_step() == 6
-    monkeypatch.setattr(trainer, "run_programs", real)
+    monkeypatch.setattr(run_setup, "run_programs", real)
     # The resume asks the stop question as a multi-process run would, through a stand-in
     # for JAX's preemption sync point: once per step, with ids counted from 0 in this
     # launch, not from the restored step (a notice JAX gets during a resumed run's
@@ -212,12 +212,12 @@ def test_a_finished_run_started_again_is_not_evaluated_twice(tmp_path, files, re
     resume restores into the abstract state: it never computes an initial one."""
     workdir = tmp_path / "run"
     shutil.copytree(reference, workdir)
-    real, inits = trainer.run_programs, []
+    real, inits = run_setup.run_programs, []
 
     def run_programs(*args, **kwargs):
         programs = real(*args, **kwargs)
         return dataclasses.replace(programs, init=lambda key: inits.append(key) or programs.init(key))
-    monkeypatch.setattr(trainer, "run_programs", run_programs)
+    monkeypatch.setattr(run_setup, "run_programs", run_programs)
     assert train(_config(workdir, files, 12))["final_step"] == 12
     assert inits == [], "a resumed run computed an initial train state"
     rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
@@ -429,7 +429,7 @@ def test_bad_paths_and_files_fail_before_any_compile(tmp_path, files, monkeypatc
     def no_compile(*args, **kwargs):
         raise AssertionError("built the model's programs before reporting the problem")
 
-    monkeypatch.setattr(trainer, "run_programs", no_compile)
+    monkeypatch.setattr(run_setup, "run_programs", no_compile)
     cfg = _config(tmp_path / "run", files, 4)
     if problem == "missing train file":
         cfg = TrainConfig(**{**cfg.to_dict(), "train_file": str(tmp_path / "nope.tsv")})
