@@ -110,13 +110,15 @@ def load_params(init_from: str | Path, abstract_params: Any) -> Any:
     return params
 
 
-def tokenizer_and_model_config(cfg: TrainConfig, run_dir: RunDir, *, resuming: bool = False):
+def tokenizer_and_model_config(cfg: TrainConfig, run_dir: RunDir, *,
+                               own_record: dict[str, Any] | None = None):
     """The tokenizer and architecture of ``--init-from RUN`` (its tokenizer folder copied
     into this run's ``tokenizer/``; the prepared data is encoded with it).
 
-    ``resuming`` (this run has checkpoints): this run's own ``config.json`` and
-    ``tokenizer/`` give both, so a fine-tune resumes without ``RUN``, which may have
-    been moved or deleted since (or the run copied to another machine).
+    ``own_record`` (a resume: this run's ``config.json`` record, with its ``"model"`` and
+    ``"tokenizer"``): it and this run's ``tokenizer/`` give both, so a fine-tune resumes
+    without ``RUN``, which may have been moved or deleted since (or the run copied to
+    another machine).
 
     Returns:
       ``(tokenizer, model_config, the config.json record they come from)``.
@@ -126,9 +128,9 @@ def tokenizer_and_model_config(cfg: TrainConfig, run_dir: RunDir, *, resuming: b
       ValueError: a model flag would change the architecture, or ``RUN`` is a Hugging Face
         folder or its ``config.json`` is damaged (:func:`read_run`).
     """
-    own = run_dir.read_config() if resuming else None
-    if own is not None and "model" in own and "tokenizer" in own:
-        return load_tokenizer(run_dir.root, own), model_config(own, cfg.model_overrides()), own
+    if own_record is not None and "model" in own_record and "tokenizer" in own_record:
+        return (load_tokenizer(run_dir.root, own_record), model_config(own_record, cfg.model_overrides()),
+                own_record)
     record = read_run(cfg.init_from)
     config = model_config(record, cfg.model_overrides())
     if is_main_process():

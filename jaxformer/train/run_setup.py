@@ -81,13 +81,14 @@ def _setup_run(cfg: TrainConfig, run_dir: RunDir, checkpoints: RunCheckpoints, m
                previous, t_start: float) -> Run:
     """:func:`setup` once the run directory and its checkpoints are open."""
     has_checkpoints = checkpoints.latest_step() is not None
+    saved = run_dir.read_config()   # this run's record, if it was started before
     target_language = target_language_of(cfg)
     # Prepared once (jaxformer.data.prepare), reused on every resume; other data than the run's is an error.
     if cfg.init_from:   # fine-tuning: that run's architecture and tokenizer encode the data
         if not has_checkpoints:   # its weights are needed: no data work for a run that has none
             pretrained.check_has_checkpoint(cfg.init_from)
         tokenizer, model_config, pretrained_record = pretrained.tokenizer_and_model_config(
-            cfg, run_dir, resuming=has_checkpoints)
+            cfg, run_dir, own_record=saved if has_checkpoints else None)
         prepared = prepare_run_data(cfg, run_dir, has_checkpoints=has_checkpoints, tokenizer=tokenizer,
                                     previous=previous)
     else:
@@ -95,7 +96,6 @@ def _setup_run(cfg: TrainConfig, run_dir: RunDir, checkpoints: RunCheckpoints, m
         tokenizer, pretrained_record = Tokenizer(run_dir.tokenizer_dir / "spm.model"), None
         model_config = preset(cfg.preset, src_vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id,
                               **cfg.model_overrides())
-    saved = run_dir.read_config()
     if checkpoints.latest_step() is not None and saved is not None:
         check_resume_compatible(saved, model_config)
     row_multiple = math.lcm(sharding_lib.batch_shards(mesh) * cfg.grad_accum_steps, jax.process_count())
