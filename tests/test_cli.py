@@ -168,12 +168,20 @@ def test_translate_n_best_beyond_the_beam_or_with_sampling_is_refused(run, capsy
     assert "--n-best 6 needs a beam" in err and "--beam-size 6" in err and "--sample gives one" in err
 
 
-def test_flags_a_fine_tune_ignores_are_refused(run, tmp_path, capsys):
-    """``--init-from`` takes the architecture and tokenizer from the run it loads: a typed
-    ``--preset`` or ``--vocab-size`` would do nothing (and be recorded), so it is an error."""
+def test_flags_a_fine_tune_ignores_or_cannot_take_are_refused(run, tmp_path, capsys):
+    """``--init-from`` takes the architecture and tokenizer from the run it loads: a
+    ``--preset`` or ``--vocab-size`` the user chose, as a flag (however spelt) or in a
+    ``--config`` settings file, would do nothing (and be recorded), so it is an error."""
     workdir, _, _ = run
-    for flags, named in ((["--preset", "base"], "--preset would do nothing: drop it"),
-                         (["--vocab-size=500", "--preset", "tiny"], "--preset and --vocab-size would do")):
+    (settings := tmp_path / "settings.yaml").write_text("preset: base\nmax_steps: 3\n")
+    for flags, named in ((["--preset", "base"], "--preset would do nothing"),
+                         (["--vocab-size=500", "--preset", "tiny"], "--preset and --vocab-size would do"),
+                         (["--vocab-s", "500"], "--vocab-size would do nothing"),   # argparse's abbreviation
+                         (["--config", str(settings)], "--preset would do nothing (given as a flag or in "
+                                                       "--config): drop it"),
+                         # A mesh the loaded sizes cannot take: the fix is another mesh, not a flag.
+                         (["--mesh", "model=8"], "tgt_vocab_size 300 is not a multiple of the mesh's model "
+                                                 "axis (8). These are the sizes of the run --init-from")):
         with pytest.raises(SystemExit) as stop:
             train_main(["--workdir", str(tmp_path / "tuned"), "--init-from", str(workdir), *flags])
         assert stop.value.code == 2 and named in capsys.readouterr().err

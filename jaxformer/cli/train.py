@@ -8,8 +8,6 @@ while the run starts or evaluates also exits 130, with that hint, not a tracebac
 
 from __future__ import annotations
 
-import sys
-
 DESCRIPTION = """\
 Train an encoder-decoder Transformer translator (Vaswani et al. 2017).
 
@@ -36,11 +34,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         cfg = from_args(args)
     except ValueError as e:
         parser.error(str(e))
-    typed = {a.split("=")[0] for a in (sys.argv[1:] if argv is None else argv)}
-    if cfg.init_from and (ignored := sorted(typed & {"--preset", "--vocab-size"})):
+    if cfg.init_from and (ignored := sorted(args.chosen & {"preset", "vocab_size"})):
         them = "them" if len(ignored) > 1 else "it"
+        named = " and ".join("--" + name.replace("_", "-") for name in ignored)
         parser.error(f"--init-from takes the architecture and tokenizer from the run it loads, so "
-                     f"{' and '.join(ignored)} would do nothing: drop {them}.")
+                     f"{named} would do nothing (given as a flag or in --config): drop {them}.")
     from jaxformer.run.directory import RunDir, keep_compilation_cache
     from jaxformer.train.trainer import Preempted, TrainingDiverged, train
 

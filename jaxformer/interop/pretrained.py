@@ -16,6 +16,7 @@ import jax
 
 from jaxformer.data.tokenizer import load_tokenizer
 from jaxformer.model.config import TransformerConfig
+from jaxformer.model.sharding import check_mesh_divides
 from jaxformer.run.checkpoints import RunCheckpoints
 from jaxformer.run.config import TrainConfig
 from jaxformer.run.directory import RunDir
@@ -111,7 +112,8 @@ def load_params(init_from: str | Path, abstract_params: Any) -> Any:
 
 
 def tokenizer_and_model_config(cfg: TrainConfig, run_dir: RunDir, *,
-                               own_record: dict[str, Any] | None = None):
+                               own_record: dict[str, Any] | None = None,
+                               mesh: jax.sharding.Mesh | None = None):
     """The tokenizer and architecture of ``--init-from RUN`` (its tokenizer folder copied
     into this run's ``tokenizer/``; the prepared data is encoded with it).
 
@@ -119,6 +121,10 @@ def tokenizer_and_model_config(cfg: TrainConfig, run_dir: RunDir, *,
     ``"tokenizer"``): it and this run's ``tokenizer/`` give both, so a fine-tune resumes
     without ``RUN``, which may have been moved or deleted since (or the run copied to
     another machine).
+
+    ``mesh``: the run's mesh, checked against the loaded sizes before anything is copied
+    (:func:`jaxformer.model.sharding.check_mesh_divides`), so a start it fails leaves no
+    folder behind.
 
     Returns:
       ``(tokenizer, model_config, the config.json record they come from)``.
@@ -129,10 +135,14 @@ def tokenizer_and_model_config(cfg: TrainConfig, run_dir: RunDir, *,
         folder or its ``config.json`` is damaged (:func:`read_run`).
     """
     if own_record is not None and "model" in own_record and "tokenizer" in own_record:
-        return (load_tokenizer(run_dir.root, own_record), model_config(own_record, cfg.model_overrides()),
-                own_record)
+        config = model_config(own_record, cfg.model_overrides())
+        if mesh is not None:
+            check_mesh_divides(mesh, config, loaded_from=cfg.init_from)
+        return load_tokenizer(run_dir.root, own_record), config, own_record
     record = read_run(cfg.init_from)
     config = model_config(record, cfg.model_overrides())
+    if mesh is not None:
+        check_mesh_divides(mesh, config, loaded_from=cfg.init_from)
     if is_main_process():
         copy_tokenizer(cfg.init_from, record, run_dir.tokenizer_dir)
     if jax.process_count() > 1:   # the others load the files process 0 copied

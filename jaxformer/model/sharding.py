@@ -110,23 +110,35 @@ def first_devices(count: int | None) -> list[jax.Device] | None:
     return devices[:count]
 
 
-def check_mesh_divides(mesh: Mesh, config: Any) -> None:
+def check_mesh_divides(mesh: Mesh, config: Any, *, loaded_from: str | None = None) -> None:
     """Refuses a mesh whose ``fsdp`` axis does not divide ``d_model`` or whose ``model`` axis
     does not divide ``num_heads`` and ``d_ff``: known from the flags alone, so a run can
     say so before it prepares data (the vocabulary's split is checked with the parameters).
+
+    ``loaded_from``: the run a fine-tune (``--init-from``) takes ``config`` from. Its
+    vocabulary sizes are known too and checked here, and the fix named is another mesh:
+    no flag changes a loaded architecture.
 
     Raises:
       ValueError: naming each size that does not divide and the fix.
     """
     fsdp, model = mesh.shape.get("fsdp", 1), mesh.shape.get("model", 1)
+    sizes = [("d_model", config.d_model, "fsdp", fsdp), ("num_heads", config.num_heads, "model", model),
+             ("d_ff", config.d_ff, "model", model)]
+    if loaded_from is not None:
+        sizes += [("src_vocab_size", config.src_vocab_size, "model", model),
+                  ("tgt_vocab_size", config.tgt_vocab_size, "model", model)]
     problems = [f"{name} {size} is not a multiple of the mesh's {axis} axis ({ways})"
-                for name, size, axis, ways in (("d_model", config.d_model, "fsdp", fsdp),
-                                               ("num_heads", config.num_heads, "model", model),
-                                               ("d_ff", config.d_ff, "model", model)) if size % ways]
-    if problems:
-        raise ValueError("--mesh " + ", ".join(f"{a}={n}" for a, n in mesh.shape.items()) + ": "
-                         + "; ".join(problems) + ". Choose a mesh whose 'fsdp' size divides d_model and "
-                         "whose 'model' size divides num_heads and d_ff, or other model sizes.")
+                for name, size, axis, ways in sizes if size % ways]
+    if not problems:
+        return
+    named = "--mesh " + ", ".join(f"{a}={n}" for a, n in mesh.shape.items()) + ": " + "; ".join(problems)
+    if loaded_from is not None:
+        raise ValueError(f"{named}. These are the sizes of the run --init-from {loaded_from} loads, which "
+                         f"a fine-tune keeps: choose a mesh whose 'fsdp' size divides its d_model and "
+                         f"whose 'model' size divides its num_heads, d_ff and vocabulary sizes.")
+    raise ValueError(f"{named}. Choose a mesh whose 'fsdp' size divides d_model and whose 'model' size "
+                     f"divides num_heads and d_ff, or other model sizes.")
 
 
 def batch_shards(mesh: Mesh) -> int:

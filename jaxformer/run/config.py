@@ -212,16 +212,20 @@ def _base_type(tp) -> type:
 
 
 def build_parser(defaults: dict[str, Any] | None = None, description: str = "",
-                 prog: str | None = None) -> argparse.ArgumentParser:
+                 prog: str | None = None, *, typed_only: bool = False) -> argparse.ArgumentParser:
     """An argparse parser with one ``--flag`` per :class:`TrainConfig` field (help from
-    :data:`HELP`, choices where the set is fixed), plus ``--config FILE`` and ``--fresh``."""
+    :data:`HELP`, choices where the set is fixed), plus ``--config FILE`` and ``--fresh``.
+    ``typed_only``: no defaults at all (``argparse.SUPPRESS``), so a namespace it parses
+    holds exactly the flags given."""
     parser = argparse.ArgumentParser(prog=prog, description=description,
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                     argument_default=argparse.SUPPRESS if typed_only else None)
     parser.add_argument("--config", metavar="FILE",
                         help="JSON or YAML file of run settings (flag names with _ or -); flags on the "
                              "command line override it. A run's own config.json replays that run "
                              "(give another --workdir to start a new one).")
-    add_config_flags(parser, [f.name for f in dataclasses.fields(TrainConfig)], defaults)
+    add_config_flags(parser, [f.name for f in dataclasses.fields(TrainConfig)], defaults,
+                     typed_only=typed_only)
     parser.add_argument("--fresh", action="store_true",
                         help="start a new run even if the workdir holds checkpoints "
                              "(moves the old run's files aside, deletes nothing)")
@@ -229,7 +233,7 @@ def build_parser(defaults: dict[str, Any] | None = None, description: str = "",
 
 
 def add_config_flags(parser: argparse.ArgumentParser, names: list[str],
-                     defaults: dict[str, Any] | None = None) -> None:
+                     defaults: dict[str, Any] | None = None, *, typed_only: bool = False) -> None:
     """Adds the ``--flag`` of each named :class:`TrainConfig` field, as :func:`build_parser`
     does (another tool that takes some of the training flags, e.g. ``jaxformer-compile``)."""
     hints = typing.get_type_hints(TrainConfig)
@@ -239,7 +243,7 @@ def add_config_flags(parser: argparse.ArgumentParser, names: list[str],
     for name in names:
         field = fields[name]
         flag = "--" + name.replace("_", "-")
-        default = defaults.get(name, field.default)
+        default = argparse.SUPPRESS if typed_only else defaults.get(name, field.default)
         kind = _base_type(hints[name])
         help_text = HELP.get(name, "")
         if kind is bool:
@@ -260,6 +264,12 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
       ValueError: unreadable file, not a mapping, an unknown name or a value of the wrong
         type; the message names the file, the key and the fix.
     """
+    return _read_config_file(path)[0]
+
+
+def _read_config_file(path: str | Path) -> tuple[dict[str, Any], bool]:
+    """:func:`load_config_file`, and whether the file was a run's ``config.json`` (a
+    replay, which records every setting, not only those the user chose)."""
     import yaml
 
     path = Path(path)
@@ -272,7 +282,8 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     except (json.JSONDecodeError, yaml.YAMLError) as e:
         kind = "JSON" if path.suffix == ".json" else "YAML"
         raise ValueError(f"--config {str(path)!r} is not valid {kind}: {e}") from e
-    if isinstance(data, dict) and isinstance(data.get("train"), dict) and "model" in data:
+    run_record = isinstance(data, dict) and isinstance(data.get("train"), dict) and "model" in data
+    if run_record:
         data = data["train"]   # a run's config.json: replay its settings
     if not isinstance(data, dict):
         raise ValueError(f"--config {str(path)!r} must hold a mapping of setting: value, "
@@ -308,22 +319,35 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"--config {str(path)!r}: " + "; ".join(problems) +
                          ". Settings are the flag names without dashes, e.g. batch_tokens; "
                          "see --help.")
-    return out
+    return out, run_record
 
 
 def parse_train_args(argv: list[str] | None = None, defaults: dict[str, Any] | None = None,
                      description: str = "", prog: str | None = None
                      ) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     """Parses a training command line: ``--config FILE`` values replace the defaults,
-    then the flags given override both. Exits with status 2 and a message on bad input."""
+    then the flags given override both. Exits with status 2 and a message on bad input.
+
+    The namespace's ``chosen`` is the set of settings the user chose rather than left at
+    their defaults: the flags given (however spelt: ``--vocab-size=500``, an abbreviation
+    argparse accepts) and the keys of a ``--config`` settings file. A run's replayed
+    ``config.json`` records every setting, so its keys count as chosen only where they
+    differ from the defaults.
+    """
     parser = build_parser(defaults, description, prog)
     known, _ = parser.parse_known_args(argv)
+    chosen: set[str] = set()
     if known.config:
         try:
-            parser.set_defaults(**load_config_file(known.config))
+            settings, run_record = _read_config_file(known.config)
         except ValueError as e:
             parser.error(str(e))
-    return parser, parser.parse_args(argv)
+        chosen = {k for k, v in settings.items() if not run_record or v != parser.get_default(k)}
+        parser.set_defaults(**settings)
+    args = parser.parse_args(argv)
+    typed = build_parser(typed_only=True).parse_args(argv)   # holds only the flags given
+    args.chosen = frozenset(chosen | set(vars(typed)))
+    return parser, args
 
 
 def from_args(args: argparse.Namespace) -> TrainConfig:

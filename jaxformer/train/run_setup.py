@@ -88,7 +88,7 @@ def _setup_run(cfg: TrainConfig, run_dir: RunDir, checkpoints: RunCheckpoints, m
         if not has_checkpoints:   # its weights are needed: no data work for a run that has none
             pretrained.check_has_checkpoint(cfg.init_from)
         tokenizer, model_config, pretrained_record = pretrained.tokenizer_and_model_config(
-            cfg, run_dir, own_record=saved if has_checkpoints else None)
+            cfg, run_dir, own_record=saved if has_checkpoints else None, mesh=mesh)
         prepared = prepare_run_data(cfg, run_dir, has_checkpoints=has_checkpoints, tokenizer=tokenizer,
                                     previous=previous)
     else:
