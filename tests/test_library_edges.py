@@ -198,8 +198,17 @@ def test_config_file_fills_settings_and_flags_override(tmp_path, capsys):
     cfg = from_args(args)
     assert (cfg.preset, cfg.batch_tokens, cfg.max_minutes, cfg.pack) == ("tiny", 1024, 2.0, False)
     assert cfg.warmup_steps == DEFAULT_CPU_RUN["warmup_steps"]   # untouched settings keep defaults
+    # What the user chose: the file's keys and the typed flags, not what the defaults filled in.
+    assert {"preset", "batch_tokens", "max_minutes", "pack", "config"} <= args.chosen
+    assert not args.chosen & {"warmup_steps", "vocab_size", "max_steps"}
     _, args = parse_train_args(["--config", str(tmp_path / "run.json")])   # a run's config.json
     assert (args.preset, args.seed) == ("base", 7)
+    # A replayed run record holds every setting: only those off their defaults were chosen.
+    assert {"preset", "seed"} <= args.chosen and "vocab_size" not in args.chosen
+    (tmp_path / "tune.json").write_text(json.dumps({"model": {}, "train": {"preset": "small",
+                                                                              "init_from": "r"}}))
+    _, args = parse_train_args(["--config", str(tmp_path / "tune.json")])
+    assert "init_from" in args.chosen and "preset" not in args.chosen
     (tmp_path / "yaml11.yaml").write_text("lr_scale: 5e-1\nwarmup_steps: '40'\n")   # strings to YAML 1.1
     _, args = parse_train_args(["--config", str(tmp_path / "yaml11.yaml")])
     assert (args.lr_scale, args.warmup_steps) == (0.5, 40)
