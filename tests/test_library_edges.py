@@ -293,6 +293,43 @@ print("ok", len(records))
     assert out.returncode == 0 and out.stdout.splitlines()[-1].startswith("ok"), out.stderr[-2000:]
 
 
+def test_run_records_leave_the_applications_matplotlib_and_torch_alone(tmp_path):
+    """A run's metrics, TensorBoard events, plots and an attention heat map, written in a
+    fresh interpreter that chose its own matplotlib backend: the backend stays, pyplot is
+    never imported, and tensorboardX loads without importing torch (installed with the
+    test extras), leaving ``import torch`` unblocked for the application."""
+    code = f"""
+import sys
+import matplotlib
+import numpy as np
+matplotlib.use("svg")   # the application's choice
+from pathlib import Path
+from jaxformer.decode.translator import save_attention_png
+from jaxformer.run.directory import MetricsLog, RunDir, write_plots
+run_dir = RunDir(Path({str(tmp_path / "run")!r}))
+run_dir.root.mkdir()
+metrics = MetricsLog(run_dir)
+metrics.write(1, {{"train/loss": 3.0, "train/lr": 1e-3}})
+metrics.write(2, {{"train/loss": 2.0, "train/lr": 2e-3, "dev/loss": 2.5, "dev/bleu": 1.5}})
+metrics.close()
+write_plots(run_dir)
+save_attention_png(run_dir.root / "attention.png", np.full((2, 3), 1 / 3), ["a", "b", "c"], ["x", "y"])
+assert matplotlib.get_backend() == "svg", matplotlib.get_backend()
+assert "matplotlib.pyplot" not in sys.modules
+assert sys.modules.get("torch", "absent") == "absent", sys.modules.get("torch")   # not loaded, not blocked
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert out.returncode == 0 and out.stdout.splitlines()[-1] == "ok", out.stderr[-2000:]
+    run = tmp_path / "run"
+    for png in ("plots/loss.png", "plots/lr.png", "plots/bleu.png", "attention.png"):
+        assert (run / png).read_bytes().startswith(b"\x89PNG"), png
+    events = b"".join(path.read_bytes() for path in (run / "tensorboard").iterdir())
+    assert b"train/loss" in events and b"dev/bleu" in events
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 2
+
+
 def test_run_log_keeps_everything_logged_before_and_after_it_opens(tmp_path):
     from jaxformer.run.logs import RunLog, log
 

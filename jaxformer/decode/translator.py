@@ -195,14 +195,15 @@ class Translator:
 
 
 def save_attention_png(path: str | Path, weights, src_pieces, tgt_pieces, title: str = "") -> None:
-    """Heat map of cross-attention ``weights [T, S]``: source pieces × target pieces."""
-    import matplotlib
+    """Heat map of cross-attention ``weights [T, S]``: source pieces × target pieces.
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    Drawn on a matplotlib ``Figure``, not through ``pyplot``, so a notebook's or another
+    program's backend and figures are left as they are."""
+    from matplotlib.figure import Figure
 
     height, width = weights.shape
-    fig, ax = plt.subplots(figsize=(max(4, 0.45 * width + 2), max(3, 0.4 * height + 1.5)))
+    fig = Figure(figsize=(max(4, 0.45 * width + 2), max(3, 0.4 * height + 1.5)))
+    ax = fig.subplots()
     image = ax.imshow(weights, cmap="viridis", aspect="auto", vmin=0.0)
     ax.set_xticks(range(width), src_pieces, rotation=90)
     ax.set_yticks(range(height), tgt_pieces[:height])
@@ -212,5 +213,4 @@ def save_attention_png(path: str | Path, weights, src_pieces, tgt_pieces, title:
     fig.colorbar(image, ax=ax)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
