@@ -26,7 +26,8 @@ from jaxformer.run.config import TrainConfig
 from jaxformer.train.trainer import train
 
 TINY_RUN = dict(vocab_size=200, max_len=32, eval_every=1000, dev_bleu_sentences=4, beam_size=1,
-                progress=False, devices=1)
+                progress=False, devices=1,
+                num_layers=1)   # one layer per stack: what is tested does not depend on depth
 WORDS = "the house is small and we go home click ok choose format cells enter name table".split()
 
 

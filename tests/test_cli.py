@@ -45,8 +45,8 @@ def run(tmp_path_factory, short_corpus):
     """``(workdir, argv, printed)``: the trained run, its command line and its stdout."""
     root = tmp_path_factory.mktemp("cli")
     config = root / "tiny.yaml"
-    config.write_text("preset: tiny\nvocab_size: 300\nmax_len: 32\nbatch_tokens: 256\nmax_steps: 40\n"
-                      "warmup_steps: 10\nlr_scale: 0.0001\neval_every: 10\ncheckpoint_every: 10\n"
+    config.write_text("preset: tiny\nnum_layers: 1\nvocab_size: 300\nmax_len: 32\nbatch_tokens: 256\n"
+                      "max_steps: 40\nwarmup_steps: 10\nlr_scale: 1e-7\neval_every: 10\ncheckpoint_every: 10\n"
                       "log_every: 5\ndev_bleu_sentences: 12\nbeam_size: 1\nmax_minutes: 10\ndevices: 1\n")
     argv = _train_argv(short_corpus, root / "run", config)
     printed = io.StringIO()
@@ -227,19 +227,24 @@ def test_translate_repetition_flags_are_checked_and_used(run, capsys, monkeypatc
     assert seen and set(seen) == {Penalties(no_repeat_ngram_size=1, repetition_penalty=1.2)}
 
 def test_translate_refuses_a_config_that_no_longer_matches_the_checkpoint(run, tmp_path, capsys):
-    """An edited config.json (one decoder layer fewer) never translates with a subset of
-    the checkpoint: best and latest alike are an error naming the fields (exit 2)."""
+    """An edited config.json never translates with a model the checkpoint does not fill (a
+    decoder layer more) or with a subset of the checkpoint (shared embeddings, so the
+    output projection goes unused): best and latest alike are an error naming the fields
+    (exit 2)."""
     from jaxformer.run.checkpoints import CheckpointMismatchError
 
     workdir, _, _ = run
     copy = tmp_path / "run"
     shutil.copytree(workdir, copy)
     record = json.loads((copy / "config.json").read_text())
-    record["model"]["num_decoder_layers"] -= 1
-    (copy / "config.json").write_text(json.dumps(record))
-    for which in ("auto", "latest", "best"):
-        with pytest.raises(CheckpointMismatchError, match=r"not in the model: \['decoder'\]\['layer_"):
-            Translator(copy, checkpoint=which)
+    assert not record["model"]["share_embeddings"]
+    for edit, named in (({"num_decoder_layers": record["model"]["num_decoder_layers"] + 1},
+                         r"missing from the checkpoint: \['decoder'\]\['layer_"),
+                        ({"share_embeddings": True}, r"not in the model: \['")):
+        (copy / "config.json").write_text(json.dumps({**record, "model": {**record["model"], **edit}}))
+        for which in ("auto", "latest", "best"):
+            with pytest.raises(CheckpointMismatchError, match=named):
+                Translator(copy, checkpoint=which)
     with pytest.raises(SystemExit) as stop:
         translate_main(["--workdir", str(copy), SENTENCES[0]])
     assert stop.value.code == 2 and "does not hold this model's parameters" in capsys.readouterr().err

@@ -81,7 +81,8 @@ def _leaves(params: dict) -> dict[str, np.ndarray]:
             for path, value in jax.tree_util.tree_flatten_with_path(params)[0]}
 
 
-_CONFIG = dict(preset="tiny", vocab_size=300, max_len=32, batch_tokens=512, warmup_steps=10, eval_every=1000,
+_CONFIG = dict(preset="tiny", num_layers=1,   # one layer per stack: what is tested does not depend on depth
+               vocab_size=300, max_len=32, batch_tokens=512, warmup_steps=10, eval_every=1000,
                dev_bleu_sentences=12, eval_batch_size=16, beam_size=1, checkpoint_every=8, progress=False,
                mesh="data=4,model=2",
                log_every=1,      # a resume at any step leaves no partly logged window

@@ -1,8 +1,8 @@
 """Nothing lost (issue #6): exact resume, preemption, unreadable checkpoints, the
 non-finite guard, and bad input caught before any compile.
 
-The runs are tiny (tiny preset, 12 steps, explicit 12-sentence dev/test files), share
-one tokenizer, and compare checkpoints bit for bit.
+The runs are tiny (tiny preset with one layer per stack, 12 steps, explicit 12-sentence
+dev/test files), share one tokenizer, and compare checkpoints bit for bit.
 """
 
 import dataclasses
@@ -46,6 +46,7 @@ def _config(workdir, files, max_steps, **overrides):
     return TrainConfig(**{**dict(
         workdir=str(workdir), train_file=str(files["train"]), dev_file=str(files["dev"]),
         test_file=str(files["test"]), preset="tiny", vocab_size=300, max_len=32, dropout_rate=0.1,
+        num_layers=1,   # one layer per stack: what is tested does not depend on depth
         batch_tokens=512, max_steps=max_steps, warmup_steps=10, lr_scale=1.0, eval_every=1000,
         dev_bleu_sentences=12, eval_batch_size=16, beam_size=1, log_every=2, checkpoint_every=4,
         progress=False, devices=1), **overrides})

@@ -14,6 +14,10 @@ from jaxformer.train.losses import label_smoothed_cross_entropy, projected_cross
 from jaxformer.train.optimizer import make_optimizer, make_schedule, transformer_schedule, wsd_schedule
 from jaxformer.train.step import create_train_state, jit_train_step, train_step
 
+# One layer per stack where what is tested does not depend on depth: each layer more
+# costs tracing and compiling time (the pads test keeps two: masks through a second layer).
+ONE_LAYER = dict(num_encoder_layers=1, num_decoder_layers=1)
+
 
 @pytest.mark.parametrize("d_model,warmup", [(512, 4000), (256, 100)])
 def test_schedule_matches_formula(d_model, warmup):
@@ -180,7 +184,7 @@ def _copy_batch(rng, batch, length, vocab, bos, eos, pad):
 def test_copy_task_learns_in_seconds():
     """Teacher-forced copy task: next-token accuracy climbs to > 90% in 300 steps."""
     vocab, pad, bos, eos = 16, 0, 2, 3
-    config = jf.preset("tiny", src_vocab_size=vocab, max_len=16, pad_id=pad)
+    config = jf.preset("tiny", src_vocab_size=vocab, max_len=16, pad_id=pad, **ONE_LAYER)
     model = jf.Transformer(config)
     tx = make_optimizer(transformer_schedule(config.d_model, 50, scale=0.3))
     state = create_train_state(model, jax.random.key(0), tx)
@@ -206,7 +210,7 @@ def test_copy_task_learns_in_seconds():
 
 
 def test_train_step_traces_once_per_shape_and_donates():
-    config = jf.preset("tiny", src_vocab_size=16, max_len=16)
+    config = jf.preset("tiny", src_vocab_size=16, max_len=16, **ONE_LAYER)
     model = jf.Transformer(config)
     tx = make_optimizer(transformer_schedule(config.d_model, 10), grad_clip=1.0)
     state = create_train_state(model, jax.random.key(0), tx)
@@ -225,7 +229,7 @@ def test_train_step_traces_once_per_shape_and_donates():
 
 def test_dropout_key_folds_in_step():
     """Same root key, different steps → different dropout; same step → same update."""
-    config = jf.preset("tiny", src_vocab_size=16, max_len=16, dropout_rate=0.3)
+    config = jf.preset("tiny", src_vocab_size=16, max_len=16, dropout_rate=0.3, **ONE_LAYER)
     model = jf.Transformer(config)
     tx = optax.sgd(0.1)
     batch = _copy_batch(np.random.default_rng(0), 4, 5, 16, 2, 3, 0)
@@ -242,7 +246,7 @@ def test_non_finite_update_is_skipped_and_reported():
     """Forced overflow: huge weights make the logits inf, so loss and gradients are NaN.
     The guarded step leaves params and Adam state bit-identical, advances ``step`` and
     reports the skip; the metric sums stay finite."""
-    config = jf.preset("tiny", src_vocab_size=16, max_len=16)
+    config = jf.preset("tiny", src_vocab_size=16, max_len=16, **ONE_LAYER)
     model = jf.Transformer(config)
     tx = make_optimizer(transformer_schedule(config.d_model, 10))
     state = create_train_state(model, jax.random.key(0), tx)
@@ -280,13 +284,14 @@ def test_run_programs_are_kept_for_the_same_settings_and_built_anew_for_others()
 
     programs.clear()
     mesh = make_mesh(None, first_devices(1))
-    config = jf.preset("tiny", src_vocab_size=40, max_len=16)
+    config = jf.preset("tiny", src_vocab_size=40, max_len=16, **ONE_LAYER)
     cfg = TrainConfig(preset="tiny", vocab_size=40, max_steps=100)
     kept = programs.run_programs(cfg, config, mesh)
     same = dataclasses.replace(cfg, workdir="elsewhere", train_file="other.tsv", seed=7, max_steps=300,
                                decay_fraction=0.5, eval_every=3)
     assert programs.run_programs(same, config, mesh) is kept
-    assert programs.run_programs(same, jf.preset("tiny", src_vocab_size=40, max_len=16), mesh) is kept
+    assert programs.run_programs(same, jf.preset("tiny", src_vocab_size=40, max_len=16, **ONE_LAYER),
+                                 mesh) is kept
     others = [(dataclasses.replace(cfg, **change), config, mesh) for change in (
         dict(lr_scale=2.0), dict(warmup_steps=9), dict(grad_clip=1.0), dict(label_smoothing=0.0),
         dict(grad_accum_steps=2), dict(lr_schedule="wsd"), dict(lr_schedule="wsd", decay_fraction=0.5))]
