@@ -27,7 +27,6 @@ import dataclasses
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -274,81 +273,6 @@ def resume_record(saved: dict[str, Any] | None, run_record: dict[str, Any], resu
             ", ".join(f"{k} {a!r} → {b!r}" for k, (a, b) in sorted(changed.items())))
     history = saved.get("train_history", []) + ([saved["train"]] if changed and "train" in saved else [])
     return {**run_record, "train_history": history} if history else run_record
-
-
-def _summary_writer() -> type:
-    """tensorboardX's ``SummaryWriter``, imported without PyTorch.
-
-    tensorboardX imports ``torch`` whenever it is installed (``tensorboardX/writer.py``),
-    only to accept torch tensors, which a JAX run never passes. On a 2-core machine at
-    ~66 GFLOP/s that import took 2.5 s of every run's start and 230 MB of memory, against
-    0.4 s and 48 MB without it. While tensorboardX loads, ``import torch`` fails (a
-    ``None`` in ``sys.modules``, Python's documented way to block an import), so it takes
-    its own no-torch path; a torch the process has already imported is left as it is.
-    """
-    if "tensorboardX" not in sys.modules and "torch" not in sys.modules:
-        sys.modules["torch"] = None   # ImportError for `import torch` until tensorboardX is loaded
-        try:
-            import tensorboardX  # noqa: F401
-        finally:
-            del sys.modules["torch"]
-    from tensorboardX import SummaryWriter
-
-    return SummaryWriter
-
-
-class MetricsLog:
-    """``metrics.jsonl`` plus TensorBoard events, one record per call (process 0 only)."""
-
-    def __init__(self, run_dir: RunDir):
-        self.path = run_dir.metrics
-        self.writer = _summary_writer()(str(run_dir.tensorboard)) if is_main_process() else None
-
-    def write(self, step: int, values: dict[str, float]) -> None:
-        if self.writer is None:
-            return
-        with self.path.open("a") as f:
-            f.write(json.dumps({"step": step, **values}) + "\n")
-        for key, value in values.items():
-            self.writer.add_scalar(key, value, step)
-        self.writer.flush()
-
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-
-
-def write_plots(run_dir: RunDir) -> None:
-    """``plots/loss.png``, ``plots/lr.png`` and ``plots/bleu.png`` from ``metrics.jsonl``.
-
-    Drawn on matplotlib ``Figure`` objects, not ``pyplot``: a run inside a notebook or
-    another program keeps that program's backend and figures (``matplotlib.use`` would
-    switch them for the whole process), and the start skips pyplot's import.
-    """
-    from matplotlib.figure import Figure
-
-    rows = [json.loads(line) for line in run_dir.metrics.read_text().splitlines() if line]
-    plots = run_dir.plots
-    plots.mkdir(exist_ok=True)
-    series = {
-        "loss": [("train", "train/loss"), ("dev", "dev/loss")],
-        "lr": [("learning rate", "train/lr")],
-        "bleu": [("dev BLEU", "dev/bleu")],
-    }
-    for name, curves in series.items():
-        fig = Figure(figsize=(6, 4))
-        ax = fig.subplots()
-        for label, key in curves:
-            points = [(r["step"], r[key]) for r in rows if key in r]
-            if points:
-                ax.plot(*zip(*points), label=label, marker="o" if name == "bleu" else None)
-        ax.set_xlabel("step")
-        ax.set_ylabel(name)
-        ax.grid(alpha=0.3)
-        if ax.lines:   # a run too short to log has nothing to label
-            ax.legend()
-        fig.tight_layout()
-        fig.savefig(plots / f"{name}.png", dpi=100)   # the Agg canvas, chosen by the file type
 
 
 def enable_compilation_cache(run_dir: RunDir) -> bool:

@@ -18,8 +18,8 @@ import numpy as np
 from jaxformer.decode.penalties import Penalties
 from jaxformer.model import sharding as sharding_lib
 from jaxformer.run.config import save_json
-from jaxformer.run.directory import write_plots
 from jaxformer.run.logs import is_main_process, log
+from jaxformer.run.metrics import write_plots
 from jaxformer.train.averaging import average_last_checkpoints
 from jaxformer.train.run_state import LoopState, Run
 

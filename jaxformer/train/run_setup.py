@@ -28,14 +28,9 @@ from jaxformer.model import sharding as sharding_lib
 from jaxformer.model.config import TransformerConfig, preset
 from jaxformer.run.checkpoints import RunCheckpoints
 from jaxformer.run.config import TrainConfig, save_json
-from jaxformer.run.directory import (
-    MetricsLog,
-    RunDir,
-    check_resume_compatible,
-    resume_record,
-    set_aside_metrics_after,
-)
+from jaxformer.run.directory import RunDir, check_resume_compatible, resume_record, set_aside_metrics_after
 from jaxformer.run.logs import is_main_process, log
+from jaxformer.run.metrics import MetricsLog
 from jaxformer.run.platform import matmul_flop_rate
 from jaxformer.train.programs import run_programs
 from jaxformer.train.run_state import Run, TrainData

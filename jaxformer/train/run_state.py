@@ -21,7 +21,8 @@ from jaxformer.model import sharding as sharding_lib
 from jaxformer.model.transformer import Transformer
 from jaxformer.run.checkpoints import RunCheckpoints
 from jaxformer.run.config import TrainConfig
-from jaxformer.run.directory import MetricsLog, RunDir
+from jaxformer.run.directory import RunDir
+from jaxformer.run.metrics import MetricsLog
 from jaxformer.train.early_stopping import EarlyStopping
 from jaxformer.train.programs import RunPrograms
 from jaxformer.train.step import TrainState
