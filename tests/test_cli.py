@@ -46,8 +46,9 @@ def run(tmp_path_factory, short_corpus):
     root = tmp_path_factory.mktemp("cli")
     config = root / "tiny.yaml"
     config.write_text("preset: tiny\nnum_layers: 1\nvocab_size: 300\nmax_len: 32\nbatch_tokens: 256\n"
-                      "max_steps: 40\nwarmup_steps: 10\nlr_scale: 1e-7\neval_every: 10\ncheckpoint_every: 10\n"
-                      "log_every: 5\ndev_bleu_sentences: 12\nbeam_size: 1\nmax_minutes: 10\ndevices: 1\n")
+                      "max_steps: 40\nwarmup_steps: 10\nlr_scale: 1e-7\neval_every: 10\n"
+                      "checkpoint_every: 10\nlog_every: 5\ndev_bleu_sentences: 12\nbeam_size: 1\n"
+                      "max_minutes: 10\ndevices: 1\n")
     argv = _train_argv(short_corpus, root / "run", config)
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
@@ -186,6 +187,28 @@ def test_flags_a_fine_tune_ignores_or_cannot_take_are_refused(run, tmp_path, cap
             train_main(["--workdir", str(tmp_path / "tuned"), "--init-from", str(workdir), *flags])
         assert stop.value.code == 2 and named in capsys.readouterr().err
     assert not (tmp_path / "tuned").exists()
+
+
+def test_a_fine_tunes_resume_and_fresh_start_are_checked_against_the_loaded_run(run, tmp_path, capsys):
+    """A run started with ``--init-from`` and continued without the flag is still a
+    fine-tune: a chosen ``--preset`` is refused, and its mesh is checked against the loaded
+    run's sizes, not the default preset's. With ``--fresh``, a mesh the loaded run cannot
+    take is refused before the old run is moved aside."""
+    workdir, _, _ = run
+    tuned = tmp_path / "tuned"   # a fine-tune's record, as a start that made no checkpoint yet leaves it
+    tuned.mkdir()
+    (tuned / "config.json").write_text(json.dumps({"model": {}, "train": {"init_from": str(workdir)}}))
+    for flags, named in ((["--preset", "base"], f"this run fine-tunes {workdir} (--init-from)"),
+                         # tiny's d_model 32, not the default preset's 512
+                         (["--mesh", "fsdp=3", "--devices", "3"], "d_model 32 is not a multiple"),
+                         (["--init-from", str(workdir), "--mesh", "model=8", "--fresh"],
+                          "These are the sizes of the run --init-from")):
+        with pytest.raises(SystemExit) as stop:
+            train_main(["--workdir", str(tuned), *flags])
+        assert stop.value.code == 2 and named in capsys.readouterr().err
+        left = {p.name for p in tuned.iterdir()}   # the record stays; nothing moved or copied in
+        assert "config.json" in left and not any(name.startswith("old-") for name in left), left
+        assert "tokenizer" not in left and "prepared" not in left, left
 
 
 def test_ctrl_c_while_a_run_starts_exits_130_with_the_way_back_not_a_traceback(tmp_path, capsys,

@@ -203,12 +203,10 @@ def test_config_file_fills_settings_and_flags_override(tmp_path, capsys):
     assert not args.chosen & {"warmup_steps", "vocab_size", "max_steps"}
     _, args = parse_train_args(["--config", str(tmp_path / "run.json")])   # a run's config.json
     assert (args.preset, args.seed) == ("base", 7)
-    # A replayed run record holds every setting: only those off their defaults were chosen.
-    assert {"preset", "seed"} <= args.chosen and "vocab_size" not in args.chosen
-    (tmp_path / "tune.json").write_text(json.dumps({"model": {}, "train": {"preset": "small",
-                                                                              "init_from": "r"}}))
-    _, args = parse_train_args(["--config", str(tmp_path / "tune.json")])
-    assert "init_from" in args.chosen and "preset" not in args.chosen
+    # A replayed run record holds every setting of that run, chosen then, not now.
+    assert args.chosen == {"config"}
+    _, args = parse_train_args(["--config", str(tmp_path / "run.json"), "--seed", "3"])
+    assert args.chosen == {"config", "seed"} and args.seed == 3
     (tmp_path / "yaml11.yaml").write_text("lr_scale: 5e-1\nwarmup_steps: '40'\n")   # strings to YAML 1.1
     _, args = parse_train_args(["--config", str(tmp_path / "yaml11.yaml")])
     assert (args.lr_scale, args.warmup_steps) == (0.5, 40)
@@ -305,7 +303,8 @@ import numpy as np
 matplotlib.use("svg")   # the application's choice
 from pathlib import Path
 from jaxformer.decode.translator import save_attention_png
-from jaxformer.run.directory import MetricsLog, RunDir, write_plots
+from jaxformer.run.directory import RunDir
+from jaxformer.run.metrics import MetricsLog, write_plots
 run_dir = RunDir(Path({str(tmp_path / "run")!r}))
 run_dir.root.mkdir()
 metrics = MetricsLog(run_dir)
@@ -328,6 +327,37 @@ print("ok")
     events = b"".join(path.read_bytes() for path in (run / "tensorboard").iterdir())
     assert b"train/loss" in events and b"dev/bleu" in events
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_an_import_block_holds_in_its_own_thread_only(tmp_path, monkeypatch):
+    """What keeps torch out of tensorboardX's import: ``import NAME`` fails in the thread
+    inside ``blocked()``, while another thread imports the real module meanwhile, which
+    then stays (a ``None`` put in ``sys.modules`` would fail that thread, and removing it
+    again would drop the module the other thread had imported)."""
+    from jaxformer.run.metrics import ImportBlock
+
+    (tmp_path / "jaxformer_probe_module.py").write_text("VALUE = 7\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    block, seen = ImportBlock("jaxformer_probe_module"), {}
+
+    def other_thread():
+        import jaxformer_probe_module
+        seen["value"] = jaxformer_probe_module.VALUE
+
+    try:
+        with block.blocked():
+            with pytest.raises(ModuleNotFoundError):
+                import jaxformer_probe_module  # noqa: F401
+            thread = threading.Thread(target=other_thread)
+            thread.start()
+            thread.join()
+            assert seen == {"value": 7}
+            assert sys.modules["jaxformer_probe_module"].VALUE == 7   # imported once, kept
+        import jaxformer_probe_module
+        assert jaxformer_probe_module.VALUE == 7
+    finally:
+        sys.meta_path.remove(block)
+        sys.modules.pop("jaxformer_probe_module", None)
 
 
 def test_run_log_keeps_everything_logged_before_and_after_it_opens(tmp_path):

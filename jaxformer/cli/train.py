@@ -34,12 +34,19 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         cfg = from_args(args)
     except ValueError as e:
         parser.error(str(e))
-    if cfg.init_from and (ignored := sorted(args.chosen & {"preset", "vocab_size"})):
+    from jaxformer.interop.pretrained import with_saved_init_from
+    from jaxformer.run.directory import RunDir, keep_compilation_cache
+
+    try:   # a resume of a fine-tune, without the flag, is a fine-tune too
+        saved = None if args.fresh else with_saved_init_from(cfg, RunDir(cfg.workdir)).init_from
+        loaded = cfg.init_from or saved
+    except (ValueError, OSError):   # a damaged config.json: train() names it
+        loaded = cfg.init_from
+    if loaded and (ignored := sorted(args.chosen & {"preset", "vocab_size"})):
         them = "them" if len(ignored) > 1 else "it"
         named = " and ".join("--" + name.replace("_", "-") for name in ignored)
-        parser.error(f"--init-from takes the architecture and tokenizer from the run it loads, so "
-                     f"{named} would do nothing (given as a flag or in --config): drop {them}.")
-    from jaxformer.run.directory import RunDir, keep_compilation_cache
+        parser.error(f"this run fine-tunes {loaded} (--init-from), whose architecture and tokenizer it "
+                     f"keeps, so {named} would do nothing (given as a flag or in --config): drop {them}.")
     from jaxformer.train.trainer import Preempted, TrainingDiverged, train
 
     console_logging()

@@ -84,6 +84,19 @@ def check_not_moved_by_fresh(init_from: str | Path | None, run_dir: RunDir, fres
                          f"--workdir (nothing was moved).")
 
 
+def check_mesh_takes_loaded_run(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> None:
+    """Refuses a ``mesh`` that cannot split the sizes of the run ``cfg.init_from`` names
+    (:func:`jaxformer.model.sharding.check_mesh_divides`), read from its ``config.json``:
+    a fresh fine-tune checks this before ``--fresh`` moves anything.
+
+    Raises:
+      ValueError: a size the mesh does not divide, or a damaged ``config.json``.
+      FileNotFoundError: ``cfg.init_from`` is not a run directory.
+    """
+    config = model_config(read_run(cfg.init_from), cfg.model_overrides())
+    check_mesh_divides(mesh, config, loaded_from=cfg.init_from)
+
+
 def check_has_checkpoint(init_from: str | Path) -> None:
     """Fails fast, before this run prepares its data, when ``--init-from RUN`` has no
     checkpoint step to start from (files only; the restore reads them later).

@@ -331,8 +331,8 @@ def parse_train_args(argv: list[str] | None = None, defaults: dict[str, Any] | N
     The namespace's ``chosen`` is the set of settings the user chose rather than left at
     their defaults: the flags given (however spelt: ``--vocab-size=500``, an abbreviation
     argparse accepts) and the keys of a ``--config`` settings file. A run's replayed
-    ``config.json`` records every setting, so its keys count as chosen only where they
-    differ from the defaults.
+    ``config.json`` records every setting of that run, chosen then, not now: none of its
+    keys count.
     """
     parser = build_parser(defaults, description, prog)
     known, _ = parser.parse_known_args(argv)
@@ -342,7 +342,7 @@ def parse_train_args(argv: list[str] | None = None, defaults: dict[str, Any] | N
             settings, run_record = _read_config_file(known.config)
         except ValueError as e:
             parser.error(str(e))
-        chosen = {k for k, v in settings.items() if not run_record or v != parser.get_default(k)}
+        chosen = set() if run_record else set(settings)
         parser.set_defaults(**settings)
     args = parser.parse_args(argv)
     typed = build_parser(typed_only=True).parse_args(argv)   # holds only the flags given

@@ -51,12 +51,16 @@ def setup(cfg: TrainConfig, *, fresh: bool = False) -> Run:
                                         auto=cfg.distributed)
     # A bad --mesh or --devices fails here, before any data work.
     mesh = sharding_lib.make_mesh(cfg.mesh, sharding_lib.first_devices(cfg.devices))
-    if not cfg.init_from:   # the model's widths are the flags': a mesh that cannot split them fails now
+    run_dir = RunDir(cfg.workdir)
+    # A fine-tune: flagged, or a resume (without the flag) of a run started as one.
+    fine_tune = cfg.init_from or (not fresh and pretrained.with_saved_init_from(cfg, run_dir).init_from)
+    if not fine_tune:   # the model's widths are the flags': a mesh that cannot split them fails now
         sharding_lib.check_mesh_divides(mesh, preset(cfg.preset, src_vocab_size=cfg.vocab_size,
                                                      **cfg.model_overrides()))
+    elif fresh:   # the loaded run's widths, before --fresh moves the old run aside (else: at its load)
+        pretrained.check_mesh_takes_loaded_run(cfg, mesh)
     if cfg.devices is not None:
         log(f"using {cfg.devices} of {len(jax.devices())} devices (--devices)")
-    run_dir = RunDir(cfg.workdir)
     pretrained.check_not_moved_by_fresh(cfg.init_from, run_dir, fresh)
     previous = run_dir.create(fresh)   # --fresh: where the previous run's files went
     if jax.process_count() > 1:   # every process sees the directory after --fresh moved things
