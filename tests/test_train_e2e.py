@@ -125,6 +125,11 @@ def test_translate_cli_uses_the_run(tmp_path, trained_run, capsys):
         "is not a regular file (a folder, a pipe?)": ["--workdir", str(workdir), "--input", str(tmp_path)],
         "folder of --attention-png": ["--workdir", str(workdir), "--attention-png",
                                       str(tmp_path / "no" / "a.png"), "x"],
+        # no file type (matplotlib would write heatmap.png) or one matplotlib cannot write
+        "--attention-png '" + str(tmp_path / "heatmap") + "' needs a file type": [
+            "--workdir", str(workdir), "--attention-png", str(tmp_path / "heatmap"), "x"],
+        "a.xyz' needs a file type": ["--workdir", str(workdir), "--attention-png", str(tmp_path / "a.xyz"),
+                                     "x"],
         "--temperature > 0": ["--workdir", str(workdir), "--sample", "--temperature", "0", "x"],
     }
     for message, argv in bad_calls.items():

@@ -184,10 +184,24 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         if path and not Path(path).absolute().parent.is_dir():
             parser.exit(2, f"{parser.prog}: error: the folder of --{flag.replace('_', '-')} {path!r} "
                            f"does not exist\n")
+    if args.attention_png:
+        _check_image_name(parser, args.attention_png)
     _check_output(parser, args)
     if bulk_cli.multi_process(args) and (not (args.input and args.output) or args.sentences):
         parser.error("the multi-process flags (--coordinator-address, --num-processes, --process-id, "
                      "--distributed) are for bulk mode only: give --input and --output (and no sentences)")
+
+
+def _check_image_name(parser: argparse.ArgumentParser, path: str) -> None:
+    """``--attention-png`` must end in a file type matplotlib writes (.png, .svg, .pdf, ...):
+    without one, matplotlib would add ``.png`` to the name, and another is its traceback."""
+    from matplotlib.figure import Figure
+
+    kinds = Figure().canvas.get_supported_filetypes()
+    suffix = Path(path).suffix.lower().lstrip(".")
+    if suffix not in kinds:
+        parser.exit(2, f"{parser.prog}: error: --attention-png {path!r} needs a file type matplotlib "
+                       f"writes, e.g. heatmap.png; one of: {', '.join('.' + k for k in sorted(kinds))}\n")
 
 
 def _check_output(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
