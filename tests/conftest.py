@@ -101,15 +101,15 @@ def short_corpus(tmp_path_factory):
 # The longest modules first. Under --dist loadfile (pyproject.toml) each xdist worker takes
 # the next module when it is about to finish one, in collection order (pyproject.toml also
 # sets --no-loadscope-reorder: xdist's default orders the modules by their number of tests,
-# which put the one-test, two-minute test_multiprocess last in the queue). Started first, the
+# which put the one-test, 1.5-minute test_multiprocess last in the queue). Started first, the
 # long ones do not leave one worker running a long module alone at the end (longest-first
-# scheduling). Seconds of each module on a clean clone with 2 workers (commit 9d94a22,
-# 128-143 GFLOP/s): multiprocess 134, bulk_translate 126, resilience 117, sharding 111,
-# compile 104, hf_marian 104, training 95, cli 75, train_e2e 75, scan 58, model 51,
-# decoding 46, packing 40; the rest 26 or less.
-_LONGEST_FIRST = ("test_multiprocess.py", "test_bulk_translate.py", "test_resilience.py", "test_sharding.py",
-                  "test_compile.py", "test_hf_marian.py", "test_training.py", "test_cli.py",
-                  "test_train_e2e.py", "test_scan.py", "test_model.py", "test_decoding.py", "test_packing.py")
+# scheduling). Seconds of each module on a clean clone with 2 workers (commit 59a2249,
+# 68-71 GFLOP/s): compile 95, bulk_translate 86, sharding 85, multiprocess 83 (one test,
+# so it starts first), hf_marian 82, train_e2e 76, resilience 71, training 65, cli 53,
+# scan 52, decoding 49, model 48, packing 39; the rest 25 or less.
+_LONGEST_FIRST = ("test_multiprocess.py", "test_compile.py", "test_bulk_translate.py", "test_sharding.py",
+                  "test_hf_marian.py", "test_train_e2e.py", "test_resilience.py", "test_training.py",
+                  "test_cli.py", "test_scan.py", "test_decoding.py", "test_model.py", "test_packing.py")
 
 
 def pytest_collection_modifyitems(items):

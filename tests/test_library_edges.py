@@ -315,7 +315,9 @@ write_plots(run_dir)
 save_attention_png(run_dir.root / "attention.png", np.full((2, 3), 1 / 3), ["a", "b", "c"], ["x", "y"])
 assert matplotlib.get_backend() == "svg", matplotlib.get_backend()
 assert "matplotlib.pyplot" not in sys.modules
-assert sys.modules.get("torch", "absent") == "absent", sys.modules.get("torch")   # not loaded, not blocked
+assert sys.modules.get("torch", "absent") == "absent", sys.modules.get("torch")   # not loaded
+import importlib.util
+assert importlib.util.find_spec("torch") is not None   # and findable again: not blocked
 print("ok")
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -192,12 +192,17 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
                      "--distributed) are for bulk mode only: give --input and --output (and no sentences)")
 
 
+# File types of --attention-png that matplotlib writes with its own backends and Pillow
+# alone (.pgf needs LaTeX, .avif a Pillow built with it: left out).
+IMAGE_TYPES = ("png", "svg", "svgz", "pdf", "eps", "ps", "jpg", "jpeg", "tif", "tiff", "webp")
+
+
 def _check_image_name(parser: argparse.ArgumentParser, path: str) -> None:
-    """``--attention-png`` must end in a file type matplotlib writes (.png, .svg, .pdf, ...):
-    without one, matplotlib would add ``.png`` to the name, and another is its traceback."""
+    """``--attention-png`` must end in one of :data:`IMAGE_TYPES`: without a type,
+    matplotlib would add ``.png`` to the name, and an unknown one is its traceback."""
     from matplotlib.figure import Figure
 
-    kinds = Figure().canvas.get_supported_filetypes()
+    kinds = sorted(set(IMAGE_TYPES) & set(Figure().canvas.get_supported_filetypes()))
     suffix = Path(path).suffix.lower().lstrip(".")
     if suffix not in kinds:
         parser.exit(2, f"{parser.prog}: error: --attention-png {path!r} needs a file type matplotlib "

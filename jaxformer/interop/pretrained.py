@@ -87,7 +87,8 @@ def check_not_moved_by_fresh(init_from: str | Path | None, run_dir: RunDir, fres
 def check_mesh_takes_loaded_run(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> None:
     """Refuses a ``mesh`` that cannot split the sizes of the run ``cfg.init_from`` names
     (:func:`jaxformer.model.sharding.check_mesh_divides`), read from its ``config.json``:
-    a fresh fine-tune checks this before ``--fresh`` moves anything.
+    a fine-tune's start checks this before its run directory is made (or, with
+    ``--fresh``, before the old run is moved aside).
 
     Raises:
       ValueError: a size the mesh does not divide, or a damaged ``config.json``.
@@ -144,8 +145,9 @@ def tokenizer_and_model_config(cfg: TrainConfig, run_dir: RunDir, *,
 
     Raises:
       FileNotFoundError: ``RUN`` is not a run directory.
-      ValueError: a model flag would change the architecture, or ``RUN`` is a Hugging Face
-        folder or its ``config.json`` is damaged (:func:`read_run`).
+      ValueError: a model flag would change the architecture, ``mesh`` cannot split the
+        loaded sizes, or ``RUN`` is a Hugging Face folder or its ``config.json`` is
+        damaged (:func:`read_run`).
     """
     if own_record is not None and "model" in own_record and "tokenizer" in own_record:
         config = model_config(own_record, cfg.model_overrides())
