@@ -1,5 +1,6 @@
 """The command-line programs, each a thin ``main`` over the wings: ``train``
 (``jaxformer-train``, ``train.py``), ``prepare`` (``jaxformer-prepare``), ``translate``
-(``jaxformer-translate``), ``convert`` (``jaxformer-convert``) and ``compile``
+(``jaxformer-translate``; its flag checks in ``translate_flags``), ``convert``
+(``jaxformer-convert``) and ``compile``
 (``jaxformer-compile``). ``python -m jaxformer.translate``, ``.prepare`` and ``.compile``
 run the same."""
