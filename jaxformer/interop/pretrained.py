@@ -149,21 +149,18 @@ def tokenizer_and_model_config(cfg: TrainConfig, run_dir: RunDir, *,
         loaded sizes, or ``RUN`` is a Hugging Face folder or its ``config.json`` is
         damaged (:func:`read_run`).
     """
-    if own_record is not None and "model" in own_record and "tokenizer" in own_record:
-        config = model_config(own_record, cfg.model_overrides())
-        if mesh is not None:
-            check_mesh_divides(mesh, config, loaded_from=cfg.init_from)
-        return load_tokenizer(run_dir.root, own_record), config, own_record
-    record = read_run(cfg.init_from)
+    resumed = own_record is not None and "model" in own_record and "tokenizer" in own_record
+    record = own_record if resumed else read_run(cfg.init_from)
     config = model_config(record, cfg.model_overrides())
     if mesh is not None:
         check_mesh_divides(mesh, config, loaded_from=cfg.init_from)
-    if is_main_process():
-        copy_tokenizer(cfg.init_from, record, run_dir.tokenizer_dir)
-    if jax.process_count() > 1:   # the others load the files process 0 copied
-        from jax.experimental import multihost_utils
+    if not resumed:   # this run's tokenizer/ is the loaded run's, copied once
+        if is_main_process():
+            copy_tokenizer(cfg.init_from, record, run_dir.tokenizer_dir)
+        if jax.process_count() > 1:   # the others load the files process 0 copied
+            from jax.experimental import multihost_utils
 
-        multihost_utils.sync_global_devices("tokenizer")
+            multihost_utils.sync_global_devices("tokenizer")
     return load_tokenizer(run_dir.root, record), config, record
 
 
