@@ -1,7 +1,7 @@
 """Stopping without losing work (issue #6), the parts that need no trained run: the
 signal guard (one Ctrl-C checkpoints, a second stops at once), the multi-process stop
 agreed through JAX's preemption sync point, ``jaxformer-train``'s exit statuses, and
-its compilation cache folder. The runs that are stopped and resumed are in
+its compilation cache folder, and a hand-edited run record. The runs that are stopped and resumed are in
 ``tests/test_resilience.py``.
 """
 
@@ -130,3 +130,24 @@ print("not reached")
     assert child.stderr.strip().endswith("run the same command again to resume from the newest "
                                          "complete checkpoint")
     assert "Traceback" not in child.stderr
+
+
+@pytest.mark.parametrize("section, value, kind", [("train", None, "object"), ("tokenizer", [1], "object"),
+                                                  ("train_history", {}, "array"),
+                                                  ("target_language", 7, "string")])
+def test_an_edited_run_record_with_a_section_of_the_wrong_type_is_named(tmp_path, section, value, kind):
+    """``"train": null`` in config.json (a hand edit) once failed as an AttributeError
+    in the resume's ``--init-from`` lookup: every reader of the record names the section."""
+    import json
+
+    from jaxformer.interop.pretrained import with_saved_init_from
+    from jaxformer.run.config import TrainConfig
+
+    run = directory.RunDir(tmp_path)
+    run.config.write_text(json.dumps({"model": {"d_model": 8}, "train": {"init_from": "teacher"},
+                                      section: value}))
+    message = f"its {section!r} section is .*, not a JSON {kind}: .*edited or damaged"
+    for read in (run.read_config, run.read_run_record,
+                 lambda: with_saved_init_from(TrainConfig(workdir=str(tmp_path)), run)):
+        with pytest.raises(ValueError, match=message):
+            read()

@@ -248,7 +248,20 @@ def _read_record(path: Path, need_model: bool) -> dict[str, Any]:
     if not isinstance(record, dict) or (need_model and not isinstance(record.get("model"), dict)):
         raise ValueError(f"{path} is not a jaxformer run record (a JSON object with a \"model\" "
                          f"section, written by jaxformer-train or jaxformer-convert).")
+    for key, kind in _RECORD_SECTIONS.items():
+        if key in record and not isinstance(record[key], kind):
+            raise ValueError(f"{path}: its {key!r} section is {json.dumps(record[key])[:40]}, not a JSON "
+                             f"{_JSON_NAMES[kind]}: the run record was edited or damaged. Put back the "
+                             f"file the run wrote (train.log also logs its model and run config).")
     return record
+
+
+# The sections a run record (written by jaxformer-train or jaxformer-convert) may hold and
+# their JSON types: an edited record with ``"train": null`` would otherwise fail far
+# from the file, as an AttributeError.
+_RECORD_SECTIONS = {"model": dict, "train": dict, "tokenizer": dict, "generation": dict,
+                    "batch_rows": dict, "train_history": list, "target_language": str}
+_JSON_NAMES = {dict: "object", list: "array", str: "string"}
 
 
 def topmost_missing(path: Path) -> Path | None:
