@@ -255,6 +255,25 @@ def test_init_from_a_run_without_a_checkpoint_fails_before_preparing_and_names_i
     assert not (tmp_path / "student").exists()
 
 
+def test_a_library_fine_tune_refuses_a_preset_or_vocab_size_it_would_ignore(corpus_file, tmp_path):
+    """``train(TrainConfig(init_from=RUN, preset=..., vocab_size=...))`` keeps RUN's
+    architecture and tokenizer: the fields would do nothing, so the start (and a resume
+    of the fine-tune, whose record names RUN) refuses them before any folder is made."""
+    teacher = tmp_path / "teacher"
+    (teacher / "checkpoints" / "5").mkdir(parents=True)
+    (teacher / "config.json").write_text(json.dumps({"model": {}, "train": {}}))
+    student = tmp_path / "student"
+    with pytest.raises(ValueError, match=r"fine-tunes .*teacher.*preset='tiny' and vocab_size=300 would "
+                                         r"do nothing: leave them at the default"):
+        train(_cfg(corpus_file, student, init_from=str(teacher), preset="tiny", progress=False))
+    assert not student.exists()
+    student.mkdir()
+    (student / "config.json").write_text(json.dumps({"model": {}, "train": {"init_from": str(teacher)}}))
+    with pytest.raises(ValueError, match=r"vocab_size=300 would do nothing: leave it at the default"):
+        train(_cfg(corpus_file, student, progress=False))
+    assert sorted(p.name for p in student.iterdir()) == ["config.json"]
+
+
 def test_a_failed_start_removes_the_run_directory_it_made_unless_the_data_was_prepared(
         corpus_file, tmp_path, monkeypatch):
     """train() in a new --workdir that fails before its data is prepared leaves no folder it

@@ -98,6 +98,24 @@ def check_mesh_takes_loaded_run(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> No
     check_mesh_divides(mesh, config, loaded_from=cfg.init_from)
 
 
+def check_takes_no_model_choice(cfg: TrainConfig, loaded: str | Path) -> None:
+    """Refuses a fine-tune (of run ``loaded``) whose ``cfg`` sets ``preset`` or
+    ``vocab_size`` away from their defaults: the loaded run's architecture and tokenizer
+    are kept, so they would be ignored silently. (``jaxformer-train`` also refuses
+    them given at their default values, which it can tell from unset ones.)
+
+    Raises:
+      ValueError: naming the fields and the fix.
+    """
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    ignored = [name for name in ("preset", "vocab_size") if getattr(cfg, name) != defaults[name]]
+    if ignored:
+        named = " and ".join(f"{name}={getattr(cfg, name)!r}" for name in ignored)
+        raise ValueError(f"this run fine-tunes {str(loaded)!r} (init_from), whose architecture and "
+                         f"tokenizer it keeps, so {named} would do nothing: leave "
+                         f"{'them' if len(ignored) > 1 else 'it'} at the default.")
+
+
 def check_has_checkpoint(init_from: str | Path) -> None:
     """Fails fast, before this run prepares its data, when ``--init-from RUN`` has no
     checkpoint step to start from (files only; the restore reads them later).

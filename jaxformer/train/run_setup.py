@@ -57,9 +57,13 @@ def setup(cfg: TrainConfig, *, fresh: bool = False) -> Run:
     if not fine_tune:   # the model's widths are the flags': a mesh that cannot split them fails now
         sharding_lib.check_mesh_divides(mesh, preset(cfg.preset, src_vocab_size=cfg.vocab_size,
                                                      **cfg.model_overrides()))
-    elif fresh or not run_dir.config.exists():   # a start: that run's weights and widths, before
-        pretrained.check_has_checkpoint(cfg.init_from)   # anything is made or moved (a resume: at
-        pretrained.check_mesh_takes_loaded_run(cfg, mesh)   # its load)
+    else:   # a start checks that run's weights and widths before anything is made or moved
+        starting = fresh or not run_dir.config.exists()   # (a resume: at its load)
+        if starting:
+            pretrained.check_has_checkpoint(cfg.init_from)
+        pretrained.check_takes_no_model_choice(cfg, fine_tune)
+        if starting:
+            pretrained.check_mesh_takes_loaded_run(cfg, mesh)
     if cfg.devices is not None:
         log(f"using {cfg.devices} of {len(jax.devices())} devices (--devices)")
     pretrained.check_not_moved_by_fresh(cfg.init_from, run_dir, fresh)
