@@ -447,3 +447,26 @@ def test_a_saved_position_of_another_format_is_a_clear_error(state, diagnosis):
     stream = streaming.BatchStream(lambda start: None)
     with pytest.raises(ValueError, match=diagnosis):
         stream.set_state(state)
+
+
+def test_a_run_with_checkpoints_whose_prepared_data_is_gone_is_checked_against_its_record(
+        corpus_file, run_dir, tmp_path):
+    """prepared/ deleted (to save space, or damaged): the fingerprint config.json keeps
+    ("data") decides. The same data is prepared again; other data is refused; with no
+    record to check against, the start is refused with the fix."""
+    copy = _copy(run_dir, tmp_path)
+    fingerprint = PreparedCorpus.open(copy.prepared).manifest["fingerprint"]
+    shutil.rmtree(copy.prepared)
+    with pytest.raises(ValueError, match=r"neither .*manifest.json \(missing or unreadable\) nor its "
+                                         r"config.json .*Put back its prepared/ folder, or pass --fresh"):
+        rundata.prepare_run_data(_cfg(corpus_file, copy.root), copy, has_checkpoints=True)
+    copy.config.write_text(json.dumps({"model": {}, "data": fingerprint}))
+    changed = tmp_path / "small.tsv"
+    changed.write_text(corpus_file.read_text() + "One more sentence.\tNoch ein Satz.\n")
+    with pytest.raises(ValueError, match=r"trained on other data \(corpus: .*--fresh"):
+        rundata.prepare_run_data(_cfg(changed, copy.root), copy, has_checkpoints=True)
+    assert not copy.prepared.exists()
+    again = rundata.prepare_run_data(_cfg(corpus_file, copy.root), copy, has_checkpoints=True)
+    assert again.manifest["fingerprint"] == fingerprint
+    for name in ("train-src.bin", "train-tgt.bin", "train-lengths.npy"):
+        assert (copy.prepared / name).read_bytes() == (run_dir.prepared / name).read_bytes()

@@ -229,10 +229,16 @@ def test_the_first_window_after_a_resume_between_logged_steps_says_how_many_step
         tmp_path, files, reference):
     """Resumed at step 8 with --log-every 3, the first record (step 9) averages one step,
     not three, and says so (``train/steps``); the next averages three. The state at step 12
-    is the reference's: the logging rhythm changes nothing of the training."""
+    is the reference's: the logging rhythm changes nothing of the training. The run's
+    prepared/ is deleted first: the data fingerprint in config.json refuses other data
+    (the train and dev files swapped) and prepares the same data again for the resume."""
     workdir = tmp_path / "run"
     shutil.copytree(reference, workdir)
     shutil.rmtree(workdir / "checkpoints" / "12")
+    shutil.rmtree(workdir / "prepared")
+    with pytest.raises(ValueError, match=r"trained on other data \(corpus: .*--fresh"):
+        train(_config(workdir, {**files, "train": files["dev"], "dev": files["train"]}, 12))
+    assert not (workdir / "prepared").exists()
     train(_config(workdir, files, 12, log_every=3))
     rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     windows = [(r["step"], r["train/steps"]) for r in rows if "train/loss" in r]

@@ -57,17 +57,22 @@ def same_data(saved: dict[str, Any], now: dict[str, Any]) -> bool:
 
 
 def check_prepared(spec: DataSpec, directory: Path, tokenizer_file: Path, *,
-                   has_checkpoints: bool) -> tuple[dict[str, Any], str]:
+                   has_checkpoints: bool, recorded: dict[str, Any] | None = None
+                   ) -> tuple[dict[str, Any], str]:
     """What :func:`ensure_prepared` must do: ``"reuse"``, ``"encode"`` (same data, another
     tokenizer), ``"prepare"`` (no prepared data yet) or ``"retrain"`` (the data changed
     and the run has no checkpoints: prepare it and train a new tokenizer).
+
+    ``recorded``: the fingerprint the run record (``config.json``, ``"data"``) keeps,
+    what a run with checkpoints is checked against when ``prepared/`` is gone (deleted
+    to save space, or damaged).
 
     Returns:
       ``(the inputs' fingerprint, action)``.
 
     Raises:
-      ValueError: the run has checkpoints of other data; the message names what differs
-        and the fix.
+      ValueError: the run has checkpoints of other data, or of data neither ``prepared/``
+        nor the run record describes; the message names what differs and the fix.
     """
     fingerprint = spec.fingerprint()
     manifest = read_manifest(directory)
@@ -75,15 +80,23 @@ def check_prepared(spec: DataSpec, directory: Path, tokenizer_file: Path, *,
         same_tokenizer = (tokenizer_file.exists()
                           and tokenizer_digest(tokenizer_file) == manifest["tokenizer"]["sha256"])
         return fingerprint, "reuse" if same_tokenizer else "encode"
-    if manifest is None:
-        return fingerprint, "prepare"
-    if has_checkpoints:
-        differences = "; ".join(fingerprint_differences(manifest.get("fingerprint", {}), fingerprint))
+    if not has_checkpoints:
+        return fingerprint, "prepare" if manifest is None else "retrain"
+    trained_on = manifest.get("fingerprint", {}) if manifest is not None else recorded
+    if trained_on is None:
+        raise ValueError(
+            f"The run directory {str(directory.parent)!r} holds checkpoints, but neither "
+            f"{directory / 'manifest.json'} (missing or unreadable) nor its config.json (from before "
+            f"jaxformer recorded it there) says which data they were trained on, so a resume could "
+            f"continue on other data. Put back its prepared/ folder, or pass --fresh to start this "
+            f"run over on the flags' data.")
+    if not same_data(trained_on, fingerprint):
+        differences = "; ".join(fingerprint_differences(trained_on, fingerprint))
         raise ValueError(
             f"The run directory {str(directory.parent)!r} holds a run trained on other data "
             f"({differences}). Resume with the data flags it was started with, choose another "
             f"--workdir for the new data, or pass --fresh to start this run over on the new data.")
-    return fingerprint, "retrain"
+    return fingerprint, "prepare"   # prepared/ is gone: the same inputs and settings again
 
 
 def _copy_back(previous: Path | None, fingerprint: dict[str, Any], directory: Path,
@@ -116,7 +129,7 @@ def _copy_back(previous: Path | None, fingerprint: dict[str, Any], directory: Pa
 
 def ensure_prepared(spec: DataSpec, directory: Path, tokenizer_file: Path, *, has_checkpoints: bool,
                     seed: int = 0, write: bool = True, tokenizer: TextTokenizer | None = None,
-                    previous: Path | None = None) -> None:
+                    previous: Path | None = None, recorded: dict[str, Any] | None = None) -> None:
     """Makes ``directory`` hold ``spec``'s prepared data: reused when its manifest matches,
     copied back from ``previous`` (the folder ``--fresh`` moved the last run to) when that
     was prepared from the same inputs and settings, else prepared (again) — see
@@ -126,7 +139,8 @@ def ensure_prepared(spec: DataSpec, directory: Path, tokenizer_file: Path, *, ha
     Raises:
       ValueError: the run has checkpoints of other data (see :func:`check_prepared`).
     """
-    fingerprint, action = check_prepared(spec, directory, tokenizer_file, has_checkpoints=has_checkpoints)
+    fingerprint, action = check_prepared(spec, directory, tokenizer_file, has_checkpoints=has_checkpoints,
+                                         recorded=recorded)
     if action == "reuse":
         log(f"prepared data: reusing {directory}")
         return
@@ -161,8 +175,10 @@ def prepare_run_data(cfg: TrainConfig, run_dir: RunDir, *, has_checkpoints: bool
     spec = DataSpec.from_config(cfg)
     directory = run_dir.prepared
     tokenizer_file = run_dir.tokenizer_dir if tokenizer is not None else run_dir.tokenizer_dir / "spm.model"
+    recorded = (run_dir.read_config() or {}).get("data") if has_checkpoints else None
     ensure_prepared(spec, directory, tokenizer_file, has_checkpoints=has_checkpoints,
-                    write=jax.process_index() == 0, tokenizer=tokenizer, previous=previous)
+                    write=jax.process_index() == 0, tokenizer=tokenizer, previous=previous,
+                    recorded=recorded)
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 

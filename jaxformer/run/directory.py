@@ -260,7 +260,7 @@ def _read_record(path: Path, need_model: bool) -> dict[str, Any]:
 # their JSON types: an edited record with ``"train": null`` would otherwise fail far
 # from the file, as an AttributeError.
 _RECORD_SECTIONS = {"model": dict, "train": dict, "tokenizer": dict, "generation": dict,
-                    "batch_rows": dict, "train_history": list, "target_language": str}
+                    "batch_rows": dict, "data": dict, "train_history": list, "target_language": str}
 _JSON_NAMES = {dict: "object", list: "array", str: "string"}
 
 

@@ -130,7 +130,7 @@ def _setup_run(cfg: TrainConfig, run_dir: RunDir, checkpoints: RunCheckpoints, m
         state = programs.init(init_key)
     data.iterator.start_prefetch()   # data workers (if any) start now, while the step compiles
     _write_run_record(run_dir, cfg, model_config, tokenizer, target_language, saved, batch_rows,
-                      resumed=restored is not None,
+                      resumed=restored is not None, data=prepared.manifest["fingerprint"],
                       tokenizer_record=pretrained_record["tokenizer"] if pretrained_record else None)
     if restored is not None and is_main_process():
         set_aside_metrics_after(run_dir, start_step)
@@ -223,18 +223,19 @@ def _check_batch_rows(batch_tokens: int, row_length: int, row_multiple: int) -> 
 
 def _write_run_record(run_dir: RunDir, cfg: TrainConfig, model_config: TransformerConfig,
                       tokenizer: Tokenizer, target_language: str, saved: dict[str, Any] | None,
-                      batch_rows: dict[str, int], resumed: bool,
+                      batch_rows: dict[str, int], resumed: bool, data: dict[str, Any],
                       tokenizer_record: dict[str, Any] | None = None) -> None:
-    """``config.json``: the architecture, the run settings (with their history on resume)
-    and the tokenizer's special ids (``tokenizer_record``: an --init-from run's, kept
-    as is); what :class:`jaxformer.decode.translator.Translator` reads."""
+    """``config.json``: the architecture, the run settings (with their history on resume),
+    the tokenizer's special ids (``tokenizer_record``: an --init-from run's, kept
+    as is) and the fingerprint of the data (``data``, what a resume is checked against
+    when ``prepared/`` is gone); what :class:`jaxformer.decode.translator.Translator` reads."""
     record = {"model": model_config.to_dict(), "train": cfg.to_dict(),
               "tokenizer": tokenizer_record or {
                   "file": str(run_dir.tokenizer_dir.relative_to(run_dir.root) / "spm.model"),
                   "pad_id": tokenizer.pad_id, "bos_id": tokenizer.bos_id,
                   "eos_id": tokenizer.eos_id, "unk_id": tokenizer.unk_id,
                   "vocab_size": tokenizer.vocab_size},
-              "target_language": target_language, "batch_rows": batch_rows}
+              "target_language": target_language, "batch_rows": batch_rows, "data": data}
     if is_main_process():
         save_json(run_dir.config, resume_record(saved, record, resumed))
     log("model config: " + json.dumps(record["model"]))
