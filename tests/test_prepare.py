@@ -470,3 +470,20 @@ def test_a_run_with_checkpoints_whose_prepared_data_is_gone_is_checked_against_i
     assert again.manifest["fingerprint"] == fingerprint
     for name in ("train-src.bin", "train-tgt.bin", "train-lengths.npy"):
         assert (copy.prepared / name).read_bytes() == (run_dir.prepared / name).read_bytes()
+
+
+def test_a_prepare_that_fails_after_training_a_tokenizer_leaves_the_runs_files_as_they_were(
+        corpus_file, run_dir, tmp_path):
+    """Other settings (another vocabulary) train a new tokenizer; a failure after that (an
+    empty --dev-file) once left it in tokenizer/, so the next prepare encoded with it. Now
+    the run's tokenizer, prepared data and folder are untouched, and no partial folder stays."""
+    copy = _copy(run_dir, tmp_path)
+    before = {p: p.read_bytes() for p in copy.root.rglob("*") if p.is_file()}
+    empty = tmp_path / "empty-dev.tsv"
+    empty.write_text("")
+    other = TrainConfig(train_file=str(corpus_file), workdir=str(copy.root), vocab_size=250,
+                        dev_file=str(empty))
+    with pytest.raises(ValueError, match="dev"):
+        rundata.prepare_run_data(other, copy, has_checkpoints=False)
+    assert {p: p.read_bytes() for p in copy.root.rglob("*") if p.is_file()} == before
+    assert sorted(p.name for p in copy.root.iterdir()) == sorted(p.name for p in run_dir.root.iterdir())

@@ -18,8 +18,9 @@ Filters, each counted in the report: an empty side (when reading), more than
 default ratio is 9; here on sentencepiece ids rather than words). The length limit
 of a run (``--max-train-len``) is applied when training, from the stored lengths.
 
-Everything is written to a temporary directory and renamed into place when
-complete, so a killed prepare leaves nothing half-written. Preparing again with the
+Everything, a newly trained tokenizer included, is written beside the run's files and
+moved into place when complete, so a prepare that fails or is killed leaves the run's
+tokenizer and prepared data as they were. Preparing again with the
 same inputs and settings finds the manifest's fingerprint unchanged and does nothing.
 """
 
@@ -76,58 +77,86 @@ def prepare(spec: DataSpec, directory: str | os.PathLike, tokenizer_file: str | 
     start = time.perf_counter()
     directory, tokenizer_file = Path(directory), Path(tokenizer_file)
     fingerprint = spec.fingerprint()
-    explicit = {name: path for name, path in (("dev", spec.dev_file), ("test", spec.test_file)) if path}
     report = DataReport()
     n, sample = _count_and_sample(spec.read(report), SAMPLE_PAIRS, seed)
     if n == 0:
         raise ValueError(f"No usable sentence pair in {spec.name} ({report.summary('corpus')}).")
-    splitter = Splitter.for_size(n, merged_into_train=tuple(explicit))
+    splitter = Splitter.for_size(n, merged_into_train=tuple(_explicit_splits(spec)))
     log(f"prepare: read {spec.name}: {n} pairs in {time.perf_counter() - start:.0f}s")
-    if tokenizer is not None:
-        pass
-    elif retrain_tokenizer or not tokenizer_file.exists():
-        t0 = time.perf_counter()
-        sentences = [s for pair in sample if splitter(pair[0]) == "train" for s in pair]
-        if not sentences:   # sentencepiece would fail with an internal error instead
-            corpus.check_splits_nonempty({"train": 0}, n)
-        tokenizer = Tokenizer.train(sentences, tokenizer_file.parent, vocab_size=spec.vocab_size,
-                                    reserved=(BT_TAG,) if spec.bt_file else ())
-        log(f"prepare: trained sentencepiece ({tokenizer.vocab_size} pieces) on {len(sentences)} "
-            f"sampled sentences in {time.perf_counter() - t0:.0f}s")
-    else:
-        tokenizer = Tokenizer(tokenizer_file)
-    if spec.bt_file:
-        back_translation.tag_id(tokenizer)   # refused before anything is written
-    del sample
     for stale in directory.parent.glob(f"{directory.name}.partial-*"):   # left by a killed prepare
         shutil.rmtree(stale, ignore_errors=True)
+    # Everything new (the prepared files and a newly trained tokenizer) is written beside
+    # the run's and moved into place only when complete: a prepare that fails or is
+    # stopped leaves the run's tokenizer and prepared data as they were.
     tmp = directory.with_name(f"{directory.name}.partial-{os.getpid()}")
-    tmp.mkdir(parents=True)
+    new_tokenizer = directory.with_name(f"{directory.name}.partial-{os.getpid()}-tokenizer")
+    try:
+        trained = None
+        if tokenizer is None and (retrain_tokenizer or not tokenizer_file.exists()):
+            tokenizer = trained = _train_tokenizer(spec, sample, splitter, n, new_tokenizer)
+        elif tokenizer is None:
+            tokenizer = Tokenizer(tokenizer_file)
+        if spec.bt_file:
+            back_translation.tag_id(tokenizer)   # refused before anything is written
+        del sample
+        tmp.mkdir(parents=True)
+        sha256 = tokenizer_digest(tokenizer_file if trained is None else new_tokenizer / "spm.model")
+        manifest = _write_prepared(spec, splitter, tokenizer, tmp, n, seed, fingerprint, sha256)
+        manifest["seconds"] = round(time.perf_counter() - start, 1)
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+        if trained is not None:
+            tokenizer_file.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(new_tokenizer / "spm.model", tokenizer_file)
+        if directory.exists():
+            shutil.rmtree(directory)
+        tmp.rename(directory)
+    finally:
+        for partial in (tmp, new_tokenizer):
+            shutil.rmtree(partial, ignore_errors=True)
+    log(f"prepare: {spec.name} → {directory}: {json.dumps(manifest['counts'])} in {manifest['seconds']:.0f}s")
+    return manifest
+
+
+def _explicit_splits(spec: DataSpec) -> dict[str, str]:
+    """The held-out splits given as files (``--dev-file``, ``--test-file``)."""
+    return {name: path for name, path in (("dev", spec.dev_file), ("test", spec.test_file)) if path}
+
+
+def _train_tokenizer(spec: DataSpec, sample: list[Pair], splitter: Splitter, n: int,
+                     model_dir: Path) -> Tokenizer:
+    """A sentencepiece model trained on the sample's training pairs, into ``model_dir``."""
+    t0 = time.perf_counter()
+    sentences = [s for pair in sample if splitter(pair[0]) == "train" for s in pair]
+    if not sentences:   # sentencepiece would fail with an internal error instead
+        corpus.check_splits_nonempty({"train": 0}, n)
+    tokenizer = Tokenizer.train(sentences, model_dir, vocab_size=spec.vocab_size,
+                                reserved=(BT_TAG,) if spec.bt_file else ())
+    log(f"prepare: trained sentencepiece ({tokenizer.vocab_size} pieces) on {len(sentences)} "
+        f"sampled sentences in {time.perf_counter() - t0:.0f}s")
+    return tokenizer
+
+
+def _write_prepared(spec: DataSpec, splitter: Splitter, tokenizer: TextTokenizer, tmp: Path, n: int,
+                    seed: int, fingerprint: dict[str, Any], tokenizer_sha256: str) -> dict[str, Any]:
+    """Writes the splits' files into ``tmp``; the manifest describing them (without
+    ``seconds``, and not yet written)."""
     read_report = DataReport()
     counts, histogram = _write_splits(spec, splitter, tokenizer, tmp, read_report, seed)
     read_report.kept = n
     log(read_report.summary(spec.name))
-    for name, path in explicit.items():
+    for name, path in _explicit_splits(spec).items():
         pairs, rep = corpus.read_tsv(path)
         log(rep.summary(f"{name} file {path}"))
         _write_tsv(tmp / f"{name}.tsv", pairs)
         counts[name] = len(pairs)
     corpus.check_splits_nonempty({k: counts[k] for k in ("train", "dev", "test")}, n)
     dtype = "uint16" if _largest_vocab(tokenizer) <= 1 << 16 else "int32"
-    manifest = {"format_version": FORMAT_VERSION, "fingerprint": fingerprint, "name": spec.name,
-                "tokenizer": {"sha256": tokenizer_digest(tokenizer_file),
-                              "vocab_size": _largest_vocab(tokenizer)},
-                "dtype": dtype, "read": dict(read_report.skipped, lines=read_report.read),
-                "counts": counts, "length_histogram": histogram,
-                "files": {f.name: {"size": f.stat().st_size, "sha256": file_digest(f)}
-                          for f in sorted(tmp.iterdir())},
-                "seconds": round(time.perf_counter() - start, 1)}
-    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
-    if directory.exists():
-        shutil.rmtree(directory)
-    tmp.rename(directory)
-    log(f"prepare: {spec.name} → {directory}: {json.dumps(counts)} in {manifest['seconds']:.0f}s")
-    return manifest
+    return {"format_version": FORMAT_VERSION, "fingerprint": fingerprint, "name": spec.name,
+            "tokenizer": {"sha256": tokenizer_sha256, "vocab_size": _largest_vocab(tokenizer)},
+            "dtype": dtype, "read": dict(read_report.skipped, lines=read_report.read),
+            "counts": counts, "length_histogram": histogram,
+            "files": {f.name: {"size": f.stat().st_size, "sha256": file_digest(f)}
+                      for f in sorted(tmp.iterdir())}}
 
 
 def _count_and_sample(pairs: Iterator[Pair], size: int, seed: int) -> tuple[int, list[Pair]]:
