@@ -321,7 +321,12 @@ def test_translate_flags_output_checkpoint_and_batches_sized_to_the_input(run, t
                  "finite --max-len-a >= 0": ["--max-len-a", "inf"],
                  "--alpha must be a finite number": ["--alpha", "nan"],
                  "a finite --temperature > 0": ["--sample", "--temperature", "nan"],
-                 "--seed must be in [0, 2**32)": ["--sample", "--seed", str(2**64)]}
+                 "--seed must be in [0, 2**32)": ["--sample", "--seed", str(2**64)],
+                 "--temperature and --top-p are for sampling: add --sample": ["--temperature", "0.5",
+                                                                              "--top-p", "0.9"],
+                 "--head chooses what --attention-png draws": ["--head", "0"],
+                 "--output '/proc/x.txt' cannot be written": ["--output", "/proc/x.txt"],   # Linux
+                 "cannot use the path": ["--output", "x" * 300 + ".txt"]}
     for message, argv in bad_calls.items():
         with pytest.raises(SystemExit) as exit_info:
             translate_main(["--workdir", str(workdir), *argv, "x"])

@@ -403,6 +403,30 @@ def test_arriving_lines_answers_a_line_before_the_next_is_written():
     assert [line for batch in rest for line in batch] == ["third", "last without newline"]
 
 
+def test_arriving_lines_name_a_line_that_is_not_utf8_or_replace_its_bytes():
+    """Streamed stdin follows the file rules: a leading byte-order mark dropped, bad bytes
+    stop with the line number (strict) or become U+FFFD with the number counted."""
+    from jaxformer.cli.translate import NotUtf8, arriving_lines
+
+    def lines(errors, bad=None):
+        read_fd, write_fd = os.pipe()
+        os.write(write_fd, b"\xef\xbb\xbfHello\nClick \xff OK.\r\nok\n")
+        os.close(write_fd)
+        with os.fdopen(read_fd) as stream:
+            return [line for batch in arriving_lines(stream, 8, errors, bad) for line in batch]
+
+    read_fd, write_fd = os.pipe()
+    os.write(write_fd, b"\xef\xbb\xbfHello\nClick \xff OK.\r\nok\n")
+    os.close(write_fd)
+    with os.fdopen(read_fd) as stream:
+        batches = arriving_lines(stream, 8)
+        assert next(batches) == ["Hello"]   # the lines before it are answered
+        with pytest.raises(NotUtf8, match="line 2 of stdin is not valid UTF-8"):
+            next(batches)
+    bad = []
+    assert lines("replace", bad) == ["Hello", "Click \ufffd OK.", "ok"] and bad == [2]
+
+
 def test_the_looping_warning_suggests_only_the_decoding_rules_not_already_used(monkeypatch):
     from jaxformer.run.config import TrainConfig
     from jaxformer.train import run_eval

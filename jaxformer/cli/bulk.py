@@ -109,6 +109,9 @@ def translate(parser: argparse.ArgumentParser, args: argparse.Namespace, transla
                                      barrier=process_barrier if processes > 1 else None)
     except (bulk.BulkInputError, bulk.BulkResumeError) as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
+    except OSError as e:   # a full disk, a folder gone: the chunks written so far stay
+        parser.exit(2, f"{parser.prog}: error: {e}; the finished chunks in {args.output}.parts/ are "
+                       f"kept, and the same command resumes from them\n")
     if process == 0:
         print(report.summary(), file=sys.stderr)
     return process

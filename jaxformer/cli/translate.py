@@ -58,11 +58,23 @@ def _is_stream(stream) -> bool:
         return False
 
 
-def arriving_lines(stream, max_lines: int) -> Iterator[list[str]]:
+class NotUtf8(ValueError):
+    """A line of streamed stdin that is not UTF-8, under ``--input-errors strict``."""
+
+
+def arriving_lines(stream, max_lines: int, errors: str = "strict",
+                   bad: list[int] | None = None) -> Iterator[list[str]]:
     """Batches of the lines of ``stream`` as they arrive: waits for one line, then takes
     every further complete line already readable (at most ``max_lines``) without waiting.
-    Reads the file descriptor directly so Python's buffer hides nothing from ``select``."""
-    fd, pending, eof = stream.fileno(), b"", False
+    Reads the file descriptor directly so Python's buffer hides nothing from ``select``.
+    Lines follow :func:`jaxformer.decode.bulk.split_lines`'s rules (``\\n`` ends a line,
+    one ``\\r`` before it and a leading byte-order mark are dropped).
+
+    Raises:
+      NotUtf8: a line that is not UTF-8 with ``errors="strict"``; with ``"replace"`` its
+        bad bytes become U+FFFD and its (1-based) number is appended to ``bad``.
+    """
+    fd, pending, eof, number = stream.fileno(), b"", False, 0
     while True:
         while b"\n" not in pending and not eof:   # block for the first line
             chunk = os.read(fd, 1 << 16)
@@ -73,8 +85,23 @@ def arriving_lines(stream, max_lines: int) -> Iterator[list[str]]:
         *complete, pending = pending.split(b"\n")
         if eof and pending:
             complete, pending = complete + [pending], b""
-        for start in range(0, len(complete), max_lines):
-            yield [line.decode("utf-8").rstrip("\r") for line in complete[start:start + max_lines]]
+        lines, failed = [], None
+        for raw in complete:
+            number += 1
+            raw = raw.removeprefix(b"\xef\xbb\xbf") if number == 1 else raw
+            raw = raw[:-1] if raw.endswith(b"\r") else raw
+            try:
+                lines.append(raw.decode("utf-8"))
+            except UnicodeDecodeError:
+                if errors == "strict":   # the lines before it are answered first
+                    failed = NotUtf8(f"line {number} of stdin is not valid UTF-8")
+                    break
+                bad.append(number)
+                lines.append(raw.decode("utf-8", errors="replace"))
+        for start in range(0, len(lines), max_lines):
+            yield lines[start:start + max_lines]
+        if failed is not None:
+            raise failed
         if eof and not pending:
             return
 
@@ -126,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--n-best", type=int, default=1,
         help="print this many hypotheses per sentence as index<TAB>score<TAB>text (<= --beam-size)")
     add("--sample", action="store_true", help="sample instead of beam search")
-    add("--temperature", type=float, default=1.0, help="sampling temperature (default: 1)")
+    add("--temperature", type=float, default=None, help="sampling temperature (default: 1)")
     add("--top-k", type=int, default=None, help="sample from the k most likely tokens")
     add("--top-p", type=float, default=None, help="sample from the smallest set of probability >= p")
     add("--seed", type=int, default=0, help="rng seed for --sample (default: 0)")
@@ -272,13 +299,13 @@ def _translate_text(parser: argparse.ArgumentParser, args, translator: Translato
     """The arguments, stdin or a file read whole (or stdin's lines as they arrive), to
     stdout or ``--output``. Returns the first non-empty line and its translation."""
     out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
-    first, long_lines = None, 0
+    first, long_lines, bad = None, 0, []
     try:
         if args.sentences or args.input or not _is_stream(sys.stdin):
             lines = args.sentences or _read_lines(parser, args)
             batches: Iterator[list[str]] = iter([lines])
         else:   # a terminal or a pipe: answer each batch of arrived lines at once
-            batches = arriving_lines(sys.stdin, args.batch_size)
+            batches = arriving_lines(sys.stdin, args.batch_size, args.input_errors, bad)
         done = 0
         for lines in batches:
             best, counts = _translate_lines(translator, args, lines, done, out)
@@ -286,9 +313,15 @@ def _translate_text(parser: argparse.ArgumentParser, args, translator: Translato
             if first is None and any(line.strip() for line in lines):
                 first = next((line, hyp) for line, hyp in zip(lines, best) if line.strip())
             done += len(lines)
+    except NotUtf8 as e:   # streamed: the lines before it are translated already
+        parser.exit(2, f"{parser.prog}: error: {e} (the {done} line(s) before it were translated); fix "
+                       f"the input (e.g. iconv -f LATIN1 -t UTF-8) or pass --input-errors replace\n")
     finally:
         if out is not sys.stdout:
             out.close()
+    if bad:
+        print(f"warning: {len(bad)} line(s) of stdin were not valid UTF-8 (line {bulk.line_numbers(bad)}); "
+              f"their bad bytes were replaced with U+FFFD", file=sys.stderr)
     if long_lines:
         done = "were truncated to it" if args.long_lines == "truncate" else "gave empty lines"
         print(f"warning: {long_lines} sentence(s) longer than max_len={translator.config.max_len} tokens "

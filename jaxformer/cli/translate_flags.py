@@ -33,9 +33,32 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error(f"--alpha must be a finite number, got {args.alpha}")
     if args.sample and not 0 <= args.seed < 2**32:
         parser.error(f"--seed must be in [0, 2**32), got {args.seed}")
+    given = [f"--{name.replace('_', '-')}" for name in ("temperature", "top_k", "top_p")
+             if getattr(args, name) is not None]
+    if given and not args.sample:
+        parser.error(f"{' and '.join(given)} {'are' if len(given) > 1 else 'is'} for sampling: add "
+                     f"--sample (beam search and greedy decoding would ignore "
+                     f"{'them' if len(given) > 1 else 'it'})")
+    args.temperature = 1.0 if args.temperature is None else args.temperature
+    given = [f"--{name}" for name in ("layer", "head") if getattr(args, name) is not None]
+    if given and not args.attention_png:
+        parser.error(f"{' and '.join(given)} {'choose' if len(given) > 1 else 'chooses'} what "
+                     f"--attention-png draws: add --attention-png FILE.png, or drop "
+                     f"{'them' if len(given) > 1 else 'it'}")
     if args.sample and (not 0 < args.temperature < math.inf or (args.top_k is not None and args.top_k < 1)
                         or (args.top_p is not None and not 0 < args.top_p <= 1)):
         parser.error("sampling needs a finite --temperature > 0, --top-k >= 1 and 0 < --top-p <= 1")
+    try:
+        _check_paths(parser, args)
+    except OSError as e:   # a name longer than the filesystem allows, a folder that cannot be searched
+        parser.exit(2, f"{parser.prog}: error: cannot use the path {e.filename!r}: {e.strerror}\n")
+    if bulk_cli.multi_process(args) and (not (args.input and args.output) or args.sentences):
+        parser.error("the multi-process flags (--coordinator-address, --num-processes, --process-id, "
+                     "--distributed) are for bulk mode only: give --input and --output (and no sentences)")
+
+
+def _check_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--input`` a readable file; ``--output`` and ``--attention-png`` in a folder that exists."""
     if args.input and not Path(args.input).exists():
         parser.exit(2, f"{parser.prog}: error: --input file {args.input!r} does not exist\n")
     if args.input and not Path(args.input).is_file():
@@ -49,9 +72,6 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if args.attention_png:
         _check_image_name(parser, args.attention_png)
     _check_output(parser, args)
-    if bulk_cli.multi_process(args) and (not (args.input and args.output) or args.sentences):
-        parser.error("the multi-process flags (--coordinator-address, --num-processes, --process-id, "
-                     "--distributed) are for bulk mode only: give --input and --output (and no sentences)")
 
 
 # File types of --attention-png that matplotlib writes with its own backends and Pillow
@@ -72,7 +92,9 @@ def _check_image_name(parser: argparse.ArgumentParser, path: str) -> None:
 
 def _check_output(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """``--output`` must be a file that is not the input (it would be overwritten before it
-    is read whole) and not gzip-named (the translations are written as plain text)."""
+    is read whole), not gzip-named (the translations are written as plain text) and
+    writable: opened for appending before the model loads (nothing is truncated; a file
+    the probe made is removed again)."""
     if not args.output:
         return
     out = Path(args.output)
@@ -83,5 +105,15 @@ def _check_output(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         problem = "is the --input file, which it would overwrite; write to another file"
     elif out.suffix == ".gz":
         problem = "ends in .gz, but translations are written as plain text; drop .gz (or gzip the file after)"
+    else:
+        existed = out.exists()
+        try:
+            with open(out, "a", encoding="utf-8"):
+                pass
+        except OSError as e:
+            problem = f"cannot be written ({e.strerror}); name a file in a folder you can write to"
+        else:
+            if not existed:
+                out.unlink()
     if problem:
         parser.exit(2, f"{parser.prog}: error: --output {args.output!r} {problem}\n")
