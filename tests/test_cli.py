@@ -299,14 +299,14 @@ def test_translate_flags_output_checkpoint_and_batches_sized_to_the_input(run, t
     monkeypatch.setattr(evaluation, "beam_translate", spy)
     out = tmp_path / "out.txt"
     translate_main(["--workdir", str(workdir), "--output", str(out), "--max-len-a", "0.5",
-                    "--max-len-b", "3", *SENTENCES])
+                    "--max-len-b", "3", "--beam-size", "4", *SENTENCES])   # the run's default: greedy
     assert len(out.read_text().splitlines()) == 3 and capsys.readouterr().out == ""
     (src_shape, static, hyp_shape), = calls
     assert src_shape == (4, 32)   # 3 sentences → 4 rows (a power of two), not --batch-size 32
     assert (static["len_a"], static["extra_len"], static["max_decode_len"]) == (0.5, 3, 19)
     assert hyp_shape[-1] == 19    # 0.5 × 32 + 3 output positions
     calls.clear()
-    translate_main(["--workdir", str(workdir), SENTENCES[0]])
+    translate_main(["--workdir", str(workdir), "--beam-size", "4", SENTENCES[0]])
     assert calls[0][0][0] == 1     # one sentence, one row
     for flag, shown in (("latest", "[latest checkpoint, step 30]"), ("20", "[step checkpoint, step 20]"),
                         ("best", "[best checkpoint, step 10]")):
@@ -390,7 +390,8 @@ def test_second_translate_invocation_compiles_and_traces_nothing(run, tmp_path):
     env.pop("XLA_FLAGS", None)
     counts, printed = [], []
     for _ in range(2):
-        done = subprocess.run([sys.executable, "-c", _COUNT_COMPILES, "--workdir", str(copy), SENTENCES[0]],
+        done = subprocess.run([sys.executable, "-c", _COUNT_COMPILES, "--workdir", str(copy),
+                               "--beam-size", "4", SENTENCES[0]],   # the run's own default: greedy
                               env=env, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr
         counts.append(json.loads(done.stderr.strip().splitlines()[-1]))
@@ -401,7 +402,9 @@ def test_second_translate_invocation_compiles_and_traces_nothing(run, tmp_path):
     assert second.get("cache_hits", 0) == first["cache_misses"], (first, second)
     assert first["beam_search_traces"] == 1 and first["init_traces"] == 1, first
     assert "beam_search_traces" not in second and "init_traces" not in second, second
-    assert printed[0] == printed[1] == f"{Translator(copy)([SENTENCES[0]])[0]}\n"   # as traced here
+    translator = Translator(copy)
+    assert translator.defaults["beam_size"] == 1   # what the run decoded its dev set with (beam_size: 1)
+    assert printed[0] == printed[1] == f"{translator([SENTENCES[0]], beam_size=4)[0]}\n"   # as traced here
     assert len(list((copy / "jax_cache" / "exported").glob("*.jaxexport"))) == 1
 
 

@@ -27,6 +27,11 @@ from jaxformer.run.directory import RunDir
 class Translator:
     """A trained model ready to translate: config, tokenizer and parameters of a run.
 
+    Decoding options left ``None`` take :attr:`defaults`: an imported model's
+    generation config, else what the run decoded its dev and test sets with (its
+    ``beam_size``, ``alpha``, ``no_repeat_ngram_size``, ``repetition_penalty``), else
+    beam 4 and α 0.6 (§6.1).
+
     Args:
       workdir: the run directory.
       batch_size: the most sentences per decoding batch.
@@ -104,13 +109,13 @@ class Translator:
                                    target_language=record.get("target_language", "xx"),
                                    max_len_a=self.max_len_a, max_len_b=self.max_len_b, exports=exports,
                                    staged=staged)
-        # Decoding defaults: an imported model's generation_config (jaxformer.interop.marian), else §6.1.
+        # Decoding defaults: an imported model's generation_config (jaxformer.interop.marian),
+        # else what the run decoded its dev and test sets with (--beam-size, --alpha and the
+        # repetition rules), else §6.1's beam 4 and α 0.6.
         generation = record.get("generation", {})
-        # Repetition rules: the run's own (its --no-repeat-ngram-size / --repetition-penalty), or
-        # an imported model's generation config.
         train = record.get("train", {})
-        self.defaults = {"beam_size": generation.get("beam_size", 4),
-                         "alpha": generation.get("length_penalty", 0.6),
+        self.defaults = {"beam_size": generation.get("beam_size", train.get("beam_size", 4)),
+                         "alpha": generation.get("length_penalty", train.get("alpha", 0.6)),
                          "length_normalization": generation.get("length_normalization", "gnmt"),
                          "early_stopping": generation.get("early_stopping", False),
                          "no_repeat_ngram_size": generation.get(
