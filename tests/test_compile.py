@@ -106,11 +106,18 @@ def test_a_batch_too_big_does_not_fit_with_a_verdict_not_a_traceback(tmp_path):
 
 
 def test_bad_flags_exit_2(capsys, tmp_path):
-    for flags, message in ((["--topology", "v9-8"], "Unknown TPU slice"),
-                           (["--topology", "v4-8", "--mesh", "data=3"], "mesh")):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    cache = ["--cache-dir", str(tmp_path / "cache")]
+    for flags, message in ((["--topology", "v9-8", *cache], "Unknown TPU slice"),
+                           (["--topology", "v4-8", "--mesh", "data=3", *cache], "mesh"),
+                           (["--topology", "v4-8", "--num-slices", "0", *cache], "--num-slices must be at"),
+                           (["--topology", "v4-8", "--decode-batch", "0", *cache], "--decode-batch must be"),
+                           (["--topology", "v4-8", "--cache-dir", str(a_file)], "--cache-dir '"),
+                           (["--topology", "v4-8", *cache, "--save", str(a_file)], "is a file; name a")):
         with pytest.raises(SystemExit) as stop:
-            main([*TINY, *flags, "--cache-dir", str(tmp_path / "cache")])
-        assert stop.value.code == 2 and message in capsys.readouterr().err
+            main([*TINY, *flags])
+        assert stop.value.code == 2 and message in capsys.readouterr().err, flags
 
 
 def test_the_oom_message_is_read_in_both_wordings():

@@ -164,6 +164,20 @@ def _print(out: dict[str, Any]) -> None:
             print(report_lib.format_report(f"{name} ({how})", result))
 
 
+def _check_folders(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--cache-dir`` and ``--save`` made (or found) before anything compiles: a name
+    that is a file, or a folder that cannot be written, fails now, not after minutes."""
+    for flag, folder in (("--cache-dir", args.cache_dir), ("--save", args.save)):
+        if folder is None:
+            continue
+        try:
+            Path(folder).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            problem = "is a file" if isinstance(e, FileExistsError) else f"cannot be made ({e.strerror})"
+            parser.exit(2, f"{parser.prog}: error: {flag} {folder!r} {problem}; name a folder you can "
+                           f"write to\n")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Parses the command line, compiles, prints; exits with the status documented above."""
     import jax
@@ -179,6 +193,10 @@ def main(argv: list[str] | None = None) -> None:
         cfg = TrainConfig(**{name: getattr(args, name) for name in FLAGS})
     except ValueError as e:
         parser.error(str(e))
+    for flag, value in (("--num-slices", args.num_slices), ("--decode-batch", args.decode_batch)):
+        if value < 1:
+            parser.error(f"{flag} must be at least 1, got {value}")
+    _check_folders(parser, args)
     # JAX's persistent cache would store executables that a compile-only client cannot
     # load back (a warning on every later read); the reports are cached instead.
     jax.config.update("jax_enable_compilation_cache", False)
