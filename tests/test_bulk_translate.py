@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -332,6 +333,19 @@ def test_a_trained_run_exports_to_hugging_face_and_back_and_the_export_never_ove
             convert_main(["--to-hf", str(teacher), "--out", str(out)])
         assert stop.value.code == 2 and message in capsys.readouterr().err
     assert {p: p.read_bytes() for p in snapshot} == snapshot
+    # A damaged download is named at conversion, before anything is written.
+    damages = {"model.safetensors": (lambda b: b[:5000], "is not a readable safetensors file"),
+               "source.spm": (lambda b: b"garbage", "is not a readable sentencepiece model"),
+               "vocab.json": (lambda b: b[:-20], "is not readable JSON"),
+               "config.json": (lambda b: b[:-20], "config.json is not readable JSON")}
+    for name, (damage, message) in damages.items():
+        broken = tmp_path / f"broken-{name}"
+        shutil.copytree(hf, broken)
+        (broken / name).write_bytes(damage((hf / name).read_bytes()))
+        with pytest.raises(SystemExit) as stop:
+            convert_main(["--from-hf", str(broken), "--workdir", str(tmp_path / "not-made")])
+        assert stop.value.code == 2 and message in capsys.readouterr().err, name
+        assert not (tmp_path / "not-made").exists(), name
     convert_main(["--from-hf", str(hf), "--workdir", str(tmp_path / "back")])
     # The same function: the export permutes d_model into Marian's positional layout, and
     # Marian's LayerNorm epsilon (1e-5, ours 1e-6) moves the logits by round-off only.

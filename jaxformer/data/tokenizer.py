@@ -180,6 +180,29 @@ class TextTokenizer(Protocol):
     def save_marian(self, out_dir: Path) -> None: ...
 
 
+def _read_marian_vocab(path: Path) -> dict[str, int]:
+    """A Marian ``vocab.json``: piece → id."""
+    try:
+        vocab = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not readable JSON ({e}): a damaged Marian vocabulary; copy it "
+                         f"again from the model it came with.") from e
+    if not (isinstance(vocab, dict) and all(isinstance(i, int) for i in vocab.values())):
+        raise ValueError(f"{path} is not a Marian vocabulary (a JSON object of piece → id).")
+    return vocab
+
+
+def _read_marian_spm(path: Path):
+    """A Marian ``source.spm`` / ``target.spm`` sentencepiece model."""
+    import sentencepiece as spm
+
+    try:
+        return spm.SentencePieceProcessor(model_file=str(path))
+    except (RuntimeError, OSError) as e:
+        raise ValueError(f"{path} is not a readable sentencepiece model ({e}): a damaged Marian "
+                         f"tokenizer file; copy it again from the model it came with.") from e
+
+
 class MarianTokenizer:
     """OPUS-MT's tokenizer: ``source.spm`` / ``target.spm`` segment, ``vocab.json`` maps
     pieces to ids (``target_vocab.json`` too when the vocabularies are separate).
@@ -196,13 +219,12 @@ class MarianTokenizer:
 
     Raises:
       FileNotFoundError: a tokenizer file is missing.
-      ValueError: ``vocab.json`` lacks ``<unk>``, ``</s>`` or ``<pad>``.
+      ValueError: a file that is not what its name says (a damaged download, an edit),
+        or a ``vocab.json`` without ``<unk>``, ``</s>`` or ``<pad>``; the message names the file.
     """
 
     def __init__(self, directory: str | os.PathLike, *, separate_vocabs: bool = False,
                  decoder_start_id: int | None = None):
-        import sentencepiece as spm
-
         self.directory = directory = Path(directory)
         names = ["source.spm", "target.spm", "vocab.json"]
         names += ["target_vocab.json"] if separate_vocabs else []
@@ -210,15 +232,15 @@ class MarianTokenizer:
             if not (directory / name).is_file():
                 raise FileNotFoundError(f"Marian tokenizer file {str(directory / name)!r} does not exist.")
         self.separate_vocabs = separate_vocabs
-        self.source_vocab: dict[str, int] = json.loads((directory / "vocab.json").read_text(encoding="utf-8"))
-        self.target_vocab = (json.loads((directory / "target_vocab.json").read_text(encoding="utf-8"))
+        self.source_vocab = _read_marian_vocab(directory / "vocab.json")
+        self.target_vocab = (_read_marian_vocab(directory / "target_vocab.json")
                              if separate_vocabs else self.source_vocab)
         for piece in ("<unk>", "</s>", "<pad>"):
             if piece not in self.source_vocab:
                 raise ValueError(f"{directory / 'vocab.json'} has no {piece!r}: not a Marian vocabulary.")
         self.pieces_of = {i: p for p, i in self.target_vocab.items()}
-        self.source_spm = spm.SentencePieceProcessor(model_file=str(directory / "source.spm"))
-        self.target_spm = spm.SentencePieceProcessor(model_file=str(directory / "target.spm"))
+        self.source_spm, self.target_spm = (_read_marian_spm(directory / name)
+                                            for name in ("source.spm", "target.spm"))
         self.pad_id, self.eos_id = self.source_vocab["<pad>"], self.source_vocab["</s>"]
         self.unk_id = self.source_vocab["<unk>"]
         self.bos_id = self.pad_id if decoder_start_id is None else decoder_start_id

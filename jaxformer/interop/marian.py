@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from jaxformer.data.tokenizer import MarianTokenizer
 from jaxformer.interop.marian_weights import (  # noqa: F401  (the public names of the conversion)
     ConversionError,
     interleaved_to_split,
@@ -140,7 +141,7 @@ def import_marian(hf_dir: str | Path, workdir: str | Path) -> TransformerConfig:
                               f"Hugging Face Marian model (e.g. from `huggingface-cli download`).")
     if any((workdir / name).exists() for name in ("config.json", "best", "checkpoints")):
         raise ConversionError(f"{workdir} already holds a run; choose a new --workdir.")
-    hf = json.loads((hf_dir / "config.json").read_text())
+    hf = _read_json(hf_dir / "config.json")
     config = config_from_hf(hf)
     start, eos = hf.get("decoder_start_token_id", config.pad_id), hf.get("eos_token_id", 0)
     if start == eos:
@@ -152,13 +153,17 @@ def import_marian(hf_dir: str | Path, workdir: str | Path) -> TransformerConfig:
         if not (hf_dir / name).is_file():
             raise ConversionError(f"{hf_dir}/{name} not found: a Marian model needs its tokenizer "
                                   f"files (source.spm, target.spm, vocab.json) beside the weights.")
+    tokenizer_config = _read_json(hf_dir / "tokenizer_config.json")
+    try:   # what translating will read: a damaged file is named now, not at the first sentence
+        MarianTokenizer(hf_dir, separate_vocabs=bool(tokenizer_config.get("separate_vocabs", False)))
+    except (ValueError, OSError) as e:
+        raise ConversionError(str(e)) from e
     params = params_from_hf(read_hf_weights(hf_dir), config)
     generation = _generation_defaults(hf_dir, hf)
     (workdir / "tokenizer").mkdir(parents=True, exist_ok=True)
     for name in TOKENIZER_FILES:
         if (hf_dir / name).is_file():
             shutil.copyfile(hf_dir / name, workdir / "tokenizer" / name)
-    tokenizer_config = _read_json(hf_dir / "tokenizer_config.json")
     record = {"model": config.to_dict(),
               "tokenizer": {"kind": "marian", "dir": "tokenizer", "pad_id": config.pad_id,
                             "eos_id": hf.get("eos_token_id", 0),
@@ -179,7 +184,21 @@ def import_marian(hf_dir: str | Path, workdir: str | Path) -> TransformerConfig:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text()) if path.is_file() else {}
+    """A JSON object file of the model folder (``{}`` if absent).
+
+    Raises:
+      ConversionError: not a readable JSON object; names the file.
+    """
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConversionError(f"{path} is not readable JSON ({e}): a damaged or partial download? "
+                              f"Download it again.") from e
+    if not isinstance(data, dict):
+        raise ConversionError(f"{path} is not a JSON object, as a Hugging Face model's must be.")
+    return data
 
 
 def _generation_defaults(hf_dir: Path, hf: dict[str, Any]) -> dict[str, Any]:

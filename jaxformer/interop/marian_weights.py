@@ -207,8 +207,9 @@ def read_hf_weights(hf_dir: Path) -> dict[str, np.ndarray]:
 
     Raises:
       ConversionError: only ``pytorch_model.bin`` is there (a pickle needs torch);
-        the message gives the one-line fix.
+        the message gives the one-line fix. A file that is not safetensors (truncated).
     """
+    from safetensors import SafetensorError
     from safetensors.numpy import load_file
 
     single = hf_dir / "model.safetensors"
@@ -216,7 +217,11 @@ def read_hf_weights(hf_dir: Path) -> dict[str, np.ndarray]:
     if single.exists() or shards:
         tensors: dict[str, np.ndarray] = {}
         for path in [single] if single.exists() else shards:
-            tensors.update(load_file(str(path)))
+            try:
+                tensors.update(load_file(str(path)))
+            except SafetensorError as e:
+                raise ConversionError(f"{path} is not a readable safetensors file ({e}): a truncated "
+                                      f"or damaged download? Download it again.") from e
         return tensors
     if (hf_dir / "pytorch_model.bin").exists():
         raise ConversionError(
