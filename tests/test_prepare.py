@@ -236,6 +236,14 @@ def test_a_corpus_from_a_pipe_is_refused_not_read_as_empty(tmp_path):
     assert errors and "not a regular file" in errors[0] and "save it to a file first" in errors[0]
 
 
+def test_a_corpus_file_that_is_a_folder_is_named(corpus_file, tmp_path):
+    """``--dev-file runs`` once ended in "[Errno 21] Is a directory: 'runs'"."""
+    for field in ("train_file", "dev_file", "test_file"):
+        spec = DataSpec.from_config(TrainConfig(**{"train_file": str(corpus_file), field: str(tmp_path)}))
+        with pytest.raises(ValueError, match=f"Corpus file '{tmp_path}' is a folder: name the file"):
+            spec.fingerprint()
+
+
 def test_prepare_prints_its_data_report(corpus_file, tmp_path, capsys):
     from jaxformer.cli.prepare import main
 

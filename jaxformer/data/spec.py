@@ -80,7 +80,10 @@ class DataSpec:
             p = Path(path)
             if not p.exists():
                 raise FileNotFoundError(f"Corpus file {path!r} does not exist; check the path.")
-            if not (p.is_file() or p.is_dir()):   # a directory is refused by name when it is read
+            if p.is_dir():
+                raise ValueError(f"Corpus file {path!r} is a folder: name the file in it (a TSV of "
+                                 f"source<TAB>target lines, or a text file of one side; .gz or not).")
+            if not p.is_file():
                 raise ValueError(f"Corpus file {path!r} is not a regular file (a pipe or a device?): a "
                                  f"corpus is read more than once (its fingerprint, the tokenizer's sample, "
                                  f"the splits); save it to a file first.")
