@@ -214,7 +214,8 @@ def test_config_file_fills_settings_and_flags_override(tmp_path, capsys):
                           ("max_steps: ten\n", "'max_steps' must be int"), ("- a\n", "mapping"),
                           ("seed: null\n", "'seed' must be int, got null"),
                           ("preset: huge\n", "'preset' must be one of tiny, small, base, big"),
-                          ("pair: en-xx\n", "'pair' must be one of en-de")):
+                          ("pair: en-xx\n", "'pair' must be one of en-de"),
+                          ("max_steps: 10\nmax-steps: 20\n", "'max_steps' and 'max-steps' are the same")):
         (tmp_path / "bad.yaml").write_text(text)
         with pytest.raises(SystemExit) as exit_info:
             parse_train_args(["--config", str(tmp_path / "bad.yaml")])
@@ -226,6 +227,8 @@ def test_config_file_fills_settings_and_flags_override(tmp_path, capsys):
         from_args(args)
     with pytest.raises(ValueError, match="--preset must be one of"):
         TrainConfig(preset="huge")   # the library's own check, before any data is read
+    with pytest.raises(ValueError, match="--num-samples must be at least 0, got -3"):
+        TrainConfig(num_samples=-3)   # a slice [:-3] would write all but the last 3 samples
 
 
 # ---------------------------------------------------------------------- logging and progress

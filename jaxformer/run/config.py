@@ -119,6 +119,8 @@ class TrainConfig:
                             f"got {self.no_repeat_ngram_size}")
         if not self.repetition_penalty > 0:
             problems.append(f"--repetition-penalty must be positive (1 = off), got {self.repetition_penalty}")
+        if self.num_samples < 0:
+            problems.append(f"--num-samples must be at least 0, got {self.num_samples}")
         if self.patience is not None and self.patience < 1:
             problems.append(f"--patience must be at least 1, got {self.patience}")
         if self.average_last is not None and not 2 <= self.average_last <= self.keep_checkpoints:
@@ -290,12 +292,16 @@ def _read_config_file(path: str | Path) -> tuple[dict[str, Any], bool]:
                          f"got {type(data).__name__}.")
     hints = typing.get_type_hints(TrainConfig)
     choices = _choices()
-    out, problems = {}, []
+    out, problems, spelled = {}, [], {}
     for key, value in data.items():
         name = str(key).replace("-", "_")
         if name not in hints:
             problems.append(f"unknown setting {key!r}")
             continue
+        if name in spelled:   # max_steps and max-steps: which one would win is not the user's choice
+            problems.append(f"{spelled[name]!r} and {key!r} are the same setting; keep one")
+            continue
+        spelled[name] = key
         kind = _base_type(hints[name])
         if isinstance(value, str) and kind in (int, float):
             # YAML 1.1 reads 5e-1 and -5e-1 (no dot) as strings; a flag's type() takes them
