@@ -249,13 +249,18 @@ def test_the_first_window_after_a_resume_between_logged_steps_says_how_many_step
 def test_resuming_with_another_batch_plan_is_refused_and_the_same_plan_resumes(tmp_path, files, reference):
     """Rows per batch decide the plan the saved data position counts through: 16 rows
     (512 tokens / 32) with --grad-accum-steps 3 become 15, which is refused before
-    anything compiles; --grad-accum-steps 2 keeps 16 rows, the same batches, and resumes."""
+    anything compiles, as is --no-pack (length buckets: other batches altogether), each
+    naming the flag to resume with; --grad-accum-steps 2 keeps 16 rows, the same batches,
+    and resumes."""
     workdir = tmp_path / "run"
     shutil.copytree(reference, workdir)
     assert json.loads((workdir / "config.json").read_text())["batch_rows"] == {"32": 16}
     with pytest.raises(ValueError, match=r"batches of \{'32': 16\} rows.*give \{'32': 15\}.*"
                                          r"--devices 1 --grad-accum-steps 1; no --mesh"):
         train(_config(workdir, files, 14, grad_accum_steps=3))
+    with pytest.raises(ValueError, match=r"made with --pack; these settings make other batches.*"
+                                         r"Resume with --pack"):
+        train(_config(workdir, files, 14, pack=False))   # length buckets instead of packed rows
     assert train(_config(workdir, files, 14, grad_accum_steps=2))["final_step"] == 14
 
 

@@ -105,7 +105,7 @@ def _setup_run(cfg: TrainConfig, run_dir: RunDir, checkpoints: RunCheckpoints, m
     row_multiple = math.lcm(sharding_lib.batch_shards(mesh) * cfg.grad_accum_steps, jax.process_count())
     batch_rows = _batch_rows(cfg, model_config, row_multiple)
     if has_checkpoints and saved is not None:
-        _check_same_batch_plan(saved, batch_rows, row_multiple)
+        _check_same_batch_plan(saved, batch_rows, row_multiple, cfg)
     data = build_train_data(cfg, prepared, target_language, tokenizer, model_config, row_multiple)
 
     programs = run_programs(cfg, model_config, mesh)   # kept from an earlier run of these settings
@@ -182,17 +182,28 @@ def _batch_rows(cfg: TrainConfig, model_config: TransformerConfig, row_multiple:
             for length in (lengths[-1:] if cfg.pack else lengths)}
 
 
-def _check_same_batch_plan(saved: dict[str, Any], batch_rows: dict[str, int], row_multiple: int) -> None:
+def _check_same_batch_plan(saved: dict[str, Any], batch_rows: dict[str, int], row_multiple: int,
+                           cfg: TrainConfig) -> None:
     """A resumed run's batches must be the ones its saved data position counts through.
 
     Raises:
-      ValueError: the devices, ``--grad-accum-steps`` or process count now round the
-        batches to other row counts than the run's checkpoints were trained on.
+      ValueError: packing or the row length changed (the batches are other ones), or the
+        devices, ``--grad-accum-steps`` or process count now round the batches to other
+        row counts than the run's checkpoints were trained on.
     """
     before = saved.get("batch_rows")
     if before is None or before == batch_rows:   # a run from before the record: nothing to compare
         return
     train = saved.get("train", {})
+    spelled = {"pack": lambda v: "--pack" if v else "--no-pack",
+               "max_train_len": lambda v: "no --max-train-len" if v is None else f"--max-train-len {v}"}
+    changed = [spell(train[k]) for k, spell in spelled.items() if k in train and train[k] != getattr(cfg, k)]
+    if changed:
+        raise ValueError(
+            f"The run's checkpoints continue batches of {before} rows (by row length), made with "
+            f"{' and '.join(changed)}; these settings make other batches ({batch_rows}), so the saved "
+            f"data position would point into them. Resume with {' and '.join(changed)}, or start a new "
+            f"run (--fresh, or --init-from this one).")
     used = " ".join(f"--{name.replace('_', '-')} {train[name]}"
                     for name in ("devices", "mesh", "grad_accum_steps") if train.get(name) is not None)
     unset = [f"--{name}" for name in ("devices", "mesh") if train.get(name) is None]
