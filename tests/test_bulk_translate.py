@@ -266,10 +266,12 @@ def test_distillation_a_student_trains_on_the_teachers_output_for_its_training_s
     sources = tmp_path / "train.en"
     corpus_file = teacher.parent / "corpus.tsv"
     before = corpus_file.read_bytes()
-    for output, message in ((corpus_file, "is the run's corpus file"),
-                            (teacher / "config.json", "the run's own config.json")):
+    for output, message, more in ((corpus_file, "is the run's corpus file", []),
+                                  (teacher / "config.json", "the run's own config.json", []),
+                                  (sources, "from its own data flags: drop --train-file, --vocab-size",
+                                   ["--train-file", str(corpus_file), "--vocab-size", "3"])):
         with pytest.raises(SystemExit) as stop:   # the recipe's own input is never cut to its sources
-            prepare_main(["--workdir", str(teacher), "--write-train-sources", str(output)])
+            prepare_main(["--workdir", str(teacher), "--write-train-sources", str(output), *more])
         assert stop.value.code == 2 and message in capsys.readouterr().err
     assert corpus_file.read_bytes() == before
     prepare_main(["--workdir", str(teacher), "--write-train-sources", str(sources)])
@@ -305,6 +307,8 @@ def test_training_sources_need_a_prepared_run_and_a_file_to_write(teacher, tmp_p
     for output in (tmp_path, tmp_path / "missing" / "out.txt"):
         with pytest.raises(ValueError, match="is a folder, or its folder does not exist"):
             write_training_sources(teacher, output)
+    with pytest.raises(ValueError, match="'/proc/x.txt' cannot be written"):   # Linux's /proc
+        write_training_sources(teacher, "/proc/x.txt")
     assert not list(tmp_path.glob("*.tmp"))
 
 

@@ -45,6 +45,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.write_train_sources:
         if not args.workdir:
             parser.error("--write-train-sources needs the --workdir of a prepared run")
+        given = [f"--{name.replace('_', '-')}" for name, value in vars(args).items()
+                 if name not in ("workdir", "write_train_sources") and value != parser.get_default(name)]
+        if given:   # the run's own data and settings are what it writes
+            parser.error(f"--write-train-sources writes the training sources of --workdir's run, from its "
+                         f"own data flags: drop {', '.join(given)}")
         try:
             lines = write_training_sources(args.workdir, args.write_train_sources)
         except (ValueError, OSError) as e:

@@ -95,7 +95,12 @@ def write_training_sources(workdir: str | os.PathLike, output: str | os.PathLike
     tmp = output.with_name(f"{output.name}.{os.getpid()}.tmp")
     written = 0
     try:
-        with open(tmp, "w", encoding="utf-8") as out:
+        try:
+            out = open(tmp, "w", encoding="utf-8")
+        except OSError as e:
+            raise ValueError(f"--write-train-sources {str(output)!r} cannot be written ({e.strerror}); "
+                             f"name a file in a folder you can write to.") from e
+        with out:
             for source, _ in spec.read(DataReport()):
                 if splitter(source) == "train":
                     out.write(source + "\n")
