@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
         run_dir = RunDir(cfg.workdir)
         # the topmost folder this call makes: removed again if preparing fails
         created = topmost_missing(run_dir.root)
-        run_dir.root.mkdir(parents=True, exist_ok=True)
+        run_dir.create()   # a --workdir that is a file or cannot be written is named
         has_checkpoints = run_dir.checkpoints.exists() and any(run_dir.checkpoints.iterdir())
         prepare_run_data(cfg, run_dir, has_checkpoints=has_checkpoints)
     except (ValueError, OSError) as e:

@@ -113,7 +113,7 @@ def _cleaned_pair(src: str, tgt: str, report: DataReport) -> Pair | None:
 def _finish(pairs: list[Pair], report: DataReport, name: str, expected: str) -> tuple[list[Pair], DataReport]:
     report.kept = len(pairs)
     if not pairs:
-        raise ValueError(f"No usable sentence pair in {name} ({report.summary('corpus')}). "
+        raise ValueError(f"No usable sentence pair in {name} ({report.summary('it')}). "
                          f"Expected {expected}.")
     return pairs, report
 

@@ -135,6 +135,8 @@ class RunDir:
         Raises:
           OSError: the directory cannot be created or written; the message names it.
         """
+        if self.root.is_file():
+            raise OSError(f"--workdir {str(self.root)!r} is a file, not a folder: choose another --workdir.")
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             probe = self.root / f".write-test-{jax.process_index()}"
