@@ -495,3 +495,17 @@ def test_a_prepare_that_fails_after_training_a_tokenizer_leaves_the_runs_files_a
         rundata.prepare_run_data(other, copy, has_checkpoints=False)
     assert {p: p.read_bytes() for p in copy.root.rglob("*") if p.is_file()} == before
     assert sorted(p.name for p in copy.root.iterdir()) == sorted(p.name for p in run_dir.root.iterdir())
+
+
+def test_a_workdir_that_is_a_file_is_named_as_one(corpus_file, tmp_path, capsys):
+    """``--workdir afile`` once ended in "[Errno 17] File exists: 'afile'"."""
+    from jaxformer.cli.prepare import main
+
+    a_file = tmp_path / "afile"
+    a_file.write_text("mine")
+    with pytest.raises(SystemExit) as stop:
+        main(["--workdir", str(a_file), "--train-file", str(corpus_file)])
+    assert stop.value.code == 2 and "is a file, not a folder: choose another --workdir" in capsys.readouterr().err
+    with pytest.raises(OSError, match="is a file, not a folder"):
+        train(_cfg(corpus_file, a_file))
+    assert a_file.read_text() == "mine"
