@@ -449,7 +449,7 @@ def test_bad_paths_and_files_fail_before_any_compile(tmp_path, files, monkeypatc
     elif problem == "workdir is a file":
         (tmp_path / "file").write_text("x")
         cfg = TrainConfig(**{**cfg.to_dict(), "workdir": str(tmp_path / "file")})
-        expected = "Choose a writable --workdir"
+        expected = "is a file, not a folder: choose another --workdir"
     elif problem == "empty dev file":
         (tmp_path / "dev.tsv").write_text("")
         cfg = TrainConfig(**{**cfg.to_dict(), "dev_file": str(tmp_path / "dev.tsv")})
