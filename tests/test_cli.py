@@ -326,7 +326,8 @@ def test_translate_flags_output_checkpoint_and_batches_sized_to_the_input(run, t
                                                                               "--top-p", "0.9"],
                  "--head chooses what --attention-png draws": ["--head", "0"],
                  "--output '/proc/x.txt' cannot be written": ["--output", "/proc/x.txt"],   # Linux
-                 "cannot use the path": ["--output", "x" * 300 + ".txt"]}
+                 "too long": ["--output", "x" * 300 + ".txt"],
+                 "has too long a name for this folder": ["--output", "x" * 250 + ".txt"]}
     for message, argv in bad_calls.items():
         with pytest.raises(SystemExit) as exit_info:
             translate_main(["--workdir", str(workdir), *argv, "x"])

@@ -505,7 +505,8 @@ def test_a_workdir_that_is_a_file_is_named_as_one(corpus_file, tmp_path, capsys)
     a_file.write_text("mine")
     with pytest.raises(SystemExit) as stop:
         main(["--workdir", str(a_file), "--train-file", str(corpus_file)])
-    assert stop.value.code == 2 and "is a file, not a folder: choose another --workdir" in capsys.readouterr().err
+    assert stop.value.code == 2
+    assert "is a file, not a folder: choose another --workdir" in capsys.readouterr().err
     with pytest.raises(OSError, match="is a file, not a folder"):
         train(_cfg(corpus_file, a_file))
     assert a_file.read_text() == "mine"

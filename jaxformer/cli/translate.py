@@ -298,7 +298,10 @@ def _load(parser: argparse.ArgumentParser, args) -> Translator:
 def _translate_text(parser: argparse.ArgumentParser, args, translator: Translator):
     """The arguments, stdin or a file read whole (or stdin's lines as they arrive), to
     stdout or ``--output``. Returns the first non-empty line and its translation."""
-    out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
+    try:
+        out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
+    except OSError as e:   # what the flag checks cannot see (a link to a folder that is gone)
+        parser.exit(2, f"{parser.prog}: error: --output {args.output!r} cannot be written ({e.strerror})\n")
     first, long_lines, bad = None, 0, []
     try:
         if args.sentences or args.input or not _is_stream(sys.stdin):

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import tempfile
 from pathlib import Path
 
 from jaxformer.cli import bulk as bulk_cli
@@ -92,9 +94,11 @@ def _check_image_name(parser: argparse.ArgumentParser, path: str) -> None:
 
 def _check_output(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """``--output`` must be a file that is not the input (it would be overwritten before it
-    is read whole), not gzip-named (the translations are written as plain text) and
-    writable: opened for appending before the model loads (nothing is truncated; a file
-    the probe made is removed again)."""
+    is read whole), not gzip-named (the translations are written as plain text), and
+    writable: its name short enough for the ``.parts``/``.tmp`` names beside it, and its
+    folder one a file can be made in (probed with a uniquely named file, removed again;
+    the output itself is never opened here, so nothing is truncated and a pipe given as
+    ``--output`` is left alone)."""
     if not args.output:
         return
     out = Path(args.output)
@@ -105,15 +109,22 @@ def _check_output(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         problem = "is the --input file, which it would overwrite; write to another file"
     elif out.suffix == ".gz":
         problem = "ends in .gz, but translations are written as plain text; drop .gz (or gzip the file after)"
-    else:
-        existed = out.exists()
-        try:
-            with open(out, "a", encoding="utf-8"):
-                pass
-        except OSError as e:
-            problem = f"cannot be written ({e.strerror}); name a file in a folder you can write to"
-        else:
-            if not existed:
-                out.unlink()
+    elif not out.exists() or out.is_file():   # a pipe or a device is written as it is
+        problem = _unwritable(out)
     if problem:
         parser.exit(2, f"{parser.prog}: error: --output {args.output!r} {problem}\n")
+
+
+def _unwritable(out: Path) -> str | None:
+    """Why files cannot be written as ``out`` and beside it, or ``None``."""
+    folder = out.absolute().parent
+    room = os.pathconf(folder, "PC_NAME_MAX") - len(".parts") - len(".4294967296.tmp")
+    if len(out.name.encode()) > room:
+        return (f"has too long a name for this folder ({len(out.name.encode())} bytes; at most {room}, "
+                f"leaving room for the .parts and .tmp names written beside it)")
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".jaxformer-probe-"):
+            pass
+    except OSError as e:
+        return f"cannot be written: no file can be made in its folder ({e.strerror})"
+    return None
