@@ -466,7 +466,8 @@ def test_a_run_with_checkpoints_whose_prepared_data_is_gone_is_checked_against_i
     fingerprint = PreparedCorpus.open(copy.prepared).manifest["fingerprint"]
     shutil.rmtree(copy.prepared)
     with pytest.raises(ValueError, match=r"neither .*manifest.json \(missing or unreadable\) nor its "
-                                         r"config.json .*Put back its prepared/ folder, or pass --fresh"):
+                                         r"config.json .*Put back its prepared/ folder; or.*move its "
+                                         r"checkpoints/ aside, run jaxformer-prepare.*--fresh"):
         rundata.prepare_run_data(_cfg(corpus_file, copy.root), copy, has_checkpoints=True)
     copy.config.write_text(json.dumps({"model": {}, "data": fingerprint}))
     changed = tmp_path / "small.tsv"

@@ -88,8 +88,10 @@ def check_prepared(spec: DataSpec, directory: Path, tokenizer_file: Path, *,
             f"The run directory {str(directory.parent)!r} holds checkpoints, but neither "
             f"{directory / 'manifest.json'} (missing or unreadable) nor its config.json (from before "
             f"jaxformer recorded it there) says which data they were trained on, so a resume could "
-            f"continue on other data. Put back its prepared/ folder, or pass --fresh to start this "
-            f"run over on the flags' data.")
+            f"continue on other data. Put back its prepared/ folder; or, if these flags name the data "
+            f"it was started with (config.json's \"train\" and train.log list them), move its "
+            f"checkpoints/ aside, run jaxformer-prepare with them, and move checkpoints/ back; or pass "
+            f"--fresh to start this run over on the flags' data.")
     if not same_data(trained_on, fingerprint):
         differences = "; ".join(fingerprint_differences(trained_on, fingerprint))
         raise ValueError(
