@@ -511,3 +511,28 @@ def test_a_workdir_that_is_a_file_is_named_as_one(corpus_file, tmp_path, capsys)
     with pytest.raises(OSError, match="is a file, not a folder"):
         train(_cfg(corpus_file, a_file))
     assert a_file.read_text() == "mine"
+
+
+def test_a_prepare_killed_after_committing_its_data_moves_its_tokenizer_in_at_the_next_start(
+        corpus_file, run_dir, tmp_path, monkeypatch):
+    """The new tokenizer travels inside the new prepared/ (one rename commits both); killed
+    before it moves out, the next start moves it and reuses the data, encoded with it."""
+    from jaxformer.data.prepared import tokenizer_digest
+
+    copy = _copy(run_dir, tmp_path)
+    other = TrainConfig(train_file=str(corpus_file), workdir=str(copy.root), vocab_size=250)
+
+    def killed(*args):
+        raise KeyboardInterrupt("killed")
+    monkeypatch.setattr(prepare, "finish_tokenizer_move", killed)
+    with pytest.raises(KeyboardInterrupt):
+        rundata.prepare_run_data(other, copy, has_checkpoints=False)
+    monkeypatch.undo()
+    manifest = json.loads((copy.prepared / "manifest.json").read_text())
+    tokenizer = copy.tokenizer_dir / "spm.model"
+    assert manifest["fingerprint"]["vocab_size"] == 250 and (copy.prepared / "spm.model.new").exists()
+    assert tokenizer_digest(tokenizer) != manifest["tokenizer"]["sha256"]   # the old one, still
+    monkeypatch.setattr(rundata, "prepare", lambda *a, **k: pytest.fail("prepared again"))
+    rundata.prepare_run_data(other, copy, has_checkpoints=False)
+    assert tokenizer_digest(tokenizer) == manifest["tokenizer"]["sha256"]
+    assert not (copy.prepared / "spm.model.new").exists()

@@ -19,8 +19,10 @@ default ratio is 9; here on sentencepiece ids rather than words). The length lim
 of a run (``--max-train-len``) is applied when training, from the stored lengths.
 
 Everything, a newly trained tokenizer included, is written beside the run's files and
-moved into place when complete, so a prepare that fails or is killed leaves the run's
-tokenizer and prepared data as they were. Preparing again with the
+renamed into place in one step when complete (the tokenizer then moves out of the new
+``prepared/`` to its place, at once or, after a kill, at the next start), so a prepare
+that fails or is killed before it completes leaves the run's tokenizer and prepared data
+as they were. Preparing again with the
 same inputs and settings finds the manifest's fingerprint unchanged and does nothing.
 """
 
@@ -50,6 +52,7 @@ if TYPE_CHECKING:
 
 SAMPLE_PAIRS = 100_000      # tokenizer sample: 200k sentences, sentencepiece's input_sentence_size
 CHUNK_PAIRS = 20_000        # pairs encoded per sentencepiece call
+PENDING_TOKENIZER = "spm.model.new"   # a new tokenizer, in prepared/ until it is moved in
 
 
 def prepare(spec: DataSpec, directory: str | os.PathLike, tokenizer_file: str | os.PathLike,
@@ -103,18 +106,28 @@ def prepare(spec: DataSpec, directory: str | os.PathLike, tokenizer_file: str | 
         sha256 = tokenizer_digest(tokenizer_file if trained is None else new_tokenizer / "spm.model")
         manifest = _write_prepared(spec, splitter, tokenizer, tmp, n, seed, fingerprint, sha256)
         manifest["seconds"] = round(time.perf_counter() - start, 1)
+        if trained is not None:   # travels with the data: the rename below commits both
+            shutil.move(new_tokenizer / "spm.model", tmp / PENDING_TOKENIZER)
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
-        if trained is not None:
-            tokenizer_file.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(new_tokenizer / "spm.model", tokenizer_file)
         if directory.exists():
             shutil.rmtree(directory)
         tmp.rename(directory)
     finally:
         for partial in (tmp, new_tokenizer):
             shutil.rmtree(partial, ignore_errors=True)
+    finish_tokenizer_move(directory, tokenizer_file)
     log(f"prepare: {spec.name} → {directory}: {json.dumps(manifest['counts'])} in {manifest['seconds']:.0f}s")
     return manifest
+
+
+def finish_tokenizer_move(directory: Path, tokenizer_file: Path) -> None:
+    """Moves the tokenizer a completed prepare left in ``directory`` (with the data it
+    encoded) to ``tokenizer_file``: at the end of :func:`prepare`, and at the next start
+    when a prepare was killed between committing its data and this move."""
+    pending = Path(directory) / PENDING_TOKENIZER
+    if pending.exists():
+        Path(tokenizer_file).parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(pending, tokenizer_file)   # a rename on one filesystem
 
 
 def _explicit_splits(spec: DataSpec) -> dict[str, str]:

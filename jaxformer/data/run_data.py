@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from jaxformer.data.prepare import prepare
+from jaxformer.data.prepare import finish_tokenizer_move, prepare
 from jaxformer.data.prepared import (
     PreparedCorpus,
     read_manifest,
@@ -141,6 +141,8 @@ def ensure_prepared(spec: DataSpec, directory: Path, tokenizer_file: Path, *, ha
     Raises:
       ValueError: the run has checkpoints of other data (see :func:`check_prepared`).
     """
+    if write:   # a prepare killed after committing its data: its tokenizer moves in now
+        finish_tokenizer_move(directory, tokenizer_file)
     fingerprint, action = check_prepared(spec, directory, tokenizer_file, has_checkpoints=has_checkpoints,
                                          recorded=recorded)
     if action == "reuse":
