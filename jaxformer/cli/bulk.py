@@ -96,6 +96,10 @@ def translate(parser: argparse.ArgumentParser, args: argparse.Namespace, transla
     record = {"workdir": str(Path(args.workdir).resolve()),
               "checkpoint": f"{translator.kind} step {translator.step}",
               **{name: getattr(args, name) for name in SETTINGS}}
+    # The decoding options the run supplies, as decoded: a job resumed after the run's
+    # defaults changed (another jaxformer) is refused, not finished with other settings.
+    record.update({name: value if record[name] is None else record[name]
+                   for name, value in translator.defaults.items()})
     process, processes = jax.process_index(), jax.process_count()
     try:
         info = bulk.scan_input(args.input)
