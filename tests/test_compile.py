@@ -114,7 +114,8 @@ def test_bad_flags_exit_2(capsys, tmp_path):
                            (["--topology", "v4-8", "--num-slices", "0", *cache], "--num-slices must be at"),
                            (["--topology", "v4-8", "--decode-batch", "0", *cache], "--decode-batch must be"),
                            (["--topology", "v4-8", "--cache-dir", str(a_file)], "--cache-dir '"),
-                           (["--topology", "v4-8", *cache, "--save", str(a_file)], "is a file; name a")):
+                           (["--topology", "v4-8", *cache, "--save", str(a_file)], "is a file; name"),
+                           (["--topology", "v4-8", "--cache-dir", "/proc/cc"], "cannot be written (/proc")):
         with pytest.raises(SystemExit) as stop:
             main([*TINY, *flags])
         assert stop.value.code == 2 and message in capsys.readouterr().err, flags

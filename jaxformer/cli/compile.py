@@ -165,17 +165,25 @@ def _print(out: dict[str, Any]) -> None:
 
 
 def _check_folders(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """``--cache-dir`` and ``--save`` made (or found) before anything compiles: a name
-    that is a file, or a folder that cannot be written, fails now, not after minutes."""
+    """``--cache-dir`` and ``--save`` checked before anything compiles: a name that is a
+    file, or a folder no file can be made in (the nearest existing one, for a folder still
+    to be made; probed with a uniquely named file), fails now, not after minutes. Nothing
+    is created here."""
+    import tempfile
+
     for flag, folder in (("--cache-dir", args.cache_dir), ("--save", args.save)):
         if folder is None:
             continue
+        path = Path(folder).absolute()
+        if path.exists() and not path.is_dir():
+            parser.exit(2, f"{parser.prog}: error: {flag} {folder!r} is a file; name a folder\n")
+        existing = next(p for p in (path, *path.parents) if p.exists())
         try:
-            Path(folder).mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=existing, prefix=".jaxformer-probe-"):
+                pass
         except OSError as e:
-            problem = "is a file" if isinstance(e, FileExistsError) else f"cannot be made ({e.strerror})"
-            parser.exit(2, f"{parser.prog}: error: {flag} {folder!r} {problem}; name a folder you can "
-                           f"write to\n")
+            parser.exit(2, f"{parser.prog}: error: {flag} {folder!r} cannot be written ({existing}: "
+                           f"{e.strerror}); name a folder you can write to\n")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -193,7 +201,8 @@ def main(argv: list[str] | None = None) -> None:
         cfg = TrainConfig(**{name: getattr(args, name) for name in FLAGS})
     except ValueError as e:
         parser.error(str(e))
-    for flag, value in (("--num-slices", args.num_slices), ("--decode-batch", args.decode_batch)):
+    for flag, value in (("--num-slices", args.num_slices),
+                        ("--decode-batch", 1 if args.no_decode else args.decode_batch)):
         if value < 1:
             parser.error(f"{flag} must be at least 1, got {value}")
     _check_folders(parser, args)
