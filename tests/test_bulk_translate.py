@@ -128,6 +128,13 @@ def test_a_sigkilled_run_resumes_to_the_same_file_and_other_settings_are_refused
     with pytest.raises(SystemExit) as stop:   # other settings: refused, the chunks kept
         translate_main([*argv[:-len(flags)], "--sample", "--seed", "4", "--top-k", "5"])
     assert stop.value.code == 2 and "seed: then 3, now 4" in capsys.readouterr().err
+    manifest = parts / "manifest.json"   # as if the run were retrained to the same step since
+    record = json.loads(manifest.read_text())
+    manifest.write_text(json.dumps({**record, "params_sha256": "0" * 64}))
+    with pytest.raises(SystemExit) as stop:
+        translate_main(argv)
+    assert stop.value.code == 2 and "params_sha256: then '000" in capsys.readouterr().err
+    manifest.write_text(json.dumps(record))
     translate_main(argv)
     assert f"{finished} found finished" in capsys.readouterr().err
     translate_main(_command(workdir, source, tmp_path / "straight.txt", *flags)[3:])

@@ -334,6 +334,29 @@ def test_translate_flags_output_checkpoint_and_batches_sized_to_the_input(run, t
         assert exit_info.value.code == 2 and message in capsys.readouterr().err, message
 
 
+def test_the_translator_names_bad_arguments_and_fingerprints_its_parameters(run):
+    """A string is not a list of sentences (it would be translated letter by letter); a
+    beam below 1, a NaN alpha, batch size 0 and a layer outside the model are named; a step
+    given as a string is a step; the parameters' digest tells checkpoints apart."""
+    from jaxformer.decode.translator import Translator
+
+    workdir, _, _ = run
+    translator = Translator(workdir, checkpoint="20")
+    assert translator.step == 20
+    for call, error, message in (
+            (lambda: translator("Click OK."), TypeError, "wrap one sentence in a list"),
+            (lambda: translator.n_best("Click OK."), TypeError, "list of strings"),
+            (lambda: translator(["x"], beam_size=0), ValueError, "beam_size must be at least 1"),
+            (lambda: translator(["x"], alpha=float("nan")), ValueError, "alpha must be a finite"),
+            (lambda: translator.cross_attention("x", "y", layer=5), ValueError, "layer 5 is out of range"),
+            (lambda: Translator(workdir, batch_size=0), ValueError, "batch_size must be at least 1")):
+        with pytest.raises(error, match=message):
+            call()
+    digest = translator.params_digest()
+    assert digest == Translator(workdir, checkpoint=20).params_digest()
+    assert digest != Translator(workdir, checkpoint=10).params_digest()
+
+
 def test_translate_answers_each_stdin_line_as_it_arrives(run, tmp_path, monkeypatch):
     workdir, _, _ = run
     out = tmp_path / "stream.txt"

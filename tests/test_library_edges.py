@@ -49,6 +49,11 @@ def test_jitted_decoders_check_concrete_ids_before_dispatch(tiny, bad):
             call(jnp.asarray(src))   # a concrete device array is checked too
     good = np.array([[3, 4, 5, 0]], np.int32)
     assert greedy_translate(model, params, good, **common).shape == (1, 4)
+    for name, value in (("bos_id", V + 5), ("eos_id", V + 5), ("bos_id", -1)):   # clamped or never met
+        with pytest.raises(ValueError, match=rf"{name}={value} is outside the target vocabulary"):
+            greedy_translate(model, params, good, **{**common, name: value})
+    with pytest.raises(ValueError, match="beam_size must be at least 1, got 0"):
+        beam_translate(model, params, good, beam_size=0, **common)
 
 
 def test_decode_step_checks_concrete_ids(tiny):
@@ -63,6 +68,13 @@ def test_decode_step_checks_concrete_ids(tiny):
         with pytest.raises(ValueError, match="ids_B1 holds token ids outside"):
             model.apply({"params": params}, jnp.array([[bad]], jnp.int32), cache,
                         method=Transformer.decode_step)
+    # A step past the cache's room: its write would be clamped into the last slot.
+    cache = model.apply({"params": params}, enc, src, 2, method=Transformer.init_cache)
+    for _ in range(2):
+        _, cache = model.apply({"params": params}, jnp.array([[1]], jnp.int32), cache,
+                               method=Transformer.decode_step)
+    with pytest.raises(ValueError, match="the cache holds 2 positions and all are used"):
+        model.apply({"params": params}, jnp.array([[1]], jnp.int32), cache, method=Transformer.decode_step)
 
 
 def test_tokenizer_with_pad_equal_to_eos_is_refused_with_the_fix(tmp_path):

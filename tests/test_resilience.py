@@ -261,6 +261,8 @@ def test_resuming_with_another_batch_plan_is_refused_and_the_same_plan_resumes(t
     with pytest.raises(ValueError, match=r"made with --pack; these settings make other batches.*"
                                          r"Resume with --pack"):
         train(_config(workdir, files, 14, pack=False))   # length buckets instead of packed rows
+    with pytest.raises(ValueError, match=r"data order of --seed 0; --seed 5 would.*Resume with --seed 0"):
+        train(_config(workdir, files, 14, seed=5))
     assert train(_config(workdir, files, 14, grad_accum_steps=2))["final_step"] == 14
 
 

@@ -95,6 +95,7 @@ def translate(parser: argparse.ArgumentParser, args: argparse.Namespace, transla
 
     record = {"workdir": str(Path(args.workdir).resolve()),
               "checkpoint": f"{translator.kind} step {translator.step}",
+              "params_sha256": translator.params_digest(),   # a run retrained to the same step differs
               **{name: getattr(args, name) for name in SETTINGS}}
     # The decoding options the run supplies, as decoded: a job resumed after the run's
     # defaults changed (another jaxformer) is refused, not finished with other settings.

@@ -42,6 +42,14 @@ def _host_checked(jitted: Callable) -> Callable:
         if not isinstance(src_BS, jax.Array) or src_BS.is_fully_addressable:
             check_token_ids(src_BS, name="src_BS", vocab_size=model.config.src_vocab_size,
                             max_len=model.config.max_len)
+        vocab = model.config.tgt_vocab_size   # a special id past it is clamped (bos) or never met (eos)
+        for name in ("bos_id", "eos_id", "pad_id"):
+            value = kwargs.get(name)
+            if isinstance(value, int) and not 0 <= value < vocab:
+                raise ValueError(f"{name}={value} is outside the target vocabulary [0, {vocab}): pass "
+                                 f"the tokenizer's id (e.g. tokenizer.{name}).")
+        if kwargs.get("beam_size", 1) < 1:
+            raise ValueError(f"beam_size must be at least 1, got {kwargs['beam_size']}")
         return jitted(model, params, src_BS, *args, **kwargs)
 
     checked.__wrapped__ = jitted.__wrapped__
@@ -132,7 +140,8 @@ def greedy_translate(model: Transformer, params: Any, src_BS: jax.Array, *, max_
     (``forced_eos``, ``penalties``: see :func:`greedy_search`).
 
     Compiles once per (B, S, max_decode_len). Returns int32 ``[B, M]``. Raises
-    ``ValueError`` (before dispatch) for concrete ids outside ``[0, V_src)``.
+    ``ValueError`` (before dispatch) for concrete ids outside ``[0, V_src)``
+    and for ``bos_id``/``eos_id``/``pad_id`` outside ``[0, V_tgt)``.
     """
     tokens_to_logits, cache = _model_callback(model, params, src_BS, max_decode_len)
     return greedy_search(tokens_to_logits, cache, batch_size=src_BS.shape[0], bos_id=bos_id,
@@ -273,7 +282,8 @@ def beam_translate(model: Transformer, params: Any, src_BS: jax.Array, *, beam_s
     ``max_decode_len``. ``length_normalization`` (``"gnmt"`` or ``"hf"``), ``early_stopping``
     and ``penalties``: see :func:`jaxformer.decode.beam_search.beam_search`.
 
-    Raises ``ValueError`` (before dispatch) for concrete ids outside ``[0, V_src)``.
+    Raises ``ValueError`` (before dispatch) for concrete ids outside ``[0, V_src)``
+    and for ``bos_id``/``eos_id``/``pad_id`` outside ``[0, V_tgt)``.
     Returns ``(sequences [B, k, M], scores [B, k])``, best first.
     """
     tokens_to_logits, cache = _model_callback(model, params, src_BS, max_decode_len, beam_size)

@@ -5,6 +5,8 @@ device, with beam search, n-best lists, sampling and cross-attention maps
 
 from __future__ import annotations
 
+import hashlib
+import math
 from pathlib import Path
 
 import jax
@@ -59,7 +61,7 @@ class Translator:
       FileNotFoundError: the run directory lacks ``config.json``, the tokenizer or the
         checkpoint asked for.
       ValueError: ``config.json`` is damaged or a Hugging Face model's
-        (:meth:`jaxformer.run.directory.RunDir.read_run_record`).
+        (:meth:`jaxformer.run.directory.RunDir.read_run_record`), or ``batch_size < 1``.
     """
 
     def __init__(self, workdir: str | Path, batch_size: int = 32, checkpoint: str | int = "auto",
@@ -68,6 +70,10 @@ class Translator:
                  matmul_dtype: str | None = None):
         from flax import linen as nn
 
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        if isinstance(checkpoint, str) and checkpoint.isdigit():   # "20": a step, as the CLI reads it
+            checkpoint = int(checkpoint)
         workdir = Path(workdir)
         exported = exported and mesh is None   # exported decoders are one-device programs
         exports = ExportCache(RunDir(workdir).jax_cache / "exported") if exported else None
@@ -130,6 +136,10 @@ class Translator:
 
     def _options(self, beam_size, alpha, length_normalization, early_stopping, no_repeat_ngram_size,
                  repetition_penalty):
+        if beam_size is not None and beam_size < 1:
+            raise ValueError(f"beam_size must be at least 1 (1 = greedy), got {beam_size}")
+        if alpha is not None and not math.isfinite(alpha):
+            raise ValueError(f"alpha must be a finite number, got {alpha}")
         chosen = dict(beam_size=beam_size, alpha=alpha, length_normalization=length_normalization,
                       early_stopping=early_stopping)
         return {**{k: self.defaults[k] if v is None else v for k, v in chosen.items()},
@@ -145,8 +155,11 @@ class Translator:
         the repetition rules are those of :mod:`jaxformer.decode.penalties`.
 
         Raises:
-          ValueError: ``no_repeat_ngram_size < 0`` or ``repetition_penalty <= 0``.
+          ValueError: ``beam_size < 1``, a non-finite ``alpha``, ``no_repeat_ngram_size < 0``
+            or ``repetition_penalty <= 0``.
+          TypeError: ``sentences`` is one string, not a list of them.
         """
+        _check_sentences(sentences)
         return self.evaluator.translate(self.params, sentences, **self._options(
             beam_size, alpha, length_normalization, early_stopping, no_repeat_ngram_size, repetition_penalty))
 
@@ -155,6 +168,7 @@ class Translator:
                no_repeat_ngram_size: int | None = None, repetition_penalty: float | None = None):
         """``beam_size`` (translation, score) pairs per sentence, best first (options as
         :meth:`__call__`)."""
+        _check_sentences(sentences)
         return self.evaluator.translate_n_best(self.params, sentences, **self._options(
             beam_size, alpha, length_normalization, early_stopping, no_repeat_ngram_size, repetition_penalty))
 
@@ -167,9 +181,20 @@ class Translator:
         (bulk translation gives each chunk its own stream, so a resumed run draws the same)."""
         key = jax.random.key(seed)
         key = key if stream is None else jax.random.fold_in(key, stream)
+        _check_sentences(sentences)
         return self.evaluator.sample(self.params, sentences, key,
                                      temperature=temperature, top_k=top_k, top_p=top_p,
                                      penalties=self._penalties(no_repeat_ngram_size, repetition_penalty))
+
+    def params_digest(self) -> str:
+        """SHA-256 of the parameters as decoded (every leaf's path, dtype, shape and bytes):
+        what a bulk job records, so its resume refuses a run retrained to the same step."""
+        digest = hashlib.sha256()
+        for path, leaf in jax.tree_util.tree_leaves_with_path(self.params):
+            array = np.asarray(leaf)
+            digest.update(f"{jax.tree_util.keystr(path)} {array.dtype} {array.shape}".encode())
+            digest.update(np.ascontiguousarray(array).tobytes())
+        return digest.hexdigest()
 
     def cross_attention(self, source: str, translation: str, layer: int | None = None,
                         head: int | None = None):
@@ -179,9 +204,16 @@ class Translator:
           layer: decoder layer index, or ``None`` = average over layers.
           head: head index, or ``None`` = average over heads.
 
+        Raises:
+          ValueError: ``layer`` or ``head`` outside the model's.
+
         Returns:
           ``(weights [T, S] float32, source pieces [S], target pieces [T])``.
         """
+        for name, value, count in (("layer", layer, self.config.num_decoder_layers),
+                                   ("head", head, self.config.num_heads)):
+            if value is not None and not 0 <= value < count:
+                raise ValueError(f"{name} {value} is out of range: this model has {count} (0..{count - 1})")
         tok = self.tokenizer
         src_ids = tok.encode_source([source])[0][: self.config.max_len]
         tgt_ids = tok.encode_target([translation])[0][: self.config.max_len - 1]
@@ -197,6 +229,13 @@ class Translator:
         src_pieces = tok.source_pieces(src_ids)
         tgt_pieces = tok.target_pieces([*tgt_ids, tok.eos_id])
         return weights, src_pieces, tgt_pieces
+
+
+def _check_sentences(sentences) -> None:
+    """A list (or tuple) of strings: one string would be translated character by character."""
+    if isinstance(sentences, str) or not all(isinstance(s, str) for s in sentences):
+        raise TypeError(f"sentences must be a list of strings, got {type(sentences).__name__}"
+                        + (": wrap one sentence in a list" if isinstance(sentences, str) else ""))
 
 
 def save_attention_png(path: str | Path, weights, src_pieces, tgt_pieces, title: str = "") -> None:

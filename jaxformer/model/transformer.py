@@ -279,11 +279,18 @@ class Transformer(nn.Module):
 
         Raises:
           ValueError: concrete ``ids_B1`` outside ``[0, V)`` (an id ≥ V gives NaN logits,
-            −1 wraps to the last row); traced ids are checked by the jitted decoders.
+            −1 wraps to the last row); traced ids are checked by the jitted decoders. A
+            concrete ``cache.index`` at the cache's length (its write would be clamped
+            into the last position: wrong logits, silently).
         """
         chex.assert_shape(ids_B1, (cache.src_mask.shape[0], 1))
         # Concrete ids are range-checked here; inside jit the decoders check on the host.
         check_token_ids(ids_B1, name="ids_B1", vocab_size=self.config.tgt_vocab_size)
+        room = cache.layers[0].self_k.shape[-2] if cache.layers else None
+        if room is not None and not isinstance(cache.index, jax.core.Tracer) and int(cache.index) >= room:
+            raise ValueError(f"decode_step: the cache holds {room} positions and all are used (index "
+                             f"{int(cache.index)}); make it with init_cache(..., max_decode_len) large "
+                             f"enough for every step.")
         x_B1D = self.positional_encoding(self.tgt_embedding(ids_B1), True, offset=cache.index)
         y_B1D, layers = self.decoder.step(x_B1D, cache.layers, cache.index, cache.src_mask)
         logits_B1V = self._logits(y_B1D)

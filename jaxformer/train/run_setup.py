@@ -106,6 +106,7 @@ def _setup_run(cfg: TrainConfig, run_dir: RunDir, checkpoints: RunCheckpoints, m
     batch_rows = _batch_rows(cfg, model_config, row_multiple)
     if has_checkpoints and saved is not None:
         _check_same_batch_plan(saved, batch_rows, row_multiple, cfg)
+        _check_same_seed(saved, cfg)
     data = build_train_data(cfg, prepared, target_language, tokenizer, model_config, row_multiple)
 
     programs = run_programs(cfg, model_config, mesh)   # kept from an earlier run of these settings
@@ -215,6 +216,21 @@ def _check_same_batch_plan(saved: dict[str, Any], batch_rows: dict[str, int], ro
         f"settings the run used ({used}" + (f"; no {' or '.join(unset)}" if unset else "") + f", on "
         f"{train.get('num_processes') or 1} process(es)), or a --batch-tokens whose rows divide by "
         f"both, or start a new run (--fresh, or --init-from this one).")
+
+
+def _check_same_seed(saved: dict[str, Any], cfg: TrainConfig) -> None:
+    """The seed orders each epoch's data (and draws dropout): a resume with another one
+    would read the saved position in another order, repeating and skipping pairs.
+
+    Raises:
+      ValueError: ``cfg.seed`` is not the seed the run's checkpoints were trained with.
+    """
+    before = saved.get("train", {}).get("seed")
+    if before is not None and before != cfg.seed:
+        raise ValueError(f"The run's checkpoints continue the data order of --seed {before}; --seed "
+                         f"{cfg.seed} would read their saved position in another order (pairs repeated "
+                         f"and skipped). Resume with --seed {before}, or start a new run (--fresh, or "
+                         f"--init-from this one).")
 
 
 def _check_batch_rows(batch_tokens: int, row_length: int, row_multiple: int) -> None:
