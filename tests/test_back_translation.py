@@ -79,8 +79,10 @@ def test_the_synthetic_data_is_in_the_fingerprint_and_a_tagless_tokenizer_is_ref
     spec = DataSpec.from_config(_cfg(short_corpus, tmp_path / "a", bt_file=str(bt_file), bt_ratio=1.0))
     other = DataSpec.from_config(_cfg(short_corpus, tmp_path / "a", bt_file=str(bt_file), bt_ratio=2.0))
     assert spec.fingerprint()["back_translation"]["ratio"] == 1.0
-    assert rundata.fingerprint_differences(spec.fingerprint(), other.fingerprint())[0].startswith(
-        "back_translation")
+    assert rundata.fingerprint_differences(spec.fingerprint(), other.fingerprint()) == [
+        "back_translation.ratio: 1.0 before, 2.0 now"]   # the field that changed, not both records
+    assert rundata.fingerprint_differences(plain, spec.fingerprint())[0].startswith(
+        "back_translation: None before, {")
     with pytest.raises(ValueError, match="--bt-ratio needs --bt-file"):
         _cfg(short_corpus, tmp_path / "a", bt_ratio=1.0)
     for ratio in (0.0, -1.0, float("inf"), float("nan")):

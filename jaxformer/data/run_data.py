@@ -39,8 +39,19 @@ def fingerprint_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[
             return f"{value['path']} ({value['size']} bytes, sha256 {value['sha256'][:12]})"
         return value
 
-    return [f"{key}: {brief(saved.get(key))!r} before, {brief(now.get(key))!r} now"
-            for key in sorted(set(saved) | set(now)) if saved.get(key) != now.get(key)]
+    def differences(prefix: str, a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+        out = []
+        for key in sorted(set(a) | set(b)):
+            old, new = a.get(key), b.get(key)
+            if old == new:
+                continue
+            if isinstance(old, dict) and isinstance(new, dict) and "path" not in old and "path" not in new:
+                out += differences(f"{prefix}{key}.", old, new)   # name the field inside, not the whole
+            else:
+                out.append(f"{prefix}{key}: {brief(old)!r} before, {brief(new)!r} now")
+        return out
+
+    return differences("", saved, now)
 
 
 def same_data(saved: dict[str, Any], now: dict[str, Any]) -> bool:
