@@ -239,6 +239,9 @@ def test_config_file_fills_settings_and_flags_override(tmp_path, capsys):
         from_args(args)
     with pytest.raises(ValueError, match="--preset must be one of"):
         TrainConfig(preset="huge")   # the library's own check, before any data is read
+    with pytest.raises(SystemExit):   # no abbreviations: --dropout is not silently --dropout-rate
+        parse_train_args(["--dropout", "0.3"])
+    assert "unrecognized arguments: --dropout 0.3" in capsys.readouterr().err
     with pytest.raises(ValueError, match="--num-samples must be at least 0, got -3"):
         TrainConfig(num_samples=-3)   # a slice [:-3] would write all but the last 3 samples
 

@@ -35,7 +35,7 @@ FLAGS = ("preset", "d_model", "num_heads", "d_ff", "num_layers", "max_len", "dty
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``jaxformer-compile``: the training flags that shape the step."""
-    parser = argparse.ArgumentParser(prog="jaxformer-compile", description=__doc__,
+    parser = argparse.ArgumentParser(prog="jaxformer-compile", allow_abbrev=False, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--topology", required=True, metavar="SLICE",
                         help=f"TPU slice or GPU node to compile for: {', '.join(slice_names())}")

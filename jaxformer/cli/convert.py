@@ -20,7 +20,7 @@ from jaxformer.run.platform import skip_absent_tpu
 
 def main(argv=None) -> None:
     description = __doc__.replace("``", "").replace(":mod:", "").replace("`", "")
-    parser = argparse.ArgumentParser(prog="jaxformer-convert", description=description,
+    parser = argparse.ArgumentParser(prog="jaxformer-convert", allow_abbrev=False, description=description,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     direction = parser.add_mutually_exclusive_group(required=True)
     direction.add_argument("--from-hf", metavar="DIR", help="local Hugging Face Marian model folder")

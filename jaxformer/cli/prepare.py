@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> None:
     """``jaxformer-prepare``: prepares a run directory's data ahead of ``train.py``."""
     defaults = TrainConfig()
     parser = argparse.ArgumentParser(
-        prog="jaxformer-prepare", description=__doc__.split("\n\n")[0],
+        prog="jaxformer-prepare", description=__doc__.split("\n\n")[0], allow_abbrev=False,
         epilog="Give train.py the same data flags (and --workdir) to train on the prepared data.")
     for name, help_text in (("workdir", "run directory (default: derived from the data, as train.py)"),
                             ("pair", f"shipped corpus (default {defaults.pair})"),

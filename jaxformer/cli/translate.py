@@ -117,7 +117,8 @@ def _parse_checkpoint(value: str) -> str | int:
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``jaxformer-translate`` (every flag with one line of help)."""
     parser = argparse.ArgumentParser(prog="jaxformer-translate", description=__doc__.replace("``", ""),
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)   # --dropout is not --dropout-rate
     add = parser.add_argument
     add("--workdir", required=True, help="run directory written by jaxformer-train")
     add("--input", help="file with one sentence per line (default: the arguments, else stdin)")

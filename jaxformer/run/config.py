@@ -219,7 +219,7 @@ def build_parser(defaults: dict[str, Any] | None = None, description: str = "",
     :data:`HELP`, choices where the set is fixed), plus ``--config FILE`` and ``--fresh``.
     ``typed_only``: no defaults at all (``argparse.SUPPRESS``), so a namespace it parses
     holds exactly the flags given."""
-    parser = argparse.ArgumentParser(prog=prog, description=description,
+    parser = argparse.ArgumentParser(prog=prog, description=description, allow_abbrev=False,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                                      argument_default=argparse.SUPPRESS if typed_only else None)
     parser.add_argument("--config", metavar="FILE",
