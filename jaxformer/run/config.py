@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
+import numbers
 import types
 import typing
 from pathlib import Path
@@ -97,8 +99,12 @@ class TrainConfig:
         """Rejects values that would crash later or silently do something else.
 
         Raises:
-          ValueError: naming the flag and what it needs.
+          ValueError: naming the flag and what it needs (a value of the wrong type too,
+            e.g. ``max_steps="20"``, which would fail later as a comparison of str and int).
         """
+        wrong = _wrong_types(self)
+        if wrong:
+            raise ValueError("; ".join(wrong) + ".")
         at_least_one = ("vocab_size", "batch_tokens", "max_steps", "warmup_steps", "grad_accum_steps",
                         "eval_every", "dev_bleu_sentences", "eval_batch_size", "beam_size", "log_every",
                         "checkpoint_every", "keep_checkpoints")
@@ -204,6 +210,28 @@ def _choices() -> dict[str, tuple[str, ...]]:
     return {"pair": PAIRS, "preset": tuple(PRESETS), "norm_position": ("post", "pre"),
             "dtype": _FLOAT_DTYPES, "attention_backend": ATTENTION_BACKENDS, "lr_schedule": SCHEDULES,
             "sacrebleu_tokenize": tuple(BLEU.TOKENIZERS)}
+
+
+@functools.cache
+def _field_types() -> dict[str, tuple[type, bool]]:
+    """Each :class:`TrainConfig` field's type and whether ``None`` is allowed."""
+    hints = typing.get_type_hints(TrainConfig)
+    return {name: (_base_type(tp), type(None) in typing.get_args(tp)) for name, tp in hints.items()}
+
+
+def _wrong_types(cfg: TrainConfig) -> list[str]:
+    """The fields of ``cfg`` whose value is not of the field's type (an int is a float;
+    a bool is not an int)."""
+    numbers_of = {int: numbers.Integral, float: numbers.Real}
+    wrong = []
+    for name, (kind, optional) in _field_types().items():
+        value = getattr(cfg, name)
+        if value is None and optional:
+            continue
+        ok = isinstance(value, numbers_of.get(kind, kind)) and (kind is bool or not isinstance(value, bool))
+        if not ok:
+            wrong.append(f"{name} must be {kind.__name__}{' or None' if optional else ''}, got {value!r}")
+    return wrong
 
 
 def _base_type(tp) -> type:
