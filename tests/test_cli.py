@@ -174,13 +174,13 @@ def test_translate_n_best_beyond_the_beam_or_with_sampling_is_refused(run, capsy
 
 def test_flags_a_fine_tune_ignores_or_cannot_take_are_refused(run, tmp_path, capsys):
     """``--init-from`` takes the architecture and tokenizer from the run it loads: a
-    ``--preset`` or ``--vocab-size`` the user chose, as a flag (however spelt) or in a
+    ``--preset`` or ``--vocab-size`` the user chose, as a flag or in a
     ``--config`` settings file, would do nothing (and be recorded), so it is an error."""
     workdir, _, _ = run
     (settings := tmp_path / "settings.yaml").write_text("preset: base\nmax_steps: 3\n")
     for flags, named in ((["--preset", "base"], "--preset would do nothing"),
                          (["--vocab-size=500", "--preset", "tiny"], "--preset and --vocab-size would do"),
-                         (["--vocab-s", "500"], "--vocab-size would do nothing"),   # argparse's abbreviation
+                         (["--vocab-s", "500"], "unrecognized arguments: --vocab-s"),   # no abbreviations
                          (["--config", str(settings)], "--preset would do nothing (given as a flag or in "
                                                        "--config): drop it"),
                          # A mesh the loaded sizes cannot take: the fix is another mesh, not a flag.
