@@ -233,7 +233,8 @@ class Translator:
 
 def _check_sentences(sentences) -> None:
     """A list (or tuple) of strings: one string would be translated character by character."""
-    if isinstance(sentences, str) or not all(isinstance(s, str) for s in sentences):
+    if isinstance(sentences, str) or not hasattr(sentences, "__len__") \
+            or not all(isinstance(s, str) for s in sentences):   # (a generator would be used up here)
         raise TypeError(f"sentences must be a list of strings, got {type(sentences).__name__}"
                         + (": wrap one sentence in a list" if isinstance(sentences, str) else ""))
 
