@@ -169,7 +169,7 @@ def _check_folders(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     file, or a folder no file can be made in (the nearest existing one, for a folder still
     to be made; probed with a uniquely named file), fails now, not after minutes. Nothing
     is created here."""
-    import tempfile
+    from jaxformer.run.directory import probe_writable
 
     for flag, folder in (("--cache-dir", args.cache_dir), ("--save", args.save)):
         if folder is None:
@@ -179,8 +179,7 @@ def _check_folders(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
             parser.exit(2, f"{parser.prog}: error: {flag} {folder!r} is a file; name a folder\n")
         existing = next(p for p in (path, *path.parents) if p.exists())
         try:
-            with tempfile.NamedTemporaryFile(dir=existing, prefix=".jaxformer-probe-"):
-                pass
+            probe_writable(existing)
         except OSError as e:
             parser.exit(2, f"{parser.prog}: error: {flag} {folder!r} cannot be written ({existing}: "
                            f"{e.strerror}); name a folder you can write to\n")

@@ -7,10 +7,10 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import tempfile
 from pathlib import Path
 
 from jaxformer.cli import bulk as bulk_cli
+from jaxformer.run.directory import probe_writable
 
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -123,8 +123,7 @@ def _unwritable(out: Path) -> str | None:
         return (f"has too long a name for this folder ({len(out.name.encode())} bytes; at most {room}, "
                 f"leaving room for the .parts and .tmp names written beside it)")
     try:
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".jaxformer-probe-"):
-            pass
+        probe_writable(folder)
     except OSError as e:
         return f"cannot be written: no file can be made in its folder ({e.strerror})"
     return None

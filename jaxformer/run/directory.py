@@ -139,9 +139,7 @@ class RunDir:
             raise OSError(f"--workdir {str(self.root)!r} is a file, not a folder: choose another --workdir.")
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            probe = self.root / f".write-test-{jax.process_index()}"
-            probe.write_text("ok")
-            probe.unlink()
+            probe_writable(self.root)
         except OSError as e:
             raise OSError(f"Cannot write the run directory {str(self.root)!r}: {e}. "
                           f"Choose a writable --workdir.") from e
@@ -264,6 +262,17 @@ def _read_record(path: Path, need_model: bool) -> dict[str, Any]:
 _RECORD_SECTIONS = {"model": dict, "train": dict, "tokenizer": dict, "generation": dict,
                     "batch_rows": dict, "data": dict, "train_history": list, "target_language": str}
 _JSON_NAMES = {dict: "object", list: "array", str: "string"}
+
+
+def probe_writable(folder: str | os.PathLike) -> None:
+    """Makes and removes a uniquely named file in ``folder`` (so processes probing one
+    folder at once never meet, and no file of the user's is opened).
+
+    Raises:
+      OSError: no file can be made there (read-only, missing, not a folder).
+    """
+    with tempfile.NamedTemporaryFile(dir=folder, prefix=".jaxformer-probe-"):
+        pass
 
 
 def topmost_missing(path: Path) -> Path | None:
