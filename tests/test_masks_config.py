@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import chex
 import flax.linen as nn
@@ -101,6 +102,27 @@ def test_decoder_mask_start_token_is_never_padding():
 
 def test_decoder_mask_shape_distinct_sizes():
     chex.assert_shape(create_decoder_mask(jnp.ones((2, 7), jnp.int32), 0), (2, 1, 7, 7))
+
+
+@pytest.mark.parametrize("call, error, words", [
+    (lambda: create_decoder_mask(jnp.ones((3,), jnp.int32), 0), ValueError, "got shape (3,)"),
+    (lambda: create_padding_mask([[4, 5, 0]], 0), ValueError, "got a list"),
+    (lambda: create_padding_mask(jnp.ones((1, 3), jnp.int32), None), TypeError, "pad_id must be an integer"),
+    (lambda: create_decoder_mask(jnp.ones((1, 3), jnp.int32), 0.5), TypeError, "pad_id must be an integer"),
+    (lambda: create_causal_mask(-1), ValueError, "non-negative integer"),
+    (lambda: create_causal_mask(2.0), ValueError, "non-negative integer"),
+    (lambda: create_causal_mask(jnp.ones((2, 3), jnp.int32)), ValueError, "create_decoder_mask(tgt, pad_id)"),
+])
+def test_mask_helpers_name_a_wrong_argument(call, error, words):
+    with pytest.raises(error, match=re.escape(words)):
+        call()
+
+
+def test_mask_helpers_take_numpy_and_traced_integers():
+    assert create_causal_mask(np.int64(2)).shape == (2, 2)
+    tgt = jnp.array([[2, 5, 0]], jnp.int32)
+    traced = jax.jit(create_decoder_mask)(tgt, jnp.int32(0))
+    np.testing.assert_array_equal(traced, create_decoder_mask(tgt, 0))
 
 
 # ----------------------------------------------------------------------- positional table

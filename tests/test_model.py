@@ -623,6 +623,12 @@ def test_rank_0_src_through_call(tiny):
         model.apply(params, np.int32(3), tgt)
 
 
+def test_python_list_ids_are_named_with_the_conversion(tiny):
+    model, params, src, tgt = tiny
+    with pytest.raises(ValueError, match=r"src must be an array .* got a list; convert it with jnp.asarray"):
+        model.apply(params, src.tolist(), tgt)
+
+
 def test_too_long_inputs_name_max_len(tiny):
     model, params, src, tgt = tiny
     rng = np.random.default_rng(13)

@@ -25,6 +25,25 @@ from flax import struct
 PADDING_SEGMENT = np.iinfo(np.int32).min
 
 
+def _check_ids(tokens, name: str, what: str) -> None:
+    """Raises ``ValueError`` unless ``tokens`` is an array of rank 2 ``[B, L]``."""
+    shape = getattr(tokens, "shape", None)
+    if shape is None or len(shape) != 2:
+        got = f"shape {tuple(shape)}" if shape is not None else f"a {type(tokens).__name__}"
+        raise ValueError(f"{name} must be an array of {what} ids [batch, length], got {got}; "
+                         f"use jnp.asarray(...) and {name}[None] for one sentence.")
+
+
+def _check_pad_id(pad_id) -> None:
+    """Raises ``TypeError`` unless ``pad_id`` is an integer: a Python or NumPy int, or a
+    0-d integer array (a traced one included)."""
+    dtype = getattr(pad_id, "dtype", None)
+    is_int_array = dtype is not None and getattr(pad_id, "ndim", None) == 0 and jnp.issubdtype(dtype, jnp.integer)
+    if isinstance(pad_id, bool) or not (isinstance(pad_id, (int, np.integer)) or is_int_array):
+        raise TypeError(f"pad_id must be an integer token id, got {pad_id!r} "
+                        f"({type(pad_id).__name__}); take it from the tokenizer or TransformerConfig.pad_id.")
+
+
 def create_padding_mask(tokens: chex.Array, pad_id: int) -> chex.Array:
     """Key-padding mask: which key positions hold real tokens.
 
@@ -34,8 +53,12 @@ def create_padding_mask(tokens: chex.Array, pad_id: int) -> chex.Array:
 
     Returns:
       bool ``[B, 1, 1, L]``, ``True`` where ``tokens != pad_id``.
+
+    Raises:
+      ValueError: ``tokens`` is not an array of rank 2. TypeError: ``pad_id`` is not an int.
     """
-    chex.assert_rank(tokens, 2)
+    _check_ids(tokens, "tokens", "token")
+    _check_pad_id(pad_id)
     mask = (tokens != pad_id)[:, None, None, :]
     chex.assert_shape(mask, (tokens.shape[0], 1, 1, tokens.shape[1]))
     return mask
@@ -49,7 +72,13 @@ def create_causal_mask(length: int) -> chex.Array:
 
     Returns:
       bool ``[T, T]``, lower triangular: query t may attend to keys 0..t.
+
+    Raises:
+      ValueError: ``length`` is not a non-negative Python or NumPy integer.
     """
+    if isinstance(length, bool) or not isinstance(length, (int, np.integer)) or length < 0:
+        raise ValueError(f"length must be a non-negative integer (the target length T), got {length!r}; "
+                         f"for a batch of targets use create_decoder_mask(tgt, pad_id).")
     mask = jnp.tril(jnp.ones((length, length), dtype=jnp.bool_))
     chex.assert_shape(mask, (length, length))
     return mask
@@ -69,7 +98,12 @@ def create_decoder_mask(tgt: chex.Array, pad_id: int) -> chex.Array:
 
     Returns:
       bool ``[B, 1, T, T]``.
+
+    Raises:
+      ValueError: ``tgt`` is not an array of rank 2. TypeError: ``pad_id`` is not an int.
     """
+    _check_ids(tgt, "tgt", "target")
+    _check_pad_id(pad_id)
     batch, length = tgt.shape
     keys_B11T = _decoder_keys(tgt, pad_id)[:, None, None, :]
     mask = create_causal_mask(length)[None, None] & keys_B11T

@@ -36,7 +36,10 @@ def check_token_ids(tokens, *, name: str, vocab_size: int, max_len: int | None =
         out of range; the message names the argument and the fix.
     """
     shape = getattr(tokens, "shape", None)
-    if shape is None or len(shape) != 2:
+    if shape is None:
+        raise ValueError(f"{name} must be an array of integer token ids [batch, length], got a "
+                         f"{type(tokens).__name__}; convert it with jnp.asarray({name}, jnp.int32).")
+    if len(shape) != 2:
         raise ValueError(f"{name} must be integer token ids of rank 2 [batch, length], "
                          f"got shape {shape}. Add a batch axis with {name}[None] for one sentence.")
     if not np.issubdtype(np.dtype(tokens.dtype), np.integer):
