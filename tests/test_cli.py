@@ -27,7 +27,8 @@ from jaxformer.cli.train import main as train_main
 from jaxformer.cli.translate import main as translate_main
 from jaxformer.decode.translator import Translator
 from jaxformer.run.checkpoints import RunCheckpoints
-from jaxformer.run.config import DEFAULT_CPU_RUN, TrainConfig, from_args, parse_train_args
+from jaxformer.run.config import DEFAULT_CPU_RUN, TrainConfig
+from jaxformer.run.train_flags import from_args, parse_train_args
 from jaxformer.train.averaging import average_last_checkpoints
 
 REPO = Path(__file__).resolve().parents[1]

@@ -175,7 +175,9 @@ def test_early_stopping_counts_evaluations_without_a_better_score():
 def test_every_flag_has_help_and_help_has_no_rest_markup(capsys):
     import dataclasses
 
-    from jaxformer.run.config import HELP, TrainConfig, build_parser
+    from jaxformer.run.config import TrainConfig
+    from jaxformer.run.flag_help import HELP
+    from jaxformer.run.train_flags import build_parser
 
     assert {f.name for f in dataclasses.fields(TrainConfig)} <= set(HELP)
     with pytest.raises(SystemExit):
@@ -201,7 +203,8 @@ def test_every_flag_has_help_and_help_has_no_rest_markup(capsys):
 
 
 def test_config_file_fills_settings_and_flags_override(tmp_path, capsys):
-    from jaxformer.run.config import DEFAULT_CPU_RUN, TrainConfig, from_args, parse_train_args
+    from jaxformer.run.config import DEFAULT_CPU_RUN, TrainConfig
+    from jaxformer.run.train_flags import from_args, parse_train_args
 
     (tmp_path / "run.yaml").write_text("preset: tiny\nbatch-tokens: 512\nmax_minutes: 2\npack: false\n")
     (tmp_path / "run.json").write_text(json.dumps({"model": {}, "train": {"preset": "base", "seed": 7}}))

@@ -26,7 +26,8 @@ from typing import Any
 from jaxformer.aot import report as report_lib
 from jaxformer.aot.cache import ReportCache, default_directory
 from jaxformer.aot.chips import CHIPS, slice_names, slice_spec
-from jaxformer.run.config import DEFAULT_CPU_RUN, TrainConfig, add_config_flags
+from jaxformer.run.config import DEFAULT_CPU_RUN, TrainConfig
+from jaxformer.run.train_flags import add_config_flags
 
 FLAGS = ("preset", "d_model", "num_heads", "d_ff", "num_layers", "max_len", "dtype", "attention_backend",
          "remat", "scan_layers", "vocab_size", "batch_tokens", "max_train_len", "mesh", "grad_accum_steps",

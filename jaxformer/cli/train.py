@@ -25,9 +25,10 @@ stopped by a signal after checkpointing (run again to resume)."""
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     """Parses the command line, trains, and exits with the status documented above."""
-    from jaxformer.run.config import DEFAULT_CPU_RUN, from_args, parse_train_args
+    from jaxformer.run.config import DEFAULT_CPU_RUN
     from jaxformer.run.logs import console_logging
     from jaxformer.run.platform import skip_absent_tpu
+    from jaxformer.run.train_flags import from_args, parse_train_args
 
     parser, args = parse_train_args(argv, DEFAULT_CPU_RUN, DESCRIPTION, prog=prog)
     try:

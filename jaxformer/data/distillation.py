@@ -28,8 +28,9 @@ from jaxformer.data.corpus import DataReport, Splitter
 from jaxformer.data.prepared import read_manifest
 from jaxformer.data.run_data import fingerprint_differences, same_data
 from jaxformer.data.spec import DataSpec
-from jaxformer.run.config import TrainConfig, load_config_file
+from jaxformer.run.config import TrainConfig
 from jaxformer.run.directory import RunDir
+from jaxformer.run.train_flags import load_config_file
 
 
 def _check_not_an_input(output: Path, spec: DataSpec, run_dir: RunDir) -> None:

@@ -38,10 +38,11 @@ def _check_pad_id(pad_id) -> None:
     """Raises ``TypeError`` unless ``pad_id`` is an integer: a Python or NumPy int, or a
     0-d integer array (a traced one included)."""
     dtype = getattr(pad_id, "dtype", None)
-    is_int_array = dtype is not None and getattr(pad_id, "ndim", None) == 0 and jnp.issubdtype(dtype, jnp.integer)
+    is_int_array = (dtype is not None and getattr(pad_id, "ndim", None) == 0
+                    and jnp.issubdtype(dtype, jnp.integer))
     if isinstance(pad_id, bool) or not (isinstance(pad_id, (int, np.integer)) or is_int_array):
-        raise TypeError(f"pad_id must be an integer token id, got {pad_id!r} "
-                        f"({type(pad_id).__name__}); take it from the tokenizer or TransformerConfig.pad_id.")
+        raise TypeError(f"pad_id must be an integer token id, got {pad_id!r} ({type(pad_id).__name__}); "
+                        f"take it from the tokenizer or TransformerConfig.pad_id.")
 
 
 def create_padding_mask(tokens: chex.Array, pad_id: int) -> chex.Array:
