@@ -7,6 +7,7 @@ import io
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -127,11 +128,34 @@ def test_a_bleu_tokenizer_that_cannot_start_stops_training_before_the_run_direct
 
     corpus_file = tmp_path / "pairs.tsv"
     corpus_file.write_text("Hello.\tHallo.\n" * 50)
+    with pytest.raises(ValueError, match="--sacrebleu-tokenize must be one of"):   # at once
+        TrainConfig(train_file=str(corpus_file), sacrebleu_tokenize="nope")
+    try:
+        import MeCab  # noqa: F401
+        pytest.skip("MeCab is installed: BLEU's Japanese tokenizer starts")
+    except ImportError:
+        pass
     cfg = TrainConfig(workdir=str(tmp_path / "run"), train_file=str(corpus_file), preset="tiny",
-                      vocab_size=100, max_steps=1, progress=False, sacrebleu_tokenize="nope")
-    with pytest.raises(ValueError, match="Unknown sacrebleu tokenizer 'nope'"):
+                      vocab_size=100, max_steps=1, progress=False, tgt_lang="ja")
+    with pytest.raises(ValueError, match=r"sacrebleu\[ja\]"):
         train(cfg)
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("mesh", "foo", "Bad --mesh 'foo'"), ("mesh", "data=2,tensor=2", "unknown axis 'tensor'"),
+    ("dtype", "int8", "--dtype must be one of float32, bfloat16"),
+    ("attention_backend", "flash", "--attention-backend must be one of reference"),
+    ("norm_position", "middle", "--norm-position must be one of post, pre"),
+    ("sacrebleu_tokenize", "nope", "--sacrebleu-tokenize must be one of"),
+])
+def test_a_train_config_names_a_bad_choice_when_it_is_built(field, value, words):
+    """Library users meet a wrong mesh or dtype where they write it, not inside train()."""
+    from jaxformer.run.config import TrainConfig
+
+    with pytest.raises(ValueError, match=re.escape(words)):
+        TrainConfig(**{field: value})
+    TrainConfig(mesh="data=2,model=2", dtype="bfloat16")   # a valid one is kept
 
 
 def test_evaluator_pads_batches_to_a_power_of_two_not_the_batch_size(tiny):

@@ -52,16 +52,12 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 )
 
 
-def parse_mesh(spec: str | None, num_devices: int) -> dict[str, int]:
-    """Parses ``"data=4,model=2"`` or ``"data=2,fsdp=4"`` into mesh axis sizes.
-
-    An empty or ``None`` spec puts every device on ``data``. An axis left out gets
-    size 1, except ``data``, which takes the devices the other axes leave (so
-    ``"model=2"`` on 8 devices means ``data=4,fsdp=1,model=2``).
+def parse_mesh_axes(spec: str | None) -> dict[str, int]:
+    """The axis sizes that ``spec`` (``"data=4,model=2"``) names, in its order, checked
+    for syntax only (no device count needed: a run's settings are checked when built).
 
     Raises:
-      ValueError: bad syntax, an unknown or repeated axis name, a size below 1, or
-        sizes whose product is not ``num_devices``.
+      ValueError: bad syntax, an unknown or repeated axis name, or a size below 1.
     """
     sizes: dict[str, int] = {}
     for part in (spec or "").replace(" ", "").split(","):
@@ -78,6 +74,21 @@ def parse_mesh(spec: str | None, num_devices: int) -> dict[str, int]:
         if int(value) < 1:
             raise ValueError(f"Bad --mesh {spec!r}: axis {name!r} must have size >= 1.")
         sizes[name] = int(value)
+    return sizes
+
+
+def parse_mesh(spec: str | None, num_devices: int) -> dict[str, int]:
+    """Parses ``"data=4,model=2"`` or ``"data=2,fsdp=4"`` into mesh axis sizes.
+
+    An empty or ``None`` spec puts every device on ``data``. An axis left out gets
+    size 1, except ``data``, which takes the devices the other axes leave (so
+    ``"model=2"`` on 8 devices means ``data=4,fsdp=1,model=2``).
+
+    Raises:
+      ValueError: bad syntax, an unknown or repeated axis name, a size below 1, or
+        sizes whose product is not ``num_devices``.
+    """
+    sizes = parse_mesh_axes(spec)
     sizes.setdefault("model", 1)
     sizes.setdefault("fsdp", 1)
     if "data" not in sizes:

@@ -143,11 +143,17 @@ class TrainConfig:
             problems.append("--workdir must name a folder, got an empty value (an unset variable?)")
         if not self.max_length_ratio >= 1:
             problems.append(f"--max-length-ratio must be at least 1, got {self.max_length_ratio}")
-        from jaxformer.model.config import PRESETS
+        for name, allowed in _choices().items():   # None: the preset's (or sacrebleu's) choice
+            if getattr(self, name) is not None and getattr(self, name) not in allowed:
+                problems.append(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}, "
+                                f"got {getattr(self, name)!r}")
+        if self.mesh is not None:
+            from jaxformer.model.sharding import parse_mesh_axes
 
-        for name, allowed in (("pair", PAIRS), ("preset", tuple(PRESETS)), ("lr_schedule", SCHEDULES)):
-            if getattr(self, name) not in allowed:
-                problems.append(f"--{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+            try:
+                parse_mesh_axes(self.mesh)
+            except ValueError as e:
+                problems.append(str(e).rstrip("."))
         if problems:
             raise ValueError("; ".join(problems) + ".")
         if self.workdir is None:   # one run directory per data set: --pair en-fr never resumes en-de
