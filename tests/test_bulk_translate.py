@@ -142,6 +142,28 @@ def test_a_sigkilled_run_resumes_to_the_same_file_and_other_settings_are_refused
     assert len(out.read_bytes().split(b"\n")) == 201
 
 
+def test_a_beam_job_records_no_sampling_settings_so_another_seed_resumes_it(workdir, tmp_path):
+    """Beam search ignores --seed: a resume with another one gives the same bytes and is
+    not refused; with --sample the seed is part of the job."""
+    from jaxformer.cli.bulk import job_record
+    from jaxformer.cli.translate_flags import check_args
+    from jaxformer.decode.translator import Translator
+
+    translator, parser = Translator(workdir), translate_lib.build_parser()
+    _input(tmp_path / "in.txt", lines=2)
+
+    def record(*flags):
+        args = parser.parse_args(["--workdir", str(workdir), "--input", str(tmp_path / "in.txt"),
+                                  "--output", str(tmp_path / "out.txt"), *flags])
+        check_args(parser, args)
+        return job_record(args, translator)
+
+    beam = record("--seed", "3", "--beam-size", "2")
+    assert beam == record("--seed", "4", "--beam-size", "2") and beam["seed"] is None
+    assert beam["beam_size"] == 2 and beam["params_sha256"] == translator.params_digest()
+    assert record("--sample", "--seed", "3")["seed"] == 3 != record("--sample", "--seed", "4")["seed"]
+
+
 def test_bfloat16_matmuls_in_bulk_and_a_resume_with_other_matmuls_is_refused(workdir, tmp_path, capsys,
                                                                               monkeypatch):
     """``--matmul-dtype bfloat16``: the run's weight matrices are cast once, the file gets one

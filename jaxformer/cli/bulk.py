@@ -71,6 +71,27 @@ def initialize(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     initialize_distributed(args.coordinator_address, args.num_processes, args.process_id, auto=True)
 
 
+def job_record(args: argparse.Namespace, translator) -> dict:
+    """What a bulk job's bytes depend on (its ``.parts/manifest.json``): the model and the
+    decoding settings. A resume whose record differs is refused.
+
+    The sampling settings (``--seed``, ``--temperature``, ``--top-k``, ``--top-p``) are
+    recorded only with ``--sample``: beam search and greedy ignore them, so a resume with
+    another ``--seed`` gives the same bytes and is not refused.
+    """
+    record = {"workdir": str(Path(args.workdir).resolve()),
+              "checkpoint": f"{translator.kind} step {translator.step}",
+              "params_sha256": translator.params_digest(),   # a run retrained to the same step differs
+              **{name: getattr(args, name) for name in SETTINGS}}
+    # The decoding options the run supplies, as decoded: a job resumed after the run's
+    # defaults changed (another jaxformer) is refused, not finished with other settings.
+    record.update({name: value if record[name] is None else record[name]
+                   for name, value in translator.defaults.items()})
+    if not args.sample:
+        record.update(dict.fromkeys(("seed", "temperature", "top_k", "top_p")))
+    return record
+
+
 def translate(parser: argparse.ArgumentParser, args: argparse.Namespace, translator,
               translate_lines: Callable) -> int:
     """Translates ``--input`` into ``--output`` (this process's share when there are several);
@@ -93,14 +114,7 @@ def translate(parser: argparse.ArgumentParser, args: argparse.Namespace, transla
         _, counts = translate_lines(translator, args, lines, first_index, buffer, stream=index)
         return buffer.getvalue(), counts
 
-    record = {"workdir": str(Path(args.workdir).resolve()),
-              "checkpoint": f"{translator.kind} step {translator.step}",
-              "params_sha256": translator.params_digest(),   # a run retrained to the same step differs
-              **{name: getattr(args, name) for name in SETTINGS}}
-    # The decoding options the run supplies, as decoded: a job resumed after the run's
-    # defaults changed (another jaxformer) is refused, not finished with other settings.
-    record.update({name: value if record[name] is None else record[name]
-                   for name, value in translator.defaults.items()})
+    record = job_record(args, translator)
     process, processes = jax.process_index(), jax.process_count()
     try:
         info = bulk.scan_input(args.input)
