@@ -238,8 +238,12 @@ def test_a_run_resumes_with_another_matmul_dtype_but_not_another_width():
 
     saved = {"model": {k: v for k, v in _config().to_dict().items() if k != "matmul_dtype"}}
     check_resume_compatible(saved, _config(matmul_dtype="bfloat16"))
-    with pytest.raises(ValueError, match="d_model: saved"):
+    with pytest.raises(ValueError, match="another architecture .*d_model: saved"):
         check_resume_compatible(saved, _config(d_model=64, num_heads=4))
+    # Another dropout is not another architecture: the message says how to train on with it.
+    with pytest.raises(ValueError, match=r"other model settings \(dropout_rate: saved 0\.1 vs now 0\.3\)"
+                                         r".*fine-tune from this run: jaxformer-train --init-from"):
+        check_resume_compatible(saved, _config(dropout_rate=0.3))
 
 
 def test_split_positional_layout_is_sines_then_cosines():

@@ -230,8 +230,15 @@ def check_resume_compatible(saved: dict[str, Any], model_config: TransformerConf
                  if k not in changeable and saved_model.get(k, defaults[k]) != v}
     if differing:
         fields = ", ".join(f"{k}: saved {a!r} vs now {b!r}" for k, (a, b) in sorted(differing.items()))
-        raise ValueError(f"The run directory holds checkpoints of another architecture ({fields}). "
-                         f"Use the same flags to resume, another --workdir, or --fresh to start over.")
+        # Dropout and the compute dtype change the training, not the weights' shapes: a resume
+        # continues the run exactly, a fine-tune (--init-from) trains on with new ones.
+        training_only = {"dropout_rate", "dtype"}
+        what = "another architecture" if set(differing) - training_only else "other model settings"
+        tune = (" To train on with another --dropout-rate or --dtype, fine-tune from this run: "
+                "jaxformer-train --init-from THIS_RUN --workdir NEW_RUN with the new flag."
+                if set(differing) & training_only else "")
+        raise ValueError(f"The run directory holds checkpoints of {what} ({fields}). "
+                         f"Use the same flags to resume, another --workdir, or --fresh to start over.{tune}")
 
 
 def _read_record(path: Path, need_model: bool) -> dict[str, Any]:
