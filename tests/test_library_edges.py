@@ -262,7 +262,7 @@ def test_config_file_fills_settings_and_flags_override(tmp_path, capsys):
     # The flags' checks hold for file values too: -5e-1 is a float, and not a positive one.
     (tmp_path / "negative.yaml").write_text("lr_scale: -5e-1\n")
     _, args = parse_train_args(["--config", str(tmp_path / "negative.yaml")])
-    with pytest.raises(ValueError, match="--lr-scale must be positive, got -0.5"):
+    with pytest.raises(ValueError, match="--lr-scale must be a positive finite number, got -0.5"):
         from_args(args)
     with pytest.raises(ValueError, match="--preset must be one of"):
         TrainConfig(preset="huge")   # the library's own check, before any data is read

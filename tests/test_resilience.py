@@ -9,6 +9,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -401,6 +402,21 @@ def test_diverging_run_stops_with_a_clear_error_and_keeps_the_last_checkpoint(
     assert all(np.isfinite(r["train/loss"]) for r in rows if "train/loss" in r)
 
 
+def test_a_run_ruined_before_its_first_log_keeps_no_best_and_fails(tmp_path, files, reference, capsys):
+    """Update 1 is finite but ruinous (lr 1e30), 2 and 3 are skipped: the evaluation at step
+    3 must not keep those weights as the best, and with no checkpoint to test the run fails
+    instead of reporting a test score of ruined weights."""
+    workdir = _new_workdir(tmp_path, reference)
+    with pytest.raises(TrainingDiverged, match="skipped as non-finite and no checkpoint was written"):
+        train(_config(workdir, files, 3, lr_scale=1e30, warmup_steps=1, eval_every=3, log_every=100))
+    assert "step 3: not keeping these parameters as the best" in capsys.readouterr().out
+    checkpoints = RunCheckpoints(workdir, read_only=True)
+    assert checkpoints.latest_step() is None and checkpoints.best_step() is None
+    assert not (workdir / "results.json").exists()
+    with pytest.raises(ValueError, match="--lr-scale must be a positive finite number, got inf"):
+        _config(workdir, files, 3, lr_scale=math.inf)
+
+
 def test_half_written_step_is_ignored_and_cleaned_up(tmp_path):
     """What SIGKILL during an async save leaves: orbax's temporary folder, never a step."""
     checkpoints = RunCheckpoints(tmp_path)
@@ -465,7 +481,7 @@ def test_bad_paths_and_files_fail_before_any_compile(tmp_path, files, monkeypatc
         cfg = TrainConfig(**{**cfg.to_dict(), "test_file": str(tmp_path / "test.tsv")})
         expected = "No usable sentence pair.*1 invalid UTF-8, 1 no tab"
     extra = {"zero accumulation": (["--grad-accum-steps", "0"], "--grad-accum-steps must be at least 1"),
-             "negative budget": (["--max-minutes", "-1"], "--max-minutes must be positive"),
+             "negative budget": (["--max-minutes", "-1"], "--max-minutes must be a positive finite number"),
              "batch below one row": (["--batch-tokens", "10"], "--batch-tokens 10 gives 0 row"),
              "more devices than there are": (["--devices", "9"], "--devices 9: this process has 8 cpu"),
              "fsdp that does not divide d_model": (

@@ -109,8 +109,8 @@ class TrainConfig:
                     for n in at_least_one if getattr(self, n) < 1]
         for name in ("max_minutes", "lr_scale", "grad_clip"):
             value = getattr(self, name)
-            if value is not None and not value > 0:
-                problems.append(f"--{name.replace('_', '-')} must be positive, got {value}")
+            if value is not None and not (value > 0 and math.isfinite(value)):
+                problems.append(f"--{name.replace('_', '-')} must be a positive finite number, got {value}")
         if not 0.0 < self.decay_fraction <= 1.0:
             problems.append(f"--decay-fraction must be in (0, 1], got {self.decay_fraction}")
         if not 0.0 <= self.label_smoothing < 1.0:

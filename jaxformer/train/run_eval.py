@@ -33,9 +33,11 @@ def _translate(run: Run, params: Any, sources: list[str]) -> list[str]:
                                    penalties=Penalties(cfg.no_repeat_ngram_size, cfg.repetition_penalty))
 
 
-def evaluate(run: Run, step: int) -> float:
+def evaluate(run: Run, step: int, keep_best: bool = True) -> float:
     """Dev loss, BLEU and chrF (on ``--dev-bleu-sentences``) with samples; keeps the best
-    parameters by dev BLEU. Returns the BLEU."""
+    parameters by dev BLEU unless ``keep_best`` is false (updates were skipped as
+    non-finite since the last clean logging window: the parameters may be ruined, as
+    for a checkpoint). Returns the BLEU."""
     cfg, t0 = run.cfg, time.perf_counter()
     dev_subset = run.data.splits["dev"][: cfg.dev_bleu_sentences]
     dev_loss = run.evaluator.loss(run.state.params, run.data.dev_examples, run.eval_step)
@@ -50,7 +52,10 @@ def evaluate(run: Run, step: int) -> float:
             f.write(f"== step {step} dev BLEU {bleu:.2f}\n")
             for (src, ref), hyp in list(zip(dev_subset, hyps))[: cfg.num_samples]:
                 f.write(f"SRC: {src}\nREF: {ref}\nHYP: {hyp}\n\n")
-    if bleu > run.best_bleu:
+    if bleu > run.best_bleu and not keep_best:
+        log(f"step {step}: not keeping these parameters as the best, updates were skipped as "
+            f"non-finite since the last clean logging window")
+    elif bleu > run.best_bleu:
         run.best_bleu = bleu
         run.checkpoints.save_best(step, run.state.params, bleu)
     log(f"step {step}: dev loss {dev_loss['loss']:.3f} ppl {dev_loss['ppl']:.1f} "

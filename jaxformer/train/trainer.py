@@ -48,8 +48,9 @@ def train(cfg: TrainConfig, *, fresh: bool = False) -> dict[str, Any]:
         (the next attempt reuses them).
       CheckpointError: checkpoints exist but none is readable (nothing is changed).
       Preempted: SIGTERM/SIGINT; the current step was checkpointed first.
-      TrainingDiverged: a whole logging window of non-finite updates (all skipped);
-        the last checkpoint is intact.
+      TrainingDiverged: a whole logging window of non-finite updates (all skipped),
+        or a run that ends with skipped updates and no checkpoint at all; the last
+        checkpoint is intact.
     """
     run_dir, made = RunDir(cfg.workdir), topmost_missing(Path(cfg.workdir))
     with RunLog(run_dir.log) as run_log:   # train.log: everything printed
@@ -73,7 +74,8 @@ def train_loop(run: Run) -> LoopState:
 
     Raises:
       Preempted: after checkpointing the step at which the signal was honoured.
-      TrainingDiverged: a whole logging window of non-finite updates.
+      TrainingDiverged: a whole logging window of non-finite updates, or skipped
+        updates at the end of a run that has no checkpoint to fall back on.
     """
     cfg, c = run.cfg, run.model.config
     loop = LoopState(step=int(run.state.step), last_log_time=time.perf_counter())
@@ -104,16 +106,21 @@ def train_loop(run: Run) -> LoopState:
                 _log_window(run, loop, progress)
             if loop.step % cfg.checkpoint_every == 0:
                 _save_if_healthy(run, loop)
-            if loop.step % cfg.eval_every == 0 and run.early_stopping.update(evaluate(run, loop.step)):
+            if loop.step % cfg.eval_every == 0 and run.early_stopping.update(
+                    evaluate(run, loop.step, keep_best=_skips_pending(loop) == 0)):
                 loop.stopped_by = "early_stopping"
                 log(f"early stopping: no better dev BLEU in {cfg.patience} evaluations "
                     f"(best {run.early_stopping.best:.2f})")
                 break
-    if run.checkpoints.latest_step() != loop.step:
-        _save_if_healthy(run, loop)
+    refused = run.checkpoints.latest_step() != loop.step and not _save_if_healthy(run, loop)
     run.checkpoints.wait()
     if guard.received is not None:
         _stop_preempted(run, loop, guard.received)
+    if refused and run.checkpoints.latest_step() is None and run.checkpoints.best_step() is None:
+        raise TrainingDiverged(f"Training diverged: updates up to step {loop.step} were skipped as "
+                               f"non-finite and no checkpoint was written, so there are no parameters to "
+                               f"test. Lower --lr-scale, set --grad-clip or use --dtype float32, then run "
+                               f"again (--fresh).")
     return loop
 
 
@@ -151,13 +158,19 @@ def _save_if_healthy(run: Run, loop: LoopState) -> bool:
     """Checkpoints unless an update was skipped since the last clean logging window: a
     run about to diverge can have applied a finite but ruinous update just before, and
     the rotation (keep N) would then push the last good checkpoint out."""
-    pending = 0.0 if loop.totals is None else float(jax.device_get(loop.totals["skipped"]))  # saves only
-    if loop.recent_skips == 0 and pending == 0:
+    if _skips_pending(loop) == 0:
         run.checkpoints.save(loop.step, run.state, run.data.iterator)
         return True
     log(f"step {loop.step}: not checkpointing, updates were skipped as non-finite since the last "
         f"clean logging window; step {run.checkpoints.latest_step()} stays the newest checkpoint")
     return False
+
+
+def _skips_pending(loop: LoopState) -> float:
+    """Updates skipped as non-finite since the last clean logging window (a host sync:
+    called only before a save or an evaluation)."""
+    pending = 0.0 if loop.totals is None else float(jax.device_get(loop.totals["skipped"]))
+    return loop.recent_skips + pending
 
 
 def _stop_preempted(run: Run, loop: LoopState, signum: int) -> None:
