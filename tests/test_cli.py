@@ -283,6 +283,28 @@ def test_translate_refuses_a_config_that_no_longer_matches_the_checkpoint(run, t
     assert stop.value.code == 2 and "does not hold this model's parameters" in capsys.readouterr().err
 
 
+def test_greedy_and_sampled_translations_keep_each_sentences_length_limit(run):
+    """--max-len-a 1 --max-len-b 1: a short source in a batch with a long one gets at most its
+    own length + 1 tokens in greedy and sampling, as in beam search (not the bucket's)."""
+    workdir, _, _ = run
+    translator = Translator(workdir, max_len_a=1.0, max_len_b=1)
+    sources = ["Hi", SENTENCES[0] * 3]
+    limits = [len(ids) + 1 for ids in translator.tokenizer.encode_source(sources)]
+    decoded, decode = [], translator.evaluator.tokenizer.decode
+
+    def spy(ids):   # the generated ids of each row, eos and pad included
+        decoded.extend(np.asarray(row) for row in ids)
+        return decode(ids)
+
+    translator.evaluator.tokenizer.decode = spy
+    for translate in (lambda: translator(sources, beam_size=1),
+                      lambda: translator.sample(sources, seed=1, temperature=3.0)):
+        decoded.clear()
+        translate()
+        lengths = sorted(int((row != translator.tokenizer.pad_id).sum()) for row in decoded)
+        assert all(n <= limit for n, limit in zip(lengths, sorted(limits))), (lengths, limits)
+
+
 def test_translate_flags_output_checkpoint_and_batches_sized_to_the_input(run, tmp_path, capsys,
                                                                           monkeypatch):
     from jaxformer.decode import evaluation

@@ -158,6 +158,29 @@ def test_a_train_config_names_a_bad_choice_when_it_is_built(field, value, words)
     TrainConfig(mesh="data=2,model=2", dtype="bfloat16")   # a valid one is kept
 
 
+def test_greedy_and_sampling_stop_each_sentence_at_its_own_length_limit(tiny):
+    """len_a × L + extra_len per sentence, as beam search has (fairseq's --max-len-a/b), not
+    the bucket's padded length: sources of 1 and 3 tokens with a = 1, b = 1 stop after 2
+    and 4 tokens; forced eos puts eos at each sentence's own last position."""
+    model, params = tiny
+    src = np.array([[3, 0, 0, 0], [3, 4, 5, 0]], np.int32)
+    common = dict(max_decode_len=12, bos_id=1, eos_id=2, len_a=1.0, extra_len=1)
+
+    def lengths(out):
+        out = np.asarray(out)
+        ends = [list(row).index(2) + 1 if 2 in row else int((row != 0).sum()) for row in out]
+        assert all((row[end:] == 0).all() for row, end in zip(out, ends))   # pad after the end
+        return ends
+
+    for out in (greedy_translate(model, params, src, **common),
+                sample_translate(model, params, src, jax.random.key(3), temperature=2.0, **common)):
+        assert all(n <= limit for n, limit in zip(lengths(out), (2, 4)))
+    forced = np.asarray(greedy_translate(model, params, src, forced_eos=True, **common))
+    assert [list(row).index(2) <= limit - 1 for row, limit in zip(forced, (2, 4))] == [True, True]
+    unlimited = np.asarray(greedy_translate(model, params, src, max_decode_len=12, bos_id=1, eos_id=2))
+    assert max(lengths(unlimited)) > 4   # the random model runs on without a limit
+
+
 def test_evaluator_pads_batches_to_a_power_of_two_not_the_batch_size(tiny):
     evaluator = Evaluator(tiny[0], None, batch_size=32, target_language="de",
                           scoring=False, max_len_a=0.5, max_len_b=3)

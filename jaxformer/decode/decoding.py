@@ -60,9 +60,14 @@ def _host_checked(jitted: Callable) -> Callable:
 
 
 def _autoregress(tokens_to_logits: TokensToLogits, cache: Any, pick, *, batch_size: int,
-                 bos_id: int, eos_id: int, pad_id: int, max_decode_len: int) -> jax.Array:
-    """The one decoding loop: feed the last token, ``pick(logits_BV, step, out_BM)`` the next
-    (``out_BM``: the tokens so far, pad after ``step``)."""
+                 bos_id: int, eos_id: int, pad_id: int, max_decode_len: int,
+                 max_lengths: jax.Array | None = None) -> jax.Array:
+    """The one decoding loop: feed the last token, ``pick(logits_BV, step, out_BM, at_limit_B)``
+    the next (``out_BM``: the tokens so far, pad after ``step``; ``at_limit_B``: the token
+    is the sentence's last allowed). A sentence stops at eos or at its limit, min(its
+    ``max_lengths`` entry, M) and at least 1."""
+    limit_B = (jnp.full((batch_size,), max_decode_len, jnp.int32) if max_lengths is None
+               else jnp.clip(jnp.asarray(max_lengths, jnp.int32), 1, max_decode_len))
     out0 = jnp.full((batch_size, max_decode_len), pad_id, jnp.int32)
     ids0 = jnp.full((batch_size, 1), bos_id, jnp.int32)
     done0 = jnp.zeros((batch_size,), jnp.bool_)
@@ -75,9 +80,10 @@ def _autoregress(tokens_to_logits: TokensToLogits, cache: Any, pick, *, batch_si
         step, ids_B1, cache, done, out = carry
         logits_BV, cache = tokens_to_logits(ids_B1, cache)
         chex.assert_shape(logits_BV, (batch_size, None))
-        next_B = jnp.where(done, pad_id, pick(logits_BV, step, out))
+        at_limit_B = step + 1 >= limit_B
+        next_B = jnp.where(done, pad_id, pick(logits_BV, step, out, at_limit_B))
         out = jax.lax.dynamic_update_slice_in_dim(out, next_B[:, None], step, axis=1)
-        done = done | (next_B == eos_id)
+        done = done | (next_B == eos_id) | at_limit_B
         return step + 1, next_B[:, None], cache, done, out
 
     *_, out = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), ids0, cache, done0, out0))
@@ -101,7 +107,7 @@ def first_argmax(logits_BV: jax.Array) -> jax.Array:
 
 def greedy_search(tokens_to_logits: TokensToLogits, cache: Any, *, batch_size: int, bos_id: int,
                   eos_id: int, pad_id: int, max_decode_len: int, forced_eos: bool = False,
-                  penalties: Penalties = NO_PENALTIES) -> jax.Array:
+                  penalties: Penalties = NO_PENALTIES, max_lengths: jax.Array | None = None) -> jax.Array:
     """Greedy decoding; stops early once every sequence has produced eos.
 
     Args:
@@ -111,36 +117,41 @@ def greedy_search(tokens_to_logits: TokensToLogits, cache: Any, *, batch_size: i
       bos_id, eos_id, pad_id: special ids from the tokenizer; pad and bos are never
         generated.
       max_decode_len: M, the most tokens generated per sequence (eos included).
-      forced_eos: the M-th token is eos (as beam search does, and as Hugging Face's
-        ``forced_eos_token_id``); otherwise an unfinished sequence just stops.
+      forced_eos: a sentence's last allowed token is eos (as beam search does, and as
+        Hugging Face's ``forced_eos_token_id``); otherwise an unfinished sequence just stops.
       penalties: repetition rules on the logits (:mod:`jaxformer.decode.penalties`).
+      max_lengths: optional int ``[B]``, per-sentence limits (e.g. :func:`source_limits`);
+        each sentence stops after min(its limit, M) tokens, at least 1.
 
     Returns:
       int32 ``[B, M]``: generated ids (without bos); eos then pad after the end.
     """
 
-    def pick(logits_BV, step, out_BM):
+    def pick(logits_BV, step, out_BM, at_limit_B):
         vocab_ids = jnp.arange(logits_BV.shape[-1], dtype=jnp.int32)
         never_V = (vocab_ids == pad_id) | (vocab_ids == bos_id)
         if penalties.active:
             logits_BV = penalties.apply(logits_BV.astype(jnp.float32), out_BM, step, banned_value=-jnp.inf)
         best_B = first_argmax(jnp.where(never_V[None, :], -jnp.inf, logits_BV))
         if forced_eos:
-            best_B = jnp.where(step == max_decode_len - 1, eos_id, best_B)
+            best_B = jnp.where(at_limit_B, eos_id, best_B)
         return best_B
 
     return _autoregress(tokens_to_logits, cache, pick, batch_size=batch_size, bos_id=bos_id,
-                        eos_id=eos_id, pad_id=pad_id, max_decode_len=max_decode_len)
+                        eos_id=eos_id, pad_id=pad_id, max_decode_len=max_decode_len, max_lengths=max_lengths)
 
 
 @_host_checked
 @functools.partial(jax.jit, static_argnames=("model", "max_decode_len", "bos_id", "eos_id", "forced_eos",
-                                             "penalties"))
+                                             "penalties", "len_a", "extra_len"))
 def greedy_translate(model: Transformer, params: Any, src_BS: jax.Array, *, max_decode_len: int,
                      bos_id: int, eos_id: int, forced_eos: bool = False,
-                     penalties: Penalties = NO_PENALTIES) -> jax.Array:
+                     penalties: Penalties = NO_PENALTIES, len_a: float = 1.0,
+                     extra_len: int | None = None) -> jax.Array:
     """Encodes ``src [B,S]`` once and greedily decodes up to ``max_decode_len`` tokens
-    (``forced_eos``, ``penalties``: see :func:`greedy_search`).
+    (``forced_eos``, ``penalties``: see :func:`greedy_search`); with ``extra_len`` each
+    sentence also stops after ``len_a`` × its source length + ``extra_len`` tokens, as in
+    :func:`beam_translate` (``None``, the default: no such limit).
 
     Compiles once per (B, S, max_decode_len). Returns int32 ``[B, M]``. Raises
     ``ValueError`` (before dispatch) for concrete ids outside ``[0, V_src)``
@@ -149,14 +160,16 @@ def greedy_translate(model: Transformer, params: Any, src_BS: jax.Array, *, max_
     tokens_to_logits, cache = _model_callback(model, params, src_BS, max_decode_len)
     return greedy_search(tokens_to_logits, cache, batch_size=src_BS.shape[0], bos_id=bos_id,
                          eos_id=eos_id, pad_id=model.config.pad_id, max_decode_len=max_decode_len,
-                         forced_eos=forced_eos, penalties=penalties)
+                         forced_eos=forced_eos, penalties=penalties,
+                         max_lengths=source_limits(src_BS, pad_id=model.config.pad_id, len_a=len_a,
+                                                   extra_len=extra_len))
 
 
 # ---------------------------------------------------------------------- sampling
 def sample(tokens_to_logits: TokensToLogits, cache: Any, rng: jax.Array, *, batch_size: int,
            bos_id: int, eos_id: int, pad_id: int, max_decode_len: int, temperature: float = 1.0,
            top_k: int | None = None, top_p: float | None = None,
-           penalties: Penalties = NO_PENALTIES) -> jax.Array:
+           penalties: Penalties = NO_PENALTIES, max_lengths: jax.Array | None = None) -> jax.Array:
     """Ancestral sampling with temperature, top-k and nucleus (top-p) filtering.
 
     Args:
@@ -167,6 +180,7 @@ def sample(tokens_to_logits: TokensToLogits, cache: Any, rng: jax.Array, *, batc
       top_p: keep the smallest set of tokens whose probability reaches p (``None`` = all).
       penalties: repetition rules on the logits, before the temperature
         (:mod:`jaxformer.decode.penalties`; transformers' processor order).
+      max_lengths: optional per-sentence limits, as in :func:`greedy_search`.
 
     Returns:
       int32 ``[B, M]`` like :func:`greedy_search`.
@@ -183,9 +197,9 @@ def sample(tokens_to_logits: TokensToLogits, cache: Any, rng: jax.Array, *, batc
     if temperature == 0:
         return greedy_search(tokens_to_logits, cache, batch_size=batch_size, bos_id=bos_id,
                              eos_id=eos_id, pad_id=pad_id, max_decode_len=max_decode_len,
-                             penalties=penalties)
+                             penalties=penalties, max_lengths=max_lengths)
 
-    def pick(logits_BV, step, out_BM):
+    def pick(logits_BV, step, out_BM, at_limit_B):
         vocab_ids = jnp.arange(logits_BV.shape[-1])
         if penalties.active:
             logits_BV = penalties.apply(logits_BV.astype(jnp.float32), out_BM, step, banned_value=-jnp.inf)
@@ -204,7 +218,7 @@ def sample(tokens_to_logits: TokensToLogits, cache: Any, rng: jax.Array, *, batc
         return jax.random.categorical(jax.random.fold_in(rng, step), logits, axis=-1).astype(jnp.int32)
 
     return _autoregress(tokens_to_logits, cache, pick, batch_size=batch_size, bos_id=bos_id,
-                        eos_id=eos_id, pad_id=pad_id, max_decode_len=max_decode_len)
+                        eos_id=eos_id, pad_id=pad_id, max_decode_len=max_decode_len, max_lengths=max_lengths)
 
 
 def _model_callback(model: Transformer, params: Any, src_BS: jax.Array, max_decode_len: int,
@@ -301,16 +315,21 @@ def beam_translate(model: Transformer, params: Any, src_BS: jax.Array, *, beam_s
 
 @_host_checked
 @functools.partial(jax.jit, static_argnames=("model", "max_decode_len", "bos_id", "eos_id",
-                                             "temperature", "top_k", "top_p", "penalties"))
+                                             "temperature", "top_k", "top_p", "penalties", "len_a",
+                                             "extra_len"))
 def sample_translate(model: Transformer, params: Any, src_BS: jax.Array, rng: jax.Array, *,
                      max_decode_len: int, bos_id: int, eos_id: int, temperature: float = 1.0,
                      top_k: int | None = None, top_p: float | None = None,
-                     penalties: Penalties = NO_PENALTIES) -> jax.Array:
-    """Sampled translations of ``src [B,S]`` → int32 ``[B, M]`` (see :func:`sample`)."""
+                     penalties: Penalties = NO_PENALTIES, len_a: float = 1.0,
+                     extra_len: int | None = None) -> jax.Array:
+    """Sampled translations of ``src [B,S]`` → int32 ``[B, M]`` (see :func:`sample`;
+    ``len_a``, ``extra_len``: per-sentence limits as in :func:`greedy_translate`)."""
     tokens_to_logits, cache = _model_callback(model, params, src_BS, max_decode_len)
     return sample(tokens_to_logits, cache, rng, batch_size=src_BS.shape[0], bos_id=bos_id,
                   eos_id=eos_id, pad_id=model.config.pad_id, max_decode_len=max_decode_len,
-                  temperature=temperature, top_k=top_k, top_p=top_p, penalties=penalties)
+                  temperature=temperature, top_k=top_k, top_p=top_p, penalties=penalties,
+                  max_lengths=source_limits(src_BS, pad_id=model.config.pad_id, len_a=len_a,
+                                            extra_len=extra_len))
 
 
 def jit_decoder(decoder: Callable, model: Transformer, layout: Any = None, **static) -> Callable:

@@ -192,10 +192,12 @@ class Evaluator:
                 params, sources, beam_size=beam_size, alpha=alpha, length_normalization=length_normalization,
                 early_stopping=early_stopping, penalties=penalties)]
         bos, eos = self.tokenizer.bos_id, self.tokenizer.eos_id
+        # Each sentence's own a·L + b limit, as beam search has ("hf": none, as generate).
+        limits = {} if length_normalization == "hf" else dict(len_a=self.max_len_a, extra_len=self.max_len_b)
 
         def decode_batch(src, max_decode_len):
             hyp = self._decoder(greedy_translate, max_decode_len=max_decode_len, bos_id=bos, eos_id=eos,
-                                forced_eos=length_normalization == "hf",
+                                forced_eos=length_normalization == "hf", **limits,
                                 **_penalty_static(penalties))(params, src)
             return hyp[:, None], jnp.zeros(hyp.shape[:1] + (1,))
 
@@ -211,6 +213,7 @@ class Evaluator:
         def decode_batch(src, max_decode_len):
             hyp = self._decoder(sample_translate, max_decode_len=max_decode_len, bos_id=bos, eos_id=eos,
                                 temperature=temperature, top_k=top_k, top_p=top_p,
+                                len_a=self.max_len_a, extra_len=self.max_len_b,
                                 **_penalty_static(penalties),
                                 )(params, src, jax.random.fold_in(rng, next(counter)))
             return hyp[:, None], jnp.zeros(hyp.shape[:1] + (1,))
