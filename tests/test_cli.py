@@ -372,9 +372,22 @@ def test_the_translator_names_bad_arguments_and_fingerprints_its_parameters(run)
             (lambda: translator(["x"], beam_size=0), ValueError, "beam_size must be at least 1"),
             (lambda: translator(["x"], alpha=float("nan")), ValueError, "alpha must be a finite"),
             (lambda: translator.cross_attention("x", "y", layer=5), ValueError, "layer 5 is out of range"),
-            (lambda: Translator(workdir, batch_size=0), ValueError, "batch_size must be at least 1")):
+            (lambda: Translator(workdir, batch_size=0), ValueError, "batch_size must be at least 1"),
+            (lambda: Translator(workdir, batch_size=1.5), ValueError, "batch_size must be an integer"),
+            (lambda: Translator(workdir, max_len_a=float("nan")), ValueError, "max_len_a must be a finite"),
+            (lambda: translator(["x"], beam_size=2.0), ValueError, "beam_size must be an integer, got 2.0"),
+            (lambda: translator.sample(["x"], temperature=float("nan")), ValueError,
+             "temperature must be a finite number"),
+            (lambda: translator.sample(["x"], seed=2**64), ValueError, r"seed must be in \[0, 2\*\*32\)"),
+            (lambda: translator.sample(["x"], seed=1.0), ValueError, "seed must be an integer")):
         with pytest.raises(error, match=message):
             call()
+    # An empty or blank sentence is translated as empty (as the command line writes an empty
+    # line), not as what the model makes of a bare </s>; its neighbours are unchanged.
+    alone = translator(["Click OK."], beam_size=1)
+    assert translator(["", "Click OK.", "   "], beam_size=1) == ["", *alone, ""]
+    assert translator.n_best(["  "], beam_size=2) == [[("", 0.0)]]
+    assert translator.sample(["", "Click OK."], seed=3)[0] == ""
     digest = translator.params_digest()
     assert digest == Translator(workdir, checkpoint=20).params_digest()
     assert digest != Translator(workdir, checkpoint=10).params_digest()

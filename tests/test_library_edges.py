@@ -6,6 +6,7 @@ progress, early stopping, scorers, batch rows, streaming stdin)."""
 import io
 import json
 import logging
+import math
 import os
 import re
 import subprocess
@@ -55,6 +56,26 @@ def test_jitted_decoders_check_concrete_ids_before_dispatch(tiny, bad):
             greedy_translate(model, params, good, **{**common, name: value})
     with pytest.raises(ValueError, match="beam_size must be at least 1, got 0"):
         beam_translate(model, params, good, beam_size=0, **common)
+    with pytest.raises(ValueError, match=rf"bos_id={V + 5} is outside the target vocabulary"):
+        greedy_translate(model, params, good, **{**common, "bos_id": np.int64(V + 5)})   # NumPy ints too
+    assert greedy_translate(model, params, good, **{**common, "bos_id": np.int64(1)}).shape == (1, 4)
+    for call, words in ((lambda: beam_translate(model, params, good, beam_size=2.0, **common),
+                         r"beam_size must be an integer, got 2.0 \(float\)"),
+                        (lambda: beam_translate(model, params, good, beam_size=True, **common),
+                         "beam_size must be an integer, got True"),
+                        (lambda: greedy_translate(model, params, good, **{**common, "max_decode_len": 4.5}),
+                         "max_decode_len must be an integer, got 4.5"),
+                        (lambda: greedy_translate(model, params, good, **{**common, "bos_id": 1.0}),
+                         "bos_id must be an integer"),
+                        (lambda: sample_translate(model, params, good, jax.random.key(0),
+                                                  temperature=math.nan, **common),
+                         "temperature must be a finite number, got nan"),
+                        (lambda: sample_translate(model, params, good, jax.random.key(0), top_k=2.5,
+                                                  **common), "top_k must be an integer"),
+                        (lambda: greedy_translate(model, params, good, len_a=math.inf, extra_len=3, **common),
+                         "len_a must be a finite number, got inf")):
+        with pytest.raises(ValueError, match=words):
+            call()
 
 
 def test_decode_step_checks_concrete_ids(tiny):

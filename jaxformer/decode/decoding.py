@@ -8,6 +8,7 @@ here can be tested with a stub whose right answer is known.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -28,7 +29,7 @@ from jaxformer.decode.penalties import NO_PENALTIES, Penalties
 from jaxformer.model.scan import unrolled
 from jaxformer.model.sharding import under_mesh
 from jaxformer.model.transformer import Transformer
-from jaxformer.model.validation import check_token_ids
+from jaxformer.model.validation import check_count, check_real, check_token_ids
 
 
 def _host_checked(jitted: Callable) -> Callable:
@@ -46,13 +47,22 @@ def _host_checked(jitted: Callable) -> Callable:
         # into another token's embedding; an eos outside it is the idiom for "never stop"
         # (benchmarks/decode.py), left alone.
         vocab = model.config.tgt_vocab_size
-        for name in ("bos_id", "pad_id"):
-            value = kwargs.get(name)
-            if isinstance(value, int) and not 0 <= value < vocab:
-                raise ValueError(f"{name}={value} is outside the target vocabulary [0, {vocab}): pass "
-                                 f"the tokenizer's id (e.g. tokenizer.{name}).")
-        if kwargs.get("beam_size", 1) < 1:
-            raise ValueError(f"beam_size must be at least 1, got {kwargs['beam_size']}")
+        for name in ("bos_id", "eos_id"):   # integers; NumPy ones too (range-checked below)
+            if name in kwargs:
+                kwargs[name] = check_count(name, kwargs[name], minimum=-(1 << 62))
+        if "bos_id" in kwargs and not 0 <= kwargs["bos_id"] < vocab:
+            raise ValueError(f"bos_id={kwargs['bos_id']} is outside the target vocabulary [0, {vocab}): "
+                             f"pass the tokenizer's id (e.g. tokenizer.bos_id).")
+        for name in ("beam_size", "max_decode_len"):
+            if name in kwargs:
+                kwargs[name] = check_count(name, kwargs[name])
+        if kwargs.get("top_k") is not None:
+            kwargs["top_k"] = check_count("top_k", kwargs["top_k"])
+        if kwargs.get("extra_len") is not None:
+            kwargs["extra_len"] = check_count("extra_len", kwargs["extra_len"], minimum=-(1 << 30))
+        for name in ("temperature", "len_a", "alpha"):
+            if name in kwargs:
+                kwargs[name] = check_real(name, kwargs[name], minimum=0.0 if name != "alpha" else None)
         return jitted(model, params, src_BS, *args, **kwargs)
 
     checked.__wrapped__ = jitted.__wrapped__
@@ -188,8 +198,8 @@ def sample(tokens_to_logits: TokensToLogits, cache: Any, rng: jax.Array, *, batc
     Raises:
       ValueError: negative temperature, top_k < 1 or top_p outside (0, 1].
     """
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}.")
+    if not temperature >= 0 or not math.isfinite(temperature):
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature}.")
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k must be >= 1, got {top_k}.")
     if top_p is not None and not 0.0 < top_p <= 1.0:

@@ -6,8 +6,9 @@ device, with beam search, n-best lists, sampling and cross-attention maps
 from __future__ import annotations
 
 import hashlib
-import math
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,7 @@ from jaxformer.model.matmul import cast_matmul_weights
 from jaxformer.model.scan import unrolled
 from jaxformer.model.sharding import Layout
 from jaxformer.model.transformer import Transformer
+from jaxformer.model.validation import check_count, check_real
 from jaxformer.run.checkpoints import RunCheckpoints
 from jaxformer.run.directory import RunDir
 
@@ -61,7 +63,8 @@ class Translator:
       FileNotFoundError: the run directory lacks ``config.json``, the tokenizer or the
         checkpoint asked for.
       ValueError: ``config.json`` is damaged or a Hugging Face model's
-        (:meth:`jaxformer.run.directory.RunDir.read_run_record`), or ``batch_size < 1``.
+        (:meth:`jaxformer.run.directory.RunDir.read_run_record`), ``batch_size`` or
+        ``max_len_b`` not an integer (``batch_size < 1``), ``max_len_a`` not finite or < 0.
     """
 
     def __init__(self, workdir: str | Path, batch_size: int = 32, checkpoint: str | int = "auto",
@@ -70,8 +73,11 @@ class Translator:
                  matmul_dtype: str | None = None):
         from flax import linen as nn
 
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        batch_size = check_count("batch_size", batch_size)
+        if max_len_a is not None:
+            max_len_a = check_real("max_len_a", max_len_a, minimum=0.0)
+        if max_len_b is not None:
+            max_len_b = check_count("max_len_b", max_len_b, minimum=-(1 << 30))
         if isinstance(checkpoint, str) and checkpoint.isdigit():   # "20": a step, as the CLI reads it
             checkpoint = int(checkpoint)
         workdir = Path(workdir)
@@ -136,10 +142,10 @@ class Translator:
 
     def _options(self, beam_size, alpha, length_normalization, early_stopping, no_repeat_ngram_size,
                  repetition_penalty):
-        if beam_size is not None and beam_size < 1:
-            raise ValueError(f"beam_size must be at least 1 (1 = greedy), got {beam_size}")
-        if alpha is not None and not math.isfinite(alpha):
-            raise ValueError(f"alpha must be a finite number, got {alpha}")
+        if beam_size is not None:
+            beam_size = check_count("beam_size", beam_size)
+        if alpha is not None:
+            alpha = check_real("alpha", alpha)
         chosen = dict(beam_size=beam_size, alpha=alpha, length_normalization=length_normalization,
                       early_stopping=early_stopping)
         return {**{k: self.defaults[k] if v is None else v for k, v in chosen.items()},
@@ -155,13 +161,15 @@ class Translator:
         the repetition rules are those of :mod:`jaxformer.decode.penalties`.
 
         Raises:
-          ValueError: ``beam_size < 1``, a non-finite ``alpha``, ``no_repeat_ngram_size < 0``
-            or ``repetition_penalty <= 0``.
+          ValueError: ``beam_size`` not an integer ≥ 1, a non-finite ``alpha``,
+            ``no_repeat_ngram_size < 0`` or ``repetition_penalty <= 0``.
           TypeError: ``sentences`` is one string, not a list of them.
         """
         _check_sentences(sentences)
-        return self.evaluator.translate(self.params, sentences, **self._options(
-            beam_size, alpha, length_normalization, early_stopping, no_repeat_ngram_size, repetition_penalty))
+        options = self._options(beam_size, alpha, length_normalization, early_stopping, no_repeat_ngram_size,
+                                repetition_penalty)
+        return _skipping_blank(sentences, lambda todo: self.evaluator.translate(self.params, todo, **options),
+                               "")
 
     def n_best(self, sentences: list[str], *, beam_size: int | None = None, alpha: float | None = None,
                length_normalization: str | None = None, early_stopping: bool | None = None,
@@ -169,8 +177,11 @@ class Translator:
         """``beam_size`` (translation, score) pairs per sentence, best first (options as
         :meth:`__call__`)."""
         _check_sentences(sentences)
-        return self.evaluator.translate_n_best(self.params, sentences, **self._options(
-            beam_size, alpha, length_normalization, early_stopping, no_repeat_ngram_size, repetition_penalty))
+        options = self._options(beam_size, alpha, length_normalization, early_stopping, no_repeat_ngram_size,
+                                repetition_penalty)
+        return _skipping_blank(
+            sentences, lambda todo: self.evaluator.translate_n_best(self.params, todo, **options),
+            [("", 0.0)])
 
     def sample(self, sentences: list[str], *, seed: int = 0, temperature: float = 1.0,
                top_k: int | None = None, top_p: float | None = None, no_repeat_ngram_size: int | None = None,
@@ -178,13 +189,22 @@ class Translator:
         """One sampled translation per sentence (:func:`jaxformer.decode.decoding.sample`).
 
         ``stream``: draws from ``fold_in(key(seed), stream)`` instead of ``key(seed)``
-        (bulk translation gives each chunk its own stream, so a resumed run draws the same)."""
-        key = jax.random.key(seed)
-        key = key if stream is None else jax.random.fold_in(key, stream)
+        (bulk translation gives each chunk its own stream, so a resumed run draws the same).
+        An empty or blank sentence gets an empty translation, here and in :meth:`__call__`
+        (:meth:`n_best`: one empty pair, score 0).
+
+        Raises:
+          ValueError: ``seed`` not an integer in [0, 2**32), ``temperature`` not a finite
+            number ≥ 0, ``top_k < 1`` or ``top_p`` outside (0, 1].
+        """
+        key = jax.random.key(_check_seed(seed))
+        key = key if stream is None else jax.random.fold_in(key, check_count("stream", stream, minimum=0))
         _check_sentences(sentences)
-        return self.evaluator.sample(self.params, sentences, key,
-                                     temperature=temperature, top_k=top_k, top_p=top_p,
-                                     penalties=self._penalties(no_repeat_ngram_size, repetition_penalty))
+        temperature = check_real("temperature", temperature, minimum=0.0)
+        penalties = self._penalties(no_repeat_ngram_size, repetition_penalty)
+        return _skipping_blank(sentences, lambda todo: self.evaluator.sample(
+            self.params, todo, key, temperature=temperature, top_k=top_k, top_p=top_p, penalties=penalties),
+            "")
 
     def params_digest(self) -> str:
         """SHA-256 of the parameters as decoded (every leaf's path, dtype, shape and bytes):
@@ -237,6 +257,25 @@ def _check_sentences(sentences) -> None:
             or not all(isinstance(s, str) for s in sentences):   # (a generator would be used up here)
         raise TypeError(f"sentences must be a list of strings, got {type(sentences).__name__}"
                         + (": wrap one sentence in a list" if isinstance(sentences, str) else ""))
+
+
+def _skipping_blank(sentences: list[str], translate: Callable[[list[str]], list], blank: Any) -> list:
+    """``translate`` on the sentences with text; an empty or blank one gets ``blank`` (an
+    empty translation, as the command line writes an empty line for an empty one) instead
+    of whatever the model makes of a bare end-of-sentence."""
+    todo = [i for i, sentence in enumerate(sentences) if sentence.strip()]
+    out = [blank] * len(sentences)
+    for i, result in zip(todo, translate([sentences[i] for i in todo]) if todo else []):
+        out[i] = result
+    return out
+
+
+def _check_seed(seed: Any) -> int:
+    """A sampling seed: an integer in [0, 2**32) (what ``--seed`` takes)."""
+    seed = check_count("seed", seed, minimum=0)
+    if seed >= 1 << 32:
+        raise ValueError(f"seed must be in [0, 2**32), got {seed}.")
+    return seed
 
 
 def save_attention_png(path: str | Path, weights, src_pieces, tgt_pieces, title: str = "") -> None:

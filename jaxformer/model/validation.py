@@ -6,6 +6,8 @@ here run in two places:
 
 * Always (at trace time, no cost at run time): rank, integer dtype, length
   ``<= max_len``, matching batch sizes.
+* Scalar arguments (:func:`check_count`, :func:`check_real`): sizes that must be
+  integers and numbers that must be finite, before they become static arguments.
 * Only on concrete arrays (eager ``model.apply``, or on the host before a jitted
   step): the value range. Inside ``jax.jit`` values are unknown, so jaxformer's own
   jitted loops (training, evaluation, translation) call :func:`check_token_ids` on
@@ -13,6 +15,10 @@ here run in two places:
 """
 
 from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
 
 import jax
 import numpy as np
@@ -92,3 +98,35 @@ class DataPositionError(ValueError):
     pipeline's (a checkpoint of a jaxformer from before streamed data, or a damaged or
     edited file), or saved by processes whose positions cannot be joined
     (:mod:`jaxformer.run.positions`)."""
+
+
+def check_count(name: str, value: Any, *, minimum: int = 1) -> int:
+    """``value`` as an ``int`` ≥ ``minimum`` (a Python or NumPy integer; a ``bool`` or a
+    float such as ``2.0`` is refused: a size that is not an integer is a mistake, and
+    would otherwise fail inside ``jit`` with a shape error).
+
+    Raises:
+      ValueError: naming ``name``, the value and the fix.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an integer, got {value!r} ({type(value).__name__}); "
+                         f"pass e.g. {name}={max(minimum, 1)}.")
+    if value < minimum:
+        raise ValueError(f"{name} must be at least {minimum}, got {value}.")
+    return int(value)
+
+
+def check_real(name: str, value: Any, *, minimum: float | None = None, above: float | None = None) -> float:
+    """``value`` as a finite ``float`` (≥ ``minimum`` / > ``above`` when given); NaN and
+    infinities are refused, as they compare False with every bound.
+
+    Raises:
+      ValueError: naming ``name`` and the value.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}.")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be at least {minimum}, got {value}.")
+    if above is not None and not value > above:
+        raise ValueError(f"{name} must be greater than {above}, got {value}.")
+    return float(value)
