@@ -198,11 +198,25 @@ def test_share_embeddings_needs_one_vocabulary():
     ("activation", "tanh"),
     ("positional_layout", "rotary"),
     ("layer_norm_epsilon", 0.0),
+    ("share_embeddings", "no"),   # a truthy string would silently mean True
+    ("remat", "false"),
+    ("scan_layers", 1),
+    ("final_logits_bias", None),
+    ("pad_id", 0.0),
+    ("pad_id", True),
+    ("dropout_rate", "0.1"),
 ])
 def test_bad_field_raises_value_error_naming_it(field, value):
     with pytest.raises(ValueError) as e:
         _config(**{field: value})
     assert field in str(e.value)
+    with pytest.raises(ValueError, match=field):   # as config.json is read
+        TransformerConfig.from_dict({**_config().to_dict(), field: value})
+
+
+def test_numpy_integer_fields_are_kept_as_python_ints():
+    c = _config(d_model=np.int64(32), pad_id=np.int32(0))
+    assert (type(c.d_model), type(c.pad_id)) == (int, int) and c == _config(d_model=32, pad_id=0)
 
 
 def test_replace_validates_again():

@@ -650,9 +650,16 @@ def test_batch_mismatch(tiny):
 
 def test_init_cache_rejects_bad_length(tiny):
     model, params, src, _ = tiny
-    for bad in (0, MAX_LEN + 1):
+    for bad in (0, MAX_LEN + 1, 4.0, True):   # a float or a bool: named, not a shape error in JAX
         with pytest.raises(ValueError, match="max_decode_len"):
             model.apply(params, _encoder_output(), src, bad, method=Transformer.init_cache)
+
+
+def test_deterministic_must_be_a_bool(tiny):
+    """deterministic="no" is truthy: it would silently switch dropout off."""
+    model, params, src, tgt = tiny
+    with pytest.raises(ValueError, match="deterministic must be True or False, got 'no'"):
+        model.apply(params, src, tgt, deterministic="no")
 
 
 # ------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ as ``dtype`` are changed with :func:`dataclasses.replace`, never by mutation.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any, Literal
 
 import jax.numpy as jnp
@@ -105,10 +106,17 @@ class TransformerConfig:
     def __post_init__(self):
         positive = ("src_vocab_size", "tgt_vocab_size", "d_model", "num_heads", "d_ff",
                     "num_encoder_layers", "num_decoder_layers", "max_len")
-        for name in positive:
+        for name in (*positive, "pad_id"):   # NumPy integers are kept as Python ints
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"TransformerConfig.{name} must be a positive int, got {value!r}.")
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool) \
+                    or (value <= 0 and name != "pad_id"):
+                raise ValueError(f"TransformerConfig.{name} must be a "
+                                 f"{'' if name == 'pad_id' else 'positive '}int, got {value!r}.")
+            object.__setattr__(self, name, int(value))
+        for name in ("share_embeddings", "remat", "scan_layers", "final_logits_bias"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):   # "no" or 1 would silently mean True
+                raise ValueError(f"TransformerConfig.{name} must be True or False, got {value!r}.")
         if self.d_model % self.num_heads:
             raise ValueError(
                 f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}: "
@@ -117,7 +125,7 @@ class TransformerConfig:
                 f"{self.num_heads * max(1, round(self.d_model / self.num_heads))}).")
         for name in ("dropout_rate", "attention_dropout_rate"):
             rate = getattr(self, name)
-            if not 0.0 <= rate < 1.0:
+            if isinstance(rate, bool) or not isinstance(rate, numbers.Real) or not 0.0 <= rate < 1.0:
                 raise ValueError(f"TransformerConfig.{name} must be in [0, 1), got {rate!r}.")
         if self.norm_position not in ("post", "pre"):
             raise ValueError(f"norm_position must be 'post' (paper) or 'pre', got {self.norm_position!r}.")

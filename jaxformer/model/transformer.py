@@ -26,7 +26,7 @@ from jaxformer.model.config import TransformerConfig
 from jaxformer.model.layers import Embedding, OutputProjection, PositionalEncoding
 from jaxformer.model.masks import create_padding_mask, decoder_masks, encoder_mask, segment_positions
 from jaxformer.model.stacks import Decoder, Encoder
-from jaxformer.model.validation import check_same_batch, check_token_ids
+from jaxformer.model.validation import check_count, check_same_batch, check_token_ids
 
 
 @struct.dataclass
@@ -219,6 +219,8 @@ class Transformer(nn.Module):
     def _checked_encode(self, src, tgt, deterministic, src_segments):
         """Validates both id arrays, then ``encode(src)``."""
         c = self.config
+        if not isinstance(deterministic, (bool, jnp.bool_)):   # "no" would silently mean True
+            raise ValueError(f"deterministic must be True or False, got {deterministic!r}.")
         check_token_ids(src, name="src", vocab_size=c.src_vocab_size, max_len=c.max_len)
         check_token_ids(tgt, name="tgt", vocab_size=c.tgt_vocab_size, max_len=c.max_len)
         check_same_batch(src, tgt)
@@ -253,10 +255,11 @@ class Transformer(nn.Module):
           cross-attention K/V ``[B, H, S, K]`` of every layer, and ``index = 0``.
 
         Raises:
-          ValueError: ``max_decode_len`` outside ``[1, max_len]``.
+          ValueError: ``max_decode_len`` not an integer in ``[1, max_len]``.
         """
         c = self.config
-        if not 1 <= max_decode_len <= c.max_len:
+        max_decode_len = check_count("max_decode_len", max_decode_len)   # 4.0 or True: named here
+        if not max_decode_len <= c.max_len:
             raise ValueError(f"max_decode_len={max_decode_len} must be in [1, max_len={c.max_len}].")
         batch, src_len = src.shape
         chex.assert_shape(encoder_output, (batch, src_len, c.d_model))
