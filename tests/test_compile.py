@@ -113,6 +113,11 @@ def test_bad_flags_exit_2(capsys, tmp_path):
                            (["--topology", "v4-8", "--mesh", "data=3", *cache], "mesh"),
                            (["--topology", "v4-8", "--num-slices", "0", *cache], "--num-slices must be at"),
                            (["--topology", "v4-8", "--decode-batch", "0", *cache], "--decode-batch must be"),
+                           # named before the train step compiles, as training names it
+                           (["--topology", "v4-8", "--decode-batch", "3", *cache],
+                            "--decode-batch 3 does not divide by the mesh's data × fsdp axes (4)"),
+                           (["--topology", "v4-8", "--batch-tokens", "64", *cache],
+                            "--batch-tokens 64 gives 2 row(s) of 32 tokens, but a batch needs a multiple"),
                            (["--topology", "v4-8", "--cache-dir", str(a_file)], "--cache-dir '"),
                            (["--topology", "v4-8", *cache, "--save", str(a_file)], "is a file; name"),
                            (["--topology", "v4-8", "--cache-dir", "/proc/cc"], "cannot be written (/proc")):

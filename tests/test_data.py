@@ -208,3 +208,13 @@ def test_explicit_dev_and_test_files_replace_the_hashed_split(tmp_path):
     assert len(dev_only["train"]) + len(dev_only["test"]) == 3000
     with pytest.raises(ValueError, match="not both"):
         reference_data.load_splits(TrainConfig(train_file="a.tsv", src_file="b.txt", tgt_file="c.txt"))
+
+
+def test_batch_rows_are_rounded_with_a_note_or_refused_by_name():
+    """Training and jaxformer-compile size a batch alike: 1024 tokens of 32-token rows over a
+    data axis of 3 is 30 rows (noted), over 64 it is an error naming the budget that fits."""
+    assert batching.rows_per_batch(1024, 32, 3) == 30
+    assert "has 30 rows, not 32" in batching.check_batch_rows(1024, 32, 3)
+    assert batching.check_batch_rows(1024, 32, 4) is None
+    with pytest.raises(ValueError, match="use --batch-tokens 2048 or more"):
+        batching.check_batch_rows(1024, 32, 64)

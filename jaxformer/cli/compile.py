@@ -98,7 +98,7 @@ def compile_all(args: argparse.Namespace, cfg: TrainConfig) -> dict[str, Any]:
 
     from jaxformer.aot.steps import DecodeShape, TrainShape, lower_beam_search, lower_train_step
     from jaxformer.aot.target import target_devices, target_mesh
-    from jaxformer.data.batching import rows_per_batch
+    from jaxformer.data.batching import check_batch_rows, rows_per_batch
     from jaxformer.model.config import preset
     from jaxformer.model.sharding import parse_mesh
 
@@ -109,6 +109,15 @@ def compile_all(args: argparse.Namespace, cfg: TrainConfig) -> dict[str, Any]:
     sizes = parse_mesh(cfg.mesh, devices_count)
     data = sizes["data"] * sizes["fsdp"]
     length = cfg.row_length(config.max_len)
+    # As training sizes its batches: too few rows is an error, rounded rows are reported;
+    # a decoding batch that the data axes do not divide is named before any compile.
+    note = check_batch_rows(cfg.batch_tokens, length, data * cfg.grad_accum_steps)
+    if note:
+        print(note, file=sys.stderr)
+    if not args.no_decode and args.decode_batch % data:
+        raise ValueError(f"--decode-batch {args.decode_batch} does not divide by the mesh's data × fsdp "
+                         f"axes ({data}); use a multiple of {data}, e.g. --decode-batch "
+                         f"{-(-args.decode_batch // data) * data}.")
     rows = rows_per_batch(cfg.batch_tokens, length, data * cfg.grad_accum_steps)
     shapes = {"train_step": TrainShape(rows=rows, length=length, label_smoothing=cfg.label_smoothing,
                                        grad_accum_steps=cfg.grad_accum_steps)}

@@ -100,6 +100,28 @@ def rows_per_batch(batch_tokens: int, length: int, row_multiple: int = 1) -> int
     return max(row_multiple, batch_tokens // length // row_multiple * row_multiple)
 
 
+def check_batch_rows(batch_tokens: int, row_length: int, row_multiple: int) -> str | None:
+    """Rows of a full-length batch: ``batch_tokens // row_length``, rounded down to a multiple
+    of ``row_multiple`` (data axis × grad-accumulation steps × processes), as
+    :func:`rows_per_batch` does. Too small a budget is an error; a rounded one returns a
+    note to report, so the batch is never silently another size.
+
+    Raises:
+      ValueError: fewer rows than ``row_multiple``, naming the ``--batch-tokens`` that fits.
+    """
+    rows = batch_tokens // row_length
+    if rows < row_multiple:
+        raise ValueError(f"--batch-tokens {batch_tokens} gives {rows} row(s) of {row_length} tokens, but "
+                         f"a batch needs a multiple of {row_multiple} rows (data axis × "
+                         f"--grad-accum-steps × processes); use --batch-tokens "
+                         f"{row_length * row_multiple} or more.")
+    if rows % row_multiple:
+        return (f"note: a batch of {row_length}-token rows has {rows // row_multiple * row_multiple} rows, "
+                f"not {rows}: rounded down to a multiple of {row_multiple} (data axis × "
+                f"--grad-accum-steps × processes)")
+    return None
+
+
 def bucket_plan(src_len: np.ndarray, tgt_len: np.ndarray, batch_tokens: int, boundaries: Sequence[int],
                 rng: np.random.Generator, row_multiple: int = 1) -> list[tuple[int, np.ndarray]]:
     """:func:`bucket_batches` on lengths alone: ``src_len``/``tgt_len`` ``[N]`` are the

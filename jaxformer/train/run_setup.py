@@ -16,7 +16,7 @@ from typing import Any
 
 import jax
 
-from jaxformer.data.batching import bucket_boundaries, rows_per_batch, tokenize_pairs
+from jaxformer.data.batching import bucket_boundaries, check_batch_rows, rows_per_batch, tokenize_pairs
 from jaxformer.data.corpus import target_language_of
 from jaxformer.data.prepared import PreparedCorpus
 from jaxformer.data.run_data import prepare_run_data
@@ -161,7 +161,9 @@ def build_train_data(cfg: TrainConfig, prepared: PreparedCorpus, target_language
         f"{json.dumps(prepared.manifest['counts'])})")
     splits = {name: prepared.held_out(name) for name in ("dev", "test")}
     dev_examples = tokenize_pairs(splits["dev"], tokenizer, model_config.max_len)
-    _check_batch_rows(cfg.batch_tokens, max_train_len, row_multiple)
+    note = check_batch_rows(cfg.batch_tokens, max_train_len, row_multiple)
+    if note:
+        log(note)
     build = functools.partial(
         stream_dataset, prepared, max_len=max_train_len, batch_tokens=cfg.batch_tokens,
         boundaries=bucket_boundaries(max_train_len), seed=cfg.seed, pad_id=tokenizer.pad_id,
@@ -231,22 +233,6 @@ def _check_same_seed(saved: dict[str, Any], cfg: TrainConfig) -> None:
                          f"{cfg.seed} would read their saved position in another order (pairs repeated "
                          f"and skipped). Resume with --seed {before}, or start a new run (--fresh, or "
                          f"--init-from this one).")
-
-
-def _check_batch_rows(batch_tokens: int, row_length: int, row_multiple: int) -> None:
-    """Rows of a full-length batch: ``batch_tokens // row_length``, rounded down to a multiple
-    of ``row_multiple`` (data axis × grad-accumulation steps × processes). Too small a budget is
-    an error; a rounded one is reported, so the batch is never silently another size."""
-    rows = batch_tokens // row_length
-    if rows < row_multiple:
-        raise ValueError(f"--batch-tokens {batch_tokens} gives {rows} row(s) of {row_length} tokens, but "
-                         f"a batch needs a multiple of {row_multiple} rows (data axis × "
-                         f"--grad-accum-steps × processes); use --batch-tokens "
-                         f"{row_length * row_multiple} or more.")
-    if rows % row_multiple:
-        log(f"note: a batch of {row_length}-token rows has {rows // row_multiple * row_multiple} rows, "
-            f"not {rows}: rounded down to a multiple of {row_multiple} (data axis × "
-            f"--grad-accum-steps × processes)")
 
 
 def _write_run_record(run_dir: RunDir, cfg: TrainConfig, model_config: TransformerConfig,
