@@ -298,11 +298,23 @@ def test_config_file_fills_settings_and_flags_override(tmp_path, capsys):
                           ("seed: null\n", "'seed' must be int, got null"),
                           ("preset: huge\n", "'preset' must be one of tiny, small, base, big"),
                           ("pair: en-xx\n", "'pair' must be one of en-de"),
-                          ("max_steps: 10\nmax-steps: 20\n", "'max_steps' and 'max-steps' are the same")):
+                          ("max_steps: 10\nmax-steps: 20\n", "'max_steps' and 'max-steps' are the same"),
+                          ("max_steps: 10\nmax_steps: 20\n", "'max_steps' given twice (line 1); keep one"),
+                          ("tgt_lang: no\n", "booleans: put the value in quotes"),   # YAML 1.1's boolean no
+                          ("seed = 3\n", "mapping of setting: value (JSON or YAML), got str")):
         (tmp_path / "bad.yaml").write_text(text)
         with pytest.raises(SystemExit) as exit_info:
             parse_train_args(["--config", str(tmp_path / "bad.yaml")])
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    (tmp_path / "run.toml").write_text("seed = 3\n")
+    (tmp_path / "twice.json").write_text('{"seed": 1, "seed": 2}')
+    for name, message in (("run.toml", "only JSON (.json) and YAML (.yaml, .yml) files are read"),
+                          ("twice.json", "'seed' is given twice; keep one")):
+        with pytest.raises(SystemExit):
+            parse_train_args(["--config", str(tmp_path / name)])
+        assert message in capsys.readouterr().err
+    (tmp_path / "bom.json").write_bytes(b"\xef\xbb\xbf" + json.dumps({"seed": 5}).encode())   # a BOM
+    assert parse_train_args(["--config", str(tmp_path / "bom.json")])[1].seed == 5
     # The flags' checks hold for file values too: -5e-1 is a float, and not a positive one.
     (tmp_path / "negative.yaml").write_text("lr_scale: -5e-1\n")
     _, args = parse_train_args(["--config", str(tmp_path / "negative.yaml")])

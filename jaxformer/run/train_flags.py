@@ -76,22 +76,27 @@ def _read_config_file(path: str | Path) -> tuple[dict[str, Any], bool]:
     replay, which records every setting, not only those the user chose)."""
     import yaml
 
+    loader = _unique_key_loader()
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as e:
+    if path.suffix.lower() in (".toml", ".ini", ".cfg"):
+        raise ValueError(f"--config {str(path)!r}: only JSON (.json) and YAML (.yaml, .yml) files are "
+                         f"read; write the settings as YAML, e.g. 'batch_tokens: 4096'.")
+    try:   # utf-8-sig: a byte-order mark (as some editors write) is dropped, for JSON as for YAML
+        text = path.read_text(encoding="utf-8-sig")
+    except (OSError, UnicodeDecodeError) as e:
         raise ValueError(f"--config {str(path)!r} cannot be read: {e}") from e
     try:   # YAML is a superset of JSON, but JSON's own errors are clearer for .json files
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as e:
+        data = (json.loads(text, object_pairs_hook=_unique_keys) if path.suffix == ".json"
+                else yaml.load(text, Loader=loader))
+    except (json.JSONDecodeError, yaml.YAMLError, _DuplicateKey) as e:
         kind = "JSON" if path.suffix == ".json" else "YAML"
         raise ValueError(f"--config {str(path)!r} is not valid {kind}: {e}") from e
     run_record = isinstance(data, dict) and isinstance(data.get("train"), dict) and "model" in data
     if run_record:
         data = data["train"]   # a run's config.json: replay its settings
     if not isinstance(data, dict):
-        raise ValueError(f"--config {str(path)!r} must hold a mapping of setting: value, "
-                         f"got {type(data).__name__}.")
+        raise ValueError(f"--config {str(path)!r} must hold a mapping of setting: value (JSON or "
+                         f"YAML), got {type(data).__name__}.")
     hints = typing.get_type_hints(TrainConfig)
     choices = _choices()
     out, problems, spelled = {}, [], {}
@@ -117,7 +122,9 @@ def _read_config_file(path: str | Path) -> tuple[dict[str, Any], bool]:
         ok = (value is None or (isinstance(value, kind) and not (kind is int and isinstance(value, bool)))
               or (kind is float and isinstance(value, int) and not isinstance(value, bool)))
         if not ok:
-            problems.append(f"{key!r} must be {kind.__name__}, got {value!r}")
+            hint = (" (YAML reads no, yes, on, off, true and false as booleans: put the value in quotes, "
+                    f"e.g. {key}: 'no')" if kind is str and isinstance(value, bool) else "")
+            problems.append(f"{key!r} must be {kind.__name__}, got {value!r}{hint}")
             continue
         if value is not None and name in choices and value not in choices[name]:
             problems.append(f"{key!r} must be one of {', '.join(map(str, choices[name]))}; got {value!r}")
@@ -128,6 +135,36 @@ def _read_config_file(path: str | Path) -> tuple[dict[str, Any], bool]:
                          ". Settings are the flag names without dashes, e.g. batch_tokens; "
                          "see --help.")
     return out, run_record
+
+
+class _DuplicateKey(ValueError):
+    """A key written twice in one mapping of a --config file."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads``'s ``object_pairs_hook``: a key given twice is an error, not the last one."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(f"{key!r} is given twice; keep one")
+        out[key] = value
+    return out
+
+
+def _unique_key_loader():
+    """A ``yaml.SafeLoader`` whose mappings refuse a key given twice (PyYAML keeps the last)."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            keys = [self.construct_object(key, deep=deep) for key, _ in node.value]
+            twice = sorted({str(k) for k in keys if keys.count(k) > 1})
+            if twice:
+                raise _DuplicateKey(f"{', '.join(map(repr, twice))} given twice "
+                                    f"(line {node.start_mark.line + 1}); keep one")
+            return super().construct_mapping(node, deep=deep)
+
+    return Loader
 
 
 def parse_train_args(argv: list[str] | None = None, defaults: dict[str, Any] | None = None,
