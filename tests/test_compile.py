@@ -114,6 +114,10 @@ def test_bad_flags_exit_2(capsys, tmp_path):
                            (["--topology", "v4-8", "--num-slices", "0", *cache], "--num-slices must be at"),
                            (["--topology", "v4-8", "--decode-batch", "0", *cache], "--decode-batch must be"),
                            # named before the train step compiles, as training names it
+                           (["--topology", "v5e-4", "--attention-backend", "cudnn", *cache],
+                            "cudnn is NVIDIA's fused attention; on TPU use pallas"),
+                           (["--topology", "h100-8", "--attention-backend", "pallas", *cache],
+                            "pallas is the TPU splash kernel; on a GPU use cudnn or xla"),
                            (["--topology", "v4-8", "--decode-batch", "3", *cache],
                             "--decode-batch 3 does not divide by the mesh's data × fsdp axes (4)"),
                            (["--topology", "v4-8", "--batch-tokens", "64", *cache],

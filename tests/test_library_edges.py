@@ -327,6 +327,8 @@ def test_config_file_fills_settings_and_flags_override(tmp_path, capsys):
     assert "unrecognized arguments: --dropout 0.3" in capsys.readouterr().err
     with pytest.raises(ValueError, match="max_steps must be int, got '20'; progress must be bool"):
         TrainConfig(max_steps="20", progress="no")   # once: '<' not supported between str and int
+    with pytest.raises(ValueError, match="--num-layers must be at least 1, got 0"):
+        TrainConfig(num_layers=0)   # named as the flag, not as TransformerConfig.num_encoder_layers
     with pytest.raises(ValueError, match="--num-samples must be at least 0, got -3"):
         TrainConfig(num_samples=-3)   # a slice [:-3] would write all but the last 3 samples
 

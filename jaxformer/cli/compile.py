@@ -104,6 +104,11 @@ def compile_all(args: argparse.Namespace, cfg: TrainConfig) -> dict[str, Any]:
 
     spec = slice_spec(args.topology)
     chip = CHIPS[spec.chip]
+    on_gpu = spec.chip_config_name == "gpu"
+    if cfg.attention_backend == ("pallas" if on_gpu else "cudnn"):   # each kernel is for one platform
+        raise ValueError(f"--attention-backend {cfg.attention_backend} does not run on {args.topology}: "
+                         + ("cudnn is NVIDIA's fused attention; on TPU use pallas (splash attention) or xla"
+                            if not on_gpu else "pallas is the TPU splash kernel; on a GPU use cudnn or xla"))
     config = preset(cfg.preset, src_vocab_size=cfg.vocab_size, **cfg.model_overrides())
     devices_count = spec.chips * args.num_slices
     sizes = parse_mesh(cfg.mesh, devices_count)

@@ -129,6 +129,9 @@ class TrainConfig:
         if self.average_last is not None and not 2 <= self.average_last <= self.keep_checkpoints:
             problems.append(f"--average-last must be in [2, --keep-checkpoints={self.keep_checkpoints}] "
                             f"(only kept checkpoints can be averaged), got {self.average_last}")
+        for name in ("d_model", "num_heads", "d_ff", "num_layers", "max_len"):   # named as the flag
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                problems.append(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if self.max_train_len is not None and self.max_train_len < 2:
             problems.append(f"--max-train-len must be at least 2, got {self.max_train_len}")
         if self.data_workers is not None and self.data_workers < 0:
