@@ -51,6 +51,10 @@ def test_bad_lines_are_counted_not_fatal(tmp_path):
     assert report.skipped == {"no tab": 1, "empty side": 1, "more than one tab": 1,
                               "invalid UTF-8": 1, "blank line": 1}
     assert "skipped" in report.summary("x")
+    mac = tmp_path / "mac.tsv"   # \r line endings: one line of many tabs
+    mac.write_bytes(b"Hello\tHallo\rYes\tJa\rNo\tNein\r")
+    with pytest.raises(ValueError, match=r"carriage return inside the line \(\\r line endings\? convert"):
+        corpus.read_tsv(mac)
 
 
 def test_empty_and_missing_corpora_raise_clear_errors(tmp_path):

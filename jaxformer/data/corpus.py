@@ -123,7 +123,8 @@ def iter_tsv(path: str | os.PathLike, report: DataReport) -> Iterator[Pair]:
     line in memory at a time.
 
     Malformed lines are skipped and counted in ``report``, never fatal: no tab, an
-    empty side, invalid UTF-8, more than one tab. ``report.read`` counts every line.
+    empty side, invalid UTF-8, more than one tab, a carriage return inside the line
+    (a file with ``\\r`` line endings). ``report.read`` counts every line.
 
     Raises:
       FileNotFoundError / PermissionError: the path is missing or unreadable.
@@ -137,6 +138,9 @@ def iter_tsv(path: str | os.PathLike, report: DataReport) -> Iterator[Pair]:
                 continue
             if not line.strip():
                 report.skip("blank line")
+                continue
+            if "\r" in line and line.count("\t") > 1:   # \r line endings: lines read as one
+                report.skip("carriage return inside the line (\\r line endings? convert them to \\n)")
                 continue
             fields = line.split("\t")
             if len(fields) != 2:
