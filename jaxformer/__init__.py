@@ -15,6 +15,13 @@ from jaxformer.model.masks import create_causal_mask, create_decoder_mask, creat
 from jaxformer.model.stacks import Decoder, Encoder
 from jaxformer.model.transformer import DecodeCache, LayerCache, Transformer
 from jaxformer.model.validation import check_token_ids
+from jaxformer.run.platform import skip_absent_tpu
+
+# With libtpu installed (the test and tpu extras) but no TPU attached, JAX would start the
+# TPU backend at the first computation and libtpu print worker-hostname errors before JAX
+# falls back to the CPU. Choose the CPU now, as the commands do; JAX_PLATFORMS, an attached
+# TPU or a GPU plugin leave JAX's own choice alone (jaxformer.run.platform).
+skip_absent_tpu()
 
 __all__ = [
     "AddNorm", "DecodeCache", "Decoder", "DecoderLayer", "Embedding", "Encoder", "EncoderLayer",

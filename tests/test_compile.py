@@ -151,9 +151,12 @@ def test_importing_jaxformer_sets_no_tpu_environment_and_starts_no_tpu_backend()
             "from jax._src import xla_bridge\n"
             "after = {k: v for k, v in os.environ.items() if k.startswith('TPU_')}\n"
             "print(after == before, sorted(xla_bridge._backends))\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TPU_")}
+    # A plain script: no JAX_PLATFORMS (the suite's conftest sets it), so with libtpu
+    # installed and no TPU attached, importing jaxformer must choose the CPU itself.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TPU_") and k != "JAX_PLATFORMS"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.strip() == "True ['cpu']", out.stdout + out.stderr[-2000:]
+    assert "TPU_WORKER_HOSTNAMES" not in out.stderr and "libtpu" not in out.stderr, out.stderr[-2000:]
 
 
 def test_tiny_compiles_for_an_h100_node_without_a_gpu(capsys, tmp_path):
@@ -168,17 +171,19 @@ def test_tiny_compiles_for_an_h100_node_without_a_gpu(capsys, tmp_path):
 
 
 def test_with_libtpu_installed_a_cpu_host_never_starts_the_tpu_backend():
-    """The commands that run a model call skip_absent_tpu(): with JAX_PLATFORMS unset and
-    no TPU attached, JAX runs on the CPU without libtpu's metadata queries and warnings."""
+    """Importing jaxformer calls skip_absent_tpu() (the commands call it again, a no-op):
+    with JAX_PLATFORMS unset and no TPU attached, JAX runs on the CPU without libtpu's
+    metadata queries and warnings."""
     from jaxformer.run.platform import tpu_attached
 
     if tpu_attached():
         pytest.skip("this machine has TPU chips")
-    code = ("from jaxformer.run.platform import skip_absent_tpu\n"
-            "chose = skip_absent_tpu()\n"
-            "import jax\n"
-            "print(chose, jax.devices()[0].platform)\n")
+    code = ("import jax\n"
+            "unset = jax.config.jax_platforms\n"
+            "from jaxformer.run.platform import skip_absent_tpu\n"
+            "again = skip_absent_tpu()\n"
+            "print(unset or None, jax.config.jax_platforms, again, jax.devices()[0].platform)\n")
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS" and not k.startswith("TPU_")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
-    assert out.stdout.split() == ["True", "cpu"]
+    assert out.stdout.split() == ["None", "cpu", "False", "cpu"]
     assert "TPU" not in out.stderr, out.stderr[-2000:]

@@ -88,14 +88,17 @@ def test_no_import_circles_between_modules():
 
 
 def test_the_model_wing_imports_nothing_from_the_others():
-    """Importing every model module (and ``jaxformer`` itself) loads no other wing."""
+    """Importing every model module (and ``jaxformer`` itself) loads no other wing, but
+    for ``run.platform`` (standard library only), which ``import jaxformer`` asks to keep
+    JAX off an absent TPU."""
     model_modules = sorted(m for m in MODULES if m.startswith("jaxformer.model"))
     code = ("import sys; import jaxformer; " + "; ".join(f"import {m}" for m in model_modules)
             + "; print(sorted(m for m in sys.modules if m.startswith('jaxformer.') and "
               "not m.startswith('jaxformer.model')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={"JAX_PLATFORMS": "cpu", "PATH": ""}, cwd=PACKAGE.parent)
-    assert out.stdout.strip() == "[]", out.stdout
+    assert out.stdout.strip() == "['jaxformer.run', 'jaxformer.run.platform']", out.stdout
+    assert _imports(PACKAGE / "run" / "platform.py") == set()
 
 
 def test_public_names_and_entry_points_still_there():
@@ -121,3 +124,18 @@ def test_public_names_and_entry_points_still_there():
     for name in scripts:
         if name != "jaxformer-train":
             assert importlib.util.find_spec(name.replace("-", ".")) is not None, name
+
+
+def test_the_readme_python_examples_run():
+    """The README's two Python blocks (the model as a library, decoding as a library) run
+    as written, in order, in a fresh process: a renamed argument or an undefined name in
+    them is a failure here, not a user's first traceback."""
+    import re
+
+    readme = (Path(jaxformer.__file__).parent.parent / "README.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"```python\n(.*?)```", readme, re.S)
+    assert len(blocks) >= 2
+    code = "\n".join(blocks) + "\nprint(ids.shape, seqs.shape, attention.shape)\n"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split("\n")[-2] == "(1, 64) (1, 4, 64) (1, 4, 4, 6)"

@@ -3,8 +3,8 @@
 With ``libtpu`` installed (the ``tpu`` extra, for ``jaxformer-compile``) JAX tries the
 TPU backend first on any machine: on a CPU host libtpu then queries a metadata server,
 warns about the accelerator type and workers, and takes ``/tmp/libtpu_lockfile``
-before JAX falls back to the CPU. The commands that run a model call
-:func:`skip_absent_tpu` first, so a CPU host never starts the TPU backend.
+before JAX falls back to the CPU. ``import jaxformer`` calls :func:`skip_absent_tpu`
+(and the commands that run a model again), so a CPU host never starts the TPU backend.
 """
 
 from __future__ import annotations
