@@ -19,19 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jaxformer.model.validation import check_rank_2
+
 # The kv segment id of a key no query may attend to (padding): no query carries it.
 # Segment ids are non-negative in practice (collate_packed numbers segments 1, 2, …
 # and padding 0); any id above int32's minimum works.
 PADDING_SEGMENT = np.iinfo(np.int32).min
-
-
-def _check_ids(tokens, name: str, what: str) -> None:
-    """Raises ``ValueError`` unless ``tokens`` is an array of rank 2 ``[B, L]``."""
-    shape = getattr(tokens, "shape", None)
-    if shape is None or len(shape) != 2:
-        got = f"shape {tuple(shape)}" if shape is not None else f"a {type(tokens).__name__}"
-        raise ValueError(f"{name} must be an array of {what} ids [batch, length], got {got}; "
-                         f"use jnp.asarray(...) and {name}[None] for one sentence.")
 
 
 def _check_pad_id(pad_id) -> None:
@@ -58,7 +51,7 @@ def create_padding_mask(tokens: chex.Array, pad_id: int) -> chex.Array:
     Raises:
       ValueError: ``tokens`` is not an array of rank 2. TypeError: ``pad_id`` is not an int.
     """
-    _check_ids(tokens, "tokens", "token")
+    check_rank_2(tokens, name="tokens")
     _check_pad_id(pad_id)
     mask = (tokens != pad_id)[:, None, None, :]
     chex.assert_shape(mask, (tokens.shape[0], 1, 1, tokens.shape[1]))
@@ -103,7 +96,7 @@ def create_decoder_mask(tgt: chex.Array, pad_id: int) -> chex.Array:
     Raises:
       ValueError: ``tgt`` is not an array of rank 2. TypeError: ``pad_id`` is not an int.
     """
-    _check_ids(tgt, "tgt", "target")
+    check_rank_2(tgt, name="tgt")
     _check_pad_id(pad_id)
     batch, length = tgt.shape
     keys_B11T = _decoder_keys(tgt, pad_id)[:, None, None, :]

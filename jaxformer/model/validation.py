@@ -28,6 +28,24 @@ def _is_traced(x) -> bool:
     return isinstance(x, jax.core.Tracer)
 
 
+def check_rank_2(tokens, *, name: str) -> tuple[int, int]:
+    """The shape ``(B, L)`` of an id array; the mask helpers and :func:`check_token_ids`
+    share this check.
+
+    Raises:
+      ValueError: ``tokens`` is not an array (a list: convert it) or not of rank 2 (one
+        sentence: add a batch axis).
+    """
+    shape = getattr(tokens, "shape", None)
+    if shape is None:
+        raise ValueError(f"{name} must be an array of integer token ids [batch, length], got a "
+                         f"{type(tokens).__name__}; convert it with jnp.asarray({name}, jnp.int32).")
+    if len(shape) != 2:
+        raise ValueError(f"{name} must be integer token ids of rank 2 [batch, length], "
+                         f"got shape {tuple(shape)}. Add a batch axis with {name}[None] for one sentence.")
+    return tuple(shape)
+
+
 def check_token_ids(tokens, *, name: str, vocab_size: int, max_len: int | None = None) -> None:
     """Validates a batch of token ids ``[B, L]``.
 
@@ -41,13 +59,7 @@ def check_token_ids(tokens, *, name: str, vocab_size: int, max_len: int | None =
       ValueError: wrong rank, float dtype, too long, or (for concrete arrays) an id
         out of range; the message names the argument and the fix.
     """
-    shape = getattr(tokens, "shape", None)
-    if shape is None:
-        raise ValueError(f"{name} must be an array of integer token ids [batch, length], got a "
-                         f"{type(tokens).__name__}; convert it with jnp.asarray({name}, jnp.int32).")
-    if len(shape) != 2:
-        raise ValueError(f"{name} must be integer token ids of rank 2 [batch, length], "
-                         f"got shape {shape}. Add a batch axis with {name}[None] for one sentence.")
+    shape = check_rank_2(tokens, name=name)
     if not np.issubdtype(np.dtype(tokens.dtype), np.integer):
         raise ValueError(f"{name} must hold integer token ids, got dtype {tokens.dtype}; "
                          f"convert with {name}.astype(jnp.int32) only if the values are ids.")
