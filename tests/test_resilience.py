@@ -32,6 +32,7 @@ from jaxformer.model.validation import DataPositionError
 from jaxformer.run.checkpoints import CheckpointError, RunCheckpoints
 from jaxformer.run.config import TrainConfig
 from jaxformer.train import run_setup, trainer
+from jaxformer.train.optimizer import make_schedule
 from jaxformer.train.preemption import PreemptionGuard
 from jaxformer.train.trainer import TrainingDiverged, train
 
@@ -415,6 +416,19 @@ def test_a_run_ruined_before_its_first_log_keeps_no_best_and_fails(tmp_path, fil
     assert not (workdir / "results.json").exists()
     with pytest.raises(ValueError, match="--lr-scale must be a positive finite number, got inf"):
         _config(workdir, files, 3, lr_scale=math.inf)
+    with pytest.raises(ValueError, match="--lr-scale 1e\\+300 makes the peak learning rate overflow float32"):
+        make_schedule("wsd", d_model=32, warmup_steps=10, total_steps=40, decay_fraction=0.2, scale=1e300)
+
+
+def test_the_final_evaluation_after_skipped_updates_keeps_no_best(tmp_path, files, reference, capsys):
+    """Step 1 is checkpointed, then updates are ruined and skipped: the last evaluation
+    (after the loop) must not keep step 4 as the best; the test uses step 1's checkpoint."""
+    workdir = _new_workdir(tmp_path, reference)
+    result = train(_config(workdir, files, 4, lr_scale=1e30, warmup_steps=1, checkpoint_every=1,
+                           log_every=100, eval_every=1000))
+    assert "step 4: not keeping these parameters as the best" in capsys.readouterr().out
+    assert RunCheckpoints(workdir, read_only=True).best_step() is None
+    assert (result["checkpoint"], result["best_step"]) == ("latest", 1)
 
 
 def test_half_written_step_is_ignored_and_cleaned_up(tmp_path):

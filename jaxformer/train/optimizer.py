@@ -5,6 +5,9 @@ step budget.
 
 from __future__ import annotations
 
+import math
+import warnings
+
 import jax.numpy as jnp
 import optax
 
@@ -65,13 +68,22 @@ def make_schedule(name: str, *, d_model: int, warmup_steps: int, total_steps: in
     """The schedule named by ``--lr-schedule`` (:data:`SCHEDULES`).
 
     Raises:
-      ValueError: an unknown name.
+      ValueError: an unknown name, or a ``scale`` whose peak learning rate (at the end of
+        warmup) overflows float32: every update would write inf or NaN weights.
     """
     if name == "inverse_sqrt":
-        return transformer_schedule(d_model, warmup_steps, scale)
-    if name == "wsd":
-        return wsd_schedule(d_model, warmup_steps, total_steps, decay_fraction, scale)
-    raise ValueError(f"--lr-schedule must be one of {', '.join(SCHEDULES)}, got {name!r}.")
+        schedule = transformer_schedule(d_model, warmup_steps, scale)
+    elif name == "wsd":
+        schedule = wsd_schedule(d_model, warmup_steps, total_steps, decay_fraction, scale)
+    else:
+        raise ValueError(f"--lr-schedule must be one of {', '.join(SCHEDULES)}, got {name!r}.")
+    with warnings.catch_warnings():   # numpy's "overflow in cast" of the scale: named below instead
+        warnings.simplefilter("ignore", RuntimeWarning)
+        peak = float(schedule(warmup_steps))
+    if not math.isfinite(peak):
+        raise ValueError(f"--lr-scale {scale:g} makes the peak learning rate overflow float32 ({peak}): "
+                         f"every update would write inf or NaN weights; the paper's rate is --lr-scale 1.")
+    return schedule
 
 
 def make_optimizer(schedule: optax.Schedule, grad_clip: float | None = None) -> optax.GradientTransformation:

@@ -139,7 +139,7 @@ def final_test(run: Run, loop: LoopState) -> dict[str, Any]:
     writes ``results.json``, ``test.src/ref/hyp`` and the plots."""
     cfg, step = run.cfg, loop.step
     if _last_evaluated_step(run) != step:   # a finished run started again is not evaluated twice
-        evaluate(run, step)
+        evaluate(run, step, keep_best=loop.skips_pending() == 0)
     run.checkpoints.wait()
     log(f"training stopped at step {step} ({loop.stopped_by}); best dev BLEU {run.best_bleu:.2f}")
     abstract_params = sharding_lib.abstract_state(run.state).params

@@ -99,3 +99,10 @@ class LoopState:
     last_log_time: float = 0.0
     recent_skips: float = 0.0   # updates skipped as non-finite in the last logged window
     stopped_by: str = "max_steps"
+
+    def skips_pending(self) -> float:
+        """Updates skipped as non-finite since the last clean logging window: their
+        parameters may be ruined, so they are neither checkpointed nor kept as the best.
+        A host sync (reads the device sums): called only before a save or an evaluation."""
+        pending = 0.0 if self.totals is None else float(jax.device_get(self.totals["skipped"]))
+        return self.recent_skips + pending

@@ -106,8 +106,7 @@ def train_loop(run: Run) -> LoopState:
                 _log_window(run, loop, progress)
             if loop.step % cfg.checkpoint_every == 0:
                 _save_if_healthy(run, loop)
-            if loop.step % cfg.eval_every == 0 and run.early_stopping.update(
-                    evaluate(run, loop.step, keep_best=_skips_pending(loop) == 0)):
+            if loop.step % cfg.eval_every == 0 and _evaluate_and_stop_early(run, loop):
                 loop.stopped_by = "early_stopping"
                 log(f"early stopping: no better dev BLEU in {cfg.patience} evaluations "
                     f"(best {run.early_stopping.best:.2f})")
@@ -158,7 +157,7 @@ def _save_if_healthy(run: Run, loop: LoopState) -> bool:
     """Checkpoints unless an update was skipped since the last clean logging window: a
     run about to diverge can have applied a finite but ruinous update just before, and
     the rotation (keep N) would then push the last good checkpoint out."""
-    if _skips_pending(loop) == 0:
+    if loop.skips_pending() == 0:
         run.checkpoints.save(loop.step, run.state, run.data.iterator)
         return True
     log(f"step {loop.step}: not checkpointing, updates were skipped as non-finite since the last "
@@ -166,11 +165,12 @@ def _save_if_healthy(run: Run, loop: LoopState) -> bool:
     return False
 
 
-def _skips_pending(loop: LoopState) -> float:
-    """Updates skipped as non-finite since the last clean logging window (a host sync:
-    called only before a save or an evaluation)."""
-    pending = 0.0 if loop.totals is None else float(jax.device_get(loop.totals["skipped"]))
-    return loop.recent_skips + pending
+def _evaluate_and_stop_early(run: Run, loop: LoopState) -> bool:
+    """Evaluates; whether early stopping ends the run. After skipped updates the score
+    neither becomes the best nor counts for early stopping (the parameters may be ruined)."""
+    healthy = loop.skips_pending() == 0
+    bleu = evaluate(run, loop.step, keep_best=healthy)
+    return healthy and run.early_stopping.update(bleu)
 
 
 def _stop_preempted(run: Run, loop: LoopState, signum: int) -> None:
