@@ -379,7 +379,11 @@ def test_the_translator_names_bad_arguments_and_fingerprints_its_parameters(run)
             (lambda: translator.sample(["x"], temperature=float("nan")), ValueError,
              "temperature must be a finite number"),
             (lambda: translator.sample(["x"], seed=2**64), ValueError, r"seed must be in \[0, 2\*\*32\)"),
-            (lambda: translator.sample(["x"], seed=1.0), ValueError, "seed must be an integer")):
+            (lambda: translator.sample(["x"], seed=1.0), ValueError, "seed must be an integer"),
+            (lambda: translator(["x"], beam_size=2, early_stopping="no"), ValueError,
+             "early_stopping must be True or False"),
+            (lambda: translator(["x"], beam_size=2, no_repeat_ngram_size=2.0), ValueError,
+             "no_repeat_ngram_size must be an integer")):
         with pytest.raises(error, match=message):
             call()
     # An empty or blank sentence is translated as empty (as the command line writes an empty
@@ -389,7 +393,8 @@ def test_the_translator_names_bad_arguments_and_fingerprints_its_parameters(run)
     assert translator.n_best(["  "], beam_size=2) == [[("", 0.0)]]
     assert translator.sample(["", "Click OK."], seed=3)[0] == ""
     digest = translator.params_digest()
-    assert digest == Translator(workdir, checkpoint=20).params_digest()
+    assert translator(["x"], beam_size=2, no_repeat_ngram_size=2)   # the refused 2.0 left nothing behind
+    assert digest == Translator(workdir, checkpoint=np.int64(20)).params_digest()
     assert digest != Translator(workdir, checkpoint=10).params_digest()
 
 

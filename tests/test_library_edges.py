@@ -59,6 +59,9 @@ def test_jitted_decoders_check_concrete_ids_before_dispatch(tiny, bad):
     with pytest.raises(ValueError, match=rf"bos_id={V + 5} is outside the target vocabulary"):
         greedy_translate(model, params, good, **{**common, "bos_id": np.int64(V + 5)})   # NumPy ints too
     assert greedy_translate(model, params, good, **{**common, "bos_id": np.int64(1)}).shape == (1, 4)
+    never_stop = greedy_translate(model, params, good, **{**common, "eos_id": V + 7})   # the idiom
+    sampled = sample_translate(model, params, good, jax.random.key(0), temperature=jnp.float32(0.7), **common)
+    assert never_stop.shape == sampled.shape == (1, 4)   # a 0-d array is taken as its number
     for call, words in ((lambda: beam_translate(model, params, good, beam_size=2.0, **common),
                          r"beam_size must be an integer, got 2.0 \(float\)"),
                         (lambda: beam_translate(model, params, good, beam_size=True, **common),
@@ -73,7 +76,13 @@ def test_jitted_decoders_check_concrete_ids_before_dispatch(tiny, bad):
                         (lambda: sample_translate(model, params, good, jax.random.key(0), top_k=2.5,
                                                   **common), "top_k must be an integer"),
                         (lambda: greedy_translate(model, params, good, len_a=math.inf, extra_len=3, **common),
-                         "len_a must be a finite number, got inf")):
+                         "len_a must be a finite number, got inf"),
+                        (lambda: greedy_translate(model, params, good, **{**common, "eos_id": 2**31}),
+                         "eos_id must be at most 2147483647"),
+                        (lambda: sample_translate(model, params, good, jax.random.key(0), top_p=True,
+                                                  **common), "top_p must be a finite number, got True"),
+                        (lambda: beam_translate(model, params, good, beam_size=2, early_stopping="no",
+                                                **common), "early_stopping must be True or False")):
         with pytest.raises(ValueError, match=words):
             call()
 

@@ -214,9 +214,10 @@ def test_bad_field_raises_value_error_naming_it(field, value):
         TransformerConfig.from_dict({**_config().to_dict(), field: value})
 
 
-def test_numpy_integer_fields_are_kept_as_python_ints():
-    c = _config(d_model=np.int64(32), pad_id=np.int32(0))
-    assert (type(c.d_model), type(c.pad_id)) == (int, int) and c == _config(d_model=32, pad_id=0)
+def test_numpy_scalar_fields_are_kept_as_python_scalars():
+    c = _config(d_model=np.int64(32), pad_id=np.int32(0), remat=np.bool_(True), dropout_rate=np.float32(0.5))
+    assert c == _config(d_model=32, pad_id=0, remat=True, dropout_rate=0.5)
+    assert [type(v) for v in (c.d_model, c.pad_id, c.remat, c.dropout_rate)] == [int, int, bool, float]
 
 
 def test_replace_validates_again():

@@ -58,11 +58,19 @@ def test_repetition_penalty_by_hand():
 
 
 def test_penalties_reject_bad_values():
-    with pytest.raises(ValueError, match="no_repeat_ngram_size must be >= 0"):
+    with pytest.raises(ValueError, match="no_repeat_ngram_size must be at least 0"):
         Penalties(no_repeat_ngram_size=-1)
-    with pytest.raises(ValueError, match="repetition_penalty must be > 0"):
+    with pytest.raises(ValueError, match="repetition_penalty must be greater than 0"):
         Penalties(repetition_penalty=0.0)
     assert not Penalties().active and Penalties(2).active and Penalties(repetition_penalty=1.2).active
+    for bad, words in ((dict(no_repeat_ngram_size=2.0), "no_repeat_ngram_size must be an integer"),
+                       (dict(no_repeat_ngram_size=True), "no_repeat_ngram_size must be an integer"),
+                       (dict(repetition_penalty=float("inf")), "repetition_penalty must be a finite")):
+        with pytest.raises(ValueError, match=words):
+            Penalties(**bad)
+    # Stored as Python int and float: a NumPy 2 and 2 are one static argument, one program.
+    same = Penalties(np.int64(2), np.float32(1.5))
+    assert same == Penalties(2, 1.5) and type(same.no_repeat_ngram_size) is int
 
 
 @pytest.mark.parametrize("penalties, expected", [

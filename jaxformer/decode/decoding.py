@@ -47,9 +47,9 @@ def _host_checked(jitted: Callable) -> Callable:
         # into another token's embedding; an eos outside it is the idiom for "never stop"
         # (benchmarks/decode.py), left alone.
         vocab = model.config.tgt_vocab_size
-        for name in ("bos_id", "eos_id"):   # integers; NumPy ones too (range-checked below)
+        for name in ("bos_id", "eos_id"):   # int32 ids; NumPy ones too (bos range-checked below)
             if name in kwargs:
-                kwargs[name] = check_count(name, kwargs[name], minimum=-(1 << 62))
+                kwargs[name] = check_count(name, kwargs[name], minimum=-(1 << 31), maximum=(1 << 31) - 1)
         if "bos_id" in kwargs and not 0 <= kwargs["bos_id"] < vocab:
             raise ValueError(f"bos_id={kwargs['bos_id']} is outside the target vocabulary [0, {vocab}): "
                              f"pass the tokenizer's id (e.g. tokenizer.bos_id).")
@@ -60,6 +60,11 @@ def _host_checked(jitted: Callable) -> Callable:
             kwargs["top_k"] = check_count("top_k", kwargs["top_k"])
         if kwargs.get("extra_len") is not None:
             kwargs["extra_len"] = check_count("extra_len", kwargs["extra_len"], minimum=-(1 << 30))
+        if kwargs.get("top_p") is not None:
+            kwargs["top_p"] = check_real("top_p", kwargs["top_p"], above=0.0)
+        for name in ("early_stopping", "forced_eos"):   # "no" would silently mean True
+            if name in kwargs and not isinstance(kwargs[name], bool):
+                raise ValueError(f"{name} must be True or False, got {kwargs[name]!r}.")
         for name in ("temperature", "len_a", "alpha"):
             if name in kwargs:
                 kwargs[name] = check_real(name, kwargs[name], minimum=0.0 if name != "alpha" else None)

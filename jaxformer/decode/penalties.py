@@ -26,6 +26,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxformer.model.validation import check_count, check_real
+
 
 @dataclasses.dataclass(frozen=True)
 class Penalties:
@@ -33,18 +35,20 @@ class Penalties:
     decoders). The defaults change nothing and compile nothing extra.
 
     Raises:
-      ValueError: ``no_repeat_ngram_size < 0`` or ``repetition_penalty <= 0``.
+      ValueError: ``no_repeat_ngram_size`` not an integer ≥ 0, or ``repetition_penalty``
+        not a finite number > 0.
     """
 
     no_repeat_ngram_size: int = 0     # 0 = off
     repetition_penalty: float = 1.0   # 1 = off
 
     def __post_init__(self):
-        if self.no_repeat_ngram_size < 0:
-            raise ValueError(f"no_repeat_ngram_size must be >= 0 (0 = off), got {self.no_repeat_ngram_size}.")
-        if not self.repetition_penalty > 0:
-            raise ValueError(f"repetition_penalty must be > 0 (1 = off; > 1 penalises repeats), "
-                             f"got {self.repetition_penalty}.")
+        # Stored as int and float: Penalties(2.0) == Penalties(2) would share a compiled
+        # decoder that runs range(2.0). NumPy scalars are taken as Python ones.
+        object.__setattr__(self, "no_repeat_ngram_size",
+                           check_count("no_repeat_ngram_size", self.no_repeat_ngram_size, minimum=0))
+        object.__setattr__(self, "repetition_penalty", check_real(
+            "repetition_penalty", self.repetition_penalty, above=0.0))   # 1 = off; > 1 penalises repeats
 
     @property
     def active(self) -> bool:

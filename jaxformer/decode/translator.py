@@ -80,6 +80,8 @@ class Translator:
             max_len_b = check_count("max_len_b", max_len_b, minimum=-(1 << 30))
         if isinstance(checkpoint, str) and checkpoint.isdigit():   # "20": a step, as the CLI reads it
             checkpoint = int(checkpoint)
+        elif isinstance(checkpoint, np.integer):   # a NumPy step is a step
+            checkpoint = int(checkpoint)
         workdir = Path(workdir)
         exported = exported and mesh is None   # exported decoders are one-device programs
         exports = ExportCache(RunDir(workdir).jax_cache / "exported") if exported else None
@@ -146,6 +148,8 @@ class Translator:
             beam_size = check_count("beam_size", beam_size)
         if alpha is not None:
             alpha = check_real("alpha", alpha)
+        if early_stopping is not None and not isinstance(early_stopping, (bool, np.bool_)):
+            raise ValueError(f"early_stopping must be True or False, got {early_stopping!r}.")
         chosen = dict(beam_size=beam_size, alpha=alpha, length_normalization=length_normalization,
                       early_stopping=early_stopping)
         return {**{k: self.defaults[k] if v is None else v for k, v in chosen.items()},

@@ -11,6 +11,7 @@ import numbers
 from typing import Any, Literal
 
 import jax.numpy as jnp
+import numpy as np
 
 NormPosition = Literal["post", "pre"]
 ACTIVATIONS = ("relu", "swish", "gelu")
@@ -110,13 +111,14 @@ class TransformerConfig:
             value = getattr(self, name)
             if not isinstance(value, numbers.Integral) or isinstance(value, bool) \
                     or (value <= 0 and name != "pad_id"):
-                raise ValueError(f"TransformerConfig.{name} must be a "
-                                 f"{'' if name == 'pad_id' else 'positive '}int, got {value!r}.")
+                raise ValueError(f"TransformerConfig.{name} must be "
+                                 f"{'an' if name == 'pad_id' else 'a positive'} int, got {value!r}.")
             object.__setattr__(self, name, int(value))
         for name in ("share_embeddings", "remat", "scan_layers", "final_logits_bias"):
             value = getattr(self, name)
-            if not isinstance(value, bool):   # "no" or 1 would silently mean True
+            if not isinstance(value, (bool, np.bool_)):   # "no" or 1 would silently mean True
                 raise ValueError(f"TransformerConfig.{name} must be True or False, got {value!r}.")
+            object.__setattr__(self, name, bool(value))
         if self.d_model % self.num_heads:
             raise ValueError(
                 f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}: "
@@ -127,6 +129,7 @@ class TransformerConfig:
             rate = getattr(self, name)
             if isinstance(rate, bool) or not isinstance(rate, numbers.Real) or not 0.0 <= rate < 1.0:
                 raise ValueError(f"TransformerConfig.{name} must be in [0, 1), got {rate!r}.")
+            object.__setattr__(self, name, float(rate))
         if self.norm_position not in ("post", "pre"):
             raise ValueError(f"norm_position must be 'post' (paper) or 'pre', got {self.norm_position!r}.")
         for name in ("dtype", "param_dtype"):

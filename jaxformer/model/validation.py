@@ -112,29 +112,44 @@ class DataPositionError(ValueError):
     (:mod:`jaxformer.run.positions`)."""
 
 
-def check_count(name: str, value: Any, *, minimum: int = 1) -> int:
-    """``value`` as an ``int`` ≥ ``minimum`` (a Python or NumPy integer; a ``bool`` or a
-    float such as ``2.0`` is refused: a size that is not an integer is a mistake, and
-    would otherwise fail inside ``jit`` with a shape error).
+def _scalar(value: Any) -> Any:
+    """A concrete 0-d NumPy or JAX array as its Python scalar; anything else as it is."""
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
+        try:
+            return value.item()
+        except Exception:   # a tracer: left for the caller's message
+            return value
+    return value
+
+
+def check_count(name: str, value: Any, *, minimum: int = 1, maximum: int | None = None) -> int:
+    """``value`` as an ``int`` in ``[minimum, maximum]`` (a Python or NumPy integer, or a
+    0-d integer array; a ``bool`` or a float such as ``2.0`` is refused: a size that is
+    not an integer is a mistake, and would otherwise fail inside ``jit`` with a shape error).
 
     Raises:
       ValueError: naming ``name``, the value and the fix.
     """
+    value = _scalar(value)
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ValueError(f"{name} must be an integer, got {value!r} ({type(value).__name__}); "
                          f"pass e.g. {name}={max(minimum, 1)}.")
     if value < minimum:
         raise ValueError(f"{name} must be at least {minimum}, got {value}.")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be at most {maximum}, got {value}.")
     return int(value)
 
 
 def check_real(name: str, value: Any, *, minimum: float | None = None, above: float | None = None) -> float:
-    """``value`` as a finite ``float`` (≥ ``minimum`` / > ``above`` when given); NaN and
-    infinities are refused, as they compare False with every bound.
+    """``value`` as a finite ``float`` (≥ ``minimum`` / > ``above`` when given; a 0-d
+    array is taken as its scalar); NaN and infinities are refused, as they compare False
+    with every bound.
 
     Raises:
       ValueError: naming ``name`` and the value.
     """
+    value = _scalar(value)
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value!r}.")
     if minimum is not None and value < minimum:
