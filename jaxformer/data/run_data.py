@@ -101,14 +101,16 @@ def check_prepared(spec: DataSpec, directory: Path, tokenizer_file: Path, *,
             f"jaxformer recorded it there) says which data they were trained on, so a resume could "
             f"continue on other data. Put back its prepared/ folder; or, if these flags name the data "
             f"it was started with (config.json's \"train\" and train.log list them), move its "
-            f"checkpoints/ aside, run jaxformer-prepare with them, and move checkpoints/ back; or pass "
-            f"--fresh to start this run over on the flags' data.")
+            f"checkpoints/ aside, run jaxformer-prepare with them, and move checkpoints/ back; or start "
+            f"this run over on the flags' data (--fresh of train.py / jaxformer-train moves the old "
+            f"run aside).")
     if not same_data(trained_on, fingerprint):
         differences = "; ".join(fingerprint_differences(trained_on, fingerprint))
         raise ValueError(
             f"The run directory {str(directory.parent)!r} holds a run trained on other data "
             f"({differences}). Resume with the data flags it was started with, choose another "
-            f"--workdir for the new data, or pass --fresh to start this run over on the new data.")
+            f"--workdir for the new data, or start this run over on the new data (--fresh of train.py / "
+            f"jaxformer-train moves the old run aside).")
     return fingerprint, "prepare"   # prepared/ is gone: the same inputs and settings again
 
 

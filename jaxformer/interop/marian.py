@@ -138,7 +138,7 @@ def import_marian(hf_dir: str | Path, workdir: str | Path) -> TransformerConfig:
     hf_dir, workdir = Path(hf_dir), Path(workdir)
     if not (hf_dir / "config.json").is_file():
         raise ConversionError(f"{hf_dir}/config.json not found: pass the folder of a downloaded "
-                              f"Hugging Face Marian model (e.g. from `huggingface-cli download`).")
+                              f"Hugging Face Marian model (e.g. from `hf download`).")
     if any((workdir / name).exists() for name in ("config.json", "best", "checkpoints")):
         raise ConversionError(f"{workdir} already holds a run; choose a new --workdir.")
     hf = _read_json(hf_dir / "config.json")

@@ -226,7 +226,7 @@ def read_hf_weights(hf_dir: Path) -> dict[str, np.ndarray]:
     if (hf_dir / "pytorch_model.bin").exists():
         raise ConversionError(
             f"{hf_dir} has only pytorch_model.bin, a torch pickle that cannot be read without torch. "
-            f"Get the safetensors weights (`huggingface-cli download MODEL model.safetensors`, or the "
+            f"Get the safetensors weights (`hf download MODEL model.safetensors`, or the "
             f"repo's refs/pr/N branch), or convert once where torch is installed: "
             f"`python -c \"from transformers import MarianMTModel as M; "
             f"M.from_pretrained('{hf_dir}').save_pretrained('{hf_dir}')\"`.")
