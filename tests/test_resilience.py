@@ -377,11 +377,13 @@ def test_a_run_saved_by_two_processes_continues_exactly_on_one(tmp_path, files, 
     assert (two / "checkpoints" / "16" / "data" / "process_0-of-1.json").is_file()
 
 
-def test_a_data_axis_that_does_not_divide_the_eval_batch_evaluates(tmp_path, files):
+def test_a_data_axis_that_does_not_divide_the_eval_batch_evaluates(tmp_path, files, capsys):
     """--devices 3: training rounds its rows to 15; the dev loss pads its batches of 16 to 18
-    rows (a multiple of the data axis) instead of failing at the first evaluation."""
+    rows (a multiple of the data axis) instead of failing at the first evaluation. (Its 10
+    warm-up steps outlast its 2 steps: said, not refused.)"""
     result = train(_config(tmp_path / "run", files, 2, devices=3, eval_every=2, checkpoint_every=2))
     assert result["final_step"] == 2 and "test_bleu" in result
+    assert "note: --warmup-steps 10 >= --max-steps 2: the learning rate rises" in capsys.readouterr().out
 
 
 def test_diverging_run_stops_with_a_clear_error_and_keeps_the_last_checkpoint(

@@ -115,6 +115,10 @@ def _setup_run(cfg: TrainConfig, run_dir: RunDir, checkpoints: RunCheckpoints, m
     num_params = sum(x.size for x in jax.tree_util.tree_leaves(abstract.params))
     source = f"the architecture of {cfg.init_from}" if cfg.init_from else f"preset {cfg.preset!r}"
     log(f"model: {num_params / 1e6:.2f}M parameters, {source}")
+    if cfg.warmup_steps >= cfg.max_steps:   # legal (short test runs), but rarely what is meant
+        log(f"note: --warmup-steps {cfg.warmup_steps} >= --max-steps {cfg.max_steps}: the learning rate "
+            f"rises for the whole run and never reaches its peak or decays; lower --warmup-steps "
+            f"(e.g. {max(1, cfg.max_steps // 10)}) for a full schedule")
     matmul = matmul_flop_rate(repeats=2)   # ~0.4 s on 2 cores
     log(f"machine: a float32 2048³ matmul runs at {matmul / 1e9:.0f} GFLOP/s on "
         f"{jax.devices()[0].platform} (the README's times say the rate they were measured at)")
