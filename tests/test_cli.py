@@ -345,6 +345,7 @@ def test_translate_flags_output_checkpoint_and_batches_sized_to_the_input(run, t
                  "--alpha must be a finite number": ["--alpha", "nan"],
                  "a finite --temperature > 0": ["--sample", "--temperature", "nan"],
                  "--seed must be in [0, 2**32)": ["--sample", "--seed", str(2**64)],
+                 "--beam-size is for beam search; --sample draws one": ["--sample", "--beam-size", "4"],
                  "--temperature and --top-p are for sampling: add --sample": ["--temperature", "0.5",
                                                                               "--top-p", "0.9"],
                  "--head chooses what --attention-png draws": ["--head", "0"],

@@ -18,6 +18,12 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if args.sample and args.n_best > 1:
         parser.error("--n-best lists come from beam search; --sample gives one translation per "
                      "sentence (run it again with another --seed for more)")
+    beam_rules = [f"--{name.replace('_', '-')}" for name in ("beam_size", "alpha", "early_stopping")
+                  if getattr(args, name) not in (None, False)]
+    if args.sample and beam_rules:   # sampling would ignore them silently
+        several = len(beam_rules) > 1
+        parser.error(f"{' and '.join(beam_rules)} {'are' if several else 'is'} for beam search; --sample "
+                     f"draws one translation per sentence: drop {'them' if several else 'it'}")
     if (args.beam_size is not None and args.beam_size < 1) or args.n_best < 1 \
             or (args.beam_size is not None and args.n_best > args.beam_size):
         parser.error("need --beam-size >= 1 and 1 <= --n-best <= --beam-size")
