@@ -86,7 +86,8 @@ def average_and_compare(run: Run, abstract_params: Any, step: int) -> tuple[dict
     kept = bleu > run.best_bleu
     if kept:
         run.checkpoints.save_averaged(step, params, {"bleu": bleu, "steps": steps})
-    log(f"average of checkpoints {steps}: dev BLEU {bleu:.2f} vs best {run.best_bleu:.2f}: "
+    digits = 2 if round(bleu, 2) != round(run.best_bleu, 2) else 4   # a win never shown as a tie
+    log(f"average of checkpoints {steps}: dev BLEU {bleu:.{digits}f} vs best {run.best_bleu:.{digits}f}: "
         + ("kept (averaged/), used for the test" if kept else "not kept"))
     return {"steps": steps, "dev_bleu": bleu, "kept": kept}, params
 
