@@ -252,7 +252,7 @@ def test_early_stopping_counts_evaluations_without_a_better_score():
 def test_every_flag_has_help_and_help_has_no_rest_markup(capsys):
     import dataclasses
 
-    from jaxformer.run.config import TrainConfig
+    from jaxformer.run.config import DEFAULT_CPU_RUN, TrainConfig
     from jaxformer.run.flag_help import HELP
     from jaxformer.run.train_flags import build_parser
 
@@ -261,6 +261,11 @@ def test_every_flag_has_help_and_help_has_no_rest_markup(capsys):
         build_parser(prog="jaxformer-train").parse_args(["--help"])
     text = capsys.readouterr().out
     assert "``" not in text and ":func:" not in text and ":class:" not in text
+    assert "(default: the preset's)" in text and "(default: the preset's) (default: None)" not in text
+    with pytest.raises(SystemExit):   # train.py's own defaults replace the words
+        build_parser(DEFAULT_CPU_RUN, prog="train.py").parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "in tokens (default: 64)" in text and "(default: --max-len)" not in text
     assert "{tiny,small,base,big}" in text and "{post,pre}" in text and "ja-mecab" in text
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--preset", "huge"])

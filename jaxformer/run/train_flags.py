@@ -7,12 +7,22 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import typing
 from pathlib import Path
 from typing import Any
 
 from jaxformer.run.config import TrainConfig, _base_type, _choices
 from jaxformer.run.flag_help import HELP
+
+
+class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's "(default: X)" after each help, unless the help already says its
+    default in words ("(default: the preset's)"): it printed both, e.g. "(default: None)"."""
+
+    def _get_help_string(self, action):
+        help_text = action.help or ""
+        return help_text if "(default:" in help_text else super()._get_help_string(action)
 
 
 def build_parser(defaults: dict[str, Any] | None = None, description: str = "",
@@ -22,7 +32,7 @@ def build_parser(defaults: dict[str, Any] | None = None, description: str = "",
     ``typed_only``: no defaults at all (``argparse.SUPPRESS``), so a namespace it parses
     holds exactly the flags given."""
     parser = argparse.ArgumentParser(prog=prog, description=description, allow_abbrev=False,
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                     formatter_class=_DefaultsHelp,
                                      argument_default=argparse.SUPPRESS if typed_only else None)
     parser.add_argument("--config", metavar="FILE",
                         help="JSON or YAML file of run settings (flag names with _ or -); flags on the "
@@ -50,6 +60,8 @@ def add_config_flags(parser: argparse.ArgumentParser, names: list[str],
         default = argparse.SUPPRESS if typed_only else defaults.get(name, field.default)
         kind = _base_type(hints[name])
         help_text = HELP.get(name, "")
+        if name in defaults and defaults[name] != field.default:   # this tool's own default replaces
+            help_text = re.sub(r"\s*\(default: [^)]*\)", "", help_text)   # the field's, in words
         if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
         elif name in choices:
