@@ -81,9 +81,7 @@ def prepare(spec: DataSpec, directory: str | os.PathLike, tokenizer_file: str | 
     directory, tokenizer_file = Path(directory), Path(tokenizer_file)
     fingerprint = spec.fingerprint()
     report = DataReport()
-    n, sample = _count_and_sample(spec.read(report), SAMPLE_PAIRS, seed)
-    if n == 0:
-        raise ValueError(f"No usable sentence pair in {spec.name} ({report.summary('corpus')}).")
+    n, sample = _count_and_sample(spec.read(report), SAMPLE_PAIRS, seed)   # raises if none is usable
     splitter = Splitter.for_size(n, merged_into_train=tuple(_explicit_splits(spec)))
     log(f"prepare: read {spec.name}: {n} pairs in {time.perf_counter() - start:.0f}s")
     for stale in directory.parent.glob(f"{directory.name}.partial-*"):   # left by a killed prepare

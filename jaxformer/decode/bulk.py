@@ -16,32 +16,30 @@ output depends on (the input's SHA-256 and size, the checkpoint, every decoding
 setting, the chunk and batch sizes); a resume whose input or settings differ is
 refused with the differences named, never continued on other data.
 
-Input lines are split at ``\\n`` only (a bare ``\\r`` stays inside its line; ``\\r\\n``
-is a Windows line end), a UTF-8 byte-order mark is dropped, gzip is read as training
-reads corpora. One pass before decoding counts the lines (the progress bar's total),
-hashes the file and finds lines that are not UTF-8: ``errors="strict"`` refuses them by
-line number before anything is decoded, ``"replace"`` decodes them with U+FFFD.
+Input lines are read by :mod:`jaxformer.data.lines`, as training reads corpora. One pass
+before decoding counts the lines (the progress bar's total), hashes the file and finds
+lines that are not UTF-8: ``errors="strict"`` refuses them by line number before anything
+is decoded, ``"replace"`` decodes them with U+FFFD.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import gzip
 import hashlib
 import json
 import os
 import shutil
 import time
-import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
+
+from jaxformer.data import lines as lines_lib
+from jaxformer.data.lines import line_numbers  # noqa: F401  (the tools' name for it)
 
 MANIFEST = "manifest.json"
 
-
-class BulkInputError(ValueError):
-    """The input cannot be read as lines of text (not UTF-8 in strict mode, a corrupt gzip)."""
+BulkInputError = lines_lib.TextError   # the input cannot be read as lines of UTF-8 text
 
 
 class BulkResumeError(ValueError):
@@ -59,45 +57,11 @@ class InputInfo:
     bad_lines: tuple[int, ...]
 
 
-def line_numbers(numbers) -> str:
-    """``"4, 9, 12"``: the first ten of ``numbers``, ``", ..."`` if there are more."""
-    return ", ".join(map(str, list(numbers)[:10])) + (", ..." if len(numbers) > 10 else "")
-
-
-def _open(path: Path) -> BinaryIO:
-    with open(path, "rb") as probe:
-        gzipped = probe.read(2) == b"\x1f\x8b"   # gzip's magic number, whatever the name
-    return gzip.open(path, "rb") if gzipped else open(path, "rb")
-
-
-def split_lines(stream: BinaryIO) -> Iterator[bytes]:
-    """The lines of a binary stream, the translate tool's rules: split at ``\\n`` only (a
-    bare ``\\r`` stays inside its line), one ``\\r`` at a line's end dropped (a Windows
-    line end), a leading UTF-8 byte-order mark dropped; a last line needs no newline."""
-    pending, first = b"", True
-    while True:
-        chunk = stream.read(1 << 20)
-        pending += chunk
-        *complete, pending = pending.split(b"\n")
-        if not chunk and pending:   # a last line without its newline
-            complete, pending = complete + [pending], b""
-        for raw in complete:
-            if first:
-                raw, first = raw.removeprefix(b"\xef\xbb\xbf"), False
-            yield raw[:-1] if raw.endswith(b"\r") else raw
-        if not chunk:
-            return
-
-
-def _raw_lines(path: Path) -> Iterator[bytes]:
-    """The lines of the file at ``path`` (:func:`split_lines`), gzip or not. Raises
-    :class:`BulkInputError` on a corrupt gzip."""
-    try:
-        with _open(path) as stream:
-            yield from split_lines(stream)
-    except (EOFError, OSError, zlib.error) as e:
-        raise BulkInputError(f"{path} is a truncated or corrupt gzip file ({e}); check it with "
-                             f"gzip -t") from e
+def split_lines(stream) -> Iterator[bytes]:
+    """The lines of a binary stream by :mod:`jaxformer.data.lines`' rules, as bytes (for the
+    translate tool until it reads with :func:`jaxformer.data.lines.read_lines` itself)."""
+    for line in lines_lib.read_lines(stream, errors="surrogateescape"):
+        yield line.encode("utf-8", errors="surrogateescape")
 
 
 def scan_input(path: str | Path) -> InputInfo:
@@ -111,20 +75,16 @@ def scan_input(path: str | Path) -> InputInfo:
     with open(path, "rb") as stream:
         while block := stream.read(1 << 20):
             digest.update(block)
-    count, bad = 0, []
-    for count, raw in enumerate(_raw_lines(path), 1):   # noqa: B007  (count is the total)
-        try:
-            raw.decode("utf-8")
-        except UnicodeDecodeError:
-            bad.append(count)
+    bad: list[int] = []
+    count = sum(1 for _ in lines_lib.read_lines(path, errors="skip", bad=bad))
     return InputInfo(sha256=digest.hexdigest(), size=path.stat().st_size, lines=count, bad_lines=tuple(bad))
 
 
 def read_chunks(path: str | Path, chunk_lines: int, errors: str = "strict") -> Iterator[list[str]]:
     """The input's lines as text, ``chunk_lines`` at a time (the last chunk may be shorter)."""
     chunk: list[str] = []
-    for raw in _raw_lines(Path(path)):
-        chunk.append(raw.decode("utf-8", errors=errors))
+    for line in lines_lib.read_lines(Path(path), errors=errors):
+        chunk.append(line)
         if len(chunk) == chunk_lines:
             yield chunk
             chunk = []
@@ -264,7 +224,7 @@ def translate_file(translate_chunk: ChunkTranslator, input_path: str | Path, out
       errors: ``"strict"`` (lines that are not UTF-8 refuse the input) or ``"replace"``.
       progress: a tqdm bar on stderr (lines/s, ETA); ``None`` = when stderr is a terminal.
       info: the input's :func:`scan_input`, if already made.
-      process_index, process_count: this process's share of the chunks.
+      process_index, process_count: this process's share of the chunks (0 ≤ index < count).
       barrier: ``barrier(name)`` returns when every process has called it
         (:func:`jaxformer.model.sharding.process_barrier`); needed when
         ``process_count > 1``.
@@ -274,19 +234,14 @@ def translate_file(translate_chunk: ChunkTranslator, input_path: str | Path, out
 
     Raises:
       BulkInputError: lines that are not UTF-8 in strict mode (their numbers named), a
-        corrupt gzip, ``chunk_lines < 1``.
+        UTF-16 file, a corrupt gzip (:mod:`jaxformer.data.lines`), ``chunk_lines < 1``.
       BulkResumeError: the output's parts folder belongs to other inputs or settings.
     """
-    if chunk_lines < 1:
+    if chunk_lines < 1:   # the library's entry (the tool's flag is checked by its schema)
         raise BulkInputError(f"chunk_lines must be at least 1, got {chunk_lines}.")
-    if not 0 <= process_index < process_count or (process_count > 1 and barrier is None):
-        raise ValueError(f"process {process_index} of {process_count}: need 0 <= index < count, and a "
-                         f"barrier with more than one process.")
     info = info or scan_input(input_path)
     if info.bad_lines and errors == "strict":
-        raise BulkInputError(f"{len(info.bad_lines)} line(s) of {input_path} are not valid UTF-8 (line "
-                             f"{line_numbers(info.bad_lines)}); fix the file (e.g. iconv -f LATIN1 -t "
-                             f"UTF-8) or pass --input-errors replace")
+        raise lines_lib.NotUtf8(str(input_path), info.bad_lines)
     job = BulkJob(output, {**record, "input_sha256": info.sha256, "input_bytes": info.size,
                            "chunk_lines": chunk_lines, "input_errors": errors})
     chunks = -(-info.lines // chunk_lines)
