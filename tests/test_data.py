@@ -2,6 +2,7 @@
 
 import functools
 import gzip
+import itertools
 
 import numpy as np
 import pytest
@@ -17,6 +18,11 @@ def split_pairs(pairs, dev_size=1000, test_size=1000):
     for pair in pairs:
         splits[splitter(pair[0])].append(pair)
     return splits
+
+
+def aligned(src, tgt):
+    source = corpus.PairFiles((str(src), str(tgt)))
+    return list(source.records()), source.report
 
 
 def batch_stream(examples, *, boundaries, pack=False, **options):
@@ -84,15 +90,39 @@ def test_empty_and_missing_corpora_raise_clear_errors(tmp_path):
         corpus.check_splits_nonempty({"train": 1, "dev": 0, "test": 0}, 1)
 
 
+def test_every_source_follows_the_protocol_and_resumes(tmp_path):
+    from jaxformer.data.back_translation import BackTranslationMix
+    from jaxformer.data.sources import DataSource
+
+    (tmp_path / "c.tsv").write_text("".join(f"s{i}\tt{i}\n" for i in range(10)))
+    pairs = corpus.PairFiles((str(tmp_path / "c.tsv"),))
+    mix = BackTranslationMix(str(tmp_path / "c.tsv"), ratio=2.0, real_pairs=10)
+    examples = batching.Examples([[5, 6]] * 4, [[7]] * 4)
+    stream = batch_stream(examples, boundaries=(4,), batch_tokens=8, seed=0, pad_id=0, bos_id=2, eos_id=3)
+    for source in (pairs, mix, stream):
+        assert isinstance(source, DataSource)
+        records = source.records()
+        next(records)
+        state = source.get_state()
+        after = [next(records) for _ in range(3)]
+        source.set_state(state)
+        again = [next(source.records()) for _ in range(3)] if source is stream else \
+            list(itertools.islice(source.records(), 3))
+        assert repr(again) == repr(after)
+    assert len(list(BackTranslationMix(str(tmp_path / "c.tsv"), 2.0, 10).records())) == 20
+    assert pairs.fingerprint()[0]["size"] == (tmp_path / "c.tsv").stat().st_size
+    assert mix.fingerprint()["ratio"] == 2.0 and stream.fingerprint() is None
+
+
 def test_aligned_files(tmp_path):
     (tmp_path / "a.en").write_text("one\ntwo\n\nfour\n")
     (tmp_path / "a.de").write_text("eins\nzwei\ndrei\nvier\n")
-    pairs, report = corpus.read_aligned(tmp_path / "a.en", tmp_path / "a.de")
+    pairs, report = aligned(tmp_path / "a.en", tmp_path / "a.de")
     assert pairs == [("one", "eins"), ("two", "zwei"), ("four", "vier")]
     assert report.skipped == {"empty side": 1}
     (tmp_path / "b.de").write_text("eins\n")
     with pytest.raises(ValueError, match="lines"):
-        corpus.read_aligned(tmp_path / "a.en", tmp_path / "b.de")
+        aligned(tmp_path / "a.en", tmp_path / "b.de")
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +142,7 @@ def test_a_byte_order_mark_never_reaches_the_first_sentence(tmp_path):
     assert pairs == [("Hello", "Hallo"), ("One two", "Eins zwei")] and report.read == 2   # \r: a space
     (tmp_path / "a.en").write_bytes("\ufeffGood morning\nBye\n".encode())
     (tmp_path / "a.de").write_bytes("\ufeffGuten Morgen\nTschüss\n".encode())
-    pairs, _ = corpus.read_aligned(tmp_path / "a.en", tmp_path / "a.de")
+    pairs, _ = aligned(tmp_path / "a.en", tmp_path / "a.de")
     assert pairs[0] == ("Good morning", "Guten Morgen")
 
 
@@ -128,7 +158,7 @@ def test_truncated_or_corrupt_gzip_is_an_error_naming_the_file(tmp_path):
         corpus.read_tsv(corrupt)
     (tmp_path / "ok.en").write_text("a\n")
     with pytest.raises(ValueError, match="corrupt.tsv.gz"):
-        corpus.read_aligned(tmp_path / "ok.en", corrupt)
+        aligned(tmp_path / "ok.en", corrupt)
     plain = tmp_path / "plain.tsv.gz"   # gzip by its magic number, not its name
     plain.write_bytes(b"a\tb\n")
     assert corpus.read_tsv(plain)[0] == [("a", "b")]

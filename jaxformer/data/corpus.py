@@ -153,22 +153,10 @@ def iter_tsv(path: str | os.PathLike, report: DataReport) -> Iterator[Pair]:
     return PairFiles((str(path),), report).records()
 
 
-def iter_aligned(src_path: str | os.PathLike, tgt_path: str | os.PathLike,
-                 report: DataReport) -> Iterator[Pair]:
-    """Streams the usable pairs of two line-aligned files (:class:`PairFiles`)."""
-    return PairFiles((str(src_path), str(tgt_path)), report).records()
-
-
 def read_tsv(path: str | os.PathLike, report: DataReport | None = None) -> tuple[list[Pair], DataReport]:
     """All usable pairs of a TSV file (:class:`PairFiles`) in memory, and their report."""
     report = report or DataReport()
     return list(iter_tsv(path, report)), report
-
-
-def read_aligned(src_path: str | os.PathLike, tgt_path: str | os.PathLike) -> tuple[list[Pair], DataReport]:
-    """All usable pairs of two line-aligned files (:class:`PairFiles`), and their report."""
-    report = DataReport()
-    return list(iter_aligned(src_path, tgt_path, report)), report
 
 
 def builtin_corpus_path(pair: str) -> Path:
