@@ -25,6 +25,12 @@ from jaxformer.model.validation import check_special_ids
 BT_TAG = "<BT>"
 
 
+def _until(seq: Sequence[int], eos_id: int) -> list[int]:
+    """The ids of ``seq`` as ints, up to (without) the first ``eos_id``."""
+    seq = [int(t) for t in seq]
+    return seq[: seq.index(eos_id)] if eos_id in seq else seq
+
+
 class Tokenizer:
     """A joint sentencepiece vocabulary for source and target.
 
@@ -81,13 +87,8 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[Sequence[int]]) -> list[str]:
         """Detokenized text; stops at the first eos and drops pad/bos."""
-        out = []
-        for seq in ids:
-            seq = [int(t) for t in seq]
-            if self.eos_id in seq:
-                seq = seq[: seq.index(self.eos_id)]
-            out.append(self.sp.decode([t for t in seq if t not in (self.pad_id, self.bos_id)]))
-        return out
+        return [self.sp.decode([t for t in _until(seq, self.eos_id) if t not in (self.pad_id, self.bos_id)])
+                for seq in ids]
 
     @staticmethod
     def train(sentences: Iterable[str], model_dir: str | os.PathLike, vocab_size: int = 8000,
@@ -261,14 +262,9 @@ class MarianTokenizer:
         """Text of each id sequence: stops at the first eos, drops special tokens
         (``batch_decode(..., skip_special_tokens=True)``)."""
         processor = self.target_spm if self.separate_vocabs else self.source_spm
-        out = []
-        for seq in ids:
-            seq = [int(t) for t in seq]
-            if self.eos_id in seq:
-                seq = seq[: seq.index(self.eos_id)]
-            pieces = [self.pieces_of.get(t, "<unk>") for t in seq if t not in self._special]
-            out.append(processor.decode_pieces(pieces).replace("\u2581", " ").strip())
-        return out
+        return [processor.decode_pieces([self.pieces_of.get(t, "<unk>") for t in _until(seq, self.eos_id)
+                                         if t not in self._special]).replace("\u2581", " ").strip()
+                for seq in ids]
 
     def source_pieces(self, ids: Sequence[int]) -> list[str]:
         source_of = {i: p for p, i in self.source_vocab.items()}
