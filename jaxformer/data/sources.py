@@ -1,31 +1,9 @@
-"""The one small protocol every data source follows, so the trainer and ``prepare`` see
-nothing else: :class:`DataSource`.
-
-Implemented by :class:`jaxformer.data.corpus.PairFiles` (a TSV file or two aligned files:
-text pairs), :class:`jaxformer.data.back_translation.BackTranslationMix` (the synthetic
-pairs chosen at ``--bt-ratio``: text pairs) and :class:`jaxformer.data.streaming.BatchStream`
-(the prepared shards: training batches, what the trainer iterates and checkpoints).
-
-A new source is one class with these four methods, e.g. a source of pairs held in memory::
-
-    @dataclasses.dataclass
-    class InMemoryPairs:
-        pairs: list[tuple[str, str]]
-        position: int = 0
-
-        def records(self):
-            while self.position < len(self.pairs):
-                self.position += 1
-                yield self.pairs[self.position - 1]
-
-        def fingerprint(self):
-            return {"sha256": hashlib.sha256(repr(self.pairs).encode()).hexdigest()}
-
-        def get_state(self):
-            return {"pairs": self.position}
-
-        def set_state(self, state):
-            self.position = state["pairs"]
+"""The one small protocol every data source follows (:class:`DataSource`): the text
+pairs of :class:`jaxformer.data.corpus.PairFiles` (a TSV file or two aligned files) and
+:class:`jaxformer.data.back_translation.BackTranslationMix`, which ``prepare`` reads, and
+the batches of :class:`jaxformer.data.streaming.BatchStream` (the prepared shards), which
+the trainer iterates and checkpoints. A new source is one class with the four methods;
+``tests/test_data.py`` walks each through them.
 """
 
 from __future__ import annotations

@@ -1,25 +1,16 @@
 """Bulk translation of a file of any size: streamed, resumable, one line out per line in.
 
-``jaxformer-translate --input FILE --output FILE`` (and :func:`translate_file`) reads
-the input as a stream of chunks of ``chunk_lines`` lines (constant memory whatever the
-file's size), decodes each chunk in batches sorted by length inside the chunk (the
-bounded window that fills batches), and writes each finished chunk to
-``OUTPUT.parts/<chunk>.txt`` under a temporary name renamed into place: a chunk file
-exists whole or not at all. When every chunk is there they are joined into ``OUTPUT``
-(again by rename) and the parts folder is removed.
-
-A run killed at any point (SIGKILL included) and started again with the same command
-finds the chunks already written and decodes only the others. Their batches are the
-same as in an uninterrupted run (chunk boundaries and batch size are fixed), so the
-output is the same byte for byte. ``OUTPUT.parts/manifest.json`` records what the
-output depends on (the input's SHA-256 and size, the checkpoint, every decoding
-setting, the chunk and batch sizes); a resume whose input or settings differ is
-refused with the differences named, never continued on other data.
-
-Input lines are read by :mod:`jaxformer.data.lines`, as training reads corpora. One pass
-before decoding counts the lines (the progress bar's total), hashes the file and finds
-lines that are not UTF-8: ``errors="strict"`` refuses them by line number before anything
-is decoded, ``"replace"`` decodes them with U+FFFD.
+``jaxformer-translate --input FILE --output FILE`` (:func:`translate_file`) reads the
+input (by :mod:`jaxformer.data.lines`) in chunks of ``chunk_lines`` lines, decodes each
+in batches sorted by length inside the chunk, and writes it to ``OUTPUT.parts/<chunk>.txt``
+by rename (a chunk file exists whole or not at all); the chunks are then joined into
+``OUTPUT`` (by rename). A run killed at any point and started again decodes only the
+missing chunks, with the same batches, so the output is the same byte for byte.
+``OUTPUT.parts/manifest.json`` records what the output depends on (the input's SHA-256
+and size, the checkpoint, the decoding settings, chunk and batch sizes); a resume whose
+input or settings differ is refused with the differences named. A first pass counts the
+lines, hashes the file and finds lines that are not UTF-8 (``errors="strict"`` refuses
+them by line number before anything is decoded; ``"replace"`` decodes them with U+FFFD).
 """
 
 from __future__ import annotations
