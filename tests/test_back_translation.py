@@ -49,7 +49,7 @@ def test_tagged_pairs_reach_the_batches_with_the_tag_at_the_ratio(tmp_path, shor
     assert real == 2000 - sum(counts["train_dropped"].values()) == 1999
     assert counts["back_translation"]["read"] == 150 and counts["back_translation"]["chosen"] == 500
     tokenizer = Tokenizer(run.tokenizer_dir / "spm.model")
-    tag = tokenizer.reserved_id(BT_TAG)
+    tag = back_translation.tag_id(tokenizer)
     assert tag == counts["back_translation"]["tag_id"]
     assert tag not in tokenizer.encode([f"{BT_TAG} Click OK."])[0]   # no text encodes to the tag
     synthetic_targets = {tuple(ids) for ids in tokenizer.encode([t for _, t in corpus.read_tsv(bt_file)[0]])}

@@ -1,13 +1,34 @@
 """Corpus reading, splitting, tokenizer and bucketing (issue: the main job)."""
 
+import functools
 import gzip
+import itertools
 
 import numpy as np
 import pytest
-import reference_data
 
-from jaxformer.data import batching, corpus
+from jaxformer.data import batching, corpus, lines, streaming
 from jaxformer.data.tokenizer import Tokenizer
+
+
+def split_pairs(pairs, dev_size=1000, test_size=1000):
+    """The package's hashed split (what prepare does) of pairs held in memory."""
+    splitter = corpus.Splitter.for_size(len(pairs), dev_size, test_size)
+    splits = {"train": [], "dev": [], "test": []}
+    for pair in pairs:
+        splits[splitter(pair[0])].append(pair)
+    return splits
+
+
+def aligned(src, tgt):
+    source = corpus.PairFiles((str(src), str(tgt)))
+    return list(source.records()), source.report
+
+
+def batch_stream(examples, *, boundaries, pack=False, **options):
+    """The package's streaming pipeline over tokenized pairs in memory, resumable."""
+    return streaming.BatchStream(lambda start: streaming.stream_dataset(
+        examples, max_len=boundaries[-1], boundaries=boundaries, pack=pack, start=start, **options))
 
 
 def test_shipped_corpora_are_real_and_large():
@@ -21,8 +42,8 @@ def test_shipped_corpora_are_real_and_large():
 
 def test_split_is_deterministic_and_sources_never_cross():
     pairs, _ = corpus.read_tsv(corpus.builtin_corpus_path("en-de"))
-    a = reference_data.split_pairs(pairs)
-    b = reference_data.split_pairs(list(reversed(pairs)))
+    a = split_pairs(pairs)
+    b = split_pairs(list(reversed(pairs)))
     for name in ("train", "dev", "test"):
         assert sorted(a[name]) == sorted(b[name])
     assert 800 <= len(a["dev"]) <= 1200 and 800 <= len(a["test"]) <= 1200
@@ -31,7 +52,7 @@ def test_split_is_deterministic_and_sources_never_cross():
     assert not train_sources & {s for s, _ in a["dev"]}
     # A duplicated source with another translation lands in the same split.
     twin = [("Click OK.", "Klicken Sie auf OK."), ("Click OK.", "Klicken Sie OK.")] + pairs[:100]
-    split = reference_data.split_pairs(twin, dev_size=30, test_size=30)
+    split = split_pairs(twin, dev_size=30, test_size=30)
     homes = [name for name, items in split.items() for s, _ in items if s == "Click OK."]
     assert len(set(homes)) == 1 and len(homes) == 2
 
@@ -63,23 +84,45 @@ def test_empty_and_missing_corpora_raise_clear_errors(tmp_path):
         f.write(b"only junk\n")
     with pytest.raises(ValueError, match="No usable sentence pair"):
         corpus.read_tsv(empty)
-    with pytest.raises(FileNotFoundError, match="does not exist"):
+    with pytest.raises(FileNotFoundError, match="missing.tsv"):
         corpus.read_tsv(tmp_path / "missing.tsv")
-    with pytest.raises(ValueError, match="cannot be split"):
-        reference_data.split_pairs([("a", "b")])
-    with pytest.raises(ValueError, match="Unknown language pair"):
-        corpus.builtin_corpus_path("en-xx")
+    with pytest.raises(ValueError, match="The dev split is empty"):
+        corpus.check_splits_nonempty({"train": 1, "dev": 0, "test": 0}, 1)
+
+
+def test_every_source_follows_the_protocol_and_resumes(tmp_path):
+    from jaxformer.data.back_translation import BackTranslationMix
+    from jaxformer.data.sources import DataSource
+
+    (tmp_path / "c.tsv").write_text("".join(f"s{i}\tt{i}\n" for i in range(10)))
+    pairs = corpus.PairFiles((str(tmp_path / "c.tsv"),))
+    mix = BackTranslationMix(str(tmp_path / "c.tsv"), ratio=2.0, real_pairs=10)
+    examples = batching.Examples([[5, 6]] * 4, [[7]] * 4)
+    stream = batch_stream(examples, boundaries=(4,), batch_tokens=8, seed=0, pad_id=0, bos_id=2, eos_id=3)
+    for source in (pairs, mix, stream):
+        assert isinstance(source, DataSource)
+        records = source.records()
+        next(records)
+        state = source.get_state()
+        after = [next(records) for _ in range(3)]
+        source.set_state(state)
+        again = [next(source.records()) for _ in range(3)] if source is stream else \
+            list(itertools.islice(source.records(), 3))
+        assert repr(again) == repr(after)
+    assert len(list(BackTranslationMix(str(tmp_path / "c.tsv"), 2.0, 10).records())) == 20
+    assert pairs.fingerprint()[0]["size"] == (tmp_path / "c.tsv").stat().st_size
+    assert mix.fingerprint()["ratio"] == 2.0 and stream.fingerprint() is None
 
 
 def test_aligned_files(tmp_path):
     (tmp_path / "a.en").write_text("one\ntwo\n\nfour\n")
     (tmp_path / "a.de").write_text("eins\nzwei\ndrei\nvier\n")
-    pairs, report = corpus.read_aligned(tmp_path / "a.en", tmp_path / "a.de")
+    pairs, report = aligned(tmp_path / "a.en", tmp_path / "a.de")
     assert pairs == [("one", "eins"), ("two", "zwei"), ("four", "vier")]
     assert report.skipped == {"empty side": 1}
     (tmp_path / "b.de").write_text("eins\n")
     with pytest.raises(ValueError, match="lines"):
-        corpus.read_aligned(tmp_path / "a.en", tmp_path / "b.de")
+        aligned(tmp_path / "a.en", tmp_path / "b.de")
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +142,7 @@ def test_a_byte_order_mark_never_reaches_the_first_sentence(tmp_path):
     assert pairs == [("Hello", "Hallo"), ("One two", "Eins zwei")] and report.read == 2   # \r: a space
     (tmp_path / "a.en").write_bytes("\ufeffGood morning\nBye\n".encode())
     (tmp_path / "a.de").write_bytes("\ufeffGuten Morgen\nTschüss\n".encode())
-    pairs, _ = corpus.read_aligned(tmp_path / "a.en", tmp_path / "a.de")
+    pairs, _ = aligned(tmp_path / "a.en", tmp_path / "a.de")
     assert pairs[0] == ("Good morning", "Guten Morgen")
 
 
@@ -110,12 +153,37 @@ def test_truncated_or_corrupt_gzip_is_an_error_naming_the_file(tmp_path):
     with pytest.raises(ValueError, match="truncated.tsv.gz.*truncated or corrupt"):
         corpus.read_tsv(truncated)
     corrupt = tmp_path / "corrupt.tsv.gz"
-    corrupt.write_bytes(b"not gzip at all\n")
-    with pytest.raises(ValueError, match="corrupt.tsv.gz.*truncated or corrupt"):
+    corrupt.write_bytes(whole[:10] + b"not deflate at all" * 50)
+    with pytest.raises(lines.TextError, match="corrupt.tsv.gz.*truncated or corrupt"):
         corpus.read_tsv(corrupt)
     (tmp_path / "ok.en").write_text("a\n")
     with pytest.raises(ValueError, match="corrupt.tsv.gz"):
-        corpus.read_aligned(tmp_path / "ok.en", corrupt)
+        aligned(tmp_path / "ok.en", corrupt)
+    plain = tmp_path / "plain.tsv.gz"   # gzip by its magic number, not its name
+    plain.write_bytes(b"a\tb\n")
+    assert corpus.read_tsv(plain)[0] == [("a", "b")]
+
+
+def test_one_line_reader_for_every_file(tmp_path):
+    """BOM dropped, \\n ends a line (one \\r before it dropped, a bare one kept), the last
+    line needs no newline; bytes not UTF-8 named by line number, replaced or skipped;
+    UTF-16 refused by name; a stream fed in pieces splits as the whole file does."""
+    data = b"\xef\xbb\xbfone\r\ntwo\rhalf\n\xffbad\nlast"
+    path = tmp_path / "in.txt"
+    path.write_bytes(data)
+    bad = []
+    assert list(lines.read_lines(path, "replace", bad)) == ["one", "two\rhalf", "\ufffdbad", "last"]
+    assert bad == [3] and list(lines.read_lines(path, "skip"))[2] is None
+    with pytest.raises(lines.NotUtf8, match=r"1 line\(s\) of .*in.txt' are not valid UTF-8 \(line 3\)"):
+        list(lines.read_lines(path))
+    (tmp_path / "gz").write_bytes(gzip.compress(data))
+    assert list(lines.read_lines(tmp_path / "gz", "replace")) == list(lines.read_lines(path, "replace"))
+    splitter = lines.LineSplitter("stdin", "replace")
+    fed = [line for i in range(len(data)) for line in splitter.feed(data[i:i + 1])]
+    assert fed + list(splitter.feed(b"", final=True)) == list(lines.read_lines(path, "replace"))
+    (tmp_path / "u16").write_bytes("a\tb\n".encode("utf-16"))
+    with pytest.raises(lines.TextError, match="is UTF-16.*iconv -f UTF-16 -t UTF-8"):
+        list(lines.read_lines(tmp_path / "u16"))
 
 
 def test_tokenizer_ids_and_roundtrip(tokenizer):
@@ -132,12 +200,14 @@ def test_buckets_have_fixed_shapes_and_cover_every_example(tokenizer):
     assert report.kept == len(examples) and report.kept + sum(report.skipped.values()) == 2000
     bounds = batching.bucket_boundaries(48)
     assert bounds == (16, 32, 48)
-    batches = batching.bucket_batches(examples, batch_tokens=512, boundaries=bounds, seed=0, row_multiple=8)
+    plan = functools.partial(batching.bucket_plan, examples.src_lengths, examples.tgt_lengths + 1,
+                             batch_tokens=512, boundaries=bounds, row_multiple=8)
+    batches = plan(np.random.default_rng(0))
     shapes = {(length, len(idx)) for length, idx in batches}
     assert shapes == {(16, 32), (32, 16), (48, 8)}
     seen = np.concatenate([idx for _, idx in batches])
     assert sorted(seen[seen >= 0].tolist()) == list(range(len(examples)))
-    again = batching.bucket_batches(examples, batch_tokens=512, boundaries=bounds, seed=0, row_multiple=8)
+    again = plan(np.random.default_rng(0))
     assert all(a[0] == b[0] and np.array_equal(a[1], b[1]) for a, b in zip(batches, again))
 
 
@@ -149,16 +219,16 @@ def test_collate_shifts_targets_explicitly():
     np.testing.assert_array_equal(batch["tgt_out"], [[8, 9, 3, 0], [0, 0, 0, 0]])
 
 
-def test_grain_pipeline_is_checkpointable_and_reshuffles(tokenizer):
+def test_the_stream_over_examples_in_memory_resumes_exactly(tokenizer):
     pairs, _ = corpus.read_tsv(corpus.builtin_corpus_path("en-de"))
     examples = batching.tokenize_pairs(pairs[:500], tokenizer, max_len=32)
     kwargs = dict(batch_tokens=256, boundaries=(16, 32), seed=3, pad_id=0, bos_id=2, eos_id=3)
-    it = iter(reference_data.train_dataset(examples, **kwargs))
+    it = batch_stream(examples, **kwargs)
     for _ in range(5):
         next(it)
     state = it.get_state()
     expected = [next(it)["src"] for _ in range(3)]
-    resumed = iter(reference_data.train_dataset(examples, **kwargs))
+    resumed = batch_stream(examples, **kwargs)
     resumed.set_state(state)
     for want in expected:
         np.testing.assert_array_equal(next(resumed)["src"], want)
@@ -175,14 +245,14 @@ def test_train_step_compiles_once_per_bucket_and_never_after_the_first_epoch(tok
     pairs, _ = corpus.read_tsv(corpus.builtin_corpus_path("en-de"))
     examples = batching.tokenize_pairs(pairs[:400], tokenizer, max_len=32)
     boundaries = batching.bucket_boundaries(32)
-    batches = batching.bucket_batches(examples, 512, boundaries, seed=0)
-    per_epoch = len(batches)
+    per_epoch = len(batching.bucket_plan(examples.src_lengths, examples.tgt_lengths + 1,
+                                         np.random.default_rng(0), batch_tokens=512, boundaries=boundaries))
     config = jf.preset("tiny", src_vocab_size=tokenizer.vocab_size, max_len=32)
     model = jf.Transformer(config)
     state = create_train_state(model, jax.random.key(0), make_optimizer(transformer_schedule(32, 10)))
     step = jit_train_step(model, 0.1)
-    it = iter(reference_data.train_dataset(examples, batch_tokens=512, boundaries=boundaries, seed=0,
-                                 pad_id=0, bos_id=2, eos_id=3))
+    it = batch_stream(examples, batch_tokens=512, boundaries=boundaries, seed=0, pad_id=0, bos_id=2, eos_id=3,
+                      block_pairs=len(examples))
     for _ in range(per_epoch):
         state, _ = step(state, next(it), jax.random.key(1))
     after_first_epoch = step._cache_size()
@@ -190,28 +260,6 @@ def test_train_step_compiles_once_per_bucket_and_never_after_the_first_epoch(tok
     for _ in range(per_epoch):
         state, _ = step(state, next(it), jax.random.key(1))
     assert step._cache_size() == after_first_epoch, "no new compile after the first epoch"
-
-
-def test_explicit_dev_and_test_files_replace_the_hashed_split(tmp_path):
-    from jaxformer.run.config import TrainConfig
-
-    pairs, _ = corpus.read_tsv(corpus.builtin_corpus_path("en-de"))
-    write = lambda path, items: path.write_text("".join(f"{s}\t{t}\n" for s, t in items))  # noqa: E731
-    write(tmp_path / "train.tsv", pairs[:3000])
-    write(tmp_path / "dev.tsv", pairs[5000:5040])
-    write(tmp_path / "test.tsv", pairs[6000:6030])
-    both, target = reference_data.load_splits(TrainConfig(train_file=str(tmp_path / "train.tsv"),
-                                           dev_file=str(tmp_path / "dev.tsv"),
-                                           test_file=str(tmp_path / "test.tsv")))
-    assert both["dev"] == pairs[5000:5040] and both["test"] == pairs[6000:6030]
-    assert len(both["train"]) == 3000
-    dev_only, _ = reference_data.load_splits(TrainConfig(train_file=str(tmp_path / "train.tsv"),
-                                          dev_file=str(tmp_path / "dev.tsv")))
-    assert dev_only["dev"] == pairs[5000:5040]
-    assert dev_only["test"] and not {s for s, _ in dev_only["test"]} & {s for s, _ in dev_only["train"]}
-    assert len(dev_only["train"]) + len(dev_only["test"]) == 3000
-    with pytest.raises(ValueError, match="not both"):
-        reference_data.load_splits(TrainConfig(train_file="a.tsv", src_file="b.txt", tgt_file="c.txt"))
 
 
 def test_batch_rows_are_rounded_with_a_note_or_refused_by_name():

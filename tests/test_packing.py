@@ -10,10 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import reference_data
 
 import jaxformer as jf
-from jaxformer.data import batching
+from jaxformer.data import batching, streaming
 from jaxformer.model.masks import create_segment_mask, segment_positions
 from jaxformer.train.step import _batch_loss
 
@@ -34,26 +33,23 @@ def test_pack_batches_covers_every_example_once_with_fixed_shapes():
     rng = np.random.default_rng(0)
     examples = batching.Examples(src=[list(range(4, 4 + n)) for n in rng.integers(1, 16, 300)],
                              tgt=[list(range(4, 4 + n)) for n in rng.integers(1, 16, 300)])
-    batches = batching.pack_batches(examples, batch_tokens=128, length=16, seed=0, row_multiple=4)
+    src_len, tgt_len = examples.src_lengths, examples.tgt_lengths + 1
+    plan = functools.partial(batching.pack_plan, src_len, tgt_len, batch_tokens=128, length=16, row_multiple=4)
+    batches = plan(np.random.default_rng(0))
     assert {(length, idx.shape[0]) for length, idx in batches} == {(16, 8)}
     seen = np.concatenate([idx.ravel() for _, idx in batches])
     assert sorted(seen[seen >= 0].tolist()) == list(range(len(examples)))
-    src_len, tgt_len = batching.example_lengths(examples)
     for _, idx in batches:
         for row in idx:
             members = row[row >= 0]
             assert src_len[members].sum() <= 16 and tgt_len[members].sum() <= 16
-    again = batching.pack_batches(examples, batch_tokens=128, length=16, seed=0, row_multiple=4)
+    again = plan(np.random.default_rng(0))
     assert all(np.array_equal(a[1], b[1]) for a, b in zip(batches, again))
     packed = batching.padding_fraction(examples, batches)["both"]
-    bucketed_batches = batching.bucket_batches(examples, 128, (8, 16), seed=0)
+    bucketed_batches = batching.bucket_plan(src_len, tgt_len, np.random.default_rng(0), batch_tokens=128,
+                                            boundaries=(8, 16))
     bucketed = batching.padding_fraction(examples, bucketed_batches)["both"]
     assert packed < bucketed
-
-
-def test_pack_batches_rejects_examples_longer_than_the_row():
-    with pytest.raises(ValueError, match="length=2"):
-        batching.pack_batches(EXAMPLES, batch_tokens=8, length=2, seed=0)
 
 
 def test_collate_packed_concatenates_pairs_with_segment_ids():
@@ -123,9 +119,11 @@ def test_packed_train_dataset_compiles_the_train_step_once():
     model, _ = _model("pre")
     state = create_train_state(model, jax.random.key(0), make_optimizer(transformer_schedule(32, 10)))
     step = jit_train_step(model, 0.1)
-    it = iter(reference_data.train_dataset(examples, batch_tokens=64, boundaries=(8, 16), seed=0, pad_id=0,
-                                 bos_id=2, eos_id=3, pack=True))
-    per_epoch = len(batching.pack_batches(examples, 64, 16, seed=0))
+    it = streaming.BatchStream(lambda start: streaming.stream_dataset(
+        examples, max_len=16, batch_tokens=64, boundaries=(8, 16), seed=0, pad_id=0, bos_id=2, eos_id=3,
+        pack=True, start=start))
+    per_epoch = len(batching.pack_plan(examples.src_lengths, examples.tgt_lengths + 1, np.random.default_rng(0),
+                                       batch_tokens=64, length=16))
     for _ in range(per_epoch + 2):
         state, metrics = step(state, next(it), jax.random.key(1))
     assert step._cache_size() == 1

@@ -12,10 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-import reference_data
 
 import jaxformer as jf
-from jaxformer.data import batching
+from jaxformer.data import batching, streaming
 from jaxformer.model import sharding
 from jaxformer.model.attention import fused_dot_product_attention
 from jaxformer.run.checkpoints import RunCheckpoints
@@ -204,16 +203,16 @@ def test_checkpoint_saved_on_4x2_restores_on_1x1_and_8x1(tmp_path):
 def test_each_process_collates_its_block_of_rows():
     examples = batching.Examples(src=[[5] * (i % 7 + 1) for i in range(40)],
                              tgt=[[6] * (i % 5 + 1) for i in range(40)])
-    kwargs = dict(batch_tokens=64, boundaries=(8, 16), seed=3, pad_id=PAD, bos_id=BOS, eos_id=EOS,
+    kwargs = dict(max_len=16, batch_tokens=64, boundaries=(8, 16), seed=3, pad_id=PAD, bos_id=BOS, eos_id=EOS,
                   row_multiple=4)
-    whole = next(iter(reference_data.train_dataset(examples, **kwargs)))
-    parts = [next(iter(reference_data.train_dataset(examples, **kwargs, process_index=i, process_count=2)))
-             for i in range(2)]
-    for name in whole:
-        np.testing.assert_array_equal(np.concatenate([p[name] for p in parts]), whole[name])
-    with pytest.raises(ValueError, match="multiple of the process count"):
-        reference_data.train_dataset(examples, **{**kwargs, "row_multiple": 3}, process_index=0,
-                                     process_count=2)
+    for pack in (False, True):
+        whole = next(iter(streaming.stream_dataset(examples, **kwargs, pack=pack)))
+        parts = [next(iter(streaming.stream_dataset(examples, **kwargs, pack=pack, process_index=i,
+                                                    process_count=2))) for i in range(2)]
+        for batch in (whole, *parts):   # the position after the batch: the same in every process
+            np.testing.assert_array_equal(batch.pop(streaming.POSITION_KEY), [0, 0, 1])
+        for name in whole:
+            np.testing.assert_array_equal(np.concatenate([p[name] for p in parts]), whole[name])
 
 
 # ------------------------------------------------------------ precision and memory

@@ -25,13 +25,13 @@ data's fingerprint, so a run never continues on other synthetic data.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from jaxformer.data import corpus
-from jaxformer.data.corpus import DataReport, Pair
+from jaxformer.data.corpus import DataReport, Pair, PairFiles, describe_file
 from jaxformer.data.tokenizer import BT_TAG, TextTokenizer, Tokenizer
 from jaxformer.run.logs import log
 
@@ -45,18 +45,22 @@ MAX_REPEATS = 100   # copies of one synthetic pair --bt-ratio may ask for
 
 
 def tag_id(tokenizer: TextTokenizer) -> int:
-    """The id of :data:`BT_TAG` in ``tokenizer``.
+    """The id of :data:`BT_TAG` in ``tokenizer``: a reserved piece (a sentencepiece control
+    symbol), never produced by encoding text, dropped when decoding.
 
     Raises:
       ValueError: the tokenizer has no reserved tag: one trained without ``--bt-file``,
         or an imported (Marian) vocabulary, which has none.
     """
-    if not isinstance(tokenizer, Tokenizer):
-        raise ValueError(f"--bt-file needs the tag {BT_TAG!r} as a reserved piece of the tokenizer, and "
-                         f"the --init-from model's {type(tokenizer).__name__} vocabulary has none; "
-                         f"fine-tune it on the synthetic pairs without a tag (add them to --train-file) "
-                         f"or train a new run with --bt-file.")
-    return tokenizer.reserved_id(BT_TAG)
+    sp = tokenizer.sp if isinstance(tokenizer, Tokenizer) else None
+    piece_id = sp.piece_to_id(BT_TAG) if sp is not None else None
+    if sp is None or piece_id == tokenizer.unk_id or not sp.is_control(piece_id):
+        raise ValueError(f"{getattr(tokenizer, 'model_file', type(tokenizer).__name__)} has no reserved "
+                         f"{BT_TAG!r} piece: it was trained without back-translation data, or is an "
+                         f"imported (Marian) vocabulary. Start the run with --bt-file from the beginning "
+                         f"(another --workdir, or --fresh), so its tokenizer reserves the tag; or "
+                         f"fine-tune on the synthetic pairs without a tag (add them to --train-file).")
+    return piece_id
 
 
 def multiplicities(available: int, wanted: int, seed: int) -> np.ndarray:
@@ -70,54 +74,87 @@ def multiplicities(available: int, wanted: int, seed: int) -> np.ndarray:
     return counts
 
 
+@dataclasses.dataclass
+class BackTranslationMix:
+    """A data source (:class:`jaxformer.data.sources.DataSource`) of the synthetic pairs
+    of ``path`` chosen for ``real_pairs`` real ones at ``ratio`` (see the module
+    docstring), in file order; the position counts the pairs given.
+
+    Raises (from :meth:`records`, before the first pair):
+      ValueError: the file has no usable pair, or the ratio chooses none or more than
+        ``MAX_REPEATS`` copies of each.
+    """
+
+    path: str
+    ratio: float | None
+    real_pairs: int
+    seed: int = 0
+    report: DataReport = dataclasses.field(default_factory=DataReport)
+    position: int = 0
+    chosen: int = 0   # pairs the ratio chooses (known once records() started)
+
+    def records(self) -> Iterator[Pair]:
+        available = sum(1 for _ in PairFiles((self.path,), self.report).records())   # a streamed count
+        wanted = available if self.ratio is None else round(self.ratio * self.real_pairs)
+        if not 1 <= wanted <= MAX_REPEATS * available:   # none, or a disk-filling file, not a mix
+            raise ValueError(
+                f"--bt-ratio {self.ratio:g} chooses no synthetic pair for {self.real_pairs} real training "
+                f"pairs; raise it (e.g. 1 = as many synthetic pairs as real ones) or leave it out to use "
+                f"each of the {available} pairs once." if not wanted else
+                f"--bt-ratio {self.ratio:g} asks for {wanted:,} synthetic pairs from the {available:,} of "
+                f"--bt-file {self.path}: each repeated {wanted / available:,.1f} times on average (at "
+                f"most {MAX_REPEATS}). Lower --bt-ratio or give more synthetic pairs.")
+        self.chosen = wanted
+        counts = multiplicities(available, wanted, self.seed) if wanted != available else None
+        given = 0
+        for index, pair in enumerate(PairFiles((self.path,)).records()):
+            for _ in range(1 if counts is None else int(counts[index])):
+                given += 1
+                if given > self.position:
+                    self.position = given
+                    yield pair
+
+    def fingerprint(self) -> dict[str, Any]:
+        """The file, the ratio and the tag: the ``back_translation`` entry of the data's fingerprint."""
+        return {"file": describe_file(self.path), "ratio": self.ratio, "tag": BT_TAG}
+
+    def get_state(self) -> dict[str, int]:
+        return {"pairs": self.position}
+
+    def set_state(self, state: dict[str, int]) -> None:
+        self.position = int(state["pairs"])
+
+
 def append(spec: DataSpec, tokenizer: TextTokenizer, writer: Any, real_pairs: int, seed: int,
            encode: Encoder) -> dict[str, Any]:
-    """Encodes ``spec.bt_file``'s pairs with ``encode`` (:func:`jaxformer.data.prepare.encode_pairs`),
-    tags their sources, repeats or samples them to ``spec.bt_ratio`` × ``real_pairs`` and
-    appends them through ``writer`` (a :class:`jaxformer.data.prepare.IdWriter`, which
-    applies the length filters). Reads the file twice as a stream (count, then write).
+    """Encodes the :class:`BackTranslationMix` of ``spec.bt_file`` with ``encode``
+    (:func:`jaxformer.data.prepare.encode_pairs`), tags their sources and appends them
+    through ``writer`` (a :class:`jaxformer.data.prepare.IdWriter`, which applies the
+    length filters), a chunk at a time.
 
     Returns:
       counts for the manifest: ``read`` (usable pairs in the file), ``chosen`` (after
       the ratio), ``kept`` (after the length filters), ``ratio``, ``tag_id``.
 
     Raises:
-      ValueError: the tokenizer has no tag (:func:`tag_id`), the file has no usable pair,
-        or the ratio would repeat each synthetic pair more than ``MAX_REPEATS`` times.
+      ValueError: the tokenizer has no tag (:func:`tag_id`), or see :class:`BackTranslationMix`.
     """
     tag = tag_id(tokenizer)
-    report = DataReport()
-    available = sum(1 for _ in corpus.iter_tsv(spec.bt_file, report))
-    if not available:
-        raise ValueError(f"--bt-file {spec.bt_file} has no usable pair ({report.summary('bt file')}); "
-                         f"it must hold synthetic-source<TAB>real-target lines.")
-    report.kept = available
-    wanted = available if spec.bt_ratio is None else round(spec.bt_ratio * real_pairs)
-    if not wanted:
-        raise ValueError(f"--bt-ratio {spec.bt_ratio:g} chooses no synthetic pair for {real_pairs} real "
-                         f"training pairs; raise it (e.g. 1 = as many synthetic pairs as real ones) or "
-                         f"leave it out to use each of the {available} pairs once.")
-    if wanted > MAX_REPEATS * available:   # e.g. --bt-ratio 1e9: a disk-filling file, not a mix
-        raise ValueError(f"--bt-ratio {spec.bt_ratio:g} asks for {wanted:,} synthetic pairs from the "
-                         f"{available:,} of --bt-file {spec.bt_file}: each repeated "
-                         f"{wanted / available:,.1f} times on average (at most {MAX_REPEATS}). Lower "
-                         f"--bt-ratio or give more synthetic pairs.")
-    counts = multiplicities(available, wanted, seed) if wanted != available else None
-    kept, index, chunk = 0, 0, []
+    mix = BackTranslationMix(spec.bt_file, spec.bt_ratio, real_pairs, seed)
+    kept, chunk = 0, []
 
     def flush() -> int:
         src, tgt = encode(tokenizer, chunk)
         return writer.write([[tag, *ids] for ids in src], tgt)
 
-    for pair in corpus.iter_tsv(spec.bt_file, DataReport()):
-        for _ in range(1 if counts is None else int(counts[index])):   # memory: one chunk at most
-            chunk.append(pair)
-            if len(chunk) >= CHUNK_PAIRS:
-                kept, chunk = kept + flush(), []
-        index += 1
+    for pair in mix.records():   # memory: one chunk at most
+        chunk.append(pair)
+        if len(chunk) >= CHUNK_PAIRS:
+            kept, chunk = kept + flush(), []
     if chunk:
         kept += flush()
-    log(f"prepare: back-translation: {report.summary(spec.bt_file)}; {wanted} synthetic pairs "
+    available, wanted = mix.report.kept, mix.chosen
+    log(f"prepare: back-translation: {mix.report.summary(spec.bt_file)}; {wanted} synthetic pairs "
         f"chosen for {real_pairs} real ones (ratio {wanted / max(real_pairs, 1):.2f}), {kept} kept after "
         f"the length filters, sources tagged {BT_TAG} (id {tag})")
     return {"read": available, "chosen": wanted, "kept": kept, "ratio": spec.bt_ratio, "tag_id": tag}

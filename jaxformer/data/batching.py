@@ -2,35 +2,43 @@
 
 Teacher forcing is explicit here (``tgt_in`` = bos y1 … yn, ``tgt_out`` = y1 … yn eos),
 never inside the decoder. Few shapes mean few compiles: length buckets
-(:func:`bucket_batches`) or one packed shape (:func:`pack_batches`). The grain
-iterator's state is checkpointed with the model (:mod:`jaxformer.run.checkpoints`).
+(:func:`bucket_plan`) or one packed shape (:func:`pack_plan`), planned on lengths alone
+by :mod:`jaxformer.data.streaming`.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from jaxformer.data.corpus import DataReport, Pair
 from jaxformer.data.tokenizer import Tokenizer
 
-if TYPE_CHECKING:
-    pass
-
 
 @dataclasses.dataclass(frozen=True)
 class Examples:
-    """Tokenized pairs: ragged id lists, without bos/eos."""
+    """Tokenized pairs in memory: ragged id lists, without bos/eos. Indexed and measured as
+    a :class:`jaxformer.data.prepared.PreparedCorpus` is, so the streaming pipeline
+    (:func:`jaxformer.data.streaming.stream_dataset`) batches either."""
 
     src: list[list[int]]
     tgt: list[list[int]]
 
     def __len__(self):
         return len(self.src)
+
+    @functools.cached_property
+    def src_lengths(self) -> np.ndarray:
+        """``[N]`` int64: source ids per pair."""
+        return np.array([len(s) for s in self.src], np.int64)
+
+    @functools.cached_property
+    def tgt_lengths(self) -> np.ndarray:
+        """``[N]`` int64: target ids per pair (no bos/eos)."""
+        return np.array([len(t) for t in self.tgt], np.int64)
 
 
 def tokenize_pairs(pairs: Sequence[Pair], tokenizer: Tokenizer, max_len: int,
@@ -76,22 +84,6 @@ def bucket_boundaries(max_len: int, step: int = 16) -> tuple[int, ...]:
     return tuple(bounds)
 
 
-def bucket_batches(examples: Examples, batch_tokens: int, boundaries: Sequence[int],
-                   seed: int, row_multiple: int = 1) -> list[tuple[int, np.ndarray]]:
-    """Groups examples into fixed-shape batches by padded length.
-
-    Each example goes to the smallest bucket ``L`` that holds both its source and
-    its target plus one. A bucket's batches all have ``rows(L) = batch_tokens // L``
-    rows (rounded down to ``row_multiple``), so the step compiles once per bucket.
-    A bucket's last batch is filled with index -1 (all-pad rows, zero weight).
-
-    Returns:
-      a list of ``(L, indices [rows])``, in a seeded random order.
-    """
-    src_len, tgt_len = example_lengths(examples)
-    return bucket_plan(src_len, tgt_len, batch_tokens, boundaries, np.random.default_rng(seed), row_multiple)
-
-
 def rows_per_batch(batch_tokens: int, length: int, row_multiple: int = 1) -> int:
     """Rows of a batch of ``length``-token rows: ``batch_tokens // length``, rounded down to
     a multiple of ``row_multiple`` (at least one multiple). With the seed, these counts
@@ -122,70 +114,55 @@ def check_batch_rows(batch_tokens: int, row_length: int, row_multiple: int) -> s
     return None
 
 
-def bucket_plan(src_len: np.ndarray, tgt_len: np.ndarray, batch_tokens: int, boundaries: Sequence[int],
-                rng: np.random.Generator, row_multiple: int = 1) -> list[tuple[int, np.ndarray]]:
-    """:func:`bucket_batches` on lengths alone: ``src_len``/``tgt_len`` ``[N]`` are the
-    source ids and the target ids + 1 of each example; indices refer to positions in them."""
-    lengths = np.maximum(src_len, tgt_len)
-    bucket_of = np.searchsorted(np.asarray(boundaries), lengths)
+def _lengths(src_len: np.ndarray, tgt_len: np.ndarray) -> np.ndarray:
+    return np.maximum(src_len, tgt_len)
+
+
+def bucket_plan(src_len: np.ndarray, tgt_len: np.ndarray, rng: np.random.Generator, *, batch_tokens: int,
+                boundaries: Sequence[int], row_multiple: int = 1) -> list[tuple[int, np.ndarray]]:
+    """Groups pairs into fixed-shape batches by padded length.
+
+    ``src_len``/``tgt_len`` ``[N]`` are the source ids and the target ids + 1 of each pair
+    (each at most ``boundaries[-1]``). Each pair goes to the smallest bucket ``L`` that
+    holds both; a bucket's batches all have :func:`rows_per_batch` rows, so the step
+    compiles once per bucket. A bucket's last batch is filled with index -1 (all-pad rows).
+
+    Returns:
+      a list of ``(L, indices [rows])`` (positions in the lengths), in a random order.
+    """
+    bucket_of = np.searchsorted(np.asarray(boundaries), _lengths(src_len, tgt_len))
     batches = []
     for b, length in enumerate(boundaries):
         members = np.flatnonzero(bucket_of == b)
-        if members.size == 0:
+        if members.size == 0:   # no draw: the plan of a saved position stays the same
             continue
-        rows = rows_per_batch(batch_tokens, length, row_multiple)
         members = rng.permutation(members)
+        rows = rows_per_batch(batch_tokens, length, row_multiple)
         for start in range(0, members.size, rows):
             chunk = members[start:start + rows]
-            if chunk.size < rows:
-                chunk = np.concatenate([chunk, np.full(rows - chunk.size, -1)])
-            batches.append((int(length), chunk))
-    order = rng.permutation(len(batches))
-    return [batches[i] for i in order]
+            batches.append((int(length), np.concatenate([chunk, np.full(rows - chunk.size, -1)])))
+    return [batches[i] for i in rng.permutation(len(batches))]
 
 
-def example_lengths(examples: Examples) -> tuple[np.ndarray, np.ndarray]:
-    """Token counts per example: source ids and target ids + 1 (bos in, eos out)."""
-    return (np.array([len(s) for s in examples.src], np.int64),
-            np.array([len(t) + 1 for t in examples.tgt], np.int64))
+def pack_plan(src_len: np.ndarray, tgt_len: np.ndarray, rng: np.random.Generator, *, batch_tokens: int,
+              length: int, row_multiple: int = 1) -> list[tuple[int, np.ndarray]]:
+    """Packs several sentence pairs into each row of one shape (sequence packing).
 
-
-def pack_batches(examples: Examples, batch_tokens: int, length: int, seed: int,
-                 row_multiple: int = 1) -> list[tuple[int, np.ndarray]]:
-    """Packs several sentence pairs into each row of one fixed shape (sequence packing).
-
-    Every row has ``length`` source and ``length`` target positions and holds whole
-    pairs, concatenated on both sides (pair j of a row is segment j + 1, see
-    :func:`collate_packed`). Rows are filled best-fit over a random order of the
-    pairs sorted longest first, so only a few per cent of the positions stay padding
-    and the train step compiles once. A batch has ``rows = batch_tokens // length``
-    rows (rounded down to ``row_multiple``); the last batch is filled with empty rows.
+    ``src_len``/``tgt_len`` ``[N]`` are the source ids and the target ids + 1 of each pair,
+    each at most ``length`` (the callers keep only pairs that fit). Every row has
+    ``length`` source and ``length`` target positions and holds whole pairs,
+    concatenated on both sides (pair j of a row is segment j + 1, see
+    :func:`collate_packed`). Rows are filled best-fit over a random order of the pairs
+    sorted longest first, so only a few per cent of the positions stay padding and the
+    train step compiles once; a batch has :func:`rows_per_batch` rows, the last filled
+    with empty rows.
 
     Returns:
-      a list of ``(length, indices [rows, P])`` in a seeded random order: row r holds
-      the examples ``indices[r]`` that are ``>= 0``, in order (P = the most pairs of
-      any row; -1 fills).
-
-    Raises:
-      ValueError: an example does not fit ``length``.
+      a list of ``(length, indices [rows, P])`` in a random order: row r holds the pairs
+      ``indices[r]`` that are ``>= 0``, in order (P = the most pairs of any row).
     """
-    src_len, tgt_len = example_lengths(examples)
-    return pack_plan(src_len, tgt_len, batch_tokens, length, np.random.default_rng(seed), row_multiple)
-
-
-def pack_plan(src_len: np.ndarray, tgt_len: np.ndarray, batch_tokens: int, length: int,
-              rng: np.random.Generator, row_multiple: int = 1) -> list[tuple[int, np.ndarray]]:
-    """:func:`pack_batches` on lengths alone: ``src_len``/``tgt_len`` ``[N]`` are the
-    source ids and the target ids + 1 of each example; indices refer to positions in them.
-
-    Raises:
-      ValueError: an example does not fit ``length``.
-    """
-    if src_len.size and max(src_len.max(), tgt_len.max()) > length:
-        raise ValueError(f"An example has more than length={length} source ids or target ids + 1; "
-                         f"drop longer pairs first (tokenize_pairs with max_len={length}).")
     order = rng.permutation(len(src_len))
-    order = order[np.argsort(-np.maximum(src_len, tgt_len)[order], kind="stable")]
+    order = order[np.argsort(-_lengths(src_len, tgt_len)[order], kind="stable")]
     # Open rows grouped by their free space (source, target): best fit = the fitting
     # group with the least free space left, found on a (length+1)² table.
     open_rows: dict[tuple[int, int], list[int]] = collections.defaultdict(list)
@@ -216,9 +193,10 @@ def pack_plan(src_len: np.ndarray, tgt_len: np.ndarray, batch_tokens: int, lengt
     return [(length, table[start:start + per_batch]) for start in range(0, len(table), per_batch)]
 
 
-def padding_fraction(examples: Examples, batches: Sequence[tuple[int, np.ndarray]]) -> dict[str, float]:
-    """Pad positions / processed positions of ``batches`` (bucketed or packed), per side and both."""
-    src_len, tgt_len = example_lengths(examples)
+def padding_fraction(corpus, batches: Sequence[tuple[int, np.ndarray]]) -> dict[str, float]:
+    """Pad positions / processed positions of ``batches`` (bucketed or packed) of ``corpus``
+    (:class:`Examples` or a prepared corpus), per side and both."""
+    src_len, tgt_len = corpus.src_lengths, corpus.tgt_lengths + 1
     processed = sum(length * len(idx) for length, idx in batches)
     real_src = sum(int(src_len[idx[idx >= 0]].sum()) for _, idx in batches)
     real_tgt = sum(int(tgt_len[idx[idx >= 0]].sum()) for _, idx in batches)
@@ -228,7 +206,8 @@ def padding_fraction(examples: Examples, batches: Sequence[tuple[int, np.ndarray
 
 def collate_packed(examples: Examples, length: int, indices: np.ndarray, *, pad_id: int, bos_id: int,
                    eos_id: int) -> dict[str, np.ndarray]:
-    """Builds one packed batch from :func:`pack_batches` rows.
+    """Builds one packed batch from :func:`pack_plan` rows of ``examples`` (:class:`Examples`
+    or a prepared corpus: ``examples.src[i]`` the ids of pair ``i``).
 
     Returns:
       the :func:`collate` arrays plus ``src_segments`` / ``tgt_segments`` ``[rows, L]``

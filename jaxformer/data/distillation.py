@@ -33,23 +33,26 @@ from jaxformer.run.directory import RunDir
 from jaxformer.run.train_flags import load_config_file
 
 
-def _check_not_an_input(output: Path, spec: DataSpec, run_dir: RunDir) -> None:
-    """Refuses an output that is one of the run's corpus files (the recipe's own input, which
-    writing would cut to its training sources) or a file of the run directory.
-
-    Raises:
-      ValueError: naming the file.
-    """
+def _output_problem(output: Path, tmp: Path, spec: DataSpec, run_dir: RunDir) -> str | None:
+    """What is wrong with ``output`` as the file to write, or ``None``: a folder, in a folder
+    that does not exist, one of the run's corpus files (the recipe's own input, which
+    writing would cut to its training sources), one of the run directory's records, or
+    not writable (``tmp``, its temporary name, is created to find out)."""
     inputs = [Path(p) for p in (*spec.corpus_files, spec.dev_file, spec.test_file, spec.bt_file) if p]
     same = [p for p in inputs if p.absolute().resolve() == output.absolute().resolve()
             or (p.exists() and output.exists() and os.path.samefile(p, output))]
-    if same:
-        raise ValueError(f"--write-train-sources {str(output)!r} is the run's corpus file {str(same[0])!r}, "
-                         f"which writing would replace with its training sources; name a new file.")
     in_run = output.absolute().resolve().parent == run_dir.root.absolute().resolve()
+    if output.is_dir() or not output.absolute().parent.is_dir():
+        return "is a folder, or its folder does not exist; name a file in an existing folder"
+    if same:
+        return f"is the run's corpus file {str(same[0])!r}, which writing would replace; name a new file"
     if in_run and output.name in RunDir.NAMES:
-        raise ValueError(f"--write-train-sources {str(output)!r} is the run's own {output.name}; name a "
-                         f"file outside the run's records.")
+        return f"is the run's own {output.name}; name a file outside the run's records"
+    try:
+        tmp.touch()
+    except OSError as e:
+        return f"cannot be written ({e.strerror}); name a file in a folder you can write to"
+    return None
 
 
 def write_training_sources(workdir: str | os.PathLike, output: str | os.PathLike) -> int:
@@ -65,43 +68,35 @@ def write_training_sources(workdir: str | os.PathLike, output: str | os.PathLike
     Raises:
       FileNotFoundError: no run (``config.json``) or no prepared data at ``workdir``.
       ValueError: the corpus files changed since the run was prepared (named), or
-        ``output`` is a folder, in a folder that does not exist, one of the run's corpus
-        files or one of its records.
+        ``output`` cannot be the file to write (:func:`_output_problem`).
     """
     run_dir = RunDir(Path(workdir))
-    if not run_dir.config.exists() or read_manifest(run_dir.prepared) is None:
-        only_data = read_manifest(run_dir.prepared) is not None
+    manifest = read_manifest(run_dir.prepared)
+    if not run_dir.config.exists() or manifest is None:
         raise FileNotFoundError(
             f"{workdir} holds prepared data but no run record (config.json, written when training "
-            f"starts); train the teacher there first." if only_data else
+            f"starts); train the teacher there first." if manifest is not None else
             f"{workdir} has no run with prepared data (config.json and prepared/); give the teacher's "
             f"--workdir.")
     cfg = TrainConfig(**{**load_config_file(run_dir.config), "workdir": str(run_dir.root)})
     spec = DataSpec.from_config(cfg)
-    saved = read_manifest(run_dir.prepared)["fingerprint"]
-    now = spec.fingerprint()
-    saved, now = ({k: v for k, v in f.items() if k != "back_translation"} for f in (saved, now))
-    if not same_data(saved, now):
-        raise ValueError(f"The corpus of {workdir} changed since it was prepared "
-                         f"({'; '.join(fingerprint_differences(saved, now))}); its training split "
-                         f"cannot be reproduced. Restore the files it was trained on.")
+    saved, now = ({k: v for k, v in f.items() if k != "back_translation"}
+                  for f in (manifest["fingerprint"], spec.fingerprint()))
     output = Path(output)
-    if output.is_dir() or not output.absolute().parent.is_dir():
-        raise ValueError(f"--write-train-sources {str(output)!r} is a folder, or its folder does not "
-                         f"exist; name a file in an existing folder.")
-    _check_not_an_input(output, spec, run_dir)
-    n = sum(1 for _ in spec.read(DataReport()))
-    explicit = tuple(name for name, path in (("dev", spec.dev_file), ("test", spec.test_file)) if path)
-    splitter = Splitter.for_size(n, merged_into_train=explicit)
     tmp = output.with_name(f"{output.name}.{os.getpid()}.tmp")
-    written = 0
     try:
-        try:
-            out = open(tmp, "w", encoding="utf-8")
-        except OSError as e:
-            raise ValueError(f"--write-train-sources {str(output)!r} cannot be written ({e.strerror}); "
-                             f"name a file in a folder you can write to.") from e
-        with out:
+        changed = not same_data(saved, now)
+        problem = None if changed else _output_problem(output, tmp, spec, run_dir)
+        if changed or problem:
+            raise ValueError(f"The corpus of {workdir} changed since it was prepared "
+                             f"({'; '.join(fingerprint_differences(saved, now))}); its training split "
+                             f"cannot be reproduced. Restore the files it was trained on." if changed else
+                             f"--write-train-sources {str(output)!r} {problem}.")
+        n = sum(1 for _ in spec.read(DataReport()))
+        explicit = tuple(name for name, path in (("dev", spec.dev_file), ("test", spec.test_file)) if path)
+        splitter = Splitter.for_size(n, merged_into_train=explicit)
+        written = 0
+        with open(tmp, "w", encoding="utf-8") as out:
             for source, _ in spec.read(DataReport()):
                 if splitter(source) == "train":
                     out.write(source + "\n")

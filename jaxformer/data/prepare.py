@@ -1,29 +1,22 @@
-"""Prepare once: stream a corpus into token ids on disk (``jaxformer-prepare``).
+"""Prepare once: stream a corpus into token ids on disk (``jaxformer-prepare``, or
+``train.py`` when the run has no prepared data). The corpus is read twice as a stream,
+never whole:
 
-``python -m jaxformer.prepare --train-file big.tsv.gz`` (or ``jaxformer-prepare``, or
-``train.py``, which prepares when the run directory has no prepared data) reads the
-corpus twice as a stream, never whole:
+1. count the usable pairs (the split fractions depend on the count) and keep a bounded
+   reservoir sample, on which sentencepiece is trained (unless the run has a tokenizer);
+2. split every pair by the hash of its source (:class:`jaxformer.data.corpus.Splitter`),
+   encode the training pairs in chunks on all cores, filter them and append their ids
+   to ``train-src.bin`` / ``train-tgt.bin`` (layout: :mod:`jaxformer.data.prepared`).
 
-1. count the usable pairs (the split fractions depend on the count) and keep a
-   bounded reservoir sample for sentencepiece;
-2. train the tokenizer on the sample's training pairs (unless the run has one), then
-   split every pair by the hash of its source (:class:`jaxformer.data.corpus.Splitter`,
-   as the in-memory path does), encode the training pairs in chunks on all cores
-   (sentencepiece's own thread pool), filter them and append their ids to
-   ``train-src.bin`` / ``train-tgt.bin`` (layout: :mod:`jaxformer.data.prepared`).
+Filters, each counted: an empty side (when reading), more than ``max_tokens`` ids on a
+side, a source/target length ratio above ``max_length_ratio`` either way (Moses
+``clean-corpus-n.perl``, default 9, here on sentencepiece ids). ``--max-train-len`` is
+applied when training, from the stored lengths.
 
-Filters, each counted in the report: an empty side (when reading), more than
-``max_tokens`` ids on a side, and a source/target length ratio above
-``max_length_ratio`` in either direction (Moses ``clean-corpus-n.perl``, whose
-default ratio is 9; here on sentencepiece ids rather than words). The length limit
-of a run (``--max-train-len``) is applied when training, from the stored lengths.
-
-Everything, a newly trained tokenizer included, is written beside the run's files and
-renamed into place in one step when complete (the tokenizer then moves out of the new
-``prepared/`` to its place, at once or, after a kill, at the next start), so a prepare
-that fails or is killed before it completes leaves the run's tokenizer and prepared data
-as they were. Preparing again with the
-same inputs and settings finds the manifest's fingerprint unchanged and does nothing.
+Everything, a new tokenizer included, is written beside the run's files and renamed into
+place when complete (the tokenizer then moves out of the new ``prepared/``, at once or,
+after a kill, at the next start): a prepare that fails or is killed leaves the run's
+tokenizer and data as they were. The same inputs and settings again do nothing.
 """
 
 from __future__ import annotations
@@ -81,16 +74,11 @@ def prepare(spec: DataSpec, directory: str | os.PathLike, tokenizer_file: str | 
     directory, tokenizer_file = Path(directory), Path(tokenizer_file)
     fingerprint = spec.fingerprint()
     report = DataReport()
-    n, sample = _count_and_sample(spec.read(report), SAMPLE_PAIRS, seed)
-    if n == 0:
-        raise ValueError(f"No usable sentence pair in {spec.name} ({report.summary('corpus')}).")
+    n, sample = _count_and_sample(spec.read(report), SAMPLE_PAIRS, seed)   # raises if none is usable
     splitter = Splitter.for_size(n, merged_into_train=tuple(_explicit_splits(spec)))
     log(f"prepare: read {spec.name}: {n} pairs in {time.perf_counter() - start:.0f}s")
     for stale in directory.parent.glob(f"{directory.name}.partial-*"):   # left by a killed prepare
         shutil.rmtree(stale, ignore_errors=True)
-    # Everything new (the prepared files and a newly trained tokenizer) is written beside
-    # the run's and moved into place only when complete: a prepare that fails or is
-    # stopped leaves the run's tokenizer and prepared data as they were.
     tmp = directory.with_name(f"{directory.name}.partial-{os.getpid()}")
     new_tokenizer = directory.with_name(f"{directory.name}.partial-{os.getpid()}-tokenizer")
     try:
@@ -190,13 +178,7 @@ def _count_and_sample(pairs: Iterator[Pair], size: int, seed: int) -> tuple[int,
 
 
 def _chunks(pairs: Iterator[Pair], size: int) -> Iterator[list[Pair]]:
-    chunk: list[Pair] = []
-    for pair in pairs:
-        chunk.append(pair)
-        if len(chunk) == size:
-            yield chunk
-            chunk = []
-    if chunk:
+    while chunk := list(itertools.islice(pairs, size)):
         yield chunk
 
 

@@ -66,29 +66,24 @@ def read_manifest(directory: Path) -> dict[str, Any] | None:
         return None
 
 
-def _corrupt(path: Path, problem: str) -> PreparedDataError:
-    return PreparedDataError(
-        f"Prepared data file {str(path)!r} {problem}. Delete {str(path.parent)!r} and run "
-        f"jaxformer-prepare (or train.py, which prepares it) again with the same data flags.")
-
-
-def verify_files(directory: Path, manifest: dict[str, Any], check_hashes: bool = True) -> None:
-    """Checks every file the manifest lists: present, of the recorded size and (with
-    ``check_hashes``) of the recorded SHA-256.
-
-    Raises:
-      PreparedDataError: naming the first bad file and the fix (re-run prepare).
-    """
+def _problem(directory: Path, manifest: dict[str, Any] | None, check_hashes: bool) -> tuple[str, str] | None:
+    """The first bad file of a prepared directory and what is wrong with it, or ``None``:
+    the manifest missing or of another format version, a listed file missing, of another
+    size than recorded or (with ``check_hashes``) of another SHA-256."""
+    if manifest is None or manifest.get("format_version") != FORMAT_VERSION:
+        return "manifest.json", ("is missing or unreadable" if manifest is None else
+                                 f"has format version {manifest.get('format_version')!r}, this jaxformer "
+                                 f"reads version {FORMAT_VERSION}")
     for name, record in manifest["files"].items():
-        path = Path(directory) / name
+        path = directory / name
         if not path.exists():
-            raise _corrupt(path, "is missing")
-        size = path.stat().st_size
-        if size != record["size"]:
-            raise _corrupt(path, f"has {size} bytes, the manifest says {record['size']} (truncated "
-                                 f"or overwritten)")
+            return name, "is missing"
+        if path.stat().st_size != record["size"]:
+            return name, (f"has {path.stat().st_size} bytes, the manifest says {record['size']} "
+                          f"(truncated or overwritten)")
         if check_hashes and file_digest(path) != record["sha256"]:
-            raise _corrupt(path, "does not match its SHA-256 in manifest.json (corrupt)")
+            return name, "does not match its SHA-256 in manifest.json (corrupt)"
+    return None
 
 
 @dataclasses.dataclass
@@ -117,30 +112,24 @@ class PreparedCorpus:
         """Opens and checks a prepared directory (sizes always, SHA-256 with ``check_hashes``).
 
         Raises:
-          PreparedDataError: no manifest, another format version, or a bad file.
+          PreparedDataError: no manifest, another format version, or a bad file (the first
+            named, with the fix).
         """
         directory = Path(directory)
         manifest = read_manifest(directory)
-        if manifest is None:
-            raise _corrupt(directory / "manifest.json", "is missing or unreadable")
-        if manifest.get("format_version") != FORMAT_VERSION:
-            raise _corrupt(directory / "manifest.json",
-                           f"has format version {manifest.get('format_version')!r}, this jaxformer "
-                           f"reads version {FORMAT_VERSION}")
-        verify_files(directory, manifest, check_hashes)
-        try:
+        problem = _problem(directory, manifest, check_hashes)
+        if problem is None:   # the files are whole: the lengths must add up to the ids
             lengths = np.load(directory / "train-lengths.npy", allow_pickle=False).astype(np.int64)
-        except ValueError as e:
-            raise _corrupt(directory / "train-lengths.npy", f"is unreadable ({e})") from e
-        dtype = np.dtype(manifest["dtype"])
-        src_ids = np.memmap(directory / "train-src.bin", dtype=dtype, mode="r")
-        tgt_ids = np.memmap(directory / "train-tgt.bin", dtype=dtype, mode="r")
-        offsets = [np.concatenate([[0], np.cumsum(lengths[:, side])]) for side in (0, 1)]
-        for path, ids, offset in ((directory / "train-src.bin", src_ids, offsets[0]),
-                                  (directory / "train-tgt.bin", tgt_ids, offsets[1])):
-            if lengths.ndim != 2 or offset[-1] != ids.size:
-                raise _corrupt(path, f"holds {ids.size} ids but train-lengths.npy adds up to "
-                                     f"{offset[-1]}")
+            dtype = np.dtype(manifest["dtype"])
+            ids = [np.memmap(directory / f"train-{side}.bin", dtype=dtype, mode="r") for side in ("src", "tgt")]
+            offsets = [np.concatenate([[0], np.cumsum(lengths[:, side])]) for side in (0, 1)]
+            problem = next(((f"train-{side}.bin", f"holds {i.size} ids but train-lengths.npy adds up to {o[-1]}")
+                            for side, i, o in zip(("src", "tgt"), ids, offsets) if o[-1] != i.size), None)
+        if problem is not None:
+            raise PreparedDataError(
+                f"Prepared data file {str(directory / problem[0])!r} {problem[1]}. Delete {str(directory)!r} "
+                f"and run jaxformer-prepare (or train.py, which prepares it) again with the same data flags.")
+        src_ids, tgt_ids = ids
         return cls(directory, manifest, lengths[:, 0].copy(), lengths[:, 1].copy(), src_ids, tgt_ids,
                    offsets[0], offsets[1])
 

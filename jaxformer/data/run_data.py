@@ -94,7 +94,8 @@ def check_prepared(spec: DataSpec, directory: Path, tokenizer_file: Path, *,
     if not has_checkpoints:
         return fingerprint, "prepare" if manifest is None else "retrain"
     trained_on = manifest.get("fingerprint", {}) if manifest is not None else recorded
-    if trained_on is None:
+    if trained_on is None or not same_data(trained_on, fingerprint):
+        fresh = "--fresh of train.py / jaxformer-train moves the old run aside"
         raise ValueError(
             f"The run directory {str(directory.parent)!r} holds checkpoints, but neither "
             f"{directory / 'manifest.json'} (missing or unreadable) nor its config.json (from before "
@@ -102,15 +103,11 @@ def check_prepared(spec: DataSpec, directory: Path, tokenizer_file: Path, *,
             f"continue on other data. Put back its prepared/ folder; or, if these flags name the data "
             f"it was started with (config.json's \"train\" and train.log list them), move its "
             f"checkpoints/ aside, run jaxformer-prepare with them, and move checkpoints/ back; or start "
-            f"this run over on the flags' data (--fresh of train.py / jaxformer-train moves the old "
-            f"run aside).")
-    if not same_data(trained_on, fingerprint):
-        differences = "; ".join(fingerprint_differences(trained_on, fingerprint))
-        raise ValueError(
+            f"this run over on the flags' data ({fresh})." if trained_on is None else
             f"The run directory {str(directory.parent)!r} holds a run trained on other data "
-            f"({differences}). Resume with the data flags it was started with, choose another "
-            f"--workdir for the new data, or start this run over on the new data (--fresh of train.py / "
-            f"jaxformer-train moves the old run aside).")
+            f"({'; '.join(fingerprint_differences(trained_on, fingerprint))}). Resume with the data flags "
+            f"it was started with, choose another --workdir for the new data, or start this run over on "
+            f"the new data ({fresh}).")
     return fingerprint, "prepare"   # prepared/ is gone: the same inputs and settings again
 
 

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from jaxformer.data import corpus
-from jaxformer.data.corpus import DataReport, Pair
-from jaxformer.data.prepared import FORMAT_VERSION, file_digest
+from jaxformer.data.corpus import DataReport, Pair, PairFiles, describe_file
+from jaxformer.data.prepared import FORMAT_VERSION
 from jaxformer.data.tokenizer import BT_TAG
 
 if TYPE_CHECKING:
@@ -48,10 +47,9 @@ class DataSpec:
         Raises:
           ValueError: conflicting corpus flags.
         """
-        if cfg.train_file and (cfg.src_file or cfg.tgt_file):
-            raise ValueError("Give either --train-file or --src-file/--tgt-file, not both.")
-        if bool(cfg.src_file) != bool(cfg.tgt_file):
-            raise ValueError("--src-file and --tgt-file go together.")
+        if (cfg.train_file and (cfg.src_file or cfg.tgt_file)) or bool(cfg.src_file) != bool(cfg.tgt_file):
+            raise ValueError("Give either --train-file or --src-file with --tgt-file, not both; "
+                             "--src-file and --tgt-file go together.")
         common = dict(dev_file=cfg.dev_file, test_file=cfg.test_file, vocab_size=cfg.vocab_size,
                       max_length_ratio=cfg.max_length_ratio, bt_file=cfg.bt_file, bt_ratio=cfg.bt_ratio)
         if cfg.train_file:
@@ -62,34 +60,26 @@ class DataSpec:
         return cls((str(corpus.builtin_corpus_path(cfg.pair)),),
                    name=f"shipped {cfg.pair} corpus (LibreOffice help, MPL-2.0)", **common)
 
+    def source(self, report: DataReport | None = None) -> PairFiles:
+        """The corpus as a data source (its pairs counted in ``report``)."""
+        return PairFiles(self.corpus_files, report or DataReport())
+
     def read(self, report: DataReport) -> Iterator[Pair]:
         """Streams the corpus's usable pairs (counted in ``report``)."""
-        if self.aligned:
-            return corpus.iter_aligned(*self.corpus_files, report)
-        return corpus.iter_tsv(self.corpus_files[0], report)
+        return self.source(report).records()
 
     def fingerprint(self) -> dict[str, Any]:
-        """Every input file's path, size and SHA-256, and the settings that change the ids.
+        """Every input file's path, size and SHA-256 (:func:`jaxformer.data.corpus.describe_file`),
+        and the settings that change the ids: the value ``prepared/manifest.json`` and the run
+        record keep, so its keys and values stay as they are.
 
         Raises:
-          FileNotFoundError: an input file is missing; ValueError: one is a pipe or device.
+          FileNotFoundError: an input file is missing; ValueError: one is a folder, pipe or device.
         """
         def describe(path: str | None) -> dict[str, Any] | None:
-            if path is None:
-                return None
-            p = Path(path)
-            if not p.exists():
-                raise FileNotFoundError(f"Corpus file {path!r} does not exist; check the path.")
-            if p.is_dir():
-                raise ValueError(f"Corpus file {path!r} is a folder: name the file in it (a TSV of "
-                                 f"source<TAB>target lines, or a text file of one side; .gz or not).")
-            if not p.is_file():
-                raise ValueError(f"Corpus file {path!r} is not a regular file (a pipe or a device?): a "
-                                 f"corpus is read more than once (its fingerprint, the tokenizer's sample, "
-                                 f"the splits); save it to a file first.")
-            return {"path": str(p.resolve()), "size": p.stat().st_size, "sha256": file_digest(p)}
+            return None if path is None else describe_file(path)
 
-        fingerprint = {"format_version": FORMAT_VERSION, "corpus": [describe(p) for p in self.corpus_files],
+        fingerprint = {"format_version": FORMAT_VERSION, "corpus": self.source().fingerprint(),
                        "aligned": self.aligned, "dev_file": describe(self.dev_file),
                        "test_file": describe(self.test_file), "vocab_size": self.vocab_size,
                        "max_tokens": self.max_tokens, "max_length_ratio": self.max_length_ratio}

@@ -1,33 +1,24 @@
-"""Streaming the prepared corpus into batches: constant memory, exact resume.
+"""Streaming a corpus into batches: constant memory, exact resume.
 
-The pipeline (a grain ``IterDataset``)::
+The pipeline (a grain ``IterDataset``): per-epoch shuffled record order → blocks of
+``block_pairs`` records → the batch plan of each block (pack whole pairs best-fit, or
+length buckets) → this process's rows, collated from the memory-mapped ids. Only
+per-pair integers live in memory (about 60 bytes a pair), never the token ids. The
+position is three integers (epoch, block, batch), saved with every checkpoint;
+restoring it re-plans one block, so resume is exact and cheap.
 
-  per-epoch shuffled record order ──► blocks of ``block_pairs`` records
-    ──► batch plan of each block (pack whole pairs best-fit, or length buckets)
-    ──► this process's rows, collated from the memory-mapped ids
+:class:`BatchStream` is what training iterates, the prepared shards as a data source
+(:mod:`jaxformer.data.sources`): the pipeline in this process, or in ``workers`` grain
+worker processes (worker ``i`` of ``n`` collates batches ``i, i + n, …``; grain
+interleaves them back in order). Each batch carries the position after it, so the saved
+position is that of the last batch the trainer took, and a run may resume with another
+``--data-workers``.
 
-Only per-pair integers are held in memory (lengths, offsets, the kept records' ids and
-one epoch's order: about 60 bytes a pair, 270 MB at 4.5M pairs), never the token ids;
-a batch reads the ids of its own rows and nothing else, so each process reads only its
-own records. The position is three integers (epoch, block, batch); restoring it
-re-plans one block, so resume is exact and cheap, and it is saved with every
-checkpoint (:mod:`jaxformer.run.checkpoints`).
-
-:class:`BatchStream` is what training iterates: the pipeline in this process, or
-in ``workers`` grain worker processes (``grain``'s ``mp_prefetch``; worker ``i`` of
-``n`` plans every block but collates only batches ``i, i + n, …``, and grain
-interleaves them back in order). Each batch carries the position after it, so
-the saved position is that of the last batch the trainer took, however far the
-workers ran ahead, and a run may resume with another ``--data-workers``.
-
-Why our packer and not ``grain.experimental.BestFitPackIterDataset``: grain's
-packer fits the two-sided case (all features of a pair go to one bin, with one
-segment id), but it emits all its bins whenever one pair fits none of them, and it
-works element by element in Python. On the shipped en-de corpus (64-token rows,
-2 cores) it left 10.6% padding with 32 bins and 8.8% with 256, at about 1 ms a
-pair; best-fit-decreasing over a block (:func:`jaxformer.data.batching.pack_plan`, the
-planner the in-memory path used on the whole corpus) leaves less padding at a
-fraction of the cost (benchmarks/README.md, "data at scale").
+Why our packer and not ``grain.experimental.BestFitPackIterDataset``: grain's emits all
+its bins whenever one pair fits none of them and works pair by pair in Python; on the
+shipped en-de corpus it left 8.8-10.6% padding at about 1 ms a pair, where
+best-fit-decreasing over a block (:func:`jaxformer.data.batching.pack_plan`) leaves less
+at a fraction of the cost (benchmarks/README.md, "data at scale").
 """
 
 from __future__ import annotations
@@ -51,24 +42,22 @@ POSITION_KEY = "stream_position"   # a batch's int64 [3] (epoch, block, batch) a
 
 
 def check_position(state: Any) -> Position:
-    """``state`` as a :data:`Position`, or a clear error.
+    """``state`` as a :data:`Position`, or a clear error: where a saved position enters.
 
     Raises:
       DataPositionError: ``state`` is not ``{"epoch", "block", "batch"}`` of non-negative
         integers. Two diagnoses: grain's ``{"next_index": …}`` is the data position of a
         checkpoint written by a jaxformer from before prepared, streamed data
-        (2026-11-30), which held the in-memory pipeline's position and whose batches
-        cannot be reproduced exactly; anything else is a damaged or edited file.
+        (2026-11-30), whose batches cannot be reproduced exactly; anything else is a
+        damaged or edited file.
     """
     if (isinstance(state, dict) and set(state) == set(START)
             and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in state.values())):
         return {k: int(state[k]) for k in START}
-    if isinstance(state, dict) and "next_index" in state:
-        raise DataPositionError(
-            f"Data position from an older jaxformer (before streamed data), whose batches cannot be "
-            f"continued exactly: start over with --fresh or finish with the version that began the "
-            f"run (got {state!r}).")
     raise DataPositionError(
+        f"Data position from an older jaxformer (before streamed data), whose batches cannot be "
+        f"continued exactly: start over with --fresh or finish with the version that began the "
+        f"run (got {state!r})." if isinstance(state, dict) and "next_index" in state else
         f"Not a data position: expected {{\"epoch\", \"block\", \"batch\"}} of non-negative integers, "
         f"got {state!r}; the file was damaged or edited. Put back the file the run wrote, or move "
         f"this checkpoint step out of checkpoints/ to resume from an older one, or start over "
@@ -85,10 +74,10 @@ class BlockPlanDataset(grain.IterDataset):
     two blocks, so a block's last batch may carry empty rows (counted as padding).
 
     Args:
-      src_lengths: ``[N]`` source ids of each record.
+      src_lengths: ``[N]`` source ids of each record (N ≥ 1).
       tgt_lengths: ``[N]`` target ids + 1 of each record (the bos/eos position).
       planner: e.g. ``functools.partial(batching.pack_plan, batch_tokens=…, length=…)``.
-      block_pairs: records planned together; more = less padding, longer plans.
+      block_pairs: records planned together (≥ 1); more = less padding, longer plans.
       seed: the shuffle and the planner's seed.
       start: the position of the first batch (:data:`START`: the beginning).
 
@@ -100,18 +89,14 @@ class BlockPlanDataset(grain.IterDataset):
     def __init__(self, src_lengths: np.ndarray, tgt_lengths: np.ndarray, *, planner: Planner,
                  block_pairs: int, seed: int, start: Position = START):
         super().__init__()
-        if len(src_lengths) == 0 or block_pairs < 1:
-            raise ValueError(f"Need at least one record and block_pairs >= 1 (got {len(src_lengths)} "
-                             f"records, block_pairs={block_pairs}).")
         self.src_lengths, self.tgt_lengths = np.asarray(src_lengths), np.asarray(tgt_lengths)
         self.planner, self.block_pairs, self.seed = planner, block_pairs, seed
-        self.start = check_position(start)
+        self.start = dict(start)
         self.slice = (0, 1)   # (offset, step) of the batches this copy emits
 
     def set_slice(self, sl: slice, sequential_slice: bool = False) -> None:
-        """Emit only batches ``sl.start, sl.start + sl.step, …`` (grain's worker sharding)."""
-        if sequential_slice or sl.stop is not None:
-            raise ValueError("BlockPlanDataset supports interleaved slices only (sequential_slice=False).")
+        """Emit only batches ``sl.start, sl.start + sl.step, …`` (grain's worker sharding:
+        interleaved, open-ended slices; ``sequential_slice`` is not supported)."""
         self.slice = (sl.start or 0, sl.step or 1)
 
     def __iter__(self) -> _BlockPlanIterator:
@@ -168,8 +153,7 @@ class _BlockPlanIterator(grain.DatasetIterator):
         return {"epoch": self._epoch, "block": self._block, "batch": self._batch}
 
     def set_state(self, state: dict[str, Any]) -> None:
-        """Raises ``ValueError`` (:func:`check_position`) for a state that is not a position."""
-        state = check_position(state)
+        """``state``: a :data:`Position` (checked where it enters, :meth:`BatchStream.set_state`)."""
         if state["epoch"] != self._epoch:
             self._order = None
         self._epoch, self._block, self._batch = state["epoch"], state["block"], state["batch"]
@@ -203,19 +187,15 @@ def process_plans(corpus: PreparedCorpus, *, max_len: int, batch_tokens: int,
     global batches and takes its own contiguous block of rows; only those records are
     ever read (by :func:`stream_dataset`).
 
+    ``row_multiple`` is a multiple of ``process_count`` (the trainer's lcm).
+
     Raises:
-      ValueError: ``row_multiple`` is not a multiple of ``process_count``, or no pair fits.
+      ValueError: no pair fits (:func:`kept_records`).
     """
-    if not 0 <= process_index < process_count or row_multiple % process_count:
-        raise ValueError(f"process {process_index} of {process_count}: row_multiple={row_multiple} "
-                         f"must be a multiple of the process count.")
     records, _ = kept_records(corpus, max_len)
-    if pack:
-        planner = functools.partial(_pack, batch_tokens=batch_tokens, length=boundaries[-1],
-                                    row_multiple=row_multiple)
-    else:
-        planner = functools.partial(_bucket, batch_tokens=batch_tokens, boundaries=boundaries,
-                                    row_multiple=row_multiple)
+    planner = (functools.partial(batching.pack_plan, length=boundaries[-1]) if pack else
+               functools.partial(batching.bucket_plan, boundaries=boundaries))
+    planner = functools.partial(planner, batch_tokens=batch_tokens, row_multiple=row_multiple)
     plans = BlockPlanDataset(corpus.src_lengths[records], corpus.tgt_lengths[records] + 1,
                              planner=planner, block_pairs=block_pairs, seed=seed, start=start)
 
@@ -255,15 +235,19 @@ def stream_dataset(corpus: PreparedCorpus, *, pad_id: int, bos_id: int, eos_id: 
 
 
 class BatchStream(grain.DatasetIterator):
-    """The training batches, collated here or in grain worker processes; resumable.
+    """The training batches, collated here or in grain worker processes; resumable: the
+    prepared shards as a data source (:class:`jaxformer.data.sources.DataSource`), what
+    the trainer iterates and checkpoints.
 
     Args:
       build: ``build(start) -> grain.IterDataset`` of batches that carry their position
         (:func:`stream_dataset` with its options bound).
+      fingerprint: the data's fingerprint (the prepared manifest's), returned by
+        :meth:`fingerprint`.
       workers: 0 = collate in this process, between train steps (with JAX's async
         dispatch the device is still busy with the previous step); ``n`` = in ``n`` grain
         worker processes (``mp_prefetch``), so the host loop only takes finished batches.
-      buffer: batches each worker prepares ahead.
+      buffer: batches each worker prepares ahead (≥ 1).
 
     ``get_state()`` is the position after the last batch returned (never the workers'
     lookahead), so a checkpoint resumes exactly, with any ``workers``. ``set_state``
@@ -276,10 +260,10 @@ class BatchStream(grain.DatasetIterator):
         (:func:`check_position`).
     """
 
-    def __init__(self, build: Callable[[Position], grain.IterDataset], workers: int = 0, buffer: int = 2):
+    def __init__(self, build: Callable[[Position], grain.IterDataset], workers: int = 0, buffer: int = 2,
+                 fingerprint: dict[str, Any] | None = None):
         super().__init__()
-        if workers < 0 or buffer < 1:
-            raise ValueError(f"Need workers >= 0 and buffer >= 1 (got {workers}, {buffer}).")
+        self._fingerprint = fingerprint
         self._build, self._workers, self._buffer = build, workers, buffer
         self._position: Position = dict(START)
         self._batches: Any = None   # the running pipeline's iterator, started on demand
@@ -307,6 +291,13 @@ class BatchStream(grain.DatasetIterator):
         self._position = {"epoch": epoch, "block": block, "batch": index}
         return batch
 
+    def records(self) -> BatchStream:
+        """The batches from the position on (endless)."""
+        return self
+
+    def fingerprint(self) -> dict[str, Any] | None:
+        return self._fingerprint
+
     def get_state(self) -> Position:
         return dict(self._position)
 
@@ -323,6 +314,14 @@ class BatchStream(grain.DatasetIterator):
     def close(self) -> None:
         """Stops the worker processes (if any); the stream may be restarted by using it."""
         self._stop()
+
+
+def prepared_stream(corpus: PreparedCorpus, *, workers: int = 0, **options: Any) -> BatchStream:
+    """The training batches of a prepared corpus as a :class:`BatchStream` (its fingerprint
+    the manifest's): :func:`stream_dataset` with ``options`` (``pad_id``, ``bos_id``,
+    ``eos_id``, ``pack`` and :func:`process_plans`'s), in ``workers`` processes."""
+    return BatchStream(lambda start: stream_dataset(corpus, **options, start=start), workers=workers,
+                       fingerprint=corpus.manifest["fingerprint"])
 
 
 def _worker_init(index: int, count: int, poll_s: float = 1.0) -> None:
@@ -370,10 +369,3 @@ def _absl_flags_parsed() -> None:
     if not flags.FLAGS.is_parsed():
         flags.FLAGS.mark_as_parsed()
 
-
-def _pack(src_len, tgt_len, rng, *, batch_tokens, length, row_multiple):
-    return batching.pack_plan(src_len, tgt_len, batch_tokens, length, rng, row_multiple)
-
-
-def _bucket(src_len, tgt_len, rng, *, batch_tokens, boundaries, row_multiple):
-    return batching.bucket_plan(src_len, tgt_len, batch_tokens, boundaries, rng, row_multiple)

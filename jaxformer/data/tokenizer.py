@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import json
+import operator
 import os
 import shutil
 from collections.abc import Iterable, Sequence
@@ -24,6 +25,12 @@ from jaxformer.model.validation import check_special_ids
 BT_TAG = "<BT>"
 
 
+def _until(seq: Sequence[int], eos_id: int) -> list[int]:
+    """The ids of ``seq`` as ints, up to (without) the first ``eos_id``."""
+    seq = [int(t) for t in seq]
+    return seq[: seq.index(eos_id)] if eos_id in seq else seq
+
+
 class Tokenizer:
     """A joint sentencepiece vocabulary for source and target.
 
@@ -32,22 +39,23 @@ class Tokenizer:
     """
 
     def __init__(self, model_file: str | os.PathLike):
+        """Raises ``ValueError`` for a missing or unreadable model, or one without pad, bos
+        and eos ids or whose pad id is another special id (the message names the fix)."""
         import sentencepiece as spm
 
-        path = Path(model_file)
-        if not path.exists():
-            raise FileNotFoundError(f"Tokenizer model {str(path)!r} does not exist.")
-        self.model_file = path
+        self.model_file = path = Path(model_file)
         try:
             self.sp = spm.SentencePieceProcessor(model_file=str(path))
+            problem = None if min(self.sp.pad_id(), self.sp.bos_id(), self.sp.eos_id()) >= 0 else \
+                "it has no pad, bos or eos id"
         except (RuntimeError, OSError) as e:
-            raise ValueError(f"Tokenizer model {str(path)!r} is unreadable ({e}). It must be the "
-                             f"sentencepiece model the run was trained with: restore it, or start "
-                             f"a new run (--fresh or another --workdir).") from e
+            problem = str(e)
+        if problem:
+            raise ValueError(f"Tokenizer model {str(path)!r} is unreadable or incomplete ({problem}). It must be "
+                             f"the sentencepiece model the run was trained with: restore it, or start "
+                             f"a new run (--fresh or another --workdir).")
         self.pad_id, self.unk_id = self.sp.pad_id(), self.sp.unk_id()
         self.bos_id, self.eos_id = self.sp.bos_id(), self.sp.eos_id()
-        if min(self.pad_id, self.bos_id, self.eos_id) < 0:
-            raise ValueError(f"{path}: the sentencepiece model needs pad, bos and eos ids.")
         check_special_ids(pad_id=self.pad_id, bos_id=self.bos_id, eos_id=self.eos_id, unk_id=self.unk_id,
                           source=str(path))
 
@@ -79,28 +87,8 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[Sequence[int]]) -> list[str]:
         """Detokenized text; stops at the first eos and drops pad/bos."""
-        out = []
-        for seq in ids:
-            seq = [int(t) for t in seq]
-            if self.eos_id in seq:
-                seq = seq[: seq.index(self.eos_id)]
-            out.append(self.sp.decode([t for t in seq if t not in (self.pad_id, self.bos_id)]))
-        return out
-
-    def reserved_id(self, piece: str) -> int:
-        """The id of a reserved piece (a sentencepiece control symbol, e.g. the
-        back-translation tag :data:`BT_TAG`): never produced by encoding text, dropped
-        when decoding.
-
-        Raises:
-          ValueError: this tokenizer has no such reserved piece (it was trained without it).
-        """
-        piece_id = self.sp.piece_to_id(piece)
-        if piece_id == self.unk_id or not self.sp.is_control(piece_id):
-            raise ValueError(f"{self.model_file} has no reserved {piece!r} piece: it was trained without "
-                             f"back-translation data. Start the run with --bt-file from the beginning "
-                             f"(another --workdir, or --fresh), so its tokenizer reserves the tag.")
-        return piece_id
+        return [self.sp.decode([t for t in _until(seq, self.eos_id) if t not in (self.pad_id, self.bos_id)])
+                for seq in ids]
 
     @staticmethod
     def train(sentences: Iterable[str], model_dir: str | os.PathLike, vocab_size: int = 8000,
@@ -108,18 +96,15 @@ class Tokenizer:
         """Trains a unigram sentencepiece model on ``sentences`` into ``model_dir/spm.model``.
 
         Ids: pad 0, unk 1, bos 2, eos 3, then the ``reserved`` pieces (control symbols,
-        see :meth:`reserved_id`), then the learned pieces.
+        e.g. :data:`BT_TAG`), then the learned pieces. ``sentences`` hold text (the caller
+        checks: :func:`jaxformer.data.corpus.check_splits_nonempty`).
 
         Raises:
-          ValueError: no sentence with text, or a ``vocab_size`` sentencepiece cannot
-            reach (fewer pieces than the corpus's characters); its own errors are internal ones.
+          ValueError: a ``vocab_size`` sentencepiece cannot reach (fewer pieces than the
+            corpus's characters); its own errors are internal ones.
         """
         import sentencepiece as spm
 
-        sentences = list(sentences)
-        if not any(sentence.strip() for sentence in sentences):
-            raise ValueError(f"No sentence to train a tokenizer on ({len(sentences)} given, none with "
-                             f"text): give a corpus with text on its training side.")
         model_dir = Path(model_dir)
         model_dir.mkdir(parents=True, exist_ok=True)
         buffer = io.BytesIO()
@@ -180,27 +165,27 @@ class TextTokenizer(Protocol):
     def save_marian(self, out_dir: Path) -> None: ...
 
 
-def _read_marian_vocab(path: Path) -> dict[str, int]:
-    """A Marian ``vocab.json``: piece → id."""
-    try:
-        vocab = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path} is not readable JSON ({e}): a damaged Marian vocabulary; copy it "
-                         f"again from the model it came with.") from e
-    if not (isinstance(vocab, dict) and all(isinstance(i, int) for i in vocab.values())):
-        raise ValueError(f"{path} is not a Marian vocabulary (a JSON object of piece → id).")
-    return vocab
+def _read_marian_file(path: Path):
+    """A Marian tokenizer file: ``*.json`` a vocabulary (piece → integer id, with ``<unk>``,
+    ``</s>`` and ``<pad>``), else a sentencepiece model.
 
-
-def _read_marian_spm(path: Path):
-    """A Marian ``source.spm`` / ``target.spm`` sentencepiece model."""
+    Raises:
+      FileNotFoundError: a missing vocabulary; ValueError: a damaged file (named).
+    """
     import sentencepiece as spm
 
+    is_vocab = path.suffix == ".json"
     try:
-        return spm.SentencePieceProcessor(model_file=str(path))
-    except (RuntimeError, OSError) as e:
-        raise ValueError(f"{path} is not a readable sentencepiece model ({e}): a damaged Marian "
-                         f"tokenizer file; copy it again from the model it came with.") from e
+        if not is_vocab:
+            return spm.SentencePieceProcessor(model_file=str(path))
+        vocab = {piece: operator.index(i) for piece, i in json.loads(path.read_text(encoding="utf-8")).items()}
+        _ = vocab["<unk>"], vocab["</s>"], vocab["<pad>"]
+        return vocab
+    except (RuntimeError, ValueError, KeyError, TypeError, AttributeError) + (() if is_vocab else (OSError,)) as e:
+        what = ("readable JSON of a Marian vocabulary (piece → id, with <unk>, </s> and <pad>)" if is_vocab
+                else "a readable sentencepiece model")
+        raise ValueError(f"{path} is not {what} ({type(e).__name__}: {e}): a damaged Marian tokenizer "
+                         f"file; copy it again from the model it came with.") from e
 
 
 class MarianTokenizer:
@@ -218,28 +203,20 @@ class MarianTokenizer:
     The decoder start id is the pad id (Marian), so ``bos_id == pad_id``.
 
     Raises:
-      FileNotFoundError: a tokenizer file is missing.
-      ValueError: a file that is not what its name says (a damaged download, an edit),
-        or a ``vocab.json`` without ``<unk>``, ``</s>`` or ``<pad>``; the message names the file.
+      FileNotFoundError: ``vocab.json`` is missing.
+      ValueError: a file that is missing or not what its name says (a damaged download, an
+        edit), or a ``vocab.json`` without ``<unk>``, ``</s>`` or ``<pad>``; the message names it.
     """
 
     def __init__(self, directory: str | os.PathLike, *, separate_vocabs: bool = False,
                  decoder_start_id: int | None = None):
         self.directory = directory = Path(directory)
-        names = ["source.spm", "target.spm", "vocab.json"]
-        names += ["target_vocab.json"] if separate_vocabs else []
-        for name in names:
-            if not (directory / name).is_file():
-                raise FileNotFoundError(f"Marian tokenizer file {str(directory / name)!r} does not exist.")
         self.separate_vocabs = separate_vocabs
-        self.source_vocab = _read_marian_vocab(directory / "vocab.json")
-        self.target_vocab = (_read_marian_vocab(directory / "target_vocab.json")
+        self.source_vocab = _read_marian_file(directory / "vocab.json")
+        self.target_vocab = (_read_marian_file(directory / "target_vocab.json")
                              if separate_vocabs else self.source_vocab)
-        for piece in ("<unk>", "</s>", "<pad>"):
-            if piece not in self.source_vocab:
-                raise ValueError(f"{directory / 'vocab.json'} has no {piece!r}: not a Marian vocabulary.")
         self.pieces_of = {i: p for p, i in self.target_vocab.items()}
-        self.source_spm, self.target_spm = (_read_marian_spm(directory / name)
+        self.source_spm, self.target_spm = (_read_marian_file(directory / name)
                                             for name in ("source.spm", "target.spm"))
         self.pad_id, self.eos_id = self.source_vocab["<pad>"], self.source_vocab["</s>"]
         self.unk_id = self.source_vocab["<unk>"]
@@ -285,14 +262,9 @@ class MarianTokenizer:
         """Text of each id sequence: stops at the first eos, drops special tokens
         (``batch_decode(..., skip_special_tokens=True)``)."""
         processor = self.target_spm if self.separate_vocabs else self.source_spm
-        out = []
-        for seq in ids:
-            seq = [int(t) for t in seq]
-            if self.eos_id in seq:
-                seq = seq[: seq.index(self.eos_id)]
-            pieces = [self.pieces_of.get(t, "<unk>") for t in seq if t not in self._special]
-            out.append(processor.decode_pieces(pieces).replace("\u2581", " ").strip())
-        return out
+        return [processor.decode_pieces([self.pieces_of.get(t, "<unk>") for t in _until(seq, self.eos_id)
+                                         if t not in self._special]).replace("\u2581", " ").strip()
+                for seq in ids]
 
     def source_pieces(self, ids: Sequence[int]) -> list[str]:
         source_of = {i: p for p, i in self.source_vocab.items()}

@@ -1,47 +1,36 @@
 """Bulk translation of a file of any size: streamed, resumable, one line out per line in.
 
-``jaxformer-translate --input FILE --output FILE`` (and :func:`translate_file`) reads
-the input as a stream of chunks of ``chunk_lines`` lines (constant memory whatever the
-file's size), decodes each chunk in batches sorted by length inside the chunk (the
-bounded window that fills batches), and writes each finished chunk to
-``OUTPUT.parts/<chunk>.txt`` under a temporary name renamed into place: a chunk file
-exists whole or not at all. When every chunk is there they are joined into ``OUTPUT``
-(again by rename) and the parts folder is removed.
-
-A run killed at any point (SIGKILL included) and started again with the same command
-finds the chunks already written and decodes only the others. Their batches are the
-same as in an uninterrupted run (chunk boundaries and batch size are fixed), so the
-output is the same byte for byte. ``OUTPUT.parts/manifest.json`` records what the
-output depends on (the input's SHA-256 and size, the checkpoint, every decoding
-setting, the chunk and batch sizes); a resume whose input or settings differ is
-refused with the differences named, never continued on other data.
-
-Input lines are split at ``\\n`` only (a bare ``\\r`` stays inside its line; ``\\r\\n``
-is a Windows line end), a UTF-8 byte-order mark is dropped, gzip is read as training
-reads corpora. One pass before decoding counts the lines (the progress bar's total),
-hashes the file and finds lines that are not UTF-8: ``errors="strict"`` refuses them by
-line number before anything is decoded, ``"replace"`` decodes them with U+FFFD.
+``jaxformer-translate --input FILE --output FILE`` (:func:`translate_file`) reads the
+input (by :mod:`jaxformer.data.lines`) in chunks of ``chunk_lines`` lines, decodes each
+in batches sorted by length inside the chunk, and writes it to ``OUTPUT.parts/<chunk>.txt``
+by rename (a chunk file exists whole or not at all); the chunks are then joined into
+``OUTPUT`` (by rename). A run killed at any point and started again decodes only the
+missing chunks, with the same batches, so the output is the same byte for byte.
+``OUTPUT.parts/manifest.json`` records what the output depends on (the input's SHA-256
+and size, the checkpoint, the decoding settings, chunk and batch sizes); a resume whose
+input or settings differ is refused with the differences named. A first pass counts the
+lines, hashes the file and finds lines that are not UTF-8 (``errors="strict"`` refuses
+them by line number before anything is decoded; ``"replace"`` decodes them with U+FFFD).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import gzip
 import hashlib
 import json
 import os
 import shutil
 import time
-import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
+
+from jaxformer.data import lines as lines_lib
+from jaxformer.data.lines import line_numbers  # noqa: F401  (the tools' name for it)
 
 MANIFEST = "manifest.json"
 
-
-class BulkInputError(ValueError):
-    """The input cannot be read as lines of text (not UTF-8 in strict mode, a corrupt gzip)."""
+BulkInputError = lines_lib.TextError   # the input cannot be read as lines of UTF-8 text
 
 
 class BulkResumeError(ValueError):
@@ -59,45 +48,11 @@ class InputInfo:
     bad_lines: tuple[int, ...]
 
 
-def line_numbers(numbers) -> str:
-    """``"4, 9, 12"``: the first ten of ``numbers``, ``", ..."`` if there are more."""
-    return ", ".join(map(str, list(numbers)[:10])) + (", ..." if len(numbers) > 10 else "")
-
-
-def _open(path: Path) -> BinaryIO:
-    with open(path, "rb") as probe:
-        gzipped = probe.read(2) == b"\x1f\x8b"   # gzip's magic number, whatever the name
-    return gzip.open(path, "rb") if gzipped else open(path, "rb")
-
-
-def split_lines(stream: BinaryIO) -> Iterator[bytes]:
-    """The lines of a binary stream, the translate tool's rules: split at ``\\n`` only (a
-    bare ``\\r`` stays inside its line), one ``\\r`` at a line's end dropped (a Windows
-    line end), a leading UTF-8 byte-order mark dropped; a last line needs no newline."""
-    pending, first = b"", True
-    while True:
-        chunk = stream.read(1 << 20)
-        pending += chunk
-        *complete, pending = pending.split(b"\n")
-        if not chunk and pending:   # a last line without its newline
-            complete, pending = complete + [pending], b""
-        for raw in complete:
-            if first:
-                raw, first = raw.removeprefix(b"\xef\xbb\xbf"), False
-            yield raw[:-1] if raw.endswith(b"\r") else raw
-        if not chunk:
-            return
-
-
-def _raw_lines(path: Path) -> Iterator[bytes]:
-    """The lines of the file at ``path`` (:func:`split_lines`), gzip or not. Raises
-    :class:`BulkInputError` on a corrupt gzip."""
-    try:
-        with _open(path) as stream:
-            yield from split_lines(stream)
-    except (EOFError, OSError, zlib.error) as e:
-        raise BulkInputError(f"{path} is a truncated or corrupt gzip file ({e}); check it with "
-                             f"gzip -t") from e
+def split_lines(stream) -> Iterator[bytes]:
+    """The lines of a binary stream by :mod:`jaxformer.data.lines`' rules, as bytes (for the
+    translate tool until it reads with :func:`jaxformer.data.lines.read_lines` itself)."""
+    for line in lines_lib.read_lines(stream, errors="surrogateescape"):
+        yield line.encode("utf-8", errors="surrogateescape")
 
 
 def scan_input(path: str | Path) -> InputInfo:
@@ -111,20 +66,16 @@ def scan_input(path: str | Path) -> InputInfo:
     with open(path, "rb") as stream:
         while block := stream.read(1 << 20):
             digest.update(block)
-    count, bad = 0, []
-    for count, raw in enumerate(_raw_lines(path), 1):   # noqa: B007  (count is the total)
-        try:
-            raw.decode("utf-8")
-        except UnicodeDecodeError:
-            bad.append(count)
+    bad: list[int] = []
+    count = sum(1 for _ in lines_lib.read_lines(path, errors="skip", bad=bad))
     return InputInfo(sha256=digest.hexdigest(), size=path.stat().st_size, lines=count, bad_lines=tuple(bad))
 
 
 def read_chunks(path: str | Path, chunk_lines: int, errors: str = "strict") -> Iterator[list[str]]:
     """The input's lines as text, ``chunk_lines`` at a time (the last chunk may be shorter)."""
     chunk: list[str] = []
-    for raw in _raw_lines(Path(path)):
-        chunk.append(raw.decode("utf-8", errors=errors))
+    for line in lines_lib.read_lines(Path(path), errors=errors):
+        chunk.append(line)
         if len(chunk) == chunk_lines:
             yield chunk
             chunk = []
@@ -264,7 +215,7 @@ def translate_file(translate_chunk: ChunkTranslator, input_path: str | Path, out
       errors: ``"strict"`` (lines that are not UTF-8 refuse the input) or ``"replace"``.
       progress: a tqdm bar on stderr (lines/s, ETA); ``None`` = when stderr is a terminal.
       info: the input's :func:`scan_input`, if already made.
-      process_index, process_count: this process's share of the chunks.
+      process_index, process_count: this process's share of the chunks (0 ≤ index < count).
       barrier: ``barrier(name)`` returns when every process has called it
         (:func:`jaxformer.model.sharding.process_barrier`); needed when
         ``process_count > 1``.
@@ -274,19 +225,14 @@ def translate_file(translate_chunk: ChunkTranslator, input_path: str | Path, out
 
     Raises:
       BulkInputError: lines that are not UTF-8 in strict mode (their numbers named), a
-        corrupt gzip, ``chunk_lines < 1``.
+        UTF-16 file, a corrupt gzip (:mod:`jaxformer.data.lines`), ``chunk_lines < 1``.
       BulkResumeError: the output's parts folder belongs to other inputs or settings.
     """
-    if chunk_lines < 1:
+    if chunk_lines < 1:   # the library's entry (the tool's flag is checked by its schema)
         raise BulkInputError(f"chunk_lines must be at least 1, got {chunk_lines}.")
-    if not 0 <= process_index < process_count or (process_count > 1 and barrier is None):
-        raise ValueError(f"process {process_index} of {process_count}: need 0 <= index < count, and a "
-                         f"barrier with more than one process.")
     info = info or scan_input(input_path)
     if info.bad_lines and errors == "strict":
-        raise BulkInputError(f"{len(info.bad_lines)} line(s) of {input_path} are not valid UTF-8 (line "
-                             f"{line_numbers(info.bad_lines)}); fix the file (e.g. iconv -f LATIN1 -t "
-                             f"UTF-8) or pass --input-errors replace")
+        raise lines_lib.NotUtf8(str(input_path), info.bad_lines)
     job = BulkJob(output, {**record, "input_sha256": info.sha256, "input_bytes": info.size,
                            "chunk_lines": chunk_lines, "input_errors": errors})
     chunks = -(-info.lines // chunk_lines)

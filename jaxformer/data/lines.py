@@ -1,0 +1,113 @@
+"""The one reader of text lines for every file a user hands us: corpora, bulk-translation
+input and the translate tool's input (a file, or stdin read whole or as it arrives).
+
+The rules, in one place: a file or stream that starts with gzip's magic number is gzip,
+whatever its name; lines end at ``\\n`` only (a bare ``\\r`` stays inside its line:
+splitting there would shift every later line off its partner), and one ``\\r`` before
+the ``\\n`` is dropped (a Windows line end); a UTF-8 byte-order mark at the start is
+dropped; the last line needs no newline. A UTF-16 file (by its byte-order mark) and a
+truncated or corrupt gzip stream are a :class:`TextError` naming the file and the fix.
+A line that is not UTF-8 is, by ``errors``: ``"strict"`` a :class:`NotUtf8` naming its
+line number, ``"replace"`` decoded with U+FFFD, ``"skip"`` given as ``None``; with the
+latter two its 1-based number is appended to ``bad`` (any other of Python's codec error
+handlers, e.g. ``"surrogateescape"``, works as ``"replace"`` does).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import io
+import os
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import BinaryIO, Literal
+
+Errors = Literal["strict", "replace", "skip"] | str
+_UTF8_BOM = b"\xef\xbb\xbf"
+_UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")   # little- and big-endian (UTF-32 LE starts like UTF-16 LE)
+
+
+class TextError(ValueError):
+    """A file that cannot be read as lines of UTF-8 text; the message names it and the fix."""
+
+
+class NotUtf8(TextError):
+    """Lines that are not UTF-8 (``numbers``, 1-based) where ``errors="strict"``."""
+
+    def __init__(self, where: str, numbers: list[int]):
+        self.numbers = list(numbers)
+        super().__init__(f"{len(numbers)} line(s) of {where} are not valid UTF-8 (line "
+                         f"{line_numbers(numbers)}); fix the file (e.g. iconv -f LATIN1 -t UTF-8) or "
+                         f"pass --input-errors replace")
+
+
+def line_numbers(numbers) -> str:
+    """``"4, 9, 12"``: the first ten of ``numbers``, ``", ..."`` if there are more."""
+    return ", ".join(map(str, list(numbers)[:10])) + (", ..." if len(numbers) > 10 else "")
+
+
+class LineSplitter:
+    """Bytes in, in chunks of any size, text lines out, by the module's rules: for
+    streams read as they arrive (:meth:`feed` each chunk, ``final=True`` at the end)."""
+
+    def __init__(self, where: str, errors: Errors = "strict", bad: list[int] | None = None):
+        self.where, self.errors = where, errors
+        self.bad = [] if bad is None else bad
+        self.number = 0   # lines given so far
+        self._pending = b""
+
+    def feed(self, data: bytes, final: bool = False) -> Iterator[str | None]:
+        """The lines ``data`` completes, decoded lazily: under ``"strict"`` the lines before a
+        bad one are given before :class:`NotUtf8` is raised."""
+        *complete, self._pending = (self._pending + data).split(b"\n")
+        if final and self._pending:
+            complete, self._pending = complete + [self._pending], b""
+        return map(self._decode, complete)
+
+    def _decode(self, raw: bytes) -> str | None:
+        self.number += 1
+        if self.number == 1:
+            if raw.startswith(_UTF16_BOMS):   # its ASCII lines would pass as UTF-8, NUL-interleaved
+                raise TextError(f"{self.where} is UTF-16 (it starts with a UTF-16 byte-order mark); "
+                                f"convert it to UTF-8, e.g. iconv -f UTF-16 -t UTF-8 (zcat it first if "
+                                f"it is gzipped).")
+            raw = raw.removeprefix(_UTF8_BOM)
+        raw = raw.removesuffix(b"\r")
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            self.bad.append(self.number)
+            if self.errors == "strict":
+                raise NotUtf8(self.where, [self.number]) from None
+            return None if self.errors == "skip" else raw.decode("utf-8", errors=self.errors)
+
+
+def read_lines(source: str | os.PathLike | BinaryIO, errors: Errors = "strict",
+               bad: list[int] | None = None, where: str | None = None) -> Iterator[str | None]:
+    """The lines of a file (a path) or a binary stream (e.g. ``sys.stdin.buffer``), read
+    1 MiB at a time, by the module's rules.
+
+    Raises:
+      FileNotFoundError / PermissionError / IsADirectoryError: from opening ``source``.
+      TextError: a UTF-16 file, or a truncated or corrupt gzip stream.
+      NotUtf8: a line that is not UTF-8, with ``errors="strict"``.
+    """
+    is_path = isinstance(source, (str, os.PathLike))
+    where = where or (repr(str(source)) if is_path else "stdin")
+    splitter = LineSplitter(where, errors, bad)
+    with contextlib.ExitStack() as stack:
+        stream = stack.enter_context(open(source, "rb")) if is_path else source
+        if not hasattr(stream, "peek"):
+            stream = io.BufferedReader(stream)
+        if stream.peek(2)[:2] == b"\x1f\x8b":
+            stream = stack.enter_context(gzip.GzipFile(fileobj=stream))
+        try:
+            while block := stream.read(1 << 20):
+                yield from splitter.feed(block)
+            yield from splitter.feed(b"", final=True)
+        except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+            name = Path(source).name if is_path else "-"
+            raise TextError(f"{where} is a truncated or corrupt gzip file ({type(e).__name__}: {e}); "
+                            f"re-create or re-download it (gzip -t {name} checks it).") from e
