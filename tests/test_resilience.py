@@ -24,10 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-import reference_data
 from jax.experimental import multihost_utils
 
-from jaxformer.data import batching
+from jaxformer.data import batching, streaming
 from jaxformer.model.validation import DataPositionError
 from jaxformer.run.checkpoints import CheckpointError, RunCheckpoints
 from jaxformer.run.config import TrainConfig
@@ -436,8 +435,9 @@ def test_the_final_evaluation_after_skipped_updates_keeps_no_best(tmp_path, file
 def test_half_written_step_is_ignored_and_cleaned_up(tmp_path):
     """What SIGKILL during an async save leaves: orbax's temporary folder, never a step."""
     checkpoints = RunCheckpoints(tmp_path)
-    iterator = iter(reference_data.train_dataset(batching.Examples([[5, 6]] * 4, [[7]] * 4), batch_tokens=8,
-                                       boundaries=(4,), seed=0, pad_id=0, bos_id=2, eos_id=3))
+    iterator = streaming.BatchStream(lambda start: streaming.stream_dataset(
+        batching.Examples([[5, 6]] * 4, [[7]] * 4), max_len=4, batch_tokens=8, boundaries=(4,), seed=0,
+        pad_id=0, bos_id=2, eos_id=3, pack=False, start=start))
     state = {"w": jnp.arange(4.0)}
     for step in (1, 2):
         next(iterator)
