@@ -244,81 +244,48 @@ class RunCheckpoints:
         metrics = self.best.metrics(step)
         return None if not metrics else float(metrics["bleu"])
 
-    def restore_params(self, abstract_params: Any, report: Callable[[str], None] = _stderr
-                       ) -> tuple[Any, int, str]:
-        """Parameters to translate with: the best by dev BLEU, else the newest readable
-        training checkpoint's (an unreadable one is reported and skipped).
-
-        Only the parameters are read (a partial restore), so the optimizer the run
-        used does not matter.
-
-        Args:
-          abstract_params: the parameters' structure (``jax.eval_shape`` of them).
-
-        Returns:
-          ``(params, step, "best" | "latest")``.
-
-        Raises:
-          FileNotFoundError: the run directory has no checkpoint.
-          CheckpointError: it has checkpoints, but none is readable.
-          CheckpointMismatchError: a checkpoint holds other parameters than the model's.
-        """
-        _ignore_stray_read_callbacks()
-        step = self.best.best_step()
-        if step is not None:
-            try:
-                return self._best_params(step, abstract_params), step, "best"
-            except CheckpointMismatchError:
-                raise   # not a damaged file: the config is not the checkpoint's
-            except Exception as error:  # fall back to the training checkpoints
-                report(f"best checkpoint step {step} is unreadable ({_first_line(error)}); "
-                       f"using the latest training checkpoint")
-        failures = []
-        for step in sorted(self.latest.all_steps(), reverse=True):
-            try:
-                return self.params_at(step, abstract_params), step, "latest"
-            except CheckpointMismatchError:
-                raise
-            except Exception as error:
-                failures.append(f"step {step}: {_first_line(error)}")
-                report(f"checkpoint step {step} is unreadable ({failures[-1]})")
-        if failures:
-            raise CheckpointError(f"No readable checkpoint in {self.workdir} ({'; '.join(failures)}).")
-        raise FileNotFoundError(f"No checkpoint in {self.workdir} (best/ and checkpoints/ hold no "
-                                f"step); train it first.")
-
-    def _best_params(self, step: int, abstract_params: Any) -> Any:
-        saved = saved_params(self.best.directory / str(step) / "params", None)
-        check_params_match(saved, scan.to_layout(abstract_params, bool(scan.layout_of(saved))),
-                           f"best checkpoint step {step}")
-        return in_layout(saved, abstract_params, lambda target: self.best.restore(
-            step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target))).params)
-
     def steps(self) -> list[int]:
         """The training checkpoints on disk, oldest first."""
         return sorted(self.latest.all_steps())
 
     def params_at(self, step: int, abstract_params: Any) -> Any:
         """Only the parameters of training checkpoint ``step`` (a partial restore: the
-        optimizer state is not read)."""
-        # A checkpointer of its own: this process's manager may already have bound the
-        # "state" item to the (whole-state) StandardCheckpointHandler by saving it.
-        path = self.latest.directory / str(step) / "state"
-        saved = saved_params(path, "params")
+        optimizer state is not read).
+
+        Raises:
+          CheckpointMismatchError: they are not ``abstract_params``' names and shapes.
+        """
+        saved = self._saved("step", step)
         check_params_match(saved, scan.to_layout(abstract_params, bool(scan.layout_of(saved))),
                            f"checkpoint step {step}")
+        return self._restore("step", step, saved, abstract_params)
+
+    def _item(self, kind: str, step: int) -> tuple[Path, str | None]:
+        """Where checkpoint ``kind`` (best, averaged, else a training step) keeps its parameters:
+        the item folder, and their key in it (``None``: the whole item)."""
+        if kind in ("best", "averaged"):
+            return self.workdir / kind / str(step) / "params", None
+        return self.latest.directory / str(step) / "state", "params"
+
+    def _saved(self, kind: str, step: int) -> Any:
+        return saved_params(*self._item(kind, step))
+
+    def _restore(self, kind: str, step: int, saved: Any, abstract_params: Any) -> Any:
+        """The parameters, read in the layer layout they were saved in (``saved``: their
+        metadata) and laid out as ``abstract_params``."""
+        path, key = self._item(kind, step)
 
         def restore(params):
-            target = {"params": params}
+            target = params if key is None else {key: params}
             with ocp.PyTreeCheckpointer() as checkpointer:
-                return checkpointer.restore(path, args=ocp.args.PyTreeRestore(
-                    item=target, partial_restore=True,
-                    restore_args=ocp.checkpoint_utils.construct_restore_args(target)))["params"]
+                out = checkpointer.restore(path, args=ocp.args.PyTreeRestore(
+                    item=target, partial_restore=key is not None,
+                    restore_args=ocp.checkpoint_utils.construct_restore_args(target)))
+            return out if key is None else out[key]
 
         return in_layout(saved, abstract_params, restore)
 
     def _averaged(self) -> ocp.CheckpointManager:
-        # Opened on use: most runs never write one, and a reader must not create the folder.
         return _CheckpointManager(self.workdir / "averaged", item_names=("params",),
                                   options=ocp.CheckpointManagerOptions(max_to_keep=1,
                                                                        enable_async_checkpointing=False))
@@ -326,7 +293,7 @@ class RunCheckpoints:
     def save_averaged(self, step: int, params: Any, info: dict[str, Any]) -> None:
         """Saves averaged parameters as ``averaged/<step>`` (the newest averaged step)
         with ``info`` (JSON: the averaged steps, the dev BLEU) as its metrics."""
-        manager = self._averaged()
+        manager = self._averaged()   # opened on use: most runs never write one
         try:
             for old in manager.all_steps():
                 manager.delete(old)
@@ -336,43 +303,57 @@ class RunCheckpoints:
         finally:
             manager.close()
 
-    def restore_params_from(self, which: str | int, abstract_params: Any,
-                            report: Callable[[str], None] = _stderr) -> tuple[Any, int, str]:
-        """Parameters of one named checkpoint: ``"auto"`` (:meth:`restore_params`: best,
-        else latest), ``"best"``, ``"latest"``, ``"averaged"`` or a training step.
+    def restore_params(self, abstract_params: Any, which: str | int = "auto",
+                       report: Callable[[str], None] = _stderr) -> tuple[Any, int, str]:
+        """The parameters of one checkpoint, only they read (the run's optimizer does not
+        matter): ``which`` is ``"auto"`` (the best by dev BLEU, else the newest readable
+        training checkpoint; an unreadable one is reported and the next tried), ``"best"``,
+        ``"latest"``, ``"averaged"`` or a training step.
+
+        Args:
+          abstract_params: the parameters' structure (``jax.eval_shape`` of them).
 
         Returns:
-          ``(params, step, kind)``.
+          ``(params, step, kind)``, kind one of best, latest, averaged, step.
 
         Raises:
-          FileNotFoundError: that checkpoint does not exist; the message lists what does.
+          FileNotFoundError: no such checkpoint; the message lists what the run has.
+          CheckpointError: there is one, but it (or, for ``"auto"``, none) is readable.
+          CheckpointMismatchError: a checkpoint holds other parameters than the model's.
         """
-        if which == "auto":
-            return self.restore_params(abstract_params, report)
-        steps = self.steps()
-        available = (f"training steps {steps}" if steps else "no training checkpoints") + (
-            ", best" if self.best.best_step() is not None else "") + (
-            ", averaged" if (self.workdir / "averaged").is_dir() else "")
-        if which == "best" and self.best.best_step() is not None:
-            step = self.best.best_step()
-            return self._best_params(step, abstract_params), step, "best"
-        if which == "latest" and steps:
-            return self.params_at(steps[-1], abstract_params), steps[-1], "latest"
-        if which == "averaged" and (self.workdir / "averaged").is_dir():
-            manager = self._averaged()
+        _ignore_stray_read_callbacks()
+        steps, best = self.steps(), self.best.best_step()
+        averaged = sorted(int(p.name) for p in (self.workdir / "averaged").glob("*") if p.name.isdigit())
+        candidates = {"auto": [("best", best)] * (best is not None) + [("latest", s) for s in steps[::-1]],
+                      "best": [("best", best)] * (best is not None),
+                      "latest": [("latest", s) for s in steps[-1:]],
+                      "averaged": [("averaged", s) for s in averaged[-1:]]}.get(
+            which, [("step", which)] * (which in steps))
+        failures, mismatch = [], None
+        for kind, step in candidates:
+            name = f"{'best checkpoint' if kind == 'best' else 'checkpoint'} step {step}"
             try:
-                step = manager.latest_step()
-                if step is not None:
-                    saved = saved_params(manager.directory / str(step) / "params", None)
-                    params = in_layout(saved, abstract_params, lambda target: manager.restore(
-                        step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target))).params)
-                    return params, step, "averaged"
-            finally:
-                manager.close()
-        if isinstance(which, int) and which in steps:
-            return self.params_at(which, abstract_params), which, "step"
-        what = f"checkpoint of step {which}" if isinstance(which, int) else f"{which!r} checkpoint"
-        raise FileNotFoundError(f"No {what} in {self.workdir}; it has {available}.")
+                saved = self._saved(kind, step)
+                check_params_match(saved, scan.to_layout(abstract_params, bool(scan.layout_of(saved))), name)
+                return self._restore(kind, step, saved, abstract_params), step, kind
+            except Exception as error:  # any failure to read means this checkpoint is unusable
+                if isinstance(error, CheckpointMismatchError):   # not damage: the config is not the run's
+                    mismatch = error
+                    break
+                failures.append(f"step {step}: {_first_line(error)}")
+                report(f"{name} is unreadable ({_first_line(error)})"
+                       + ("; using the latest training checkpoint" if kind == "best" and which == "auto" else ""))
+        what = ("checkpoint" if which == "auto" else f"checkpoint of step {which}" if isinstance(which, int)
+                else f"{which!r} checkpoint")
+        available = (f"training steps {steps}" if steps else "no training checkpoints") + (
+            ", best" if best is not None else "") + (", averaged" if averaged else "")
+        raise mismatch or (CheckpointError(f"No readable {what} in {self.workdir} ({'; '.join(failures)}).")
+                           if failures else FileNotFoundError(f"No {what} in {self.workdir}; it has {available}."))
+
+    def restore_params_from(self, which: str | int, abstract_params: Any,
+                            report: Callable[[str], None] = _stderr) -> tuple[Any, int, str]:
+        """:meth:`restore_params` of checkpoint ``which``."""
+        return self.restore_params(abstract_params, which, report)
 
     def wait(self) -> None:
         self.latest.wait_until_finished()

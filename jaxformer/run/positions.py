@@ -47,24 +47,27 @@ def position_for_other_process_count(data_dir: Path, same_rows: bool = True
     for path in data_dir.glob("process_*-of-*.json"):
         if match := _NAME.fullmatch(path.name):
             saved.setdefault(int(match.group(2)), set()).add(int(match.group(1)))
-    if len(saved) > 1:   # a stray file: grain would read this count's, maybe another run's
-        raise DataPositionError(f"it holds data positions saved by {sorted(saved)} processes, which one "
-                                f"run never writes; remove the files of the count the run did not have, "
-                                f"or start a new run from its weights in another --workdir (--init-from "
-                                f"this run).")
-    if not saved or (count := next(iter(saved))) == jax.process_count():
+    count = next(iter(saved)) if len(saved) == 1 else None
+    if not saved or count == jax.process_count():
         return None
     fix = (f"Resume it with {count} process(es) (the --num-processes it ran with), or start a new "
            f"run from its weights in another --workdir (--init-from this run).")
-    if not same_rows:
-        raise DataPositionError(f"its data positions were saved by {count} process(es) and this run "
-                                f"has {jax.process_count()}; its config.json does not record the rows "
-                                f"of its batches, so another count may plan other batches. {fix}")
-    if saved[count] != set(range(count)):
-        raise DataPositionError(f"its data positions were saved by {count} process(es), but only "
-                                f"those of processes {sorted(saved[count])} are there. {fix}")
-    positions = [json.loads((data_dir / f"process_{i}-of-{count}.json").read_text()) for i in range(count)]
-    if any(position != positions[0] for position in positions):
-        raise DataPositionError(f"its {count} processes saved different data positions ({positions}), "
-                                f"so it cannot continue on {jax.process_count()}. {fix}")
-    return positions[0], count
+    positions = [json.loads((data_dir / f"process_{i}-of-{count}.json").read_text())
+                 for i in range(count)] if same_rows and count and saved[count] == set(range(count)) else []
+    if len(saved) > 1:   # a stray file: grain would read this count's, maybe another run's
+        problem = (f"it holds data positions saved by {sorted(saved)} processes, which one run never "
+                   f"writes; remove the files of the count the run did not have, or start a new run from "
+                   f"its weights in another --workdir (--init-from this run).")
+    elif not same_rows:
+        problem = (f"its data positions were saved by {count} process(es) and this run has "
+                   f"{jax.process_count()}; its config.json does not record the rows of its batches, so "
+                   f"another count may plan other batches. {fix}")
+    elif not positions:
+        problem = (f"its data positions were saved by {count} process(es), but only those of processes "
+                   f"{sorted(saved[count])} are there. {fix}")
+    elif any(position != positions[0] for position in positions):
+        problem = (f"its {count} processes saved different data positions ({positions}), so it cannot "
+                   f"continue on {jax.process_count()}. {fix}")
+    else:
+        return positions[0], count
+    raise DataPositionError(problem)

@@ -13,7 +13,8 @@ class EarlyStopping:
     """Counts evaluations since the best dev score.
 
     Attributes:
-      patience: evaluations without improvement that stop the run; ``None`` = never stop.
+      patience: evaluations without improvement that stop the run (at least 1:
+        ``--patience`` checks it); ``None`` = never stop.
       best: the best score seen (``-inf`` before the first).
       since_best: evaluations since ``best`` was set.
 
@@ -24,10 +25,6 @@ class EarlyStopping:
     patience: int | None
     best: float = -math.inf
     since_best: int = 0
-
-    def __post_init__(self):
-        if self.patience is not None and self.patience < 1:
-            raise ValueError(f"patience must be at least 1 evaluation, got {self.patience}")
 
     def update(self, score: float) -> bool:
         """Records one evaluation's score; returns ``True`` when the run should stop."""

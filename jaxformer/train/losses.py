@@ -28,14 +28,11 @@ def label_smoothed_cross_entropy(logits_BTV, targets_BT, weights_BT, smoothing: 
       logits_BTV: logits, any float dtype (computed in float32).
       targets_BT: int reference ids.
       weights_BT: float weights (1 real token, 0 pad).
-      smoothing: ε_ls in [0, 1).
+      smoothing: ε_ls in [0, 1) (``--label-smoothing`` checks it).
 
     Returns:
       ``(loss_sum, nll_sum)`` float32 scalars: weighted sums of the smoothed loss and
       of the plain negative log-likelihood.
-
-    Raises:
-      ValueError: ``smoothing`` outside [0, 1).
     """
     chex.assert_rank(logits_BTV, 3)
     chex.assert_shape([targets_BT, weights_BT], logits_BTV.shape[:2])
@@ -51,14 +48,8 @@ def label_smoothed_cross_entropy(logits_BTV, targets_BT, weights_BT, smoothing: 
 
 
 def _smoothing_constants(smoothing: float, vocab: int):
-    """(confidence, low, normalizer) of the smoothed target distribution.
-
-    The normalizer is that distribution's entropy, so a perfect prediction has loss 0.
-    Raises ValueError for ``smoothing`` outside [0, 1).
-    """
-    if not 0.0 <= smoothing < 1.0:
-        raise ValueError(f"smoothing must be in [0, 1) (the share of probability spread over "
-                         f"the other tokens), got {smoothing}.")
+    """(confidence, low, normalizer) of the smoothed target distribution, ``smoothing`` in
+    [0, 1). The normalizer is that distribution's entropy, so a perfect prediction has loss 0."""
     confidence, low = 1.0 - smoothing, smoothing / (vocab - 1)
     if not smoothing:
         return confidence, low, 0.0
@@ -165,16 +156,12 @@ def projected_cross_entropy(decoder_output_BTD, kernel_DV, bias_V, targets_BT, w
       bias_V: ``[V]`` or ``None``.
       targets_BT: int reference ids in ``[0, V)``.
       weights_BT: float weights (1 real token, 0 pad).
-      smoothing: ε_ls in [0, 1) (§5.4), a Python float.
+      smoothing: ε_ls in [0, 1) (§5.4), a Python float (``--label-smoothing`` checks it).
 
     Returns:
       ``(loss_sum, nll_sum, correct)`` float32 scalars: weighted sums of the smoothed
       loss, of the plain NLL, and of positions whose reference has the largest logit.
-
-    Raises:
-      ValueError: ``smoothing`` outside [0, 1).
     """
-    _smoothing_constants(smoothing, kernel_DV.shape[-1])      # validates smoothing
     batch, length, d_model = decoder_output_BTD.shape
     chex.assert_shape(kernel_DV, (d_model, None))
     chex.assert_shape([targets_BT, weights_BT], (batch, length))

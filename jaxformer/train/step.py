@@ -151,12 +151,11 @@ def _accumulated_grads(params, batch, rng, *, model: Transformer, smoothing: flo
     Micro-batch ``i`` takes rows ``i, i + steps, i + 2·steps, …`` (so every data shard
     contributes to each) and dropout key ``fold_in(rng, i)``. Gradients of the loss
     *sums* are added up and divided by the whole batch's token count: exactly the
-    gradient of the full batch, whatever the padding of each micro-batch.
+    gradient of the full batch, whatever the padding of each micro-batch. The rows are a
+    multiple of ``steps`` (the batcher rounds them so).
     """
     rows = batch["src"].shape[0]
-    if rows % steps:
-        raise ValueError(f"A batch of {rows} rows does not split into grad_accum_steps={steps} "
-                         f"micro-batches; make the rows a multiple of it.")
+    chex.assert_equal(rows % steps, 0)
 
     def split(x_BL):   # [B, L] → [steps, B/steps, L]; micro-batch i = rows i::steps
         micro = jnp.swapaxes(x_BL.reshape((rows // steps, steps) + x_BL.shape[1:]), 0, 1)
