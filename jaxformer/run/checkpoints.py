@@ -1,19 +1,12 @@
-"""Orbax checkpoints of a run: the train state, the data iterator, and the best params.
+"""Orbax checkpoints of a run: ``checkpoints/<step>/{state,data}`` (the last N train states
+and data positions), ``best/<step>/params`` (the best dev BLEU's), ``averaged/<step>/params``.
+Everything is data (arrays, JSON); no pickle.
 
-Layout under ``<workdir>``: ``checkpoints/<step>/{state,data}`` keeps the last N
-steps (train state + grain iterator state); ``best/<step>/params`` keeps the
-parameters with the best dev BLEU. Everything is data (arrays, JSON); no pickle.
-
-Crash safety comes from orbax: a step is written under a temporary name and renamed
-into place only when complete, so a process killed mid-save (even by SIGKILL)
-leaves at most a ``<step>.orbax-checkpoint-tmp*`` folder, which is ignored and
-cleaned up on the next start. A step that is complete but unreadable (a corrupted
-or truncated file) is reported, moved to ``<workdir>/corrupt/`` and the previous
-step is used (:meth:`RunCheckpoints.restore_latest`).
-
-A checkpoint saved with unrolled layers restores into a model with scanned layers
-and back (``TransformerConfig.scan_layers``): it is read in the layout it was saved in
-and converted (:mod:`jaxformer.model.scan`), then placed with the target's shardings.
+Orbax writes a step under a temporary name and renames it when complete, so a process
+killed mid-save leaves at most a ``<step>.orbax-checkpoint-tmp*`` folder, ignored and
+cleaned up on the next start. A complete but unreadable step is reported, moved to
+``corrupt/`` and the previous one used (:meth:`RunCheckpoints.restore_latest`). Parameters
+saved with unrolled layers restore into scanned ones and back (:mod:`jaxformer.model.scan`).
 """
 
 from __future__ import annotations
@@ -51,13 +44,9 @@ def _first_line(error: BaseException) -> str:
 
 
 def _ignore_stray_read_callbacks() -> None:
-    """When a restore fails, tensorstore still completes the other reads it had in
-    flight and calls back into orbax's event loop, which is closed by then; each call
-    would print a "RuntimeError: Event loop is closed" traceback, and each of orbax's
-    read coroutines that failed after the restore gave up prints its own ("Exception
-    ignored in: <coroutine ... _read_array_index_and_device_put>"). Those (and only those)
-    are dropped; every other unraisable exception reaches the previous hook. Installed
-    before restores that may meet an unreadable checkpoint."""
+    """Drops the unraisable exceptions of a failed restore, and only those: tensorstore's
+    reads still in flight call back into orbax's closed event loop ("Event loop is
+    closed") and orbax's failed read coroutines print their own traceback."""
     previous = sys.unraisablehook
     if getattr(previous, "_jaxformer_filter", False):
         return
@@ -80,25 +69,16 @@ def _stderr(message: str) -> None:
 
 
 class _CheckpointManager(ocp.CheckpointManager):
-    """An orbax ``CheckpointManager`` that leaves JAX's preemption sync point alone.
-
-    The trainer owns the multi-process preemption protocol
-    (:class:`jaxformer.train.preemption.PreemptionGuard` asks
-    ``multihost_utils.reached_preemption_sync_point`` once per step). Orbax would also
-    report the step of each save to it, from ``save`` and from its background
-    finalize thread, which by then lags the training loop: a stale step reported
-    there can make the processes pick different stop steps and wait on each other
-    forever. The trainer saves explicitly when preempted, so orbax needs no signal.
-    """
+    """An orbax ``CheckpointManager`` that leaves JAX's preemption sync point to the trainer
+    (:class:`jaxformer.train.preemption.PreemptionGuard`): orbax's finalize thread would
+    report stale steps to it, and processes could then pick different stop steps."""
 
     def reached_preemption(self, step: int) -> bool:
         return False
 
     def close(self) -> None:
-        """Waits for the removal of leftover temporary checkpoints, then closes. Orbax starts
-        it in a thread when the manager opens and only a save waits for it: a manager
-        closed before any save (a setup that fails its data checks) would leave that
-        thread running into interpreter shutdown, and a traceback at exit."""
+        """Waits for orbax's removal of leftover temporary checkpoints (a thread only a save
+        waits for; at interpreter shutdown it prints a traceback), then closes."""
         await_cleanup = getattr(self, "_maybe_await_cleanup_tmp_directory", None)   # orbax 0.12
         if await_cleanup is not None:
             await_cleanup()
@@ -109,12 +89,8 @@ class RunCheckpoints:
     """The two checkpoint managers of a run directory."""
 
     def __init__(self, workdir: str | Path, keep: int = 3, read_only: bool = False):
-        """Opens (creates unless ``read_only``) ``workdir/checkpoints`` and ``workdir/best``.
-
-        The trainer cleans up half-written steps left by a killed process; a reader
-        (``read_only=True``, e.g. the translate CLI beside a running trainer) never
-        touches the folders.
-        """
+        """Opens (creates unless ``read_only``) ``workdir/checkpoints`` and ``workdir/best``; a
+        reader (``read_only``: the translate CLI beside a running trainer) never touches them."""
         self.workdir = workdir = Path(workdir).absolute()
         self.saved_best_step: int | None = None   # the best step save_best wrote, if any
         # (Not orbax's own read_only option: it logs warnings on every open.)
@@ -140,16 +116,12 @@ class RunCheckpoints:
 
     def restore(self, step: int, abstract_state: Any, data_iterator: Any,
                 report: Callable[[str], None] = _stderr, same_rows: bool = True) -> Any:
-        """Restores the state into ``abstract_state``'s structure and the iterator in place.
-
-        A step saved by another number of processes continues from the one position
-        they all saved (:mod:`jaxformer.run.positions`) when ``same_rows`` (the caller
-        checked that the batches keep their rows); ``report`` says so.
+        """Restores the state into ``abstract_state``'s structure and the iterator in place; a
+        step of another process count continues from their one position when ``same_rows``
+        (:mod:`jaxformer.run.positions`).
 
         Raises:
-          DataPositionError: the step's data positions cannot be continued: not a
-            position, or saved by another number of processes whose files are missing
-            or disagree, or without ``same_rows``.
+          DataPositionError: the step's data positions cannot be continued.
         """
         import grain
 
@@ -173,13 +145,8 @@ class RunCheckpoints:
     def restore_latest(self, abstract_state: Any, data_iterator: Any,
                        report: Callable[[str], None] = _stderr, same_rows: bool = True
                        ) -> tuple[Any, int] | None:
-        """Restores the newest readable step; unreadable newer steps are set aside.
-
-        Each step, newest first, is restored into ``abstract_state``'s structure (and
-        the iterator's position). A step that fails to read is reported; once an
-        older step restores, the unreadable newer ones are moved to
-        ``<workdir>/corrupt/<step>-<time>`` (kept, never deleted) so training can
-        write those steps again. ``same_rows``: as :meth:`restore`.
+        """Restores the newest readable step (as :meth:`restore`); unreadable newer ones are
+        reported and, once an older one restores, moved to ``corrupt/<step>-<time>``.
 
         Returns:
           ``(state, step)``, or ``None`` when the run has no checkpoint yet.
@@ -341,14 +308,16 @@ class RunCheckpoints:
                     mismatch = error
                     break
                 failures.append(f"step {step}: {_first_line(error)}")
+                fallback = kind == "best" and which == "auto"
                 report(f"{name} is unreadable ({_first_line(error)})"
-                       + ("; using the latest training checkpoint" if kind == "best" and which == "auto" else ""))
+                       + ("; using the latest training checkpoint" if fallback else ""))
         what = ("checkpoint" if which == "auto" else f"checkpoint of step {which}" if isinstance(which, int)
                 else f"{which!r} checkpoint")
         available = (f"training steps {steps}" if steps else "no training checkpoints") + (
             ", best" if best is not None else "") + (", averaged" if averaged else "")
-        raise mismatch or (CheckpointError(f"No readable {what} in {self.workdir} ({'; '.join(failures)}).")
-                           if failures else FileNotFoundError(f"No {what} in {self.workdir}; it has {available}."))
+        raise mismatch or (
+            CheckpointError(f"No readable {what} in {self.workdir} ({'; '.join(failures)}).") if failures
+            else FileNotFoundError(f"No {what} in {self.workdir}; it has {available}."))
 
     def restore_params_from(self, which: str | int, abstract_params: Any,
                             report: Callable[[str], None] = _stderr) -> tuple[Any, int, str]:

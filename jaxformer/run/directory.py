@@ -56,19 +56,16 @@ class RunDir:
              "metrics.jsonl", "metrics.redone.jsonl", "tensorboard", "plots", "samples.txt",
              "results.json", "test.src", "test.ref", "test.hyp", "train.log")
     config, tokenizer_dir, prepared = _file("config.json"), _file("tokenizer"), _file("prepared")
-    checkpoints, best, averaged, corrupt = _file("checkpoints"), _file("best"), _file("averaged"), _file("corrupt")
+    checkpoints, best, averaged = _file("checkpoints"), _file("best"), _file("averaged")
+    corrupt = _file("corrupt")
     metrics, metrics_redone = _file("metrics.jsonl"), _file("metrics.redone.jsonl")
     tensorboard, plots, samples = _file("tensorboard"), _file("plots"), _file("samples.txt")
     results, log, jax_cache = _file("results.json"), _file("train.log"), _file("jax_cache")
     test_src, test_ref, test_hyp = _file("test.src"), _file("test.ref"), _file("test.hyp")
 
     def create(self, fresh: bool = False) -> Path | None:
-        """Creates the directory (a clear error if impossible); ``fresh`` moves the previous
-        run's files into ``old-<time>/`` (nothing is deleted).
-
-        Returns:
-          that ``old-<time>/`` folder, or ``None`` when nothing was moved (or this is not
-          process 0, which alone moves files).
+        """Creates the directory; ``fresh`` moves the previous run's files into ``old-<time>/``
+        (process 0; nothing is deleted) and returns that folder, else ``None``.
 
         Raises:
           OSError: the directory cannot be created or written; the message names it.
@@ -90,11 +87,9 @@ class RunDir:
         return None
 
     def remove_if_made_and_unprepared(self, made: Path | None) -> None:
-        """After a failed start: removes :attr:`root` when this start made it (``made``, the
-        topmost missing folder :func:`topmost_missing` found before), then each parent it
-        made up to ``made`` that is still empty (another run may have made its own folder
-        there meanwhile). Kept when its data was prepared or its tokenizer trained, which
-        the next attempt reuses. Process 0 only; ``None`` (the folder was there) changes nothing."""
+        """After a failed start: removes :attr:`root` and the parents it made up to ``made``
+        (:func:`topmost_missing` before; ``None``: nothing) that are still empty, unless its
+        data was prepared or its tokenizer trained (the next attempt reuses them). Process 0."""
         if made is None or not self.root.exists() or not is_main_process():
             return
         if (self.prepared / "manifest.json").exists() or (self.tokenizer_dir / "spm.model").exists():
@@ -125,8 +120,7 @@ class RunDir:
         """The saved run record (``config.json``), or ``None`` if there is none yet.
 
         Raises:
-          ValueError: as :meth:`read_run_record` (a damaged record, a Hugging Face model's),
-            so a run never writes over it.
+          ValueError: as :meth:`read_run_record`, so a run never writes over such a file.
         """
         return _read_record(self.config, need_model=False) if self.config.exists() else None
 
@@ -144,9 +138,8 @@ class RunDir:
 
 
 def set_aside_metrics_after(run_dir: RunDir, step: int) -> None:
-    """On resume, moves ``metrics.jsonl`` rows after the restored ``step`` (written by a
-    run that stopped before its next checkpoint; those steps are about to be redone) to
-    ``metrics.redone.jsonl``, so the curves never show a step twice."""
+    """On resume, moves ``metrics.jsonl`` rows after the restored ``step`` (about to be redone)
+    to ``metrics.redone.jsonl``, so the curves never show a step twice."""
     if not run_dir.metrics.exists():
         return
     lines = [line for line in run_dir.metrics.read_text().splitlines() if line.strip()]
@@ -205,7 +198,8 @@ def _record_problem(path: Path, record: Any, need_model: bool) -> str | None:
     """What is wrong with a parsed run record, or ``None``."""
     if isinstance(record, dict) and "model_type" in record and "model" not in record:
         return (f"{path.parent} holds a Hugging Face model ({record['model_type']!r}), not a jaxformer "
-                f"run: convert it with `jaxformer-convert --from-hf {path.parent} --workdir RUN` and use RUN.")
+                f"run: convert it with `jaxformer-convert --from-hf {path.parent} --workdir RUN` and use "
+                f"RUN.")
     if not isinstance(record, dict) or (need_model and not isinstance(record.get("model"), dict)):
         return (f"{path} is not a jaxformer run record (a JSON object with a \"model\" section, written "
                 f"by jaxformer-train or jaxformer-convert).")
@@ -226,8 +220,7 @@ _JSON_NAMES = {dict: "object", list: "array", str: "string"}
 
 
 def probe_writable(folder: str | os.PathLike) -> None:
-    """Makes and removes a uniquely named file in ``folder`` (so processes probing one
-    folder at once never meet, and no file of the user's is opened).
+    """Makes and removes a uniquely named file in ``folder`` (no file of the user's is opened).
 
     Raises:
       OSError: no file can be made there (read-only, missing, not a folder).

@@ -1,15 +1,10 @@
-"""The training data's position in a checkpoint step, and continuing it on another number
-of processes.
+"""The training data's position in a checkpoint step, continued on another number of processes.
 
-Each process saves its own position, ``data/process_<i>-of-<n>.json`` (grain's
-checkpoint handler), and on a resume grain reads the file of the same index and count.
-jaxformer's positions are global, not per process: every process plans the same global
-batches and takes its own block of rows (:func:`jaxformer.data.streaming.process_plans`),
-so all ``n`` files hold the same ``{"epoch", "block", "batch"}``. A run saved by ``n``
-processes therefore continues exactly on ``m``, from that one position, as long as the
-batches keep their rows: the trainer refuses a resume whose devices, accumulation steps
-or process count change them, before any checkpoint is read, and a run whose rows were
-not recorded (``config.json`` from before ``batch_rows``) only continues on ``n``.
+Each process saves ``data/process_<i>-of-<n>.json`` (grain's handler). The positions are
+global (every process plans the same batches and takes its rows,
+:func:`jaxformer.data.streaming.process_plans`), so all ``n`` files hold the same
+``{"epoch", "block", "batch"}``, and a run saved by ``n`` processes continues exactly on
+``m`` while its batches keep their rows (the trainer checks ``batch_rows`` first).
 """
 
 from __future__ import annotations
@@ -28,20 +23,13 @@ _NAME = re.compile(r"process_(\d+)-of-(\d+)\.json")
 
 def position_for_other_process_count(data_dir: Path, same_rows: bool = True
                                      ) -> tuple[dict[str, Any], int] | None:
-    """The position a step saved with another number of processes than this run's, and
-    that number; ``None`` when this number saved it (grain restores it) or when its files
-    are not grain's ``process_<i>-of-<n>.json`` (left to the restore, which reports them).
-
-    Args:
-      same_rows: whether the caller checked that this run's batches have the rows the
-        saved run's had (else another process count is refused).
+    """The position a step saved with another number of processes than this run's, and that
+    number; ``None`` when this number saved it (grain restores it) or there are no such files.
+    ``same_rows``: the caller checked that the batches keep their rows.
 
     Raises:
-      DataPositionError: files of several process counts (one run writes one count), or
-        another number of processes saved it and ``same_rows`` is false, or one of their
-        files is missing, or they disagree, so no one position can be continued (the
-        message names the fix; a missing file is refused, not read as an unreadable
-        step, since every step of the run would lack it).
+      DataPositionError: files of several counts, another count without ``same_rows``, a
+        missing process's file, or positions that disagree; the message names the fix.
     """
     saved: dict[int, set[int]] = {}
     for path in data_dir.glob("process_*-of-*.json"):

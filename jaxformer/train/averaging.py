@@ -17,14 +17,8 @@ from jaxformer.run.checkpoints import RunCheckpoints
 def average_last_checkpoints(checkpoints: RunCheckpoints, abstract_params: Any, n: int
                              ) -> tuple[Any, list[int]]:
     """The mean of the parameters of the newest ``n`` training checkpoints (the run has at
-    least ``n``: the trainer checks before it averages).
-
-    Only parameters are read (a partial restore), one checkpoint at a time into a
-    float32 running sum (whatever the parameter dtype), cast back at the end.
-
-    Returns:
-      ``(params, steps averaged)``.
-    """
+    least ``n``: the trainer checks) and the steps averaged. Only parameters are read, one
+    checkpoint at a time into a float32 running sum, cast back at the end."""
     steps = checkpoints.steps()[-n:]
     total, dtypes = None, None
     for step in steps:   # a running float32 sum: one checkpoint in memory besides it

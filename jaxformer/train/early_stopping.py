@@ -10,17 +10,9 @@ import math
 
 @dataclasses.dataclass
 class EarlyStopping:
-    """Counts evaluations since the best dev score.
-
-    Attributes:
-      patience: evaluations without improvement that stop the run (at least 1:
-        ``--patience`` checks it); ``None`` = never stop.
-      best: the best score seen (``-inf`` before the first).
-      since_best: evaluations since ``best`` was set.
-
-    A resumed run starts counting again from the best score recorded with the best
-    checkpoint (``best``), so a restart never stops a run early by itself.
-    """
+    """Counts evaluations since the best dev score ``best`` (``-inf`` before the first; a
+    resumed run starts from its best checkpoint's). ``patience``: evaluations without a
+    better score that stop the run (at least 1, ``--patience`` checks it); ``None``: never."""
 
     patience: int | None
     best: float = -math.inf

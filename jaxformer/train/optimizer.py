@@ -52,7 +52,7 @@ def wsd_schedule(d_model: int, warmup_steps: int, total_steps: int, decay_fracti
 
 def make_schedule(name: str, *, d_model: int, warmup_steps: int, total_steps: int,
                   decay_fraction: float, scale: float = 1.0) -> optax.Schedule:
-    """The schedule named by ``--lr-schedule`` (:data:`jaxformer.run.config.SCHEDULES`: ``inverse_sqrt`` or ``wsd``)."""
+    """The schedule ``--lr-schedule`` names: ``inverse_sqrt`` or ``wsd`` (``run.config.SCHEDULES``)."""
     if name == "wsd":
         return wsd_schedule(d_model, warmup_steps, total_steps, decay_fraction, scale)
     return transformer_schedule(d_model, warmup_steps, scale)

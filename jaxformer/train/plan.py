@@ -1,8 +1,6 @@
-"""A training run's start, decided once: fresh, resumed or a fine-tune, on which mesh and
-platform, with which data pipeline shape.
-
-:func:`plan_run` makes the :class:`RunPlan` before anything is written; every later phase
-(:mod:`jaxformer.train.run_setup`, the loop, the final test) reads it and never decides again.
+"""A training run's start, decided once (:func:`plan_run`, before anything is written):
+fresh, resumed or a fine-tune, mesh, platform, data pipeline shape. Later phases read the
+:class:`RunPlan` and never decide again.
 """
 
 from __future__ import annotations
@@ -62,13 +60,12 @@ class RunPlan:
 
 
 def plan_run(cfg: TrainConfig, fresh: bool = False) -> RunPlan:
-    """Decides the run's start from ``cfg``, ``fresh`` and what the run directory holds, and
-    checks what needs no data before any file is written: BLEU's tokenizer starts, the mesh
-    fits the devices and splits the model's widths, a fine-tune's run has a checkpoint.
+    """Decides the start from ``cfg``, ``fresh`` and the run directory, and checks what needs
+    no data: BLEU's tokenizer starts, the mesh fits the devices and splits the model's
+    widths, a fine-tune's run has a checkpoint.
 
     Raises:
-      ValueError / FileNotFoundError / OSError: a check above, naming the flag and the fix;
-        a damaged ``config.json``.
+      ValueError / FileNotFoundError / OSError: naming the flag and the fix.
     """
     t_start = time.perf_counter()
     make_bleu(cfg.tgt_lang or target_language_of(cfg), cfg.sacrebleu_tokenize)

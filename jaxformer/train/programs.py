@@ -1,9 +1,6 @@
-"""A run's model, optimizer and jitted programs, built from its settings by :func:`run_programs`.
-
-They belong to the run: each ``train()`` builds its own and drops them at its end (on an
-accelerator, device memory for compiled code). A second run in the same process traces
-them again; XLA's compiles come from JAX's persistent cache (``RUN/jax_cache`` for
-``jaxformer-train``), so a resume compiles nothing it compiled before.
+"""A run's model, optimizer and jitted programs (:func:`run_programs`). They belong to the
+run: each ``train()`` builds its own and drops them at its end; JAX's persistent cache
+(``RUN/jax_cache``) spares a resume the compiles it made before.
 """
 
 from __future__ import annotations
@@ -20,7 +17,8 @@ from jaxformer.model.sharding import Layout
 from jaxformer.model.transformer import Transformer
 from jaxformer.run.config import TrainConfig
 from jaxformer.train.optimizer import make_optimizer, make_schedule
-from jaxformer.train.step import TrainState, jit_eval_step, jit_sharded_init, jit_state_from_params, jit_train_step
+from jaxformer.train.step import (TrainState, jit_eval_step, jit_sharded_init, jit_state_from_params,
+                                  jit_train_step)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,10 +1,6 @@
-"""The evaluation side of a training run: periodic dev evaluation (which keeps the
-best parameters and feeds early stopping), checkpoint averaging, and the final test.
-
-Scores are sacrebleu's BLEU and chrF; each number is reported with its signature
-(``results.json``, ``train.log``) so that it can be compared and reproduced, and the
-test sources, references and translations are written beside them (``test.src``,
-``test.ref``, ``test.hyp``) for external scorers (the sacrebleu command line, COMET).
+"""A training run's evaluations: periodic dev evaluation (keeps the best parameters, feeds
+early stopping), checkpoint averaging, and the final test. Scores are sacrebleu's BLEU and
+chrF with their signatures; ``test.src/ref/hyp`` are written for external scorers.
 """
 
 from __future__ import annotations
@@ -64,14 +60,9 @@ def evaluate(run: Run, loop: LoopState, keep_best: bool = True) -> float:
 
 
 def average_and_compare(run: Run, loop: LoopState, abstract_params: Any) -> tuple[dict[str, Any] | None, Any]:
-    """``--average-last N``: averages the newest N checkpoints, scores the average on the
-    dev sentences of the periodic evaluations, and saves it (``averaged/``) if its BLEU
-    beats the best checkpoint's.
-
-    Returns:
-      ``(report, params)``: the report for ``results.json`` (``None`` when the run has
-      too few checkpoints, which is logged) and the averaged parameters.
-    """
+    """``--average-last N``: the mean of the newest N checkpoints, scored on the periodic
+    evaluations' dev sentences and saved (``averaged/``) if it beats the best checkpoint.
+    Returns ``(report for results.json, params)``; ``(None, None)`` with too few checkpoints."""
     cfg, step = run.cfg, loop.step
     have = len(run.checkpoints.steps())
     if have < cfg.average_last:   # a run stopped early: not worth losing the final test over
@@ -92,8 +83,7 @@ def average_and_compare(run: Run, loop: LoopState, abstract_params: Any) -> tupl
 
 
 def _last_evaluated_step(run: Run) -> int:
-    """The latest step with a recorded dev evaluation, as process 0 (which writes the
-    records) reads it, the same in every process (evaluation is a collective)."""
+    """The latest step with a recorded dev evaluation, process 0's in every process."""
     step = run.run_dir.last_evaluated_step() if is_main_process() else -1
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
@@ -109,12 +99,6 @@ def _decoding_name(cfg) -> str:
     if cfg.repetition_penalty != 1.0:
         name += f", repetition penalty {cfg.repetition_penalty:g}"
     return name
-
-
-def _step_budget(cfg, loop: LoopState) -> dict[str, Any]:
-    """How much of ``--max-steps`` was trained, and what stopped it."""
-    return {"done": loop.step, "max_steps": cfg.max_steps, "fraction_done": loop.step / cfg.max_steps,
-            "cut_by_max_minutes": loop.stopped_by == "max_minutes"}
 
 
 def _report_degenerate(degenerate: dict[str, Any], hyps: list[str], cfg) -> None:
@@ -134,9 +118,9 @@ def _report_degenerate(degenerate: dict[str, Any], hyps: list[str], cfg) -> None
 
 
 def final_test(run: Run, loop: LoopState) -> dict[str, Any]:
-    """A last dev evaluation (unless the last step had one), checkpoint averaging if
-    asked, then test BLEU and chrF with the best parameters (the average if it won);
-    writes ``results.json``, ``test.src/ref/hyp`` and the plots."""
+    """A last dev evaluation (unless the last step had one), checkpoint averaging if asked,
+    then test BLEU and chrF with the best parameters (the average if it won); writes
+    ``results.json``, ``test.src/ref/hyp`` and the plots, and closes the run."""
     cfg, step = run.cfg, loop.step
     if _last_evaluated_step(run) != step:   # a finished run started again is not evaluated twice
         evaluate(run, loop, keep_best=loop.skips_pending() == 0)
@@ -165,7 +149,9 @@ def final_test(run: Run, loop: LoopState) -> dict[str, Any]:
                "best_step": best_step, "checkpoint": kind, "decoding": decoding,
                "best_dev_bleu": loop.best_bleu, "final_step": step, "stopped_by": loop.stopped_by,
                "test_sentences": len(refs), "num_params": run.programs.num_params,
-               "degenerate": run.evaluator.degenerate(hyps), "steps": _step_budget(cfg, loop),
+               "degenerate": run.evaluator.degenerate(hyps),
+               "steps": {"done": step, "max_steps": cfg.max_steps, "fraction_done": step / cfg.max_steps,
+                         "cut_by_max_minutes": loop.stopped_by == "max_minutes"},
                "wall_minutes": (time.perf_counter() - run.plan.t_start) / 60}
     if averaged is not None:
         results["averaged"] = averaged

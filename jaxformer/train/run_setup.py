@@ -1,10 +1,6 @@
-"""A run's start: the plan (:mod:`jaxformer.train.plan`), then the run directory, data,
-tokenizer, model, programs and train state (restored, loaded for a fine-tune, or
-initialised), and its ``config.json`` record.
-
-:func:`setup` is the first of :func:`jaxformer.train.trainer.train`'s three phases.
-Nothing compiles before the data and the checkpoint compatibility are checked, and
-nothing is written before the plan's checks pass.
+"""A run's start, the first of :func:`jaxformer.train.trainer.train`'s phases: the plan
+(:mod:`jaxformer.train.plan`), then the run directory, data, tokenizer, programs, train
+state and ``config.json``. Nothing compiles before the data and the resume are checked.
 """
 
 from __future__ import annotations
@@ -12,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 from typing import Any
 
 import jax
@@ -41,12 +38,8 @@ __all__ = ["setup", "build_train_data"]
 
 def setup(cfg: TrainConfig, *, fresh: bool = False) -> tuple[Run, LoopState]:
     """Plans the run (:func:`plan_run`), makes its directory (``fresh``: the previous run's
-    files moved aside), prepares its data and tokenizer, and restores, loads or
-    initialises the train state; writes ``config.json``.
-
-    Returns:
-      ``(run, loop)``: the run's parts, and the loop's state at the start step.
-    """
+    files moved aside), prepares data and tokenizer, restores, loads or initialises the
+    train state and writes ``config.json``. Returns ``(run, loop state at the start step)``."""
     plan = plan_run(cfg, fresh)
     cfg, run_dir = plan.cfg, plan.run_dir
     previous = run_dir.create(fresh)   # --fresh: where the previous run's files went
@@ -88,24 +81,25 @@ def setup(cfg: TrainConfig, *, fresh: bool = False) -> tuple[Run, LoopState]:
         metrics_log = MetricsLog(run_dir)
         closer.callback(metrics_log.close)
         evaluator = Evaluator(programs.model, tokenizer, batch_size=cfg.eval_batch_size,
-                              target_language=cfg.tgt_lang or target_language, tokenize=cfg.sacrebleu_tokenize,
-                              layout=programs.layout, decoders=programs.decoders)
+                              target_language=cfg.tgt_lang or target_language,
+                              tokenize=cfg.sacrebleu_tokenize, layout=programs.layout,
+                              decoders=programs.decoders)
         run = Run(plan=plan, programs=programs, data=data, tokenizer=tokenizer, checkpoints=checkpoints,
-                  evaluator=evaluator, metrics_log=metrics_log, dropout_key=dropout_key, closer=closer.pop_all())
-    best_bleu = checkpoints.best_bleu()   # on resume, the score recorded with the best checkpoint
-    return run, LoopState(step=step, state=state, best_bleu=-1.0 if best_bleu is None else best_bleu,
-                          early_stopping=EarlyStopping(cfg.patience))
+                  evaluator=evaluator, metrics_log=metrics_log, dropout_key=dropout_key,
+                  closer=closer.pop_all())
+    best = checkpoints.best_bleu()   # on resume, the score recorded with the best checkpoint
+    return run, LoopState(step=step, state=state, best_bleu=-1.0 if best is None else best,
+                          early_stopping=EarlyStopping(cfg.patience, -math.inf if best is None else best))
 
 
 def _start_state(plan: RunPlan, programs: RunPrograms, checkpoints: RunCheckpoints, data: TrainData,
                  init_key: jax.Array) -> tuple[TrainState, int]:
-    """The train state the plan starts from, and its step: the newest readable checkpoint
-    (a resume, into the abstract state: no initial state is computed beside it), the loaded
-    run's parameters with a fresh optimizer (a fine-tune), or a new one from ``init_key``."""
+    """The plan's start state and step: the newest readable checkpoint (restored into the
+    abstract state), a fine-tune's loaded parameters, or a new state from ``init_key``."""
     cfg, abstract = plan.cfg, programs.abstract_state
     if plan.resuming:   # before anything is written: if no checkpoint is readable, nothing changes
-        state, step = checkpoints.restore_latest(abstract, data.iterator, report=log,
-                                                 same_rows=plan.saved is not None and "batch_rows" in plan.saved)
+        same_rows = plan.saved is not None and "batch_rows" in plan.saved   # rows recorded: checked
+        state, step = checkpoints.restore_latest(abstract, data.iterator, report=log, same_rows=same_rows)
         log(f"resumed from {plan.run_dir.checkpoints} at step {step}")
         if is_main_process():
             set_aside_metrics_after(plan.run_dir, step)
@@ -119,8 +113,8 @@ def _start_state(plan: RunPlan, programs: RunPrograms, checkpoints: RunCheckpoin
 def build_train_data(cfg: TrainConfig, prepared: PreparedCorpus, target_language: str,
                      tokenizer: Tokenizer, model_config: TransformerConfig, row_multiple: int,
                      workers: int = 0) -> TrainData:
-    """The endless training pipeline over the prepared data (this process's rows, streamed
-    from disk, collated in ``workers`` processes) and the dev/test pairs."""
+    """The endless training pipeline over the prepared data (this process's rows, collated in
+    ``workers`` processes) and the dev/test pairs."""
     max_train_len = cfg.row_length(model_config.max_len)
     _, too_long = kept_records(prepared, max_train_len)
     log(f"train: {len(prepared)} prepared pairs, {len(prepared) - too_long} used, {too_long} longer "
@@ -141,21 +135,19 @@ def build_train_data(cfg: TrainConfig, prepared: PreparedCorpus, target_language
 
 
 def _batch_rows(cfg: TrainConfig, model_config: TransformerConfig, row_multiple: int) -> dict[str, int]:
-    """Rows per batch for each row length the plan uses (packed: one): with the seed and
-    the data, what the saved data position indexes into."""
+    """Rows per batch by row length (packed: one length): what a data position indexes into."""
     lengths = bucket_boundaries(cfg.row_length(model_config.max_len))
     return {str(length): rows_per_batch(cfg.batch_tokens, length, row_multiple)
             for length in (lengths[-1:] if cfg.pack else lengths)}
 
 
 def _check_same_batches(plan: RunPlan, batch_rows: dict[str, int]) -> None:
-    """A resumed run's batches must be the ones its saved data position counts through: the
-    same rows per batch and the same data order (``--seed``).
+    """A resume's batches must be the ones its data position counts through: the same rows
+    per batch and the same order (``--seed``).
 
     Raises:
-      ValueError: packing or the row length changed (other batches), the devices,
-        ``--grad-accum-steps`` or process count round them to other row counts, or the
-        seed is another; the message names the flags to resume with.
+      ValueError: other rows (packing, row length, devices, accumulation, processes) or
+        another seed; the message names the flags to resume with.
     """
     cfg, before, train = plan.cfg, plan.saved.get("batch_rows"), plan.saved.get("train", {})
     fix = "start a new run (--fresh, or --init-from this one)."
@@ -163,8 +155,9 @@ def _check_same_batches(plan: RunPlan, batch_rows: dict[str, int]) -> None:
     if before is not None and before != batch_rows:
         spelled = {"pack": lambda v: "--pack" if v else "--no-pack",
                    "max_train_len": lambda v: "no --max-train-len" if v is None else f"--max-train-len {v}"}
-        changed = [spell(train[k]) for k, spell in spelled.items() if k in train and train[k] != getattr(cfg, k)
-                   and (k == "pack" or set(before) != set(batch_rows))]   # a limit that moved the row lengths
+        moved = set(before) != set(batch_rows)   # a --max-train-len that moved the row lengths
+        changed = [spell(train[k]) for k, spell in spelled.items()
+                   if k in train and train[k] != getattr(cfg, k) and (k == "pack" or moved)]
         used = " ".join(f"--{name.replace('_', '-')} {train[name]}"
                         for name in ("devices", "mesh", "grad_accum_steps") if train.get(name) is not None)
         unset = [f"--{name}" for name in ("devices", "mesh") if train.get(name) is None]
@@ -189,10 +182,8 @@ def _check_same_batches(plan: RunPlan, batch_rows: dict[str, int]) -> None:
 def _write_run_record(plan: RunPlan, model_config: TransformerConfig, tokenizer: Tokenizer,
                       target_language: str, batch_rows: dict[str, int], data: dict[str, Any],
                       tokenizer_record: dict[str, Any] | None = None) -> None:
-    """``config.json``: the architecture, the run settings (with their history on resume),
-    the tokenizer's special ids (``tokenizer_record``: an --init-from run's, kept as is) and
-    the fingerprint of the data (``data``, what a resume is checked against when
-    ``prepared/`` is gone); what :class:`jaxformer.decode.translator.Translator` reads."""
+    """``config.json``: the architecture, the run settings (their history on resume), the
+    tokenizer's ids (``tokenizer_record``: an --init-from run's) and the data's fingerprint."""
     cfg, run_dir = plan.cfg, plan.run_dir
     record = {"model": model_config.to_dict(), "train": cfg.to_dict(),
               "tokenizer": tokenizer_record or {

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 from typing import Any
 
 import jax
@@ -81,9 +80,6 @@ class LoopState:
     recent_skips: float = 0.0   # updates skipped as non-finite in the last logged window
     stopped_by: str = "max_steps"
     early_stopping: EarlyStopping = dataclasses.field(default_factory=lambda: EarlyStopping(None))
-
-    def __post_init__(self):
-        self.early_stopping.best = self.best_bleu if self.best_bleu >= 0 else -math.inf
 
     def skips_pending(self) -> float:
         """Updates skipped as non-finite since the last clean logging window: their

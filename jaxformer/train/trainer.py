@@ -31,25 +31,20 @@ __all__ = ["Preempted", "TrainingDiverged", "train", "setup", "train_loop", "eva
 
 
 def train(cfg: TrainConfig, *, fresh: bool = False) -> dict[str, Any]:
-    """Trains, evaluates and checkpoints one run; resumes if the workdir has a checkpoint.
-
-    Resume is exact: the checkpoint holds the step, parameters, optimizer state and
-    the data iterator's position, and dropout keys are ``fold_in(seed key, step)``,
-    so N steps in one go equal N/2 + N/2 across a restart, bit for bit on CPU.
+    """Trains, evaluates and checkpoints one run; resumes if the workdir has a checkpoint,
+    exactly (the checkpoint holds the state and the data position, dropout keys are
+    ``fold_in(seed key, step)``: N steps equal N/2 + N/2, bit for bit on CPU).
 
     Returns:
       the final results (also written to ``workdir/results.json``).
 
     Raises:
-      ValueError / FileNotFoundError / OSError: bad corpus, bad paths, or an
-        incompatible checkpoint; all before any compile. A run directory this call
-        made is removed again, unless its data was prepared or its tokenizer trained
-        (the next attempt reuses them).
+      ValueError / FileNotFoundError / OSError: bad corpus, paths or checkpoints, before any
+        compile; a run directory this call made is removed unless its data was prepared.
       CheckpointError: checkpoints exist but none is readable (nothing is changed).
       Preempted: SIGTERM/SIGINT; the current step was checkpointed first.
-      TrainingDiverged: a whole logging window of non-finite updates (all skipped),
-        or a run that ends with skipped updates and no checkpoint at all; the last
-        checkpoint is intact.
+      TrainingDiverged: a whole logging window of non-finite updates, or skipped updates
+        and no checkpoint at all; the last checkpoint is intact.
     """
     run_dir, made = RunDir(cfg.workdir), topmost_missing(Path(cfg.workdir))
     with RunLog(run_dir.log) as run_log:   # train.log: everything printed
@@ -76,8 +71,8 @@ def train_loop(run: Run, loop: LoopState) -> LoopState:
     cfg, c = run.cfg, run.programs.model.config
     loop.last_log_time = time.perf_counter()
     deadline = None if cfg.max_minutes is None else run.plan.t_start + 60 * cfg.max_minutes
-    progress = Progress(enabled=cfg.progress, step=loop.step, max_steps=cfg.max_steps, t_start=run.plan.t_start,
-                        deadline=deadline)
+    progress = Progress(enabled=cfg.progress, step=loop.step, max_steps=cfg.max_steps,
+                        t_start=run.plan.t_start, deadline=deadline)
     with PreemptionGuard(multi_process=jax.process_count() > 1) as guard, progress:
         while loop.step < cfg.max_steps:
             if guard.stop_requested():
@@ -109,9 +104,10 @@ def train_loop(run: Run, loop: LoopState) -> LoopState:
     run.checkpoints.wait()
     if guard.received is not None:
         _stop_preempted(run, loop, guard.received)
-    _stop_if_diverged(refused and run.checkpoints.latest_step() is None and run.checkpoints.best_step() is None
-                      and f"Training diverged: updates up to step {loop.step} were skipped as non-finite and "
-                          f"no checkpoint was written, so there are no parameters to test. {_FIX} (--fresh).")
+    nothing_saved = run.checkpoints.latest_step() is None and run.checkpoints.best_step() is None
+    _stop_if_diverged(refused and nothing_saved and (
+        f"Training diverged: updates up to step {loop.step} were skipped as non-finite and no "
+        f"checkpoint was written, so there are no parameters to test. {_FIX} (--fresh)."))
     return loop
 
 
@@ -196,4 +192,5 @@ def _finite_report(values: dict[str, Any], step: int, last_checkpoint: int | Non
     where = (f"the last checkpoint (step {last_checkpoint}) is intact" if last_checkpoint is not None
              else "no checkpoint was written")
     return (f"Training diverged: all {window} updates up to step {step} had a non-finite loss or "
-            f"gradient norm and were skipped; {where}. {_FIX} to resume from the last checkpoint (or --fresh).")
+            f"gradient norm and were skipped; {where}. {_FIX} to resume from the last checkpoint "
+            f"(or --fresh).")
