@@ -206,10 +206,8 @@ class RunCheckpoints:
     def best_bleu(self) -> float | None:
         """Dev BLEU of the best checkpoint, as recorded with it (``None`` if none)."""
         step = self.best.best_step()
-        if step is None:
-            return None
-        metrics = self.best.metrics(step)
-        return None if not metrics else float(metrics["bleu"])
+        metrics = None if step is None else self.best.metrics(step)
+        return float(metrics["bleu"]) if metrics else None
 
     def steps(self) -> list[int]:
         """The training checkpoints on disk, oldest first."""

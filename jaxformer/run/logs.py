@@ -26,17 +26,12 @@ def log(message: str, level: int = logging.INFO) -> None:
     logger.log(level, message)
 
 
-class _MainProcessOnly(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return is_main_process()
-
-
 class _TqdmHandler(logging.StreamHandler):
     """Writes records above a running tqdm bar (``tqdm.write``) to the current stdout."""
 
     def __init__(self):
         super().__init__()
-        self.addFilter(_MainProcessOnly())
+        self.addFilter(lambda record: is_main_process())
 
     def emit(self, record: logging.LogRecord) -> None:
         from tqdm import tqdm

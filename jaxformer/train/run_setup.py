@@ -9,6 +9,7 @@ import contextlib
 import functools
 import json
 import math
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -51,17 +52,7 @@ def setup(cfg: TrainConfig, *, fresh: bool = False) -> tuple[Run, LoopState]:
         checkpoints = RunCheckpoints(run_dir.root, keep=cfg.keep_checkpoints)
         closer.callback(checkpoints.close)   # else orbax's cleanup thread prints a traceback at exit
         closer.callback(checkpoints.wait)
-        if cfg.init_from:   # fine-tuning: that run's architecture and tokenizer encode the data
-            tokenizer, model_config, record = pretrained.tokenizer_and_model_config(cfg, run_dir,
-                                                                                    own_record=plan.saved)
-            tokenizer_record = record["tokenizer"]
-            prepared = prepare_run_data(cfg, run_dir, has_checkpoints=plan.resuming, tokenizer=tokenizer,
-                                        previous=previous)
-        else:
-            prepared = prepare_run_data(cfg, run_dir, has_checkpoints=plan.resuming, previous=previous)
-            tokenizer, tokenizer_record = Tokenizer(run_dir.tokenizer_dir / "spm.model"), None
-            model_config = preset(cfg.preset, src_vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id,
-                                  **cfg.model_overrides())
+        prepared, tokenizer, model_config, tokenizer_record = _data_and_model(plan, previous)
         batch_rows = _batch_rows(cfg, model_config, plan.row_multiple)
         if plan.saved is not None:
             check_resume_compatible(plan.saved, model_config)
@@ -90,6 +81,24 @@ def setup(cfg: TrainConfig, *, fresh: bool = False) -> tuple[Run, LoopState]:
     best = checkpoints.best_bleu()   # on resume, the score recorded with the best checkpoint
     return run, LoopState(step=step, state=state, best_bleu=-1.0 if best is None else best,
                           early_stopping=EarlyStopping(cfg.patience, -math.inf if best is None else best))
+
+
+def _data_and_model(plan: RunPlan, previous: Path | None
+                    ) -> tuple[PreparedCorpus, Tokenizer, TransformerConfig, dict[str, Any] | None]:
+    """The prepared data (reused on every resume), its tokenizer, the architecture and, for a
+    fine-tune, the tokenizer record of the run it loads (whose tokenizer encodes the data)."""
+    cfg, run_dir = plan.cfg, plan.run_dir
+    if cfg.init_from:
+        tokenizer, model_config, record = pretrained.tokenizer_and_model_config(cfg, run_dir,
+                                                                                own_record=plan.saved)
+        prepared = prepare_run_data(cfg, run_dir, has_checkpoints=plan.resuming, tokenizer=tokenizer,
+                                    previous=previous)
+        return prepared, tokenizer, model_config, record["tokenizer"]
+    prepared = prepare_run_data(cfg, run_dir, has_checkpoints=plan.resuming, previous=previous)
+    tokenizer = Tokenizer(run_dir.tokenizer_dir / "spm.model")
+    model_config = preset(cfg.preset, src_vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id,
+                          **cfg.model_overrides())
+    return prepared, tokenizer, model_config, None
 
 
 def _start_state(plan: RunPlan, programs: RunPrograms, checkpoints: RunCheckpoints, data: TrainData,
