@@ -49,6 +49,9 @@ def matmul_flops_per_s(n: int, repeats: int) -> float:
     import jax
     import jax.numpy as jnp
 
+    from jaxformer.run.platform import skip_absent_tpu
+
+    skip_absent_tpu()   # libtpu installed on a CPU host: time the CPU, as the commands do
     a = jnp.full((n, n), 0.5, jnp.float32)   # the values do not change a float32 matmul's speed
     b = jnp.full((n, n), 0.25, jnp.float32)
     dot = jax.jit(jnp.dot)
