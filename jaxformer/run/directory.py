@@ -1,24 +1,14 @@
-"""The run directory: one object owns the name of every file a run writes.
+"""The run directory: one object (:class:`RunDir`) owns the name of every file a run writes;
+``--fresh``, resume, the writers and the readers ask it for a path. Layout::
 
-``--fresh``, resume, the writers and the readers (translate, benchmarks) ask
-:class:`RunDir` for a path, never build one from a literal. Layout::
-
-  config.json       model + run settings + tokenizer record (+ train_history)
-  tokenizer/        the sentencepiece model
-  prepared/         the corpus as token ids + manifest.json, the data's fingerprint
-                    (jaxformer.data.prepare; reused on every resume)
-  checkpoints/      orbax: the last N train states with the data iterator position
-  best/             orbax: the parameters with the best dev BLEU
-  averaged/         the mean of the last N checkpoints' parameters (--average-last), if better
-  corrupt/          unreadable checkpoints moved aside (never deleted)
-  metrics.jsonl     one JSON record per logged step (and metrics.redone.jsonl)
-  tensorboard/      TensorBoard events
-  plots/            loss, learning-rate and dev-BLEU curves
-  samples.txt       dev sources, references and hypotheses at each evaluation
-  results.json      final test scores (BLEU, chrF and their sacrebleu signatures)
-  test.src test.ref test.hyp   the test sources, references and translations, one per line
-  train.log         everything the run printed, with times
-  jax_cache/        JAX's persistent compilation cache (jaxformer-train's and the translate tool's)
+  config.json         model + run settings + tokenizer record (+ train_history)
+  tokenizer/ prepared/   the sentencepiece model; the corpus as token ids + its fingerprint
+  checkpoints/ best/ averaged/   orbax: last N train states + data positions; best dev
+                      BLEU's parameters; the mean of the last N (--average-last), if better
+  corrupt/            unreadable checkpoints moved aside (never deleted)
+  metrics.jsonl tensorboard/ plots/   per logged step (metrics.redone.jsonl: set aside)
+  samples.txt results.json test.src test.ref test.hyp   dev samples; test scores and text
+  train.log jax_cache/   everything printed, with times; JAX's compilation cache
 """
 
 from __future__ import annotations
