@@ -244,8 +244,10 @@ def test_early_stopping_counts_evaluations_without_a_better_score():
     assert stop.best == 2.0
     never = EarlyStopping(patience=None)
     assert not any(never.update(0.0) for _ in range(10))
-    with pytest.raises(ValueError, match="patience"):
-        EarlyStopping(patience=0)
+    from jaxformer.run.config import TrainConfig
+
+    with pytest.raises(ValueError, match="--patience must be at least 1, got 0"):   # checked where it enters
+        TrainConfig(patience=0)
 
 
 # ---------------------------------------------------------------------- flags and --config

@@ -31,7 +31,6 @@ from jaxformer.model.validation import DataPositionError
 from jaxformer.run.checkpoints import CheckpointError, RunCheckpoints
 from jaxformer.run.config import TrainConfig
 from jaxformer.train import run_setup, trainer
-from jaxformer.train.optimizer import make_schedule
 from jaxformer.train.preemption import PreemptionGuard
 from jaxformer.train.trainer import TrainingDiverged, train
 
@@ -167,11 +166,11 @@ def test_sigterm_checkpoints_and_the_resumed_run_equals_an_uninterrupted_one(
     with jax.log_compiles(True), caplog.at_level(logging.WARNING):
         assert train(_config(workdir, files, 12))["final_step"] == 12
     assert asked == [0, 1, 2, 3, 4, 5], asked
-    # The preempted run had these settings: their programs are kept in the process
-    # (jaxformer.train.programs), so the resume traced neither the init nor the train step.
-    traced = [r.getMessage()[:80] for r in caplog.records if r.getMessage().startswith("Finished tracing")
-              and any(f" {name} " in r.getMessage() for name in ("init_train_state", "train_step"))]
-    assert not traced, traced
+    # The programs are the run's own: the resume traced its train step once (never again
+    # per step) and never the init (it restored into the abstract state).
+    traced = [name for r in caplog.records if r.getMessage().startswith("Finished tracing")
+              for name in ("init_train_state", "train_step") if f" {name} " in r.getMessage()]
+    assert traced == ["train_step"], traced
     chex.assert_trees_all_equal(_state_at(workdir, 12), _state_at(reference, 12))
     assert _train_log_steps(workdir) == [2, 4, 6, 8, 10, 12], "every step is logged once"
 
@@ -417,8 +416,6 @@ def test_a_run_ruined_before_its_first_log_keeps_no_best_and_fails(tmp_path, fil
     assert not (workdir / "results.json").exists()
     with pytest.raises(ValueError, match="--lr-scale must be a positive finite number, got inf"):
         _config(workdir, files, 3, lr_scale=math.inf)
-    with pytest.raises(ValueError, match="--lr-scale 1e\\+300 makes the peak learning rate overflow float32"):
-        make_schedule("wsd", d_model=32, warmup_steps=10, total_steps=40, decay_fraction=0.2, scale=1e300)
 
 
 def test_the_final_evaluation_after_skipped_updates_keeps_no_best(tmp_path, files, reference, capsys):

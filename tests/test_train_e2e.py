@@ -167,7 +167,7 @@ def test_step_budget_gives_the_same_run_on_a_slower_machine(tmp_path, trained_ru
     for key in ("test_bleu", "test_chrf", "final_step", "best_dev_bleu", "degenerate", "steps"):
         assert slow[key] == fast[key], key
     assert slow["stopped_by"] == "max_steps" and slow["steps"]["cut_by_max_minutes"] is False
-    assert len(calls) == 3 * 30 and slow["matmul_gflops"] > 0   # 1.8 s of sleep in the loop
+    assert len(calls) == 3 * 30 and "matmul_gflops" not in slow   # 1.8 s of sleep in the loop
     jax.tree_util.tree_map(np.testing.assert_array_equal, _final_params(tmp_path / "slow"),
                            _final_params(trained_run))
 
