@@ -61,23 +61,23 @@ def load_splits(cfg: TrainConfig) -> tuple[dict[str, list[Pair]], str]:
       ValueError: conflicting corpus flags, an unusable corpus or an empty split.
       FileNotFoundError / PermissionError: a missing or unreadable file.
     """
-    if cfg.train_file and (cfg.src_file or cfg.tgt_file):
+    if cfg.data.train_file and (cfg.data.src_file or cfg.data.tgt_file):
         raise ValueError("Give either --train-file or --src-file/--tgt-file, not both.")
-    if bool(cfg.src_file) != bool(cfg.tgt_file):
+    if bool(cfg.data.src_file) != bool(cfg.data.tgt_file):
         raise ValueError("--src-file and --tgt-file go together.")
-    if cfg.train_file:
-        pairs, report = corpus.read_tsv(cfg.train_file)
-        name = cfg.train_file
-    elif cfg.src_file:
-        pairs, report = corpus.read_aligned(cfg.src_file, cfg.tgt_file)
-        name = f"{cfg.src_file} + {cfg.tgt_file}"
+    if cfg.data.train_file:
+        pairs, report = corpus.read_tsv(cfg.data.train_file)
+        name = cfg.data.train_file
+    elif cfg.data.src_file:
+        pairs, report = corpus.read_aligned(cfg.data.src_file, cfg.data.tgt_file)
+        name = f"{cfg.data.src_file} + {cfg.data.tgt_file}"
     else:
-        path = corpus.builtin_corpus_path(cfg.pair)
+        path = corpus.builtin_corpus_path(cfg.data.pair)
         pairs, report = corpus.read_tsv(path)
-        name = f"shipped {cfg.pair} corpus (LibreOffice help, MPL-2.0)"
+        name = f"shipped {cfg.data.pair} corpus (LibreOffice help, MPL-2.0)"
     log(report.summary(name))
     explicit = {}
-    for split, path in (("dev", cfg.dev_file), ("test", cfg.test_file)):
+    for split, path in (("dev", cfg.data.dev_file), ("test", cfg.data.test_file)):
         if path:
             explicit[split], rep = corpus.read_tsv(path)
             log(rep.summary(f"{split} file {path}"))

@@ -200,18 +200,18 @@ def test_explicit_dev_and_test_files_replace_the_hashed_split(tmp_path):
     write(tmp_path / "train.tsv", pairs[:3000])
     write(tmp_path / "dev.tsv", pairs[5000:5040])
     write(tmp_path / "test.tsv", pairs[6000:6030])
-    both, target = reference_data.load_splits(TrainConfig(train_file=str(tmp_path / "train.tsv"),
+    both, target = reference_data.load_splits(TrainConfig.flat(train_file=str(tmp_path / "train.tsv"),
                                            dev_file=str(tmp_path / "dev.tsv"),
                                            test_file=str(tmp_path / "test.tsv")))
     assert both["dev"] == pairs[5000:5040] and both["test"] == pairs[6000:6030]
     assert len(both["train"]) == 3000
-    dev_only, _ = reference_data.load_splits(TrainConfig(train_file=str(tmp_path / "train.tsv"),
+    dev_only, _ = reference_data.load_splits(TrainConfig.flat(train_file=str(tmp_path / "train.tsv"),
                                           dev_file=str(tmp_path / "dev.tsv")))
     assert dev_only["dev"] == pairs[5000:5040]
     assert dev_only["test"] and not {s for s, _ in dev_only["test"]} & {s for s, _ in dev_only["train"]}
     assert len(dev_only["train"]) + len(dev_only["test"]) == 3000
     with pytest.raises(ValueError, match="not both"):
-        reference_data.load_splits(TrainConfig(train_file="a.tsv", src_file="b.txt", tgt_file="c.txt"))
+        reference_data.load_splits(TrainConfig.flat(train_file="a.tsv", src_file="b.txt", tgt_file="c.txt"))
 
 
 def test_batch_rows_are_rounded_with_a_note_or_refused_by_name():

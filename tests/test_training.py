@@ -285,24 +285,24 @@ def test_run_programs_are_kept_for_the_same_settings_and_built_anew_for_others()
     programs.clear()
     mesh = make_mesh(None, first_devices(1))
     config = jf.preset("tiny", src_vocab_size=40, max_len=16, **ONE_LAYER)
-    cfg = TrainConfig(preset="tiny", vocab_size=40, max_steps=100)
+    cfg = TrainConfig.flat(preset="tiny", vocab_size=40, max_steps=100)
     kept = programs.run_programs(cfg, config, mesh)
-    same = dataclasses.replace(cfg, workdir="elsewhere", train_file="other.tsv", seed=7, max_steps=300,
+    same = cfg.replace(workdir="elsewhere", train_file="other.tsv", seed=7, max_steps=300,
                                decay_fraction=0.5, eval_every=3)
     assert programs.run_programs(same, config, mesh) is kept
     assert programs.run_programs(same, jf.preset("tiny", src_vocab_size=40, max_len=16, **ONE_LAYER),
                                  mesh) is kept
-    others = [(dataclasses.replace(cfg, **change), config, mesh) for change in (
+    others = [(cfg.replace(**change), config, mesh) for change in (
         dict(lr_scale=2.0), dict(warmup_steps=9), dict(grad_clip=1.0), dict(label_smoothing=0.0),
         dict(grad_accum_steps=2), dict(lr_schedule="wsd"), dict(lr_schedule="wsd", decay_fraction=0.5))]
     others += [(cfg, dataclasses.replace(config, dropout_rate=0.3), mesh),
                (cfg, config, make_mesh(None, first_devices(2)))]
     built = [programs.run_programs(*args) for args in others]
     assert all(p is not kept for p in built) and len({id(p) for p in built}) == len(built)
-    wsd = dataclasses.replace(cfg, lr_schedule="wsd")
-    assert programs.run_programs(dataclasses.replace(wsd, max_steps=300), config, mesh) is not \
+    wsd = cfg.replace(lr_schedule="wsd")
+    assert programs.run_programs(wsd.replace(max_steps=300), config, mesh) is not \
         programs.run_programs(wsd, config, mesh), "a WSD decay ends on the step budget"
-    assert float(kept.schedule(0)) == float(transformer_schedule(config.d_model, cfg.warmup_steps)(0))
+    assert float(kept.schedule(0)) == float(transformer_schedule(config.d_model, cfg.train.warmup_steps)(0))
     # The restore target of a resumed run is the init's shapes, dtypes and shardings, exactly.
     two, initial = built[-1], abstract_state(built[-1].init(jax.random.key(0)))   # on 2 devices
     assert jax.tree_util.tree_structure(two.abstract_state) == jax.tree_util.tree_structure(initial)

@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     fields = {k: v for k, v in vars(args).items() if v is not None}
     created = None
     try:
-        cfg = TrainConfig(**fields)
+        cfg = TrainConfig.flat(**fields)
         run_dir = RunDir(cfg.workdir)
         # the topmost folder this call makes: removed again if preparing fails
         created = topmost_missing(run_dir.root)

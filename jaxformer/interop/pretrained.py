@@ -85,17 +85,17 @@ def check_not_moved_by_fresh(init_from: str | Path | None, run_dir: RunDir, fres
 
 
 def check_mesh_takes_loaded_run(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> None:
-    """Refuses a ``mesh`` that cannot split the sizes of the run ``cfg.init_from`` names
+    """Refuses a ``mesh`` that cannot split the sizes of the run ``cfg.run.init_from`` names
     (:func:`jaxformer.model.sharding.check_mesh_divides`), read from its ``config.json``:
     a fine-tune's start checks this before its run directory is made (or, with
     ``--fresh``, before the old run is moved aside).
 
     Raises:
       ValueError: a size the mesh does not divide, or a damaged ``config.json``.
-      FileNotFoundError: ``cfg.init_from`` is not a run directory.
+      FileNotFoundError: ``cfg.run.init_from`` is not a run directory.
     """
-    config = model_config(read_run(cfg.init_from), cfg.model_overrides())
-    check_mesh_divides(mesh, config, loaded_from=cfg.init_from)
+    config = model_config(read_run(cfg.run.init_from), cfg.model.overrides())
+    check_mesh_divides(mesh, config, loaded_from=cfg.run.init_from)
 
 
 def check_takes_no_model_choice(cfg: TrainConfig, loaded: str | Path) -> None:
@@ -107,10 +107,10 @@ def check_takes_no_model_choice(cfg: TrainConfig, loaded: str | Path) -> None:
     Raises:
       ValueError: naming the fields and the fix.
     """
-    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
-    ignored = [name for name in ("preset", "vocab_size") if getattr(cfg, name) != defaults[name]]
+    defaults = TrainConfig().settings()
+    ignored = [name for name in ("preset", "vocab_size") if cfg.settings().get(name) != defaults[name]]
     if ignored:
-        named = " and ".join(f"{name}={getattr(cfg, name)!r}" for name in ignored)
+        named = " and ".join(f"{name}={cfg.settings().get(name)!r}" for name in ignored)
         raise ValueError(f"this run fine-tunes {str(loaded)!r} (init_from), whose architecture and "
                          f"tokenizer it keeps, so {named} would do nothing: leave "
                          f"{'them' if len(ignored) > 1 else 'it'} at the default.")
@@ -168,13 +168,13 @@ def tokenizer_and_model_config(cfg: TrainConfig, run_dir: RunDir, *,
         damaged (:func:`read_run`).
     """
     resumed = own_record is not None and "model" in own_record and "tokenizer" in own_record
-    record = own_record if resumed else read_run(cfg.init_from)
-    config = model_config(record, cfg.model_overrides())
+    record = own_record if resumed else read_run(cfg.run.init_from)
+    config = model_config(record, cfg.model.overrides())
     if mesh is not None:
-        check_mesh_divides(mesh, config, loaded_from=cfg.init_from)
+        check_mesh_divides(mesh, config, loaded_from=cfg.run.init_from)
     if not resumed:   # this run's tokenizer/ is the loaded run's, copied once
         if is_main_process():
-            copy_tokenizer(cfg.init_from, record, run_dir.tokenizer_dir)
+            copy_tokenizer(cfg.run.init_from, record, run_dir.tokenizer_dir)
         if jax.process_count() > 1:   # the others load the files process 0 copied
             from jax.experimental import multihost_utils
 
@@ -188,6 +188,6 @@ def with_saved_init_from(cfg: TrainConfig, run_dir: RunDir) -> TrainConfig:
     sentencepiece model would otherwise be trained into the copied tokenizer folder)."""
     saved = run_dir.read_config() or {}
     init_from = saved.get("train", {}).get("init_from")
-    if cfg.init_from or not init_from:
+    if cfg.run.init_from or not init_from:
         return cfg
-    return dataclasses.replace(cfg, init_from=init_from)
+    return cfg.replace(init_from=init_from)

@@ -88,9 +88,9 @@ def run_programs(cfg: TrainConfig, model_config: TransformerConfig, mesh: jax.sh
       ValueError: an unknown schedule, or a mesh that does not divide the model's
         dimensions (as :func:`jaxformer.train.step.create_sharded_train_state`).
     """
-    budget = (cfg.max_steps, cfg.decay_fraction) if cfg.lr_schedule == "wsd" else (None, None)
-    return _built(model_config, mesh, (cfg.lr_schedule, cfg.warmup_steps, cfg.lr_scale, *budget),
-                  cfg.grad_clip, cfg.label_smoothing, cfg.grad_accum_steps)
+    budget = (cfg.train.max_steps, cfg.train.decay_fraction) if cfg.train.lr_schedule == "wsd" else (None, None)
+    return _built(model_config, mesh, (cfg.train.lr_schedule, cfg.train.warmup_steps, cfg.train.lr_scale, *budget),
+                  cfg.train.grad_clip, cfg.train.label_smoothing, cfg.train.grad_accum_steps)
 
 
 @functools.lru_cache(maxsize=KEPT)

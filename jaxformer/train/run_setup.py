@@ -46,34 +46,34 @@ def setup(cfg: TrainConfig, *, fresh: bool = False) -> Run:
     t_start = time.perf_counter()
     # A BLEU tokenizer that cannot start (MeCab missing, an unknown name) fails before the
     # run directory and its data are made, not after minutes of preparing them.
-    make_bleu(cfg.tgt_lang or target_language_of(cfg), cfg.sacrebleu_tokenize)
-    sharding_lib.initialize_distributed(cfg.coordinator_address, cfg.num_processes, cfg.process_id,
-                                        auto=cfg.distributed)
+    make_bleu(cfg.decode.tgt_lang or target_language_of(cfg), cfg.decode.sacrebleu_tokenize)
+    sharding_lib.initialize_distributed(cfg.run.coordinator_address, cfg.run.num_processes, cfg.run.process_id,
+                                        auto=cfg.run.distributed)
     # A bad --mesh or --devices fails here, before any data work.
-    mesh = sharding_lib.make_mesh(cfg.mesh, sharding_lib.first_devices(cfg.devices))
+    mesh = sharding_lib.make_mesh(cfg.run.mesh, sharding_lib.first_devices(cfg.run.devices))
     run_dir = RunDir(cfg.workdir)
     # A fine-tune: flagged, or a resume (without the flag) of a run started as one.
-    fine_tune = cfg.init_from or (not fresh and pretrained.with_saved_init_from(cfg, run_dir).init_from)
+    fine_tune = cfg.run.init_from or (not fresh and pretrained.with_saved_init_from(cfg, run_dir).run.init_from)
     if not fine_tune:   # the model's widths are the flags': a mesh that cannot split them fails now
-        sharding_lib.check_mesh_divides(mesh, preset(cfg.preset, src_vocab_size=cfg.vocab_size,
-                                                     **cfg.model_overrides()))
+        sharding_lib.check_mesh_divides(mesh, preset(cfg.model.preset, src_vocab_size=cfg.data.vocab_size,
+                                                     **cfg.model.overrides()))
     else:   # a start checks that run's weights and widths before anything is made or moved
         starting = fresh or not run_dir.config.exists()   # (a resume: at its load)
         if starting:
-            pretrained.check_has_checkpoint(cfg.init_from)
+            pretrained.check_has_checkpoint(cfg.run.init_from)
         pretrained.check_takes_no_model_choice(cfg, fine_tune)
         if starting:
             pretrained.check_mesh_takes_loaded_run(cfg, mesh)
-    if cfg.devices is not None:
-        log(f"using {cfg.devices} of {len(jax.devices())} devices (--devices)")
-    pretrained.check_not_moved_by_fresh(cfg.init_from, run_dir, fresh)
+    if cfg.run.devices is not None:
+        log(f"using {cfg.run.devices} of {len(jax.devices())} devices (--devices)")
+    pretrained.check_not_moved_by_fresh(cfg.run.init_from, run_dir, fresh)
     previous = run_dir.create(fresh)   # --fresh: where the previous run's files went
     if jax.process_count() > 1:   # every process sees the directory after --fresh moved things
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices("workdir")
     cfg = pretrained.with_saved_init_from(cfg, run_dir)
-    checkpoints = RunCheckpoints(run_dir.root, keep=cfg.keep_checkpoints)
+    checkpoints = RunCheckpoints(run_dir.root, keep=cfg.run.keep_checkpoints)
     try:
         return _setup_run(cfg, run_dir, checkpoints, mesh, previous, t_start)
     except BaseException:
@@ -88,9 +88,9 @@ def _setup_run(cfg: TrainConfig, run_dir: RunDir, checkpoints: RunCheckpoints, m
     saved = run_dir.read_config()   # this run's record, if it was started before
     target_language = target_language_of(cfg)
     # Prepared once (jaxformer.data.prepare), reused on every resume; other data than the run's is an error.
-    if cfg.init_from:   # fine-tuning: that run's architecture and tokenizer encode the data
+    if cfg.run.init_from:   # fine-tuning: that run's architecture and tokenizer encode the data
         if not has_checkpoints:   # its weights are needed: no data work for a run that has none
-            pretrained.check_has_checkpoint(cfg.init_from)
+            pretrained.check_has_checkpoint(cfg.run.init_from)
         tokenizer, model_config, pretrained_record = pretrained.tokenizer_and_model_config(
             cfg, run_dir, own_record=saved if has_checkpoints else None, mesh=mesh)
         prepared = prepare_run_data(cfg, run_dir, has_checkpoints=has_checkpoints, tokenizer=tokenizer,
@@ -98,11 +98,11 @@ def _setup_run(cfg: TrainConfig, run_dir: RunDir, checkpoints: RunCheckpoints, m
     else:
         prepared = prepare_run_data(cfg, run_dir, has_checkpoints=has_checkpoints, previous=previous)
         tokenizer, pretrained_record = Tokenizer(run_dir.tokenizer_dir / "spm.model"), None
-        model_config = preset(cfg.preset, src_vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id,
-                              **cfg.model_overrides())
+        model_config = preset(cfg.model.preset, src_vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id,
+                              **cfg.model.overrides())
     if checkpoints.latest_step() is not None and saved is not None:
         check_resume_compatible(saved, model_config)
-    row_multiple = math.lcm(sharding_lib.batch_shards(mesh) * cfg.grad_accum_steps, jax.process_count())
+    row_multiple = math.lcm(sharding_lib.batch_shards(mesh) * cfg.train.grad_accum_steps, jax.process_count())
     batch_rows = _batch_rows(cfg, model_config, row_multiple)
     if has_checkpoints and saved is not None:
         _check_same_batch_plan(saved, batch_rows, row_multiple, cfg)
@@ -110,15 +110,15 @@ def _setup_run(cfg: TrainConfig, run_dir: RunDir, checkpoints: RunCheckpoints, m
     data = build_train_data(cfg, prepared, target_language, tokenizer, model_config, row_multiple)
 
     programs = run_programs(cfg, model_config, mesh)   # kept from an earlier run of these settings
-    init_key, dropout_key = jax.random.split(jax.random.key(cfg.seed))
+    init_key, dropout_key = jax.random.split(jax.random.key(cfg.run.seed))
     abstract = programs.abstract_state   # a resume and a fine-tune load into it; neither computes an init
     num_params = sum(x.size for x in jax.tree_util.tree_leaves(abstract.params))
-    source = f"the architecture of {cfg.init_from}" if cfg.init_from else f"preset {cfg.preset!r}"
+    source = f"the architecture of {cfg.run.init_from}" if cfg.run.init_from else f"preset {cfg.model.preset!r}"
     log(f"model: {num_params / 1e6:.2f}M parameters, {source}")
-    if cfg.warmup_steps >= cfg.max_steps:   # legal (short test runs), but rarely what is meant
-        log(f"note: --warmup-steps {cfg.warmup_steps} >= --max-steps {cfg.max_steps}: the learning rate "
+    if cfg.train.warmup_steps >= cfg.train.max_steps:   # legal (short test runs), but rarely what is meant
+        log(f"note: --warmup-steps {cfg.train.warmup_steps} >= --max-steps {cfg.train.max_steps}: the learning rate "
             f"rises for the whole run and never reaches its peak or decays; lower --warmup-steps "
-            f"(e.g. {max(1, cfg.max_steps // 10)}) for a full schedule")
+            f"(e.g. {max(1, cfg.train.max_steps // 10)}) for a full schedule")
     matmul = matmul_flop_rate(repeats=2)   # ~0.4 s on 2 cores
     log(f"machine: a float32 2048³ matmul runs at {matmul / 1e9:.0f} GFLOP/s on "
         f"{jax.devices()[0].platform} (the README's times say the rate they were measured at)")
@@ -129,8 +129,8 @@ def _setup_run(cfg: TrainConfig, run_dir: RunDir, checkpoints: RunCheckpoints, m
         state, start_step = restored
         log(f"resumed from {run_dir.checkpoints} at step {int(state.step)}")
     elif pretrained_record is not None:   # fine-tuning: that run's weights, a fresh optimizer and step
-        state = programs.start_from(pretrained.load_params(cfg.init_from, abstract.params))
-        log(f"initialised from {cfg.init_from}")
+        state = programs.start_from(pretrained.load_params(cfg.run.init_from, abstract.params))
+        log(f"initialised from {cfg.run.init_from}")
     else:
         state = programs.init(init_key)
     data.iterator.start_prefetch()   # data workers (if any) start now, while the step compiles
@@ -139,8 +139,8 @@ def _setup_run(cfg: TrainConfig, run_dir: RunDir, checkpoints: RunCheckpoints, m
                       tokenizer_record=pretrained_record["tokenizer"] if pretrained_record else None)
     if restored is not None and is_main_process():
         set_aside_metrics_after(run_dir, start_step)
-    evaluator = Evaluator(programs.model, tokenizer, batch_size=cfg.eval_batch_size,
-                          target_language=cfg.tgt_lang or target_language, tokenize=cfg.sacrebleu_tokenize,
+    evaluator = Evaluator(programs.model, tokenizer, batch_size=cfg.decode.eval_batch_size,
+                          target_language=cfg.decode.tgt_lang or target_language, tokenize=cfg.decode.sacrebleu_tokenize,
                           layout=programs.layout, decoders=programs.decoders)
     best_bleu = checkpoints.best_bleu()   # on resume, the score recorded with the best checkpoint
     return Run(cfg=cfg, run_dir=run_dir, data=data, tokenizer=tokenizer, programs=programs, state=state,
@@ -158,22 +158,22 @@ def build_train_data(cfg: TrainConfig, prepared: PreparedCorpus, target_language
     Raises:
       ValueError: no pair fits, or ``--batch-tokens`` is too small for one row per data shard.
     """
-    max_train_len = cfg.row_length(model_config.max_len)
+    max_train_len = cfg.data.row_length(model_config.max_len)
     _, too_long = kept_records(prepared, max_train_len)
     log(f"train: {len(prepared)} prepared pairs, {len(prepared) - too_long} used, {too_long} longer "
         f"than {max_train_len} tokens left out ({prepared.manifest['name']}: "
         f"{json.dumps(prepared.manifest['counts'])})")
     splits = {name: prepared.held_out(name) for name in ("dev", "test")}
     dev_examples = tokenize_pairs(splits["dev"], tokenizer, model_config.max_len)
-    note = check_batch_rows(cfg.batch_tokens, max_train_len, row_multiple)
+    note = check_batch_rows(cfg.train.batch_tokens, max_train_len, row_multiple)
     if note:
         log(note)
     build = functools.partial(
-        stream_dataset, prepared, max_len=max_train_len, batch_tokens=cfg.batch_tokens,
-        boundaries=bucket_boundaries(max_train_len), seed=cfg.seed, pad_id=tokenizer.pad_id,
+        stream_dataset, prepared, max_len=max_train_len, batch_tokens=cfg.train.batch_tokens,
+        boundaries=bucket_boundaries(max_train_len), seed=cfg.run.seed, pad_id=tokenizer.pad_id,
         bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, row_multiple=row_multiple,
-        process_index=jax.process_index(), process_count=jax.process_count(), pack=cfg.pack)
-    workers = cfg.data_workers if cfg.data_workers is not None else (
+        process_index=jax.process_index(), process_count=jax.process_count(), pack=cfg.data.pack)
+    workers = cfg.data.data_workers if cfg.data.data_workers is not None else (
         0 if jax.default_backend() == "cpu" else 2)
     return TrainData(splits=splits, target_language=target_language,
                      iterator=BatchStream(lambda start: build(start=start), workers=workers),
@@ -183,10 +183,10 @@ def build_train_data(cfg: TrainConfig, prepared: PreparedCorpus, target_language
 def _batch_rows(cfg: TrainConfig, model_config: TransformerConfig, row_multiple: int) -> dict[str, int]:
     """Rows per batch for each row length the plan uses (packed: one): with the seed and
     the data, what the saved data position indexes into."""
-    max_train_len = cfg.row_length(model_config.max_len)
+    max_train_len = cfg.data.row_length(model_config.max_len)
     lengths = bucket_boundaries(max_train_len)
-    return {str(length): rows_per_batch(cfg.batch_tokens, length, row_multiple)
-            for length in (lengths[-1:] if cfg.pack else lengths)}
+    return {str(length): rows_per_batch(cfg.train.batch_tokens, length, row_multiple)
+            for length in (lengths[-1:] if cfg.data.pack else lengths)}
 
 
 def _check_same_batch_plan(saved: dict[str, Any], batch_rows: dict[str, int], row_multiple: int,
@@ -204,7 +204,7 @@ def _check_same_batch_plan(saved: dict[str, Any], batch_rows: dict[str, int], ro
     train = saved.get("train", {})
     spelled = {"pack": lambda v: "--pack" if v else "--no-pack",
                "max_train_len": lambda v: "no --max-train-len" if v is None else f"--max-train-len {v}"}
-    changed = [spell(train[k]) for k, spell in spelled.items() if k in train and train[k] != getattr(cfg, k)
+    changed = [spell(train[k]) for k, spell in spelled.items() if k in train and train[k] != cfg.settings().get(k)
                and (k == "pack" or set(before) != set(batch_rows))]   # a limit that moved the row lengths
     if changed:
         raise ValueError(
@@ -229,12 +229,12 @@ def _check_same_seed(saved: dict[str, Any], cfg: TrainConfig) -> None:
     would read the saved position in another order, repeating and skipping pairs.
 
     Raises:
-      ValueError: ``cfg.seed`` is not the seed the run's checkpoints were trained with.
+      ValueError: ``cfg.run.seed`` is not the seed the run's checkpoints were trained with.
     """
     before = saved.get("train", {}).get("seed")
-    if before is not None and before != cfg.seed:
+    if before is not None and before != cfg.run.seed:
         raise ValueError(f"The run's checkpoints continue the data order of --seed {before}; --seed "
-                         f"{cfg.seed} would read their saved position in another order (pairs repeated "
+                         f"{cfg.run.seed} would read their saved position in another order (pairs repeated "
                          f"and skipped). Resume with --seed {before}, or start a new run (--fresh, or "
                          f"--init-from this one).")
 
