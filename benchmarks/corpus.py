@@ -55,12 +55,12 @@ def prepare(cfg: TrainConfig):
     splits, _ = reference_data.load_splits(cfg)
     cache = Path(tempfile.gettempdir()) / f"jaxformer-bench-{cfg.data.pair}-{cfg.data.vocab_size}"
     tokenizer = reference_data.load_or_train_tokenizer(cache, splits["train"], cfg.data.vocab_size)
-    examples = batching.tokenize_pairs(splits["train"], tokenizer, cfg.data.max_train_len)
+    examples = batching.tokenize_pairs(splits["train"], tokenizer, cfg.train.max_train_len)
     return examples, tokenizer
 
 
 def epoch_batches(examples, cfg: TrainConfig, pack: bool):
-    boundaries = batching.bucket_boundaries(cfg.data.max_train_len)
+    boundaries = batching.bucket_boundaries(cfg.train.max_train_len)
     if pack:
         return batching.pack_batches(examples, cfg.train.batch_tokens, boundaries[-1], cfg.run.seed,
                                      jax.local_device_count())
@@ -81,7 +81,7 @@ def run(examples, tokenizer, cfg: TrainConfig, pack: bool, steps: int) -> dict:
                                                                    cfg.train.lr_scale)))
     step_fn = jit_train_step(model, cfg.train.label_smoothing)
     dataset = reference_data.train_dataset(examples, batch_tokens=cfg.train.batch_tokens,
-                                     boundaries=batching.bucket_boundaries(cfg.data.max_train_len),
+                                     boundaries=batching.bucket_boundaries(cfg.train.max_train_len),
                                      seed=cfg.run.seed, pad_id=tokenizer.pad_id, bos_id=tokenizer.bos_id,
                                      eos_id=tokenizer.eos_id, row_multiple=jax.local_device_count(),
                                      pack=pack)
@@ -133,9 +133,9 @@ def main():
     cfg = TrainConfig.flat(**DEFAULT_CPU_RUN)
     start = time.perf_counter()
     examples, tokenizer = prepare(cfg)
-    print(f"config: shipped {cfg.data.pair} train split, {len(examples)} pairs <= {cfg.data.max_train_len} tokens, "
+    print(f"config: shipped {cfg.data.pair} train split, {len(examples)} pairs <= {cfg.train.max_train_len} tokens, "
           f"sentencepiece {tokenizer.vocab_size}, batch_tokens {cfg.train.batch_tokens}, preset {cfg.model.preset}, "
-          f"buckets {batching.bucket_boundaries(cfg.data.max_train_len)}, {jax.local_device_count()} device(s), "
+          f"buckets {batching.bucket_boundaries(cfg.train.max_train_len)}, {jax.local_device_count()} device(s), "
           f"{args.steps} timed steps ({time.perf_counter() - start:.1f}s to prepare)", flush=True)
     modes = {"bucket": [False], "pack": [True], "both": [False, True]}[args.batching]
     results = {}

@@ -130,9 +130,9 @@ def old_path(args: argparse.Namespace) -> None:
     start, cfg = time.perf_counter(), _cfg(args)
     splits, _ = reference_data.load_splits(cfg)
     tokenizer = reference_data.load_or_train_tokenizer(Path(args.workdir), splits["train"], cfg.data.vocab_size)
-    examples = batching.tokenize_pairs(splits["train"], tokenizer, cfg.data.max_train_len)
+    examples = batching.tokenize_pairs(splits["train"], tokenizer, cfg.train.max_train_len)
     dataset = reference_data.train_dataset(examples, batch_tokens=cfg.train.batch_tokens,
-                                     boundaries=batching.bucket_boundaries(cfg.data.max_train_len), seed=0,
+                                     boundaries=batching.bucket_boundaries(cfg.train.max_train_len), seed=0,
                                      pad_id=tokenizer.pad_id, bos_id=tokenizer.bos_id,
                                      eos_id=tokenizer.eos_id, pack=True)
     next(iter(dataset))
@@ -155,8 +155,8 @@ def shipped(args: argparse.Namespace) -> None:
     run = setup(cfg)   # on CPU the default: collated in this process (--data-workers 0)
     tok = run.tokenizer
     corpus_ = PreparedCorpus.open(run.run_dir.prepared)
-    bounds = batching.bucket_boundaries(cfg.data.max_train_len)
-    plans = iter(process_plans(corpus_, max_len=cfg.data.max_train_len, batch_tokens=cfg.train.batch_tokens,
+    bounds = batching.bucket_boundaries(cfg.train.max_train_len)
+    plans = iter(process_plans(corpus_, max_len=cfg.train.max_train_len, batch_tokens=cfg.train.batch_tokens,
                                boundaries=bounds, seed=0))
     real = processed = 0
     while plans.get_state()["epoch"] == 0:
@@ -166,7 +166,7 @@ def shipped(args: argparse.Namespace) -> None:
         processed += 2 * length * len(ids)
     reference_data = _reference_data()
     splits, _ = reference_data.load_splits(cfg)
-    examples = batching.tokenize_pairs(splits["train"], tok, cfg.data.max_train_len,
+    examples = batching.tokenize_pairs(splits["train"], tok, cfg.train.max_train_len,
                                        max_ratio=cfg.data.max_length_ratio)
     old_batches = batching.pack_batches(examples, cfg.train.batch_tokens, bounds[-1], 0)
     old = reference_data.train_dataset(examples, batch_tokens=cfg.train.batch_tokens, boundaries=bounds, seed=0,

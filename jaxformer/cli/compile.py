@@ -111,7 +111,7 @@ def compile_all(args: CompileArgs, cfg: TrainConfig) -> dict[str, Any]:
     devices_count = spec.chips * args.num_slices
     sizes = parse_mesh(cfg.run.mesh, devices_count)
     data = sizes["data"] * sizes["fsdp"]
-    length = cfg.data.row_length(config.max_len)
+    length = cfg.train.row_length(config.max_len)
     # As training sizes its batches: too few rows is an error, rounded rows are reported;
     # a decoding batch that the data axes do not divide is named before any compile.
     note = check_batch_rows(cfg.train.batch_tokens, length, data * cfg.train.grad_accum_steps)

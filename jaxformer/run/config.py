@@ -64,8 +64,8 @@ def _check(section) -> None:
             choices = typing.get_args(kinds[0])
             need = None if value in choices else f"one of {', '.join(map(str, choices))}"
         elif isinstance(value, bool) != (kinds[0] is bool) or not isinstance(
-                value, (int, float) if kinds[0] is float else kinds[0]):
-            need = _NAMES[kinds[0]]
+                value, (int, float) if kinds[0] is float else typing.get_origin(kinds[0]) or kinds[0]):
+            need = _NAMES.get(kinds[0], str(kinds[0]))
         else:
             bounds = [(op, getattr(m, op)) for m in marks for op in _BOUNDS if getattr(m, op, None) is not None]
             if not all(_BOUNDS[op][0](value, bound) for op, bound in bounds):
@@ -113,7 +113,7 @@ class ModelOverrides:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DataConfig:
-    """The corpus, its tokenizer and how pairs become training rows."""
+    """The corpus and its tokenizer (all that jaxformer-prepare needs)."""
 
     pair: Literal[PAIRS] = "en-de"   # shipped corpus, when no --train-file/--src-file is given
     train_file: str | None = None   # your corpus: source<TAB>target lines (.tsv or .tsv.gz)
@@ -122,29 +122,25 @@ class DataConfig:
     dev_file: str | None = None   # explicit dev set (TSV) instead of a split of the corpus
     test_file: str | None = None   # explicit test set (TSV) instead of a split of the corpus
     vocab_size: Annotated[int, Ge(1)] = 8000   # sentencepiece vocabulary, shared by source and target
-    # drop (and count) longer training pairs, in tokens
-    max_train_len: Annotated[int | None, Ge(2), shown("--max-len")] = None
-    pack: bool = True   # pack pairs into rows of --max-train-len; --no-pack: length buckets
     # prepare: drop pairs whose token counts differ by more than this factor (Moses clean-corpus-n)
     max_length_ratio: Annotated[float, Ge(1)] = 9.0
     bt_file: str | None = None   # back-translated pairs (TSV), their sources tagged <BT>
     # synthetic pairs per real training pair (needs --bt-file)
     bt_ratio: Annotated[float | None, Positive, shown("each --bt-file pair once")] = None
-    # grain worker processes collating batches
-    data_workers: Annotated[int | None, Ge(0), shown("0 on CPU, 2 on GPU/TPU")] = None
 
     def __post_init__(self):
         _check(self)
 
-    def row_length(self, max_len: int) -> int:
-        """Positions of a training row: ``--max-train-len``, never past the model's ``max_len``."""
-        return min(self.max_train_len or max_len, max_len)
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OptimConfig:
-    """Optimisation (§5.3, §5.4), the training budget and when training stops."""
+    """Training batches, optimisation (§5.3, §5.4), the budget and when training stops."""
 
+    # drop (and count) longer training pairs, in tokens
+    max_train_len: Annotated[int | None, Ge(2), shown("--max-len")] = None
+    pack: bool = True   # pack pairs into rows of --max-train-len; --no-pack: length buckets
+    # grain worker processes collating batches
+    data_workers: Annotated[int | None, Ge(0), shown("0 on CPU, 2 on GPU/TPU")] = None
     batch_tokens: Annotated[int, Ge(1)] = 2048   # padded tokens per update (rows x row length)
     grad_accum_steps: Annotated[int, Ge(1)] = 1   # micro-batches per update
     max_steps: Annotated[int, Ge(1)] = 100_000   # stop after this many updates
@@ -164,6 +160,10 @@ class OptimConfig:
 
     def __post_init__(self):
         _check(self)
+
+    def row_length(self, max_len: int) -> int:
+        """Positions of a training row: ``--max-train-len``, never past the model's ``max_len``."""
+        return min(self.max_train_len or max_len, max_len)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -158,7 +158,7 @@ def build_train_data(cfg: TrainConfig, prepared: PreparedCorpus, target_language
     Raises:
       ValueError: no pair fits, or ``--batch-tokens`` is too small for one row per data shard.
     """
-    max_train_len = cfg.data.row_length(model_config.max_len)
+    max_train_len = cfg.train.row_length(model_config.max_len)
     _, too_long = kept_records(prepared, max_train_len)
     log(f"train: {len(prepared)} prepared pairs, {len(prepared) - too_long} used, {too_long} longer "
         f"than {max_train_len} tokens left out ({prepared.manifest['name']}: "
@@ -172,8 +172,8 @@ def build_train_data(cfg: TrainConfig, prepared: PreparedCorpus, target_language
         stream_dataset, prepared, max_len=max_train_len, batch_tokens=cfg.train.batch_tokens,
         boundaries=bucket_boundaries(max_train_len), seed=cfg.run.seed, pad_id=tokenizer.pad_id,
         bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, row_multiple=row_multiple,
-        process_index=jax.process_index(), process_count=jax.process_count(), pack=cfg.data.pack)
-    workers = cfg.data.data_workers if cfg.data.data_workers is not None else (
+        process_index=jax.process_index(), process_count=jax.process_count(), pack=cfg.train.pack)
+    workers = cfg.train.data_workers if cfg.train.data_workers is not None else (
         0 if jax.default_backend() == "cpu" else 2)
     return TrainData(splits=splits, target_language=target_language,
                      iterator=BatchStream(lambda start: build(start=start), workers=workers),
@@ -183,10 +183,10 @@ def build_train_data(cfg: TrainConfig, prepared: PreparedCorpus, target_language
 def _batch_rows(cfg: TrainConfig, model_config: TransformerConfig, row_multiple: int) -> dict[str, int]:
     """Rows per batch for each row length the plan uses (packed: one): with the seed and
     the data, what the saved data position indexes into."""
-    max_train_len = cfg.data.row_length(model_config.max_len)
+    max_train_len = cfg.train.row_length(model_config.max_len)
     lengths = bucket_boundaries(max_train_len)
     return {str(length): rows_per_batch(cfg.train.batch_tokens, length, row_multiple)
-            for length in (lengths[-1:] if cfg.data.pack else lengths)}
+            for length in (lengths[-1:] if cfg.train.pack else lengths)}
 
 
 def _check_same_batch_plan(saved: dict[str, Any], batch_rows: dict[str, int], row_multiple: int,
