@@ -238,7 +238,7 @@ def test_ctrl_c_while_a_run_starts_exits_130_with_the_way_back_not_a_traceback(t
 
 def test_translate_repetition_flags_are_checked_and_used(run, capsys, monkeypatch):
     workdir, _, _ = run
-    for flags, message in ((["--no-repeat-ngram-size", "-1"], "--no-repeat-ngram-size must be >= 0"),
+    for flags, message in ((["--no-repeat-ngram-size", "-1"], "--no-repeat-ngram-size must be at least 0"),
                            (["--repetition-penalty", "0"], "--repetition-penalty must be > 0")):
         with pytest.raises(SystemExit) as stop:
             translate_main(["--workdir", str(workdir), *flags, SENTENCES[0]])
@@ -340,11 +340,11 @@ def test_translate_flags_output_checkpoint_and_batches_sized_to_the_input(run, t
                  "is not best, latest": ["--checkpoint", "newest"],
                  "folder of --output": ["--output", str(tmp_path / "no" / "out.txt")],
                  "--max-len-a + --max-len-b >= 1": ["--max-len-a", "0", "--max-len-b", "0"],
-                 "--max-len-a must be >= 0 and finite, got nan": ["--max-len-a", "nan"],
-                 "--max-len-a must be >= 0 and finite, got inf": ["--max-len-a", "inf"],
+                 "--max-len-a must be at least 0 and finite, got nan": ["--max-len-a", "nan"],
+                 "--max-len-a must be at least 0 and finite, got inf": ["--max-len-a", "inf"],
                  "--alpha must be finite, got nan": ["--alpha", "nan"],
                  "--temperature must be > 0 and finite": ["--sample", "--temperature", "nan"],
-                 "--seed must be >= 0 and < 4294967296": ["--sample", "--seed", str(2**64)],
+                 "--seed must be at least 0 and < 4294967296": ["--sample", "--seed", str(2**64)],
                  "--beam-size is for beam search; --sample draws one": ["--sample", "--beam-size", "4"],
                  "--temperature and --top-p are for sampling: add --sample": ["--temperature", "0.5",
                                                                               "--top-p", "0.9"],

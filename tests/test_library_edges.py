@@ -270,8 +270,8 @@ def test_every_flag_has_help_and_help_has_no_rest_markup(capsys):
     assert "invalid choice 'huge'" in capsys.readouterr().err
     with pytest.raises(ValueError, match="--average-last must be in"):
         TrainConfig.flat(average_last=5, keep_checkpoints=3)
-    for field, message in ((dict(seed=-1), "--seed must be >= 0 and < 4294967296"),
-                           (dict(seed=2**63), "--seed must be >= 0"),
+    for field, message in ((dict(seed=-1), "--seed must be at least 0 and < 4294967296"),
+                           (dict(seed=2**63), "--seed must be at least 0"),
                            (dict(alpha=float("nan")), "--alpha must be finite"),
                            (dict(workdir=""), "--workdir must name a folder")):
         with pytest.raises(ValueError, match=message):
@@ -316,7 +316,7 @@ def test_config_file_fills_settings_and_flags_override(tmp_path, capsys):
                           ("seed: null\n", "--seed must be an integer, got None"),
                           ("preset: huge\n", "--preset must be one of tiny, small, base, big"),
                           ("pair: en-xx\n", "--pair must be one of en-de"),
-                          ("max_steps: 10\nmax-steps: 20\n", "'max_steps' is given twice (as _ and -)"),
+                          ("max_steps: 10\nmax-steps: 20\n", "['max_steps'] given twice (as _ and -)"),
                           ("max_steps: 10\nmax_steps: 20\n", "'max_steps' given twice; keep one"),
                           ("tgt_lang: no\n", "--tgt-lang must be a string, got False"),   # YAML 1.1's no
                           ("lr_scale: -5e-1\n", "--lr-scale must be > 0 and finite, got -0.5"),

@@ -27,7 +27,7 @@ import tyro
 
 from jaxformer.aot import report as report_lib
 from jaxformer.aot.cache import ReportCache, default_directory
-from jaxformer.aot.chips import CHIPS, slice_names, slice_spec
+from jaxformer.aot.chips import CHIPS, slice_spec
 from jaxformer.cli import fail
 from jaxformer.run.config import DEFAULT_CPU_RUN, TrainConfig
 
@@ -40,7 +40,7 @@ class CompileArgs:
     that shape the programs (model, --vocab-size, --batch-tokens, --max-train-len, --mesh,
     --grad-accum-steps, --beam-size) count, the others are accepted and change nothing."""
 
-    topology: str   # TPU slice or GPU node to compile for (see jaxformer.aot.chips)
+    topology: str   # TPU slice or GPU node to compile for, e.g. v5e-16, v4-8, h100-8 (jaxformer.aot.chips)
     num_slices: int = 1   # slices (GPU: hosts) joined over DCN; the data axis spans them
     decode_batch: int = 64   # sentences per beam-search batch
     no_decode: Annotated[bool, tyro.conf.FlagCreatePairsOff] = False   # compile the train step only
@@ -104,7 +104,8 @@ def compile_all(args: CompileArgs, cfg: TrainConfig) -> dict[str, Any]:
     chip = CHIPS[spec.chip]
     on_gpu = spec.chip_config_name == "gpu"
     if cfg.model.attention_backend == ("pallas" if on_gpu else "cudnn"):   # each kernel is for one platform
-        raise ValueError(f"--attention-backend {cfg.model.attention_backend} does not run on {args.topology}: "
+        raise ValueError(f"--attention-backend {cfg.model.attention_backend} does not run on "
+                         f"{args.topology}: "
                          + ("cudnn is NVIDIA's fused attention; on TPU use pallas (splash attention) or xla"
                             if not on_gpu else "pallas is the TPU splash kernel; on a GPU use cudnn or xla"))
     config = preset(cfg.model.preset, src_vocab_size=cfg.data.vocab_size, **cfg.model.overrides())
@@ -125,7 +126,8 @@ def compile_all(args: CompileArgs, cfg: TrainConfig) -> dict[str, Any]:
     shapes = {"train_step": TrainShape(rows=rows, length=length, label_smoothing=cfg.train.label_smoothing,
                                        grad_accum_steps=cfg.train.grad_accum_steps)}
     if not args.no_decode:
-        shapes["beam_search"] = DecodeShape(batch=args.decode_batch, src_len=length, beam_size=cfg.decode.beam_size,
+        shapes["beam_search"] = DecodeShape(batch=args.decode_batch, src_len=length,
+                                            beam_size=cfg.decode.beam_size,
                                             max_decode_len=min(config.max_len, length + 50))
     cache = ReportCache(args.cache_dir)
     header = {"topology": spec.name, "slice": spec.topology, "num_slices": args.num_slices,
@@ -163,7 +165,8 @@ def compile_all(args: CompileArgs, cfg: TrainConfig) -> dict[str, Any]:
 
 def _print(out: dict[str, Any]) -> None:
     t = out["target"]
-    print(f"{t['topology']} ({t['slice']} × {t['num_slices']} slice(s), {t['devices']} × {t['chip']}), mesh "
+    print(f"{t['topology']} ({t['slice']} × {t['num_slices']} slice(s), {t['devices']} × {t['chip']}), "
+          f"mesh "
           f"{t['mesh']}; d_model {t['model']['d_model']}, {t['model']['num_encoder_layers']}+"
           f"{t['model']['num_decoder_layers']} layers, {t['model']['dtype']}; train batch "
           f"{t['batch']['rows']} × {t['batch']['length']}")

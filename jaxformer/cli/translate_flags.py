@@ -16,7 +16,7 @@ import tyro
 from annotated_types import Ge, Gt, Interval
 
 from jaxformer.cli import fail
-from jaxformer.run.config import Finite, Flag, _check, shown
+from jaxformer.run.config import Finite, Flag, check_fields, shown
 from jaxformer.run.directory import probe_writable
 
 PROG = "jaxformer-translate"
@@ -74,24 +74,28 @@ class TranslateArgs:
     def problems(self) -> str | None:
         """What is wrong with these flags together, in words, or ``None``."""
         try:
-            _check(self)
+            check_fields(self)
         except ValueError as e:
             return str(e).rstrip(".")
         beam_rules = [flag for flag, value in (("--beam-size", self.beam_size), ("--alpha", self.alpha),
                                                ("--early-stopping", self.early_stopping)) if value]
         sampling = [flag for flag, value in (("--temperature", self.temperature), ("--top-k", self.top_k),
                                              ("--top-p", self.top_p)) if value is not None]
-        drawing = [flag for flag, value in (("--layer", self.layer), ("--head", self.head)) if value is not None]
-        a, b = (1.0 if self.max_len_a is None else self.max_len_a), (50 if self.max_len_b is None else self.max_len_b)
+        drawing = [flag for flag, value in (("--layer", self.layer), ("--head", self.head))
+                   if value is not None]
+        a = 1.0 if self.max_len_a is None else self.max_len_a
+        b = 50 if self.max_len_b is None else self.max_len_b
         rules = (
             (self.sample and self.n_best > 1, "--n-best lists come from beam search; --sample gives one "
                                               "translation per sentence (run it again with another --seed)"),
-            (self.sample and beam_rules, f"{' and '.join(beam_rules)} {_are(beam_rules)} for beam search; "
-                                         f"--sample draws one translation per sentence: drop {_them(beam_rules)}"),
+            (self.sample and beam_rules, f"{' and '.join(beam_rules)} {_are(beam_rules)} for beam "
+                                         f"search; --sample draws one translation per sentence: drop "
+                                         f"{_them(beam_rules)}"),
             (self.beam_size is not None and self.n_best > self.beam_size, "need --n-best <= --beam-size"),
             (a + b < 1, "need --max-len-a + --max-len-b >= 1 (room for one token)"),
-            (sampling and not self.sample, f"{' and '.join(sampling)} {_are(sampling)} for sampling: add "
-                                           f"--sample (beam search and greedy would ignore {_them(sampling)})"),
+            (sampling and not self.sample, f"{' and '.join(sampling)} {_are(sampling)} for sampling: "
+                                           f"add --sample (beam search and greedy would ignore "
+                                           f"{_them(sampling)})"),
             (drawing and not self.attention_png, f"{' and '.join(drawing)} "
                                                  f"{'choose' if len(drawing) > 1 else 'chooses'} what "
                                                  f"--attention-png draws: add --attention-png FILE.png, or "

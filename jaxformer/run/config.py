@@ -5,7 +5,7 @@ Each field is one flag named after it (``batch_tokens`` is ``--batch-tokens``); 
 are unique across the sections, so flags, files and records stay flat. A field's comment
 is its ``--help`` (tyro reads it), its type is its check: ``Literal`` choices, an
 ``annotated_types`` bound (``Ge``, ``Gt``, ``Interval``) for its range, and
-:func:`_check` holds every section to them. Cross-field rules are in
+:func:`check_fields` holds every section to them. Cross-field rules are in
 :meth:`TrainConfig.__post_init__`; model fields left ``None`` come from the preset
 (:data:`jaxformer.model.config.PRESETS`) or, fine-tuning, from the loaded run.
 """
@@ -39,12 +39,12 @@ def shown(words: str):
     return tyro.conf.arg(help_behavior_hint=lambda label: f"(default: {words if label == 'None' else label})")
 
 
-_BOUNDS = {"gt": (operator.gt, ">"), "ge": (operator.ge, ">="), "lt": (operator.lt, "<"),
-           "le": (operator.le, "<=")}
+_BOUNDS = {"gt": (operator.gt, ">"), "ge": (operator.ge, "at least"), "lt": (operator.lt, "<"),
+           "le": (operator.le, "at most")}
 _NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
 
 
-def _check(section) -> None:
+def check_fields(section) -> None:
     """Holds each field of a section to its declared type (an int is a float, a bool is no
     int), ``Literal`` choices and ``annotated_types`` bounds.
 
@@ -55,19 +55,21 @@ def _check(section) -> None:
     for name, hint in typing.get_type_hints(type(section), include_extras=True).items():
         value = getattr(section, name)
         base, *marks = typing.get_args(hint) if typing.get_origin(hint) is Annotated else (hint,)
-        options = typing.get_args(base) if typing.get_origin(base) in (typing.Union, types.UnionType) else (base,)
+        union = typing.get_origin(base) in (typing.Union, types.UnionType)
+        options = typing.get_args(base) if union else (base,)
         kinds = [k for k in options if k is not type(None)]
         need = None
-        if value is None:
-            need = None if len(kinds) < len(options) else _NAMES[kinds[0]]
-        elif typing.get_origin(kinds[0]) is Literal:
+        if value is None and len(kinds) < len(options):   # None: left to the default's owner
+            continue
+        if typing.get_origin(kinds[0]) is Literal:
             choices = typing.get_args(kinds[0])
             need = None if value in choices else f"one of {', '.join(map(str, choices))}"
         elif isinstance(value, bool) != (kinds[0] is bool) or not isinstance(
                 value, (int, float) if kinds[0] is float else typing.get_origin(kinds[0]) or kinds[0]):
             need = _NAMES.get(kinds[0], str(kinds[0]))
         else:
-            bounds = [(op, getattr(m, op)) for m in marks for op in _BOUNDS if getattr(m, op, None) is not None]
+            bounds = [(op, getattr(m, op)) for m in marks for op in _BOUNDS
+                      if getattr(m, op, None) is not None]
             if not all(_BOUNDS[op][0](value, bound) for op, bound in bounds):
                 need = " and ".join("finite" if math.isinf(bound) else f"{_BOUNDS[op][1]} {bound}"
                                     for op, bound in bounds if not (math.isinf(bound) and op == "gt"))
@@ -100,7 +102,7 @@ class ModelOverrides:
     scan_layers: Annotated[bool | None, Flag] = None
 
     def __post_init__(self):
-        _check(self)
+        check_fields(self)
 
     def overrides(self) -> dict[str, Any]:
         """The :class:`~jaxformer.model.config.TransformerConfig` fields set here."""
@@ -129,7 +131,7 @@ class DataConfig:
     bt_ratio: Annotated[float | None, Positive, shown("each --bt-file pair once")] = None
 
     def __post_init__(self):
-        _check(self)
+        check_fields(self)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -159,7 +161,7 @@ class OptimConfig:
     average_last: int | None = None
 
     def __post_init__(self):
-        _check(self)
+        check_fields(self)
 
     def row_length(self, max_len: int) -> int:
         """Positions of a training row: ``--max-train-len``, never past the model's ``max_len``."""
@@ -184,7 +186,7 @@ class DecodeConfig:
     sacrebleu_tokenize: Annotated[Literal[tuple(BLEU.TOKENIZERS)] | None, shown("by target language")] = None
 
     def __post_init__(self):
-        _check(self)
+        check_fields(self)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -200,8 +202,8 @@ class RunConfig:
     devices: Annotated[int | None, Ge(1), shown("all")] = None   # single-process runs: the first N devices
     distributed: bool = False   # jax.distributed.initialize() with cluster auto-detection
     coordinator_address: str | None = None   # host:port of process 0 in a multi-process run
-    num_processes: int | None = None   # number of processes in a multi-process run
-    process_id: int | None = None   # this process's index in a multi-process run
+    num_processes: Annotated[int | None, Ge(1)] = None   # number of processes in a multi-process run
+    process_id: Annotated[int | None, Ge(0)] = None   # this process's index in a multi-process run
     seed: Annotated[int, Interval(ge=0, lt=2**32)] = 0   # root random seed (init, dropout, data order)
     log_every: Annotated[int, Ge(1)] = 50   # log loss, tokens/s and learning rate every this many steps
     checkpoint_every: Annotated[int, Ge(1)] = 1000   # save a checkpoint every this many steps
@@ -209,7 +211,7 @@ class RunConfig:
     progress: bool = True   # a progress bar; --no-progress prints one line per --log-every steps
 
     def __post_init__(self):
-        _check(self)
+        check_fields(self)
 
 
 SECTIONS = {"model": ModelOverrides, "data": DataConfig, "train": OptimConfig, "decode": DecodeConfig,
@@ -236,9 +238,10 @@ class TrainConfig:
 
     def __post_init__(self):
         problems = []
-        if self.train.average_last is not None and not 2 <= self.train.average_last <= self.run.keep_checkpoints:
-            problems.append(f"--average-last must be in [2, --keep-checkpoints={self.run.keep_checkpoints}] "
-                            f"(only kept checkpoints can be averaged), got {self.train.average_last}")
+        average, keep = self.train.average_last, self.run.keep_checkpoints
+        if average is not None and not 2 <= average <= keep:
+            problems.append(f"--average-last must be in [2, --keep-checkpoints={keep}] (only kept "
+                            f"checkpoints can be averaged), got {average}")
         if self.data.bt_ratio is not None and not self.data.bt_file:
             problems.append("--bt-ratio needs --bt-file")
         if self.run.workdir is not None and not self.run.workdir.strip():   # "" would be the current folder
@@ -277,7 +280,8 @@ class TrainConfig:
 
     def settings(self) -> dict[str, Any]:
         """Every setting by its flat name, as given (``workdir`` ``None`` when derived)."""
-        return {name: value for part in SECTIONS for name, value in dataclasses.asdict(getattr(self, part)).items()}
+        return {name: value for part in SECTIONS
+                for name, value in dataclasses.asdict(getattr(self, part)).items()}
 
     def to_dict(self) -> dict[str, Any]:
         """The flat record of ``config.json``'s ``"train"``: every setting, the workdir resolved."""

@@ -75,29 +75,31 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
 
 def read_settings(path: str | Path) -> tuple[dict[str, Any], bool]:
     """:func:`load_config_file`, and whether the file was a run's ``config.json`` (a replay)."""
-    path = Path(path)
+    path, data, problem = Path(path), None, None
     if path.suffix.lower() not in (".json", ".yaml", ".yml"):
-        raise ValueError("only JSON (.json) and YAML (.yaml, .yml) files are read; write the settings "
-                         "as YAML, e.g. 'batch_tokens: 4096'")
-    try:   # utf-8-sig: a byte-order mark (as some editors write) is dropped
-        text = path.read_text(encoding="utf-8-sig")
-        data = json.loads(text, object_pairs_hook=_unique) if path.suffix == ".json" else \
-            yaml.load(text, Loader=_UniqueKeyLoader)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, yaml.YAMLError) as e:
-        raise ValueError(f"cannot be read: {e}") from e
+        problem = "only JSON (.json) and YAML (.yaml, .yml) files are read; write the settings as YAML, " \
+                  "e.g. 'batch_tokens: 4096'"
+    else:
+        try:   # utf-8-sig: a byte-order mark (as some editors write) is dropped
+            text = path.read_text(encoding="utf-8-sig")
+            data = json.loads(text, object_pairs_hook=_unique) if path.suffix == ".json" else \
+                yaml.load(text, Loader=_UniqueKeyLoader)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, yaml.YAMLError) as e:
+            problem = f"cannot be read: {e}"
     replay = isinstance(data, dict) and isinstance(data.get("train"), dict) and "model" in data
     data = data["train"] if replay else data
-    if not isinstance(data, dict):
-        raise ValueError(f"must hold a mapping of setting: value, got {type(data).__name__}")
-    flat: dict[str, Any] = {}
-    for key, value in data.items():
-        name = str(key).replace("-", "_")
-        if name in flat:
-            raise ValueError(f"{name!r} is given twice (as _ and -); keep one")
+    names = [str(key).replace("-", "_") for key in data] if isinstance(data, dict) else []
+    if problem is None and not isinstance(data, dict):
+        problem = f"must hold a mapping of setting: value, got {type(data).__name__}"
+    elif problem is None and len(set(names)) < len(names):   # max_steps and max-steps: which one wins?
+        problem = f"{sorted({n for n in names if names.count(n) > 1})} given twice (as _ and -); keep one"
+    if problem:
+        raise ValueError(problem)
+    flat = dict(zip(names, data.values()))
+    for name, value in flat.items():   # YAML 1.1 reads 5e-1 as text
         kind = SECTIONS[SECTION_OF[name]].__annotations__[name] if name in SECTION_OF else ""
-        if isinstance(value, str) and ("int" in kind or "float" in kind):   # YAML 1.1 reads 5e-1 as text
-            value = _number(value)
-        flat[name] = value
+        if isinstance(value, str) and ("int" in kind or "float" in kind):
+            flat[name] = _number(value)
     return flat, replay
 
 
