@@ -38,19 +38,12 @@ def bulk_mode(args) -> bool:
 
 
 def initialize(args) -> None:
-    """Starts ``jax.distributed`` when the flags ask for it (before any other JAX use);
-    bad flags exit with status 2."""
-    if not args.multi_process:
-        return
-    explicit = (args.coordinator_address, args.num_processes, args.process_id)
-    if not args.distributed and None in explicit:
-        fail(PROG, "several processes need all of --coordinator-address, --num-processes and "
-                   "--process-id (or --distributed for auto-detection)")
-    if args.num_processes is not None and not 0 <= (args.process_id or 0) < args.num_processes:
-        fail(PROG, f"--process-id {args.process_id} is not in 0..{args.num_processes - 1}")
-    from jaxformer.model.sharding import initialize_distributed
+    """Starts ``jax.distributed`` when the flags ask for it (before any other JAX use;
+    the flags are checked by :meth:`jaxformer.cli.translate_flags.TranslateArgs.problems`)."""
+    if args.multi_process:
+        from jaxformer.model.sharding import initialize_distributed
 
-    initialize_distributed(args.coordinator_address, args.num_processes, args.process_id, auto=True)
+        initialize_distributed(args.coordinator_address, args.num_processes, args.process_id, auto=True)
 
 
 def job_record(args, translator) -> dict:

@@ -24,12 +24,13 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import tyro
+from annotated_types import Ge
 
 from jaxformer.aot import report as report_lib
 from jaxformer.aot.cache import ReportCache, default_directory
 from jaxformer.aot.chips import CHIPS, slice_spec
 from jaxformer.cli import fail
-from jaxformer.run.config import DEFAULT_CPU_RUN, TrainConfig
+from jaxformer.run.config import DEFAULT_CPU_RUN, TrainConfig, check_fields
 
 PROG = "jaxformer-compile"
 
@@ -41,8 +42,8 @@ class CompileArgs:
     --grad-accum-steps, --beam-size) count, the others are accepted and change nothing."""
 
     topology: str   # TPU slice or GPU node to compile for, e.g. v5e-16, v4-8, h100-8 (jaxformer.aot.chips)
-    num_slices: int = 1   # slices (GPU: hosts) joined over DCN; the data axis spans them
-    decode_batch: int = 64   # sentences per beam-search batch
+    num_slices: Annotated[int, Ge(1)] = 1   # slices (GPU: hosts) joined over DCN; the data axis spans them
+    decode_batch: Annotated[int, Ge(1)] = 64   # sentences per beam-search batch
     no_decode: Annotated[bool, tyro.conf.FlagCreatePairsOff] = False   # compile the train step only
     save: str | None = None   # write the serialized executables to this folder
     cache_dir: str = str(default_directory())   # where compile reports are kept
@@ -214,12 +215,9 @@ def main(argv: list[str] | None = None) -> None:
     cfg = args.cfg
     try:
         slice_spec(args.topology)
+        check_fields(args)
     except ValueError as e:
-        fail(PROG, str(e))
-    for flag, value in (("--num-slices", args.num_slices),
-                        ("--decode-batch", 1 if args.no_decode else args.decode_batch)):
-        if value < 1:
-            fail(PROG, f"{flag} must be at least 1, got {value}")
+        fail(PROG, str(e).rstrip("."))
     _check_folders(args)
     # JAX's persistent cache would store executables that a compile-only client cannot
     # load back (a warning on every later read); the reports are cached instead.

@@ -105,6 +105,12 @@ class TranslateArgs:
             (self.multi_process and (not (self.input and self.output) or self.sentences),
              "the multi-process flags (--coordinator-address, --num-processes, --process-id, "
              "--distributed) are for bulk mode only: give --input and --output (and no sentences)"),
+            (self.multi_process and not self.distributed
+             and None in (self.coordinator_address, self.num_processes, self.process_id),
+             "several processes need all of --coordinator-address, --num-processes and --process-id (or "
+             "--distributed for auto-detection)"),
+            (self.num_processes is not None and not 0 <= (self.process_id or 0) < self.num_processes,
+             f"--process-id {self.process_id} is not in 0..{(self.num_processes or 1) - 1}"),
         )
         return next((message for broken, message in rules if broken), None)
 
