@@ -319,7 +319,7 @@ def test_config_file_fills_settings_and_flags_override(tmp_path, capsys):
                           ("max_steps: 10\nmax-steps: 20\n", "['max_steps'] given twice (as _ and -)"),
                           ("max_steps: 10\nmax_steps: 20\n", "'max_steps' given twice; keep one"),
                           ("tgt_lang: no\n", "--tgt-lang must be a string, got False"),   # YAML 1.1's no
-                          ("lr_scale: -5e-1\n", "--lr-scale must be > 0 and finite, got -0.5"),
+                          ("lr_scale: -5e-1\n", "--lr-scale must be a positive finite number, got -0.5"),
                           ("seed = 3\n", "mapping of setting: value, got str")):
         (tmp_path / "bad.yaml").write_text(text)
         with pytest.raises(SystemExit) as exit_info:

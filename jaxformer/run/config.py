@@ -12,6 +12,7 @@ is its ``--help`` (tyro reads it), its type is its check: ``Literal`` choices, a
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import json
 import math
@@ -44,6 +45,9 @@ _BOUNDS = {"gt": (operator.gt, ">"), "ge": (operator.ge, "at least"), "lt": (ope
 _NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
 
 
+CHECKING = contextvars.ContextVar("CHECKING", default=True)   # off while tyro builds a config
+
+
 def check_fields(section) -> None:
     """Holds each field of a section to its declared type (an int is a float, a bool is no
     int), ``Literal`` choices and ``annotated_types`` bounds.
@@ -51,6 +55,8 @@ def check_fields(section) -> None:
     Raises:
       ValueError: one message naming every wrong field as its flag and what it must be.
     """
+    if not CHECKING.get():
+        return
     problems = []
     for name, hint in typing.get_type_hints(type(section), include_extras=True).items():
         value = getattr(section, name)
@@ -71,8 +77,9 @@ def check_fields(section) -> None:
             bounds = [(op, getattr(m, op)) for m in marks for op in _BOUNDS
                       if getattr(m, op, None) is not None]
             if not all(_BOUNDS[op][0](value, bound) for op, bound in bounds):
-                need = " and ".join("finite" if math.isinf(bound) else f"{_BOUNDS[op][1]} {bound}"
-                                    for op, bound in bounds if not (math.isinf(bound) and op == "gt"))
+                need = "a positive finite number" if bounds == [("gt", 0), ("lt", math.inf)] else \
+                    " and ".join("finite" if math.isinf(bound) else f"{_BOUNDS[op][1]} {bound}"
+                                 for op, bound in bounds if not (math.isinf(bound) and op == "gt"))
         if need:
             problems.append(f"--{name.replace('_', '-')} must be {need}, got {value!r}")
     if problems:
@@ -128,7 +135,7 @@ class DataConfig:
     max_length_ratio: Annotated[float, Ge(1)] = 9.0
     bt_file: str | None = None   # back-translated pairs (TSV), their sources tagged <BT>
     # synthetic pairs per real training pair (needs --bt-file)
-    bt_ratio: Annotated[float | None, Positive, shown("each --bt-file pair once")] = None
+    bt_ratio: Annotated[float | None, shown("each --bt-file pair once")] = None
 
     def __post_init__(self):
         check_fields(self)
@@ -237,13 +244,16 @@ class TrainConfig:
     run: RunConfig = RunConfig()
 
     def __post_init__(self):
+        if not CHECKING.get():
+            return
         problems = []
         average, keep = self.train.average_last, self.run.keep_checkpoints
         if average is not None and not 2 <= average <= keep:
             problems.append(f"--average-last must be in [2, --keep-checkpoints={keep}] (only kept "
                             f"checkpoints can be averaged), got {average}")
-        if self.data.bt_ratio is not None and not self.data.bt_file:
-            problems.append("--bt-ratio needs --bt-file")
+        ratio = self.data.bt_ratio
+        if ratio is not None and not (0 < ratio < math.inf and self.data.bt_file):
+            problems.append(f"--bt-ratio needs --bt-file and a positive finite value, got {ratio}")
         if self.run.workdir is not None and not self.run.workdir.strip():   # "" would be the current folder
             problems.append("--workdir must name a folder, got an empty value (an unset variable?)")
         if self.run.mesh is not None:

@@ -14,7 +14,7 @@ from typing import Annotated, Any
 import tyro
 import yaml
 
-from jaxformer.run.config import SECTION_OF, SECTIONS, TrainConfig
+from jaxformer.run.config import CHECKING, SECTION_OF, SECTIONS, TrainConfig
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -54,8 +54,17 @@ def parse_train_args(argv: list[str] | None = None, defaults: dict[str, Any] | N
     except ValueError as e:
         print(f"{prog}: error: --config {path!r}: {e}", file=sys.stderr)
         sys.exit(2)
-    args = tyro.cli(TrainArgs, args=argv, default=TrainArgs(cfg=base, config=path), prog=prog,
-                    description=description, config=(tyro.conf.OmitArgPrefixes,))
+    unchecked = CHECKING.set(False)   # checked below, so a bad value reads as one plain line
+    try:
+        args = tyro.cli(TrainArgs, args=argv, default=TrainArgs(cfg=base, config=path), prog=prog,
+                        description=description, config=(tyro.conf.OmitArgPrefixes,))
+    finally:
+        CHECKING.reset(unchecked)
+    try:
+        args = dataclasses.replace(args, cfg=TrainConfig.flat(**args.cfg.settings()))
+    except ValueError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        sys.exit(2)
     given = {token[2:].split("=")[0].replace("-", "_") for token in argv if token.startswith("--")}
     given |= {name[3:] for name in given if name.startswith("no_")}
     chosen = (given & (set(SECTION_OF) | {"config"})) | (set() if replay else set(settings))
