@@ -343,7 +343,7 @@ def test_translate_flags_output_checkpoint_and_batches_sized_to_the_input(run, t
                  "--max-len-a must be at least 0 and finite, got nan": ["--max-len-a", "nan"],
                  "--max-len-a must be at least 0 and finite, got inf": ["--max-len-a", "inf"],
                  "--alpha must be finite, got nan": ["--alpha", "nan"],
-                 "--temperature must be > 0 and finite": ["--sample", "--temperature", "nan"],
+                 "--temperature must be a positive finite number": ["--sample", "--temperature", "nan"],
                  "--seed must be at least 0 and < 4294967296": ["--sample", "--seed", str(2**64)],
                  "--beam-size is for beam search; --sample draws one": ["--sample", "--beam-size", "4"],
                  "--temperature and --top-p are for sampling: add --sample": ["--temperature", "0.5",
