@@ -53,18 +53,18 @@ import reference_data  # noqa: E402
 def prepare(cfg: TrainConfig):
     """Train examples and tokenizer exactly as the default run builds them."""
     splits, _ = reference_data.load_splits(cfg)
-    cache = Path(tempfile.gettempdir()) / f"jaxformer-bench-{cfg.pair}-{cfg.vocab_size}"
-    tokenizer = reference_data.load_or_train_tokenizer(cache, splits["train"], cfg.vocab_size)
-    examples = batching.tokenize_pairs(splits["train"], tokenizer, cfg.max_train_len)
+    cache = Path(tempfile.gettempdir()) / f"jaxformer-bench-{cfg.data.pair}-{cfg.data.vocab_size}"
+    tokenizer = reference_data.load_or_train_tokenizer(cache, splits["train"], cfg.data.vocab_size)
+    examples = batching.tokenize_pairs(splits["train"], tokenizer, cfg.train.max_train_len)
     return examples, tokenizer
 
 
 def epoch_batches(examples, cfg: TrainConfig, pack: bool):
-    boundaries = batching.bucket_boundaries(cfg.max_train_len)
+    boundaries = batching.bucket_boundaries(cfg.train.max_train_len)
     if pack:
-        return batching.pack_batches(examples, cfg.batch_tokens, boundaries[-1], cfg.seed,
+        return batching.pack_batches(examples, cfg.train.batch_tokens, boundaries[-1], cfg.run.seed,
                                      jax.local_device_count())
-    return batching.bucket_batches(examples, cfg.batch_tokens, boundaries, cfg.seed, jax.local_device_count())
+    return batching.bucket_batches(examples, cfg.train.batch_tokens, boundaries, cfg.run.seed, jax.local_device_count())
 
 
 def fractions_line(fractions):
@@ -74,15 +74,15 @@ def fractions_line(fractions):
 def run(examples, tokenizer, cfg: TrainConfig, pack: bool, steps: int) -> dict:
     batches = epoch_batches(examples, cfg, pack)
     shapes = sorted({(length, len(idx)) for length, idx in batches})
-    config = preset(cfg.preset, src_vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id)
+    config = preset(cfg.model.preset, src_vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id)
     model = Transformer(config)
-    state = create_train_state(model, jax.random.key(cfg.seed),
-                               make_optimizer(transformer_schedule(config.d_model, cfg.warmup_steps,
-                                                                   cfg.lr_scale)))
-    step_fn = jit_train_step(model, cfg.label_smoothing)
-    dataset = reference_data.train_dataset(examples, batch_tokens=cfg.batch_tokens,
-                                     boundaries=batching.bucket_boundaries(cfg.max_train_len),
-                                     seed=cfg.seed, pad_id=tokenizer.pad_id, bos_id=tokenizer.bos_id,
+    state = create_train_state(model, jax.random.key(cfg.run.seed),
+                               make_optimizer(transformer_schedule(config.d_model, cfg.train.warmup_steps,
+                                                                   cfg.train.lr_scale)))
+    step_fn = jit_train_step(model, cfg.train.label_smoothing)
+    dataset = reference_data.train_dataset(examples, batch_tokens=cfg.train.batch_tokens,
+                                     boundaries=batching.bucket_boundaries(cfg.train.max_train_len),
+                                     seed=cfg.run.seed, pad_id=tokenizer.pad_id, bos_id=tokenizer.bos_id,
                                      eos_id=tokenizer.eos_id, row_multiple=jax.local_device_count(),
                                      pack=pack)
     iterator = iter(dataset)
@@ -130,12 +130,12 @@ def main():
     args = parser.parse_args()
     if args.quick:
         args.steps = 8
-    cfg = TrainConfig(**DEFAULT_CPU_RUN)
+    cfg = TrainConfig.flat(**DEFAULT_CPU_RUN)
     start = time.perf_counter()
     examples, tokenizer = prepare(cfg)
-    print(f"config: shipped {cfg.pair} train split, {len(examples)} pairs <= {cfg.max_train_len} tokens, "
-          f"sentencepiece {tokenizer.vocab_size}, batch_tokens {cfg.batch_tokens}, preset {cfg.preset}, "
-          f"buckets {batching.bucket_boundaries(cfg.max_train_len)}, {jax.local_device_count()} device(s), "
+    print(f"config: shipped {cfg.data.pair} train split, {len(examples)} pairs <= {cfg.train.max_train_len} tokens, "
+          f"sentencepiece {tokenizer.vocab_size}, batch_tokens {cfg.train.batch_tokens}, preset {cfg.model.preset}, "
+          f"buckets {batching.bucket_boundaries(cfg.train.max_train_len)}, {jax.local_device_count()} device(s), "
           f"{args.steps} timed steps ({time.perf_counter() - start:.1f}s to prepare)", flush=True)
     modes = {"bucket": [False], "pack": [True], "both": [False, True]}[args.batching]
     results = {}

@@ -84,7 +84,7 @@ def _cfg(args: argparse.Namespace):
     from jaxformer.run.config import DEFAULT_CPU_RUN, TrainConfig
 
     data = {"train_file": args.train_file} if args.train_file else {}
-    return TrainConfig(**{**DEFAULT_CPU_RUN, **data, "workdir": args.workdir, "progress": False,
+    return TrainConfig.flat(**{**DEFAULT_CPU_RUN, **data, "workdir": args.workdir, "progress": False,
                           "max_train_len": args.max_train_len, "checkpoint_every": 10**9})
 
 
@@ -103,7 +103,7 @@ def startup(args: argparse.Namespace) -> None:
     if not args.no_cache:   # as train.py does: JAX's persistent cache in the run directory
         keep_compilation_cache(RunDir(args.workdir))
     run = setup(_cfg(args))
-    step = jit_train_step(run.model, run.cfg.label_smoothing, layout=run.layout)
+    step = jit_train_step(run.model, run.cfg.train.label_smoothing, layout=run.layout)
     batch = sharding_lib.shard_batch(next(run.data.iterator), run.layout.batch)
     run.state, metrics = step(run.state, batch, run.dropout_key)
     jax.block_until_ready(metrics)
@@ -129,10 +129,10 @@ def old_path(args: argparse.Namespace) -> None:
     reference_data = _reference_data()
     start, cfg = time.perf_counter(), _cfg(args)
     splits, _ = reference_data.load_splits(cfg)
-    tokenizer = reference_data.load_or_train_tokenizer(Path(args.workdir), splits["train"], cfg.vocab_size)
-    examples = batching.tokenize_pairs(splits["train"], tokenizer, cfg.max_train_len)
-    dataset = reference_data.train_dataset(examples, batch_tokens=cfg.batch_tokens,
-                                     boundaries=batching.bucket_boundaries(cfg.max_train_len), seed=0,
+    tokenizer = reference_data.load_or_train_tokenizer(Path(args.workdir), splits["train"], cfg.data.vocab_size)
+    examples = batching.tokenize_pairs(splits["train"], tokenizer, cfg.train.max_train_len)
+    dataset = reference_data.train_dataset(examples, batch_tokens=cfg.train.batch_tokens,
+                                     boundaries=batching.bucket_boundaries(cfg.train.max_train_len), seed=0,
                                      pad_id=tokenizer.pad_id, bos_id=tokenizer.bos_id,
                                      eos_id=tokenizer.eos_id, pack=True)
     next(iter(dataset))
@@ -155,8 +155,8 @@ def shipped(args: argparse.Namespace) -> None:
     run = setup(cfg)   # on CPU the default: collated in this process (--data-workers 0)
     tok = run.tokenizer
     corpus_ = PreparedCorpus.open(run.run_dir.prepared)
-    bounds = batching.bucket_boundaries(cfg.max_train_len)
-    plans = iter(process_plans(corpus_, max_len=cfg.max_train_len, batch_tokens=cfg.batch_tokens,
+    bounds = batching.bucket_boundaries(cfg.train.max_train_len)
+    plans = iter(process_plans(corpus_, max_len=cfg.train.max_train_len, batch_tokens=cfg.train.batch_tokens,
                                boundaries=bounds, seed=0))
     real = processed = 0
     while plans.get_state()["epoch"] == 0:
@@ -166,15 +166,15 @@ def shipped(args: argparse.Namespace) -> None:
         processed += 2 * length * len(ids)
     reference_data = _reference_data()
     splits, _ = reference_data.load_splits(cfg)
-    examples = batching.tokenize_pairs(splits["train"], tok, cfg.max_train_len,
-                                       max_ratio=cfg.max_length_ratio)
-    old_batches = batching.pack_batches(examples, cfg.batch_tokens, bounds[-1], 0)
-    old = reference_data.train_dataset(examples, batch_tokens=cfg.batch_tokens, boundaries=bounds, seed=0,
+    examples = batching.tokenize_pairs(splits["train"], tok, cfg.train.max_train_len,
+                                       max_ratio=cfg.data.max_length_ratio)
+    old_batches = batching.pack_batches(examples, cfg.train.batch_tokens, bounds[-1], 0)
+    old = reference_data.train_dataset(examples, batch_tokens=cfg.train.batch_tokens, boundaries=bounds, seed=0,
                                  pad_id=tok.pad_id, bos_id=tok.bos_id, eos_id=tok.eos_id, pack=True)
-    step = jit_train_step(run.model, cfg.label_smoothing, layout=run.layout)
+    step = jit_train_step(run.model, cfg.train.label_smoothing, layout=run.layout)
     result = {"padding_streamed": 1 - real / processed,
               "padding_old": batching.padding_fraction(examples, old_batches)["both"]}
-    workers = build_train_data(dataclasses.replace(cfg, data_workers=2), corpus_, run.data.target_language,
+    workers = build_train_data(cfg.replace(data_workers=2), corpus_, run.data.target_language,
                                tok, run.model.config, row_multiple=1).iterator   # the same batches
     state = run.state   # donated by each step: one state carried through all turns
     turns = (("streamed", run.data.iterator), ("streamed_2_workers", workers), ("old", iter(old))) * 2

@@ -43,7 +43,7 @@ def files(short_corpus):
 
 
 def _config(workdir, files, max_steps, **overrides):
-    return TrainConfig(**{**dict(
+    return TrainConfig.flat(**{**dict(
         workdir=str(workdir), train_file=str(files["train"]), dev_file=str(files["dev"]),
         test_file=str(files["test"]), preset="tiny", vocab_size=300, max_len=32, dropout_rate=0.1,
         num_layers=1,   # one layer per stack: what is tested does not depend on depth
@@ -271,7 +271,7 @@ def test_a_setup_that_fails_after_opening_checkpoints_exits_without_a_traceback(
     closes them: no orbax cleanup traceback at interpreter exit."""
     cfg = _config(tmp_path / "run", files, 4)
     code = (f"from jaxformer.run.config import TrainConfig\nfrom jaxformer.train.trainer import train\n"
-            f"try:\n    train(TrainConfig(**{dict(cfg.to_dict(), dev_file=str(tmp_path / 'nope.tsv'))!r}))\n"
+            f"try:\n    train(TrainConfig.flat(**{dict(cfg.to_dict(), dev_file=str(tmp_path / 'nope.tsv'))!r}))\n"
             f"except FileNotFoundError as e:\n    print('refused:', e)\n")
     child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
@@ -475,15 +475,15 @@ def test_bad_paths_and_files_fail_before_any_compile(tmp_path, files, monkeypatc
     monkeypatch.setattr(run_setup, "run_programs", no_compile)
     cfg = _config(tmp_path / "run", files, 4)
     if problem == "missing train file":
-        cfg = TrainConfig(**{**cfg.to_dict(), "train_file": str(tmp_path / "nope.tsv")})
+        cfg = TrainConfig.flat(**{**cfg.to_dict(), "train_file": str(tmp_path / "nope.tsv")})
         expected = "does not exist"
     elif problem == "workdir is a file":
         (tmp_path / "file").write_text("x")
-        cfg = TrainConfig(**{**cfg.to_dict(), "workdir": str(tmp_path / "file")})
+        cfg = TrainConfig.flat(**{**cfg.to_dict(), "workdir": str(tmp_path / "file")})
         expected = "is a file, not a folder: choose another --workdir"
     elif problem == "empty dev file":
         (tmp_path / "dev.tsv").write_text("")
-        cfg = TrainConfig(**{**cfg.to_dict(), "dev_file": str(tmp_path / "dev.tsv")})
+        cfg = TrainConfig.flat(**{**cfg.to_dict(), "dev_file": str(tmp_path / "dev.tsv")})
         expected = "No usable sentence pair"
     elif problem == "corrupt tokenizer":
         (tmp_path / "run" / "tokenizer").mkdir(parents=True)
@@ -491,7 +491,7 @@ def test_bad_paths_and_files_fail_before_any_compile(tmp_path, files, monkeypatc
         expected = "spm.model' is unreadable"
     elif problem == "malformed test file":
         (tmp_path / "test.tsv").write_bytes(b"no tab\n\xff\xfe\tbroken\n")
-        cfg = TrainConfig(**{**cfg.to_dict(), "test_file": str(tmp_path / "test.tsv")})
+        cfg = TrainConfig.flat(**{**cfg.to_dict(), "test_file": str(tmp_path / "test.tsv")})
         expected = "No usable sentence pair.*1 invalid UTF-8, 1 no tab"
     extra = {"zero accumulation": (["--grad-accum-steps", "0"], "--grad-accum-steps must be at least 1"),
              "negative budget": (["--max-minutes", "-1"], "--max-minutes must be a positive finite number"),

@@ -63,7 +63,7 @@ def test_schedule_and_loss_settings_are_checked_where_they_enter(field, value, w
     from jaxformer.run.config import TrainConfig
 
     with pytest.raises(ValueError, match=re.escape(words)):
-        TrainConfig(**{field: value})
+        TrainConfig.flat(**{field: value})
 
 
 def _reference_smoothed_loss(logits, targets, smoothing):
@@ -292,13 +292,13 @@ def test_each_run_builds_its_own_programs_from_its_settings():
     from jaxformer.train.programs import run_programs
 
     config = jf.preset("tiny", src_vocab_size=40, max_len=16, **ONE_LAYER)
-    cfg = TrainConfig(preset="tiny", vocab_size=40, max_steps=100)
+    cfg = TrainConfig.flat(preset="tiny", vocab_size=40, max_steps=100)
     one = run_programs(cfg, config, make_mesh(None, first_devices(1)))
     assert run_programs(cfg, config, make_mesh(None, first_devices(1))).train_step is not one.train_step
-    assert float(one.schedule(0)) == float(transformer_schedule(config.d_model, cfg.warmup_steps)(0))
-    wsd = run_programs(dataclasses.replace(cfg, lr_schedule="wsd"), config, make_mesh(None, first_devices(1)))
+    assert float(one.schedule(0)) == float(transformer_schedule(config.d_model, cfg.train.warmup_steps)(0))
+    wsd = run_programs(cfg.replace(lr_schedule="wsd"), config, make_mesh(None, first_devices(1)))
     assert float(wsd.schedule(99)) > 0.0 == float(wsd.schedule(100)), "a WSD decay ends on the step budget"
-    two = run_programs(dataclasses.replace(cfg, grad_clip=1.0), config, make_mesh(None, first_devices(2)))
+    two = run_programs(cfg.replace(grad_clip=1.0), config, make_mesh(None, first_devices(2)))
     initial = abstract_state(two.init(jax.random.key(0)))
     assert jax.tree_util.tree_structure(two.abstract_state) == jax.tree_util.tree_structure(initial)
     assert [(x.shape, x.dtype, x.sharding) for x in jax.tree_util.tree_leaves(two.abstract_state)] == \

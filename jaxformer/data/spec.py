@@ -47,18 +47,18 @@ class DataSpec:
         Raises:
           ValueError: conflicting corpus flags.
         """
-        if (cfg.train_file and (cfg.src_file or cfg.tgt_file)) or bool(cfg.src_file) != bool(cfg.tgt_file):
+        if (cfg.data.train_file and (cfg.data.src_file or cfg.data.tgt_file)) or bool(cfg.data.src_file) != bool(cfg.data.tgt_file):
             raise ValueError("Give either --train-file or --src-file with --tgt-file, not both; "
                              "--src-file and --tgt-file go together.")
-        common = dict(dev_file=cfg.dev_file, test_file=cfg.test_file, vocab_size=cfg.vocab_size,
-                      max_length_ratio=cfg.max_length_ratio, bt_file=cfg.bt_file, bt_ratio=cfg.bt_ratio)
-        if cfg.train_file:
-            return cls((cfg.train_file,), name=cfg.train_file, **common)
-        if cfg.src_file:
-            return cls((cfg.src_file, cfg.tgt_file), aligned=True,
-                       name=f"{cfg.src_file} + {cfg.tgt_file}", **common)
-        return cls((str(corpus.builtin_corpus_path(cfg.pair)),),
-                   name=f"shipped {cfg.pair} corpus (LibreOffice help, MPL-2.0)", **common)
+        common = dict(dev_file=cfg.data.dev_file, test_file=cfg.data.test_file, vocab_size=cfg.data.vocab_size,
+                      max_length_ratio=cfg.data.max_length_ratio, bt_file=cfg.data.bt_file, bt_ratio=cfg.data.bt_ratio)
+        if cfg.data.train_file:
+            return cls((cfg.data.train_file,), name=cfg.data.train_file, **common)
+        if cfg.data.src_file:
+            return cls((cfg.data.src_file, cfg.data.tgt_file), aligned=True,
+                       name=f"{cfg.data.src_file} + {cfg.data.tgt_file}", **common)
+        return cls((str(corpus.builtin_corpus_path(cfg.data.pair)),),
+                   name=f"shipped {cfg.data.pair} corpus (LibreOffice help, MPL-2.0)", **common)
 
     def source(self, report: DataReport | None = None) -> PairFiles:
         """The corpus as a data source (its pairs counted in ``report``)."""

@@ -7,7 +7,6 @@ tokenizer and parameters; a fresh optimizer and step.
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
 from pathlib import Path
 from typing import Any
@@ -71,7 +70,7 @@ def copy_tokenizer(init_from: str | Path, record: dict[str, Any], target: Path) 
 
 
 def check_fine_tune(cfg: TrainConfig, run_dir: RunDir, *, fresh: bool, starting: bool) -> None:
-    """Refuses a fine-tune of ``cfg.init_from`` before anything is written: ``--fresh`` into
+    """Refuses a fine-tune of ``cfg.run.init_from`` before anything is written: ``--fresh`` into
     that very run (which would move the weights to load aside), a ``preset`` or
     ``vocab_size`` away from their defaults (the loaded run's are kept: they would do
     nothing), and, ``starting`` (no checkpoint of its own yet), a run without a checkpoint.
@@ -80,22 +79,22 @@ def check_fine_tune(cfg: TrainConfig, run_dir: RunDir, *, fresh: bool, starting:
       ValueError: naming the flags and the fix; FileNotFoundError: no checkpoint, or not a
         run (as :func:`read_run`).
     """
-    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
-    ignored = [name for name in ("preset", "vocab_size") if getattr(cfg, name) != defaults[name]]
+    defaults = TrainConfig().settings()
+    ignored = [name for name in ("preset", "vocab_size") if cfg.settings().get(name) != defaults[name]]
     problem = None
     if starting:   # a Hugging Face folder or a damaged record: that diagnosis first
-        read_run(cfg.init_from)
-        if not RunDir(cfg.init_from).has_checkpoint(or_best=True):
-            raise FileNotFoundError(f"--init-from {str(cfg.init_from)!r} has no checkpoint (its best/ and "
+        read_run(cfg.run.init_from)
+        if not RunDir(cfg.run.init_from).has_checkpoint(or_best=True):
+            raise FileNotFoundError(f"--init-from {str(cfg.run.init_from)!r} has no checkpoint (its best/ and "
                                     f"checkpoints/ hold no step): train it first, or start from a run that "
                                     f"has one.")
     if ignored:
-        named = " and ".join(f"{name}={getattr(cfg, name)!r}" for name in ignored)
-        problem = (f"this run fine-tunes {str(cfg.init_from)!r} (init_from), whose architecture and "
+        named = " and ".join(f"{name}={cfg.settings().get(name)!r}" for name in ignored)
+        problem = (f"this run fine-tunes {str(cfg.run.init_from)!r} (init_from), whose architecture and "
                    f"tokenizer it keeps, so {named} would do nothing: leave "
                    f"{'them' if len(ignored) > 1 else 'it'} at the default.")
-    if fresh and Path(cfg.init_from).resolve() == run_dir.root.resolve():
-        problem = (f"--init-from {str(cfg.init_from)!r} is this run's own --workdir, whose files "
+    if fresh and Path(cfg.run.init_from).resolve() == run_dir.root.resolve():
+        problem = (f"--init-from {str(cfg.run.init_from)!r} is this run's own --workdir, whose files "
                    f"--fresh would move aside before loading them: fine-tune into another "
                    f"--workdir (nothing was moved).")
     if problem:
@@ -132,11 +131,11 @@ def tokenizer_and_model_config(cfg: TrainConfig, run_dir: RunDir, *,
         Face folder or its ``config.json`` is damaged (:func:`read_run`).
     """
     resumed = own_record is not None and "model" in own_record and "tokenizer" in own_record
-    record = own_record if resumed else read_run(cfg.init_from)
-    config = model_config(record, cfg.model_overrides())
+    record = own_record if resumed else read_run(cfg.run.init_from)
+    config = model_config(record, cfg.model.overrides())
     if not resumed:   # this run's tokenizer/ is the loaded run's, copied once
         if is_main_process():
-            copy_tokenizer(cfg.init_from, record, run_dir.tokenizer_dir)
+            copy_tokenizer(cfg.run.init_from, record, run_dir.tokenizer_dir)
         if jax.process_count() > 1:   # the others load the files process 0 copied
             from jax.experimental import multihost_utils
 
@@ -150,6 +149,6 @@ def with_saved_init_from(cfg: TrainConfig, run_dir: RunDir) -> TrainConfig:
     sentencepiece model would otherwise be trained into the copied tokenizer folder)."""
     saved = run_dir.read_config() or {}
     init_from = saved.get("train", {}).get("init_from")
-    if cfg.init_from or not init_from:
+    if cfg.run.init_from or not init_from:
         return cfg
-    return dataclasses.replace(cfg, init_from=init_from)
+    return cfg.replace(init_from=init_from)

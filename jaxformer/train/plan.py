@@ -30,8 +30,8 @@ class RunPlan:
       cfg: the run's settings, with the ``--init-from`` it was started with (a fine-tune
         resumed without the flag still takes its architecture and tokenizer from there).
       start: ``"resume"`` (``checkpoints/`` holds a step: the newest readable one is
-        restored), ``"fine-tune"`` (no step yet; the weights of ``cfg.init_from``) or
-        ``"fresh"`` (no step yet; initialised from ``cfg.seed``).
+        restored), ``"fine-tune"`` (no step yet; the weights of ``cfg.run.init_from``) or
+        ``"fresh"`` (no step yet; initialised from ``cfg.run.seed``).
       run_dir: the run directory.
       saved: the run's ``config.json`` record when resuming (what the resume is checked
         against), else ``None``.
@@ -68,31 +68,31 @@ def plan_run(cfg: TrainConfig, fresh: bool = False) -> RunPlan:
       ValueError / FileNotFoundError / OSError: naming the flag and the fix.
     """
     t_start = time.perf_counter()
-    make_bleu(cfg.tgt_lang or target_language_of(cfg), cfg.sacrebleu_tokenize)
-    sharding_lib.initialize_distributed(cfg.coordinator_address, cfg.num_processes, cfg.process_id,
-                                        auto=cfg.distributed)
-    mesh = sharding_lib.make_mesh(cfg.mesh, sharding_lib.first_devices(cfg.devices))
+    make_bleu(cfg.decode.tgt_lang or target_language_of(cfg), cfg.decode.sacrebleu_tokenize)
+    sharding_lib.initialize_distributed(cfg.run.coordinator_address, cfg.run.num_processes, cfg.run.process_id,
+                                        auto=cfg.run.distributed)
+    mesh = sharding_lib.make_mesh(cfg.run.mesh, sharding_lib.first_devices(cfg.run.devices))
     run_dir = RunDir(cfg.workdir)
     saved = None if fresh else run_dir.read_config()
     cfg = cfg if fresh else pretrained.with_saved_init_from(cfg, run_dir)
     resuming = not fresh and run_dir.has_checkpoint()
-    start = "resume" if resuming else "fine-tune" if cfg.init_from else "fresh"
-    if cfg.init_from:
+    start = "resume" if resuming else "fine-tune" if cfg.run.init_from else "fresh"
+    if cfg.run.init_from:
         pretrained.check_fine_tune(cfg, run_dir, fresh=fresh, starting=start == "fine-tune")
     sharding_lib.check_mesh_divides(mesh, _architecture(cfg, saved if resuming else None),
-                                    loaded_from=cfg.init_from)
-    if cfg.devices is not None:
-        log(f"using {cfg.devices} of {len(jax.devices())} devices (--devices)")
-    if cfg.warmup_steps >= cfg.max_steps:   # legal (short test runs), but rarely what is meant
-        log(f"note: --warmup-steps {cfg.warmup_steps} >= --max-steps {cfg.max_steps}: the learning rate "
+                                    loaded_from=cfg.run.init_from)
+    if cfg.run.devices is not None:
+        log(f"using {cfg.run.devices} of {len(jax.devices())} devices (--devices)")
+    if cfg.train.warmup_steps >= cfg.train.max_steps:   # legal (short test runs), but rarely what is meant
+        log(f"note: --warmup-steps {cfg.train.warmup_steps} >= --max-steps {cfg.train.max_steps}: the learning rate "
             f"rises for the whole run and never reaches its peak or decays; lower --warmup-steps "
-            f"(e.g. {max(1, cfg.max_steps // 10)}) for a full schedule")
+            f"(e.g. {max(1, cfg.train.max_steps // 10)}) for a full schedule")
     platform = jax.default_backend()
     return RunPlan(cfg=cfg, start=start, run_dir=run_dir, saved=saved if resuming else None, mesh=mesh,
                    platform=platform, t_start=t_start,
-                   data_workers=cfg.data_workers if cfg.data_workers is not None else (
+                   data_workers=cfg.train.data_workers if cfg.train.data_workers is not None else (
                        0 if platform == "cpu" else 2),
-                   row_multiple=math.lcm(sharding_lib.batch_shards(mesh) * cfg.grad_accum_steps,
+                   row_multiple=math.lcm(sharding_lib.batch_shards(mesh) * cfg.train.grad_accum_steps,
                                          jax.process_count()))
 
 
@@ -101,6 +101,6 @@ def _architecture(cfg: TrainConfig, saved: dict[str, Any] | None) -> Transformer
     a fine-tune's loaded run's, else the preset's with the flags."""
     if saved is not None and "model" in saved:
         return TransformerConfig.from_dict(saved["model"])
-    if cfg.init_from:
-        return pretrained.model_config(pretrained.read_run(cfg.init_from), cfg.model_overrides())
-    return preset(cfg.preset, src_vocab_size=cfg.vocab_size, **cfg.model_overrides())
+    if cfg.run.init_from:
+        return pretrained.model_config(pretrained.read_run(cfg.run.init_from), cfg.model.overrides())
+    return preset(cfg.model.preset, src_vocab_size=cfg.data.vocab_size, **cfg.model.overrides())

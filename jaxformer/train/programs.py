@@ -63,12 +63,12 @@ def run_programs(cfg: TrainConfig, model_config: TransformerConfig, mesh: jax.sh
     ``--grad-clip``, ``--label-smoothing`` and ``--grad-accum-steps``. Nothing is compiled
     yet: each program compiles at its first call."""
     model = Transformer(model_config)
-    schedule = make_schedule(cfg.lr_schedule, d_model=model_config.d_model, warmup_steps=cfg.warmup_steps,
-                             total_steps=cfg.max_steps, decay_fraction=cfg.decay_fraction, scale=cfg.lr_scale)
-    tx = make_optimizer(schedule, cfg.grad_clip)
+    schedule = make_schedule(cfg.train.lr_schedule, d_model=model_config.d_model, warmup_steps=cfg.train.warmup_steps,
+                             total_steps=cfg.train.max_steps, decay_fraction=cfg.train.decay_fraction, scale=cfg.train.lr_scale)
+    tx = make_optimizer(schedule, cfg.train.grad_clip)
     init, layout, abstract_state = jit_sharded_init(model, tx, mesh)
     return RunPrograms(model=model, schedule=schedule, tx=tx, layout=layout, init=init,
                        start_from=jit_state_from_params(model, tx, layout), abstract_state=abstract_state,
-                       train_step=jit_train_step(model, cfg.label_smoothing, layout=layout,
-                                                 grad_accum_steps=cfg.grad_accum_steps),
-                       eval_step=jit_eval_step(model, cfg.label_smoothing, layout=layout), decoders={})
+                       train_step=jit_train_step(model, cfg.train.label_smoothing, layout=layout,
+                                                 grad_accum_steps=cfg.train.grad_accum_steps),
+                       eval_step=jit_eval_step(model, cfg.train.label_smoothing, layout=layout), decoders={})

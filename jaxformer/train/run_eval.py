@@ -24,8 +24,8 @@ DEGENERATE_WARNING = 0.02   # warn when more test hypotheses than this loop on a
 def _translate(run: Run, params: Any, sources: list[str]) -> list[str]:
     """Dev/test decoding with the run's beam, length penalty and repetition rules."""
     cfg = run.cfg
-    return run.evaluator.translate(params, sources, beam_size=cfg.beam_size, alpha=cfg.alpha,
-                                   penalties=Penalties(cfg.no_repeat_ngram_size, cfg.repetition_penalty))
+    return run.evaluator.translate(params, sources, beam_size=cfg.decode.beam_size, alpha=cfg.decode.alpha,
+                                   penalties=Penalties(cfg.decode.no_repeat_ngram_size, cfg.decode.repetition_penalty))
 
 
 def evaluate(run: Run, loop: LoopState, keep_best: bool = True) -> float:
@@ -34,7 +34,7 @@ def evaluate(run: Run, loop: LoopState, keep_best: bool = True) -> float:
     skipped as non-finite since the last clean logging window: the parameters may be
     ruined, as for a checkpoint). Returns the BLEU."""
     cfg, step, params, t0 = run.cfg, loop.step, loop.state.params, time.perf_counter()
-    dev_subset = run.data.splits["dev"][: cfg.dev_bleu_sentences]
+    dev_subset = run.data.splits["dev"][: cfg.decode.dev_bleu_sentences]
     dev_loss = run.evaluator.loss(params, run.data.dev_examples, run.programs.eval_step)
     hyps = _translate(run, params, [p[0] for p in dev_subset])
     scores = run.evaluator.scores(hyps, [p[1] for p in dev_subset])
@@ -45,7 +45,7 @@ def evaluate(run: Run, loop: LoopState, keep_best: bool = True) -> float:
     if is_main_process():
         with run.run_dir.samples.open("a") as f:
             f.write(f"== step {step} dev BLEU {bleu:.2f}\n")
-            for (src, ref), hyp in list(zip(dev_subset, hyps))[: cfg.num_samples]:
+            for (src, ref), hyp in list(zip(dev_subset, hyps))[: cfg.decode.num_samples]:
                 f.write(f"SRC: {src}\nREF: {ref}\nHYP: {hyp}\n\n")
     if bleu > loop.best_bleu and not keep_best:
         log(f"step {step}: not keeping these parameters as the best, updates were skipped as "
@@ -65,12 +65,12 @@ def average_and_compare(run: Run, loop: LoopState, abstract_params: Any) -> tupl
     Returns ``(report for results.json, params)``; ``(None, None)`` with too few checkpoints."""
     cfg, step = run.cfg, loop.step
     have = len(run.checkpoints.steps())
-    if have < cfg.average_last:   # a run stopped early: not worth losing the final test over
-        log(f"checkpoint averaging skipped: --average-last {cfg.average_last} but the run has "
+    if have < cfg.train.average_last:   # a run stopped early: not worth losing the final test over
+        log(f"checkpoint averaging skipped: --average-last {cfg.train.average_last} but the run has "
             f"{have} checkpoint(s)")
         return None, None
-    params, steps = average_last_checkpoints(run.checkpoints, abstract_params, cfg.average_last)
-    dev_subset = run.data.splits["dev"][: cfg.dev_bleu_sentences]
+    params, steps = average_last_checkpoints(run.checkpoints, abstract_params, cfg.train.average_last)
+    dev_subset = run.data.splits["dev"][: cfg.decode.dev_bleu_sentences]
     hyps = _translate(run, params, [p[0] for p in dev_subset])
     bleu = run.evaluator.score(hyps, [p[1] for p in dev_subset])
     kept = bleu > loop.best_bleu
@@ -93,11 +93,11 @@ def _last_evaluated_step(run: Run) -> int:
 
 
 def _decoding_name(cfg) -> str:
-    name = "greedy" if cfg.beam_size == 1 else f"beam {cfg.beam_size}, alpha {cfg.alpha}"
-    if cfg.no_repeat_ngram_size:
-        name += f", no repeated {cfg.no_repeat_ngram_size}-grams"
-    if cfg.repetition_penalty != 1.0:
-        name += f", repetition penalty {cfg.repetition_penalty:g}"
+    name = "greedy" if cfg.decode.beam_size == 1 else f"beam {cfg.decode.beam_size}, alpha {cfg.decode.alpha}"
+    if cfg.decode.no_repeat_ngram_size:
+        name += f", no repeated {cfg.decode.no_repeat_ngram_size}-grams"
+    if cfg.decode.repetition_penalty != 1.0:
+        name += f", repetition penalty {cfg.decode.repetition_penalty:g}"
     return name
 
 
@@ -111,8 +111,8 @@ def _report_degenerate(degenerate: dict[str, Any], hyps: list[str], cfg) -> None
         log(text)
         return
     example = hyps[degenerate["examples"][0]]
-    rules = [rule for rule, unused in (("--repetition-penalty 1.4", cfg.repetition_penalty == 1.0),
-                                       ("--no-repeat-ngram-size 4", cfg.no_repeat_ngram_size == 0)) if unused]
+    rules = [rule for rule, unused in (("--repetition-penalty 1.4", cfg.decode.repetition_penalty == 1.0),
+                                       ("--no-repeat-ngram-size 4", cfg.decode.no_repeat_ngram_size == 0)) if unused]
     fix = "train longer" + (f", or decode with {' or '.join(rules)}" if rules else "")
     log(f"WARNING: {text}, e.g. {example[:120]!r}. The model is undertrained or decoding loops: {fix}.")
 
@@ -134,7 +134,7 @@ def final_test(run: Run, loop: LoopState) -> dict[str, Any]:
     else:
         params, best_step, kind = run.checkpoints.restore_params(abstract_params, report=log)
     averaged = None
-    if cfg.average_last:
+    if cfg.train.average_last:
         averaged, averaged_params = average_and_compare(run, loop, abstract_params)
         if averaged is not None and averaged["kept"]:
             params, best_step, kind = averaged_params, step, "averaged"
@@ -150,7 +150,7 @@ def final_test(run: Run, loop: LoopState) -> dict[str, Any]:
                "best_dev_bleu": loop.best_bleu, "final_step": step, "stopped_by": loop.stopped_by,
                "test_sentences": len(refs), "num_params": run.programs.num_params,
                "degenerate": run.evaluator.degenerate(hyps),
-               "steps": {"done": step, "max_steps": cfg.max_steps, "fraction_done": step / cfg.max_steps,
+               "steps": {"done": step, "max_steps": cfg.train.max_steps, "fraction_done": step / cfg.train.max_steps,
                          "cut_by_max_minutes": loop.stopped_by == "max_minutes"},
                "wall_minutes": (time.perf_counter() - run.plan.t_start) / 60}
     if averaged is not None:
@@ -165,10 +165,10 @@ def final_test(run: Run, loop: LoopState) -> dict[str, Any]:
     log(f"  BLEU {scores['bleu_signature']}\n  chrF {scores['chrf_signature']}")
     _report_degenerate(results["degenerate"], hyps, cfg)
     if loop.stopped_by == "max_minutes":
-        log(f"note: --max-minutes {cfg.max_minutes:g} stopped training at step {step} of --max-steps "
-            f"{cfg.max_steps} ({results['steps']['fraction_done']:.0%} of the step budget)"
+        log(f"note: --max-minutes {cfg.train.max_minutes:g} stopped training at step {step} of --max-steps "
+            f"{cfg.train.max_steps} ({results['steps']['fraction_done']:.0%} of the step budget)"
             + ("; the learning rate had not decayed to zero (--lr-schedule wsd), so this is not "
-               "the run's result" if cfg.lr_schedule == "wsd" else "")
+               "the run's result" if cfg.train.lr_schedule == "wsd" else "")
             + ". Run the same command again (without the limit, or a longer one) to train the rest.")
     run.close()
     if is_main_process():

@@ -49,7 +49,7 @@ def setup(cfg: TrainConfig, *, fresh: bool = False) -> tuple[Run, LoopState]:
 
         multihost_utils.sync_global_devices("workdir")
     with contextlib.ExitStack() as closer:   # what is opened is closed again if a check fails
-        checkpoints = RunCheckpoints(run_dir.root, keep=cfg.keep_checkpoints)
+        checkpoints = RunCheckpoints(run_dir.root, keep=cfg.run.keep_checkpoints)
         closer.callback(checkpoints.close)   # else orbax's cleanup thread prints a traceback at exit
         closer.callback(checkpoints.wait)
         prepared, tokenizer, model_config, tokenizer_record = _data_and_model(plan, previous)
@@ -62,25 +62,25 @@ def setup(cfg: TrainConfig, *, fresh: bool = False) -> tuple[Run, LoopState]:
                                 workers=plan.data_workers)
         closer.callback(data.iterator.close)   # stops the data worker processes, if any
         programs = run_programs(cfg, model_config, plan.mesh)
-        source = f"the architecture of {cfg.init_from}" if cfg.init_from else f"preset {cfg.preset!r}"
+        source = f"the architecture of {cfg.run.init_from}" if cfg.run.init_from else f"preset {cfg.model.preset!r}"
         log(f"model: {programs.num_params / 1e6:.2f}M parameters, {source}")
-        init_key, dropout_key = jax.random.split(jax.random.key(cfg.seed))
+        init_key, dropout_key = jax.random.split(jax.random.key(cfg.run.seed))
         state, step = _start_state(plan, programs, checkpoints, data, init_key)
         data.iterator.start_prefetch()   # data workers (if any) start now, while the step compiles
         _write_run_record(plan, model_config, tokenizer, target_language, batch_rows,
                           data=prepared.manifest["fingerprint"], tokenizer_record=tokenizer_record)
         metrics_log = MetricsLog(run_dir)
         closer.callback(metrics_log.close)
-        evaluator = Evaluator(programs.model, tokenizer, batch_size=cfg.eval_batch_size,
-                              target_language=cfg.tgt_lang or target_language,
-                              tokenize=cfg.sacrebleu_tokenize, layout=programs.layout,
+        evaluator = Evaluator(programs.model, tokenizer, batch_size=cfg.decode.eval_batch_size,
+                              target_language=cfg.decode.tgt_lang or target_language,
+                              tokenize=cfg.decode.sacrebleu_tokenize, layout=programs.layout,
                               decoders=programs.decoders)
         run = Run(plan=plan, programs=programs, data=data, tokenizer=tokenizer, checkpoints=checkpoints,
                   evaluator=evaluator, metrics_log=metrics_log, dropout_key=dropout_key,
                   closer=closer.pop_all())
     best = checkpoints.best_bleu()   # on resume, the score recorded with the best checkpoint
     return run, LoopState(step=step, state=state, best_bleu=-1.0 if best is None else best,
-                          early_stopping=EarlyStopping(cfg.patience, -math.inf if best is None else best))
+                          early_stopping=EarlyStopping(cfg.train.patience, -math.inf if best is None else best))
 
 
 def _data_and_model(plan: RunPlan, previous: Path | None
@@ -88,7 +88,7 @@ def _data_and_model(plan: RunPlan, previous: Path | None
     """The prepared data (reused on every resume), its tokenizer, the architecture and, for a
     fine-tune, the tokenizer record of the run it loads (whose tokenizer encodes the data)."""
     cfg, run_dir = plan.cfg, plan.run_dir
-    if cfg.init_from:
+    if cfg.run.init_from:
         tokenizer, model_config, record = pretrained.tokenizer_and_model_config(cfg, run_dir,
                                                                                 own_record=plan.saved)
         prepared = prepare_run_data(cfg, run_dir, has_checkpoints=plan.resuming, tokenizer=tokenizer,
@@ -96,8 +96,8 @@ def _data_and_model(plan: RunPlan, previous: Path | None
         return prepared, tokenizer, model_config, record["tokenizer"]
     prepared = prepare_run_data(cfg, run_dir, has_checkpoints=plan.resuming, previous=previous)
     tokenizer = Tokenizer(run_dir.tokenizer_dir / "spm.model")
-    model_config = preset(cfg.preset, src_vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id,
-                          **cfg.model_overrides())
+    model_config = preset(cfg.model.preset, src_vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id,
+                          **cfg.model.overrides())
     return prepared, tokenizer, model_config, None
 
 
@@ -114,8 +114,8 @@ def _start_state(plan: RunPlan, programs: RunPrograms, checkpoints: RunCheckpoin
             set_aside_metrics_after(plan.run_dir, step)
         return state, step
     if plan.start == "fine-tune":
-        log(f"initialised from {cfg.init_from}")
-        return programs.start_from(pretrained.load_params(cfg.init_from, abstract.params)), 0
+        log(f"initialised from {cfg.run.init_from}")
+        return programs.start_from(pretrained.load_params(cfg.run.init_from, abstract.params)), 0
     return programs.init(init_key), 0
 
 
@@ -124,20 +124,20 @@ def build_train_data(cfg: TrainConfig, prepared: PreparedCorpus, target_language
                      workers: int = 0) -> TrainData:
     """The endless training pipeline over the prepared data (this process's rows, collated in
     ``workers`` processes) and the dev/test pairs."""
-    max_train_len = cfg.row_length(model_config.max_len)
+    max_train_len = cfg.train.row_length(model_config.max_len)
     _, too_long = kept_records(prepared, max_train_len)
     log(f"train: {len(prepared)} prepared pairs, {len(prepared) - too_long} used, {too_long} longer "
         f"than {max_train_len} tokens left out ({prepared.manifest['name']}: "
         f"{json.dumps(prepared.manifest['counts'])})")
     splits = {name: prepared.held_out(name) for name in ("dev", "test")}
-    note = check_batch_rows(cfg.batch_tokens, max_train_len, row_multiple)
+    note = check_batch_rows(cfg.train.batch_tokens, max_train_len, row_multiple)
     if note:
         log(note)
     build = functools.partial(
-        stream_dataset, prepared, max_len=max_train_len, batch_tokens=cfg.batch_tokens,
-        boundaries=bucket_boundaries(max_train_len), seed=cfg.seed, pad_id=tokenizer.pad_id,
+        stream_dataset, prepared, max_len=max_train_len, batch_tokens=cfg.train.batch_tokens,
+        boundaries=bucket_boundaries(max_train_len), seed=cfg.run.seed, pad_id=tokenizer.pad_id,
         bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, row_multiple=row_multiple,
-        process_index=jax.process_index(), process_count=jax.process_count(), pack=cfg.pack)
+        process_index=jax.process_index(), process_count=jax.process_count(), pack=cfg.train.pack)
     return TrainData(splits=splits, target_language=target_language,
                      iterator=BatchStream(lambda start: build(start=start), workers=workers),
                      dev_examples=tokenize_pairs(splits["dev"], tokenizer, model_config.max_len))
@@ -145,9 +145,9 @@ def build_train_data(cfg: TrainConfig, prepared: PreparedCorpus, target_language
 
 def _batch_rows(cfg: TrainConfig, model_config: TransformerConfig, row_multiple: int) -> dict[str, int]:
     """Rows per batch by row length (packed: one length): what a data position indexes into."""
-    lengths = bucket_boundaries(cfg.row_length(model_config.max_len))
-    return {str(length): rows_per_batch(cfg.batch_tokens, length, row_multiple)
-            for length in (lengths[-1:] if cfg.pack else lengths)}
+    lengths = bucket_boundaries(cfg.train.row_length(model_config.max_len))
+    return {str(length): rows_per_batch(cfg.train.batch_tokens, length, row_multiple)
+            for length in (lengths[-1:] if cfg.train.pack else lengths)}
 
 
 def _check_same_batches(plan: RunPlan, batch_rows: dict[str, int]) -> None:
@@ -166,7 +166,7 @@ def _check_same_batches(plan: RunPlan, batch_rows: dict[str, int]) -> None:
                    "max_train_len": lambda v: "no --max-train-len" if v is None else f"--max-train-len {v}"}
         moved = set(before) != set(batch_rows)   # a --max-train-len that moved the row lengths
         changed = [spell(train[k]) for k, spell in spelled.items()
-                   if k in train and train[k] != getattr(cfg, k) and (k == "pack" or moved)]
+                   if k in train and train[k] != cfg.settings().get(k) and (k == "pack" or moved)]
         used = " ".join(f"--{name.replace('_', '-')} {train[name]}"
                         for name in ("devices", "mesh", "grad_accum_steps") if train.get(name) is not None)
         unset = [f"--{name}" for name in ("devices", "mesh") if train.get(name) is None]
@@ -180,9 +180,9 @@ def _check_same_batches(plan: RunPlan, batch_rows: dict[str, int]) -> None:
             f"settings the run used ({used}" + (f"; no {' or '.join(unset)}" if unset else "") + f", on "
             f"{train.get('num_processes') or 1} process(es)), or a --batch-tokens whose rows divide by both, "
             f"or {fix}")
-    elif train.get("seed") not in (None, cfg.seed):   # the seed orders each epoch's data
+    elif train.get("seed") not in (None, cfg.run.seed):   # the seed orders each epoch's data
         problem = (f"The run's checkpoints continue the data order of --seed {train['seed']}; --seed "
-                   f"{cfg.seed} would read their saved position in another order (pairs repeated and "
+                   f"{cfg.run.seed} would read their saved position in another order (pairs repeated and "
                    f"skipped). Resume with --seed {train['seed']}, or {fix}")
     if problem:
         raise ValueError(problem)

@@ -70,15 +70,15 @@ def train_loop(run: Run, loop: LoopState) -> LoopState:
     """
     cfg, c = run.cfg, run.programs.model.config
     loop.last_log_time = time.perf_counter()
-    deadline = None if cfg.max_minutes is None else run.plan.t_start + 60 * cfg.max_minutes
-    progress = Progress(enabled=cfg.progress, step=loop.step, max_steps=cfg.max_steps,
+    deadline = None if cfg.train.max_minutes is None else run.plan.t_start + 60 * cfg.train.max_minutes
+    progress = Progress(enabled=cfg.run.progress, step=loop.step, max_steps=cfg.train.max_steps,
                         t_start=run.plan.t_start, deadline=deadline)
     with PreemptionGuard(multi_process=jax.process_count() > 1) as guard, progress:
-        while loop.step < cfg.max_steps:
+        while loop.step < cfg.train.max_steps:
             if guard.stop_requested():
                 loop.stopped_by = signal.Signals(guard.received).name
                 break
-            if deadline is not None and past_deadline(deadline, loop.step, cfg.log_every):
+            if deadline is not None and past_deadline(deadline, loop.step, cfg.run.log_every):
                 loop.stopped_by = "max_minutes"
                 break
             batch = next(run.data.iterator)
@@ -91,13 +91,13 @@ def train_loop(run: Run, loop: LoopState) -> LoopState:
             loop.totals = add_metrics(loop.totals, metrics)
             loop.step += 1
             progress.step(loop.step)
-            if loop.step % cfg.log_every == 0:
+            if loop.step % cfg.run.log_every == 0:
                 _log_window(run, loop, progress)
-            if loop.step % cfg.checkpoint_every == 0:
+            if loop.step % cfg.run.checkpoint_every == 0:
                 _save_if_healthy(run, loop)
-            if loop.step % cfg.eval_every == 0 and _evaluate_and_stop_early(run, loop):
+            if loop.step % cfg.train.eval_every == 0 and _evaluate_and_stop_early(run, loop):
                 loop.stopped_by = "early_stopping"
-                log(f"early stopping: no better dev BLEU in {cfg.patience} evaluations "
+                log(f"early stopping: no better dev BLEU in {cfg.train.patience} evaluations "
                     f"(best {loop.early_stopping.best:.2f})")
                 break
     refused = run.checkpoints.latest_step() != loop.step and not _save_if_healthy(run, loop)
