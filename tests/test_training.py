@@ -53,10 +53,10 @@ def test_wsd_schedule_warms_up_holds_the_paper_peak_and_reaches_zero_at_the_budg
 
 
 @pytest.mark.parametrize("field, value, words", [
-    ("decay_fraction", 0.0, "--decay-fraction must be in (0, 1]"),
+    ("decay_fraction", 0.0, "--decay-fraction must be > 0 and at most 1"),
     ("lr_schedule", "cosine", "--lr-schedule must be one of"),
     ("warmup_steps", 0, "--warmup-steps must be at least 1"),
-    ("label_smoothing", 1.0, "--label-smoothing must be in [0, 1)"),
+    ("label_smoothing", 1.0, "--label-smoothing must be at least 0 and < 1"),
 ])
 def test_schedule_and_loss_settings_are_checked_where_they_enter(field, value, words):
     """The schedules and losses trust their settings: the run's config checks them once."""
