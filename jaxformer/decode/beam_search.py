@@ -17,15 +17,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxformer.decode.penalties import NO_PENALTIES, Penalties
+from jaxformer.decode.penalties import apply_processors
 
 # The model callback of every decoder: tokens_to_logits(ids [B, 1], cache) -> (logits [B, V], cache).
 TokensToLogits = Callable[[jax.Array, Any], tuple[jax.Array, Any]]
 
 NEG_INF = -1.0e9
-
-
-LENGTH_NORMALIZATIONS = ("gnmt", "hf")
 
 
 def length_penalty(length, alpha: float, normalization: str = "gnmt"):
@@ -35,16 +32,9 @@ def length_penalty(length, alpha: float, normalization: str = "gnmt"):
     ``"hf"``: |Y|^α, Hugging Face ``generate``'s ``length_penalty`` (transformers
     ``generation/utils.py``, ``_update_finished_beams``). |Y| counts the generated
     tokens, eos included.
-
-    Raises:
-      ValueError: an unknown ``normalization``.
     """
     length = jnp.asarray(length, jnp.float32)
-    if normalization == "gnmt":
-        return ((5.0 + length) / 6.0) ** alpha
-    if normalization == "hf":
-        return length ** alpha
-    raise ValueError(f"length normalization must be one of {LENGTH_NORMALIZATIONS}, got {normalization!r}.")
+    return length ** alpha if normalization == "hf" else ((5.0 + length) / 6.0) ** alpha
 
 
 def _flatten_beams(x):
@@ -88,12 +78,7 @@ def blocked_top_k(x: jax.Array, k: int, block: int = 128) -> tuple[jax.Array, ja
 
     Returns:
       ``(values, indices)`` of shape ``x.shape[:-1] + (k,)``, largest first; indices int32.
-
-    Raises:
-      ValueError: ``block < 1``.
     """
-    if block < 1:
-        raise ValueError(f"blocked_top_k: block must be >= 1, got {block}.")
     n = x.shape[-1]
     if n <= 4 * block or k > n // block:
         return jax.lax.top_k(x, k)
@@ -191,7 +176,7 @@ def init_beam_state(cache: Any, *, batch_size: int, beam_size: int, bos_id: int,
 
 def beam_step(state: dict[str, Any], tokens_to_logits: TokensToLogits, *, bos_id: int, eos_id: int,
               pad_id: int, alpha: float = 0.6, length_normalization: str = "gnmt",
-              early_stopping: bool = False, penalties: Penalties = NO_PENALTIES) -> dict[str, Any]:
+              early_stopping: bool = False, processors: tuple = ()) -> dict[str, Any]:
     """One step of :func:`beam_search`: extend, rank, merge the finished, re-check each
     sentence's stopping rule. Works on any number of sentences B (the state's rows) and
     any token-array length greater than ``state["step"]``."""
@@ -200,10 +185,9 @@ def beam_step(state: dict[str, Any], tokens_to_logits: TokensToLogits, *, bos_id
     step = state["step"]
     logits, cache = tokens_to_logits(_flatten_beams(state["last_ids"])[:, None], state["cache"])
     logp_BNV = _unflatten_beams(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), batch_size)
-    if penalties.active:
-        logp_BNV = _unflatten_beams(penalties.apply(
-            _flatten_beams(logp_BNV), _flatten_beams(state["live_seqs"]), step, banned_value=NEG_INF),
-            batch_size)
+    if processors:   # a banned token's -inf becomes NEG_INF, as every excluded token's
+        logp_RV = apply_processors(processors, _flatten_beams(logp_BNV), _flatten_beams(state["live_seqs"]), step)
+        logp_BNV = _unflatten_beams(jnp.maximum(logp_RV, NEG_INF), batch_size)
     logp_BNV = constrain_log_probs(logp_BNV, step + 1 >= state["limit"], eos_id=eos_id, pad_id=pad_id,
                                    bos_id=bos_id, forced_eos_logprob_zero=hf)
     vocab = logp_BNV.shape[-1]
@@ -258,8 +242,7 @@ def beam_output(state: dict[str, Any], *, pad_id: int, alpha: float = 0.6,
 def beam_search(tokens_to_logits: TokensToLogits, cache: Any, *, batch_size: int, beam_size: int,
                 bos_id: int, eos_id: int, pad_id: int, max_decode_len: int, alpha: float = 0.6,
                 max_lengths: jax.Array | None = None, length_normalization: str = "gnmt",
-                early_stopping: bool = False,
-                penalties: Penalties = NO_PENALTIES) -> tuple[jax.Array, jax.Array]:
+                early_stopping: bool = False, processors: tuple = ()) -> tuple[jax.Array, jax.Array]:
     """Beam search (paper §6.1: k = 4, α = 0.6), GNMT- or Hugging Face-normalised.
 
     Each step extends the live beams, keeps the best 2k candidates, continues the
@@ -294,19 +277,14 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: Any, *, batch_size: int
         + 50): eos is forced at that length (at M without it).
       length_normalization: ``"gnmt"`` or ``"hf"`` (see :func:`length_penalty`).
       early_stopping: close a sentence once k hypotheses are finished.
-      penalties: ``no_repeat_ngram_size`` and ``repetition_penalty``
-        (:mod:`jaxformer.decode.penalties`), applied to each beam's log-probabilities
-        before the candidates are ranked, as fairseq and ``generate`` do; the scores
-        returned are the penalised ones.
+      processors: logit processors (:mod:`jaxformer.decode.penalties`), applied to each
+        beam's log-probabilities before the candidates are ranked, as fairseq and
+        ``generate`` do; the scores returned are the penalised ones.
 
     Returns:
       ``(sequences [B, k, M] int32, scores [B, k] float32)``, best first; sequences end
       with eos then pad. Scores are log-probability / penalty(length).
-
-    Raises:
-      ValueError: an unknown ``length_normalization``.
     """
-    check_length_normalization(length_normalization)
     state0 = init_beam_state(cache, batch_size=batch_size, beam_size=beam_size, bos_id=bos_id,
                              pad_id=pad_id, length=max_decode_len, max_decode_len=max_decode_len,
                              max_lengths=max_lengths)
@@ -317,13 +295,7 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: Any, *, batch_size: int
 
     def body(state):
         return beam_step(state, tokens_to_logits, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id,
-                         early_stopping=early_stopping, penalties=penalties, **rule)
+                         early_stopping=early_stopping, processors=processors, **rule)
 
     return beam_output(jax.lax.while_loop(cond, body, state0), pad_id=pad_id, **rule)
 
-
-def check_length_normalization(length_normalization: str) -> None:
-    """Raises ``ValueError`` for a ``length_normalization`` other than ``"gnmt"``/``"hf"``."""
-    if length_normalization not in LENGTH_NORMALIZATIONS:
-        raise ValueError(f"length_normalization must be one of {LENGTH_NORMALIZATIONS}, "
-                         f"got {length_normalization!r}.")

@@ -25,10 +25,10 @@ import numpy as np
 
 from jaxformer.data.batching import Examples, bucket_boundaries, collate
 from jaxformer.data.tokenizer import Tokenizer
-from jaxformer.decode.decoding import beam_translate, greedy_translate, jit_decoder, sample_translate
+from jaxformer.decode.decoding import _decode, jit_decoder
 from jaxformer.decode.exported import ExportCache
-from jaxformer.decode.penalties import NO_PENALTIES, Penalties
 from jaxformer.decode.staged import StagedBeamSearch
+from jaxformer.decode.strategies import Beam
 from jaxformer.model import sharding as sharding_lib
 from jaxformer.model.transformer import Transformer
 from jaxformer.model.validation import check_token_ids
@@ -53,10 +53,11 @@ class Evaluator:
             sentence's own length in beam search, the batch's padded length in greedy
             decoding and sampling.
           scoring: build the BLEU/chrF scorers (the translate tool needs none).
-          exports: serve greedy and beam decoders from this cache of exported programs
-            (:mod:`jaxformer.decode.exported`; the translate tool's, without a layout).
-          staged: beam search in stages (:class:`jaxformer.decode.staged.StagedBeamSearch`),
-            without a layout; bulk translation's choice.
+          exports: serve the decoders that draw nothing from this cache of exported
+            programs (:mod:`jaxformer.decode.exported`; the translate tool's, without a layout).
+          staged: run :class:`~jaxformer.decode.strategies.Beam` in stages
+            (:class:`jaxformer.decode.staged.StagedBeamSearch`), without a layout; bulk
+            translation's choice.
           decoders: where to keep the jitted decoders, by their settings (default: a new
             dict); evaluators of one model, layout and ``exports``/``staged`` choice may
             share one, as a training run's do across runs
@@ -74,36 +75,32 @@ class Evaluator:
         self._decoders: dict[Any, Any] = {} if decoders is None else decoders
         self.exports = exports
         self.staged = staged and layout is None
-        self.max_len_a, self.max_len_b = max_len_a, max_len_b
-        if max_len_a < 0 or max_len_b < 1 - max_len_a:
-            raise ValueError(f"max_len_a={max_len_a}, max_len_b={max_len_b} allow no output token: "
-                             f"need a >= 0 and a + b >= 1.")
+        self.max_len_a, self.max_len_b = max_len_a, max_len_b   # a ≥ 0, a + b ≥ 1 (the caller's check)
         if scoring:
             from sacrebleu.metrics import CHRF
 
             self.bleu, self.chrf = make_bleu(target_language, tokenize), CHRF()
 
-    def _decoder(self, decoder, **static):
-        """``decoder(params, src[, rng])`` with the statics bound; under a layout, jitted with
-        explicit in/out shardings (:func:`jaxformer.decode.decoding.jit_decoder`). Cached."""
-        key = (decoder, tuple(sorted(static.items())))
+    def _decoder(self, strategy: Any, sampled: bool, **static) -> Callable:
+        """``fn(params, src_BS, rng, indices_B)``: :func:`jaxformer.decode.decoding.jit_decoder`
+        for these settings, served from ``exports`` when there is one and ``rng`` is
+        ``None`` (not ``sampled``), or the staged beam search. Cached."""
+        key = (strategy, sampled, tuple(sorted(static.items())))
         if key not in self._decoders:
-            if self.exports is not None and self.layout is None and decoder is not sample_translate:
-                model, plain = self.model, decoder.__wrapped__   # ids are checked before decode_batch
+            if self.staged and isinstance(strategy, Beam):
+                max_decode_len = static.pop("max_decode_len")
+                staged = StagedBeamSearch(self.model, strategy, **static)
+                self._decoders[key] = lambda params, src, rng, index: staged(params, src, max_decode_len)
+            elif self.exports is not None and self.layout is None and not sampled:
+                model = self.model
 
-                def fn(params, src_BS):
-                    return plain(model, params, src_BS, **static)
+                def fn(params, src_BS, indices_B):
+                    return _decode(model, params, src_BS, None, indices_B, strategy=strategy, **static)
 
-                self._decoders[key] = self.exports.decoder(fn, decoder.__name__, model.config, **static)
+                exported = self.exports.decoder(fn, "decode", model.config, strategy=strategy, **static)
+                self._decoders[key] = lambda params, src, rng, index: exported(params, src, index)
             else:
-                self._decoders[key] = jit_decoder(decoder, self.model, self.layout, **static)
-        return self._decoders[key]
-
-    def _staged(self, **rule) -> StagedBeamSearch:
-        """The staged beam search for these settings (cached: its compiled stages are kept)."""
-        key = ("staged", tuple(sorted(rule.items())))
-        if key not in self._decoders:
-            self._decoders[key] = StagedBeamSearch(self.model, **rule)
+                self._decoders[key] = jit_decoder(self.model, strategy, self.layout, **static)
         return self._decoders[key]
 
     def _place(self, batch):
@@ -131,94 +128,43 @@ class Evaluator:
             rows = -(-rows // multiple) * multiple
         return rows
 
-    def _decode(self, sources: Sequence[str], decode_batch) -> list[list[tuple[str, float]]]:
-        """Sorts sources by length into fixed-shape batches, decodes each with
-        ``decode_batch(src [b, L], max_decode_len) -> (ids [b, n, M], scores [b, n])`` and
-        restores the input order. Sources longer than ``max_len`` tokens are truncated."""
+    def decode(self, params: Any, sources: Sequence[str], strategy: Any, *, rng: jax.Array | None = None,
+               indices: Sequence[int] | None = None,
+               length_limits: bool = True) -> list[list[tuple[str, float]]]:
+        """Decodes ``sources`` with ``strategy`` (:func:`jaxformer.decode.decoding.decode`)
+        in length-sorted fixed-shape batches; returns each source's (translation, score)
+        list, best first, in input order. Sources longer than ``max_len`` tokens are cut.
+
+        Args:
+          rng: the seed key of a sampling strategy; source i draws from
+            ``fold_in(rng, indices[i])`` (``indices``: default 0, 1, ...), whatever its batch.
+          length_limits: each output has at most a·L + b tokens, L its source's length
+            (``False``: only the batch's limit, as Hugging Face ``generate``).
+        """
         c = self.model.config
         ids = [s[: c.max_len] for s in self.tokenizer.encode_source(sources)]
+        indices = np.arange(len(ids)) if indices is None else np.asarray(indices)
+        static = dict(bos_id=self.tokenizer.bos_id, eos_id=self.tokenizer.eos_id, len_a=self.max_len_a,
+                      extra_len=self.max_len_b if length_limits else None)
         out: list[list[tuple[str, float]]] = [[] for _ in ids]
         for length, members in self._length_batches([max(1, len(s)) for s in ids]):
-            src = np.full((self._rows(members.size), length), c.pad_id, np.int32)
+            rows = self._rows(members.size)
+            batch = {"src": np.full((rows, length), c.pad_id, np.int32),
+                     "index": np.zeros((rows,), np.int32)}
             for r, i in enumerate(members):
-                src[r, : len(ids[i])] = ids[i]
-            check_token_ids(src, name="src", vocab_size=c.src_vocab_size, max_len=c.max_len)
-            src = self._place({"src": src})["src"] if self.layout else jnp.asarray(src)
-            hyps, scores = sharding_lib.to_host(decode_batch(src, self.max_decode_len(length)))
+                batch["src"][r, : len(ids[i])], batch["index"][r] = ids[i], indices[i]
+            check_token_ids(batch["src"], name="src", vocab_size=c.src_vocab_size, max_len=c.max_len)
+            batch = self._place(batch) if self.layout else jax.tree_util.tree_map(jnp.asarray, batch)
+            decoder = self._decoder(strategy, rng is not None, max_decode_len=self.max_decode_len(length),
+                                    **static)
+            hyps, scores = sharding_lib.to_host(decoder(params, batch["src"], rng, batch["index"]))
             for r, i in enumerate(members):
-                texts = self.tokenizer.decode(hyps[r])
-                out[i] = list(zip(texts, (float(x) for x in scores[r])))
+                out[i] = list(zip(self.tokenizer.decode(hyps[r]), (float(x) for x in scores[r])))
         return out
 
     def max_decode_len(self, source_length: int) -> int:
         """The output limit for a batch of padded source length ``source_length``."""
         return max(1, min(int(self.max_len_a * source_length + self.max_len_b), self.model.config.max_len))
-
-    def translate_n_best(self, params: Any, sources: Sequence[str], *, beam_size: int = 4,
-                         alpha: float = 0.6, length_normalization: str = "gnmt", early_stopping: bool = False,
-                         penalties: Penalties = NO_PENALTIES) -> list[list[tuple[str, float]]]:
-        """Beam search: for each source, ``beam_size`` (translation, score) pairs, best first.
-
-        ``length_normalization="hf"`` decodes as Hugging Face ``generate`` does (length^α,
-        its stopping rule, no source-length limit; :func:`jaxformer.decode.beam_search.beam_search`);
-        ``early_stopping``: a sentence closes once ``beam_size`` hypotheses ended (fairseq's,
-        CTranslate2's rule); ``penalties``: ``--no-repeat-ngram-size``, ``--repetition-penalty``
-        (:mod:`jaxformer.decode.penalties`).
-        """
-        bos, eos = self.tokenizer.bos_id, self.tokenizer.eos_id
-        extra_len = None if length_normalization == "hf" else self.max_len_b
-        rule = dict(beam_size=beam_size, alpha=alpha, len_a=self.max_len_a, extra_len=extra_len,
-                    length_normalization=length_normalization, bos_id=bos, eos_id=eos,
-                    # left out when off, so the exported programs keep their cache keys
-                    **({"early_stopping": True} if early_stopping else {}), **_penalty_static(penalties))
-        if self.staged:
-            staged = self._staged(**rule)
-            return self._decode(sources, lambda src, max_decode_len: staged(params, src, max_decode_len))
-
-        def decode_batch(src, max_decode_len):
-            return self._decoder(beam_translate, max_decode_len=max_decode_len, **rule)(params, src)
-
-        return self._decode(sources, decode_batch)
-
-    def translate(self, params: Any, sources: Sequence[str], *, beam_size: int = 1,
-                  alpha: float = 0.6, length_normalization: str = "gnmt", early_stopping: bool = False,
-                  penalties: Penalties = NO_PENALTIES) -> list[str]:
-        """Best translation of each source, in input order: greedy for ``beam_size=1``,
-        else beam search with the length penalty α (``"gnmt"`` or ``"hf"``; with ``"hf"``
-        greedy also forces eos at the last step, as ``generate``); ``penalties`` as in
-        :meth:`translate_n_best`."""
-        if beam_size > 1:
-            return [n_best[0][0] for n_best in self.translate_n_best(
-                params, sources, beam_size=beam_size, alpha=alpha, length_normalization=length_normalization,
-                early_stopping=early_stopping, penalties=penalties)]
-        bos, eos = self.tokenizer.bos_id, self.tokenizer.eos_id
-        # Each sentence's own a·L + b limit, as beam search has ("hf": none, as generate).
-        limits = {} if length_normalization == "hf" else dict(len_a=self.max_len_a, extra_len=self.max_len_b)
-
-        def decode_batch(src, max_decode_len):
-            hyp = self._decoder(greedy_translate, max_decode_len=max_decode_len, bos_id=bos, eos_id=eos,
-                                forced_eos=length_normalization == "hf", **limits,
-                                **_penalty_static(penalties))(params, src)
-            return hyp[:, None], jnp.zeros(hyp.shape[:1] + (1,))
-
-        return [n_best[0][0] for n_best in self._decode(sources, decode_batch)]
-
-    def sample(self, params: Any, sources: Sequence[str], rng: jax.Array, *, temperature: float = 1.0,
-               top_k: int | None = None, top_p: float | None = None,
-               penalties: Penalties = NO_PENALTIES) -> list[str]:
-        """One sampled translation per source (see :func:`jaxformer.decode.decoding.sample`)."""
-        bos, eos = self.tokenizer.bos_id, self.tokenizer.eos_id
-        counter = iter(range(1 << 30))
-
-        def decode_batch(src, max_decode_len):
-            hyp = self._decoder(sample_translate, max_decode_len=max_decode_len, bos_id=bos, eos_id=eos,
-                                temperature=temperature, top_k=top_k, top_p=top_p,
-                                len_a=self.max_len_a, extra_len=self.max_len_b,
-                                **_penalty_static(penalties),
-                                )(params, src, jax.random.fold_in(rng, next(counter)))
-            return hyp[:, None], jnp.zeros(hyp.shape[:1] + (1,))
-
-        return [n_best[0][0] for n_best in self._decode(sources, decode_batch)]
 
     def loss(self, params: Any, examples: Examples, eval_step: Callable) -> dict[str, float]:
         """Teacher-forced per-token loss, perplexity and accuracy on tokenized pairs.
@@ -297,12 +243,6 @@ def repeats_ngram(tokens: Sequence[str], times: int = 3, max_n: int = 4) -> bool
     return False
 
 
-def _penalty_static(penalties: Penalties) -> dict[str, Penalties]:
-    """The decoder's ``penalties`` argument, left out when inactive so the default keeps
-    the compiled programs and export-cache keys it always had."""
-    return {"penalties": penalties} if penalties.active else {}
-
-
 def _check_aligned(hypotheses: Sequence[str], references: Sequence[str]) -> None:
     if len(hypotheses) != len(references):
         raise ValueError(f"{len(hypotheses)} hypotheses but {len(references)} references: scoring "
@@ -320,8 +260,7 @@ def make_bleu(target_language: str, tokenize: str | None = None):
     from sacrebleu.metrics.bleu import BLEU
 
     if tokenize is not None and tokenize not in BLEU.TOKENIZERS:
-        raise ValueError(f"Unknown sacrebleu tokenizer {tokenize!r}; "
-                         f"choose one of {sorted(BLEU.TOKENIZERS)}.")
+        raise ValueError(f"Unknown sacrebleu tokenizer {tokenize!r}; choose one of {sorted(BLEU.TOKENIZERS)}.")
     try:
         return BLEU(tokenize=tokenize, trg_lang=target_language)
     except (RuntimeError, ImportError) as e:   # sacrebleu's message for a missing MeCab

@@ -1,7 +1,7 @@
 """Beam search in stages, for bulk decoding: closed sentences leave the batch and the
 self-attention cache grows with the output.
 
-:func:`jaxformer.decode.decoding.beam_translate` is one fixed-shape ``while_loop``: every
+:func:`jaxformer.decode.decoding.decode` runs a ``Beam`` as one fixed-shape ``while_loop``: every
 step pays for all B·k rows and all M cache positions until the batch's last sentence
 closes. In a batch sorted by length most sentences close long before a straggler does
 (on the default run's en-de sources, beam 4, batch 32: 51% of the rows' steps belonged
@@ -20,9 +20,9 @@ a small restaging program per pair of levels; the persistent compile cache keeps
 between processes. Each stage's end reads two scalars and the stage's results back to
 the host.
 
-A sentence's steps are the same arithmetic on its own rows as in ``beam_translate``;
+A sentence's steps are the same arithmetic on its own rows as in one loop;
 only the batch it shares a matmul with and the number of masked cache positions
-differ, so the output equals ``beam_translate``'s up to float rounding (a near-tie can
+differ, so the output equals :func:`~jaxformer.decode.decoding.decode`'s up to float rounding (a near-tie can
 flip). The stages are a pure function of the batch, so a bulk run resumed after a kill
 repeats them exactly.
 """
@@ -36,9 +36,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxformer.decode.beam_search import beam_output, beam_step, check_length_normalization, init_beam_state
+from jaxformer.decode.beam_search import beam_output, beam_step, init_beam_state
 from jaxformer.decode.decoding import _model_callback, decode_step_callback, source_limits
-from jaxformer.decode.penalties import NO_PENALTIES, Penalties
+from jaxformer.decode.strategies import Beam
 from jaxformer.model.transformer import DecodeCache, Transformer
 
 _SENTENCE_KEYS = ("live_seqs", "live_logprobs", "last_ids", "finished_seqs", "finished_scores",
@@ -47,37 +47,29 @@ _LENGTH_KEYS = ("live_seqs", "finished_seqs")
 
 
 class StagedBeamSearch:
-    """Beam search over batches of sources, stage by stage (see the module docstring).
+    """A :class:`~jaxformer.decode.strategies.Beam` search over batches of sources, stage
+    by stage (see the module docstring).
 
     Args:
       model: the :class:`~jaxformer.model.transformer.Transformer` (scanned layers are
         decoded through their unrolled view).
-      beam_size, bos_id, eos_id, alpha, length_normalization, early_stopping, penalties:
-        as :func:`jaxformer.decode.decoding.beam_translate`.
-      len_a, extra_len: each output is at most ``len_a`` × its source length +
-        ``extra_len`` tokens (``None``: no such limit), capped by ``max_decode_len``.
-      first_length: the first stage's token-array and cache length L0.
-
-    Raises:
-      ValueError: an unknown ``length_normalization``, ``beam_size`` or ``first_length`` < 1.
+      beam: the beam search's settings.
+      bos_id, eos_id, len_a, extra_len: as :func:`jaxformer.decode.decoding.decode`.
+      first_length: the first stage's token-array and cache length L0 (≥ 1).
 
     Attributes:
       stages: the last call's stages, ``(rows, length, step at its end)`` each.
     """
 
-    def __init__(self, model: Transformer, *, beam_size: int, bos_id: int, eos_id: int,
-                 alpha: float = 0.6, length_normalization: str = "gnmt", early_stopping: bool = False,
-                 penalties: Penalties = NO_PENALTIES, len_a: float = 1.0, extra_len: int | None = 50,
-                 first_length: int = 32):
-        check_length_normalization(length_normalization)
-        if beam_size < 1 or first_length < 1:
-            raise ValueError(f"beam_size ({beam_size}) and first_length ({first_length}) must be >= 1.")
-        self.model, self.beam_size, self.first_length = model, beam_size, first_length
+    def __init__(self, model: Transformer, beam: Beam, *, bos_id: int, eos_id: int, len_a: float = 1.0,
+                 extra_len: int | None = 50, first_length: int = 32):
+        self.model, self.beam_size, self.first_length = model, beam.beam_size, first_length
         self.pad_id = model.config.pad_id
-        self._rule = dict(alpha=alpha, length_normalization=length_normalization)
+        self._rule = dict(alpha=beam.alpha, length_normalization=beam.length_normalization)
         self._step = functools.partial(beam_step, bos_id=bos_id, eos_id=eos_id, pad_id=self.pad_id,
-                                       early_stopping=early_stopping, penalties=penalties, **self._rule)
-        self._init = functools.partial(init_beam_state, beam_size=beam_size, bos_id=bos_id,
+                                       early_stopping=beam.early_stopping, processors=beam.processors,
+                                       **self._rule)
+        self._init = functools.partial(init_beam_state, beam_size=beam.beam_size, bos_id=bos_id,
                                        pad_id=self.pad_id)
         self._len_a, self._extra_len = len_a, extra_len
         self.stages: list[tuple[int, int, int]] = []
@@ -123,7 +115,7 @@ class StagedBeamSearch:
 
         Returns:
           ``(sequences [B, k, M] int32, scores [B, k] float32)`` as numpy arrays, best
-          first, as :func:`jaxformer.decode.decoding.beam_translate` returns them.
+          first, as :func:`jaxformer.decode.decoding.decode` returns them.
         """
         batch, k = src_BS.shape[0], self.beam_size
         rows, length = batch, min(self.first_length, max_decode_len)

@@ -6,7 +6,7 @@ device, with beam search, n-best lists, sampling and cross-attention maps
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+import math
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,8 @@ import numpy as np
 from jaxformer.data.tokenizer import load_tokenizer
 from jaxformer.decode.evaluation import Evaluator
 from jaxformer.decode.exported import ExportCache
-from jaxformer.decode.penalties import Penalties
+from jaxformer.decode.strategies import Beam, Sample, strategy_for
+from jaxformer.decode.penalties import penalties
 from jaxformer.model.config import TransformerConfig
 from jaxformer.model.matmul import cast_matmul_weights
 from jaxformer.model.scan import unrolled
@@ -64,7 +65,8 @@ class Translator:
         checkpoint asked for.
       ValueError: ``config.json`` is damaged or a Hugging Face model's
         (:meth:`jaxformer.run.directory.RunDir.read_run_record`), ``batch_size`` or
-        ``max_len_b`` not an integer (``batch_size < 1``), ``max_len_a`` not finite or < 0.
+        ``max_len_b`` not an integer (``batch_size < 1``), ``max_len_a`` not finite or < 0,
+        or a + b < 1 (no output token).
     """
 
     def __init__(self, workdir: str | Path, batch_size: int = 32, checkpoint: str | int = "auto",
@@ -74,10 +76,6 @@ class Translator:
         from flax import linen as nn
 
         batch_size = check_count("batch_size", batch_size)
-        if max_len_a is not None:
-            max_len_a = check_real("max_len_a", max_len_a, minimum=0.0)
-        if max_len_b is not None:
-            max_len_b = check_count("max_len_b", max_len_b, minimum=-(1 << 30))
         if isinstance(checkpoint, str) and checkpoint.isdigit():   # "20": a step, as the CLI reads it
             checkpoint = int(checkpoint)
         elif isinstance(checkpoint, np.integer):   # a NumPy step is a step
@@ -116,8 +114,9 @@ class Translator:
         generation = record.get("generation", {})
         if max_len_a is None and max_len_b is None and generation.get("max_length"):
             max_len_a, max_len_b = 0.0, int(generation["max_length"]) - 1
-        self.max_len_a = 1.0 if max_len_a is None else float(max_len_a)
-        self.max_len_b = 50 if max_len_b is None else int(max_len_b)
+        self.max_len_a = check_real("max_len_a", 1.0 if max_len_a is None else max_len_a, minimum=0.0)
+        self.max_len_b = check_count("max_len_b", 50 if max_len_b is None else max_len_b,
+                                     minimum=math.ceil(1 - self.max_len_a))   # a + b ≥ 1: room for a token
         self.evaluator = Evaluator(self.model, self.tokenizer, batch_size=batch_size, scoring=False,
                                    layout=layout,
                                    target_language=record.get("target_language", "xx"),
@@ -137,78 +136,76 @@ class Translator:
                          "repetition_penalty": generation.get(
                              "repetition_penalty", train.get("repetition_penalty", 1.0))}
 
-    def _penalties(self, no_repeat_ngram_size: int | None, repetition_penalty: float | None) -> Penalties:
-        n = self.defaults["no_repeat_ngram_size"] if no_repeat_ngram_size is None else no_repeat_ngram_size
-        p = self.defaults["repetition_penalty"] if repetition_penalty is None else repetition_penalty
-        return Penalties(no_repeat_ngram_size=n, repetition_penalty=p)
+    def _rules(self, options: dict[str, Any]) -> dict[str, Any]:
+        """``options`` with those left ``None`` taken from :attr:`defaults`."""
+        return {k: self.defaults[k] if v is None else v for k, v in options.items()}
 
-    def _options(self, beam_size, alpha, length_normalization, early_stopping, no_repeat_ngram_size,
-                 repetition_penalty):
-        if beam_size is not None:
-            beam_size = check_count("beam_size", beam_size)
-        if alpha is not None:
-            alpha = check_real("alpha", alpha)
-        if early_stopping is not None and not isinstance(early_stopping, (bool, np.bool_)):
-            raise ValueError(f"early_stopping must be True or False, got {early_stopping!r}.")
-        chosen = dict(beam_size=beam_size, alpha=alpha, length_normalization=length_normalization,
-                      early_stopping=early_stopping)
-        return {**{k: self.defaults[k] if v is None else v for k, v in chosen.items()},
-                "penalties": self._penalties(no_repeat_ngram_size, repetition_penalty)}
+    def decode(self, sentences: list[str], strategy: Any, *, seed: int = 0, indices: list[int] | None = None,
+               length_limits: bool = True, stream: int | None = None) -> list[list[tuple[str, float]]]:
+        """(translation, score) lists of ``sentences`` decoded with ``strategy``
+        (:mod:`jaxformer.decode.strategies`), best first, in order; an empty or blank
+        sentence gets one empty pair (score 0).
+
+        Args:
+          seed: a sampling strategy's seed, an integer in [0, 2**32): sentence i draws
+            from ``fold_in(key(seed), indices[i])``, whatever its batch or input path.
+          indices: each sentence's index in the whole input (default 0, 1, ...).
+          length_limits: at most ``max_len_a`` × source length + ``max_len_b`` tokens per
+            sentence (``False``: only the batch's, as Hugging Face ``generate``).
+          stream: the seed key becomes ``fold_in(key(seed), stream)`` (bulk mode's chunks
+            drew so; global ``indices`` make a chunk draw what any other path draws).
+
+        Raises:
+          TypeError: ``sentences`` is one string, not a list of them.
+          ValueError: ``seed`` not an integer in [0, 2**32).
+        """
+        _check_sentences(sentences)
+        rng = jax.random.key(check_count("seed", seed, minimum=0, maximum=(1 << 32) - 1))
+        rng = rng if stream is None else jax.random.fold_in(rng, check_count("stream", stream, minimum=0))
+        indices = range(len(sentences)) if indices is None else indices
+        todo = [i for i, sentence in enumerate(sentences) if sentence.strip()]
+        out = [[("", 0.0)] for _ in sentences]   # the command line writes an empty line for one
+        for i, result in zip(todo, self.evaluator.decode(
+                self.params, [sentences[i] for i in todo], strategy, rng=rng, indices=[indices[i] for i in todo],
+                length_limits=length_limits) if todo else []):
+            out[i] = result
+        return out
 
     def __call__(self, sentences: list[str], *, beam_size: int | None = None, alpha: float | None = None,
                  length_normalization: str | None = None, early_stopping: bool | None = None,
-                 no_repeat_ngram_size: int | None = None,
-                 repetition_penalty: float | None = None) -> list[str]:
-        """Best translations of ``sentences``, in order (``beam_size=1`` = greedy); options
-        left ``None`` take the run's defaults (:attr:`defaults`); ``early_stopping``: close
-        a sentence once ``beam_size`` hypotheses end (:func:`jaxformer.decode.beam_search.beam_search`);
-        the repetition rules are those of :mod:`jaxformer.decode.penalties`.
-
-        Raises:
-          ValueError: ``beam_size`` not an integer ≥ 1, a non-finite ``alpha``,
-            ``no_repeat_ngram_size < 0`` or ``repetition_penalty <= 0``.
-          TypeError: ``sentences`` is one string, not a list of them.
-        """
-        _check_sentences(sentences)
-        options = self._options(beam_size, alpha, length_normalization, early_stopping, no_repeat_ngram_size,
-                                repetition_penalty)
-        return _skipping_blank(sentences, lambda todo: self.evaluator.translate(self.params, todo, **options),
-                               "")
+                 no_repeat_ngram_size: int | None = None, repetition_penalty: float | None = None) -> list[str]:
+        """Best translations of ``sentences``, in order: :meth:`decode` with
+        :func:`jaxformer.decode.strategies.strategy_for` (``beam_size=1`` = greedy); options
+        left ``None`` take the run's :attr:`defaults`."""
+        rules = self._rules(dict(beam_size=beam_size, alpha=alpha, length_normalization=length_normalization,
+                                 early_stopping=early_stopping, no_repeat_ngram_size=no_repeat_ngram_size,
+                                 repetition_penalty=repetition_penalty))
+        return [n_best[0][0] for n_best in self.decode(sentences, strategy_for(**rules),
+                                                        length_limits=rules["length_normalization"] != "hf")]
 
     def n_best(self, sentences: list[str], *, beam_size: int | None = None, alpha: float | None = None,
                length_normalization: str | None = None, early_stopping: bool | None = None,
                no_repeat_ngram_size: int | None = None, repetition_penalty: float | None = None):
-        """``beam_size`` (translation, score) pairs per sentence, best first (options as
-        :meth:`__call__`)."""
-        _check_sentences(sentences)
-        options = self._options(beam_size, alpha, length_normalization, early_stopping, no_repeat_ngram_size,
-                                repetition_penalty)
-        return _skipping_blank(
-            sentences, lambda todo: self.evaluator.translate_n_best(self.params, todo, **options),
-            [("", 0.0)])
+        """``beam_size`` (translation, score) pairs per sentence, best first: :meth:`decode`
+        with a :class:`~jaxformer.decode.strategies.Beam` (options as :meth:`__call__`)."""
+        rules = self._rules(dict(beam_size=beam_size, alpha=alpha, length_normalization=length_normalization,
+                                 early_stopping=early_stopping, no_repeat_ngram_size=no_repeat_ngram_size,
+                                 repetition_penalty=repetition_penalty))
+        beam = Beam(rules["beam_size"], rules["alpha"], rules["length_normalization"], rules["early_stopping"],
+                    penalties(rules["no_repeat_ngram_size"], rules["repetition_penalty"]))
+        return self.decode(sentences, beam, length_limits=beam.length_normalization != "hf")
 
     def sample(self, sentences: list[str], *, seed: int = 0, temperature: float = 1.0,
                top_k: int | None = None, top_p: float | None = None, no_repeat_ngram_size: int | None = None,
-               repetition_penalty: float | None = None, stream: int | None = None) -> list[str]:
-        """One sampled translation per sentence (:func:`jaxformer.decode.decoding.sample`).
-
-        ``stream``: draws from ``fold_in(key(seed), stream)`` instead of ``key(seed)``
-        (bulk translation gives each chunk its own stream, so a resumed run draws the same).
-        An empty or blank sentence gets an empty translation, here and in :meth:`__call__`
-        (:meth:`n_best`: one empty pair, score 0).
-
-        Raises:
-          ValueError: ``seed`` not an integer in [0, 2**32), ``temperature`` not a finite
-            number ≥ 0, ``top_k < 1`` or ``top_p`` outside (0, 1].
-        """
-        key = jax.random.key(_check_seed(seed))
-        key = key if stream is None else jax.random.fold_in(key, check_count("stream", stream, minimum=0))
-        _check_sentences(sentences)
-        temperature = check_real("temperature", temperature, minimum=0.0)
-        penalties = self._penalties(no_repeat_ngram_size, repetition_penalty)
-        return _skipping_blank(sentences, lambda todo: self.evaluator.sample(
-            self.params, todo, key, temperature=temperature, top_k=top_k, top_p=top_p, penalties=penalties),
-            "")
+               repetition_penalty: float | None = None, indices: list[int] | None = None,
+               stream: int | None = None) -> list[str]:
+        """One sampled translation per sentence: :meth:`decode` with a
+        :class:`~jaxformer.decode.strategies.Sample` (its checks) and the run's repetition
+        rules by default (``seed``, ``indices``, ``stream``: as :meth:`decode`)."""
+        rules = self._rules(dict(no_repeat_ngram_size=no_repeat_ngram_size, repetition_penalty=repetition_penalty))
+        strategy = Sample(temperature, top_k, top_p, penalties(**rules))
+        return [n_best[0][0] for n_best in self.decode(sentences, strategy, seed=seed, indices=indices,
+                                                        stream=stream)]
 
     def params_digest(self) -> str:
         """SHA-256 of the parameters as decoded (every leaf's path, dtype, shape and bytes):
@@ -261,25 +258,6 @@ def _check_sentences(sentences) -> None:
             or not all(isinstance(s, str) for s in sentences):   # (a generator would be used up here)
         raise TypeError(f"sentences must be a list of strings, got {type(sentences).__name__}"
                         + (": wrap one sentence in a list" if isinstance(sentences, str) else ""))
-
-
-def _skipping_blank(sentences: list[str], translate: Callable[[list[str]], list], blank: Any) -> list:
-    """``translate`` on the sentences with text; an empty or blank one gets ``blank`` (an
-    empty translation, as the command line writes an empty line for an empty one) instead
-    of whatever the model makes of a bare end-of-sentence."""
-    todo = [i for i, sentence in enumerate(sentences) if sentence.strip()]
-    out = [blank] * len(sentences)
-    for i, result in zip(todo, translate([sentences[i] for i in todo]) if todo else []):
-        out[i] = result
-    return out
-
-
-def _check_seed(seed: Any) -> int:
-    """A sampling seed: an integer in [0, 2**32) (what ``--seed`` takes)."""
-    seed = check_count("seed", seed, minimum=0)
-    if seed >= 1 << 32:
-        raise ValueError(f"seed must be in [0, 2**32), got {seed}.")
-    return seed
 
 
 def save_attention_png(path: str | Path, weights, src_pieces, tgt_pieces, title: str = "") -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxformer.decode.penalties import Penalties
+from jaxformer.decode.strategies import strategy_for
 from jaxformer.model import sharding as sharding_lib
 from jaxformer.run.config import save_json
 from jaxformer.run.logs import is_main_process, log
@@ -29,8 +29,9 @@ DEGENERATE_WARNING = 0.02   # warn when more test hypotheses than this loop on a
 def _translate(run: Run, params: Any, sources: list[str]) -> list[str]:
     """Dev/test decoding with the run's beam, length penalty and repetition rules."""
     cfg = run.cfg
-    return run.evaluator.translate(params, sources, beam_size=cfg.beam_size, alpha=cfg.alpha,
-                                   penalties=Penalties(cfg.no_repeat_ngram_size, cfg.repetition_penalty))
+    strategy = strategy_for(cfg.beam_size, cfg.alpha, no_repeat_ngram_size=cfg.no_repeat_ngram_size,
+                            repetition_penalty=cfg.repetition_penalty)
+    return [n_best[0][0] for n_best in run.evaluator.decode(params, sources, strategy)]
 
 
 def evaluate(run: Run, step: int, keep_best: bool = True) -> float:
