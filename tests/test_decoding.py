@@ -239,7 +239,7 @@ def test_a_strategy_defined_here_decodes_through_decode(tiny_model):
 def test_strategies_check_their_settings_when_made():
     for make, words in ((lambda: Beam(beam_size=0), "beam_size must be at least 1"),
                         (lambda: Beam(beam_size=2.0), r"beam_size must be an integer, got 2.0 \(float\)"),
-                        (lambda: Beam(early_stopping="no"), "early_stopping True or False"),
+                        (lambda: Beam(early_stopping="no"), "early_stopping must be True or False"),
                         (lambda: Beam(length_normalization="fairseq"), "length_normalization must be"),
                         (lambda: Sample(temperature=float("nan")), "temperature must be a finite number"),
                         (lambda: Sample(top_k=2.5), "top_k must be an integer"),

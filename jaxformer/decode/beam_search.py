@@ -1,4 +1,5 @@
-"""Beam search over a ``tokens_to_logits`` callback, as one ``lax.while_loop``.
+"""Beam search over a ``tokens_to_logits`` callback, as one ``lax.while_loop``: the
+:class:`Beam` strategy.
 
 Two ways to rank finished hypotheses: the GNMT length penalty (Wu et al. 2016; the
 paper's §6.1 decoding, the default) and Hugging Face ``generate``'s
@@ -11,13 +12,16 @@ N (the beam width k), so K stays the head width.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxformer.decode.penalties import apply_processors
+from jaxformer.model.validation import check_count, check_real
 
 # The model callback of every decoder: tokens_to_logits(ids [B, 1], cache) -> (logits [B, V], cache).
 TokensToLogits = Callable[[jax.Array, Any], tuple[jax.Array, Any]]
@@ -26,15 +30,91 @@ NEG_INF = -1.0e9
 
 
 def length_penalty(length, alpha: float, normalization: str = "gnmt"):
-    """The divisor of a finished hypothesis' log-probability.
-
-    ``"gnmt"``: lp(Y) = ((5 + |Y|) / 6)^α (Wu et al. 2016; paper §6.1, α = 0.6).
-    ``"hf"``: |Y|^α, Hugging Face ``generate``'s ``length_penalty`` (transformers
-    ``generation/utils.py``, ``_update_finished_beams``). |Y| counts the generated
-    tokens, eos included.
-    """
+    """The divisor of a finished hypothesis' log-probability: ``"gnmt"``, ((5 + |Y|) / 6)^α
+    (Wu et al. 2016; paper §6.1, α = 0.6); ``"hf"``, |Y|^α (transformers
+    ``generation/utils.py``, ``_update_finished_beams``). |Y| counts eos."""
     length = jnp.asarray(length, jnp.float32)
     return length ** alpha if normalization == "hf" else ((5.0 + length) / 6.0) ** alpha
+
+
+@dataclasses.dataclass(frozen=True)
+class Beam:
+    """Beam search (paper §6.1: k = 4, α = 0.6): the k best hypotheses per sentence,
+    scored log-probability / :func:`length_penalty` (a strategy: :mod:`jaxformer.decode.strategies`).
+
+    Each step extends the live beams, keeps the best 2k candidates, continues the
+    best k that did not end, and merges those of the top k that ended (eos) into
+    the k finished hypotheses. A sentence stops taking hypotheses once it is *closed*,
+    and the loop stops when every sentence is closed (or at M tokens):
+
+    * ``"gnmt"``: closed when k hypotheses are finished and the best live
+      log-probability divided by the largest penalty it could still get, lp(its
+      limit), is below the worst finished score: exact, as log-probabilities only fall.
+    * ``"hf"``: ``generate``'s rule (transformers ``_check_early_stop_heuristic``): the
+      best live log-probability over the *current* length^α; eos is forced at the limit
+      with log-probability 0 (``ForcedEOSTokenLogitsProcessor``). This reproduces
+      ``generate(num_beams=k, length_penalty=α)``'s sequences and ``sequences_scores``.
+    * ``early_stopping=True`` (either): closed as soon as k hypotheses are finished,
+      the rule of fairseq, CTranslate2 and ``generate(early_stopping=True)``; faster, not exact.
+
+    Args:
+      beam_size: k.
+      alpha: the length-penalty exponent α; 0 = raw log-probability.
+      length_normalization: ``"gnmt"`` or ``"hf"``.
+      early_stopping: close a sentence once k hypotheses ended.
+      processors: applied to each beam's log-probabilities before the candidates are
+        ranked, as fairseq and ``generate`` do (:mod:`jaxformer.decode.penalties`);
+        the scores are the penalised ones.
+
+    Pad and bos are never generated (``bad_words_ids``); eos is forced at each
+    sentence's limit. Bulk translation runs it in stages (:mod:`jaxformer.decode.staged`).
+
+    Raises:
+      ValueError: ``beam_size`` not an integer ≥ 1, ``alpha`` not finite, another
+        ``length_normalization`` or an ``early_stopping`` not True or False.
+    """
+
+    beam_size: int = 4
+    alpha: float = 0.6
+    length_normalization: Literal["gnmt", "hf"] = "gnmt"
+    early_stopping: bool = False
+    processors: tuple = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "beam_size", check_count("beam_size", self.beam_size))
+        object.__setattr__(self, "alpha", check_real("alpha", self.alpha))
+        wrong = [f"{name} must be {choices}, got {value!r}" for name, value, choices, ok in (
+            ("length_normalization", self.length_normalization, "'gnmt' or 'hf'", self.length_normalization in ("gnmt", "hf")),
+            ("early_stopping", self.early_stopping, "True or False", isinstance(self.early_stopping, (bool, np.bool_))))
+            if not ok]
+        if wrong:
+            raise ValueError("; ".join(wrong) + ".")
+        object.__setattr__(self, "early_stopping", bool(self.early_stopping))
+
+    @property
+    def beams(self) -> int:
+        return self.beam_size
+
+    def search(self, tokens_to_logits: TokensToLogits, cache: Any, *, batch_size: int, bos_id: int, eos_id: int,
+               pad_id: int, max_decode_len: int, max_lengths: jax.Array | None = None,
+               keys_B: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """``(sequences [B, k, M] int32, scores [B, k] float32)``, best first; ``cache``
+        holds ``B*k`` rows (:func:`tile_beams`)."""
+        state0 = init_beam_state(cache, self, batch_size=batch_size, bos_id=bos_id, pad_id=pad_id,
+                                 length=max_decode_len, max_decode_len=max_decode_len, max_lengths=max_lengths)
+        state = jax.lax.while_loop(
+            lambda state: (state["step"] < max_decode_len) & jnp.any(state["open"]),
+            lambda state: beam_step(state, tokens_to_logits, self, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id),
+            state0)
+        return beam_output(state, self, pad_id=pad_id)
+
+
+def beam_search(tokens_to_logits: TokensToLogits, cache: Any, *, beam_size: int, alpha: float = 0.6,
+                length_normalization: str = "gnmt", early_stopping: bool = False, processors: tuple = (),
+                **loop) -> tuple[jax.Array, jax.Array]:
+    """``Beam(beam_size, alpha, ...).search(tokens_to_logits, cache, **loop)``."""
+    return Beam(beam_size, alpha, length_normalization, early_stopping, processors).search(
+        tokens_to_logits, cache, **loop)
 
 
 def _flatten_beams(x):
@@ -124,10 +204,9 @@ def constrain_log_probs(logp_BNV: jax.Array, at_limit_B: jax.Array, *, eos_id: i
     return logp_BNV
 
 
-def still_open(state: dict[str, jax.Array], *, alpha: float, length_normalization: str = "gnmt",
-               early_stopping: bool = False) -> jax.Array:
+def still_open(state: dict[str, jax.Array], beam: Beam) -> jax.Array:
     """The stopping rule: per sentence (bool ``[B]``), can a live beam still beat the worst
-    finished hypothesis? (See :func:`beam_search` for the rules.)
+    finished hypothesis? (:class:`Beam` states the rules.)
 
     Args:
       state: the loop state: ``open [B]``, ``step`` (tokens so far), ``limit [B]`` (each
@@ -135,7 +214,8 @@ def still_open(state: dict[str, jax.Array], *, alpha: float, length_normalizatio
         ``finished_scores``/``finished_flags [B, k]``.
     """
     all_full = jnp.all(state["finished_flags"], axis=1)
-    if early_stopping:   # fairseq, CTranslate2, generate(early_stopping=True): k finished
+    alpha, length_normalization = beam.alpha, beam.length_normalization
+    if beam.early_stopping:   # fairseq, CTranslate2, generate(early_stopping=True): k finished
         return state["open"] & ~all_full
     worst_finished = jnp.min(jnp.where(state["finished_flags"], state["finished_scores"], NEG_INF), axis=1)
     if length_normalization == "hf":   # transformers' heuristic: the live beam as if it ended now
@@ -146,7 +226,7 @@ def still_open(state: dict[str, jax.Array], *, alpha: float, length_normalizatio
     return state["open"] & ~(all_full & (worst_finished >= best_live))
 
 
-def init_beam_state(cache: Any, *, batch_size: int, beam_size: int, bos_id: int, pad_id: int,
+def init_beam_state(cache: Any, beam: Beam, *, batch_size: int, bos_id: int, pad_id: int,
                     length: int, max_decode_len: int, max_lengths: jax.Array | None = None) -> dict[str, Any]:
     """The loop state before the first step: only beam 0 is live (so the first step does
     not pick k copies), nothing finished, every sentence open.
@@ -158,7 +238,7 @@ def init_beam_state(cache: Any, *, batch_size: int, beam_size: int, bos_id: int,
       max_lengths: optional int ``[B]``, per-sentence limits; each sentence's ``limit``
         (eos forced there) is min(its limit, M).
     """
-    k = beam_size
+    k = beam.beam_size
     live_logprobs0 = jnp.tile(jnp.array([0.0] + [NEG_INF] * (k - 1), jnp.float32), (batch_size, 1))
     return dict(
         step=jnp.zeros((), jnp.int32),
@@ -174,19 +254,18 @@ def init_beam_state(cache: Any, *, batch_size: int, beam_size: int, bos_id: int,
         cache=cache)
 
 
-def beam_step(state: dict[str, Any], tokens_to_logits: TokensToLogits, *, bos_id: int, eos_id: int,
-              pad_id: int, alpha: float = 0.6, length_normalization: str = "gnmt",
-              early_stopping: bool = False, processors: tuple = ()) -> dict[str, Any]:
-    """One step of :func:`beam_search`: extend, rank, merge the finished, re-check each
+def beam_step(state: dict[str, Any], tokens_to_logits: TokensToLogits, beam: Beam, *, bos_id: int, eos_id: int,
+              pad_id: int) -> dict[str, Any]:
+    """One step of :class:`Beam`'s search: extend, rank, merge the finished, re-check each
     sentence's stopping rule. Works on any number of sentences B (the state's rows) and
     any token-array length greater than ``state["step"]``."""
-    hf = length_normalization == "hf"
+    hf = beam.length_normalization == "hf"
     batch_size, k = state["live_logprobs"].shape
     step = state["step"]
     logits, cache = tokens_to_logits(_flatten_beams(state["last_ids"])[:, None], state["cache"])
     logp_BNV = _unflatten_beams(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), batch_size)
-    if processors:   # a banned token's -inf becomes NEG_INF, as every excluded token's
-        logp_RV = apply_processors(processors, _flatten_beams(logp_BNV), _flatten_beams(state["live_seqs"]), step)
+    if beam.processors:   # a banned token's -inf becomes NEG_INF, as every excluded token's
+        logp_RV = apply_processors(beam.processors, _flatten_beams(logp_BNV), _flatten_beams(state["live_seqs"]), step)
         logp_BNV = _unflatten_beams(jnp.maximum(logp_RV, NEG_INF), batch_size)
     logp_BNV = constrain_log_probs(logp_BNV, step + 1 >= state["limit"], eos_id=eos_id, pad_id=pad_id,
                                    bos_id=bos_id, forced_eos_logprob_zero=hf)
@@ -211,7 +290,7 @@ def beam_step(state: dict[str, Any], tokens_to_logits: TokensToLogits, *, bos_id
     # hypothesis, so beam size 1 is exactly greedy decoding; a closed sentence
     # takes no more.
     ended = is_eos & alive & (jnp.arange(2 * k) < k)[None, :] & state["open"][:, None]
-    ended_scores = jnp.where(ended, top_logprobs / length_penalty(step + 1, alpha, length_normalization),
+    ended_scores = jnp.where(ended, top_logprobs / length_penalty(step + 1, beam.alpha, beam.length_normalization),
                              NEG_INF)
     merged_scores = jnp.concatenate([state["finished_scores"], ended_scores], axis=1)
     merged_seqs = jnp.concatenate([state["finished_seqs"], top_seqs], axis=1)
@@ -223,79 +302,16 @@ def beam_step(state: dict[str, Any], tokens_to_logits: TokensToLogits, *, bos_id
         finished_scores=new_finished_scores,
         finished_flags=jnp.take_along_axis(merged_flags, finished_pick, axis=1),
         cache=cache)
-    return dict(new_state, open=still_open(new_state, alpha=alpha, length_normalization=length_normalization,
-                                           early_stopping=early_stopping))
+    return dict(new_state, open=still_open(new_state, beam))
 
 
-def beam_output(state: dict[str, Any], *, pad_id: int, alpha: float = 0.6,
-                length_normalization: str = "gnmt") -> tuple[jax.Array, jax.Array]:
+def beam_output(state: dict[str, Any], beam: Beam, *, pad_id: int) -> tuple[jax.Array, jax.Array]:
     """``(sequences [B, k, L], scores [B, k])`` of a loop state, best first. A sentence with
     no finished hypothesis (only when M is tiny) falls back to its live ones."""
     any_finished = jnp.any(state["finished_flags"], axis=1)
     lengths = jnp.sum(state["live_seqs"] != pad_id, axis=2)
-    live_scores = state["live_logprobs"] / length_penalty(lengths, alpha, length_normalization)
+    live_scores = state["live_logprobs"] / length_penalty(lengths, beam.alpha, beam.length_normalization)
     seqs = jnp.where(any_finished[:, None, None], state["finished_seqs"], state["live_seqs"])
     scores = jnp.where(any_finished[:, None], state["finished_scores"], live_scores)
     return seqs, scores
-
-
-def beam_search(tokens_to_logits: TokensToLogits, cache: Any, *, batch_size: int, beam_size: int,
-                bos_id: int, eos_id: int, pad_id: int, max_decode_len: int, alpha: float = 0.6,
-                max_lengths: jax.Array | None = None, length_normalization: str = "gnmt",
-                early_stopping: bool = False, processors: tuple = ()) -> tuple[jax.Array, jax.Array]:
-    """Beam search (paper §6.1: k = 4, α = 0.6), GNMT- or Hugging Face-normalised.
-
-    Each step extends the live beams, keeps the best 2k candidates, continues the
-    best k that did not end, and merges those of the top k that ended (eos) into
-    the k finished hypotheses, scored log-probability / ``length_penalty``. A
-    sentence stops taking hypotheses once it is *closed*, and the loop stops when
-    every sentence is closed (or at M tokens):
-
-    * ``"gnmt"``: closed when k hypotheses are finished and the best live
-      log-probability divided by the largest penalty it could still get, lp(its
-      limit), is below the worst finished score: exact, as log-probabilities only fall.
-    * ``"hf"``: ``generate``'s rule with ``early_stopping=False`` (transformers
-      ``generation/utils.py``, ``_check_early_stop_heuristic``): the best live
-      log-probability is divided by the *current* length^α. Eos is forced at M with
-      log-probability 0, as ``forced_eos_token_id`` does (``ForcedEOSTokenLogitsProcessor``).
-      This reproduces ``generate(num_beams=k, length_penalty=α)``'s sequences and
-      ``sequences_scores``.
-    * ``early_stopping=True`` (either normalization): closed as soon as k hypotheses
-      are finished, the rule of fairseq, CTranslate2 and ``generate(early_stopping=True)``.
-      Faster (a sentence whose live beams would only lose is not carried on), not exact.
-
-    Args:
-      tokens_to_logits: model callback on ``[B*k, 1]`` ids.
-      cache: its initial state for ``B*k`` rows (see :func:`tile_beams`).
-      batch_size: B.
-      beam_size: k.
-      bos_id, eos_id, pad_id: special ids (bos = the decoder start id); pad and bos
-        are never generated (``bad_words_ids``).
-      max_decode_len: M, tokens per hypothesis at most (eos included).
-      alpha: length-penalty exponent α; 0 = raw log-probability.
-      max_lengths: optional int ``[B]``, per-sentence limits ≤ M (e.g. source length
-        + 50): eos is forced at that length (at M without it).
-      length_normalization: ``"gnmt"`` or ``"hf"`` (see :func:`length_penalty`).
-      early_stopping: close a sentence once k hypotheses are finished.
-      processors: logit processors (:mod:`jaxformer.decode.penalties`), applied to each
-        beam's log-probabilities before the candidates are ranked, as fairseq and
-        ``generate`` do; the scores returned are the penalised ones.
-
-    Returns:
-      ``(sequences [B, k, M] int32, scores [B, k] float32)``, best first; sequences end
-      with eos then pad. Scores are log-probability / penalty(length).
-    """
-    state0 = init_beam_state(cache, batch_size=batch_size, beam_size=beam_size, bos_id=bos_id,
-                             pad_id=pad_id, length=max_decode_len, max_decode_len=max_decode_len,
-                             max_lengths=max_lengths)
-    rule = dict(alpha=alpha, length_normalization=length_normalization)
-
-    def cond(state):
-        return (state["step"] < max_decode_len) & jnp.any(state["open"])
-
-    def body(state):
-        return beam_step(state, tokens_to_logits, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id,
-                         early_stopping=early_stopping, processors=processors, **rule)
-
-    return beam_output(jax.lax.while_loop(cond, body, state0), pad_id=pad_id, **rule)
 

@@ -53,7 +53,8 @@ def decode(model: Transformer, params: Any, src_BS: jax.Array, strategy: Any, *,
       rng: the seed key of a sampling strategy (default ``key(0)``); sentence b draws
         from ``fold_in(rng, indices_B[b])``, so a sentence's sample does not depend on
         the batch it is decoded in.
-      indices_B: int ``[B]``, each sentence's index in the whole input (default 0..B-1).
+      indices_B: int ``[B]`` (or ``[B, 1]``), each sentence's index in the whole input
+        (default 0..B-1).
 
     Returns:
       ``(sequences [B, N, M] int32, scores [B, N] float32)``, best first (N = 1 but for
@@ -80,7 +81,7 @@ def _decode(model: Transformer, params: Any, src_BS: jax.Array, rng: jax.Array |
     """:func:`decode` without the host checks: the traced program."""
     batch = src_BS.shape[0]
     tokens_to_logits, cache = _model_callback(model, params, src_BS, max_decode_len, strategy.beams)
-    indices_B = jnp.arange(batch) if indices_B is None else indices_B
+    indices_B = jnp.arange(batch) if indices_B is None else indices_B.reshape(batch)
     keys_B = jax.vmap(jax.random.fold_in, (None, 0))(jax.random.key(0) if rng is None else rng, indices_B)
     return strategy.search(tokens_to_logits, cache, batch_size=batch, bos_id=bos_id, eos_id=eos_id,
                            pad_id=model.config.pad_id, max_decode_len=max_decode_len, keys_B=keys_B,

@@ -1,16 +1,11 @@
-"""Evaluation and batched translation of a trained model: teacher-forced dev loss,
-greedy / beam / sampled decoding in fixed-shape length buckets, and BLEU and chrF
-(sacrebleu).
+"""Evaluation and batched translation of a trained model (:class:`Evaluator`): teacher-forced
+dev loss, decoding in fixed-shape length buckets, and BLEU and chrF (sacrebleu).
 
-Scoring follows sacrebleu's own choice of BLEU tokenizer for the target language
-(``zh`` → ``zh``, ``ja`` → ``ja-mecab``, ``ko`` → ``ko-mecab``, else ``13a``), as its
-command line does. The Japanese and Korean tokenizers need MeCab
-(``pip install "sacrebleu[ja]"`` / ``"sacrebleu[ko]"``); without it the Evaluator refuses
-to start rather than report an incomparable score; ``--sacrebleu-tokenize char`` is
-the explicit alternative.
-
-The trainer evaluates with it; :class:`jaxformer.decode.translator.Translator` translates
-with it.
+BLEU uses sacrebleu's own tokenizer for the target language (``zh`` → ``zh``, ``ja`` →
+``ja-mecab``, ``ko`` → ``ko-mecab``, else ``13a``), as its command line does; without
+MeCab a Japanese or Korean target is refused rather than scored incomparably
+(``--sacrebleu-tokenize char`` is the explicit alternative). The trainer evaluates with
+it; :class:`jaxformer.decode.translator.Translator` translates with it.
 """
 
 from __future__ import annotations
@@ -46,21 +41,17 @@ class Evaluator:
         Args:
           batch_size: the most sentences per decoding batch; a smaller input is padded
             only to the next power of two (one compile per size).
-          target_language: ISO code (``"de"``, ``"zh"``) choosing sacrebleu's BLEU tokenizer.
-          tokenize: a sacrebleu tokenizer name that overrides that choice.
+          target_language: ISO code (``"de"``, ``"zh"``) choosing sacrebleu's BLEU
+            tokenizer; ``tokenize``: a sacrebleu tokenizer name that overrides it.
           max_len_a, max_len_b: a translation has at most ``a * L + b`` tokens (fairseq's
-            ``--max-len-a/--max-len-b``) and never more than ``max_len``: L is each
-            sentence's own length in beam search, the batch's padded length in greedy
-            decoding and sampling.
+            ``--max-len-a/b``; a ≥ 0, a + b ≥ 1), never more than ``max_len``.
           scoring: build the BLEU/chrF scorers (the translate tool needs none).
-          exports: serve the decoders that draw nothing from this cache of exported
-            programs (:mod:`jaxformer.decode.exported`; the translate tool's, without a layout).
+          exports: serve the decoders from this cache of exported programs
+            (:mod:`jaxformer.decode.exported`), but when sampling or under a layout.
           staged: run :class:`~jaxformer.decode.strategies.Beam` in stages
-            (:class:`jaxformer.decode.staged.StagedBeamSearch`), without a layout; bulk
-            translation's choice.
-          decoders: where to keep the jitted decoders, by their settings (default: a new
-            dict); evaluators of one model, layout and ``exports``/``staged`` choice may
-            share one, as a training run's do across runs
+            (:mod:`jaxformer.decode.staged`) without a layout; bulk translation's choice.
+          decoders: where to keep the compiled decoders by their settings (default: a new
+            dict); evaluators of one model, layout and ``exports``/``staged`` may share one
             (:class:`jaxformer.train.programs.RunPrograms`).
 
         Raises:
@@ -75,7 +66,7 @@ class Evaluator:
         self._decoders: dict[Any, Any] = {} if decoders is None else decoders
         self.exports = exports
         self.staged = staged and layout is None
-        self.max_len_a, self.max_len_b = max_len_a, max_len_b   # a ≥ 0, a + b ≥ 1 (the caller's check)
+        self.max_len_a, self.max_len_b = max_len_a, max_len_b
         if scoring:
             from sacrebleu.metrics import CHRF
 
@@ -150,9 +141,9 @@ class Evaluator:
         for length, members in self._length_batches([max(1, len(s)) for s in ids]):
             rows = self._rows(members.size)
             batch = {"src": np.full((rows, length), c.pad_id, np.int32),
-                     "index": np.zeros((rows,), np.int32)}
+                     "index": np.zeros((rows, 1), np.int32)}   # rank 2, as the batch sharding wants
             for r, i in enumerate(members):
-                batch["src"][r, : len(ids[i])], batch["index"][r] = ids[i], indices[i]
+                batch["src"][r, : len(ids[i])], batch["index"][r, 0] = ids[i], indices[i]
             check_token_ids(batch["src"], name="src", vocab_size=c.src_vocab_size, max_len=c.max_len)
             batch = self._place(batch) if self.layout else jax.tree_util.tree_map(jnp.asarray, batch)
             decoder = self._decoder(strategy, rng is not None, max_decode_len=self.max_decode_len(length),
@@ -259,17 +250,17 @@ def make_bleu(target_language: str, tokenize: str | None = None):
     """
     from sacrebleu.metrics.bleu import BLEU
 
-    if tokenize is not None and tokenize not in BLEU.TOKENIZERS:
-        raise ValueError(f"Unknown sacrebleu tokenizer {tokenize!r}; choose one of {sorted(BLEU.TOKENIZERS)}.")
     try:
         return BLEU(tokenize=tokenize, trg_lang=target_language)
-    except (RuntimeError, ImportError) as e:   # sacrebleu's message for a missing MeCab
+    except (RuntimeError, ImportError, KeyError) as e:   # an unknown name; a missing MeCab
         chosen = tokenize or BLEU._TOKENIZER_MAP.get(target_language, BLEU.TOKENIZER_DEFAULT)
         extra = {"ja-mecab": "ja", "ko-mecab": "ko"}.get(chosen)
         install = f"pip install 'sacrebleu[{extra}]'" if extra else "install what sacrebleu asks for"
         reason = ("MeCab is not installed" if extra
                   else (str(e).strip().splitlines() or [type(e).__name__])[0].strip())
         raise ValueError(
+            f"Unknown sacrebleu tokenizer {tokenize!r}; choose one of {sorted(BLEU.TOKENIZERS)}."
+            if chosen not in BLEU.TOKENIZERS else
             f"BLEU for target language {target_language!r} uses sacrebleu's {chosen!r} tokenizer, "
             f"which cannot start ({reason}). Either {install}, or pass --sacrebleu-tokenize char "
             f"(character BLEU, not comparable with published {chosen} scores).") from e

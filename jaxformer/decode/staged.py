@@ -1,30 +1,20 @@
 """Beam search in stages, for bulk decoding: closed sentences leave the batch and the
 self-attention cache grows with the output.
 
-:func:`jaxformer.decode.decoding.decode` runs a ``Beam`` as one fixed-shape ``while_loop``: every
-step pays for all B·k rows and all M cache positions until the batch's last sentence
-closes. In a batch sorted by length most sentences close long before a straggler does
-(on the default run's en-de sources, beam 4, batch 32: 51% of the rows' steps belonged
-to open sentences), and M is the bucket's bound (32 + 50 positions) where outputs are
-~16 tokens long; reordering the K/V cache between beams alone costs time ∝ M.
+In one fixed-shape ``while_loop`` every step pays for all B·k rows and all M cache
+positions until the batch's last sentence closes, though most close long before a
+straggler does (en-de, beam 4, batch 32: 51% of the rows' steps belonged to open
+sentences) and outputs are far shorter than M. :class:`StagedBeamSearch` runs the same
+:func:`~jaxformer.decode.beam_search.beam_step` in stages driven from the host: a stage
+is a ``while_loop`` over R sentences with arrays and cache of length L that returns once
+at most R/2 sentences are open, or at step L. Between stages the open sentences are
+gathered into R/2 rows (R/4 while at most that many are open: fairseq and CTranslate2
+drop finished sentences the same way); once a stage reaches step L the arrays are
+padded to M. Each (R, L) is one compiled loop, at most 2 × (log2 B + 1) per bucket.
 
-:class:`StagedBeamSearch` runs the same :func:`~jaxformer.decode.beam_search.beam_step`
-in stages driven from the host. A stage is a ``while_loop`` over R sentences with token
-arrays and cache of length L; it returns once at most R/2 sentences are open, or at
-step L. Between stages the open sentences are gathered into R/2 rows, and again into
-R/4 while at most that many are open (fairseq and CTranslate2 drop finished sentences
-from their batch the same way); once a stage reaches step L the arrays are padded to M
-(the sentences still open then are few, so a longer cache costs little more). Each
-(R, L) is one compiled decoding loop, at most 2 × (log2 B + 1) per source bucket, plus
-a small restaging program per pair of levels; the persistent compile cache keeps them
-between processes. Each stage's end reads two scalars and the stage's results back to
-the host.
-
-A sentence's steps are the same arithmetic on its own rows as in one loop;
-only the batch it shares a matmul with and the number of masked cache positions
-differ, so the output equals :func:`~jaxformer.decode.decoding.decode`'s up to float rounding (a near-tie can
-flip). The stages are a pure function of the batch, so a bulk run resumed after a kill
-repeats them exactly.
+A sentence's steps are the same arithmetic on its own rows as in one loop, so the
+output equals :func:`~jaxformer.decode.decoding.decode`'s up to float rounding (a near-tie
+can flip); the stages are a pure function of the batch, so a resumed bulk run repeats them.
 """
 
 from __future__ import annotations
@@ -36,9 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxformer.decode.beam_search import beam_output, beam_step, init_beam_state
+from jaxformer.decode.beam_search import Beam, beam_output, beam_step, init_beam_state
 from jaxformer.decode.decoding import _model_callback, decode_step_callback, source_limits
-from jaxformer.decode.strategies import Beam
 from jaxformer.model.transformer import DecodeCache, Transformer
 
 _SENTENCE_KEYS = ("live_seqs", "live_logprobs", "last_ids", "finished_seqs", "finished_scores",
@@ -63,14 +52,10 @@ class StagedBeamSearch:
 
     def __init__(self, model: Transformer, beam: Beam, *, bos_id: int, eos_id: int, len_a: float = 1.0,
                  extra_len: int | None = 50, first_length: int = 32):
-        self.model, self.beam_size, self.first_length = model, beam.beam_size, first_length
+        self.model, self.beam, self.beam_size, self.first_length = model, beam, beam.beam_size, first_length
         self.pad_id = model.config.pad_id
-        self._rule = dict(alpha=beam.alpha, length_normalization=beam.length_normalization)
-        self._step = functools.partial(beam_step, bos_id=bos_id, eos_id=eos_id, pad_id=self.pad_id,
-                                       early_stopping=beam.early_stopping, processors=beam.processors,
-                                       **self._rule)
-        self._init = functools.partial(init_beam_state, beam_size=beam.beam_size, bos_id=bos_id,
-                                       pad_id=self.pad_id)
+        self._step = functools.partial(beam_step, beam=beam, bos_id=bos_id, eos_id=eos_id, pad_id=self.pad_id)
+        self._init = functools.partial(init_beam_state, beam=beam, bos_id=bos_id, pad_id=self.pad_id)
         self._len_a, self._extra_len = len_a, extra_len
         self.stages: list[tuple[int, int, int]] = []
         self._start = jax.jit(self._start_stage, static_argnames=("length", "max_decode_len"))
@@ -96,7 +81,7 @@ class StagedBeamSearch:
             return (state["step"] < length) & (jnp.sum(state["open"]) > stop_at)
 
         state = jax.lax.while_loop(cond, lambda s: self._step(s, tokens_to_logits), state)
-        seqs, scores = beam_output(state, pad_id=self.pad_id, **self._rule)
+        seqs, scores = beam_output(state, self.beam, pad_id=self.pad_id)
         return state, (seqs, scores, state["origin"], jnp.sum(state["open"]), state["step"])
 
     def _next_stage(self, state, *, rows: int, length: int) -> dict[str, Any]:

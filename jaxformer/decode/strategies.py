@@ -21,14 +21,13 @@ output, N hypotheses per sentence (the beam width).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 import chex
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jaxformer.decode.beam_search import TokensToLogits, beam_search
+from jaxformer.decode.beam_search import Beam, TokensToLogits
 from jaxformer.decode.penalties import apply_processors, penalties
 from jaxformer.model.validation import check_count, check_real
 
@@ -168,56 +167,12 @@ class Sample:
         return _one_best(autoregress(tokens_to_logits, cache, pick, **loop))
 
 
-@dataclasses.dataclass(frozen=True)
-class Beam:
-    """Beam search (paper §6.1: k = 4, α = 0.6): ``beam_size`` hypotheses per sentence,
-    scored log-probability / length penalty (:func:`jaxformer.decode.beam_search.beam_search`).
-
-    Args:
-      beam_size: k.
-      alpha: the length-penalty exponent α; 0 = raw log-probability.
-      length_normalization: ``"gnmt"`` ((5 + |Y|) / 6)^α, exact stopping) or ``"hf"``
-        (|Y|^α and ``generate``'s stopping rule).
-      early_stopping: close a sentence once k hypotheses ended (fairseq, CTranslate2).
-      processors: applied to each beam's log-probabilities (:mod:`jaxformer.decode.penalties`).
-
-    Bulk translation runs it in stages (:class:`jaxformer.decode.staged.StagedBeamSearch`).
-
-    Raises:
-      ValueError: ``beam_size`` not an integer ≥ 1, ``alpha`` not finite, another
-        ``length_normalization`` or an ``early_stopping`` not True or False.
-    """
-
-    beam_size: int = 4
-    alpha: float = 0.6
-    length_normalization: Literal["gnmt", "hf"] = "gnmt"
-    early_stopping: bool = False
-    processors: tuple = ()
-
-    def __post_init__(self):
-        object.__setattr__(self, "beam_size", check_count("beam_size", self.beam_size))
-        object.__setattr__(self, "alpha", check_real("alpha", self.alpha))
-        if self.length_normalization not in ("gnmt", "hf") or not isinstance(self.early_stopping, (bool, np.bool_)):
-            raise ValueError(f"length_normalization must be 'gnmt' or 'hf' and early_stopping True or False, "
-                             f"got {self.length_normalization!r} and {self.early_stopping!r}.")
-        object.__setattr__(self, "early_stopping", bool(self.early_stopping))
-
-    @property
-    def beams(self) -> int:
-        return self.beam_size
-
-    def search(self, tokens_to_logits, cache, *, keys_B=None, **loop):
-        return beam_search(tokens_to_logits, cache, beam_size=self.beam_size, alpha=self.alpha,
-                           length_normalization=self.length_normalization, early_stopping=self.early_stopping,
-                           processors=self.processors, **loop)
-
-
 def strategy_for(beam_size: int, alpha: float = 0.6, length_normalization: str = "gnmt",
                  early_stopping: bool = False, no_repeat_ngram_size: int = 0,
                  repetition_penalty: float = 1.0) -> Greedy | Beam:
-    """The strategy of the decoding flags: :class:`Greedy` for ``beam_size`` 1 (with
-    ``"hf"``, eos forced at the last step, as ``generate``), else :class:`Beam`."""
-    processors = penalties(no_repeat_ngram_size, repetition_penalty)
-    if beam_size == 1:
-        return Greedy(forced_eos=length_normalization == "hf", processors=processors)
-    return Beam(beam_size, alpha, length_normalization, early_stopping, processors)
+    """The strategy of the decoding flags (every one checked, used or not): :class:`Greedy`
+    for ``beam_size`` 1 (with ``"hf"``, eos forced at the last step, as ``generate``),
+    else :class:`Beam`."""
+    beam = Beam(beam_size, alpha, length_normalization, early_stopping,
+                penalties(no_repeat_ngram_size, repetition_penalty))
+    return Greedy(length_normalization == "hf", beam.processors) if beam.beam_size == 1 else beam

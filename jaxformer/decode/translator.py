@@ -17,8 +17,8 @@ import numpy as np
 from jaxformer.data.tokenizer import load_tokenizer
 from jaxformer.decode.evaluation import Evaluator
 from jaxformer.decode.exported import ExportCache
-from jaxformer.decode.strategies import Beam, Sample, strategy_for
 from jaxformer.decode.penalties import penalties
+from jaxformer.decode.strategies import Beam, Sample, strategy_for
 from jaxformer.model.config import TransformerConfig
 from jaxformer.model.matmul import cast_matmul_weights
 from jaxformer.model.scan import unrolled
@@ -46,19 +46,15 @@ class Translator:
         ``None`` (both): the model's own limit, an imported model's generation
         ``max_length`` (``a = 0``, ``b = max_length - 1``: Hugging Face counts the decoder
         start token), else ``a = 1``, ``b = 50``; one given, the other takes 1 or 50.
-      exported: keep the parameters' shapes and the exported greedy/beam decoders in
-        ``RUN/jax_cache/exported`` (:mod:`jaxformer.decode.exported`), so a later process neither
-        traces the model nor the decoders (the translate tool does, when the run
-        directory is writable). Not with a ``mesh``.
-      mesh: decode data-parallel over this mesh's devices (sentences split over ``data``
-        × ``fsdp``, parameters laid out by the rules table as in training); ``None`` =
-        one device.
-      staged: beam search in stages (:mod:`jaxformer.decode.staged`: closed sentences
-        leave the batch, the cache grows with the output), for bulk translation; one
-        device only (ignored with a ``mesh``).
-      matmul_dtype: decode with the weight matmuls in this dtype (``"bfloat16"``: the
-        weight matrices are cast once, activations at each matmul, sums in float32;
-        :mod:`jaxformer.model.matmul`); ``None`` = the run's.
+      exported: keep the parameters' shapes and the exported decoders in
+        ``RUN/jax_cache/exported`` (:mod:`jaxformer.decode.exported`), so a later process
+        traces neither the model nor the decoders. Not with a ``mesh``.
+      mesh: decode data-parallel over this mesh's devices (sentences over ``data`` ×
+        ``fsdp``, parameters laid out as in training); ``None`` = one device.
+      staged: beam search in stages (:mod:`jaxformer.decode.staged`), for bulk
+        translation; one device only (ignored with a ``mesh``).
+      matmul_dtype: the weight matmuls' dtype (:mod:`jaxformer.model.matmul`); ``None`` =
+        the run's.
 
     Raises:
       FileNotFoundError: the run directory lacks ``config.json``, the tokenizer or the
@@ -118,14 +114,9 @@ class Translator:
         self.max_len_b = check_count("max_len_b", 50 if max_len_b is None else max_len_b,
                                      minimum=math.ceil(1 - self.max_len_a))   # a + b ≥ 1: room for a token
         self.evaluator = Evaluator(self.model, self.tokenizer, batch_size=batch_size, scoring=False,
-                                   layout=layout,
-                                   target_language=record.get("target_language", "xx"),
+                                   layout=layout, target_language=record.get("target_language", "xx"),
                                    max_len_a=self.max_len_a, max_len_b=self.max_len_b, exports=exports,
                                    staged=staged)
-        # Decoding defaults: an imported model's generation_config (jaxformer.interop.marian),
-        # else what the run decoded its dev and test sets with (--beam-size, --alpha and the
-        # repetition rules), else §6.1's beam 4 and α 0.6.
-        generation = record.get("generation", {})
         train = record.get("train", {})
         self.defaults = {"beam_size": generation.get("beam_size", train.get("beam_size", 4)),
                          "alpha": generation.get("length_penalty", train.get("alpha", 0.6)),
@@ -160,7 +151,9 @@ class Translator:
           ValueError: ``seed`` not an integer in [0, 2**32).
         """
         _check_sentences(sentences)
-        rng = jax.random.key(check_count("seed", seed, minimum=0, maximum=(1 << 32) - 1))
+        if not 0 <= check_count("seed", seed, minimum=-(1 << 63)) < 1 << 32:   # what --seed takes
+            raise ValueError(f"seed must be in [0, 2**32), got {seed}.")
+        rng = jax.random.key(int(seed))
         rng = rng if stream is None else jax.random.fold_in(rng, check_count("stream", stream, minimum=0))
         indices = range(len(sentences)) if indices is None else indices
         todo = [i for i, sentence in enumerate(sentences) if sentence.strip()]
