@@ -42,10 +42,9 @@ class Beam:
     """Beam search (paper §6.1: k = 4, α = 0.6): the k best hypotheses per sentence,
     scored log-probability / :func:`length_penalty` (a strategy: :mod:`jaxformer.decode.strategies`).
 
-    Each step extends the live beams, keeps the best 2k candidates, continues the
-    best k that did not end, and merges those of the top k that ended (eos) into
-    the k finished hypotheses. A sentence stops taking hypotheses once it is *closed*,
-    and the loop stops when every sentence is closed (or at M tokens):
+    Each step extends the live beams, keeps the best 2k candidates, continues the best
+    k that did not end and merges those of the top k that ended into the k finished;
+    the loop stops when every sentence is *closed* (or at M tokens):
 
     * ``"gnmt"``: closed when k hypotheses are finished and the best live
       log-probability divided by the largest penalty it could still get, lp(its
@@ -66,8 +65,8 @@ class Beam:
         ranked, as fairseq and ``generate`` do (:mod:`jaxformer.decode.penalties`);
         the scores are the penalised ones.
 
-    Pad and bos are never generated (``bad_words_ids``); eos is forced at each
-    sentence's limit. Bulk translation runs it in stages (:mod:`jaxformer.decode.staged`).
+    Pad and bos are never generated; eos is forced at each sentence's limit. Bulk
+    translation runs it in stages (:mod:`jaxformer.decode.staged`).
 
     Raises:
       ValueError: ``beam_size`` not an integer ≥ 1, ``alpha`` not finite, another
@@ -126,11 +125,8 @@ def _unflatten_beams(x, batch_size):
 
 
 def _gather_beams(tree, beam_indices_BN, batch_size):
-    """Picks beams ``[B, N]`` from every leaf with a flattened ``[B*k, ...]`` batch axis.
-
-    A cache with a ``map_beam_state(fn)`` method (:class:`jaxformer.model.transformer.DecodeCache`)
-    gathers only the leaves it names as differing between beams.
-    """
+    """Picks beams ``[B, N]`` from every leaf with a flattened ``[B*k, ...]`` batch axis (of a
+    :class:`~jaxformer.model.transformer.DecodeCache`, only the leaves that differ by beam)."""
     if hasattr(tree, "map_beam_state"):
         return tree.map_beam_state(lambda x: _gather_beams(x, beam_indices_BN, batch_size))
 
@@ -145,19 +141,13 @@ def _gather_beams(tree, beam_indices_BN, batch_size):
 
 
 def blocked_top_k(x: jax.Array, k: int, block: int = 128) -> tuple[jax.Array, jax.Array]:
-    """``jax.lax.top_k(x, k)`` along the last axis, exactly (ties included), found by blocks.
+    """``jax.lax.top_k(x, k)`` along the last axis, exactly (ties to the lower index), by
+    blocks: ``(values, int32 indices)`` of shape ``x.shape[:-1] + (k,)``, largest first.
 
-    The last axis is cut into blocks of ``block`` (padded with -inf); only the ``k``
-    blocks with the largest maxima can hold the top ``k`` (each of the top ``k`` lies
-    in a block whose maximum is at least the k-th value, and at most ``k`` blocks have
-    one), so a max per block, a small top-k over block maxima and a top-k over
-    ``k · block`` candidates replace one top-k over the whole axis. The chosen blocks
-    are kept in index order, so ties resolve to the lower index as in ``lax.top_k``.
-    At beam search's ``[32, 4 · 8000]`` it takes 0.3 ms where ``lax.top_k`` takes 1.5 ms
-    on a 2-core CPU.
-
-    Returns:
-      ``(values, indices)`` of shape ``x.shape[:-1] + (k,)``, largest first; indices int32.
+    Only the k blocks (of ``block``, padded with -inf) with the largest maxima can hold
+    the top k, so a max per block, a top-k over those and one over ``k · block``
+    candidates replace one over the whole axis: 0.3 ms for beam search's ``[32, 4 · 8000]``
+    where ``lax.top_k`` takes 1.5 ms on a 2-core CPU.
     """
     n = x.shape[-1]
     if n <= 4 * block or k > n // block:
@@ -183,17 +173,9 @@ def tile_beams(tree, beam_size: int):
 
 def constrain_log_probs(logp_BNV: jax.Array, at_limit_B: jax.Array, *, eos_id: int, pad_id: int,
                         bos_id: int, forced_eos_logprob_zero: bool = False) -> jax.Array:
-    """The scoring rule of one beam-search step: pad and bos are never generated
-    (``bad_words_ids``), and a sentence at its length limit (``at_limit_B``, bool
-    ``[B]``) can only end (eos forced). With ``forced_eos_logprob_zero`` the forced eos
-    has log-probability 0, as transformers' ``ForcedEOSTokenLogitsProcessor`` gives it.
-
-    Args:
-      logp_BNV: float32 log-probabilities ``[B, k, V]``.
-
-    Returns:
-      ``[B, k, V]``, the excluded tokens at :data:`NEG_INF`.
-    """
+    """float32 log-probabilities ``[B, k, V]`` with pad and bos (never generated) and, for a
+    sentence at its limit (``at_limit_B``, bool ``[B]``), all but eos at :data:`NEG_INF`;
+    ``forced_eos_logprob_zero``: that eos at 0 (transformers' ``ForcedEOSTokenLogitsProcessor``)."""
     vocab = logp_BNV.shape[-1]
     force = at_limit_B[:, None, None] & (jnp.arange(vocab) != eos_id)[None, None, :]
     never = ((jnp.arange(vocab) == pad_id) | (jnp.arange(vocab) == bos_id))[None, None, :]
@@ -205,14 +187,9 @@ def constrain_log_probs(logp_BNV: jax.Array, at_limit_B: jax.Array, *, eos_id: i
 
 
 def still_open(state: dict[str, jax.Array], beam: Beam) -> jax.Array:
-    """The stopping rule: per sentence (bool ``[B]``), can a live beam still beat the worst
-    finished hypothesis? (:class:`Beam` states the rules.)
-
-    Args:
-      state: the loop state: ``open [B]``, ``step`` (tokens so far), ``limit [B]`` (each
-        sentence's most tokens), ``live_logprobs [B, k]`` (best first),
-        ``finished_scores``/``finished_flags [B, k]``.
-    """
+    """The stopping rule (:class:`Beam`'s): per sentence (bool ``[B]``), can a live beam
+    still beat the worst finished hypothesis? ``state``: the loop's
+    (:func:`init_beam_state`), ``step`` tokens generated."""
     all_full = jnp.all(state["finished_flags"], axis=1)
     alpha, length_normalization = beam.alpha, beam.length_normalization
     if beam.early_stopping:   # fairseq, CTranslate2, generate(early_stopping=True): k finished
@@ -228,16 +205,10 @@ def still_open(state: dict[str, jax.Array], beam: Beam) -> jax.Array:
 
 def init_beam_state(cache: Any, beam: Beam, *, batch_size: int, bos_id: int, pad_id: int,
                     length: int, max_decode_len: int, max_lengths: jax.Array | None = None) -> dict[str, Any]:
-    """The loop state before the first step: only beam 0 is live (so the first step does
-    not pick k copies), nothing finished, every sentence open.
-
-    Args:
-      cache: the model callback's state for ``B*k`` rows.
-      length: the length of the token arrays ``live_seqs``/``finished_seqs [B, k, length]``.
-      max_decode_len: M, tokens per hypothesis at most (≥ ``length``).
-      max_lengths: optional int ``[B]``, per-sentence limits; each sentence's ``limit``
-        (eos forced there) is min(its limit, M).
-    """
+    """The loop state before the first step: only beam 0 live (the first step does not
+    pick k copies), nothing finished, every sentence open; token arrays ``[B, k, length]``
+    (``length`` ≤ M), each sentence's ``limit`` min(its ``max_lengths``, M); ``cache``
+    for ``B*k`` rows."""
     k = beam.beam_size
     live_logprobs0 = jnp.tile(jnp.array([0.0] + [NEG_INF] * (k - 1), jnp.float32), (batch_size, 1))
     return dict(
@@ -306,8 +277,8 @@ def beam_step(state: dict[str, Any], tokens_to_logits: TokensToLogits, beam: Bea
 
 
 def beam_output(state: dict[str, Any], beam: Beam, *, pad_id: int) -> tuple[jax.Array, jax.Array]:
-    """``(sequences [B, k, L], scores [B, k])`` of a loop state, best first. A sentence with
-    no finished hypothesis (only when M is tiny) falls back to its live ones."""
+    """``(sequences [B, k, L], scores [B, k])`` of a loop state, best first (a sentence with
+    no finished hypothesis, only when M is tiny, gives its live ones)."""
     any_finished = jnp.any(state["finished_flags"], axis=1)
     lengths = jnp.sum(state["live_seqs"] != pad_id, axis=2)
     live_scores = state["live_logprobs"] / length_penalty(lengths, beam.alpha, beam.length_normalization)

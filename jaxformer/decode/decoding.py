@@ -17,15 +17,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxformer.decode.beam_search import (  # noqa: F401  (re-exported: callers import decoders from here)
-    NEG_INF,
-    TokensToLogits,
-    _gather_beams,
-    beam_search,
-    blocked_top_k,
-    length_penalty,
-    tile_beams,
-)
+from jaxformer.decode.beam_search import (  # noqa: F401  (re-exported: callers import them from here)
+    NEG_INF, TokensToLogits, _gather_beams, beam_search, blocked_top_k, length_penalty, tile_beams)
 from jaxformer.decode.strategies import Beam, Greedy, Sample, first_argmax  # noqa: F401
 from jaxformer.model.scan import unrolled
 from jaxformer.model.sharding import under_mesh
@@ -39,26 +32,21 @@ STATIC = ("model", "strategy", "bos_id", "eos_id", "max_decode_len", "len_a", "e
 def decode(model: Transformer, params: Any, src_BS: jax.Array, strategy: Any, *, bos_id: int, eos_id: int,
            max_decode_len: int, len_a: float = 1.0, extra_len: int | None = None, rng: jax.Array | None = None,
            indices_B: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """Encodes ``src [B, S]`` once and decodes it with ``strategy``; compiles once per
-    (B, S, strategy, settings).
+    """Encodes ``src [B, S]`` once and decodes it with ``strategy`` (``Greedy``, ``Sample``,
+    ``Beam`` or any class like them: :mod:`jaxformer.decode.strategies`), jitted: one
+    compile per (B, S, strategy, settings).
 
     Args:
-      strategy: :class:`~jaxformer.decode.strategies.Greedy`, ``Sample``, ``Beam`` or any
-        class with their ``beams`` and ``search`` (:mod:`jaxformer.decode.strategies`).
       bos_id, eos_id: the tokenizer's; an eos outside the vocabulary never stops.
       max_decode_len: M, the most tokens per output (eos included).
-      len_a, extra_len: each sentence also stops after ``len_a`` × its source length +
-        ``extra_len`` tokens (fairseq's ``--max-len-a/b``; paper §6.1: 1 and 50);
-        ``extra_len=None``: no such limit.
-      rng: the seed key of a sampling strategy (default ``key(0)``); sentence b draws
-        from ``fold_in(rng, indices_B[b])``, so a sentence's sample does not depend on
-        the batch it is decoded in.
-      indices_B: int ``[B]`` (or ``[B, 1]``), each sentence's index in the whole input
-        (default 0..B-1).
+      len_a, extra_len: a sentence also stops after ``len_a`` × its source length +
+        ``extra_len`` tokens (fairseq's ``--max-len-a/b``; §6.1: 1 and 50); ``None``: no such limit.
+      rng: a sampling strategy's seed key (default ``key(0)``); sentence b draws from
+        ``fold_in(rng, indices_B[b])``, its index in the whole input (int ``[B]`` or
+        ``[B, 1]``, default 0..B-1), whatever its batch.
 
     Returns:
-      ``(sequences [B, N, M] int32, scores [B, N] float32)``, best first (N = 1 but for
-      beam search).
+      ``(sequences [B, N, M] int32, scores [B, N] float32)``, best first (N = 1 but for beams).
 
     Raises:
       ValueError: (before dispatch) concrete ids outside ``[0, V_src)``, a ``bos_id``
@@ -93,14 +81,11 @@ _decode_jit = jax.jit(_decode, static_argnames=STATIC)
 
 
 def jit_decoder(model: Transformer, strategy: Any, layout: Any = None, **static) -> Callable:
-    """:func:`decode` with ``model``, ``strategy`` and its settings bound, without the
-    host checks: ``fn(params, src_BS, rng=None, indices_B=None)``.
-
-    With a ``layout`` (:class:`jaxformer.model.sharding.Layout`) it is jit-compiled with
-    every output split over ``data``, the inputs as they come (the parameters as the
-    train state lays them out, source rows and ``indices_B`` over ``data``); traced
-    under the mesh. ``jit_decoder(beam_translate, model, layout, **settings)`` (the
-    older form) still works.
+    """``fn(params, src_BS, rng=None, indices_B=None)``: :func:`decode` with ``model``,
+    ``strategy`` and its settings bound, without the host checks. With a ``layout``
+    (:class:`jaxformer.model.sharding.Layout`) its outputs are split over ``data``, its
+    inputs taken as laid out (parameters as in training, rows over ``data``), traced
+    under the mesh. ``jit_decoder(beam_translate, model, layout, **settings)`` still works.
     """
     if isinstance(strategy, Transformer):   # jit_decoder(decoder, model, layout, **settings)
         model, strategy, static = strategy, *model.split(static)
@@ -113,9 +98,8 @@ def jit_decoder(model: Transformer, strategy: Any, layout: Any = None, **static)
 
 def _model_callback(model: Transformer, params: Any, src_BS: jax.Array, max_decode_len: int,
                     beam_size: int = 1):
-    """Encodes once, builds the cache (tiled over beams) and the ``tokens_to_logits`` callback.
-
-    A model with scanned layers decodes through its unrolled view (one cache per layer)."""
+    """Encodes once: the ``tokens_to_logits`` callback and its cache, tiled over beams (a
+    scanned model through its unrolled view)."""
     unrolled_model, unrolled_params = unrolled(model, params)
     variables = {"params": unrolled_params}
     encoder_output = unrolled_model.apply(variables, src_BS, method=Transformer.encode)
@@ -148,17 +132,10 @@ def source_limits(src_BS: jax.Array, *, pad_id: int, len_a: float, extra_len: in
 
 def uncached_model_callback(model: Transformer, params: Any, src_BS: jax.Array, max_decode_len: int,
                             beam_size: int = 1):
-    """A ``tokens_to_logits`` without a K/V cache, and its initial state: the reference.
-
-    Its "cache" is the token prefix ``[B(*k), M]``: every step re-runs the teacher-forced
-    decoder over the whole prefix and returns the logits at the current position
-    (causal masking makes the unwritten positions irrelevant). Beam search reorders
-    it like any pytree. Quadratic in M; for checking cached decoding and for measuring
-    what the cache saves (``benchmarks/decode.py``).
-
-    Returns:
-      ``(tokens_to_logits, state)``, the state tiled over ``beam_size`` beams.
-    """
+    """``(tokens_to_logits, state)`` without a K/V cache, the reference: the state (tiled
+    over ``beam_size`` beams) holds the prefix ``[B(*k), M]``, and every step re-runs the
+    teacher-forced decoder over it (causal masking hides the unwritten positions).
+    Quadratic in M; it checks cached decoding and measures what the cache saves."""
     variables = {"params": params}
     state = {"tokens": jnp.full((src_BS.shape[0], max_decode_len), model.config.pad_id, jnp.int32),
              "encoder_output": model.apply(variables, src_BS, method=Transformer.encode),
@@ -177,7 +154,8 @@ def uncached_model_callback(model: Transformer, params: Any, src_BS: jax.Array, 
 # ---------------------------------------------------------------------- the older names
 def _older(name: str, cls: type, defaults: dict[str, Any] | None = None, best: bool = True):
     """The older decoder ``name(model, params, src_BS[, rng], **settings)``: :func:`decode`
-    with ``cls`` made of the settings that are its fields (``penalties``: its processors)."""
+    with a ``cls`` of the settings that are its fields (``penalties``: ``processors``), the
+    rest ``defaults`` or as given; ``best``: the sequences ``[B, M]`` only."""
     fields = {f.name for f in dataclasses.fields(cls)}
 
     def split(settings: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
@@ -196,15 +174,9 @@ def _older(name: str, cls: type, defaults: dict[str, Any] | None = None, best: b
     return decoder
 
 
-greedy_translate = _older("greedy_translate", Greedy)
-greedy_translate.__doc__ = """``decode(model, params, src_BS, Greedy(forced_eos, processors), **settings)``'s
-sequences ``[B, M]``."""
-beam_translate = _older("beam_translate", Beam, {"extra_len": 50}, best=False)
-beam_translate.__doc__ = """``decode(model, params, src_BS, Beam(beam_size, alpha, ...), extra_len=50, **settings)``:
-``(sequences [B, k, M], scores [B, k])``."""
-sample_translate = _older("sample_translate", Sample)
-sample_translate.__doc__ = """``decode(model, params, src_BS, Sample(temperature, top_k, top_p, processors),
-rng=rng, **settings)``'s sequences ``[B, M]``."""
+greedy_translate = _older("greedy_translate", Greedy)   # -> sequences [B, M]
+beam_translate = _older("beam_translate", Beam, {"extra_len": 50}, best=False)   # -> ([B, k, M], [B, k])
+sample_translate = _older("sample_translate", Sample)   # (model, params, src_BS, rng, ...) -> [B, M]
 
 
 def greedy_search(tokens_to_logits: TokensToLogits, cache: Any, *, forced_eos: bool = False,

@@ -73,9 +73,9 @@ class Evaluator:
             self.bleu, self.chrf = make_bleu(target_language, tokenize), CHRF()
 
     def _decoder(self, strategy: Any, sampled: bool, **static) -> Callable:
-        """``fn(params, src_BS, rng, indices_B)``: :func:`jaxformer.decode.decoding.jit_decoder`
-        for these settings, served from ``exports`` when there is one and ``rng`` is
-        ``None`` (not ``sampled``), or the staged beam search. Cached."""
+        """``fn(params, src_BS, rng, indices_B)`` for these settings, cached: the staged beam
+        search, an exported decoder (not ``sampled``: ``rng`` is ``None``) or
+        :func:`jaxformer.decode.decoding.jit_decoder`'s."""
         key = (strategy, sampled, tuple(sorted(static.items())))
         if key not in self._decoders:
             if self.staged and isinstance(strategy, Beam):
@@ -122,16 +122,12 @@ class Evaluator:
     def decode(self, params: Any, sources: Sequence[str], strategy: Any, *, rng: jax.Array | None = None,
                indices: Sequence[int] | None = None,
                length_limits: bool = True) -> list[list[tuple[str, float]]]:
-        """Decodes ``sources`` with ``strategy`` (:func:`jaxformer.decode.decoding.decode`)
-        in length-sorted fixed-shape batches; returns each source's (translation, score)
-        list, best first, in input order. Sources longer than ``max_len`` tokens are cut.
-
-        Args:
-          rng: the seed key of a sampling strategy; source i draws from
-            ``fold_in(rng, indices[i])`` (``indices``: default 0, 1, ...), whatever its batch.
-          length_limits: each output has at most a·L + b tokens, L its source's length
-            (``False``: only the batch's limit, as Hugging Face ``generate``).
-        """
+        """Each source's (translation, score) list, best first, in input order: ``sources``
+        (cut to ``max_len`` tokens) decoded with ``strategy`` in length-sorted fixed-shape
+        batches (:func:`jaxformer.decode.decoding.decode`; ``rng`` and ``indices``, each
+        source's index in the whole input, as its ``rng`` and ``indices_B``).
+        ``length_limits``: at most a·L + b tokens, L the source's length (``False``: the
+        batch's limit only, as Hugging Face ``generate``)."""
         c = self.model.config
         ids = [s[: c.max_len] for s in self.tokenizer.encode_source(sources)]
         indices = np.arange(len(ids)) if indices is None else np.asarray(indices)
@@ -158,13 +154,9 @@ class Evaluator:
         return max(1, min(int(self.max_len_a * source_length + self.max_len_b), self.model.config.max_len))
 
     def loss(self, params: Any, examples: Examples, eval_step: Callable) -> dict[str, float]:
-        """Teacher-forced per-token loss, perplexity and accuracy on tokenized pairs.
-
-        Args:
-          eval_step: ``(params, batch) -> {"loss_sum", "nll_sum", "correct", "tokens"}``
-            sums, jitted for this evaluator's layout (the trainer's
-            :func:`jaxformer.train.step.jit_eval_step`).
-        """
+        """Teacher-forced per-token loss, perplexity and accuracy on tokenized pairs, by
+        ``eval_step(params, batch) -> {"loss_sum", "nll_sum", "correct", "tokens"}`` (jitted
+        for this evaluator's layout: :func:`jaxformer.train.step.jit_eval_step`)."""
         totals = None
         lengths = [max(len(s), len(t) + 1) for s, t in zip(examples.src, examples.tgt)]
         rows = self._rows(self.batch_size)   # a multiple of the data shards under a layout
@@ -182,35 +174,26 @@ class Evaluator:
                 "accuracy": float(totals["correct"]) / tokens}
 
     def score(self, hypotheses: Sequence[str], references: Sequence[str]) -> float:
-        """Corpus BLEU of ``hypotheses`` against one reference each.
-
-        Raises:
-          ValueError: the lists differ in length (sacrebleu would silently drop the
-            extra hypotheses).
-        """
-        _check_aligned(hypotheses, references)
-        return float(self.bleu.corpus_score(list(hypotheses), [list(references)]).score)
+        """Corpus BLEU of ``hypotheses`` against one reference each (as :meth:`scores`)."""
+        return self.scores(hypotheses, references)["bleu"]
 
     def degenerate(self, hypotheses: Sequence[str]) -> dict[str, Any]:
-        """The hypotheses that repeat an n-gram three or more times in a row
-        (:func:`repeats_ngram` on the BLEU tokenizer's tokens: words and punctuation,
-        characters of Chinese), the mark of a looping decoder.
-
-        Returns:
-          ``{"count", "fraction", "examples"}``: examples are the first three indices.
-        """
+        """The hypotheses that loop (:func:`repeats_ngram` on the BLEU tokenizer's tokens):
+        ``{"count", "fraction", "examples"}``, examples the first three indices."""
         found = [i for i, h in enumerate(hypotheses) if repeats_ngram(self.bleu.tokenizer(h).split())]
         return {"count": len(found), "fraction": len(found) / max(len(hypotheses), 1),
                 "examples": found[:3]}
 
     def scores(self, hypotheses: Sequence[str], references: Sequence[str]) -> dict[str, Any]:
-        """Corpus BLEU and chrF with their sacrebleu signatures (the strings to report with
-        the numbers): ``{"bleu", "bleu_signature", "chrf", "chrf_signature"}``.
+        """Corpus BLEU and chrF with their sacrebleu signatures (to report with the numbers):
+        ``{"bleu", "bleu_signature", "chrf", "chrf_signature"}``.
 
         Raises:
-          ValueError: the lists differ in length.
+          ValueError: the lists differ in length (sacrebleu would drop the extra hypotheses).
         """
-        _check_aligned(hypotheses, references)
+        if len(hypotheses) != len(references):
+            raise ValueError(f"{len(hypotheses)} hypotheses but {len(references)} references: scoring "
+                             f"needs one reference per hypothesis, in the same order.")
         refs = [list(references)]
         return {"bleu": float(self.bleu.corpus_score(list(hypotheses), refs).score),
                 "bleu_signature": str(self.bleu.get_signature()),
@@ -234,20 +217,10 @@ def repeats_ngram(tokens: Sequence[str], times: int = 3, max_n: int = 4) -> bool
     return False
 
 
-def _check_aligned(hypotheses: Sequence[str], references: Sequence[str]) -> None:
-    if len(hypotheses) != len(references):
-        raise ValueError(f"{len(hypotheses)} hypotheses but {len(references)} references: scoring "
-                         f"needs one reference per hypothesis, in the same order.")
-
-
 def make_bleu(target_language: str, tokenize: str | None = None):
     """sacrebleu's ``BLEU`` for ``target_language`` (its tokenizer choice) or ``tokenize``.
-
-    Raises:
-      ValueError: an unknown tokenizer name, or a MeCab tokenizer (``ja-mecab``,
-        ``ko-mecab``) without its package; the message says how to install it and
-        that ``--sacrebleu-tokenize char`` scores without it.
-    """
+    Raises ``ValueError`` for an unknown tokenizer or a MeCab one without its package
+    (the message names the install and ``--sacrebleu-tokenize char``)."""
     from sacrebleu.metrics.bleu import BLEU
 
     try:

@@ -15,6 +15,7 @@ one that fails to load or verify is made again.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -58,11 +59,8 @@ def _write_atomically(path: Path, data: bytes) -> None:
 
 
 def _read_verified(path: Path) -> bytes:
-    """What :func:`_write_atomically` wrote to ``path``.
-
-    Raises:
-      OSError: unreadable; ValueError: its SHA-256 does not match (a damaged file).
-    """
+    """What :func:`_write_atomically` wrote to ``path``; ``OSError`` when unreadable,
+    ``ValueError`` when damaged (its SHA-256 does not match)."""
     raw = path.read_bytes()
     digest, data = raw[:32], raw[32:]
     if hashlib.sha256(data).digest() != digest:
@@ -90,24 +88,19 @@ class ExportCache:
         """``make()`` (a nested dict of ``jax.ShapeDtypeStruct``: the parameters of a model
         with ``config``), read from this cache when it was made before."""
         path = self.directory / f"{self.key('params', repr(config))}.json"
-        try:
-            leaves = json.loads(_read_verified(path))
+        with contextlib.suppress(OSError, ValueError, TypeError, KeyError, AttributeError):   # missing, damaged
             tree: dict[str, Any] = {}
-            for names, shape, dtype in leaves:
+            for names, shape, dtype in json.loads(_read_verified(path)):
                 node = tree
                 for name in names[:-1]:
                     node = node.setdefault(name, {})
                 node[names[-1]] = jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype))
             return tree
-        except (OSError, ValueError, TypeError, KeyError, AttributeError):   # missing or unreadable
-            pass
         abstract = make()
         flat = jax.tree_util.tree_flatten_with_path(abstract)[0]
         leaves = [[[k.key for k in names], list(x.shape), str(x.dtype)] for names, x in flat]
-        try:
+        with contextlib.suppress(OSError):   # an unwritable run directory: made again next time
             _write_atomically(path, json.dumps(leaves).encode())
-        except OSError:   # an unwritable run directory: made again next time
-            pass
         return abstract
 
     def decoder(self, fn: Callable, name: str, config: Any, **static: Any) -> Callable:
@@ -127,13 +120,9 @@ class ExportCache:
 
     def _load_or_export(self, key: str, fn: Callable, args: tuple) -> jax.export.Exported:
         path = self.directory / f"{key}.jaxexport"
-        try:
+        with contextlib.suppress(Exception):   # missing, truncated or from elsewhere: export it again
             return jax.export.deserialize(bytearray(_read_verified(path)))
-        except Exception:  # noqa: BLE001 - missing, truncated or from elsewhere: export it again
-            pass
         exported = jax.export.export(jax.jit(fn))(*args)
-        try:
+        with contextlib.suppress(OSError, ImportError):   # unwritable, or no flatbuffers: used here only
             _write_atomically(path, bytes(exported.serialize()))
-        except (OSError, ImportError):   # unwritable, or no flatbuffers: this process still uses it
-            pass
         return exported

@@ -1,25 +1,11 @@
-"""Logit processors against repetition, applied inside the decoding loops.
+"""Logit processors against repetition, as fairseq, CTranslate2 and Hugging Face offer them.
 
 A processor is a hashable callable ``(scores_RV, seqs_RM, step) -> scores_RV``: float
-scores ``[R, V]`` of the token at position ``step`` (R rows: batch × beams), given the
-tokens generated so far, ``seqs_RM`` (int ``[R, M]``, positions ``< step``; anything
-after is ignored). A strategy applies its ``processors`` in order (transformers'
-``LogitsProcessorList``); banned tokens get ``-inf``. Two rules, as fairseq,
-Marian/CTranslate2 and Hugging Face ``generate`` offer them:
-
-* :class:`RepetitionPenalty` p (Keskar et al. 2019, CTRL §4.1; transformers
-  ``RepetitionPenaltyLogitsProcessor``): the score of every token already generated is
-  divided by p where positive and multiplied by p where negative, so p > 1 makes
-  repeats less likely. It applies to what the decoder ranks: the log-probabilities in
-  beam search, the logits in greedy decoding and sampling.
-* :class:`NoRepeatNGram` n (fairseq ``--no-repeat-ngram-size``, transformers
-  ``NoRepeatNGramLogitsProcessor``): a token that would complete an n-gram the
-  hypothesis already holds is banned. n = 1 bans every token generated before.
-
-Both look only at the generated tokens (the decoder start token is never generated,
-so an n-gram through it can never repeat). The length penalty of beam search is the
-score rule of :class:`jaxformer.decode.strategies.Beam`
-(:func:`jaxformer.decode.beam_search.length_penalty`).
+scores ``[R, V]`` for position ``step`` (R rows: batch × beams), given the tokens
+generated so far ``seqs_RM`` (int ``[R, M]``; positions ≥ ``step`` are ignored; the
+decoder start token is never among them). A strategy applies its ``processors`` in
+order (transformers' ``LogitsProcessorList``): to the logits in greedy decoding and
+sampling, to the log-probabilities in beam search. Banned tokens get ``-inf``.
 """
 
 from __future__ import annotations
@@ -34,11 +20,10 @@ from jaxformer.model.validation import check_count, check_real
 
 @dataclasses.dataclass(frozen=True)
 class RepetitionPenalty:
-    """CTRL's repetition penalty ``penalty`` (a finite number > 0; 1 changes nothing).
-
-    Raises:
-      ValueError: ``penalty`` not a finite number > 0.
-    """
+    """CTRL's repetition penalty (Keskar et al. 2019, §4.1; transformers
+    ``RepetitionPenaltyLogitsProcessor``): the score of a token generated before is divided
+    by ``penalty`` where positive, multiplied where negative (> 1: fewer repeats).
+    Raises ``ValueError`` unless ``penalty`` is a finite number > 0."""
 
     penalty: float
 
@@ -53,11 +38,9 @@ class RepetitionPenalty:
 
 @dataclasses.dataclass(frozen=True)
 class NoRepeatNGram:
-    """Bans (``-inf``) each token that would repeat an n-gram of ``size`` (an integer ≥ 1).
-
-    Raises:
-      ValueError: ``size`` not an integer ≥ 1.
-    """
+    """Bans each token that would repeat an n-gram of ``size`` (fairseq
+    ``--no-repeat-ngram-size``, transformers ``NoRepeatNGramLogitsProcessor``; 1: every
+    token generated before). Raises ``ValueError`` unless ``size`` is an integer ≥ 1."""
 
     size: int
 
@@ -70,12 +53,8 @@ class NoRepeatNGram:
 
 
 def penalties(no_repeat_ngram_size: int = 0, repetition_penalty: float = 1.0) -> tuple:
-    """The processors of the two repetition flags (0 and 1 = off), in transformers' order.
-
-    Raises:
-      ValueError: ``no_repeat_ngram_size`` not an integer ≥ 0, ``repetition_penalty``
-        not a finite number > 0.
-    """
+    """The processors of the two repetition flags (0 and 1 = off), in transformers' order;
+    ``ValueError`` for a size not an integer ≥ 0 or a penalty not a finite number > 0."""
     size = check_count("no_repeat_ngram_size", no_repeat_ngram_size, minimum=0)
     penalty = RepetitionPenalty(repetition_penalty)
     return ((penalty,) if penalty.penalty != 1.0 else ()) + ((NoRepeatNGram(size),) if size else ())
@@ -97,12 +76,9 @@ def _scatter_mask(ids_RJ: jax.Array, keep_RJ: jax.Array, vocab: int) -> jax.Arra
 
 
 def banned_ngram_mask(seqs_RM: jax.Array, step: jax.Array, n: int, vocab: int) -> jax.Array:
-    """bool ``[R, V]``: the tokens that would repeat an n-gram at position ``step``.
-
-    An n-gram starting at j (``seqs[j : j+n]``, complete before ``step``) bans its last
-    token when its first n-1 tokens equal the last n-1 generated ones,
-    ``seqs[step-n+1 : step]``. O(M · n) per row, one scatter.
-    """
+    """bool ``[R, V]``: the tokens that would repeat an n-gram at position ``step``: an
+    n-gram ``seqs[j : j+n]`` complete before ``step`` bans its last token when its first
+    n-1 equal ``seqs[step-n+1 : step]``. O(M · n) per row, one scatter."""
     length = seqs_RM.shape[1]
     if n > length:
         return jnp.zeros((seqs_RM.shape[0], vocab), jnp.bool_)

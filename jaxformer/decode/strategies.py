@@ -1,21 +1,14 @@
 """Decoding strategies: small frozen values that say how the next tokens are chosen.
 
-A strategy is hashable (a static argument of the jitted decoder), checks its settings
-when it is made, and has two members:
-
-* ``beams``: the rows each sentence takes in the decoder cache (1, or the beam width);
-* ``search(tokens_to_logits, cache, *, batch_size, bos_id, eos_id, pad_id,
-  max_decode_len, max_lengths, keys_B)`` → ``(sequences [B, N, M] int32, scores
-  [B, N] float32)``, best first: N hypotheses per sentence, eos then pad after each
-  end. ``tokens_to_logits(ids [B*N, 1], cache) -> (logits [B*N, V], cache)`` is the
-  model; ``max_lengths`` (int ``[B]`` or ``None``) each sentence's most tokens;
-  ``keys_B`` one PRNG key per sentence (:func:`jaxformer.decode.decoding.decode` folds
-  the seed key with each sentence's index in the input).
-
-:func:`jaxformer.decode.decoding.decode` runs any strategy on a model; a new one is one
-such class (``tests/test_decoding.py`` defines one). Token-by-token strategies pick
-through :func:`autoregress`. The glossary: B batch, V vocabulary, M the longest
-output, N hypotheses per sentence (the beam width).
+A strategy checks its settings when made, is hashable (a static argument of the
+jitted decoder) and has ``beams`` (the rows each sentence takes in the cache: 1 or
+the beam width) and ``search(tokens_to_logits, cache, *, batch_size, bos_id, eos_id,
+pad_id, max_decode_len, max_lengths, keys_B)`` → ``(sequences [B, N, M] int32, scores
+[B, N] float32)``, best first, eos then pad after each end. ``tokens_to_logits(ids
+[B*N, 1], cache) -> (logits [B*N, V], cache)`` is the model, ``max_lengths`` (int
+``[B]`` or ``None``) each sentence's most tokens, ``keys_B`` one PRNG key per sentence.
+:func:`jaxformer.decode.decoding.decode` runs any of them; a new one is one such class
+(``tests/test_decoding.py`` defines one), token by token through :func:`autoregress`.
 """
 
 from __future__ import annotations
@@ -34,15 +27,10 @@ from jaxformer.model.validation import check_count, check_real
 
 def autoregress(tokens_to_logits: TokensToLogits, cache: Any, pick, *, batch_size: int, bos_id: int,
                 eos_id: int, pad_id: int, max_decode_len: int, max_lengths: jax.Array | None = None) -> jax.Array:
-    """The token-by-token loop (one ``lax.while_loop``): feeds the last token, and
-    ``pick(logits_BV, step, out_BM, at_limit_B) -> ids_B`` the next (``out_BM``: the
-    tokens so far, pad after ``step``; ``at_limit_B``: this token is the sentence's
-    last allowed). A sentence stops at eos or at min(its ``max_lengths`` entry, M),
-    at least 1 token; the loop once every sentence stopped.
-
-    Returns:
-      int32 ``[B, M]``: generated ids (without bos); eos then pad after the end.
-    """
+    """The token-by-token loop (one ``lax.while_loop``) → int32 ``[B, M]``, the generated
+    ids (no bos), eos then pad after each end. ``pick(logits_BV, step, out_BM, at_limit_B)
+    -> ids_B`` picks each next token (``out_BM``: the tokens so far; ``at_limit_B``: the
+    sentence's last allowed one); a sentence stops at eos or min(its ``max_lengths``, M) ≥ 1."""
     limit_B = (jnp.full((batch_size,), max_decode_len, jnp.int32) if max_lengths is None
                else jnp.clip(jnp.asarray(max_lengths, jnp.int32), 1, max_decode_len))
 
@@ -62,13 +50,9 @@ def autoregress(tokens_to_logits: TokensToLogits, cache: Any, pick, *, batch_siz
 
 
 def first_argmax(logits_BV: jax.Array) -> jax.Array:
-    """``jnp.argmax(logits, axis=-1)`` (the first maximal id) as a max and a min, int32 ``[B]``
-    (any rank: the last axis is reduced).
-
-    Two plain reductions instead of XLA's variadic (value, index) reduce, which is
-    slow on CPU (0.6 ms for ``[32, 8000]``, about a tenth of a greedy step). A row
-    with a NaN has no maximum; it gets the last id instead of the NaN's position.
-    """
+    """``jnp.argmax(logits, axis=-1)`` (int32, the first maximal id; a row with a NaN gets
+    the last id) as two plain reductions: XLA's variadic (value, index) reduce is slow on
+    CPU (0.6 ms for ``[32, 8000]``, a tenth of a greedy step)."""
     vocab = logits_BV.shape[-1]
     best_B1 = jnp.max(logits_BV, axis=-1, keepdims=True)
     ids_1V = jnp.arange(vocab, dtype=jnp.int32).reshape((1,) * (logits_BV.ndim - 1) + (vocab,))
@@ -89,13 +73,9 @@ def _one_best(out_BM: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 @dataclasses.dataclass(frozen=True)
 class Greedy:
-    """The most likely token at each step (the first of a tie); scores are 0.
-
-    Args:
-      forced_eos: a sentence's last allowed token is eos (as beam search does, and
-        Hugging Face's ``forced_eos_token_id``); otherwise an unfinished sentence stops.
-      processors: logit processors applied in order (:mod:`jaxformer.decode.penalties`).
-    """
+    """The most likely token at each step (the first of a tie); scores 0. ``forced_eos``: a
+    sentence's last allowed token is eos (as Hugging Face's ``forced_eos_token_id``);
+    ``processors``: logit processors applied in order (:mod:`jaxformer.decode.penalties`)."""
 
     forced_eos: bool = False
     processors: tuple = ()
@@ -112,17 +92,14 @@ class Greedy:
 
 @dataclasses.dataclass(frozen=True)
 class Sample:
-    """Ancestral sampling with temperature, top-k and nucleus (top-p) filtering; scores are 0.
-
-    Sentence b's token at step t is drawn with ``fold_in(keys_B[b], t)``: a sentence's
-    sample depends on its key only, not on the batch it shares. The processors apply
-    before the temperature (transformers' order).
+    """Ancestral sampling with temperature, top-k and nucleus (top-p) filtering; scores 0.
+    Sentence b's token at step t is drawn with ``fold_in(keys_B[b], t)``, whatever its batch.
 
     Args:
       temperature: ≥ 0; logits are divided by it. 0 is :class:`Greedy`.
       top_k: keep only the k most likely tokens (``None`` = all).
       top_p: keep the smallest set of tokens whose probability reaches p (``None`` = all).
-      processors: logit processors applied in order (:mod:`jaxformer.decode.penalties`).
+      processors: logit processors, before the temperature (transformers' order).
 
     Raises:
       ValueError: ``temperature`` not a finite number ≥ 0, ``top_k`` not an integer ≥ 1,

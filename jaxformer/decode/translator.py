@@ -30,12 +30,10 @@ from jaxformer.run.directory import RunDir
 
 
 class Translator:
-    """A trained model ready to translate: config, tokenizer and parameters of a run.
+    """A trained run ready to translate: its config, tokenizer and parameters.
 
-    Decoding options left ``None`` take :attr:`defaults`: an imported model's
-    generation config, else what the run decoded its dev and test sets with (its
-    ``beam_size``, ``alpha``, ``no_repeat_ngram_size``, ``repetition_penalty``), else
-    beam 4 and α 0.6 (§6.1).
+    Decoding options left ``None`` take :attr:`defaults`: an imported model's generation
+    config, else what the run decoded its dev and test sets with, else beam 4, α 0.6 (§6.1).
 
     Args:
       workdir: the run directory.
@@ -43,9 +41,8 @@ class Translator:
       checkpoint: ``"auto"`` (best by dev BLEU, else latest), ``"best"``, ``"latest"``,
         ``"averaged"`` or a training step (int).
       max_len_a, max_len_b: output limit ``a * source length + b`` tokens (eos included).
-        ``None`` (both): the model's own limit, an imported model's generation
-        ``max_length`` (``a = 0``, ``b = max_length - 1``: Hugging Face counts the decoder
-        start token), else ``a = 1``, ``b = 50``; one given, the other takes 1 or 50.
+        ``None`` (both): an imported model's generation ``max_length`` (``a = 0``,
+        ``b = max_length - 1``: Hugging Face counts the decoder start token), else 1 and 50.
       exported: keep the parameters' shapes and the exported decoders in
         ``RUN/jax_cache/exported`` (:mod:`jaxformer.decode.exported`), so a later process
         traces neither the model nor the decoders. Not with a ``mesh``.
@@ -53,16 +50,14 @@ class Translator:
         ``fsdp``, parameters laid out as in training); ``None`` = one device.
       staged: beam search in stages (:mod:`jaxformer.decode.staged`), for bulk
         translation; one device only (ignored with a ``mesh``).
-      matmul_dtype: the weight matmuls' dtype (:mod:`jaxformer.model.matmul`); ``None`` =
-        the run's.
+      matmul_dtype: the weight matmuls' dtype (:mod:`jaxformer.model.matmul`); ``None``: the run's.
 
     Raises:
       FileNotFoundError: the run directory lacks ``config.json``, the tokenizer or the
         checkpoint asked for.
-      ValueError: ``config.json`` is damaged or a Hugging Face model's
-        (:meth:`jaxformer.run.directory.RunDir.read_run_record`), ``batch_size`` or
-        ``max_len_b`` not an integer (``batch_size < 1``), ``max_len_a`` not finite or < 0,
-        or a + b < 1 (no output token).
+      ValueError: ``config.json`` is damaged or a Hugging Face model's, ``batch_size`` not
+        an integer ≥ 1, ``max_len_a`` not a finite number ≥ 0, ``max_len_b`` not an
+        integer or a + b < 1 (no output token).
     """
 
     def __init__(self, workdir: str | Path, batch_size: int = 32, checkpoint: str | int = "auto",
@@ -88,6 +83,7 @@ class Translator:
         ids = jnp.ones((1, 8), jnp.int32)
         # Restore onto one device (or this mesh), whatever mesh the run was trained on.
         one_device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
         def params_shapes():
             return jax.eval_shape(lambda: nn.unbox(self.model.init(jax.random.key(0), ids, ids)["params"]))
 
@@ -118,33 +114,23 @@ class Translator:
                                    max_len_a=self.max_len_a, max_len_b=self.max_len_b, exports=exports,
                                    staged=staged)
         train = record.get("train", {})
-        self.defaults = {"beam_size": generation.get("beam_size", train.get("beam_size", 4)),
-                         "alpha": generation.get("length_penalty", train.get("alpha", 0.6)),
-                         "length_normalization": generation.get("length_normalization", "gnmt"),
-                         "early_stopping": generation.get("early_stopping", False),
-                         "no_repeat_ngram_size": generation.get(
-                             "no_repeat_ngram_size", train.get("no_repeat_ngram_size", 0)),
-                         "repetition_penalty": generation.get(
-                             "repetition_penalty", train.get("repetition_penalty", 1.0))}
-
-    def _rules(self, options: dict[str, Any]) -> dict[str, Any]:
-        """``options`` with those left ``None`` taken from :attr:`defaults`."""
-        return {k: self.defaults[k] if v is None else v for k, v in options.items()}
+        fallback = dict(beam_size=4, alpha=0.6, length_normalization="gnmt", early_stopping=False,
+                        no_repeat_ngram_size=0, repetition_penalty=1.0)   # §6.1's beam 4 and α 0.6
+        self.defaults = {name: generation.get("length_penalty" if name == "alpha" else name, train.get(name, value))
+                         for name, value in fallback.items()}
 
     def decode(self, sentences: list[str], strategy: Any, *, seed: int = 0, indices: list[int] | None = None,
                length_limits: bool = True, stream: int | None = None) -> list[list[tuple[str, float]]]:
         """(translation, score) lists of ``sentences`` decoded with ``strategy``
         (:mod:`jaxformer.decode.strategies`), best first, in order; an empty or blank
-        sentence gets one empty pair (score 0).
+        sentence gets one empty pair (score 0), as the command line writes an empty line.
 
         Args:
-          seed: a sampling strategy's seed, an integer in [0, 2**32): sentence i draws
-            from ``fold_in(key(seed), indices[i])``, whatever its batch or input path.
-          indices: each sentence's index in the whole input (default 0, 1, ...).
+          seed: a sampling strategy's seed: sentence i draws from ``fold_in(key(seed),
+            indices[i])`` (``indices``: its index in the whole input, default its position),
+            whatever its batch or input path; ``stream``: from ``fold_in(key(seed), stream)``.
           length_limits: at most ``max_len_a`` × source length + ``max_len_b`` tokens per
             sentence (``False``: only the batch's, as Hugging Face ``generate``).
-          stream: the seed key becomes ``fold_in(key(seed), stream)`` (bulk mode's chunks
-            drew so; global ``indices`` make a chunk draw what any other path draws).
 
         Raises:
           TypeError: ``sentences`` is one string, not a list of them.
@@ -157,48 +143,47 @@ class Translator:
         rng = rng if stream is None else jax.random.fold_in(rng, check_count("stream", stream, minimum=0))
         indices = range(len(sentences)) if indices is None else indices
         todo = [i for i, sentence in enumerate(sentences) if sentence.strip()]
-        out = [[("", 0.0)] for _ in sentences]   # the command line writes an empty line for one
+        out = [[("", 0.0)] for _ in sentences]
         for i, result in zip(todo, self.evaluator.decode(
                 self.params, [sentences[i] for i in todo], strategy, rng=rng, indices=[indices[i] for i in todo],
                 length_limits=length_limits) if todo else []):
             out[i] = result
         return out
 
-    def __call__(self, sentences: list[str], *, beam_size: int | None = None, alpha: float | None = None,
-                 length_normalization: str | None = None, early_stopping: bool | None = None,
-                 no_repeat_ngram_size: int | None = None, repetition_penalty: float | None = None) -> list[str]:
-        """Best translations of ``sentences``, in order: :meth:`decode` with
-        :func:`jaxformer.decode.strategies.strategy_for` (``beam_size=1`` = greedy); options
-        left ``None`` take the run's :attr:`defaults`."""
-        rules = self._rules(dict(beam_size=beam_size, alpha=alpha, length_normalization=length_normalization,
-                                 early_stopping=early_stopping, no_repeat_ngram_size=no_repeat_ngram_size,
-                                 repetition_penalty=repetition_penalty))
-        return [n_best[0][0] for n_best in self.decode(sentences, strategy_for(**rules),
-                                                        length_limits=rules["length_normalization"] != "hf")]
-
     def n_best(self, sentences: list[str], *, beam_size: int | None = None, alpha: float | None = None,
                length_normalization: str | None = None, early_stopping: bool | None = None,
-               no_repeat_ngram_size: int | None = None, repetition_penalty: float | None = None):
+               no_repeat_ngram_size: int | None = None, repetition_penalty: float | None = None,
+               best_only: bool = False) -> list[list[tuple[str, float]]]:
         """``beam_size`` (translation, score) pairs per sentence, best first: :meth:`decode`
-        with a :class:`~jaxformer.decode.strategies.Beam` (options as :meth:`__call__`)."""
-        rules = self._rules(dict(beam_size=beam_size, alpha=alpha, length_normalization=length_normalization,
-                                 early_stopping=early_stopping, no_repeat_ngram_size=no_repeat_ngram_size,
-                                 repetition_penalty=repetition_penalty))
-        beam = Beam(rules["beam_size"], rules["alpha"], rules["length_normalization"], rules["early_stopping"],
-                    penalties(rules["no_repeat_ngram_size"], rules["repetition_penalty"]))
-        return self.decode(sentences, beam, length_limits=beam.length_normalization != "hf")
+        with a :class:`~jaxformer.decode.strategies.Beam`, or with ``best_only``, the
+        strategy of :func:`~jaxformer.decode.strategies.strategy_for` (``beam_size`` 1:
+        greedy). Options left ``None`` take the run's :attr:`defaults`."""
+        rules = dict(beam_size=beam_size, alpha=alpha, length_normalization=length_normalization,
+                     early_stopping=early_stopping, no_repeat_ngram_size=no_repeat_ngram_size,
+                     repetition_penalty=repetition_penalty)
+        rules = {k: self.defaults[k] if v is None else v for k, v in rules.items()}
+        strategy = strategy_for(**rules)
+        if not best_only and not isinstance(strategy, Beam):   # beam 1: its one hypothesis, scored
+            strategy = Beam(1, rules["alpha"], rules["length_normalization"], rules["early_stopping"],
+                            strategy.processors)
+        return self.decode(sentences, strategy, length_limits=rules["length_normalization"] != "hf")
+
+    def __call__(self, sentences: list[str], **options) -> list[str]:
+        """Best translations of ``sentences``, in order (options as :meth:`n_best`;
+        ``beam_size=1`` = greedy)."""
+        return [n_best[0][0] for n_best in self.n_best(sentences, **options, best_only=True)]
 
     def sample(self, sentences: list[str], *, seed: int = 0, temperature: float = 1.0,
                top_k: int | None = None, top_p: float | None = None, no_repeat_ngram_size: int | None = None,
                repetition_penalty: float | None = None, indices: list[int] | None = None,
                stream: int | None = None) -> list[str]:
         """One sampled translation per sentence: :meth:`decode` with a
-        :class:`~jaxformer.decode.strategies.Sample` (its checks) and the run's repetition
-        rules by default (``seed``, ``indices``, ``stream``: as :meth:`decode`)."""
-        rules = self._rules(dict(no_repeat_ngram_size=no_repeat_ngram_size, repetition_penalty=repetition_penalty))
-        strategy = Sample(temperature, top_k, top_p, penalties(**rules))
-        return [n_best[0][0] for n_best in self.decode(sentences, strategy, seed=seed, indices=indices,
-                                                        stream=stream)]
+        :class:`~jaxformer.decode.strategies.Sample` and, left ``None``, the run's
+        repetition rules (``seed``, ``indices``, ``stream``: as :meth:`decode`)."""
+        rules = dict(no_repeat_ngram_size=no_repeat_ngram_size, repetition_penalty=repetition_penalty)
+        processors = penalties(**{k: self.defaults[k] if v is None else v for k, v in rules.items()})
+        return [n_best[0][0] for n_best in self.decode(
+            sentences, Sample(temperature, top_k, top_p, processors), seed=seed, indices=indices, stream=stream)]
 
     def params_digest(self) -> str:
         """SHA-256 of the parameters as decoded (every leaf's path, dtype, shape and bytes):
@@ -212,18 +197,9 @@ class Translator:
 
     def cross_attention(self, source: str, translation: str, layer: int | None = None,
                         head: int | None = None):
-        """Cross-attention weights of one sentence pair, teacher-forced.
-
-        Args:
-          layer: decoder layer index, or ``None`` = average over layers.
-          head: head index, or ``None`` = average over heads.
-
-        Raises:
-          ValueError: ``layer`` or ``head`` outside the model's.
-
-        Returns:
-          ``(weights [T, S] float32, source pieces [S], target pieces [T])``.
-        """
+        """Cross-attention weights of one sentence pair, teacher-forced: ``(weights [T, S]
+        float32, source pieces [S], target pieces [T])`` of decoder ``layer`` and ``head``
+        (``None``: their average). Raises ``ValueError`` for a layer or head not the model's."""
         for name, value, count in (("layer", layer, self.config.num_decoder_layers),
                                    ("head", head, self.config.num_heads)):
             if value is not None and not 0 <= value < count:
@@ -240,9 +216,7 @@ class Translator:
                           for i in range(self.config.num_decoder_layers)])      # [N, H, T, S]
         stack = stack.mean(axis=0) if layer is None else stack[layer]
         weights = stack.mean(axis=0) if head is None else stack[head]
-        src_pieces = tok.source_pieces(src_ids)
-        tgt_pieces = tok.target_pieces([*tgt_ids, tok.eos_id])
-        return weights, src_pieces, tgt_pieces
+        return weights, tok.source_pieces(src_ids), tok.target_pieces([*tgt_ids, tok.eos_id])
 
 
 def _check_sentences(sentences) -> None:
@@ -254,10 +228,8 @@ def _check_sentences(sentences) -> None:
 
 
 def save_attention_png(path: str | Path, weights, src_pieces, tgt_pieces, title: str = "") -> None:
-    """Heat map of cross-attention ``weights [T, S]``: source pieces × target pieces.
-
-    Drawn on a matplotlib ``Figure``, not through ``pyplot``, so a notebook's or another
-    program's backend and figures are left as they are."""
+    """Heat map of cross-attention ``weights [T, S]`` (source × target pieces), drawn on a
+    matplotlib ``Figure``, not through ``pyplot``: an application's figures are left alone."""
     from matplotlib.figure import Figure
 
     height, width = weights.shape
@@ -266,9 +238,7 @@ def save_attention_png(path: str | Path, weights, src_pieces, tgt_pieces, title:
     image = ax.imshow(weights, cmap="viridis", aspect="auto", vmin=0.0)
     ax.set_xticks(range(width), src_pieces, rotation=90)
     ax.set_yticks(range(height), tgt_pieces[:height])
-    ax.set_xlabel("source")
-    ax.set_ylabel("target")
-    ax.set_title(title)
+    ax.set(xlabel="source", ylabel="target", title=title)
     fig.colorbar(image, ax=ax)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
