@@ -218,8 +218,7 @@ class Argmin:
             never = jnp.isin(jnp.arange(logits_BV.shape[-1]), jnp.array([loop["pad_id"], loop["bos_id"]]))
             return jnp.argmin(jnp.where(never, jnp.inf, logits_BV), axis=-1).astype(jnp.int32)
 
-        out_BM = autoregress(tokens_to_logits, cache, pick, **loop)
-        return out_BM[:, None], jnp.zeros((out_BM.shape[0], 1))
+        return autoregress(tokens_to_logits, cache, pick, **loop)
 
 
 def test_a_strategy_defined_here_decodes_through_decode(tiny_model):

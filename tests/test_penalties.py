@@ -92,7 +92,8 @@ def test_beam_with_penalties_by_hand():
     """k = 2, α = 0, M = 4, worked out step by step in the comments."""
     def run(processors):
         return decoding.beam_search(_markov, jnp.zeros((2,)), batch_size=1, beam_size=2, bos_id=BOS,
-                                    eos_id=EOS, pad_id=PAD, max_decode_len=4, alpha=0.0, processors=processors)
+                                    eos_id=EOS, pad_id=PAD, max_decode_len=4, alpha=0.0,
+                                    processors=processors)
 
     seqs, scores = run(())
     # Live (3) .5, (4) .3 → (3 3) .30, (4 3) .15 → (3 3 3) .18, (4 3 3) .09 → eos forced at M.

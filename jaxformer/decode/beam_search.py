@@ -1,13 +1,7 @@
-"""Beam search over a ``tokens_to_logits`` callback, as one ``lax.while_loop``: the
-:class:`Beam` strategy.
-
-Two ways to rank finished hypotheses: the GNMT length penalty (Wu et al. 2016; the
-paper's §6.1 decoding, the default) and Hugging Face ``generate``'s
-sum-of-log-probs / length^``length_penalty`` with its stopping rule, so an imported
-OPUS-MT model reproduces ``generate(num_beams=k)`` token for token.
-
-Glossary: B batch, V vocabulary, M the longest output; beams get their own letter,
-N (the beam width k), so K stays the head width.
+"""Beam search over a ``tokens_to_logits`` callback, as one ``lax.while_loop``: :class:`Beam`,
+GNMT-normalised (the paper's §6.1 decoding) or as Hugging Face ``generate``, so an imported
+OPUS-MT model reproduces ``generate(num_beams=k)`` token for token. Glossary: B batch, V
+vocabulary, M the longest output; the beam width is k (N in names), so K stays the head width.
 """
 
 from __future__ import annotations
@@ -43,30 +37,21 @@ class Beam:
     scored log-probability / :func:`length_penalty` (a strategy: :mod:`jaxformer.decode.strategies`).
 
     Each step extends the live beams, keeps the best 2k candidates, continues the best
-    k that did not end and merges those of the top k that ended into the k finished;
-    the loop stops when every sentence is *closed* (or at M tokens):
+    k that did not end and merges those of the top k that ended (eos; forced at each
+    sentence's limit) into the k finished; pad and bos are never generated. The loop
+    stops when every sentence is *closed* (or at M tokens):
 
-    * ``"gnmt"``: closed when k hypotheses are finished and the best live
-      log-probability divided by the largest penalty it could still get, lp(its
-      limit), is below the worst finished score: exact, as log-probabilities only fall.
-    * ``"hf"``: ``generate``'s rule (transformers ``_check_early_stop_heuristic``): the
-      best live log-probability over the *current* length^α; eos is forced at the limit
-      with log-probability 0 (``ForcedEOSTokenLogitsProcessor``). This reproduces
+    * ``length_normalization="gnmt"``: k finished, and the best live log-probability over
+      the largest penalty it could get, lp(its limit), below the worst finished: exact.
+    * ``"hf"``: ``generate``'s rule (``_check_early_stop_heuristic``: the *current*
+      length^α), eos forced with log-probability 0 (``ForcedEOSTokenLogitsProcessor``):
       ``generate(num_beams=k, length_penalty=α)``'s sequences and ``sequences_scores``.
-    * ``early_stopping=True`` (either): closed as soon as k hypotheses are finished,
-      the rule of fairseq, CTranslate2 and ``generate(early_stopping=True)``; faster, not exact.
+    * ``early_stopping=True`` (either): k finished, the rule of fairseq, CTranslate2 and
+      ``generate(early_stopping=True)``; faster, not exact.
 
-    Args:
-      beam_size: k.
-      alpha: the length-penalty exponent α; 0 = raw log-probability.
-      length_normalization: ``"gnmt"`` or ``"hf"``.
-      early_stopping: close a sentence once k hypotheses ended.
-      processors: applied to each beam's log-probabilities before the candidates are
-        ranked, as fairseq and ``generate`` do (:mod:`jaxformer.decode.penalties`);
-        the scores are the penalised ones.
-
-    Pad and bos are never generated; eos is forced at each sentence's limit. Bulk
-    translation runs it in stages (:mod:`jaxformer.decode.staged`).
+    ``processors`` (:mod:`jaxformer.decode.penalties`) apply to each beam's log-probabilities
+    before ranking, as in fairseq and ``generate``; the scores are the penalised ones.
+    Bulk translation runs it in stages (:mod:`jaxformer.decode.staged`).
 
     Raises:
       ValueError: ``beam_size`` not an integer ≥ 1, ``alpha`` not finite, another
@@ -82,10 +67,10 @@ class Beam:
     def __post_init__(self):
         object.__setattr__(self, "beam_size", check_count("beam_size", self.beam_size))
         object.__setattr__(self, "alpha", check_real("alpha", self.alpha))
-        wrong = [f"{name} must be {choices}, got {value!r}" for name, value, choices, ok in (
-            ("length_normalization", self.length_normalization, "'gnmt' or 'hf'", self.length_normalization in ("gnmt", "hf")),
-            ("early_stopping", self.early_stopping, "True or False", isinstance(self.early_stopping, (bool, np.bool_))))
-            if not ok]
+        rules = {"length_normalization": ("'gnmt' or 'hf'", self.length_normalization in ("gnmt", "hf")),
+                 "early_stopping": ("True or False", isinstance(self.early_stopping, (bool, np.bool_)))}
+        wrong = [f"{name} must be {allowed}, got {getattr(self, name)!r}"
+                 for name, (allowed, ok) in rules.items() if not ok]
         if wrong:
             raise ValueError("; ".join(wrong) + ".")
         object.__setattr__(self, "early_stopping", bool(self.early_stopping))
@@ -94,16 +79,18 @@ class Beam:
     def beams(self) -> int:
         return self.beam_size
 
-    def search(self, tokens_to_logits: TokensToLogits, cache: Any, *, batch_size: int, bos_id: int, eos_id: int,
-               pad_id: int, max_decode_len: int, max_lengths: jax.Array | None = None,
+    def search(self, tokens_to_logits: TokensToLogits, cache: Any, *, batch_size: int, bos_id: int,
+               eos_id: int, pad_id: int, max_decode_len: int, max_lengths: jax.Array | None = None,
                keys_B: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         """``(sequences [B, k, M] int32, scores [B, k] float32)``, best first; ``cache``
         holds ``B*k`` rows (:func:`tile_beams`)."""
         state0 = init_beam_state(cache, self, batch_size=batch_size, bos_id=bos_id, pad_id=pad_id,
-                                 length=max_decode_len, max_decode_len=max_decode_len, max_lengths=max_lengths)
+                                 length=max_decode_len, max_decode_len=max_decode_len,
+                                 max_lengths=max_lengths)
         state = jax.lax.while_loop(
             lambda state: (state["step"] < max_decode_len) & jnp.any(state["open"]),
-            lambda state: beam_step(state, tokens_to_logits, self, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id),
+            lambda state: beam_step(state, tokens_to_logits, self, bos_id=bos_id, eos_id=eos_id,
+                                    pad_id=pad_id),
             state0)
         return beam_output(state, self, pad_id=pad_id)
 
@@ -212,21 +199,19 @@ def init_beam_state(cache: Any, beam: Beam, *, batch_size: int, bos_id: int, pad
     k = beam.beam_size
     live_logprobs0 = jnp.tile(jnp.array([0.0] + [NEG_INF] * (k - 1), jnp.float32), (batch_size, 1))
     return dict(
-        step=jnp.zeros((), jnp.int32),
+        step=jnp.zeros((), jnp.int32), live_logprobs=live_logprobs0,
         live_seqs=jnp.full((batch_size, k, length), pad_id, jnp.int32),
-        live_logprobs=live_logprobs0,
         last_ids=jnp.full((batch_size, k), bos_id, jnp.int32),
         finished_seqs=jnp.full((batch_size, k, length), pad_id, jnp.int32),
         finished_scores=jnp.full((batch_size, k), NEG_INF, jnp.float32),
-        finished_flags=jnp.zeros((batch_size, k), jnp.bool_),
-        open=jnp.ones((batch_size,), jnp.bool_),
+        finished_flags=jnp.zeros((batch_size, k), jnp.bool_), open=jnp.ones((batch_size,), jnp.bool_),
         limit=(jnp.full((batch_size,), max_decode_len, jnp.int32) if max_lengths is None
                else jnp.minimum(jnp.asarray(max_lengths, jnp.int32), max_decode_len)),
         cache=cache)
 
 
-def beam_step(state: dict[str, Any], tokens_to_logits: TokensToLogits, beam: Beam, *, bos_id: int, eos_id: int,
-              pad_id: int) -> dict[str, Any]:
+def beam_step(state: dict[str, Any], tokens_to_logits: TokensToLogits, beam: Beam, *, bos_id: int,
+              eos_id: int, pad_id: int) -> dict[str, Any]:
     """One step of :class:`Beam`'s search: extend, rank, merge the finished, re-check each
     sentence's stopping rule. Works on any number of sentences B (the state's rows) and
     any token-array length greater than ``state["step"]``."""
@@ -236,7 +221,8 @@ def beam_step(state: dict[str, Any], tokens_to_logits: TokensToLogits, beam: Bea
     logits, cache = tokens_to_logits(_flatten_beams(state["last_ids"])[:, None], state["cache"])
     logp_BNV = _unflatten_beams(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), batch_size)
     if beam.processors:   # a banned token's -inf becomes NEG_INF, as every excluded token's
-        logp_RV = apply_processors(beam.processors, _flatten_beams(logp_BNV), _flatten_beams(state["live_seqs"]), step)
+        logp_RV = apply_processors(beam.processors, _flatten_beams(logp_BNV),
+                                   _flatten_beams(state["live_seqs"]), step)
         logp_BNV = _unflatten_beams(jnp.maximum(logp_RV, NEG_INF), batch_size)
     logp_BNV = constrain_log_probs(logp_BNV, step + 1 >= state["limit"], eos_id=eos_id, pad_id=pad_id,
                                    bos_id=bos_id, forced_eos_logprob_zero=hf)
@@ -261,8 +247,8 @@ def beam_step(state: dict[str, Any], tokens_to_logits: TokensToLogits, beam: Bea
     # hypothesis, so beam size 1 is exactly greedy decoding; a closed sentence
     # takes no more.
     ended = is_eos & alive & (jnp.arange(2 * k) < k)[None, :] & state["open"][:, None]
-    ended_scores = jnp.where(ended, top_logprobs / length_penalty(step + 1, beam.alpha, beam.length_normalization),
-                             NEG_INF)
+    ended_scores = jnp.where(
+        ended, top_logprobs / length_penalty(step + 1, beam.alpha, beam.length_normalization), NEG_INF)
     merged_scores = jnp.concatenate([state["finished_scores"], ended_scores], axis=1)
     merged_seqs = jnp.concatenate([state["finished_seqs"], top_seqs], axis=1)
     merged_flags = jnp.concatenate([state["finished_flags"], ended], axis=1)

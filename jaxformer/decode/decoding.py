@@ -1,10 +1,7 @@
-"""Decoding a model: :func:`decode` runs a strategy (:mod:`jaxformer.decode.strategies`)
-over a batch of sources, jitted, with an explicit cache.
-
-The model enters the strategies as a callback ``tokens_to_logits(ids [B, 1], cache) ->
-(logits [B, V], cache)`` (``Transformer.decode_step`` bound to its variables), so every
-strategy can be tested with a stub whose right answer is known. ``greedy_translate``,
-``beam_translate`` and ``sample_translate`` are :func:`decode` with one strategy each.
+"""Decoding a model: :func:`decode` runs a strategy (:mod:`jaxformer.decode.strategies`) over a
+batch of sources, jitted, with an explicit cache. The strategies see the model as a callback
+``tokens_to_logits(ids [B, 1], cache) -> (logits [B, V], cache)`` (``Transformer.decode_step``
+bound to its variables), so a stub whose right answer is known can stand in for it.
 """
 
 from __future__ import annotations
@@ -25,13 +22,10 @@ from jaxformer.model.sharding import under_mesh
 from jaxformer.model.transformer import Transformer
 from jaxformer.model.validation import check_count, check_real, check_token_ids
 
-INT32 = dict(minimum=-(1 << 31), maximum=(1 << 31) - 1)
-STATIC = ("model", "strategy", "bos_id", "eos_id", "max_decode_len", "len_a", "extra_len")
-
 
 def decode(model: Transformer, params: Any, src_BS: jax.Array, strategy: Any, *, bos_id: int, eos_id: int,
-           max_decode_len: int, len_a: float = 1.0, extra_len: int | None = None, rng: jax.Array | None = None,
-           indices_B: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+           max_decode_len: int, len_a: float = 1.0, extra_len: int | None = None,
+           rng: jax.Array | None = None, indices_B: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Encodes ``src [B, S]`` once and decodes it with ``strategy`` (``Greedy``, ``Sample``,
     ``Beam`` or any class like them: :mod:`jaxformer.decode.strategies`), jitted: one
     compile per (B, S, strategy, settings).
@@ -56,15 +50,16 @@ def decode(model: Transformer, params: Any, src_BS: jax.Array, strategy: Any, *,
     if not isinstance(src_BS, jax.Array) or src_BS.is_fully_addressable:
         check_token_ids(src_BS, name="src_BS", vocab_size=config.src_vocab_size, max_len=config.max_len)
     return _decode_jit(
-        model, params, src_BS, rng, indices_B, strategy=strategy,
+        model, params, src_BS, indices_B, rng, strategy=strategy,
         bos_id=check_count("bos_id", bos_id, minimum=0, maximum=config.tgt_vocab_size - 1),
-        eos_id=check_count("eos_id", eos_id, **INT32), max_decode_len=check_count("max_decode_len", max_decode_len),
+        eos_id=check_count("eos_id", eos_id, minimum=-(1 << 31), maximum=(1 << 31) - 1),   # an int32
+        max_decode_len=check_count("max_decode_len", max_decode_len),
         len_a=check_real("len_a", len_a, minimum=0.0),
         extra_len=None if extra_len is None else check_count("extra_len", extra_len, minimum=-(1 << 30)))
 
 
-def _decode(model: Transformer, params: Any, src_BS: jax.Array, rng: jax.Array | None = None,
-            indices_B: jax.Array | None = None, *, strategy: Any, bos_id: int, eos_id: int, max_decode_len: int,
+def _decode(model: Transformer, params: Any, src_BS: jax.Array, indices_B: jax.Array | None = None,
+            rng: jax.Array | None = None, *, strategy: Any, bos_id: int, eos_id: int, max_decode_len: int,
             len_a: float = 1.0, extra_len: int | None = None) -> tuple[jax.Array, jax.Array]:
     """:func:`decode` without the host checks: the traced program."""
     batch = src_BS.shape[0]
@@ -77,11 +72,12 @@ def _decode(model: Transformer, params: Any, src_BS: jax.Array, rng: jax.Array |
                                                      extra_len=extra_len))
 
 
-_decode_jit = jax.jit(_decode, static_argnames=STATIC)
+_decode_jit = jax.jit(_decode, static_argnames=("model", "strategy", "bos_id", "eos_id", "max_decode_len",
+                                                 "len_a", "extra_len"))
 
 
 def jit_decoder(model: Transformer, strategy: Any, layout: Any = None, **static) -> Callable:
-    """``fn(params, src_BS, rng=None, indices_B=None)``: :func:`decode` with ``model``,
+    """``fn(params, src_BS, indices_B=None, rng=None)``: :func:`decode` with ``model``,
     ``strategy`` and its settings bound, without the host checks. With a ``layout``
     (:class:`jaxformer.model.sharding.Layout`) its outputs are split over ``data``, its
     inputs taken as laid out (parameters as in training, rows over ``data``), traced
@@ -91,30 +87,25 @@ def jit_decoder(model: Transformer, strategy: Any, layout: Any = None, **static)
         model, strategy, static = strategy, *model.split(static)
     if layout is None:
         return functools.partial(_decode_jit, model, strategy=strategy, **static)
-    # The inputs come laid out (the train state's parameters, rows placed over ``data``).
-    fn = jax.jit(functools.partial(_decode, model, strategy=strategy, **static), out_shardings=layout.batch)
-    return under_mesh(fn, layout.mesh)
+    return under_mesh(jax.jit(functools.partial(_decode, model, strategy=strategy, **static),
+                              out_shardings=layout.batch), layout.mesh)
 
 
 def _model_callback(model: Transformer, params: Any, src_BS: jax.Array, max_decode_len: int,
                     beam_size: int = 1):
     """Encodes once: the ``tokens_to_logits`` callback and its cache, tiled over beams (a
     scanned model through its unrolled view)."""
-    unrolled_model, unrolled_params = unrolled(model, params)
-    variables = {"params": unrolled_params}
-    encoder_output = unrolled_model.apply(variables, src_BS, method=Transformer.encode)
-    cache = unrolled_model.apply(variables, encoder_output, src_BS, max_decode_len,
-                                 method=Transformer.init_cache)
-    if beam_size > 1:
-        cache = tile_beams(cache, beam_size)
-    return decode_step_callback(unrolled_model, unrolled_params), cache
+    model, variables = unrolled(model, {"params": params})
+    encoder_output = model.apply(variables, src_BS, method=Transformer.encode)
+    cache = model.apply(variables, encoder_output, src_BS, max_decode_len, method=Transformer.init_cache)
+    tokens_to_logits = decode_step_callback(model, variables["params"])
+    return tokens_to_logits, (tile_beams(cache, beam_size) if beam_size > 1 else cache)
 
 
 def decode_step_callback(model: Transformer, params: Any) -> TokensToLogits:
     """``tokens_to_logits(ids [B, 1], cache) -> (logits [B, V], cache)``: one
     :meth:`Transformer.decode_step` (a scanned model through its unrolled view)."""
-    model, params = unrolled(model, params)
-    variables = {"params": params}
+    model, variables = unrolled(model, {"params": params})
 
     def tokens_to_logits(ids, cache):
         return model.apply(variables, ids, cache, method=Transformer.decode_step)
@@ -179,7 +170,6 @@ beam_translate = _older("beam_translate", Beam, {"extra_len": 50}, best=False)  
 sample_translate = _older("sample_translate", Sample)   # (model, params, src_BS, rng, ...) -> [B, M]
 
 
-def greedy_search(tokens_to_logits: TokensToLogits, cache: Any, *, forced_eos: bool = False,
-                  processors: tuple = (), **loop) -> jax.Array:
+def greedy_search(tokens_to_logits: TokensToLogits, cache: Any, *, forced_eos=False, processors=(), **loop):
     """``Greedy(forced_eos, processors).search(tokens_to_logits, cache, **loop)``'s ``[B, M]``."""
     return Greedy(forced_eos, processors).search(tokens_to_logits, cache, **loop)[0][:, 0]

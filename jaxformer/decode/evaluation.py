@@ -10,6 +10,7 @@ it; :class:`jaxformer.decode.translator.Translator` translates with it.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -46,26 +47,21 @@ class Evaluator:
           max_len_a, max_len_b: a translation has at most ``a * L + b`` tokens (fairseq's
             ``--max-len-a/b``; a ≥ 0, a + b ≥ 1), never more than ``max_len``.
           scoring: build the BLEU/chrF scorers (the translate tool needs none).
-          exports: serve the decoders from this cache of exported programs
-            (:mod:`jaxformer.decode.exported`), but when sampling or under a layout.
+          exports: serve decoders from these exported programs (:mod:`jaxformer.decode.exported`)
+            unless sampling with a key or under a layout.
           staged: run :class:`~jaxformer.decode.strategies.Beam` in stages
             (:mod:`jaxformer.decode.staged`) without a layout; bulk translation's choice.
-          decoders: where to keep the compiled decoders by their settings (default: a new
-            dict); evaluators of one model, layout and ``exports``/``staged`` may share one
-            (:class:`jaxformer.train.programs.RunPrograms`).
+          decoders: the compiled decoders by their settings (default: a new dict), shareable by
+            evaluators of one model, layout, ``exports`` and ``staged`` (``RunPrograms``).
 
         Raises:
-          ValueError: an unknown tokenizer, or one whose package is missing (the
-            message names the install command and the alternative).
+          ValueError: a tokenizer unknown or without its package (:func:`make_bleu`).
         """
-        self.model, self.tokenizer = model, tokenizer
-        self.layout = layout
-        self.batch_size = batch_size
+        self.model, self.tokenizer, self.layout, self.batch_size = model, tokenizer, layout, batch_size
         # Coarse buckets: each is one compile of the decode loop and of the eval step.
         self.boundaries = bucket_boundaries(model.config.max_len, step=32)
         self._decoders: dict[Any, Any] = {} if decoders is None else decoders
-        self.exports = exports
-        self.staged = staged and layout is None
+        self.exports, self.staged = exports, staged and layout is None
         self.max_len_a, self.max_len_b = max_len_a, max_len_b
         if scoring:
             from sacrebleu.metrics import CHRF
@@ -73,7 +69,7 @@ class Evaluator:
             self.bleu, self.chrf = make_bleu(target_language, tokenize), CHRF()
 
     def _decoder(self, strategy: Any, sampled: bool, **static) -> Callable:
-        """``fn(params, src_BS, rng, indices_B)`` for these settings, cached: the staged beam
+        """``fn(params, src_BS, indices_B, rng)`` for these settings, cached: the staged beam
         search, an exported decoder (not ``sampled``: ``rng`` is ``None``) or
         :func:`jaxformer.decode.decoding.jit_decoder`'s."""
         key = (strategy, sampled, tuple(sorted(static.items())))
@@ -81,15 +77,11 @@ class Evaluator:
             if self.staged and isinstance(strategy, Beam):
                 max_decode_len = static.pop("max_decode_len")
                 staged = StagedBeamSearch(self.model, strategy, **static)
-                self._decoders[key] = lambda params, src, rng, index: staged(params, src, max_decode_len)
+                self._decoders[key] = lambda params, src, index, rng: staged(params, src, max_decode_len)
             elif self.exports is not None and self.layout is None and not sampled:
-                model = self.model
-
-                def fn(params, src_BS, indices_B):
-                    return _decode(model, params, src_BS, None, indices_B, strategy=strategy, **static)
-
-                exported = self.exports.decoder(fn, "decode", model.config, strategy=strategy, **static)
-                self._decoders[key] = lambda params, src, rng, index: exported(params, src, index)
+                fn = functools.partial(_decode, self.model, strategy=strategy, **static)   # params, src, idx
+                exported = self.exports.decoder(fn, "decode", self.model.config, strategy=strategy, **static)
+                self._decoders[key] = lambda params, src, index, rng: exported(params, src, index)
             else:
                 self._decoders[key] = jit_decoder(self.model, strategy, self.layout, **static)
         return self._decoders[key]
@@ -98,9 +90,8 @@ class Evaluator:
         """This process's block of rows of a (whole, host) batch, as global sharded arrays."""
         count, position = sharding_lib.mesh_processes(self.layout.mesh)
         rows = next(iter(batch.values())).shape[0] // count
-        start = position * rows
-        return sharding_lib.shard_batch({k: v[start:start + rows] for k, v in batch.items()},
-                                        self.layout.batch)
+        return sharding_lib.shard_batch({k: v[position * rows:(position + 1) * rows]
+                                         for k, v in batch.items()}, self.layout.batch)
 
     def _length_batches(self, lengths):
         order = np.argsort(lengths, kind="stable")
@@ -120,8 +111,7 @@ class Evaluator:
         return rows
 
     def decode(self, params: Any, sources: Sequence[str], strategy: Any, *, rng: jax.Array | None = None,
-               indices: Sequence[int] | None = None,
-               length_limits: bool = True) -> list[list[tuple[str, float]]]:
+               indices: Sequence[int] | None = None, length_limits: bool = True) -> list[list]:
         """Each source's (translation, score) list, best first, in input order: ``sources``
         (cut to ``max_len`` tokens) decoded with ``strategy`` in length-sorted fixed-shape
         batches (:func:`jaxformer.decode.decoding.decode`; ``rng`` and ``indices``, each
@@ -144,13 +134,13 @@ class Evaluator:
             batch = self._place(batch) if self.layout else jax.tree_util.tree_map(jnp.asarray, batch)
             decoder = self._decoder(strategy, rng is not None, max_decode_len=self.max_decode_len(length),
                                     **static)
-            hyps, scores = sharding_lib.to_host(decoder(params, batch["src"], rng, batch["index"]))
+            hyps, scores = sharding_lib.to_host(decoder(params, batch["src"], batch["index"], rng))
             for r, i in enumerate(members):
                 out[i] = list(zip(self.tokenizer.decode(hyps[r]), (float(x) for x in scores[r])))
         return out
 
     def max_decode_len(self, source_length: int) -> int:
-        """The output limit for a batch of padded source length ``source_length``."""
+        """The output limit of a batch of sources padded to ``source_length``."""
         return max(1, min(int(self.max_len_a * source_length + self.max_len_b), self.model.config.max_len))
 
     def loss(self, params: Any, examples: Examples, eval_step: Callable) -> dict[str, float]:
@@ -202,10 +192,8 @@ class Evaluator:
 
 
 def repeats_ngram(tokens: Sequence[str], times: int = 3, max_n: int = 4) -> bool:
-    """Whether some n-gram (1 ≤ n ≤ ``max_n``) with a word in it (a token holding a letter
-    or digit) occurs ``times`` or more times in a row: ``a , a , a ,`` (n = 2) and
-    ``x x x`` (n = 1) do, ``a b a b`` does not, and neither does ``. . .`` (how the 13a
-    tokenizer splits an ellipsis typed as three dots)."""
+    """Whether an n-gram (n ≤ ``max_n``) with a word (a letter or digit) in it occurs ``times``
+    or more times in a row: ``a , a , a ,`` and ``x x x`` do; ``a b a b`` and ``. . .`` do not."""
     tokens = list(tokens)
     wordy = [any(c.isalnum() for c in t) for t in tokens]
     for n in range(1, max_n + 1):

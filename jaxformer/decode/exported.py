@@ -51,8 +51,7 @@ def _write_atomically(path: Path, data: bytes) -> None:
     rename (a reader never sees half a file), with the umask's permissions, not 0600
     (a group-shared run directory serves other users)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.parent / f".{path.name}-{secrets.token_hex(8)}"
-    # os.open applies the umask to 0o666, as open() does (tempfile would make it 0600).
+    temporary = path.parent / f".{path.name}-{secrets.token_hex(8)}"   # os.open: 0o666 less the umask
     with os.fdopen(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as f:
         f.write(hashlib.sha256(data).digest() + data)
     os.replace(temporary, path)
@@ -88,7 +87,7 @@ class ExportCache:
         """``make()`` (a nested dict of ``jax.ShapeDtypeStruct``: the parameters of a model
         with ``config``), read from this cache when it was made before."""
         path = self.directory / f"{self.key('params', repr(config))}.json"
-        with contextlib.suppress(OSError, ValueError, TypeError, KeyError, AttributeError):   # missing, damaged
+        with contextlib.suppress(OSError, ValueError, TypeError, KeyError, AttributeError):   # missing
             tree: dict[str, Any] = {}
             for names, shape, dtype in json.loads(_read_verified(path)):
                 node = tree
@@ -97,8 +96,8 @@ class ExportCache:
                 node[names[-1]] = jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype))
             return tree
         abstract = make()
-        flat = jax.tree_util.tree_flatten_with_path(abstract)[0]
-        leaves = [[[k.key for k in names], list(x.shape), str(x.dtype)] for names, x in flat]
+        leaves = [[[k.key for k in names], list(x.shape), str(x.dtype)]
+                  for names, x in jax.tree_util.tree_flatten_with_path(abstract)[0]]
         with contextlib.suppress(OSError):   # an unwritable run directory: made again next time
             _write_atomically(path, json.dumps(leaves).encode())
         return abstract

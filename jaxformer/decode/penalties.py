@@ -1,11 +1,10 @@
 """Logit processors against repetition, as fairseq, CTranslate2 and Hugging Face offer them.
 
 A processor is a hashable callable ``(scores_RV, seqs_RM, step) -> scores_RV``: float
-scores ``[R, V]`` for position ``step`` (R rows: batch × beams), given the tokens
-generated so far ``seqs_RM`` (int ``[R, M]``; positions ≥ ``step`` are ignored; the
-decoder start token is never among them). A strategy applies its ``processors`` in
-order (transformers' ``LogitsProcessorList``): to the logits in greedy decoding and
-sampling, to the log-probabilities in beam search. Banned tokens get ``-inf``.
+scores ``[R, V]`` (R rows: batch × beams) for position ``step``, given the tokens generated
+before it, ``seqs_RM`` (int ``[R, M]``; later positions ignored; never the start token).
+Strategies apply their ``processors`` in order (transformers' ``LogitsProcessorList``) to
+the logits, or to beam search's log-probabilities; banned tokens get ``-inf``.
 """
 
 from __future__ import annotations
@@ -60,7 +59,7 @@ def penalties(no_repeat_ngram_size: int = 0, repetition_penalty: float = 1.0) ->
     return ((penalty,) if penalty.penalty != 1.0 else ()) + ((NoRepeatNGram(size),) if size else ())
 
 
-def apply_processors(processors: tuple, scores_RV: jax.Array, seqs_RM: jax.Array, step: jax.Array) -> jax.Array:
+def apply_processors(processors: tuple, scores_RV: jax.Array, seqs_RM: jax.Array, step: jax.Array):
     """``scores_RV`` after each processor in turn, as float32."""
     scores_RV = scores_RV.astype(jnp.float32)
     for processor in processors:

@@ -36,19 +36,10 @@ _LENGTH_KEYS = ("live_seqs", "finished_seqs")
 
 
 class StagedBeamSearch:
-    """A :class:`~jaxformer.decode.strategies.Beam` search over batches of sources, stage
-    by stage (see the module docstring).
-
-    Args:
-      model: the :class:`~jaxformer.model.transformer.Transformer` (scanned layers are
-        decoded through their unrolled view).
-      beam: the beam search's settings.
-      bos_id, eos_id, len_a, extra_len: as :func:`jaxformer.decode.decoding.decode`.
-      first_length: the first stage's token-array and cache length L0 (≥ 1).
-
-    Attributes:
-      stages: the last call's stages, ``(rows, length, step at its end)`` each.
-    """
+    """``beam``'s search of ``model`` over batches of sources, stage by stage (the module
+    docstring): ``bos_id``, ``eos_id``, ``len_a``, ``extra_len`` as
+    :func:`jaxformer.decode.decoding.decode`'s; ``first_length``: the first stage's L (≥ 1).
+    ``stages``: the last call's, ``(rows, length, step at its end)`` each."""
 
     def __init__(self, model: Transformer, beam: Beam, *, bos_id: int, eos_id: int, len_a: float = 1.0,
                  extra_len: int | None = 50, first_length: int = 32):
@@ -66,10 +57,9 @@ class StagedBeamSearch:
         """Encodes ``src [B, S]`` and builds the first stage's state (cache length ``length``)."""
         _, cache = _model_callback(self.model, params, src_BS, length, self.beam_size)
         limits = source_limits(src_BS, pad_id=self.pad_id, len_a=self._len_a, extra_len=self._extra_len)
-        batch = src_BS.shape[0]
-        state = self._init(cache, batch_size=batch, length=length, max_decode_len=max_decode_len,
+        state = self._init(cache, batch_size=src_BS.shape[0], length=length, max_decode_len=max_decode_len,
                            max_lengths=limits)
-        return dict(state, origin=jnp.arange(batch, dtype=jnp.int32))
+        return dict(state, origin=jnp.arange(src_BS.shape[0], dtype=jnp.int32))
 
     def _run_stage(self, params, state, *, stop_at: int):
         """Steps until at most ``stop_at`` sentences are open or the arrays are full.
@@ -96,12 +86,8 @@ class StagedBeamSearch:
         return dict(new, step=state["step"], cache=cache)
 
     def __call__(self, params: Any, src_BS: np.ndarray, max_decode_len: int) -> tuple[np.ndarray, np.ndarray]:
-        """Beam search of ``src [B, S]`` (int32 ids, one device).
-
-        Returns:
-          ``(sequences [B, k, M] int32, scores [B, k] float32)`` as numpy arrays, best
-          first, as :func:`jaxformer.decode.decoding.decode` returns them.
-        """
+        """Beam search of ``src [B, S]`` (int32 ids, one device): numpy ``(sequences [B, k, M]
+        int32, scores [B, k] float32)``, best first, as :func:`~jaxformer.decode.decoding.decode`'s."""
         batch, k = src_BS.shape[0], self.beam_size
         rows, length = batch, min(self.first_length, max_decode_len)
         seqs_BNM = np.full((batch, k, max_decode_len), self.pad_id, np.int32)

@@ -26,11 +26,12 @@ from jaxformer.model.validation import check_count, check_real
 
 
 def autoregress(tokens_to_logits: TokensToLogits, cache: Any, pick, *, batch_size: int, bos_id: int,
-                eos_id: int, pad_id: int, max_decode_len: int, max_lengths: jax.Array | None = None) -> jax.Array:
-    """The token-by-token loop (one ``lax.while_loop``) → int32 ``[B, M]``, the generated
-    ids (no bos), eos then pad after each end. ``pick(logits_BV, step, out_BM, at_limit_B)
-    -> ids_B`` picks each next token (``out_BM``: the tokens so far; ``at_limit_B``: the
-    sentence's last allowed one); a sentence stops at eos or min(its ``max_lengths``, M) ≥ 1."""
+                eos_id: int, pad_id: int, max_decode_len: int,
+                max_lengths: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """The token-by-token search (one ``lax.while_loop``): ``(sequences [B, 1, M] int32, scores
+    [B, 1] float32 zeros)``, generated ids, eos then pad. ``pick(logits_BV, step, out_BM,
+    at_limit_B) -> ids_B`` picks each token (``out_BM``: those so far; ``at_limit_B``: the
+    sentence's last); a sentence stops at eos or min(its ``max_lengths``, M) ≥ 1."""
     limit_B = (jnp.full((batch_size,), max_decode_len, jnp.int32) if max_lengths is None
                else jnp.clip(jnp.asarray(max_lengths, jnp.int32), 1, max_decode_len))
 
@@ -46,7 +47,7 @@ def autoregress(tokens_to_logits: TokensToLogits, cache: Any, pick, *, batch_siz
     carry = (jnp.zeros((), jnp.int32), jnp.full((batch_size, 1), bos_id, jnp.int32), cache,
              jnp.zeros((batch_size,), jnp.bool_), jnp.full((batch_size, max_decode_len), pad_id, jnp.int32))
     *_, out_BM = jax.lax.while_loop(lambda c: (c[0] < max_decode_len) & ~jnp.all(c[3]), body, carry)
-    return out_BM
+    return out_BM[:, None], jnp.zeros((batch_size, 1), jnp.float32)
 
 
 def first_argmax(logits_BV: jax.Array) -> jax.Array:
@@ -67,10 +68,6 @@ def allowed_logits(logits_BV: jax.Array, out_BM: jax.Array, step: jax.Array, pro
     return jnp.where(never_1V, -jnp.inf, apply_processors(processors, logits_BV, out_BM, step))
 
 
-def _one_best(out_BM: jax.Array) -> tuple[jax.Array, jax.Array]:
-    return out_BM[:, None], jnp.zeros((out_BM.shape[0], 1), jnp.float32)
-
-
 @dataclasses.dataclass(frozen=True)
 class Greedy:
     """The most likely token at each step (the first of a tie); scores 0. ``forced_eos``: a
@@ -87,7 +84,7 @@ class Greedy:
                                                  bos_id=loop["bos_id"], pad_id=loop["pad_id"]))
             return jnp.where(at_limit_B, loop["eos_id"], best_B) if self.forced_eos else best_B
 
-        return _one_best(autoregress(tokens_to_logits, cache, pick, **loop))
+        return autoregress(tokens_to_logits, cache, pick, **loop)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +138,7 @@ class Sample:
             step_keys_B = jax.vmap(jax.random.fold_in, (0, None))(keys_B, step)
             return jax.vmap(jax.random.categorical)(step_keys_B, logits).astype(jnp.int32)
 
-        return _one_best(autoregress(tokens_to_logits, cache, pick, **loop))
+        return autoregress(tokens_to_logits, cache, pick, **loop)
 
 
 def strategy_for(beam_size: int, alpha: float = 0.6, length_normalization: str = "gnmt",

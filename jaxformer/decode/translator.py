@@ -67,10 +67,8 @@ class Translator:
         from flax import linen as nn
 
         batch_size = check_count("batch_size", batch_size)
-        if isinstance(checkpoint, str) and checkpoint.isdigit():   # "20": a step, as the CLI reads it
-            checkpoint = int(checkpoint)
-        elif isinstance(checkpoint, np.integer):   # a NumPy step is a step
-            checkpoint = int(checkpoint)
+        if isinstance(checkpoint, np.integer) or isinstance(checkpoint, str) and checkpoint.isdigit():
+            checkpoint = int(checkpoint)   # "20" (as the command line reads it) or a NumPy 20: a step
         workdir = Path(workdir)
         exported = exported and mesh is None   # exported decoders are one-device programs
         exports = ExportCache(RunDir(workdir).jax_cache / "exported") if exported else None
@@ -113,55 +111,55 @@ class Translator:
                                    layout=layout, target_language=record.get("target_language", "xx"),
                                    max_len_a=self.max_len_a, max_len_b=self.max_len_b, exports=exports,
                                    staged=staged)
-        train = record.get("train", {})
-        fallback = dict(beam_size=4, alpha=0.6, length_normalization="gnmt", early_stopping=False,
+        train, fallback = record.get("train", {}), dict(beam_size=4, alpha=0.6, length_normalization="gnmt",
+                                                        early_stopping=False,
                         no_repeat_ngram_size=0, repetition_penalty=1.0)   # §6.1's beam 4 and α 0.6
-        self.defaults = {name: generation.get("length_penalty" if name == "alpha" else name, train.get(name, value))
-                         for name, value in fallback.items()}
+        self.defaults = {name: generation.get("length_penalty" if name == "alpha" else name,
+                                              train.get(name, value)) for name, value in fallback.items()}
 
-    def decode(self, sentences: list[str], strategy: Any, *, seed: int = 0, indices: list[int] | None = None,
-               length_limits: bool = True, stream: int | None = None) -> list[list[tuple[str, float]]]:
+    def decode(self, sentences: list[str], strategy: Any, *, seed: int | None = None,
+               indices: list[int] | None = None, length_limits: bool = True,
+               stream: int | None = None) -> list[list[tuple[str, float]]]:
         """(translation, score) lists of ``sentences`` decoded with ``strategy``
         (:mod:`jaxformer.decode.strategies`), best first, in order; an empty or blank
         sentence gets one empty pair (score 0), as the command line writes an empty line.
 
         Args:
-          seed: a sampling strategy's seed: sentence i draws from ``fold_in(key(seed),
-            indices[i])`` (``indices``: its index in the whole input, default its position),
-            whatever its batch or input path; ``stream``: from ``fold_in(key(seed), stream)``.
-          length_limits: at most ``max_len_a`` × source length + ``max_len_b`` tokens per
-            sentence (``False``: only the batch's, as Hugging Face ``generate``).
+          seed: a sampling strategy's (``None``: 0); sentence i draws from ``fold_in(key(seed),
+            indices[i])``, its index in the whole input (default: in ``sentences``), whatever
+            its batch or input path (``stream``: the key is ``fold_in(key(seed), stream)``).
+          length_limits: as :meth:`jaxformer.decode.evaluation.Evaluator.decode`.
 
         Raises:
           TypeError: ``sentences`` is one string, not a list of them.
           ValueError: ``seed`` not an integer in [0, 2**32).
         """
-        _check_sentences(sentences)
-        if not 0 <= check_count("seed", seed, minimum=-(1 << 63)) < 1 << 32:   # what --seed takes
-            raise ValueError(f"seed must be in [0, 2**32), got {seed}.")
-        rng = jax.random.key(int(seed))
-        rng = rng if stream is None else jax.random.fold_in(rng, check_count("stream", stream, minimum=0))
+        if isinstance(sentences, str) or not hasattr(sentences, "__len__") \
+                or not all(isinstance(s, str) for s in sentences):   # (a generator would be used up)
+            raise TypeError(f"sentences must be a list of strings, got {type(sentences).__name__}"
+                            + (": wrap one sentence in a list" if isinstance(sentences, str) else ""))
+        rng = None   # key(0) in the decoder, which can then be an exported one
+        if seed is not None or stream is not None:
+            if not 0 <= check_count("seed", seed or 0, minimum=-(1 << 63)) < 1 << 32:   # what --seed takes
+                raise ValueError(f"seed must be in [0, 2**32), got {seed}.")
+            rng = jax.random.key(int(seed or 0))
+            rng = rng if stream is None else jax.random.fold_in(rng, check_count("stream", stream, minimum=0))
         indices = range(len(sentences)) if indices is None else indices
         todo = [i for i, sentence in enumerate(sentences) if sentence.strip()]
         out = [[("", 0.0)] for _ in sentences]
         for i, result in zip(todo, self.evaluator.decode(
-                self.params, [sentences[i] for i in todo], strategy, rng=rng, indices=[indices[i] for i in todo],
-                length_limits=length_limits) if todo else []):
+                self.params, [sentences[i] for i in todo], strategy, rng=rng,
+                indices=[indices[i] for i in todo], length_limits=length_limits) if todo else []):
             out[i] = result
         return out
 
-    def n_best(self, sentences: list[str], *, beam_size: int | None = None, alpha: float | None = None,
-               length_normalization: str | None = None, early_stopping: bool | None = None,
-               no_repeat_ngram_size: int | None = None, repetition_penalty: float | None = None,
-               best_only: bool = False) -> list[list[tuple[str, float]]]:
+    def n_best(self, sentences: list[str], *, best_only: bool = False, **options) -> list[list]:
         """``beam_size`` (translation, score) pairs per sentence, best first: :meth:`decode`
-        with a :class:`~jaxformer.decode.strategies.Beam`, or with ``best_only``, the
-        strategy of :func:`~jaxformer.decode.strategies.strategy_for` (``beam_size`` 1:
-        greedy). Options left ``None`` take the run's :attr:`defaults`."""
-        rules = dict(beam_size=beam_size, alpha=alpha, length_normalization=length_normalization,
-                     early_stopping=early_stopping, no_repeat_ngram_size=no_repeat_ngram_size,
-                     repetition_penalty=repetition_penalty)
-        rules = {k: self.defaults[k] if v is None else v for k, v in rules.items()}
+        with a :class:`~jaxformer.decode.strategies.Beam` of ``options`` (``beam_size``,
+        ``alpha``, ``length_normalization``, ``early_stopping``, ``no_repeat_ngram_size``,
+        ``repetition_penalty``; left out or ``None``: the run's :attr:`defaults`); with
+        ``best_only``, :func:`~jaxformer.decode.strategies.strategy_for`'s (beam 1: greedy)."""
+        rules = {**self.defaults, **{k: v for k, v in options.items() if v is not None}}
         strategy = strategy_for(**rules)
         if not best_only and not isinstance(strategy, Beam):   # beam 1: its one hypothesis, scored
             strategy = Beam(1, rules["alpha"], rules["length_normalization"], rules["early_stopping"],
@@ -180,19 +178,21 @@ class Translator:
         """One sampled translation per sentence: :meth:`decode` with a
         :class:`~jaxformer.decode.strategies.Sample` and, left ``None``, the run's
         repetition rules (``seed``, ``indices``, ``stream``: as :meth:`decode`)."""
-        rules = dict(no_repeat_ngram_size=no_repeat_ngram_size, repetition_penalty=repetition_penalty)
-        processors = penalties(**{k: self.defaults[k] if v is None else v for k, v in rules.items()})
+        processors = penalties(
+            self.defaults["no_repeat_ngram_size"] if no_repeat_ngram_size is None else no_repeat_ngram_size,
+            self.defaults["repetition_penalty"] if repetition_penalty is None else repetition_penalty)
         return [n_best[0][0] for n_best in self.decode(
-            sentences, Sample(temperature, top_k, top_p, processors), seed=seed, indices=indices, stream=stream)]
+            sentences, Sample(temperature, top_k, top_p, processors), seed=seed, indices=indices,
+            stream=stream)]
 
     def params_digest(self) -> str:
         """SHA-256 of the parameters as decoded (every leaf's path, dtype, shape and bytes):
         what a bulk job records, so its resume refuses a run retrained to the same step."""
         digest = hashlib.sha256()
         for path, leaf in jax.tree_util.tree_leaves_with_path(self.params):
-            array = np.asarray(leaf)
+            array = np.ascontiguousarray(leaf)
             digest.update(f"{jax.tree_util.keystr(path)} {array.dtype} {array.shape}".encode())
-            digest.update(np.ascontiguousarray(array).tobytes())
+            digest.update(array.tobytes())
         return digest.hexdigest()
 
     def cross_attention(self, source: str, translation: str, layer: int | None = None,
@@ -207,24 +207,15 @@ class Translator:
         tok = self.tokenizer
         src_ids = tok.encode_source([source])[0][: self.config.max_len]
         tgt_ids = tok.encode_target([translation])[0][: self.config.max_len - 1]
-        src = jnp.asarray([src_ids], jnp.int32)
-        tgt_in = jnp.asarray([[tok.bos_id, *tgt_ids]], jnp.int32)
         model, variables = unrolled(self.model, {"params": self.params})   # one entry per layer
-        _, state = model.apply(variables, src, tgt_in, mutable=["intermediates"])
+        _, state = model.apply(variables, jnp.asarray([src_ids], jnp.int32),
+                               jnp.asarray([[tok.bos_id, *tgt_ids]], jnp.int32), mutable=["intermediates"])
         layers = state["intermediates"]["decoder"]
         stack = np.stack([np.asarray(layers[f"layer_{i}"]["cross_attention"]["attention_weights"][0][0])
                           for i in range(self.config.num_decoder_layers)])      # [N, H, T, S]
         stack = stack.mean(axis=0) if layer is None else stack[layer]
         weights = stack.mean(axis=0) if head is None else stack[head]
         return weights, tok.source_pieces(src_ids), tok.target_pieces([*tgt_ids, tok.eos_id])
-
-
-def _check_sentences(sentences) -> None:
-    """A list (or tuple) of strings: one string would be translated character by character."""
-    if isinstance(sentences, str) or not hasattr(sentences, "__len__") \
-            or not all(isinstance(s, str) for s in sentences):   # (a generator would be used up here)
-        raise TypeError(f"sentences must be a list of strings, got {type(sentences).__name__}"
-                        + (": wrap one sentence in a list" if isinstance(sentences, str) else ""))
 
 
 def save_attention_png(path: str | Path, weights, src_pieces, tgt_pieces, title: str = "") -> None:
@@ -235,11 +226,10 @@ def save_attention_png(path: str | Path, weights, src_pieces, tgt_pieces, title:
     height, width = weights.shape
     fig = Figure(figsize=(max(4, 0.45 * width + 2), max(3, 0.4 * height + 1.5)))
     ax = fig.subplots()
-    image = ax.imshow(weights, cmap="viridis", aspect="auto", vmin=0.0)
+    fig.colorbar(ax.imshow(weights, cmap="viridis", aspect="auto", vmin=0.0), ax=ax)
     ax.set_xticks(range(width), src_pieces, rotation=90)
     ax.set_yticks(range(height), tgt_pieces[:height])
     ax.set(xlabel="source", ylabel="target", title=title)
-    fig.colorbar(image, ax=ax)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
