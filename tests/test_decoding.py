@@ -207,6 +207,36 @@ def test_a_sampled_sentence_is_the_same_alone_and_in_a_batch(tiny_model):
     assert len({tuple(row[0]) for row in batch}) > 1
 
 
+class _Digits:
+    """A tokenizer stub: a sentence of digits is its ids (+ 5), and back."""
+
+    bos_id, eos_id = BOS, EOS
+
+    def encode_source(self, texts):
+        return [[int(c) + 5 for c in text] + [EOS] for text in texts]
+
+    def decode(self, ids):
+        return [" ".join(str(int(t)) for t in row if t != PAD) for row in ids]
+
+
+def test_a_seed_samples_each_line_the_same_whatever_the_batch_or_input_path(tiny_model):
+    """The Evaluator (the Translator's and bulk mode's decoding) with sentence indices: the
+    whole input at once, one line at a time (a pipe), or in other batches, the same samples."""
+    from jaxformer.decode.evaluation import Evaluator
+
+    model, params = tiny_model
+    lines = ["1234", "56", "789012", "3", "45678"]
+    evaluator = Evaluator(model, _Digits(), batch_size=4, target_language="de", scoring=False)
+    sample = Sample(temperature=2.0)
+    rng = jax.random.key(11)
+    whole = evaluator.decode(params, lines, sample, rng=rng)
+    one_by_one = [evaluator.decode(params, [line], sample, rng=rng, indices=[i])[0]
+                  for i, line in enumerate(lines)]
+    reversed_ = evaluator.decode(params, lines[::-1], sample, rng=rng, indices=range(4, -1, -1))[::-1]
+    assert whole == one_by_one == reversed_
+    assert len({best[0][0] for best in whole}) > 1
+
+
 @dataclasses.dataclass(frozen=True)
 class Argmin:
     """A strategy in one class: the least likely token, never pad or bos."""
