@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxformer.decode.penalties import Penalties
+from jaxformer.decode.strategies import strategy_for
 from jaxformer.run.config import save_json
 from jaxformer.run.logs import is_main_process, log
 from jaxformer.run.metrics import write_plots
@@ -24,8 +24,9 @@ DEGENERATE_WARNING = 0.02   # warn when more test hypotheses than this loop on a
 def _translate(run: Run, params: Any, sources: list[str]) -> list[str]:
     """Dev/test decoding with the run's beam, length penalty and repetition rules."""
     cfg = run.cfg
-    return run.evaluator.translate(params, sources, beam_size=cfg.decode.beam_size, alpha=cfg.decode.alpha,
-                                   penalties=Penalties(cfg.decode.no_repeat_ngram_size, cfg.decode.repetition_penalty))
+    strategy = strategy_for(cfg.decode.beam_size, cfg.decode.alpha, no_repeat_ngram_size=cfg.decode.no_repeat_ngram_size,
+                            repetition_penalty=cfg.decode.repetition_penalty)
+    return [n_best[0][0] for n_best in run.evaluator.decode(params, sources, strategy)]
 
 
 def evaluate(run: Run, loop: LoopState, keep_best: bool = True) -> float:
