@@ -58,34 +58,20 @@ def scaled_dot_product_attention(q, k, v, mask=None, *, dropout_rate: float = 0.
     Returns:
       ``(outputs [B, H, T, K]`` in ``v.dtype``, ``weights [B, H, T, S]`` float32)``.
       The weights are the pre-dropout softmax; fully masked rows give zeros.
-
-    Raises:
-      ValueError: wrong ranks or mismatched shapes, naming the argument.
     """
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.ndim != 4:
-            raise ValueError(f"scaled_dot_product_attention: {name} must have rank 4 "
-                             f"[B, H, L, K], got shape {x.shape}.")
+    chex.assert_rank([q, k, v], 4)
     batch, heads, q_len, head_dim = q.shape
     kv_len = k.shape[2]
-    chex.assert_shape(k, (batch, heads, kv_len, head_dim))
-    chex.assert_shape(v, (batch, heads, kv_len, head_dim))
+    chex.assert_shape([k, v], (batch, heads, kv_len, head_dim))
     full = (batch, heads, q_len, kv_len)
-    if mask is None:
-        mask = jnp.ones(full, jnp.bool_)
-    else:
-        if mask.dtype != jnp.bool_:
-            raise ValueError(f"mask must be boolean (True = may attend), got dtype {mask.dtype}.")
-        try:
-            mask = jnp.broadcast_to(mask, full)
-        except ValueError as e:
-            raise ValueError(f"mask of shape {mask.shape} does not broadcast to scores {full}.") from e
+    if mask is not None:
+        chex.assert_type(mask, bool)
+    mask = jnp.broadcast_to(True if mask is None else mask, full)
     if dropout_rng is not None and dropout_rate > 0.0:
         keep, keep_probability = keep_mask(dropout_rng, dropout_rate, full)
         keep = keep.astype(jnp.float32) / keep_probability
     else:
-        keep = jnp.ones((), jnp.float32)
-        keep = jnp.broadcast_to(keep, full)
+        keep = jnp.ones(full, jnp.float32)
     per_head = jax.vmap(_single_head_attention)          # over H
     per_example = jax.vmap(per_head)                      # over B
     out, weights = per_example(q, k, v, mask, keep)
@@ -111,19 +97,12 @@ def fused_dot_product_attention(q, k, v, mask=None, *, implementation: str | Non
 
     Returns:
       outputs ``[B, H, T, K]`` in ``v.dtype``.
-
-    Raises:
-      ValueError: wrong ranks or a non-boolean mask.
     """
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.ndim != 4:
-            raise ValueError(f"fused_dot_product_attention: {name} must have rank 4 "
-                             f"[B, H, L, K], got shape {x.shape}.")
+    chex.assert_rank([q, k, v], 4)
     batch, heads, q_len, head_dim = q.shape
-    kv_len = k.shape[2]
-    chex.assert_shape([k, v], (batch, heads, kv_len, head_dim))
-    if mask is not None and mask.dtype != jnp.bool_:
-        raise ValueError(f"mask must be boolean (True = may attend), got dtype {mask.dtype}.")
+    chex.assert_shape([k, v], (batch, heads, k.shape[2], head_dim))
+    if mask is not None:
+        chex.assert_type(mask, bool)
     to_BLHK = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731  (the fused API's layout)
     out_dtype = v.dtype
     if q.dtype == jnp.float16 and implementation != "cudnn" and jax.default_backend() == "cpu":

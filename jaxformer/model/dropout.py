@@ -24,18 +24,13 @@ def keep_mask(rng: chex.PRNGKey, rate: float, shape: tuple[int, ...]) -> tuple[j
 
     Args:
       rng: a PRNG key.
-      rate: drop probability in [0, 1).
+      rate: drop probability in [0, 1) (the config's range).
       shape: the mask's shape.
 
     Returns:
       ``(keep bool [shape], keep_probability)``; the probability is ``1 - rate``
       rounded to a multiple of 2^-16 (what the mask really uses).
-
-    Raises:
-      ValueError: ``rate`` outside [0, 1).
     """
-    if not 0.0 <= rate < 1.0:
-        raise ValueError(f"dropout rate must be in [0, 1), got {rate}.")
     threshold = round(rate * _LEVELS)
     size = math.prod(shape)
     words = jax.random.bits(rng, ((size + 1) // 2,), jnp.uint32)

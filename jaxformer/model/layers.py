@@ -42,24 +42,17 @@ def sinusoidal_positional_encoding(max_len: int, d_model: int, layout: str = "in
     sines in dimensions ``[0, D/2)`` and the cosines in ``[D/2, D)``.
 
     Returns:
-      float32 NumPy array ``[1, max_len, D]``.
-
-    Raises:
-      ValueError: an unknown layout, or ``"split"`` with an odd ``d_model``.
+      float32 NumPy array ``[1, max_len, D]``. ``"split"`` needs an even ``d_model``
+      (:class:`~jaxformer.model.config.TransformerConfig` checks it).
     """
     position = np.arange(max_len, dtype=np.float64)[:, None]
-    two_i = np.arange(0, d_model, 2, dtype=np.float64)
-    angle = position / np.power(10000.0, two_i / d_model)
-    table = np.zeros((max_len, d_model), dtype=np.float64)
-    if layout == "interleaved":
-        table[:, 0::2] = np.sin(angle)
-        table[:, 1::2] = np.cos(angle[:, : d_model // 2])
-    elif layout == "split" and d_model % 2 == 0:
-        table[:, : d_model // 2] = np.sin(angle)
-        table[:, d_model // 2:] = np.cos(angle)
-    else:
-        raise ValueError(f"positional layout {layout!r} with d_model={d_model}: use 'interleaved', "
-                         f"or 'split' with an even d_model.")
+    angle = position / np.power(10000.0, np.arange(0, d_model, 2, dtype=np.float64) / d_model)
+    sin, cos = np.sin(angle), np.cos(angle[:, : d_model // 2])
+    if layout == "split":
+        table = np.concatenate([sin, cos], axis=1)
+    else:   # interleaved
+        table = np.zeros((max_len, d_model), dtype=np.float64)
+        table[:, 0::2], table[:, 1::2] = sin, cos
     return table[None].astype(np.float32)
 
 

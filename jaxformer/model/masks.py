@@ -19,23 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxformer.model.validation import check_rank_2
-
 # The kv segment id of a key no query may attend to (padding): no query carries it.
 # Segment ids are non-negative in practice (collate_packed numbers segments 1, 2, …
 # and padding 0); any id above int32's minimum works.
 PADDING_SEGMENT = np.iinfo(np.int32).min
-
-
-def _check_pad_id(pad_id) -> None:
-    """Raises ``TypeError`` unless ``pad_id`` is an integer: a Python or NumPy int, or a
-    0-d integer array (a traced one included)."""
-    dtype = getattr(pad_id, "dtype", None)
-    is_int_array = (dtype is not None and getattr(pad_id, "ndim", None) == 0
-                    and jnp.issubdtype(dtype, jnp.integer))
-    if isinstance(pad_id, bool) or not (isinstance(pad_id, (int, np.integer)) or is_int_array):
-        raise TypeError(f"pad_id must be an integer token id, got {pad_id!r} ({type(pad_id).__name__}); "
-                        f"take it from the tokenizer or TransformerConfig.pad_id.")
 
 
 def create_padding_mask(tokens: chex.Array, pad_id: int) -> chex.Array:
@@ -43,16 +30,12 @@ def create_padding_mask(tokens: chex.Array, pad_id: int) -> chex.Array:
 
     Args:
       tokens: integer ids ``[B, L]``.
-      pad_id: the padding id (from the tokenizer / ``TransformerConfig.pad_id``).
+      pad_id: the padding id (from the tokenizer / ``TransformerConfig.pad_id``), an int.
 
     Returns:
       bool ``[B, 1, 1, L]``, ``True`` where ``tokens != pad_id``.
-
-    Raises:
-      ValueError: ``tokens`` is not an array of rank 2. TypeError: ``pad_id`` is not an int.
     """
-    check_rank_2(tokens, name="tokens")
-    _check_pad_id(pad_id)
+    chex.assert_rank(tokens, 2)
     mask = (tokens != pad_id)[:, None, None, :]
     chex.assert_shape(mask, (tokens.shape[0], 1, 1, tokens.shape[1]))
     return mask
@@ -62,20 +45,12 @@ def create_causal_mask(length: int) -> chex.Array:
     """Look-ahead mask of the decoder's self-attention (§3.2.3).
 
     Args:
-      length: target length T.
+      length: target length T, a non-negative int.
 
     Returns:
       bool ``[T, T]``, lower triangular: query t may attend to keys 0..t.
-
-    Raises:
-      ValueError: ``length`` is not a non-negative Python or NumPy integer.
     """
-    if isinstance(length, bool) or not isinstance(length, (int, np.integer)) or length < 0:
-        raise ValueError(f"length must be a non-negative integer (the target length T), got {length!r}; "
-                         f"for a batch of targets use create_decoder_mask(tgt, pad_id).")
-    mask = jnp.tril(jnp.ones((length, length), dtype=jnp.bool_))
-    chex.assert_shape(mask, (length, length))
-    return mask
+    return jnp.tril(jnp.ones((length, length), dtype=jnp.bool_))
 
 
 def create_decoder_mask(tgt: chex.Array, pad_id: int) -> chex.Array:
@@ -92,12 +67,8 @@ def create_decoder_mask(tgt: chex.Array, pad_id: int) -> chex.Array:
 
     Returns:
       bool ``[B, 1, T, T]``.
-
-    Raises:
-      ValueError: ``tgt`` is not an array of rank 2. TypeError: ``pad_id`` is not an int.
     """
-    check_rank_2(tgt, name="tgt")
-    _check_pad_id(pad_id)
+    chex.assert_rank(tgt, 2)
     batch, length = tgt.shape
     keys_B11T = _decoder_keys(tgt, pad_id)[:, None, None, :]
     mask = create_causal_mask(length)[None, None] & keys_B11T

@@ -63,12 +63,8 @@ def _stack_dict(tree: dict, parent: str | None) -> dict:
     layer_keys = [k for k in tree if isinstance(k, str) and _LAYER.fullmatch(k)]
     out = {k: _stack_dict(v, k) if isinstance(v, dict) else v
            for k, v in tree.items() if k not in layer_keys}
-    if parent in _STACKS and layer_keys:
-        count = len(layer_keys)
-        if sorted(int(_LAYER.fullmatch(k).group(1)) for k in layer_keys) != list(range(count)):
-            raise ValueError(f"{parent}: layers {sorted(layer_keys)} are not layer_0 … layer_{count - 1}; "
-                             f"cannot stack them.")
-        layers = [tree[f"layer_{i}"] for i in range(count)]
+    if parent in _STACKS and layer_keys:   # layer_0 … layer_{N-1}; a gap is a KeyError
+        layers = [tree[f"layer_{i}"] for i in range(len(layer_keys))]
         out[SCANNED] = jax.tree_util.tree_map(lambda *xs: _stack_leaves(list(xs)), *layers, is_leaf=_is_leaf)
     return out
 
@@ -101,10 +97,7 @@ def stack_layers(tree: Any) -> Any:
     Leaves may be arrays (stacked with ``jnp.stack``; works under ``jit``),
     ``jax.ShapeDtypeStruct`` (a leading unsharded axis is added to the sharding) or
     ``nn.Partitioned`` boxes (the logical name ``layers`` is prepended). A tree already
-    scanned is returned as it is.
-
-    Raises:
-      ValueError: a stack's layer names are not ``layer_0`` … ``layer_{N-1}``.
+    scanned is returned as it is. A stack's layers are ``layer_0`` … ``layer_{N-1}``.
     """
     return _map_dicts(_stack_dict, tree)
 

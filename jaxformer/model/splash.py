@@ -140,17 +140,15 @@ def splash_dot_product_attention(q_BHTK, k_BHSK, v_BHSK, q_segments_BT, kv_segme
       outputs ``[B, H, T, K]`` in ``v``'s dtype.
 
     Raises:
-      ValueError: ``interpret=None`` on a GPU (use ``"cudnn"`` or ``"xla"``), or a
-        causal mask with T ≠ S.
+      ValueError: ``interpret=None`` on a GPU (use ``"cudnn"`` or ``"xla"``).
     """
     batch, heads, q_len, head_dim = q_BHTK.shape
     kv_len = k_BHSK.shape[2]
     chex.assert_shape([k_BHSK, v_BHSK], (batch, heads, kv_len, head_dim))
     chex.assert_shape(q_segments_BT, (batch, q_len))
     chex.assert_shape(kv_segments_BS, (batch, kv_len))
-    if causal and q_len != kv_len:
-        raise ValueError(f"causal splash attention needs as many queries as keys, got T={q_len}, "
-                         f"S={kv_len}.")
+    if causal:
+        chex.assert_equal(q_len, kv_len)
     interpret = _interpret_mode(interpret)
     q_segments_BT = q_segments_BT.astype(jnp.int32)
     kv_segments_BS = kv_segments_BS.astype(jnp.int32)

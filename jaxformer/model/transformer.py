@@ -26,7 +26,7 @@ from jaxformer.model.config import TransformerConfig
 from jaxformer.model.layers import Embedding, OutputProjection, PositionalEncoding
 from jaxformer.model.masks import create_padding_mask, decoder_masks, encoder_mask, segment_positions
 from jaxformer.model.stacks import Decoder, Encoder
-from jaxformer.model.validation import check_count, check_same_batch, check_token_ids
+from jaxformer.model.validation import check_count, token_id_problem
 
 
 @struct.dataclass
@@ -82,8 +82,6 @@ class DecodeCache:
         """The cache for ``length`` target positions (≥ the current M): the self-attention
         K/V padded with zeros on the position axis (positions past ``index`` are never read)."""
         current = self.layers[0].self_k.shape[2]
-        if length < current:
-            raise ValueError(f"with_length({length}): the cache already holds {current} positions.")
         return self.map_beam_state(lambda x: jnp.pad(x, [(0, 0), (0, 0), (0, length - current), (0, 0)]))
 
 
@@ -93,7 +91,7 @@ class Transformer(nn.Module):
     Attributes:
       config: a :class:`TransformerConfig`.
 
-    Inputs are validated at the entry points (:mod:`jaxformer.model.validation`): rank,
+    The public methods check what the caller passes, once (:meth:`_check`): rank,
     integer dtype, length ``<= max_len`` and matching batch sizes always; the id range
     ``[0, vocab)`` when the arrays are concrete (outside ``jit``).
     """
@@ -116,6 +114,29 @@ class Transformer(nn.Module):
                 "final_logits_bias", nn.with_logical_partitioning(nn.initializers.zeros_init(), ("vocab",)),
                 (c.tgt_vocab_size,), c.parameter_dtype)
 
+    def _check(self, deterministic, src, tgt=None, src_segments=None, tgt_segments=None):
+        """The entry check: ``src`` ids (``tgt`` ids, their batch sizes and packed segments
+        when ``tgt`` is given) and a bool ``deterministic`` ("no" would mean True).
+
+        Raises:
+          ValueError: one message naming every problem and its fix.
+        """
+        c = self.config
+        if tgt is None:
+            problems = [token_id_problem(src, name="src", vocab_size=c.src_vocab_size, max_len=c.max_len)]
+        else:
+            problems = [token_id_problem(tgt, name="tgt", vocab_size=c.tgt_vocab_size, max_len=c.max_len)]
+            if not problems[0] and src.shape[0] != tgt.shape[0]:
+                problems.append(f"src and tgt must have the same batch size, got src {src.shape} and "
+                                f"tgt {tgt.shape}")
+            if (src_segments is None) != (tgt_segments is None):
+                problems.append("packed decoding needs both src_segments and tgt_segments, or neither")
+        if not isinstance(deterministic, (bool, jnp.bool_)):
+            problems.append(f"deterministic must be True or False, got {deterministic!r}")
+        problems = [p for p in problems if p]
+        if problems:
+            raise ValueError("; ".join(problems) + ".")
+
     # ------------------------------------------------------------------ encoder
     def encode(self, src, *, deterministic: bool = True, src_segments=None):
         """Source ids ``[B, S]`` int → ``encoder_output [B, S, D]``.
@@ -127,17 +148,15 @@ class Transformer(nn.Module):
           ValueError: bad rank/dtype, ``S > max_len``, or ids out of range.
         """
         c = self.config
-        check_token_ids(src, name="src", vocab_size=c.src_vocab_size, max_len=c.max_len)
-        batch, src_len = src.shape
+        self._check(deterministic, src)
         positions = None
         if src_segments is not None:
             chex.assert_shape(src_segments, src.shape)
             positions = segment_positions(src_segments)
         src_mask = encoder_mask(src, c.pad_id, src_segments)
         src_x = self.positional_encoding(self.src_embedding(src), deterministic, positions_BL=positions)
-        chex.assert_shape(src_x, (batch, src_len, c.d_model))
         encoder_output = self.encoder(src_x, src_mask, deterministic)
-        chex.assert_shape(encoder_output, (batch, src_len, c.d_model))
+        chex.assert_shape(encoder_output, src.shape + (c.d_model,))
         return encoder_output
 
     # ------------------------------------------------------------------ decoder
@@ -174,24 +193,21 @@ class Transformer(nn.Module):
         ``tgt`` is the already shifted decoder input (``bos y1 y2 …``). Packed rows
         give both ``src_segments [B,S]`` and ``tgt_segments [B,T]``: target segment j
         attends only to itself (causally) and to source segment j.
+
+        Raises:
+          ValueError: bad ``tgt`` ids (as :meth:`encode`'s), batch sizes that differ, or
+            only one of the segment arrays.
         """
-        decoder_output = self.decoder_output(encoder_output, src, tgt, deterministic=deterministic,
-                                             src_segments=src_segments, tgt_segments=tgt_segments)
-        logits = self._logits(decoder_output)
-        chex.assert_shape(logits, tgt.shape + (self.config.tgt_vocab_size,))
-        return logits
+        return self._logits(self.decoder_output(encoder_output, src, tgt, deterministic=deterministic,
+                                                src_segments=src_segments, tgt_segments=tgt_segments))
 
     def decoder_output(self, encoder_output, src, tgt, *, deterministic: bool = True,
                        src_segments=None, tgt_segments=None):
         """:meth:`decode` without the final projection: ``[B, T, D]`` (arguments as there)."""
         c = self.config
-        check_token_ids(tgt, name="tgt", vocab_size=c.tgt_vocab_size, max_len=c.max_len)
-        check_same_batch(src, tgt)
-        batch, tgt_len = tgt.shape
-        chex.assert_shape(encoder_output, (batch, src.shape[1], c.d_model))
+        self._check(deterministic, src, tgt, src_segments, tgt_segments)
+        chex.assert_shape(encoder_output, src.shape + (c.d_model,))
         positions = None
-        if (src_segments is None) != (tgt_segments is None):
-            raise ValueError("Packed decoding needs both src_segments and tgt_segments, or neither.")
         if tgt_segments is not None:
             chex.assert_shape(src_segments, src.shape)
             chex.assert_shape(tgt_segments, tgt.shape)
@@ -199,9 +215,8 @@ class Transformer(nn.Module):
         # [B,1,T,T] and [B,1,1,S] ([B,1,T,S] packed), with their segment-id forms
         tgt_mask, src_mask = decoder_masks(src, tgt, c.pad_id, src_segments, tgt_segments)
         tgt_x = self.positional_encoding(self.tgt_embedding(tgt), deterministic, positions_BL=positions)
-        chex.assert_shape(tgt_x, (batch, tgt_len, c.d_model))
         decoder_output = self.decoder(tgt_x, encoder_output, tgt_mask, src_mask, deterministic)
-        chex.assert_shape(decoder_output, (batch, tgt_len, c.d_model))
+        chex.assert_shape(decoder_output, tgt.shape + (c.d_model,))
         return decoder_output
 
     def __call__(self, src, tgt, *, deterministic: bool = True, src_segments=None, tgt_segments=None):
@@ -210,21 +225,11 @@ class Transformer(nn.Module):
         Training mode: ``deterministic=False`` with a ``"dropout"`` rng in ``apply``.
         Packed rows (several sentence pairs per row): pass ``src_segments`` and
         ``tgt_segments`` (see :meth:`decode`); each pair then gets exactly the logits
-        it would get alone.
+        it would get alone. Raises as :meth:`encode` and :meth:`decode`.
         """
-        encoder_output = self._checked_encode(src, tgt, deterministic, src_segments)
+        encoder_output = self.encode(src, deterministic=deterministic, src_segments=src_segments)
         return self.decode(encoder_output, src, tgt, deterministic=deterministic,
                            src_segments=src_segments, tgt_segments=tgt_segments)
-
-    def _checked_encode(self, src, tgt, deterministic, src_segments):
-        """Validates both id arrays, then ``encode(src)``."""
-        c = self.config
-        if not isinstance(deterministic, (bool, jnp.bool_)):   # "no" would silently mean True
-            raise ValueError(f"deterministic must be True or False, got {deterministic!r}.")
-        check_token_ids(src, name="src", vocab_size=c.src_vocab_size, max_len=c.max_len)
-        check_token_ids(tgt, name="tgt", vocab_size=c.tgt_vocab_size, max_len=c.max_len)
-        check_same_batch(src, tgt)
-        return self.encode(src, deterministic=deterministic, src_segments=src_segments)
 
     def features(self, src, tgt, *, deterministic: bool = True, src_segments=None, tgt_segments=None):
         """``__call__`` stopped before the logits, for losses that fuse the projection.
@@ -235,7 +240,7 @@ class Transformer(nn.Module):
           :func:`jaxformer.train.losses.projected_cross_entropy`, which never builds the
           ``[B,T,V]`` logits in the backward pass.
         """
-        encoder_output = self._checked_encode(src, tgt, deterministic, src_segments)
+        encoder_output = self.encode(src, deterministic=deterministic, src_segments=src_segments)
         decoder_output = self.decoder_output(encoder_output, src, tgt, deterministic=deterministic,
                                              src_segments=src_segments, tgt_segments=tgt_segments)
         return (decoder_output, *self.output_projection_weights())
@@ -258,9 +263,7 @@ class Transformer(nn.Module):
           ValueError: ``max_decode_len`` not an integer in ``[1, max_len]``.
         """
         c = self.config
-        max_decode_len = check_count("max_decode_len", max_decode_len)   # 4.0 or True: named here
-        if not max_decode_len <= c.max_len:
-            raise ValueError(f"max_decode_len={max_decode_len} must be in [1, max_len={c.max_len}].")
+        max_decode_len = check_count("max_decode_len", max_decode_len, maximum=c.max_len)
         batch, src_len = src.shape
         chex.assert_shape(encoder_output, (batch, src_len, c.d_model))
         zeros = jnp.zeros((batch, c.num_heads, max_decode_len, c.head_dim), c.compute_dtype)
@@ -288,12 +291,15 @@ class Transformer(nn.Module):
         """
         chex.assert_shape(ids_B1, (cache.src_mask.shape[0], 1))
         # Concrete ids are range-checked here; inside jit the decoders check on the host.
-        check_token_ids(ids_B1, name="ids_B1", vocab_size=self.config.tgt_vocab_size)
+        problem = token_id_problem(ids_B1, name="ids_B1", vocab_size=self.config.tgt_vocab_size)
         room = cache.layers[0].self_k.shape[-2] if cache.layers else None
-        if room is not None and not isinstance(cache.index, jax.core.Tracer) and int(cache.index) >= room:
-            raise ValueError(f"decode_step: the cache holds {room} positions and all are used (index "
-                             f"{int(cache.index)}); make it with init_cache(..., max_decode_len) large "
-                             f"enough for every step.")
+        if not problem and room is not None and not isinstance(cache.index, jax.core.Tracer) \
+                and int(cache.index) >= room:
+            problem = (f"decode_step: the cache holds {room} positions and all are used (index "
+                       f"{int(cache.index)}); make it with init_cache(..., max_decode_len) large "
+                       f"enough for every step")
+        if problem:
+            raise ValueError(problem + ".")
         x_B1D = self.positional_encoding(self.tgt_embedding(ids_B1), True, offset=cache.index)
         y_B1D, layers = self.decoder.step(x_B1D, cache.layers, cache.index, cache.src_mask)
         logits_B1V = self._logits(y_B1D)
