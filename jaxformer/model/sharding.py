@@ -60,19 +60,15 @@ def parse_mesh_axes(spec: str | None) -> dict[str, int]:
       ValueError: bad syntax, an unknown or repeated axis name, or a size below 1.
     """
     sizes: dict[str, int] = {}
-    for part in (spec or "").replace(" ", "").split(","):
-        if not part:
-            continue
+    for part in filter(None, (spec or "").replace(" ", "").split(",")):
         name, eq, value = part.partition("=")
-        if not eq or not value.isdigit():
-            raise ValueError(f"Bad --mesh {spec!r}: expected comma-separated axis=size pairs, "
-                             f"e.g. 'data=4,model=2'; got {part!r}.")
-        if name not in MESH_AXES:
-            raise ValueError(f"Bad --mesh {spec!r}: unknown axis {name!r}; the axes are {MESH_AXES}.")
-        if name in sizes:
-            raise ValueError(f"Bad --mesh {spec!r}: axis {name!r} given twice.")
-        if int(value) < 1:
-            raise ValueError(f"Bad --mesh {spec!r}: axis {name!r} must have size >= 1.")
+        problem = ("expected comma-separated axis=size pairs, e.g. 'data=4,model=2'; got " + repr(part)
+                   if not eq or not value.isdigit() else
+                   f"unknown axis {name!r}; the axes are {MESH_AXES}" if name not in MESH_AXES else
+                   f"axis {name!r} given twice" if name in sizes else
+                   f"axis {name!r} must have size >= 1" if int(value) < 1 else None)
+        if problem:
+            raise ValueError(f"Bad --mesh {spec!r}: {problem}.")
         sizes[name] = int(value)
     return sizes
 
@@ -85,25 +81,20 @@ def parse_mesh(spec: str | None, num_devices: int) -> dict[str, int]:
     ``"model=2"`` on 8 devices means ``data=4,fsdp=1,model=2``).
 
     Raises:
-      ValueError: bad syntax, an unknown or repeated axis name, a size below 1, or
-        sizes whose product is not ``num_devices``.
+      ValueError: as :func:`parse_mesh_axes`, or sizes whose product is not ``num_devices``.
     """
-    sizes = parse_mesh_axes(spec)
-    sizes.setdefault("model", 1)
-    sizes.setdefault("fsdp", 1)
-    if "data" not in sizes:
-        sizes["data"] = max(1, num_devices // (sizes["model"] * sizes["fsdp"]))
-    product = math.prod(sizes.values())
-    if product != num_devices:
+    sizes = {"model": 1, "fsdp": 1, **parse_mesh_axes(spec)}
+    sizes.setdefault("data", max(1, num_devices // (sizes["model"] * sizes["fsdp"])))
+    if math.prod(sizes.values()) != num_devices:
         raise ValueError(f"--mesh {spec!r} gives {' × '.join(f'{a}={sizes[a]}' for a in MESH_AXES)} = "
-                         f"{product} devices, but there are {num_devices}; the product of the axis "
-                         f"sizes must equal the device count.")
+                         f"{math.prod(sizes.values())} devices, but there are {num_devices}; the product "
+                         f"of the axis sizes must equal the device count.")
     return {axis: sizes[axis] for axis in MESH_AXES}
 
 
 def first_devices(count: int | None) -> list[jax.Device] | None:
     """The first ``count`` devices of a single-process run (``--devices``, like Marian's
-    ``--devices`` or fairseq's ``--distributed-world-size``); ``None`` = all of them.
+    ``--devices``); ``None`` = all of them.
 
     Raises:
       ValueError: ``count`` in a multi-process run (each process trains on all of its
@@ -111,24 +102,23 @@ def first_devices(count: int | None) -> list[jax.Device] | None:
     """
     if count is None:
         return None
-    if jax.process_count() > 1:
-        raise ValueError(f"--devices {count}: a multi-process run uses every device of every process; "
-                         f"leave --devices out (or set CUDA_VISIBLE_DEVICES / TPU topology per process).")
     devices = jax.devices()
-    if not 1 <= count <= len(devices):
-        raise ValueError(f"--devices {count}: this process has {len(devices)} {devices[0].platform} "
-                         f"device(s); choose 1 to {len(devices)}, or leave it out to use them all.")
+    if jax.process_count() > 1 or not 1 <= count <= len(devices):
+        raise ValueError(f"--devices {count}: " + (
+            "a multi-process run uses every device of every process; leave --devices out (or set "
+            "CUDA_VISIBLE_DEVICES / TPU topology per process)." if jax.process_count() > 1 else
+            f"this process has {len(devices)} {devices[0].platform} device(s); choose 1 to "
+            f"{len(devices)}, or leave it out to use them all."))
     return devices[:count]
 
 
 def check_mesh_divides(mesh: Mesh, config: Any, *, loaded_from: str | None = None) -> None:
     """Refuses a mesh whose ``fsdp`` axis does not divide ``d_model`` or whose ``model`` axis
-    does not divide ``num_heads`` and ``d_ff``: known from the flags alone, so a run can
-    say so before it prepares data (the vocabulary's split is checked with the parameters).
-
-    ``loaded_from``: the run a fine-tune (``--init-from``) takes ``config`` from. Its
-    vocabulary sizes are known too and checked here, and the fix named is another mesh:
-    no flag changes a loaded architecture.
+    does not divide ``num_heads`` and ``d_ff``: known from the flags alone, so a run says
+    so before it prepares data (the vocabulary's split is checked with the parameters,
+    :func:`tree_shardings`). ``loaded_from``: the run a fine-tune (``--init-from``) takes
+    ``config`` from; its vocabulary sizes are checked too, and the fix named is another
+    mesh (no flag changes a loaded architecture).
 
     Raises:
       ValueError: naming each size that does not divide and the fix.
@@ -141,15 +131,14 @@ def check_mesh_divides(mesh: Mesh, config: Any, *, loaded_from: str | None = Non
                   ("tgt_vocab_size", config.tgt_vocab_size, "model", model)]
     problems = [f"{name} {size} is not a multiple of the mesh's {axis} axis ({ways})"
                 for name, size, axis, ways in sizes if size % ways]
-    if not problems:
-        return
-    named = "--mesh " + ", ".join(f"{a}={n}" for a, n in mesh.shape.items()) + ": " + "; ".join(problems)
-    if loaded_from is not None:
-        raise ValueError(f"{named}. These are the sizes of the run --init-from {loaded_from} loads, which "
-                         f"a fine-tune keeps: choose a mesh whose 'fsdp' size divides its d_model and "
-                         f"whose 'model' size divides its num_heads, d_ff and vocabulary sizes.")
-    raise ValueError(f"{named}. Choose a mesh whose 'fsdp' size divides d_model and whose 'model' size "
-                     f"divides num_heads and d_ff, or other model sizes.")
+    if problems:
+        named = "--mesh " + ", ".join(f"{a}={n}" for a, n in mesh.shape.items()) + ": " + "; ".join(problems)
+        raise ValueError(named + (
+            f". These are the sizes of the run --init-from {loaded_from} loads, which a fine-tune keeps: "
+            f"choose a mesh whose 'fsdp' size divides its d_model and whose 'model' size divides its "
+            f"num_heads, d_ff and vocabulary sizes." if loaded_from is not None else
+            ". Choose a mesh whose 'fsdp' size divides d_model and whose 'model' size divides num_heads "
+            "and d_ff, or other model sizes."))
 
 
 def batch_shards(mesh: Mesh) -> int:
@@ -218,8 +207,8 @@ def tree_shardings(boxed_tree: Any, mesh: Mesh) -> Any:
     """``NamedSharding`` for every leaf of a tree that may hold logically boxed leaves.
 
     Leaves boxed by ``nn.with_logical_partitioning`` (parameters, and the optimizer
-    moments that ``optax`` builds from them) are sharded by the rules table; any
-    other array leaf (step counters) is replicated.
+    moments that ``optax`` builds from them) are sharded by the rules table; any other
+    array leaf (step counters) is replicated.
 
     Args:
       boxed_tree: e.g. ``jax.eval_shape`` of a train-state initializer that did not
@@ -230,37 +219,29 @@ def tree_shardings(boxed_tree: Any, mesh: Mesh) -> Any:
       a tree with the structure of ``nn.unbox(boxed_tree)`` and ``NamedSharding`` leaves.
 
     Raises:
-      ValueError: a partition spec names more dimensions than its array has, or a
-        sharded dimension is not divisible by its mesh axis (naming the parameter).
+      ValueError: a sharded dimension is not divisible by its mesh axes (naming the
+        parameter and the fix).
     """
-    specs = nn.get_partition_spec(boxed_tree)
-    mesh_specs = nn.logical_to_mesh(specs, LOGICAL_AXIS_RULES)
-    values = nn.unbox(boxed_tree)
+    mesh_specs = nn.logical_to_mesh(nn.get_partition_spec(boxed_tree), LOGICAL_AXIS_RULES)
     is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
-    flat_specs, treedef = jax.tree_util.tree_flatten(mesh_specs, is_leaf=is_spec)
-    flat_values = treedef.flatten_up_to(values)
-    paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(mesh_specs, is_leaf=is_spec)[0]]
-    for path, spec, value in zip(paths, flat_specs, flat_values):
+    flat, treedef = jax.tree_util.tree_flatten_with_path(mesh_specs, is_leaf=is_spec)
+    for (path, spec), value in zip(flat, treedef.flatten_up_to(nn.unbox(boxed_tree))):
         check_divisible(_path_name(path), value.shape, spec, mesh)
-    return jax.tree_util.tree_unflatten(treedef, [NamedSharding(mesh, s) for s in flat_specs])
+    return jax.tree_util.tree_unflatten(treedef, [NamedSharding(mesh, spec) for _, spec in flat])
 
 
 def check_divisible(name: str, shape: Sequence[int], spec: PartitionSpec, mesh: Mesh) -> None:
-    """Raises ``ValueError`` unless ``spec`` fits ``shape`` on ``mesh`` (rank and divisibility)."""
-    if len(spec) > len(shape):
-        raise ValueError(f"{name}: partition spec {spec} has {len(spec)} entries but the array "
-                         f"has shape {tuple(shape)}.")
+    """Raises ``ValueError`` unless each dimension of ``shape`` divides by the mesh axes
+    ``spec`` splits it over (``spec`` has at most ``len(shape)`` entries)."""
     for dim, axes in zip(shape, spec):
-        if axes is None:
-            continue
-        axes = (axes,) if isinstance(axes, str) else tuple(axes)
-        size = math.prod(mesh.shape[a] for a in axes)
+        size = math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes or ()))
         if dim % size:
             raise ValueError(
                 f"{name} has shape {tuple(shape)}: a dimension of {dim} is split over mesh axis "
-                f"{'×'.join(axes)} of size {size}, which does not divide it. Choose a mesh whose "
-                f"'model' size divides num_heads, d_ff and the vocabulary size (e.g. --vocab-size "
-                f"a multiple of it) and whose 'fsdp' size divides d_model, or smaller axes.")
+                f"{'×'.join((axes,) if isinstance(axes, str) else axes)} of size {size}, which does not "
+                f"divide it. Choose a mesh whose 'model' size divides num_heads, d_ff and the vocabulary "
+                f"size (e.g. --vocab-size a multiple of it) and whose 'fsdp' size divides d_model, or "
+                f"smaller axes.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -308,20 +289,13 @@ def shard_batch(batch: Mapping[str, np.ndarray], sharding: NamedSharding) -> dic
       batch: name → int array ``[b, L]`` of this process's rows.
       sharding: the batch sharding (:attr:`Layout.batch`).
 
-    Raises:
-      ValueError: the global row count is not divisible by the ``data`` × ``fsdp`` axes.
+    The global row count must divide by the ``data`` × ``fsdp`` axes (the batching
+    code sizes its batches so; JAX's ``IndivisibleError`` otherwise).
     """
-    data_size = batch_shards(sharding.mesh)
     processes, _ = mesh_processes(sharding.mesh)
-    out = {}
-    for name, local in batch.items():
-        local = np.asarray(local)
-        global_shape = (local.shape[0] * processes,) + local.shape[1:]
-        if global_shape[0] % data_size:
-            raise ValueError(f"batch {name!r} has {global_shape[0]} rows, not divisible by the mesh's "
-                             f"data × fsdp axes ({data_size}); make the batch size a multiple of it.")
-        out[name] = jax.make_array_from_process_local_data(sharding, local, global_shape)
-    return out
+    return {name: jax.make_array_from_process_local_data(
+                sharding, np.asarray(local), (len(local) * processes,) + np.shape(local)[1:])
+            for name, local in batch.items()}
 
 
 def mesh_processes(mesh: Mesh) -> tuple[int, int]:
@@ -329,14 +303,9 @@ def mesh_processes(mesh: Mesh) -> tuple[int, int]:
     process stands among them (by process index). A mesh of ``jax.local_devices()`` is
     ``(1, 0)`` in any run, so each process of a cluster can work on its own mesh (bulk
     translation); a training mesh over every device is ``(process_count, process_index)``.
-
-    Raises:
-      ValueError: this process owns no device of ``mesh``.
+    This process owns devices of ``mesh``.
     """
     owners = sorted({d.process_index for d in mesh.devices.flat})
-    if jax.process_index() not in owners:
-        raise ValueError(f"process {jax.process_index()} owns no device of this mesh (its devices "
-                         f"belong to processes {owners}); build the mesh from devices it includes.")
     return len(owners), owners.index(jax.process_index())
 
 
