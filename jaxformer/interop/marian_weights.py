@@ -64,10 +64,8 @@ _DECODER_SUBLAYERS = (("self_attention", "self_attention_norm", "self_attn"),
 
 
 def _first(t: dict[str, np.ndarray], *names: str) -> np.ndarray:
-    for name in names:
-        if name in t:
-            return t[name]
-    raise ConversionError(f"the checkpoint has none of {list(names)}: not a MarianMTModel state dict?")
+    """The first of ``names`` in ``t`` (``KeyError`` naming the last when none is)."""
+    return t[next((name for name in names if name in t), names[-1])]
 
 
 def params_from_hf(tensors: dict[str, np.ndarray], config: TransformerConfig) -> dict[str, Any]:
@@ -79,10 +77,21 @@ def params_from_hf(tensors: dict[str, np.ndarray], config: TransformerConfig) ->
     becomes an untied projection initialised from that table (same function).
 
     Raises:
-      ConversionError: a tensor is missing or has the wrong shape.
+      ConversionError: tensors missing or of the wrong shape, all named in one message.
     """
-    c, H, K = config, config.num_heads, config.head_dim
     t = {k.removeprefix("module."): np.asarray(v, np.float32) for k, v in tensors.items()}
+    try:
+        params = _params_from_hf(t, config)
+        problems = _shape_problems(params, config)
+    except KeyError as e:
+        problems = [f"the checkpoint lacks {e}: not a MarianMTModel state dict?"]
+    if problems:
+        raise ConversionError("the weights do not fit the config: " + "; ".join(problems[:8]) + ".")
+    return params
+
+
+def _params_from_hf(t: dict[str, np.ndarray], config: TransformerConfig) -> dict[str, Any]:
+    c, H, K = config, config.num_heads, config.head_dim
     params: dict[str, Any] = {"encoder": {}, "decoder": {}}
     for stack, sublayers, count in (("encoder", _ENCODER_SUBLAYERS, c.num_encoder_layers),
                                     ("decoder", _DECODER_SUBLAYERS, c.num_decoder_layers)):
@@ -94,19 +103,15 @@ def params_from_hf(tensors: dict[str, np.ndarray], config: TransformerConfig) ->
                 layer[ours] = _attention_from_hf(t, f"{prefix}.{theirs}", H, K)
                 layer[norm] = _norm(t, f"{prefix}.{theirs}_layer_norm")
             params[stack][f"layer_{i}"] = layer
-    bias_V = _first(t, "final_logits_bias").reshape(-1)
+    bias_V, shared = t["final_logits_bias"].reshape(-1), "model.shared.weight"
     if c.share_embeddings:
-        table = _first(t, "model.shared.weight", "model.encoder.embed_tokens.weight")
-        params["src_embedding"] = {"embedding": table}
+        params["src_embedding"] = {"embedding": _first(t, shared, "model.encoder.embed_tokens.weight")}
         params["final_logits_bias"] = bias_V
     else:
-        src = _first(t, "model.encoder.embed_tokens.weight", "model.shared.weight")
-        tgt = _first(t, "model.decoder.embed_tokens.weight", "model.shared.weight")
-        head_VD = _first(t, "lm_head.weight", "model.decoder.embed_tokens.weight", "model.shared.weight")
-        params["src_embedding"] = {"embedding": src}
-        params["tgt_embedding"] = {"embedding": tgt}
+        head_VD = _first(t, "lm_head.weight", "model.decoder.embed_tokens.weight", shared)
+        params["src_embedding"] = {"embedding": _first(t, "model.encoder.embed_tokens.weight", shared)}
+        params["tgt_embedding"] = {"embedding": _first(t, "model.decoder.embed_tokens.weight", shared)}
         params["output_projection"] = {"kernel": np.ascontiguousarray(head_VD.T), "bias": bias_V}
-    _check_shapes(params, config)
     return params
 
 
@@ -183,8 +188,8 @@ def _to_numpy(tree):
     return np.asarray(tree, np.float32)
 
 
-def _check_shapes(params: dict[str, Any], config: TransformerConfig) -> None:
-    """Compares every array with the shapes :class:`~jaxformer.model.transformer.Transformer` expects."""
+def _shape_problems(params: dict[str, Any], config: TransformerConfig) -> list[str]:
+    """Every array whose shape differs from what :class:`~jaxformer.model.transformer.Transformer` expects."""
     import flax.linen as nn
     import jax
     import jax.numpy as jnp
@@ -196,10 +201,8 @@ def _check_shapes(params: dict[str, Any], config: TransformerConfig) -> None:
         lambda: nn.unbox(Transformer(config).init(jax.random.key(0), ids, ids)["params"]))
     want = {jax.tree_util.keystr(k): v.shape for k, v in jax.tree_util.tree_leaves_with_path(expected)}
     have = {jax.tree_util.keystr(k): v.shape for k, v in jax.tree_util.tree_leaves_with_path(params)}
-    if want != have:
-        problems = sorted(f"{k}: checkpoint {have.get(k)} vs model {want.get(k)}"
-                          for k in set(want) | set(have) if want.get(k) != have.get(k))
-        raise ConversionError("the weights do not fit the config: " + "; ".join(problems[:8]))
+    return sorted(f"{k}: checkpoint {have.get(k)} vs model {want.get(k)}"
+                  for k in set(want) | set(have) if want.get(k) != have.get(k))
 
 
 def read_hf_weights(hf_dir: Path) -> dict[str, np.ndarray]:
@@ -213,21 +216,23 @@ def read_hf_weights(hf_dir: Path) -> dict[str, np.ndarray]:
     from safetensors.numpy import load_file
 
     single = hf_dir / "model.safetensors"
-    shards = sorted(hf_dir.glob("model-*-of-*.safetensors"))
-    if single.exists() or shards:
-        tensors: dict[str, np.ndarray] = {}
-        for path in [single] if single.exists() else shards:
-            try:
-                tensors.update(load_file(str(path)))
-            except SafetensorError as e:
-                raise ConversionError(f"{path} is not a readable safetensors file ({e}): a truncated "
-                                      f"or damaged download? Download it again.") from e
-        return tensors
-    if (hf_dir / "pytorch_model.bin").exists():
-        raise ConversionError(
-            f"{hf_dir} has only pytorch_model.bin, a torch pickle that cannot be read without torch. "
-            f"Get the safetensors weights (`hf download MODEL model.safetensors`, or the "
-            f"repo's refs/pr/N branch), or convert once where torch is installed: "
-            f"`python -c \"from transformers import MarianMTModel as M; "
-            f"M.from_pretrained('{hf_dir}').save_pretrained('{hf_dir}')\"`.")
-    raise ConversionError(f"{hf_dir} has no model.safetensors (nor pytorch_model.bin).")
+    paths = [single] if single.exists() else sorted(hf_dir.glob("model-*-of-*.safetensors"))
+    tensors: dict[str, np.ndarray] = {}
+    problem = None
+    for path in paths:
+        try:
+            tensors.update(load_file(str(path)))
+        except SafetensorError as e:
+            problem = (f"{path} is not a readable safetensors file ({e}): a truncated or damaged download? "
+                       f"Download it again.")
+    if not paths and (hf_dir / "pytorch_model.bin").exists():
+        problem = (f"{hf_dir} has only pytorch_model.bin, a torch pickle that cannot be read without torch. "
+                   f"Get the safetensors weights (`hf download MODEL model.safetensors`, or the repo's "
+                   f"refs/pr/N branch), or convert once where torch is installed: `python -c \"from "
+                   f"transformers import MarianMTModel as M; M.from_pretrained('{hf_dir}')"
+                   f".save_pretrained('{hf_dir}')\"`.")
+    elif not paths:
+        problem = f"{hf_dir} has no model.safetensors (nor pytorch_model.bin)."
+    if problem:
+        raise ConversionError(problem)
+    return tensors
