@@ -16,7 +16,7 @@ import jax
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-from jaxformer.aot.chips import SliceSpec
+from jaxformer.aot.chips import SliceSpec, gpu_target_config
 from jaxformer.model.sharding import MESH_AXES, make_mesh, parse_mesh
 
 
@@ -32,54 +32,34 @@ def _quiet_libtpu(spec: SliceSpec) -> None:
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 
 
-def tpu_devices(spec: SliceSpec, num_slices: int = 1) -> list[jax.Device]:
-    """The compile-only devices of ``num_slices`` slices of ``spec`` (one per chip, or per
-    megacore chip on v4/v5p), connected over DCN when ``num_slices > 1``.
-
-    Raises:
-      RuntimeError: libtpu is not installed, or refuses the topology.
-    """
-    if num_slices < 1:
-        raise ValueError(f"--num-slices must be at least 1, got {num_slices}.")
-    _quiet_libtpu(spec)
-    from jax.experimental.topologies import get_topology_desc
-
-    try:
-        topology = get_topology_desc(platform="tpu", topology_name=spec.topology,
-                                     chip_config_name=spec.chip_config_name,
-                                     chips_per_host_bounds=spec.chips_per_host_bounds,
-                                     num_slices=num_slices)
-    except (RuntimeError, NotImplementedError) as e:   # libtpu missing or refusing (JaxRuntimeError)
-        raise RuntimeError(f"No compile-only TPU devices for {spec.name} ({spec.topology}): "
-                           f"{str(e).strip().splitlines()[0]}. Install libtpu, paired with this jax, "
-                           f"with pip install 'jaxformer[tpu]'.") from e
-    return list(topology.devices)
-
-
-def gpu_devices(spec: SliceSpec, num_hosts: int = 1) -> list[jax.Device]:
-    """Compile-only CUDA devices: ``num_hosts`` nodes of ``spec``'s GPUs (the jax CUDA
-    plugin: pip install 'jaxformer[gpu-aot]'; no GPU and no driver needed, the host's
-    ``ptxas`` compiles).
-
-    Raises:
-      RuntimeError: the plugin is missing, or refuses the topology.
-    """
-    from jax.experimental.topologies import get_topology_desc
-
-    from jaxformer.aot.chips import gpu_target_config
-
-    try:
-        topology = get_topology_desc(platform="cuda", topology_name="", target_config=gpu_target_config(
-            spec.chip), topology=f"{num_hosts}x1x{spec.chips}")
-    except (RuntimeError, NotImplementedError) as e:   # no plugin; or the plugin's JaxRuntimeError
-        raise RuntimeError(f"No compile-only CUDA devices for {spec.name}: {str(e).strip().splitlines()[0]}. "
-                           f"Install the jax CUDA plugin with pip install 'jaxformer[gpu-aot]'.") from e
-    return list(topology.devices)
-
-
 def target_devices(spec: SliceSpec, num_slices: int = 1) -> list[jax.Device]:
-    """:func:`tpu_devices` or :func:`gpu_devices`, by the target's kind."""
-    return gpu_devices(spec, num_slices) if spec.chip_config_name == "gpu" else tpu_devices(spec, num_slices)
+    """The compile-only devices of ``num_slices`` slices of ``spec`` (``num_slices`` ≥ 1):
+    TPU chips from libtpu (one device per chip, or per megacore chip on v4/v5p; slices
+    joined over DCN), or ``num_slices`` hosts of CUDA GPUs from the jax CUDA plugin (no
+    GPU and no driver needed, the host's ``ptxas`` compiles).
+
+    Raises:
+      RuntimeError: libtpu or the CUDA plugin is not installed, or refuses the topology.
+    """
+    from jax.experimental.topologies import get_topology_desc
+
+    if spec.chip_config_name == "gpu":
+        extra, kind = "gpu-aot", "CUDA"
+        describe = lambda: get_topology_desc(  # noqa: E731
+            platform="cuda", topology_name="", target_config=gpu_target_config(spec.chip),
+            topology=f"{num_slices}x1x{spec.chips}")
+    else:
+        extra, kind = "tpu", "TPU"
+        _quiet_libtpu(spec)
+        describe = lambda: get_topology_desc(  # noqa: E731
+            platform="tpu", topology_name=spec.topology, chip_config_name=spec.chip_config_name,
+            chips_per_host_bounds=spec.chips_per_host_bounds, num_slices=num_slices)
+    try:
+        return list(describe().devices)
+    except (RuntimeError, NotImplementedError) as e:   # not installed, or refusing (JaxRuntimeError)
+        raise RuntimeError(f"No compile-only {kind} devices for {spec.name} ({spec.topology}): "
+                           f"{str(e).strip().splitlines()[0]}. Install it, paired with this jax, with "
+                           f"pip install 'jaxformer[{extra}]'.") from e
 
 
 def target_mesh(devices: list[jax.Device], spec: str | None, num_slices: int = 1) -> Mesh:

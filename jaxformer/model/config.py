@@ -7,7 +7,6 @@ Training and run settings live apart, in :mod:`jaxformer.run.config`; modes such
 from __future__ import annotations
 
 import dataclasses
-import math
 import numbers
 import typing
 from typing import Any, Literal
@@ -22,8 +21,13 @@ PositionalLayout = Literal["interleaved", "split"]
 AttentionBackend = Literal["reference", "xla", "cudnn", "pallas"]
 _FLOAT_DTYPES = typing.get_args(FloatDtype)
 ATTENTION_BACKENDS = typing.get_args(AttentionBackend)
-_POSITIVE = ("src_vocab_size", "tgt_vocab_size", "d_model", "num_heads", "d_ff", "num_encoder_layers",
-             "num_decoder_layers", "max_len")
+# The ranges of the numeric fields (NaN is in none of them).
+_RANGES = {**{name: ("a positive int", lambda v: v > 0) for name in (
+               "src_vocab_size", "tgt_vocab_size", "d_model", "num_heads", "d_ff", "num_encoder_layers",
+               "num_decoder_layers", "max_len")},
+           "dropout_rate": ("in [0, 1)", lambda v: 0 <= v < 1),
+           "attention_dropout_rate": ("in [0, 1)", lambda v: 0 <= v < 1),
+           "layer_norm_epsilon": ("in (0, 1)", lambda v: 0 < v < 1)}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -100,8 +104,8 @@ class TransformerConfig:
                     if (p := self._store(name, hint))]
         c = self
         relations = () if problems else (
-            (c.d_model % c.num_heads, f"d_model={c.d_model} is not divisible by num_heads={c.num_heads}: each "
-             f"head gets d_model / num_heads dimensions (e.g. d_model="
+            (c.d_model % c.num_heads, f"d_model={c.d_model} is not divisible by num_heads={c.num_heads}: "
+             f"each head gets d_model / num_heads dimensions (e.g. d_model="
              f"{c.num_heads * max(1, round(c.d_model / c.num_heads))})"),
             (c.attention_backend != "reference" and c.attention_dropout_rate > 0,
              f"attention_backend={c.attention_backend!r} (a fused kernel) has no attention dropout, but "
@@ -120,25 +124,19 @@ class TransformerConfig:
 
     def _store(self, name: str, hint: Any) -> str | None:
         """Stores field ``name`` as a plain Python value (NumPy scalars too); what is wrong
-        with it, or ``None``. A bool is not a number and a string not a bool: ``"no"``
-        would silently mean True."""
+        with it, or ``None``. A bool is not a number and a string not a bool (``"no"``
+        would silently mean True)."""
         value = getattr(self, name)
         if hint not in (int, float, bool):
-            return None if value in _choices(hint) else f"{name} must be one of {_choices(hint)}, got {value!r}"
+            choices = _choices(hint)
+            return None if value in choices else f"{name} must be one of {choices}, got {value!r}"
         is_bool = isinstance(value, (bool, np.bool_))
-        ok = {bool: is_bool, int: isinstance(value, numbers.Integral) and not is_bool,
-              float: isinstance(value, numbers.Real) and not is_bool and math.isfinite(value)}[hint]
-        if ok:
+        typed = is_bool if hint is bool else not is_bool and isinstance(
+            value, numbers.Integral if hint is int else numbers.Real)
+        wanted, within = _RANGES.get(name, ({bool: "True or False", int: "an int"}.get(hint), None))
+        if typed and (within is None or within(hint(value))):
             object.__setattr__(self, name, hint(value))
-            value = hint(value)
-        if ok and name in _POSITIVE:
-            ok = value > 0
-        elif ok and hint is float:   # the rates in [0, 1), ε in (0, 1)
-            ok = 0 < value < 1 if name == "layer_norm_epsilon" else 0 <= value < 1
-        if ok:
             return None
-        wanted = {bool: "True or False", int: "a positive int" if name in _POSITIVE else "an int",
-                  float: "in (0, 1)" if name == "layer_norm_epsilon" else "in [0, 1)"}[hint]
         return f"{name} must be {wanted}, got {value!r}"
 
     @property

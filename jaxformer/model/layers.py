@@ -131,8 +131,7 @@ class PositionalEncoding(nn.Module):
 
     def setup(self):
         c = self.config
-        # [1, max_len, D]
-        self.table = sinusoidal_positional_encoding(c.max_len, c.d_model, c.positional_layout)
+        self.table = sinusoidal_positional_encoding(c.max_len, c.d_model, c.positional_layout)  # [1, N, D]
         self.dropout = Dropout(c.dropout_rate)
 
     def __call__(self, x_BLD, deterministic: bool, offset=0, positions_BL=None):
@@ -141,7 +140,6 @@ class PositionalEncoding(nn.Module):
         ``positions_BL`` (int ``[B, L]``, packed rows) gives each position's row instead.
         """
         length = x_BLD.shape[1]
-        chex.assert_shape(self.table, (1, self.config.max_len, self.config.d_model))
         pe_1LD = jnp.asarray(self.table)
         if positions_BL is not None:
             chex.assert_shape(positions_BL, x_BLD.shape[:2])
@@ -149,14 +147,8 @@ class PositionalEncoding(nn.Module):
         elif isinstance(offset, int) and offset == 0:
             pe_1LD = pe_1LD[:, :length]
         else:
-            pe_1LD = _dynamic_rows(pe_1LD, offset, length)
-        chex.assert_shape(pe_1LD, (None, length, self.config.d_model))
-        x = x_BLD + pe_1LD.astype(x_BLD.dtype)
-        return self.dropout(x, deterministic=deterministic)
-
-
-def _dynamic_rows(table_1ND, offset, length):
-    return jax.lax.dynamic_slice_in_dim(table_1ND, offset, length, axis=1)
+            pe_1LD = jax.lax.dynamic_slice_in_dim(pe_1LD, offset, length, axis=1)
+        return self.dropout(x_BLD + pe_1LD.astype(x_BLD.dtype), deterministic=deterministic)
 
 
 _ACTIVATIONS = {"relu": nn.relu, "swish": nn.swish,
@@ -225,20 +217,12 @@ class EncoderLayer(nn.Module):
         self.feed_forward_norm = AddNorm(self.config)
 
     def __call__(self, x_BSD, src_mask, deterministic: bool):
-        """One encoder layer.
-
-        Args:
-          x_BSD: the previous layer's output (or the embedded source) ``[B, S, D]`` in
-            the compute dtype.
-          src_mask: an :class:`jaxformer.model.masks.AttentionMask` (or a bool array) whose
-            dense form broadcasts to ``[B, H, S, S]``; **True = may attend**. The
-            source padding mask ``[B, 1, 1, S]``, or ``[B, 1, S, S]`` with packed rows
-            (padding & same segment). A query with no key to attend to gets zeros.
-          deterministic: ``True`` turns dropout off (evaluation, decoding).
-
-        Returns:
-          ``[B, S, D]`` in the compute dtype.
-        """
+        """One encoder layer: the previous layer's output (or the embedded source)
+        ``[B, S, D]`` → ``[B, S, D]``, compute dtype. ``src_mask``: an
+        :class:`~jaxformer.model.masks.AttentionMask` (or bool array) whose dense form
+        broadcasts to ``[B, H, S, S]``, **True = may attend**: source padding ``[B, 1, 1, S]``
+        (``[B, 1, S, S]`` packed); a query with no key gets zeros. ``deterministic``:
+        dropout off."""
         y = self.attention_norm.sublayer_input(x_BSD)
         x_BSD = self.attention_norm(x_BSD, self.self_attention(y, y, src_mask, deterministic),
                                     deterministic)
@@ -260,23 +244,12 @@ class DecoderLayer(nn.Module):
         self.feed_forward_norm = AddNorm(self.config)
 
     def __call__(self, x_BTD, encoder_output_BSD, tgt_mask, src_mask, deterministic: bool):
-        """One decoder layer, teacher-forced over the whole target.
-
-        Args:
-          x_BTD: the previous layer's output (or the embedded, already shifted target)
-            ``[B, T, D]``.
-          encoder_output_BSD: the encoder's output ``[B, S, D]``.
-          tgt_mask: an ``AttentionMask`` (or a bool array) whose dense form broadcasts to
-            ``[B, H, T, T]``; **True = may attend**: causal
-            and target padding combined, ``[B, 1, T, T]`` (:func:`create_decoder_mask`).
-          src_mask: an ``AttentionMask`` (or a bool array) whose dense form broadcasts to
-            ``[B, H, T, S]``; **True = may attend**: the
-            source padding mask ``[B, 1, 1, S]`` (``[B, 1, T, S]`` with packed rows).
-          deterministic: ``True`` turns dropout off.
-
-        Returns:
-          ``[B, T, D]`` in the compute dtype.
-        """
+        """One decoder layer, teacher-forced: the previous layer's output (or the embedded,
+        shifted target) ``[B, T, D]`` and ``encoder_output_BSD [B, S, D]`` → ``[B, T, D]``.
+        Masks (``AttentionMask`` or bool arrays, **True = may attend**): ``tgt_mask``
+        broadcasts to ``[B, H, T, T]`` (causal & target padding, :func:`create_decoder_mask`),
+        ``src_mask`` to ``[B, H, T, S]`` (source padding ``[B, 1, 1, S]``, ``[B, 1, T, S]``
+        packed)."""
         y = self.self_attention_norm.sublayer_input(x_BTD)
         x_BTD = self.self_attention_norm(
             x_BTD, self.self_attention(y, y, tgt_mask, deterministic), deterministic)
@@ -297,17 +270,9 @@ class DecoderLayer(nn.Module):
         return self.cross_attention.project_key_value(encoder_output_BSD)
 
     def step(self, x_B1D, cache, index, src_mask):
-        """One decoding step with an explicit cache (see :class:`jaxformer.model.transformer.LayerCache`).
-
-        Args:
-          x_B1D: the embedded current token ``[B, 1, D]``.
-          cache: this layer's :class:`LayerCache`.
-          index: int32 scalar, the position of the current token.
-          src_mask: bool ``[B, 1, 1, S]``.
-
-        Returns:
-          ``(y [B, 1, D], updated LayerCache)``.
-        """
+        """One decoding step of the embedded token ``x_B1D [B, 1, D]`` at position ``index``
+        (int32 scalar) with this layer's :class:`~jaxformer.model.transformer.LayerCache`
+        and ``src_mask`` bool ``[B, 1, 1, S]`` → ``(y [B, 1, D], updated LayerCache)``."""
         y = self.self_attention_norm.sublayer_input(x_B1D)
         q = self.self_attention.project_query(y)
         k_new, v_new = self.self_attention.project_key_value(y)

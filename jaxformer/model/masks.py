@@ -26,54 +26,29 @@ PADDING_SEGMENT = np.iinfo(np.int32).min
 
 
 def create_padding_mask(tokens: chex.Array, pad_id: int) -> chex.Array:
-    """Key-padding mask: which key positions hold real tokens.
-
-    Args:
-      tokens: integer ids ``[B, L]``.
-      pad_id: the padding id (from the tokenizer / ``TransformerConfig.pad_id``), an int.
-
-    Returns:
-      bool ``[B, 1, 1, L]``, ``True`` where ``tokens != pad_id``.
-    """
+    """Key-padding mask of integer ids ``tokens [B, L]`` and the int ``pad_id`` (from the
+    tokenizer or ``TransformerConfig.pad_id``): bool ``[B, 1, 1, L]``, True where
+    ``tokens != pad_id``."""
     chex.assert_rank(tokens, 2)
-    mask = (tokens != pad_id)[:, None, None, :]
-    chex.assert_shape(mask, (tokens.shape[0], 1, 1, tokens.shape[1]))
-    return mask
+    return (tokens != pad_id)[:, None, None, :]
 
 
 def create_causal_mask(length: int) -> chex.Array:
-    """Look-ahead mask of the decoder's self-attention (§3.2.3).
-
-    Args:
-      length: target length T, a non-negative int.
-
-    Returns:
-      bool ``[T, T]``, lower triangular: query t may attend to keys 0..t.
-    """
+    """Look-ahead mask of the decoder's self-attention (§3.2.3) for ``length`` T (an int
+    ≥ 0): bool ``[T, T]``, lower triangular (query t may attend to keys 0..t)."""
     return jnp.tril(jnp.ones((length, length), dtype=jnp.bool_))
 
 
 def create_decoder_mask(tgt: chex.Array, pad_id: int) -> chex.Array:
-    """Decoder self-attention mask: causal AND target key padding.
+    """Decoder self-attention mask of the shifted target ids ``tgt [B, T]``: causal AND
+    target key padding, bool ``[B, 1, T, T]``.
 
-    Position 0 holds the decoder start token and is never treated as padding, even
-    when its id is ``pad_id``: Marian (and Hugging Face's ``shift_tokens_right``)
-    starts decoding with the pad id. Targets are padded on the right, so no other
-    position is affected.
-
-    Args:
-      tgt: target ids ``[B, T]`` (the shifted decoder input, start token first).
-      pad_id: the padding id.
-
-    Returns:
-      bool ``[B, 1, T, T]``.
+    Position 0 holds the decoder start token and is never padding, even when its id is
+    ``pad_id``: Marian (and Hugging Face's ``shift_tokens_right``) starts decoding with
+    the pad id. Targets are padded on the right, so no other position is affected.
     """
     chex.assert_rank(tgt, 2)
-    batch, length = tgt.shape
-    keys_B11T = _decoder_keys(tgt, pad_id)[:, None, None, :]
-    mask = create_causal_mask(length)[None, None] & keys_B11T
-    chex.assert_shape(mask, (batch, 1, length, length))
-    return mask
+    return create_causal_mask(tgt.shape[1])[None, None] & _decoder_keys(tgt, pad_id)[:, None, None, :]
 
 
 def _decoder_keys(tgt: chex.Array, pad_id: int) -> chex.Array:
@@ -84,19 +59,11 @@ def _decoder_keys(tgt: chex.Array, pad_id: int) -> chex.Array:
 
 
 def create_segment_mask(query_segments: chex.Array, key_segments: chex.Array) -> chex.Array:
-    """Packed rows: a query may attend only to keys of its own segment (sentence).
-
-    Args:
-      query_segments: int ``[B, Tq]``, the segment number of each query position.
-      key_segments: int ``[B, Tk]``.
-
-    Returns:
-      bool ``[B, 1, Tq, Tk]``; combine with the padding or decoder mask by ``&``.
-    """
+    """Packed rows: a query may attend only to keys of its own segment (sentence). The
+    segment numbers of the queries int ``[B, Tq]`` and keys ``[B, Tk]`` → bool
+    ``[B, 1, Tq, Tk]``, to combine with the padding or decoder mask by ``&``."""
     chex.assert_rank([query_segments, key_segments], 2)
-    mask = query_segments[:, None, :, None] == key_segments[:, None, None, :]
-    chex.assert_shape(mask, (query_segments.shape[0], 1, query_segments.shape[1], key_segments.shape[1]))
-    return mask
+    return query_segments[:, None, :, None] == key_segments[:, None, None, :]
 
 
 def segment_positions(segments: chex.Array) -> chex.Array:
@@ -159,17 +126,9 @@ def _segments(keys_valid_BL, query_len, q_segments=None, kv_segments=None):
 
 
 def encoder_mask(src: chex.Array, pad_id: int, src_segments: chex.Array | None = None) -> AttentionMask:
-    """The encoder self-attention mask: source key padding (& same segment when packed).
-
-    Args:
-      src: source ids ``[B, S]``.
-      pad_id: the padding id.
-      src_segments: int ``[B, S]`` for packed rows, or ``None``.
-
-    Returns:
-      an :class:`AttentionMask` whose ``dense`` is ``[B, 1, 1, S]`` (``[B, 1, S, S]``
-      packed).
-    """
+    """The encoder self-attention mask of source ids ``src [B, S]``: key padding (& same
+    segment with packed rows' ``src_segments`` int ``[B, S]``), an :class:`AttentionMask`
+    whose ``dense`` is ``[B, 1, 1, S]`` (``[B, 1, S, S]`` packed)."""
     dense = create_padding_mask(src, pad_id)
     if src_segments is not None:
         dense = dense & create_segment_mask(src_segments, src_segments)
@@ -179,21 +138,11 @@ def encoder_mask(src: chex.Array, pad_id: int, src_segments: chex.Array | None =
 
 def decoder_masks(src: chex.Array, tgt: chex.Array, pad_id: int, src_segments: chex.Array | None = None,
                   tgt_segments: chex.Array | None = None) -> tuple[AttentionMask, AttentionMask]:
-    """The decoder's masks: ``(self-attention, cross-attention)``.
-
-    Self-attention: causal & target key padding (:func:`create_decoder_mask`), & same
-    segment when packed. Cross-attention: source key padding, & target segment j sees
-    only source segment j when packed.
-
-    Args:
-      src: source ids ``[B, S]``; tgt: shifted target ids ``[B, T]``.
-      pad_id: the padding id.
-      src_segments, tgt_segments: int ``[B, S]`` / ``[B, T]`` for packed rows (both or
-        neither), or ``None``.
-
-    Returns:
-      ``(tgt_mask, src_mask)``: dense ``[B, 1, T, T]`` and ``[B, 1, 1, S]``
-      (``[B, 1, T, S]`` packed).
+    """The decoder's masks ``(tgt_mask, src_mask)`` of source ids ``[B, S]`` and shifted
+    target ids ``[B, T]`` (packed rows: both segment arrays, int ``[B, S]``/``[B, T]``).
+    Self-attention: causal & target key padding (:func:`create_decoder_mask`) & same
+    segment, dense ``[B, 1, T, T]``. Cross-attention: source key padding & target
+    segment j sees only source segment j, dense ``[B, 1, 1, S]`` (``[B, 1, T, S]`` packed).
     """
     tgt_dense = create_decoder_mask(tgt, pad_id)
     src_dense = create_padding_mask(src, pad_id)

@@ -147,20 +147,12 @@ def batch_shards(mesh: Mesh) -> int:
 
 
 def make_mesh(spec: str | None = None, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A ``Mesh(('data', 'fsdp', 'model'))`` over ``devices`` (default: all, every process).
-
-    Args:
-      spec: ``"data=4,model=2"`` (see :func:`parse_mesh`); ``None`` = all on ``data``.
-      devices: the devices to use; default ``jax.devices()``.
-
-    Raises:
-      ValueError: see :func:`parse_mesh`.
-    """
+    """A ``Mesh(('data', 'fsdp', 'model'))`` of ``spec`` (:func:`parse_mesh`, which raises)
+    over ``devices`` (default: ``jax.devices()``, every process's)."""
     devices = list(jax.devices() if devices is None else devices)
     sizes = parse_mesh(spec, len(devices))
-    shape = tuple(sizes[a] for a in MESH_AXES)
-    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
-                         devices=devices)
+    return jax.make_mesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES,
+                         axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
 
 
 def logical_to_mesh_spec(logical_names: Sequence[str | None]) -> PartitionSpec:
@@ -169,12 +161,8 @@ def logical_to_mesh_spec(logical_names: Sequence[str | None]) -> PartitionSpec:
 
 
 def constrain(x: jax.Array, logical_names: Sequence[str | None]) -> jax.Array:
-    """Sharding constraint by logical names; a no-op unless a mesh is active.
-
-    Args:
-      x: an activation whose rank equals ``len(logical_names)``.
-      logical_names: one logical name (or ``None``) per dimension of ``x``.
-    """
+    """``x`` constrained by one logical name (or ``None``) per dimension; a no-op unless
+    a mesh is active."""
     return nn.with_logical_constraint(x, tuple(logical_names), rules=LOGICAL_AXIS_RULES)
 
 
@@ -204,19 +192,11 @@ def _path_name(path) -> str:
 
 
 def tree_shardings(boxed_tree: Any, mesh: Mesh) -> Any:
-    """``NamedSharding`` for every leaf of a tree that may hold logically boxed leaves.
-
-    Leaves boxed by ``nn.with_logical_partitioning`` (parameters, and the optimizer
-    moments that ``optax`` builds from them) are sharded by the rules table; any other
-    array leaf (step counters) is replicated.
-
-    Args:
-      boxed_tree: e.g. ``jax.eval_shape`` of a train-state initializer that did not
-        unbox its parameters.
-      mesh: the mesh.
-
-    Returns:
-      a tree with the structure of ``nn.unbox(boxed_tree)`` and ``NamedSharding`` leaves.
+    """``NamedSharding`` on ``mesh`` for every leaf of ``boxed_tree`` (e.g. ``jax.eval_shape``
+    of a train-state initializer that did not unbox its parameters), in the structure of
+    ``nn.unbox(boxed_tree)``. Leaves boxed by ``nn.with_logical_partitioning`` (parameters
+    and the optimizer moments built from them) follow the rules table; other leaves
+    (step counters) are replicated.
 
     Raises:
       ValueError: a sharded dimension is not divisible by its mesh axes (naming the
@@ -253,9 +233,8 @@ class Layout:
 
     @classmethod
     def for_params(cls, mesh: Mesh, boxed_params: Any) -> Layout:
-        """The layout of parameters alone (decoding without a train state): the rules
-        table's shardings of ``boxed_params`` (e.g. ``jax.eval_shape`` of ``model.init``'s
-        ``"params"``, still boxed) on ``mesh``."""
+        """The layout of parameters alone (decoding): the shardings of ``boxed_params``
+        (``jax.eval_shape`` of ``model.init``'s ``"params"``, still boxed) on ``mesh``."""
         return cls(mesh=mesh, state=types.SimpleNamespace(params=tree_shardings(boxed_params, mesh)))
 
     @property
@@ -278,20 +257,12 @@ class Layout:
 
 
 def shard_batch(batch: Mapping[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
-    """Places this process's rows of a batch as global arrays split over ``data``.
-
-    On a mesh of this process's devices alone the local batch is the whole batch. On a
-    mesh over several processes, each passes only its own contiguous block of rows (see
-    ``process_index`` in :func:`jaxformer.data.batching.train_dataset`) and the global
-    batch has as many times more rows as the mesh has processes (:func:`mesh_processes`).
-
-    Args:
-      batch: name → int array ``[b, L]`` of this process's rows.
-      sharding: the batch sharding (:attr:`Layout.batch`).
-
-    The global row count must divide by the ``data`` × ``fsdp`` axes (the batching
-    code sizes its batches so; JAX's ``IndivisibleError`` otherwise).
-    """
+    """This process's rows (name → int ``[b, L]``) as global arrays of the batch
+    ``sharding`` (:attr:`Layout.batch`). Over several processes each passes its own
+    contiguous block of rows and the global batch has as many times more rows as the
+    mesh has processes (:func:`mesh_processes`). The global row count divides by the
+    ``data`` × ``fsdp`` axes (the batching code sizes batches so; else JAX's
+    ``IndivisibleError``)."""
     processes, _ = mesh_processes(sharding.mesh)
     return {name: jax.make_array_from_process_local_data(
                 sharding, np.asarray(local), (len(local) * processes,) + np.shape(local)[1:])
@@ -310,12 +281,10 @@ def mesh_processes(mesh: Mesh) -> tuple[int, int]:
 
 
 def process_barrier(name: str, timeout_s: float = 24 * 3600) -> None:
-    """Waits until every process of the cluster reaches the barrier ``name`` (each name
-    once per run); returns at once in a single-process run.
-
-    The coordination service's barrier, as JAX's own array serialization uses it: no
-    device computation, so a process may wait for hours while the others finish their
-    share (a collective would hit gloo's timeout), and a process that died fails it.
+    """Waits until every process reaches the barrier ``name`` (each name once per run):
+    the coordination service's barrier, as JAX's array serialization uses it (no device
+    work, so a process may wait hours for the others; a collective would hit gloo's
+    timeout). Returns at once in a single-process run.
 
     Raises:
       jax.errors.JaxRuntimeError: ``timeout_s`` passed, or a process left the cluster.
@@ -339,27 +308,17 @@ def to_host(tree: Any) -> Any:
 
 
 def abstract_state(state: Any) -> Any:
-    """``ShapeDtypeStruct`` tree of ``state`` that keeps each array's sharding.
-
-    Use it (not ``jax.eval_shape``, which drops shardings) as an orbax restore target,
-    so a checkpoint saved on one mesh restores onto this one.
-    """
+    """``ShapeDtypeStruct`` tree of ``state`` that keeps each array's sharding (unlike
+    ``jax.eval_shape``): an orbax restore target onto this mesh."""
     return jax.tree_util.tree_map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
 
 
 def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
                            process_id: int | None = None, auto: bool = False) -> bool:
-    """Starts ``jax.distributed`` for a multi-process run; call before any other JAX use.
-
-    Explicit arguments win; ``auto=True`` without them lets JAX detect the cluster
-    (TPU pods, SLURM, Open MPI, Kubernetes, or ``JAX_COORDINATOR_ADDRESS`` plus
-    the cluster's process count and id). On CPU the cross-process collectives are
-    gloo's.
-
-    Returns:
-      whether ``jax.distributed.initialize`` was called.
-    """
+    """Starts ``jax.distributed`` for a multi-process run (before any other JAX use);
+    whether it did. Explicit arguments win; ``auto=True`` lets JAX detect the cluster
+    (TPU pods, SLURM, Open MPI, Kubernetes, ``JAX_COORDINATOR_ADDRESS``)."""
     if coordinator_address is None and num_processes is None and process_id is None and not auto:
         return False
     jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,

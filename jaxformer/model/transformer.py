@@ -55,8 +55,7 @@ class DecodeCache:
       src_mask: bool ``[B, 1, 1, S]`` padding mask of the source.
       index: int32 scalar, number of target tokens fed so far (the next position).
 
-    Every array leaf except ``index`` has the batch on axis 0, so beam search can
-    tile or gather the cache with one ``tree_map``.
+    Every leaf but ``index`` has the batch on axis 0 (one ``tree_map`` tiles or gathers it).
     """
 
     layers: tuple[LayerCache, ...]
@@ -64,13 +63,8 @@ class DecodeCache:
     index: jax.Array
 
     def map_beam_state(self, fn) -> DecodeCache:
-        """Applies ``fn`` to the leaves that differ between the beams of one sentence.
-
-        Those are the self-attention keys/values. The source side (cross-attention
-        K/V, ``src_mask``) is the same for every beam of a sentence and ``index`` is
-        shared, so beam search reorders only the self-attention K/V (half of the
-        cache at equal source and target lengths).
-        """
+        """Applies ``fn`` to the leaves that differ between the beams of one sentence: the
+        self-attention K/V (the source side and ``index`` are the same for every beam)."""
         return self.replace(layers=tuple(layer.replace(self_k=fn(layer.self_k), self_v=fn(layer.self_v))
                                          for layer in self.layers))
 
@@ -172,12 +166,8 @@ class Transformer(nn.Module):
         return logits
 
     def output_projection_weights(self):
-        """The final linear layer as ``(kernel [D, V], bias [V] or None)``, compute dtype.
-
-        ``logits = decoder_output @ kernel (+ bias)``. With shared embeddings the kernel
-        is the embedding table transposed and the bias is ``final_logits_bias`` if the
-        config has one, else ``None``.
-        """
+        """The final linear layer as ``(kernel [D, V], bias [V] or None)`` in the compute
+        dtype; shared embeddings: the table transposed and ``final_logits_bias`` or None."""
         c = self.config
         if c.share_embeddings:
             kernel_DV, _ = self.tgt_embedding.projection_weights()
@@ -232,14 +222,9 @@ class Transformer(nn.Module):
                            src_segments=src_segments, tgt_segments=tgt_segments)
 
     def features(self, src, tgt, *, deterministic: bool = True, src_segments=None, tgt_segments=None):
-        """``__call__`` stopped before the logits, for losses that fuse the projection.
-
-        Returns:
-          ``(decoder_output [B,T,D], kernel [D,V], bias [V] or None)`` with
-          ``logits = decoder_output @ kernel (+ bias)``; see
-          :func:`jaxformer.train.losses.projected_cross_entropy`, which never builds the
-          ``[B,T,V]`` logits in the backward pass.
-        """
+        """``__call__`` stopped before the logits, for losses that fuse the projection
+        (:func:`jaxformer.train.losses.projected_cross_entropy`): ``(decoder_output [B,T,D],
+        kernel [D,V], bias [V] or None)`` with ``logits = decoder_output @ kernel (+ bias)``."""
         encoder_output = self.encode(src, deterministic=deterministic, src_segments=src_segments)
         decoder_output = self.decoder_output(encoder_output, src, tgt, deterministic=deterministic,
                                              src_segments=src_segments, tgt_segments=tgt_segments)
@@ -247,17 +232,10 @@ class Transformer(nn.Module):
 
     # --------------------------------------------------------- cached decoding
     def init_cache(self, encoder_output, src, max_decode_len: int) -> DecodeCache:
-        """Builds the decoding cache for ``max_decode_len`` target positions.
-
-        Args:
-          encoder_output: ``[B, S, D]`` from :meth:`encode`.
-          src: source ids ``[B, S]`` (for the padding mask).
-          max_decode_len: M, the number of target positions the cache holds
-            (including the BOS position); at most ``max_len``.
-
-        Returns:
-          a :class:`DecodeCache` with zeroed self-attention K/V ``[B, H, M, K]``, the
-          cross-attention K/V ``[B, H, S, K]`` of every layer, and ``index = 0``.
+        """The decoding cache of ``encoder_output [B, S, D]`` and its source ids ``src [B, S]``
+        for M = ``max_decode_len`` target positions (BOS included; at most ``max_len``):
+        zeroed self-attention K/V ``[B, H, M, K]``, every layer's cross-attention K/V
+        ``[B, H, S, K]``, ``index = 0``.
 
         Raises:
           ValueError: ``max_decode_len`` not an integer in ``[1, max_len]``.
@@ -273,15 +251,10 @@ class Transformer(nn.Module):
                            index=jnp.zeros((), jnp.int32))
 
     def decode_step(self, ids_B1, cache: DecodeCache):
-        """One incremental decoding step: ``tokens_to_logits(ids, cache)``.
-
-        Args:
-          ids_B1: the current target token ``[B, 1]`` (BOS at the first step).
-          cache: :class:`DecodeCache` from :meth:`init_cache` or the previous step.
-
-        Returns:
-          ``(logits [B, V] float, cache advanced by one position)``. Equal to the
-          teacher-forced :meth:`decode` logits at that position.
+        """One incremental decoding step, ``tokens_to_logits(ids, cache)``: the current token
+        ``ids_B1 [B, 1]`` (BOS first) and the cache of :meth:`init_cache` or the previous
+        step → ``(logits [B, V], cache advanced by one position)``, the teacher-forced
+        :meth:`decode` logits at that position.
 
         Raises:
           ValueError: concrete ``ids_B1`` outside ``[0, V)`` (an id ≥ V gives NaN logits,
