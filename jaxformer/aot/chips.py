@@ -1,14 +1,10 @@
-"""Accelerator chips and TPU slice names: what the compile tool compiles for and judges
-against.
+"""Accelerator chips and slice names: what the compile tool compiles for and judges against.
 
-:data:`CHIPS` holds each chip's HBM, dense bf16 peak, HBM bandwidth and inter-chip
-bandwidth, per chip, from the vendors' published specifications (the ``source`` of
-each row). :func:`slice_spec` maps the names users rent (``v4-8``, ``v5e-16``,
-``v5p-128``, ``v6e-8``) to the topology strings that
-``jax.experimental.topologies.get_topology_desc`` takes, as MaxText's
-``accelerator_to_spec_map.py`` and Cloud TPU's documentation name them: v4 and v5p
-names count TensorCores (two per chip, one "megacore" device per chip), v5e and v6e
-names count chips.
+:data:`CHIPS` holds each chip's HBM, dense bf16 peak, HBM and inter-chip bandwidth, from
+the vendors' specifications (each row's ``source``). :func:`slice_spec` maps the names
+users rent (``v4-8``, ``v5e-16``, ``h100-8``) to what ``get_topology_desc`` takes, as
+MaxText's ``accelerator_to_spec_map.py`` names them: v4 and v5p names count TensorCores
+(two per chip, one "megacore" device per chip), v5e and v6e names count chips.
 """
 
 from __future__ import annotations

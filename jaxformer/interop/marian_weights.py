@@ -12,9 +12,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxformer.model.config import TransformerConfig
+from jaxformer.model.transformer import Transformer
 
 
 class ConversionError(ValueError):
@@ -124,17 +128,15 @@ def params_to_hf(params: dict[str, Any], config: TransformerConfig) -> dict[str,
                                     ("decoder", _DECODER_SUBLAYERS, c.num_decoder_layers)):
         for i in range(count):
             prefix, layer = f"model.{stack}.layers.{i}", p[stack][f"layer_{i}"]
-            for ours, norm, theirs in sublayers:
+            norms = [(norm, f"{theirs}_layer_norm") for _, norm, theirs in sublayers]
+            for ours, _, theirs in sublayers:
                 out.update(_attention_to_hf(layer[ours], f"{prefix}.{theirs}"))
-                out[f"{prefix}.{theirs}_layer_norm.weight"] = layer[norm]["norm"]["scale"]
-                out[f"{prefix}.{theirs}_layer_norm.bias"] = layer[norm]["norm"]["bias"]
-            ffn = layer["feed_forward"]
-            for name in ("fc1", "fc2"):
-                ours = ffn["w1" if name == "fc1" else "w2"]
-                out[f"{prefix}.{name}.weight"] = ours["kernel"].T
-                out[f"{prefix}.{name}.bias"] = ours["bias"]
-            out[f"{prefix}.final_layer_norm.weight"] = layer["feed_forward_norm"]["norm"]["scale"]
-            out[f"{prefix}.final_layer_norm.bias"] = layer["feed_forward_norm"]["norm"]["bias"]
+            for ours, theirs in [*norms, ("feed_forward_norm", "final_layer_norm")]:
+                out[f"{prefix}.{theirs}.weight"] = layer[ours]["norm"]["scale"]
+                out[f"{prefix}.{theirs}.bias"] = layer[ours]["norm"]["bias"]
+            for ours, theirs in (("w1", "fc1"), ("w2", "fc2")):
+                out[f"{prefix}.{theirs}.weight"] = layer["feed_forward"][ours]["kernel"].T
+                out[f"{prefix}.{theirs}.bias"] = layer["feed_forward"][ours]["bias"]
     if c.share_embeddings:
         out["model.shared.weight"] = p["src_embedding"]["embedding"]
         bias = p.get("final_logits_bias", np.zeros((c.tgt_vocab_size,), np.float32))
@@ -159,17 +161,10 @@ def interleaved_to_split(params: dict[str, Any], config: TransformerConfig) -> d
     original weights compute with the interleaved one. The axes are found by their
     logical name ``embed`` (:mod:`jaxformer.model.sharding`).
     """
-    import flax.linen as nn
-    import jax
-    import jax.numpy as jnp
-
-    from jaxformer.model.transformer import Transformer
-
     D = config.d_model
     perm = np.concatenate([np.arange(0, D, 2), np.arange(1, D, 2)])
-    ids = jnp.ones((1, 2), jnp.int32)
-    boxed = jax.eval_shape(lambda: Transformer(config).init(jax.random.key(0), ids, ids)["params"])
-    names = jax.tree_util.tree_map(lambda b: b.names, boxed, is_leaf=lambda b: isinstance(b, nn.Partitioned))
+    names = jax.tree_util.tree_map(lambda b: b.names, _boxed_params(config),
+                                   is_leaf=lambda b: isinstance(b, nn.Partitioned))
 
     def permute(x, axis_names):
         x = np.asarray(x)
@@ -188,17 +183,15 @@ def _to_numpy(tree):
     return np.asarray(tree, np.float32)
 
 
-def _shape_problems(params: dict[str, Any], config: TransformerConfig) -> list[str]:
-    """Every array whose shape differs from what :class:`~jaxformer.model.transformer.Transformer` expects."""
-    import flax.linen as nn
-    import jax
-    import jax.numpy as jnp
-
-    from jaxformer.model.transformer import Transformer
-
+def _boxed_params(config: TransformerConfig) -> Any:
+    """The shapes of a ``Transformer(config)``'s parameters, boxed with their logical names."""
     ids = jnp.ones((1, 2), jnp.int32)
-    expected = jax.eval_shape(
-        lambda: nn.unbox(Transformer(config).init(jax.random.key(0), ids, ids)["params"]))
+    return jax.eval_shape(lambda: Transformer(config).init(jax.random.key(0), ids, ids)["params"])
+
+
+def _shape_problems(params: dict[str, Any], config: TransformerConfig) -> list[str]:
+    """Every array whose shape differs from what ``Transformer(config)`` expects."""
+    expected = nn.unbox(_boxed_params(config))
     want = {jax.tree_util.keystr(k): v.shape for k, v in jax.tree_util.tree_leaves_with_path(expected)}
     have = {jax.tree_util.keystr(k): v.shape for k, v in jax.tree_util.tree_leaves_with_path(params)}
     return sorted(f"{k}: checkpoint {have.get(k)} vs model {want.get(k)}"

@@ -74,30 +74,16 @@ def scaled_dot_product_attention(q, k, v, mask=None, *, dropout_rate: float = 0.
         keep = jnp.ones(full, jnp.float32)
     per_head = jax.vmap(_single_head_attention)          # over H
     per_example = jax.vmap(per_head)                      # over B
-    out, weights = per_example(q, k, v, mask, keep)
-    chex.assert_shape(out, (batch, heads, q_len, head_dim))
-    chex.assert_shape(weights, full)
-    return out, weights
+    return per_example(q, k, v, mask, keep)
 
 
 def fused_dot_product_attention(q, k, v, mask=None, *, implementation: str | None = None):
-    """The same attention as :func:`scaled_dot_product_attention`, by :func:`jax.nn.dot_product_attention`.
-
-    XLA's implementation on any device, cuDNN's flash attention on NVIDIA GPUs
-    (``implementation="cudnn"``, bfloat16/float16 only). Scores and softmax run in
-    float32; float16 on CPU computes in float32 throughout (XLA:CPU lacks the mixed
-    float16 dot) and returns float16. A query row whose mask is all False yields zeros (the fused kernels
-    would return the mean of ``v``). No dropout, no weights.
-
-    Args:
-      q: queries ``[B, H, T, K]``.
-      k, v: keys and values ``[B, H, S, K]``.
-      mask: optional bool mask broadcastable to ``[B, H, T, S]`` (True = attend).
-      implementation: ``None`` (JAX picks), ``"xla"`` or ``"cudnn"``.
-
-    Returns:
-      outputs ``[B, H, T, K]`` in ``v.dtype``.
-    """
+    """:func:`scaled_dot_product_attention`'s outputs ``[B, H, T, K]`` (``v.dtype``; no
+    dropout, no weights) by :func:`jax.nn.dot_product_attention`: ``implementation``
+    ``None`` (JAX picks), ``"xla"`` (any device) or ``"cudnn"`` (NVIDIA flash attention,
+    bfloat16/float16). Scores and softmax run in float32 (float16 on CPU: float32
+    throughout, XLA:CPU lacks the mixed dot). A query whose mask row is all False gets
+    zeros (the fused kernels would return the mean of ``v``)."""
     chex.assert_rank([q, k, v], 4)
     batch, heads, q_len, head_dim = q.shape
     chex.assert_shape([k, v], (batch, heads, k.shape[2], head_dim))
@@ -116,7 +102,6 @@ def fused_dot_product_attention(q, k, v, mask=None, *, implementation: str | Non
         any_key_BHT1 = jnp.broadcast_to(jnp.any(mask, axis=-1, keepdims=True),
                                         (batch, heads, q_len, 1))
         out_BHTK = jnp.where(any_key_BHT1, out_BHTK, jnp.zeros((), out_BHTK.dtype))
-    chex.assert_shape(out_BHTK, (batch, heads, q_len, head_dim))
     return out_BHTK
 
 
@@ -163,18 +148,12 @@ class MultiHeadAttention(nn.Module):
 
     def project_query(self, x_BTD):
         """Queries ``[B, H, T, K]`` from ``[B, T, D]``."""
-        q = self._project(x_BTD, self.query_kernel, self.query_bias)
-        chex.assert_shape(q, (x_BTD.shape[0], self.config.num_heads, x_BTD.shape[1],
-                              self.config.head_dim))
-        return q
+        return self._project(x_BTD, self.query_kernel, self.query_bias)
 
     def project_key_value(self, x_BSD):
         """Keys and values ``[B, H, S, K]`` from ``[B, S, D]`` (cacheable per source)."""
-        k = self._project(x_BSD, self.key_kernel, self.key_bias)
-        v = self._project(x_BSD, self.value_kernel, self.value_bias)
-        expected = (x_BSD.shape[0], self.config.num_heads, x_BSD.shape[1], self.config.head_dim)
-        chex.assert_shape([k, v], expected)
-        return k, v
+        return (self._project(x_BSD, self.key_kernel, self.key_bias),
+                self._project(x_BSD, self.value_kernel, self.value_bias))
 
     def attend(self, q_BHTK, k_BHSK, v_BHSK, mask, deterministic: bool):
         """Attention of projected heads, then the output projection → ``[B, T, D]``.
@@ -203,16 +182,11 @@ class MultiHeadAttention(nn.Module):
                                                    implementation=implementation)
         out_BTD = weight_einsum("BHTK,HKD->BTD", out_BHTK, self.out_kernel, c)
         out_BTD = out_BTD + self.out_bias.astype(c.compute_dtype)[None, None, :]
-        out_BTD = constrain(out_BTD, ("batch", "length", "embed"))
-        chex.assert_shape(out_BTD, (q_BHTK.shape[0], q_BHTK.shape[2], c.d_model))
-        return out_BTD
+        return constrain(out_BTD, ("batch", "length", "embed"))
 
     def __call__(self, x_BTD, context_BSD, mask, deterministic: bool = True):
-        """Attends from ``x_BTD`` (queries) to ``context_BSD`` (keys/values).
-
-        Self-attention passes the same array twice; cross-attention passes the
-        encoder output as ``context_BSD``. Returns ``[B, T, D]``.
-        """
+        """Attends from ``x_BTD`` (queries) to ``context_BSD`` (keys/values: ``x_BTD`` again
+        for self-attention, the encoder output for cross-attention) → ``[B, T, D]``."""
         q = self.project_query(x_BTD)
         k, v = self.project_key_value(context_BSD)
         return self.attend(q, k, v, mask, deterministic)

@@ -76,14 +76,11 @@ class Embedding(nn.Module):
             x = x.astype(c.matmul_dtype)
         x = x.astype(c.compute_dtype)
         x = x * jnp.asarray(np.sqrt(c.d_model), c.compute_dtype)
-        chex.assert_shape(x, ids_BL.shape + (c.d_model,))
         return constrain(x, ("batch", "length", "embed"))
 
     def attend(self, x_BLD):
         """Logits with the shared table as output projection: ``[B, L, V]``."""
-        c = self.config
-        logits = weight_einsum("BLD,VD->BLV", x_BLD, self.embedding, c)
-        chex.assert_shape(logits, x_BLD.shape[:2] + (self.vocab_size,))
+        logits = weight_einsum("BLD,VD->BLV", x_BLD, self.embedding, self.config)
         return constrain(logits, ("batch", "length", "vocab"))
 
     def projection_weights(self):
@@ -92,13 +89,9 @@ class Embedding(nn.Module):
 
 
 class OutputProjection(nn.Module):
-    """The final linear layer to the vocabulary (Figure 1, "Linear"): ``x W + b``.
-
-    Parameters ``kernel [D, V]`` (LeCun normal) and ``bias [V]``; logical axes
-    ``(embed, vocab)``. Used when embeddings are not shared; :meth:`weights` exposes
-    both so a loss can fuse the projection (see
-    :func:`jaxformer.train.losses.projected_cross_entropy`).
-    """
+    """The final linear layer to the vocabulary (Figure 1, "Linear"): ``x W + b``, with
+    ``kernel [D, V]`` (LeCun normal) and ``bias [V]``, when embeddings are not shared;
+    :meth:`weights` lets a loss fuse it (:func:`jaxformer.train.losses.projected_cross_entropy`)."""
 
     vocab_size: int
     config: TransformerConfig
@@ -120,7 +113,6 @@ class OutputProjection(nn.Module):
         c = self.config
         logits = weight_einsum("BLD,DV->BLV", x_BLD, self.kernel, c)
         logits = logits + self.bias.astype(c.compute_dtype)[None, None, :]
-        chex.assert_shape(logits, x_BLD.shape[:2] + (self.vocab_size,))
         return constrain(logits, ("batch", "length", "vocab"))
 
 
@@ -135,10 +127,8 @@ class PositionalEncoding(nn.Module):
         self.dropout = Dropout(c.dropout_rate)
 
     def __call__(self, x_BLD, deterministic: bool, offset=0, positions_BL=None):
-        """Adds PE rows ``offset .. offset+L-1``; ``offset`` may be traced (decoding).
-
-        ``positions_BL`` (int ``[B, L]``, packed rows) gives each position's row instead.
-        """
+        """Adds PE rows ``offset .. offset+L-1`` (``offset`` may be traced: decoding), or with
+        packed rows the rows ``positions_BL`` (int ``[B, L]``)."""
         length = x_BLD.shape[1]
         pe_1LD = jnp.asarray(self.table)
         if positions_BL is not None:
@@ -171,11 +161,8 @@ class PositionwiseFeedForward(nn.Module):
                       bias_init=_partitioned(zeros, "mlp"), **dense)
         hidden_BLF = _ACTIVATIONS[c.activation](w1(x_BLD))
         hidden_BLF = constrain(hidden_BLF, ("batch", "length", "mlp"))
-        chex.assert_shape(hidden_BLF, x_BLD.shape[:2] + (c.d_ff,))
-        out_BLD = nn.Dense(c.d_model, name="w2", kernel_init=_partitioned(xavier, "mlp", "embed"),
-                           bias_init=_partitioned(zeros, "embed"), **dense)(hidden_BLF)
-        chex.assert_shape(out_BLD, x_BLD.shape)
-        return out_BLD
+        return nn.Dense(c.d_model, name="w2", kernel_init=_partitioned(xavier, "mlp", "embed"),
+                        bias_init=_partitioned(zeros, "embed"), **dense)(hidden_BLF)
 
 
 class AddNorm(nn.Module):
