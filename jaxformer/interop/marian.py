@@ -62,16 +62,14 @@ def _config_problems(hf: dict[str, Any]) -> list[str]:
 
 
 def config_from_hf(hf: dict[str, Any]) -> TransformerConfig:
-    """A :class:`TransformerConfig` equal in function to a Hugging Face ``MarianConfig``.
-
-    Marian's departures from the paper become config fields: swish FFN, the split
-    positional table, ``final_logits_bias``, LayerNorm ε 1e-5. Dropout rates are kept
-    for fine-tuning (Marian's ``activation_dropout`` has no counterpart and is ignored).
+    """A :class:`TransformerConfig` equal in function to a Hugging Face ``MarianConfig``:
+    Marian's departures from the paper become fields (swish FFN, the split positional
+    table, ``final_logits_bias``, LayerNorm ε 1e-5); dropout rates are kept for
+    fine-tuning (``activation_dropout`` has no counterpart).
 
     Raises:
-      ConversionError: not a Marian config, or Marian options jaxformer lacks (pre-norm,
-        unscaled embeddings, learned positions, different encoder and decoder widths,
-        an unknown activation), all named in one message.
+      ConversionError: not a Marian config, or options jaxformer lacks (pre-norm, unscaled
+        embeddings, learned positions, unequal stacks, an unknown activation), in one message.
     """
     problems = _config_problems(hf)
     if problems:
@@ -95,8 +93,7 @@ def config_to_hf(config: TransformerConfig, *, eos_id: int, decoder_start_id: in
     """The ``MarianConfig`` (as a dict) of a post-norm jaxformer model.
 
     Raises:
-      ConversionError: a pre-norm model (Marian has no pre-norm form in
-        transformers: ``MarianEncoderLayer`` normalises after each residual).
+      ConversionError: a pre-norm model (transformers' Marian normalises after each residual).
     """
     c = config
     if c.norm_position != "post":
@@ -105,7 +102,6 @@ def config_to_hf(config: TransformerConfig, *, eos_id: int, decoder_start_id: in
             f"post-norm only (LayerNorm after each residual, no final LayerNorm), so the weights "
             f"would compute something else. Only post-norm runs export (train with "
             f"--norm-position post).")
-    activation = {"relu": "relu", "swish": "swish", "gelu": "gelu"}[c.activation]
     return {
         "model_type": "marian", "architectures": ["MarianMTModel"],
         "vocab_size": c.src_vocab_size, "decoder_vocab_size": c.tgt_vocab_size,
@@ -114,7 +110,7 @@ def config_to_hf(config: TransformerConfig, *, eos_id: int, decoder_start_id: in
         "encoder_ffn_dim": c.d_ff, "decoder_ffn_dim": c.d_ff, "encoder_layers": c.num_encoder_layers,
         "decoder_layers": c.num_decoder_layers, "num_hidden_layers": c.num_encoder_layers,
         "dropout": c.dropout_rate, "attention_dropout": c.attention_dropout_rate,
-        "activation_dropout": 0.0, "activation_function": activation,
+        "activation_dropout": 0.0, "activation_function": c.activation,
         "max_position_embeddings": c.max_len, "scale_embedding": True, "is_encoder_decoder": True,
         "pad_token_id": c.pad_id, "eos_token_id": eos_id, "forced_eos_token_id": eos_id,
         "decoder_start_token_id": decoder_start_id, "bos_token_id": None,
@@ -208,12 +204,9 @@ def _generation_defaults(gen: dict[str, Any], pad: int) -> dict[str, Any]:
 
 
 def import_marian(hf_dir: str | Path, workdir: str | Path) -> TransformerConfig:
-    """Writes the run directory ``workdir`` from the Hugging Face Marian dir ``hf_dir``.
-
-    Writes ``config.json`` (model config, tokenizer record, generation defaults from
-    ``generation_config.json``), ``tokenizer/`` (the Marian tokenizer files) and the
-    parameters as the best checkpoint at step 0 (params only, as
-    :meth:`jaxformer.run.checkpoints.RunCheckpoints.restore_params` reads them).
+    """Writes the run directory ``workdir`` from the Hugging Face Marian folder ``hf_dir``:
+    ``config.json`` (model, tokenizer record, generation defaults), ``tokenizer/`` and the
+    parameters as the best checkpoint at step 0 (params only).
 
     Raises:
       ConversionError: ``workdir`` already holds a run; an unsupported model or missing
@@ -276,13 +269,12 @@ def _check_export_folder(workdir: Path, out_dir: Path) -> None:
 
 
 def export_marian(workdir: str | Path, out_dir: str | Path) -> None:
-    """Writes run ``workdir`` as a Hugging Face ``MarianMTModel`` directory ``out_dir``.
+    """Writes run ``workdir`` as a Hugging Face ``MarianMTModel`` folder ``out_dir`` (a joint
+    sentencepiece model exports as ``source.spm = target.spm`` with a ``vocab.json`` built
+    from it).
 
     Raises:
-      ConversionError: a pre-norm run; a run whose tokenizer is not a Marian one
-        (a joint sentencepiece model exports as ``source.spm = target.spm`` with a
-        ``vocab.json`` built from it); an ``out_dir`` holding a run or a model (any
-        file the export writes).
+      ConversionError: a pre-norm run; an ``out_dir`` holding a run or a model.
     """
     from safetensors.numpy import save_file
 

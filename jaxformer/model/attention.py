@@ -1,10 +1,8 @@
 """Scaled dot-product attention (§3.2.1) and multi-head attention (§3.2.2).
 
-Shapes: B batch, S source length, T target (query) length, D d_model, H heads,
-K = D / H per-head width. Masks follow :mod:`jaxformer.model.masks` (bool, True = attend;
-the layers pass :class:`~jaxformer.model.masks.AttentionMask`). Backends: the reference
-core, :func:`jax.nn.dot_product_attention` (``"xla"``, ``"cudnn"``) and Pallas's TPU
-splash kernel (``"pallas"``, :mod:`jaxformer.model.splash`).
+Shapes: B batch, S keys, T queries, D d_model, H heads, K = D / H. Masks follow
+:mod:`jaxformer.model.masks` (bool, True = attend). Backends: the reference core,
+:func:`jax.nn.dot_product_attention` (``"xla"``, ``"cudnn"``), the splash kernel (``"pallas"``).
 """
 
 from __future__ import annotations
@@ -41,23 +39,14 @@ def _single_head_attention(q_TK, k_SK, v_SK, mask_TS, keep_TS):
 
 def scaled_dot_product_attention(q, k, v, mask=None, *, dropout_rate: float = 0.0,
                                  dropout_rng: chex.PRNGKey | None = None):
-    """Scaled dot-product attention, Attention(Q, K, V) = softmax(QKᵀ/√d_k)V (Eq. 1).
+    """Attention(Q, K, V) = softmax(QKᵀ/√d_k)V (Eq. 1): a pure function, the one-example,
+    one-head core lifted over heads and batch with :func:`jax.vmap`.
 
-    A pure function: the single-example, single-head core is lifted over heads and
-    batch with :func:`jax.vmap`. Jit-compatible.
-
-    Args:
-      q: queries ``[B, H, T, K]`` (any float dtype).
-      k: keys ``[B, H, S, K]``.
-      v: values ``[B, H, S, K]``.
-      mask: optional bool mask broadcastable to ``[B, H, T, S]`` (True = attend), e.g.
-        a padding mask ``[B, 1, 1, S]`` or a decoder mask ``[B, 1, T, T]``.
-      dropout_rate: dropout on the attention weights (applied only with a key).
-      dropout_rng: PRNG key for that dropout; ``None`` = no dropout.
-
-    Returns:
-      ``(outputs [B, H, T, K]`` in ``v.dtype``, ``weights [B, H, T, S]`` float32)``.
-      The weights are the pre-dropout softmax; fully masked rows give zeros.
+    Queries ``q [B, H, T, K]`` (any float dtype), keys and values ``[B, H, S, K]``, an
+    optional bool ``mask`` broadcastable to ``[B, H, T, S]`` (True = attend; e.g. padding
+    ``[B, 1, 1, S]``, decoder ``[B, 1, T, T]``), dropout on the weights with ``dropout_rng``
+    → ``(outputs [B, H, T, K]`` in ``v.dtype``, pre-dropout ``weights [B, H, T, S]``
+    float32)``; fully masked rows give zeros.
     """
     chex.assert_rank([q, k, v], 4)
     batch, heads, q_len, head_dim = q.shape
@@ -106,15 +95,10 @@ def fused_dot_product_attention(q, k, v, mask=None, *, implementation: str | Non
 
 
 class MultiHeadAttention(nn.Module):
-    """Multi-head attention (§3.2.2), head axes explicit in the weights.
-
-    Parameters: ``query``/``key``/``value`` kernels ``[D, H, K]`` with biases ``[H, K]``,
-    ``out`` kernel ``[H, K, D]`` with bias ``[D]``. The attention weights are sown
-    into the ``"intermediates"`` collection as ``attention_weights`` ``[B, H, T, S]``
-    when that collection is mutable (``apply(..., mutable=["intermediates"])``) and
-    ``config.attention_backend == "reference"`` (the fused and Pallas backends return no
-    weights).
-    Logical axes: kernels ``(embed, heads, kv)`` / ``(heads, kv, embed)``.
+    """Multi-head attention (§3.2.2), head axes explicit in the weights: ``query``/``key``/
+    ``value`` kernels ``[D, H, K]`` (``embed, heads, kv``) with biases ``[H, K]``, ``out``
+    kernel ``[H, K, D]`` with bias ``[D]``. The reference backend sows the weights
+    ``[B, H, T, S]`` as ``intermediates/attention_weights`` when that collection is mutable.
     """
 
     config: TransformerConfig

@@ -15,7 +15,7 @@ import numpy as np
 from jaxformer.model.attention import MultiHeadAttention
 from jaxformer.model.config import TransformerConfig
 from jaxformer.model.dropout import Dropout
-from jaxformer.model.matmul import dense_dot_general, weight_einsum
+from jaxformer.model.matmul import dense_dot_general
 from jaxformer.model.sharding import constrain
 
 
@@ -57,7 +57,8 @@ def sinusoidal_positional_encoding(max_len: int, d_model: int, layout: str = "in
 
 
 class Embedding(nn.Module):
-    """Token embedding scaled by √d_model (§3.4); ``attend`` is the tied projection."""
+    """Token embedding scaled by √d_model (§3.4); with shared embeddings its table, transposed,
+    is the output projection too (:meth:`jaxformer.Transformer.output_projection_weights`)."""
 
     vocab_size: int
     config: TransformerConfig
@@ -78,20 +79,11 @@ class Embedding(nn.Module):
         x = x * jnp.asarray(np.sqrt(c.d_model), c.compute_dtype)
         return constrain(x, ("batch", "length", "embed"))
 
-    def attend(self, x_BLD):
-        """Logits with the shared table as output projection: ``[B, L, V]``."""
-        logits = weight_einsum("BLD,VD->BLV", x_BLD, self.embedding, self.config)
-        return constrain(logits, ("batch", "length", "vocab"))
-
-    def projection_weights(self):
-        """The tied output projection as ``(kernel [D, V], None)`` in the compute dtype (no bias)."""
-        return self.embedding.astype(self.config.compute_dtype).T, None
-
 
 class OutputProjection(nn.Module):
-    """The final linear layer to the vocabulary (Figure 1, "Linear"): ``x W + b``, with
-    ``kernel [D, V]`` (LeCun normal) and ``bias [V]``, when embeddings are not shared;
-    :meth:`weights` lets a loss fuse it (:func:`jaxformer.train.losses.projected_cross_entropy`)."""
+    """The parameters of the final linear layer to the vocabulary (Figure 1, "Linear") when
+    embeddings are not shared: ``kernel [D, V]`` (LeCun normal) and ``bias [V]``, applied by
+    :meth:`jaxformer.Transformer.output_projection_weights`' caller."""
 
     vocab_size: int
     config: TransformerConfig
@@ -107,13 +99,6 @@ class OutputProjection(nn.Module):
         """``(kernel [D, V], bias [V])`` in the compute dtype."""
         dtype = self.config.compute_dtype
         return self.kernel.astype(dtype), self.bias.astype(dtype)
-
-    def __call__(self, x_BLD):
-        """``[B, L, D]`` → logits ``[B, L, V]`` in the compute dtype."""
-        c = self.config
-        logits = weight_einsum("BLD,DV->BLV", x_BLD, self.kernel, c)
-        logits = logits + self.bias.astype(c.compute_dtype)[None, None, :]
-        return constrain(logits, ("batch", "length", "vocab"))
 
 
 class PositionalEncoding(nn.Module):

@@ -1,14 +1,10 @@
-"""Attention masks: the one mask convention of jaxformer.
+"""Attention masks: boolean, ``True`` = "may attend", broadcasting against the scores
+``[B, H, Tq, Tk]``; the padding id comes from the tokenizer or config, never a literal 0.
 
-Convention: masks are boolean and ``True`` means "may attend". They broadcast
-against attention scores ``[B, H, Tq, Tk]``. Special ids come from the tokenizer or
-the config (``pad_id``), never a literal 0.
-
-The model's masks travel through the layers as an :class:`AttentionMask`: the dense
-bool mask (what the reference and ``jax.nn.dot_product_attention`` backends read) and
-the same mask as segment ids plus a causal flag (what the splash-attention kernel
-reads, :mod:`jaxformer.model.splash`). Every mask the model builds is "key is not
-padding AND same segment (AND causal)", which segment ids express exactly.
+The model's masks travel as an :class:`AttentionMask`: the dense mask (the reference and
+``jax.nn.dot_product_attention`` backends) and the same mask as segment ids and a causal
+flag (the splash kernel, :mod:`jaxformer.model.splash`). Every mask the model builds is
+"key not padding AND same segment (AND causal)", which segment ids express exactly.
 """
 
 from __future__ import annotations
@@ -85,16 +81,12 @@ class AttentionMask:
     """One attention mask in both forms the backends read; a pytree (``causal`` static).
 
     Attributes:
-      dense: bool, broadcastable to ``[B, 1, Tq, Tk]``, True = may attend: exactly the
-        mask the model always built (``[B, 1, 1, S]`` padding, ``[B, 1, T, T]`` decoder,
-        ``[B, 1, Tq, Tk]`` with packed rows).
+      dense: bool broadcastable to ``[B, 1, Tq, Tk]``, True = may attend.
       q_segments: int32 ``[B, Tq]``, each query's segment (1 everywhere when unpacked).
-      kv_segments: int32 ``[B, Tk]``, each key's segment, :data:`PADDING_SEGMENT` where
-        the key is padding.
-      causal: static; query t may attend only to keys ``<= t`` (self-attention, Tq = Tk).
+      kv_segments: int32 ``[B, Tk]``, each key's segment, :data:`PADDING_SEGMENT` for padding.
+      causal: query t may attend only to keys ``<= t`` (self-attention, Tq = Tk).
 
-    ``dense == dense_from_segments(q_segments, kv_segments, causal)`` after broadcasting
-    (``tests/test_pallas_attention.py`` checks it for padded and packed batches).
+    ``dense == dense_from_segments(q_segments, kv_segments, causal)`` after broadcasting.
     """
 
     dense: jax.Array

@@ -1,15 +1,11 @@
 """Meshes, the one logical-axis rules table, and the shardings of state and batches.
 
 One code path serves a laptop, one GPU and a multi-host slice: ``jax.jit`` with
-``NamedSharding`` over a ``Mesh`` with axes ``("data", "fsdp", "model")``. Parameters carry
-logical axis names at their initializers (``nn.with_logical_partitioning``);
-:data:`LOGICAL_AXIS_RULES` maps those names onto mesh axes. Activations are
-constrained with :func:`constrain` where the layout matters; that is a no-op unless a
-mesh is active (:func:`under_mesh`), so eager and unsharded code is untouched.
-
-Logical names (shape letters of the glossary in brackets): ``batch`` [B], ``length``
-[S or T], ``embed`` [D], ``heads`` [H], ``kv`` [K], ``mlp`` [F], ``vocab`` [V], and
-``layers`` [N], the stacking axis of scanned layers (``TransformerConfig.scan_layers``).
+``NamedSharding`` over a ``Mesh`` ``("data", "fsdp", "model")``. Parameters carry logical
+axis names (``nn.with_logical_partitioning``) that :data:`LOGICAL_AXIS_RULES` maps onto
+mesh axes; :func:`constrain` lays out activations, a no-op unless a mesh is active
+(:func:`under_mesh`). Logical names: ``batch`` [B], ``length`` [S or T], ``embed`` [D],
+``heads`` [H], ``kv`` [K], ``mlp`` [F], ``vocab`` [V], ``layers`` [N] (scanned stacks).
 """
 
 from __future__ import annotations

@@ -1,20 +1,12 @@
 """Splash attention, Pallas's TPU flash-attention kernel: ``attention_backend="pallas"``.
 
-Wraps :mod:`jax.experimental.pallas.ops.tpu.splash_attention` (``make_splash_mha``,
-``SegmentIds``, ``CausalMask``/``FullMask``, ``BlockSizes``) the way MaxText's
-``attention_op`` does: the kernel runs per example (``jax.vmap`` over the batch) on
-``[H, L, K]`` heads, never builds the ``[T, S]`` scores in HBM, and skips the blocks a
-causal mask rules out. Masks arrive as segment ids (:class:`jaxformer.model.masks.AttentionMask`):
-a query attends to the keys of its own segment (and, causal, not after it); padding
-keys carry :data:`~jaxformer.model.masks.PADDING_SEGMENT`, which no query has.
-
-Where it runs: TPU (Mosaic) natively; on CPU only in Pallas's interpret mode (slow:
-tests); not on GPU (its kernels are TPU's). Under a mesh a ``pallas_call`` cannot be
-split by XLA's SPMD partitioner, so the kernel runs in ``jax.shard_map`` over the batch
-and head axes of the rules table (:mod:`jaxformer.model.sharding`).
-
-Shapes: B batch, H heads, T query length, S key length, K head width; Tp/Sp the
-lengths padded to the kernel's block.
+Wraps :mod:`jax.experimental.pallas.ops.tpu.splash_attention` as MaxText's
+``attention_op`` does: per example (``jax.vmap``) on ``[H, L, K]`` heads, never building
+the ``[T, S]`` scores in HBM, skipping the blocks a causal mask rules out. Masks arrive
+as segment ids (:class:`jaxformer.model.masks.AttentionMask`). Runs natively on TPU, on
+CPU in Pallas's interpret mode (slow: tests), not on GPU. Under a mesh it runs in
+``jax.shard_map`` over the rules table's batch and head axes (XLA's SPMD partitioner
+cannot split a ``pallas_call``). Shapes: B batch, H heads, T queries, S keys, K head width.
 """
 
 from __future__ import annotations

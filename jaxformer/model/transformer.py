@@ -25,6 +25,8 @@ from flax import struct
 from jaxformer.model.config import TransformerConfig
 from jaxformer.model.layers import Embedding, OutputProjection, PositionalEncoding
 from jaxformer.model.masks import create_padding_mask, decoder_masks, encoder_mask, segment_positions
+from jaxformer.model.matmul import weight_einsum
+from jaxformer.model.sharding import constrain
 from jaxformer.model.stacks import Decoder, Encoder
 from jaxformer.model.validation import check_count, token_id_problem
 
@@ -155,38 +157,31 @@ class Transformer(nn.Module):
 
     # ------------------------------------------------------------------ decoder
     def _logits(self, decoder_output_BLD):
-        c = self.config
-        if c.share_embeddings:
-            logits = self.tgt_embedding.attend(decoder_output_BLD)
-            if c.final_logits_bias:
-                logits = logits + self.final_logits_bias.astype(logits.dtype)[None, None, :]
-        else:
-            logits = self.output_projection(decoder_output_BLD)
-        chex.assert_shape(logits, decoder_output_BLD.shape[:2] + (c.tgt_vocab_size,))
-        return logits
+        kernel_DV, bias_V = self.output_projection_weights()
+        logits = weight_einsum("BLD,DV->BLV", decoder_output_BLD, kernel_DV, self.config)
+        if bias_V is not None:
+            logits = logits + bias_V[None, None, :]
+        return constrain(logits, ("batch", "length", "vocab"))
 
     def output_projection_weights(self):
         """The final linear layer as ``(kernel [D, V], bias [V] or None)`` in the compute
         dtype; shared embeddings: the table transposed and ``final_logits_bias`` or None."""
         c = self.config
         if c.share_embeddings:
-            kernel_DV, _ = self.tgt_embedding.projection_weights()
             bias_V = self.final_logits_bias.astype(c.compute_dtype) if c.final_logits_bias else None
-            return kernel_DV, bias_V
+            return self.tgt_embedding.embedding.astype(c.compute_dtype).T, bias_V
         return self.output_projection.weights()
 
     def decode(self, encoder_output, src, tgt, *, deterministic: bool = True, src_segments=None,
                tgt_segments=None):
-        """Teacher-forced decoder: ``encoder_output [B,S,D]``, src ids ``[B,S]``
-        (for the padding mask), target input ids ``[B,T]`` → ``logits [B,T,V]``.
-
-        ``tgt`` is the already shifted decoder input (``bos y1 y2 …``). Packed rows
-        give both ``src_segments [B,S]`` and ``tgt_segments [B,T]``: target segment j
-        attends only to itself (causally) and to source segment j.
+        """Teacher-forced decoder: ``encoder_output [B,S,D]``, its src ids ``[B,S]`` (for the
+        padding mask) and the shifted target input ids ``tgt [B,T]`` (``bos y1 y2 …``) →
+        ``logits [B,T,V]``. Packed rows give ``src_segments [B,S]`` and ``tgt_segments
+        [B,T]``: target segment j attends only to itself (causally) and source segment j.
 
         Raises:
           ValueError: bad ``tgt`` ids (as :meth:`encode`'s), batch sizes that differ, or
-            only one of the segment arrays.
+            one segment array without the other.
         """
         return self._logits(self.decoder_output(encoder_output, src, tgt, deterministic=deterministic,
                                                 src_segments=src_segments, tgt_segments=tgt_segments))
