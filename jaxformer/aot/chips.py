@@ -73,13 +73,12 @@ GPU_NODES = {"h100": 8, "h200": 8}
 # What XLA's GPU compiler needs to know of a chip it cannot see (a GpuTargetConfigProto,
 # xla/stream_executor/device_description.proto), from the vendor's specifications:
 # H100/H200 SXM, compute capability 9.0, 132 SMs, 50 MiB L2, 1.98 GHz boost.
-_HOPPER = {"threads_per_block_limit": 1024, "threads_per_warp": 32, "shared_memory_per_block": 49152,
-           "shared_memory_per_core": 233472, "threads_per_core_limit": 2048, "core_count": 132,
-           "fpus_per_core": 128, "block_dim_limit_x": 2147483647, "block_dim_limit_y": 65535,
-           "block_dim_limit_z": 65535, "l2_cache_size": 50 * 2**20, "clock_rate_ghz": 1.98,
-           "shared_memory_per_block_optin": 232448, "registers_per_core_limit": 65536,
-           "registers_per_block_limit": 65536, "thread_dim_limit_x": 1024, "thread_dim_limit_y": 1024,
-           "thread_dim_limit_z": 64}
+_HOPPER = dict(threads_per_block_limit=1024, threads_per_warp=32, shared_memory_per_block=49152,
+               shared_memory_per_core=233472, threads_per_core_limit=2048, core_count=132, fpus_per_core=128,
+               block_dim_limit_x=2147483647, block_dim_limit_y=65535, block_dim_limit_z=65535,
+               l2_cache_size=50 * 2**20, clock_rate_ghz=1.98, shared_memory_per_block_optin=232448,
+               registers_per_core_limit=65536, registers_per_block_limit=65536, thread_dim_limit_x=1024,
+               thread_dim_limit_y=1024, thread_dim_limit_z=64)
 
 
 def gpu_target_config(chip: str) -> str:

@@ -1,21 +1,16 @@
-"""What a compiled program needs of a chip: memory per device, FLOPs, collectives, whether
-it fits, and a roofline estimate of its time.
-
-Memory is XLA's buffer assignment (``Compiled.memory_analysis()``, bytes per device);
-peak = arguments + outputs - alias (reused donated bytes) + temporaries + code, an upper
-bound. FLOPs and bytes accessed are XLA's cost analysis of the per-device program (a
-``while`` body counted once). Collectives are read off the optimized HLO.
-
-The time estimate is a roofline, not a measurement: the largest of compute (FLOPs /
-peak), memory traffic (bytes / HBM bandwidth) and collectives (result bytes / inter-chip
-bandwidth, understating a ring all-reduce by up to 2×), as if they overlapped
-perfectly. ``step_s_estimate`` is the slower of that and the time at 50% MFU
-(``estimate_bound_by`` says which).
+"""What a compiled program needs of a chip: memory per device (XLA's buffer assignment;
+peak = arguments + outputs - donated alias + temporaries + code, an upper bound), FLOPs
+and bytes (XLA's per-device cost analysis; a ``while`` body counted once), collectives
+(read off the optimized HLO), whether it fits, and a roofline estimate, not a
+measurement: the largest of compute, memory traffic and collective times (result bytes
+/ inter-chip bandwidth, understating a ring all-reduce by up to 2×), as if overlapped.
+``step_s_estimate`` is the slower of that and 50% MFU (``estimate_bound_by`` says which).
 """
 
 from __future__ import annotations
 
 import collections
+import math
 import re
 from typing import Any
 
@@ -36,16 +31,8 @@ _UNIT = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
 def _array_bytes(type_text: str, last_only: bool) -> int:
-    arrays = _ARRAY.findall(type_text)
-    if last_only:   # an async start returns (operands…, result): count the result
-        arrays = arrays[-1:]
-    total = 0
-    for dtype, dims in arrays:
-        count = 1
-        for d in filter(None, dims.split(",")):
-            count *= int(d)
-        total += count * _BYTES[dtype]
-    return total
+    arrays = _ARRAY.findall(type_text)[-1 if last_only else 0:]   # an async start's last is its result
+    return sum(math.prod(int(d) for d in dims.split(",") if d) * _BYTES[dtype] for dtype, dims in arrays)
 
 
 def collectives(hlo_text: str) -> dict[str, dict[str, int]]:

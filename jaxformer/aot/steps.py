@@ -1,12 +1,8 @@
 """The programs a run executes, lowered for a target mesh without any array: the jitted
-train step (:func:`jaxformer.train.step.jit_train_step`, state donated, the layout's
-shardings) on a packed batch, and beam search (:func:`jaxformer.decode.decoding.beam_translate`)
-on a batch of sources. Every input is a ``jax.ShapeDtypeStruct`` carrying its sharding
-(:func:`jaxformer.train.step.abstract_train_state`), so nothing is allocated: a model
-too large for this host's memory lowers all the same.
-
-Shapes: R batch rows (the packed training rows), L row length, B sentences, S source
-length, k beams, M decoded tokens.
+train step (:func:`jaxformer.train.step.jit_train_step`) on a packed batch and beam
+search (:func:`jaxformer.decode.decoding.beam_translate`). Every input is a
+``jax.ShapeDtypeStruct`` with its sharding, so a model too large for this host lowers
+all the same.
 """
 
 from __future__ import annotations

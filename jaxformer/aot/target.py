@@ -1,11 +1,9 @@
-"""Compile-only TPU devices on a CPU host, and the run's mesh over them.
+"""Compile-only devices on a CPU host, and the run's mesh over them.
 
-``jax.experimental.topologies.get_topology_desc`` asks ``libtpu`` (the ``tpu`` extra:
-``pip install 'jaxformer[tpu]'``) for the devices of a slice that is not attached:
-programs lowered for them compile to real TPU executables, with the compiler's memory
-and cost analyses, and fail with the same out-of-memory error as on the chips. No TPU
-backend starts: the CPU stays JAX's platform (MaxText's ``train_compile.py`` works the
-same way).
+``jax.experimental.topologies.get_topology_desc`` asks libtpu (or the CUDA plugin) for
+the devices of a slice that is not attached: programs lowered for them compile to real
+executables, with the compiler's memory and cost analyses and out-of-memory errors. No
+TPU backend starts (as MaxText's ``train_compile.py``).
 """
 
 from __future__ import annotations
@@ -63,9 +61,9 @@ def target_devices(spec: SliceSpec, num_slices: int = 1) -> list[jax.Device]:
 
 
 def target_mesh(devices: list[jax.Device], spec: str | None, num_slices: int = 1) -> Mesh:
-    """The run's ``(data, fsdp, model)`` mesh over target ``devices``. Over several slices
-    the ``data`` axis spans them (DCN: only the gradient all-reduce crosses slices) and
-    ``fsdp`` and ``model`` stay inside each slice (ICI), as MaxText's ``dcn_data_parallelism``.
+    """The run's ``(data, fsdp, model)`` mesh over target ``devices``; over several slices
+    ``data`` spans them (DCN) and ``fsdp``, ``model`` stay inside each (MaxText's
+    ``dcn_data_parallelism``).
 
     Raises:
       ValueError: the mesh does not fit the devices, or ``data`` is not a multiple of

@@ -1,11 +1,8 @@
-"""Hugging Face Marian (OPUS-MT) folders as jaxformer run directories, and back.
-
-:func:`import_marian` writes a run directory from a local ``MarianMTModel`` folder
-(config, ``model.safetensors``, tokenizer files, generation defaults);
-:func:`export_marian` writes a post-norm run as such a folder. :func:`config_from_hf`
-and :func:`config_to_hf` map the configs, after transformers' ``MarianConfig``; the
-weights go through ``safetensors.numpy`` (no torch), mapped by
-:mod:`jaxformer.interop.marian_weights`. The command: :mod:`jaxformer.cli.convert`.
+"""Hugging Face Marian (OPUS-MT) folders as jaxformer run directories, and back
+(:func:`import_marian`, :func:`export_marian`; the command :mod:`jaxformer.cli.convert`).
+:func:`config_from_hf` and :func:`config_to_hf` map the configs after transformers'
+``MarianConfig``; the weights go through ``safetensors.numpy`` (no torch), mapped by
+:mod:`jaxformer.interop.marian_weights`.
 """
 
 from __future__ import annotations
@@ -62,10 +59,9 @@ def _config_problems(hf: dict[str, Any]) -> list[str]:
 
 
 def config_from_hf(hf: dict[str, Any]) -> TransformerConfig:
-    """A :class:`TransformerConfig` equal in function to a Hugging Face ``MarianConfig``:
-    Marian's departures from the paper become fields (swish FFN, the split positional
-    table, ``final_logits_bias``, LayerNorm ε 1e-5); dropout rates are kept for
-    fine-tuning (``activation_dropout`` has no counterpart).
+    """A :class:`TransformerConfig` equal in function to a Hugging Face ``MarianConfig``
+    (Marian's swish FFN, split positional table, ``final_logits_bias``, LayerNorm ε 1e-5);
+    dropout rates are kept for fine-tuning (``activation_dropout`` has no counterpart).
 
     Raises:
       ConversionError: not a Marian config, or options jaxformer lacks (pre-norm, unscaled
@@ -121,9 +117,8 @@ def config_to_hf(config: TransformerConfig, *, eos_id: int, decoder_start_id: in
 
 # ---------------------------------------------------------------------- run directories
 def _read_folder(hf_dir: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """The JSON files of a Hugging Face Marian folder, read once: ``(config,
-    generation config over config, tokenizer_config)``, the tokenizer loaded once to
-    name a damaged file now rather than at the first sentence.
+    """The JSON files of a Hugging Face Marian folder, read once: ``(config, generation
+    config over config, tokenizer_config)``; the tokenizer is loaded to name a damaged file now.
 
     Raises:
       ConversionError: one message naming every problem (a missing or unreadable file,
@@ -184,11 +179,9 @@ def _generation_problems(hf: dict[str, Any], gen: dict[str, Any]) -> list[str]:
 
 
 def _generation_defaults(gen: dict[str, Any], pad: int) -> dict[str, Any]:
-    """Decoding defaults of the model from its generation config over its config.json
-    (checked by :func:`_generation_problems`): beam size, length limit (counting the
-    decoder start token; ``None``: the translate tool's a * source length + b applies),
-    HF length normalisation with its exponent, the ids never generated, and the
-    repetition rules."""
+    """Decoding defaults from the generation config over config.json: beam size, length
+    limit (with the start token; ``None``: the translate tool's a * source length + b),
+    HF length normalisation, the ids never generated, the repetition rules."""
     if gen.get("early_stopping") not in (None, False, True):
         print(f"note: early_stopping={gen['early_stopping']!r} in the generation config; jaxformer "
               f"reproduces generate's default (False) stopping rule", file=sys.stderr)
@@ -209,8 +202,7 @@ def import_marian(hf_dir: str | Path, workdir: str | Path) -> TransformerConfig:
     parameters as the best checkpoint at step 0 (params only).
 
     Raises:
-      ConversionError: ``workdir`` already holds a run; an unsupported model or missing
-        or damaged files (:func:`_read_folder`, :func:`read_hf_weights`).
+      ConversionError: ``workdir`` holds a run; an unsupported model, missing or damaged files.
     """
     from jaxformer.run.checkpoints import RunCheckpoints
 
@@ -247,9 +239,8 @@ EXPORT_FILES = ("model.safetensors", "config.json", "generation_config.json", *T
 
 
 def _check_export_folder(workdir: Path, out_dir: Path) -> None:
-    """Refuses an ``--out`` that would write over a run (this one or any other) or over a
-    model: a folder holding any file the export writes. Other files (a Hub clone's
-    ``.git``, ``README.md``) stay beside the export.
+    """Refuses an ``--out`` that would write over a run or a model (any file the export
+    writes); other files (a Hub clone's ``README.md``) stay beside the export.
 
     Raises:
       ConversionError: naming the folder and the fix.

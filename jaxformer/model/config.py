@@ -35,40 +35,32 @@ class TransformerConfig:
     """Hyper-parameters of the encoder-decoder Transformer (Vaswani et al. 2017, §3).
 
     Attributes:
-      src_vocab_size: number of source token ids V_src; ids must lie in [0, V_src).
-      tgt_vocab_size: number of target token ids V; the logits have V entries.
-      d_model: model width D (§3.1); a multiple of ``num_heads``.
-      num_heads: attention heads H (§3.2.2); per-head width K = D / H.
-      d_ff: hidden width F of the position-wise feed-forward network (§3.3).
+      src_vocab_size, tgt_vocab_size: V_src and V; ids lie in [0, V_src), logits have V.
+      d_model: width D (§3.1), a multiple of ``num_heads`` H (§3.2.2); K = D / H.
+      d_ff: hidden width F of the feed-forward network (§3.3).
       num_encoder_layers, num_decoder_layers: N of each stack.
-      dropout_rate: residual and embedding dropout P_drop (§5.4), in [0, 1).
-      attention_dropout_rate: dropout on attention weights (tensor2tensor; not in the
-        paper), in [0, 1).
-      max_len: longest source or target sequence, the rows of the positional table.
+      dropout_rate: residual and embedding dropout (§5.4); attention_dropout_rate: on the
+        attention weights (tensor2tensor, not the paper); both in [0, 1).
+      max_len: longest source or target sequence (the positional table's rows).
       pad_id: the padding id, in [0, min(V_src, V)); masks are built from it.
-      share_embeddings: one table for source, target and the output projection
-        (§3.4); needs ``src_vocab_size == tgt_vocab_size``.
-      norm_position: ``"post"`` = LayerNorm(x + Sublayer(x)) as in the paper (§3.1);
-        ``"pre"`` = x + Sublayer(LayerNorm(x)) with a final LayerNorm per stack.
-      dtype: compute dtype name; softmax and the loss always run in float32.
-      param_dtype: parameter dtype name.
+      share_embeddings: one table for source, target and output projection (§3.4);
+        needs one vocabulary size.
+      norm_position: ``"post"`` = LayerNorm(x + Sublayer(x)) (paper, §3.1); ``"pre"`` =
+        x + Sublayer(LayerNorm(x)) with a final LayerNorm per stack.
+      dtype, param_dtype: compute and parameter dtype names (softmax and loss: float32).
       matmul_dtype: operand dtype of the weight matmuls, summed in ``dtype``
         (:mod:`jaxformer.model.matmul`); ``None`` = ``dtype``.
-      attention_backend: ``"reference"`` (the vmapped core, which can sow attention
-        weights), :func:`jax.nn.dot_product_attention` as ``"xla"`` (any device) or
-        ``"cudnn"`` (NVIDIA flash attention; bfloat16/float16), or ``"pallas"`` (the TPU
-        splash kernel, :mod:`jaxformer.model.splash`; cached decoding steps use
-        ``"xla"``). The fused backends need ``attention_dropout_rate == 0``.
+      attention_backend: ``"reference"`` (the vmapped core; can sow weights),
+        :func:`jax.nn.dot_product_attention` as ``"xla"`` or ``"cudnn"`` (NVIDIA, 16-bit),
+        or ``"pallas"`` (TPU splash kernel; cached steps use ``"xla"``). The fused
+        backends need ``attention_dropout_rate == 0``.
       remat: recompute each layer's activations in the backward pass (``nn.remat``).
-      scan_layers: run each stack as one ``nn.scan`` over parameters stacked on a
-        leading ``layers`` axis (MaxText's ``scan_layers``): compile time stops growing
-        with depth; numerically the unrolled model (:mod:`jaxformer.model.scan`).
-      activation: the FFN non-linearity: ``"relu"`` (paper, Eq. 2), or for imported
-        models ``"swish"`` (Marian) or ``"gelu"`` (exact erf form).
-      positional_layout: ``"interleaved"`` (§3.5: sin on even, cos on odd dimensions)
-        or ``"split"`` (Marian: all sines, then all cosines; needs an even d_model).
-      final_logits_bias: a learned bias ``[V]`` on the tied output projection
-        (Marian's; the paper's tied projection has none).
+      scan_layers: each stack as one ``nn.scan`` over parameters stacked on a leading
+        ``layers`` axis: compile time stops growing with depth (:mod:`jaxformer.model.scan`).
+      activation: FFN non-linearity: ``"relu"`` (Eq. 2), ``"swish"`` (Marian), ``"gelu"`` (erf).
+      positional_layout: ``"interleaved"`` (§3.5) or ``"split"`` (Marian: sines, then
+        cosines; needs an even d_model).
+      final_logits_bias: a bias ``[V]`` on the tied output projection (Marian's).
       layer_norm_epsilon: LayerNorm ε in (0, 1); Marian (PyTorch) uses 1e-5.
 
     Raises:
@@ -176,9 +168,8 @@ class TransformerConfig:
 
 def _choices(hint: Any) -> tuple:
     """The values a ``Literal`` (or ``Literal | None``) field allows."""
-    if typing.get_origin(hint) is Literal:
-        return typing.get_args(hint)
-    return tuple(c for a in typing.get_args(hint) for c in (_choices(a) if a is not type(None) else (None,)))
+    args = typing.get_args(hint)
+    return args if typing.get_origin(hint) is Literal else typing.get_args(args[0]) + (None,)
 
 
 # Presets. ``base``/``big`` follow the paper's Table 3; vocab sizes come from the

@@ -1,10 +1,7 @@
-"""Dropout (§5.4, "Residual Dropout") with half the random-number work.
-
-``jax.random.bernoulli`` draws one 32-bit threefry word per element, a measurable
-share of a CPU train step (``benchmarks/train_step.py``); here each 32-bit word gives
-two 16-bit uniforms. The keep probability is rounded to a multiple of 2^-16 (off by at
-most 7.6e-6) and kept values are divided by that exact probability, so the
-expectation is unchanged.
+"""Dropout (§5.4, "Residual Dropout") with half ``jax.random.bernoulli``'s random-number
+work: each 32-bit word gives two 16-bit uniforms. The keep probability is rounded to a
+multiple of 2^-16 (off by at most 7.6e-6) and kept values are divided by exactly it,
+so the expectation is unchanged.
 """
 
 from __future__ import annotations

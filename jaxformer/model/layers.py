@@ -34,17 +34,10 @@ def layer_norm(config: TransformerConfig, name: str | None = None) -> nn.LayerNo
 
 
 def sinusoidal_positional_encoding(max_len: int, d_model: int, layout: str = "interleaved") -> np.ndarray:
-    """The positional table of §3.5, a constant (not a parameter).
-
-    ``layout="interleaved"`` (paper): PE(pos, 2i) = sin(pos / 10000^(2i/d_model)),
-    PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model)). ``layout="split"`` (Marian; Hugging
-    Face ``MarianSinusoidalPositionalEmbedding.create_weight``): the same angles, the
-    sines in dimensions ``[0, D/2)`` and the cosines in ``[D/2, D)``.
-
-    Returns:
-      float32 NumPy array ``[1, max_len, D]``. ``"split"`` needs an even ``d_model``
-      (:class:`~jaxformer.model.config.TransformerConfig` checks it).
-    """
+    """The positional table of §3.5, a constant float32 NumPy array ``[1, max_len, D]``.
+    ``"interleaved"`` (paper): PE(pos, 2i) = sin(pos / 10000^(2i/D)), PE(pos, 2i+1) = cos(…).
+    ``"split"`` (Marian, Hugging Face's ``MarianSinusoidalPositionalEmbedding``): the sines
+    in dimensions ``[0, D/2)``, the cosines in ``[D/2, D)``."""
     position = np.arange(max_len, dtype=np.float64)[:, None]
     angle = position / np.power(10000.0, np.arange(0, d_model, 2, dtype=np.float64) / d_model)
     sin, cos = np.sin(angle), np.cos(angle[:, : d_model // 2])
@@ -151,15 +144,10 @@ class PositionwiseFeedForward(nn.Module):
 
 
 class AddNorm(nn.Module):
-    """Residual connection and LayerNorm around one sub-layer (§3.1, §5.4).
-
-    ``norm_position="post"`` (paper): ``LayerNorm(x + Dropout(Sublayer(x)))``.
-    ``norm_position="pre"``: ``x + Dropout(Sublayer(LayerNorm(x)))``; departs from the
-    paper for stabler deep training. Use as::
-
-        y = add_norm.sublayer_input(x)
-        x = add_norm(x, sublayer(y), deterministic)
-    """
+    """Residual connection and LayerNorm around one sub-layer (§3.1, §5.4): ``"post"``
+    (paper) ``LayerNorm(x + Dropout(Sublayer(x)))``, ``"pre"`` (stabler deep training)
+    ``x + Dropout(Sublayer(LayerNorm(x)))``. Use as
+    ``x = add_norm(x, sublayer(add_norm.sublayer_input(x)), deterministic)``."""
 
     config: TransformerConfig
 

@@ -15,9 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-# The kv segment id of a key no query may attend to (padding): no query carries it.
-# Segment ids are non-negative in practice (collate_packed numbers segments 1, 2, …
-# and padding 0); any id above int32's minimum works.
+# The kv segment id of padding keys, which no query carries (segments are numbered 1, 2, …).
 PADDING_SEGMENT = np.iinfo(np.int32).min
 
 
@@ -80,13 +78,10 @@ def segment_positions(segments: chex.Array) -> chex.Array:
 class AttentionMask:
     """One attention mask in both forms the backends read; a pytree (``causal`` static).
 
-    Attributes:
-      dense: bool broadcastable to ``[B, 1, Tq, Tk]``, True = may attend.
-      q_segments: int32 ``[B, Tq]``, each query's segment (1 everywhere when unpacked).
-      kv_segments: int32 ``[B, Tk]``, each key's segment, :data:`PADDING_SEGMENT` for padding.
-      causal: query t may attend only to keys ``<= t`` (self-attention, Tq = Tk).
-
-    ``dense == dense_from_segments(q_segments, kv_segments, causal)`` after broadcasting.
+    ``dense``: bool broadcastable to ``[B, 1, Tq, Tk]``, True = may attend; equal after
+    broadcasting to ``dense_from_segments(q_segments, kv_segments, causal)``: int32
+    ``[B, Tq]`` and ``[B, Tk]`` segments (1 when unpacked; padding keys
+    :data:`PADDING_SEGMENT`), ``causal``: query t attends only to keys ``<= t``.
     """
 
     dense: jax.Array

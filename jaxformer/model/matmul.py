@@ -1,19 +1,13 @@
 """The weight matmuls in a narrower operand dtype: ``config.matmul_dtype``.
 
-Every matmul of activations with a weight matrix (Q/K/V and output projections, the
-feed-forward layers, the logits) goes through :func:`weight_einsum` or
-:func:`dense_dot_general`. With ``matmul_dtype=None`` they compute in the model's
-``dtype``. With ``"bfloat16"`` both operands are rounded to bfloat16 and the products
-summed and returned in ``dtype`` (``preferred_element_type``); LayerNorm, softmax,
-residuals and the attention core keep ``dtype``. That is what bfloat16 matmul units
-compute (TPU MXU, Intel AMX, NVIDIA tensor cores) and what CTranslate2's
-``compute_type`` and Marian's ``--gemm-type`` choose for decoding (timings:
-``benchmarks/README.md``). The training loss's fused output projection keeps ``dtype``.
-
-Weights already stored in ``matmul_dtype`` are used as they are (the translator casts
-a run's matrices once, :func:`cast_matmul_weights`), so a decoding step casts only its
-activations; the embedding lookup rounds its rows too, so float32 and cast parameters
-compute the same.
+Every matmul of activations with a weight matrix goes through :func:`weight_einsum` or
+:func:`dense_dot_general`: in ``dtype``, or with ``"bfloat16"`` operands summed and
+returned in ``dtype`` (what bfloat16 matmul units compute, and CTranslate2's
+``compute_type`` and Marian's ``--gemm-type`` choose for decoding; timings in
+``benchmarks/README.md``). LayerNorm, softmax, residuals, the attention core and the
+fused training loss keep ``dtype``. Weights stored in ``matmul_dtype``
+(:func:`cast_matmul_weights`, once per run) are used as they are; the embedding lookup
+rounds its rows too, so float32 and cast parameters compute the same.
 """
 
 from __future__ import annotations

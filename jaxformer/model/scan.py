@@ -1,14 +1,11 @@
 """Scanned and unrolled layer stacks: one model's parameters in two layouts.
 
-Unrolled (the default), each stack holds ``layer_0 … layer_{N-1}``. With
-``TransformerConfig.scan_layers`` it holds one subtree ``layers`` whose every leaf has
-a leading axis of N layers (logical name ``layers``; MaxText's ``scan_layers``). Layer
-``i`` is row ``i``, so :func:`stack_layers` and :func:`unstack_layers` are exact. They
-convert any tree whose dicts hold the stacks: variables, bare parameters, a train state
-(Adam moments too) or its abstract form (``jax.ShapeDtypeStruct`` leaves keep their
-sharding). Checkpoints of either layout restore into the other
-(:mod:`jaxformer.run.checkpoints`); cached decoding runs the unrolled layers on a
-scanned model's parameters (:func:`unrolled`).
+Unrolled, each stack holds ``layer_0 … layer_{N-1}``; with ``scan_layers`` one subtree
+``layers`` whose leaves have a leading axis of N layers, row ``i`` being layer ``i``.
+:func:`stack_layers` and :func:`unstack_layers` convert exactly any tree whose dicts
+hold the stacks (variables, a train state, its abstract form with shardings), so
+checkpoints restore into either layout and cached decoding runs the unrolled layers
+on a scanned model's parameters (:func:`unrolled`).
 """
 
 from __future__ import annotations

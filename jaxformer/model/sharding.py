@@ -49,8 +49,8 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 
 
 def parse_mesh_axes(spec: str | None) -> dict[str, int]:
-    """The axis sizes that ``spec`` (``"data=4,model=2"``) names, in its order, checked
-    for syntax only (no device count needed: a run's settings are checked when built).
+    """The axis sizes ``spec`` (``"data=4,model=2"``) names, checked for syntax only (no
+    device count needed: a run's settings check it when built).
 
     Raises:
       ValueError: bad syntax, an unknown or repeated axis name, or a size below 1.
@@ -70,11 +70,9 @@ def parse_mesh_axes(spec: str | None) -> dict[str, int]:
 
 
 def parse_mesh(spec: str | None, num_devices: int) -> dict[str, int]:
-    """Parses ``"data=4,model=2"`` or ``"data=2,fsdp=4"`` into mesh axis sizes.
-
-    An empty or ``None`` spec puts every device on ``data``. An axis left out gets
-    size 1, except ``data``, which takes the devices the other axes leave (so
-    ``"model=2"`` on 8 devices means ``data=4,fsdp=1,model=2``).
+    """Mesh axis sizes of ``"data=4,model=2"``: an axis left out gets size 1, except
+    ``data``, which takes the devices the others leave (``"model=2"`` on 8 devices is
+    ``data=4,fsdp=1,model=2``; ``None``: all on ``data``).
 
     Raises:
       ValueError: as :func:`parse_mesh_axes`, or sizes whose product is not ``num_devices``.
@@ -89,12 +87,10 @@ def parse_mesh(spec: str | None, num_devices: int) -> dict[str, int]:
 
 
 def first_devices(count: int | None) -> list[jax.Device] | None:
-    """The first ``count`` devices of a single-process run (``--devices``, like Marian's
-    ``--devices``); ``None`` = all of them.
+    """The first ``count`` devices of a single-process run (``--devices``); ``None`` = all.
 
     Raises:
-      ValueError: ``count`` in a multi-process run (each process trains on all of its
-        devices), or more devices than there are.
+      ValueError: ``count`` in a multi-process run, or more devices than there are.
     """
     if count is None:
         return None
@@ -110,11 +106,9 @@ def first_devices(count: int | None) -> list[jax.Device] | None:
 
 def check_mesh_divides(mesh: Mesh, config: Any, *, loaded_from: str | None = None) -> None:
     """Refuses a mesh whose ``fsdp`` axis does not divide ``d_model`` or whose ``model`` axis
-    does not divide ``num_heads`` and ``d_ff``: known from the flags alone, so a run says
-    so before it prepares data (the vocabulary's split is checked with the parameters,
-    :func:`tree_shardings`). ``loaded_from``: the run a fine-tune (``--init-from``) takes
-    ``config`` from; its vocabulary sizes are checked too, and the fix named is another
-    mesh (no flag changes a loaded architecture).
+    does not divide ``num_heads`` and ``d_ff``, before a run prepares data (the vocabulary:
+    :func:`tree_shardings`). ``loaded_from``: the run a fine-tune takes ``config`` from;
+    its vocabulary sizes are checked too and the fix is another mesh.
 
     Raises:
       ValueError: naming each size that does not divide and the fix.
@@ -138,7 +132,7 @@ def check_mesh_divides(mesh: Mesh, config: Any, *, loaded_from: str | None = Non
 
 
 def batch_shards(mesh: Mesh) -> int:
-    """How many ways batch rows are split: the ``data`` × ``fsdp`` axis sizes."""
+    """How many ways batch rows are split: ``data`` × ``fsdp``."""
     return math.prod(mesh.shape.get(axis, 1) for axis in BATCH_AXES)
 
 
@@ -163,11 +157,8 @@ def constrain(x: jax.Array, logical_names: Sequence[str | None]) -> jax.Array:
 
 
 def under_mesh(fn: Callable, mesh: Mesh) -> Callable:
-    """``fn`` called (and so traced) with ``mesh`` active, so :func:`constrain` applies.
-
-    A jitted ``fn`` keeps its ahead-of-time path: ``wrapper.lower(*abstract_args)``
-    lowers it under the mesh too (``jax.ShapeDtypeStruct`` arguments with shardings;
-    what the compile tool, :mod:`jaxformer.aot`, compiles for a TPU topology)."""
+    """``fn`` called (and so traced) with ``mesh`` active, so :func:`constrain` applies; a
+    jitted ``fn``'s ``lower`` runs under the mesh too (what :mod:`jaxformer.aot` compiles)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -188,11 +179,9 @@ def _path_name(path) -> str:
 
 
 def tree_shardings(boxed_tree: Any, mesh: Mesh) -> Any:
-    """``NamedSharding`` on ``mesh`` for every leaf of ``boxed_tree`` (e.g. ``jax.eval_shape``
-    of a train-state initializer that did not unbox its parameters), in the structure of
-    ``nn.unbox(boxed_tree)``. Leaves boxed by ``nn.with_logical_partitioning`` (parameters
-    and the optimizer moments built from them) follow the rules table; other leaves
-    (step counters) are replicated.
+    """``NamedSharding`` on ``mesh`` for every leaf of ``boxed_tree`` (e.g. the abstract train
+    state, parameters still boxed), in the structure of ``nn.unbox(boxed_tree)``: boxed
+    leaves (parameters, Adam moments) by the rules table, others replicated.
 
     Raises:
       ValueError: a sharded dimension is not divisible by its mesh axes (naming the
@@ -266,21 +255,17 @@ def shard_batch(batch: Mapping[str, np.ndarray], sharding: NamedSharding) -> dic
 
 
 def mesh_processes(mesh: Mesh) -> tuple[int, int]:
-    """``(count, position)``: how many processes own devices of ``mesh``, and where this
-    process stands among them (by process index). A mesh of ``jax.local_devices()`` is
-    ``(1, 0)`` in any run, so each process of a cluster can work on its own mesh (bulk
-    translation); a training mesh over every device is ``(process_count, process_index)``.
-    This process owns devices of ``mesh``.
-    """
+    """``(count, position)``: how many processes own devices of ``mesh`` (this one among
+    them), and where this process stands among them: ``(1, 0)`` for a mesh of
+    ``jax.local_devices()``, ``(process_count, process_index)`` for a training mesh."""
     owners = sorted({d.process_index for d in mesh.devices.flat})
     return len(owners), owners.index(jax.process_index())
 
 
 def process_barrier(name: str, timeout_s: float = 24 * 3600) -> None:
-    """Waits until every process reaches the barrier ``name`` (each name once per run):
-    the coordination service's barrier, as JAX's array serialization uses it (no device
-    work, so a process may wait hours for the others; a collective would hit gloo's
-    timeout). Returns at once in a single-process run.
+    """Waits until every process reaches the barrier ``name`` (once per run): the
+    coordination service's, as JAX's array serialization uses (no device work, so hours
+    of waiting do not hit gloo's timeout). Returns at once in a single-process run.
 
     Raises:
       jax.errors.JaxRuntimeError: ``timeout_s`` passed, or a process left the cluster.
@@ -293,8 +278,7 @@ def process_barrier(name: str, timeout_s: float = 24 * 3600) -> None:
 
 
 def to_host(tree: Any) -> Any:
-    """NumPy copies of a tree of arrays, gathered from every process when sharded across
-    them (arrays this process holds whole are copied without any exchange)."""
+    """NumPy copies of a tree of arrays, gathered from every process when sharded across them."""
     leaves = jax.tree_util.tree_leaves(tree)
     if jax.process_count() == 1 or all(getattr(x, "is_fully_addressable", True) for x in leaves):
         return jax.device_get(tree)

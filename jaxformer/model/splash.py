@@ -107,15 +107,12 @@ def splash_dot_product_attention(q_BHTK, k_BHSK, v_BHSK, q_segments_BT, kv_segme
     queries ``[B, H, T, K]`` and keys/values ``[B, H, S, K]`` (float32 or bfloat16, any K),
     the mask M given by segment ids int ``[B, T]``/``[B, S]``.
 
-    Query t of row b may attend to key s iff ``q_segments[b, t] == kv_segments[b, s]``
-    (and ``s <= t`` if ``causal``, which needs T = S):
-    :func:`jaxformer.model.masks.dense_from_segments`. A query with no such key gets
-    zeros (the kernel alone would give the mean of ``v``), forward and backward. Scores
-    and softmax run in float32. Lengths are padded to the block (padded keys get
-    :data:`~jaxformer.model.masks.PADDING_SEGMENT`) and the output sliced back. No
-    dropout, no weights; differentiable. ``interpret``: Pallas interpret mode; ``None``
-    = native on TPU (the compile tool's compile-only devices included, read from the
-    active mesh), interpret mode on CPU (slow: tests).
+    Query t attends to key s iff their segments are equal (and ``s <= t`` if ``causal``,
+    T = S): :func:`jaxformer.model.masks.dense_from_segments`; a query with no key gets
+    zeros, forward and backward. Softmax in float32; lengths padded to the block and the
+    output sliced back; no dropout, no weights. ``interpret``: Pallas interpret mode,
+    ``None`` = native on TPU (compile-only devices too, read from the active mesh),
+    interpret mode on CPU (slow: tests).
 
     Raises:
       ValueError: ``interpret=None`` on a GPU (use ``"cudnn"`` or ``"xla"``).

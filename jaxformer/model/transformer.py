@@ -1,10 +1,7 @@
 """The encoder-decoder Transformer (Vaswani et al. 2017, Figure 1).
 
-Glossary of shapes: B batch, S source length, T target length, D d_model,
-H heads, K = D / H, F d_ff, V target vocabulary size, M cache length
-(the longest target a decode may produce).
-
-Used through pure ``init``/``apply``::
+Glossary of shapes: B batch, S source length, T target length, D d_model, H heads,
+K = D / H, F d_ff, V target vocabulary, M cache length. Used through ``init``/``apply``::
 
     model = Transformer(config)
     variables = model.init(jax.random.key(0), src_BS, tgt_BT)
@@ -33,14 +30,9 @@ from jaxformer.model.validation import check_count, token_id_problem
 
 @struct.dataclass
 class LayerCache:
-    """Decoding cache of one decoder layer; a plain pytree.
-
-    Attributes:
-      self_k, self_v: self-attention keys/values of past positions ``[B, H, M, K]``
-        (rows at and beyond the current index are not yet written).
-      cross_k, cross_v: cross-attention keys/values ``[B, H, S, K]``, computed once
-        per source sentence.
-    """
+    """Decoding cache of one decoder layer, a plain pytree: self-attention ``self_k``,
+    ``self_v [B, H, M, K]`` of past positions (rows from the current index on not yet
+    written) and cross-attention ``cross_k``, ``cross_v [B, H, S, K]`` (once per source)."""
 
     self_k: jax.Array
     self_v: jax.Array
@@ -50,15 +42,9 @@ class LayerCache:
 
 @struct.dataclass
 class DecodeCache:
-    """The whole decoding state a ``tokens_to_logits`` callback threads through.
-
-    Attributes:
-      layers: one :class:`LayerCache` per decoder layer.
-      src_mask: bool ``[B, 1, 1, S]`` padding mask of the source.
-      index: int32 scalar, number of target tokens fed so far (the next position).
-
-    Every leaf but ``index`` has the batch on axis 0 (one ``tree_map`` tiles or gathers it).
-    """
+    """The decoding state a ``tokens_to_logits`` callback threads through: one
+    :class:`LayerCache` per decoder ``layers``, the source's bool ``src_mask [B, 1, 1, S]``
+    and ``index`` (int32, tokens fed so far). Every leaf but ``index`` has the batch first."""
 
     layers: tuple[LayerCache, ...]
     src_mask: jax.Array
@@ -82,15 +68,9 @@ class DecodeCache:
 
 
 class Transformer(nn.Module):
-    """Encoder-decoder Transformer; ``__call__`` = ``decode(encode(src), src, tgt)``.
-
-    Attributes:
-      config: a :class:`TransformerConfig`.
-
-    The public methods check what the caller passes, once (:meth:`_check`): rank,
-    integer dtype, length ``<= max_len`` and matching batch sizes always; the id range
-    ``[0, vocab)`` when the arrays are concrete (outside ``jit``).
-    """
+    """Encoder-decoder Transformer of ``config``; ``__call__`` = ``decode(encode(src), src, tgt)``.
+    The public methods check their ids once (:meth:`_check`): rank, integer dtype, length
+    ``<= max_len``, batch sizes; the range ``[0, vocab)`` on concrete arrays."""
 
     config: TransformerConfig
 
@@ -111,8 +91,8 @@ class Transformer(nn.Module):
                 (c.tgt_vocab_size,), c.parameter_dtype)
 
     def _check(self, deterministic, src, tgt=None, src_segments=None, tgt_segments=None):
-        """The entry check: ``src`` ids (``tgt`` ids, their batch sizes and packed segments
-        when ``tgt`` is given) and a bool ``deterministic`` ("no" would mean True).
+        """The entry check of ``src`` ids (or, given ``tgt``, its ids, both batch sizes and
+        packed segments) and a bool ``deterministic`` ("no" would mean True).
 
         Raises:
           ValueError: one message naming every problem and its fix.
@@ -135,10 +115,8 @@ class Transformer(nn.Module):
 
     # ------------------------------------------------------------------ encoder
     def encode(self, src, *, deterministic: bool = True, src_segments=None):
-        """Source ids ``[B, S]`` int → ``encoder_output [B, S, D]``.
-
-        ``src_segments`` (int ``[B, S]``, packed rows; see :func:`jaxformer.data.batching.collate_packed`):
-        each position attends only within its segment, positions restart per segment.
+        """Source ids ``[B, S]`` int → ``encoder_output [B, S, D]``. Packed rows' ``src_segments``
+        (int ``[B, S]``): each position attends only within its segment, positions restart.
 
         Raises:
           ValueError: bad rank/dtype, ``S > max_len``, or ids out of range.
@@ -205,13 +183,10 @@ class Transformer(nn.Module):
         return decoder_output
 
     def __call__(self, src, tgt, *, deterministic: bool = True, src_segments=None, tgt_segments=None):
-        """``src [B,S]``, shifted target input ``tgt [B,T]`` → ``logits [B,T,V]``.
-
-        Training mode: ``deterministic=False`` with a ``"dropout"`` rng in ``apply``.
-        Packed rows (several sentence pairs per row): pass ``src_segments`` and
-        ``tgt_segments`` (see :meth:`decode`); each pair then gets exactly the logits
-        it would get alone. Raises as :meth:`encode` and :meth:`decode`.
-        """
+        """``src [B,S]``, shifted target input ``tgt [B,T]`` → ``logits [B,T,V]``; training:
+        ``deterministic=False`` with a ``"dropout"`` rng. Packed rows (segments as in
+        :meth:`decode`) get exactly the logits each pair gets alone. Raises as
+        :meth:`encode` and :meth:`decode`."""
         encoder_output = self.encode(src, deterministic=deterministic, src_segments=src_segments)
         return self.decode(encoder_output, src, tgt, deterministic=deterministic,
                            src_segments=src_segments, tgt_segments=tgt_segments)
@@ -252,10 +227,9 @@ class Transformer(nn.Module):
         :meth:`decode` logits at that position.
 
         Raises:
-          ValueError: concrete ``ids_B1`` outside ``[0, V)`` (an id ≥ V gives NaN logits,
-            −1 wraps to the last row); traced ids are checked by the jitted decoders. A
-            concrete ``cache.index`` at the cache's length (its write would be clamped
-            into the last position: wrong logits, silently).
+          ValueError: concrete ``ids_B1`` outside ``[0, V)`` (the jitted decoders check traced
+            ones), or a concrete ``cache.index`` at the cache's length (its write would be
+            clamped into the last position: wrong logits, silently).
         """
         chex.assert_shape(ids_B1, (cache.src_mask.shape[0], 1))
         # Concrete ids are range-checked here; inside jit the decoders check on the host.

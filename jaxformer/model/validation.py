@@ -1,11 +1,9 @@
-"""Checks of what library callers hand to the public entry points, each run once there.
+"""Checks of what library callers hand to the public entry points, run once there.
 
-JAX clamps or wraps out-of-range gather indices silently, so an id outside
-``[0, vocab)`` would give a wrong answer without an error. Shape, dtype and length
-are checked at trace time (no cost at run time); the id range only on concrete arrays
-(eager ``model.apply``, or on the host before a jitted step: jaxformer's own jitted
-loops call :func:`check_token_ids` on the host batch). :func:`check_count` and
-:func:`check_real` check the scalars that become static arguments.
+JAX clamps or wraps out-of-range gather indices silently, so ids are checked: shape,
+dtype and length at trace time, the range on concrete arrays (eager ``apply``, or the
+host batch before a jitted step). :func:`check_count` and :func:`check_real` check the
+scalars that become static arguments.
 """
 
 from __future__ import annotations
@@ -46,12 +44,8 @@ def token_id_problem(tokens, *, name: str, vocab_size: int, max_len: int | None 
 
 
 def check_token_ids(tokens, *, name: str, vocab_size: int, max_len: int | None = None) -> None:
-    """Checks a batch of token ids ``[B, L]`` (NumPy, JAX, or a tracer).
-
-    Args:
-      name: the argument's name in the message (``"src"``, ``"tgt"``).
-      vocab_size: ids must lie in ``[0, vocab_size)`` (checked on concrete arrays).
-      max_len: if given, ``L`` must be at most this.
+    """Checks a batch of token ids ``[B, L]`` (NumPy, JAX, or a tracer) named ``name`` in
+    the message: ids in ``[0, vocab_size)`` (concrete arrays), ``L <= max_len`` if given.
 
     Raises:
       ValueError: not an array, wrong rank, float dtype, too long, or an id out of
@@ -64,9 +58,8 @@ def check_token_ids(tokens, *, name: str, vocab_size: int, max_len: int | None =
 
 def check_special_ids(*, pad_id: int, bos_id: int, eos_id: int, unk_id: int | None = None,
                       source: str = "the tokenizer") -> None:
-    """Refuses special ids that collide with the padding id: padding is masked out of
-    attention and of the loss, so an eos that shares the pad id is never learnt and
-    decoding runs to the length limit (sentencepiece allows such models).
+    """Refuses special ids that collide with the padding id, which is masked out of the
+    loss (an eos sharing it is never learnt; sentencepiece allows such models).
 
     Raises:
       ValueError: pad equals eos, bos or unk; the message names them and the fix.
@@ -97,9 +90,8 @@ def _scalar(value: Any) -> Any:
 
 
 def check_count(name: str, value: Any, *, minimum: int = 1, maximum: int | None = None) -> int:
-    """``value`` as an ``int`` in ``[minimum, maximum]`` (a Python or NumPy integer, or a
-    0-d integer array; a ``bool`` or a float such as ``2.0`` is a mistake that would
-    otherwise fail inside ``jit`` with a shape error).
+    """``value`` (a Python or NumPy integer or a 0-d integer array; not a ``bool`` nor a
+    float such as ``2.0``, which would fail inside ``jit``) as an ``int`` in ``[minimum, maximum]``.
 
     Raises:
       ValueError: naming ``name``, the value and the fix.
@@ -115,8 +107,7 @@ def check_count(name: str, value: Any, *, minimum: int = 1, maximum: int | None 
 
 
 def check_real(name: str, value: Any, *, minimum: float | None = None, above: float | None = None) -> float:
-    """``value`` as a finite ``float`` (≥ ``minimum`` / > ``above`` when given; a 0-d array
-    is taken as its scalar); NaN and infinities are refused.
+    """``value`` (a number or a 0-d array) as a finite ``float``, ≥ ``minimum`` / > ``above``.
 
     Raises:
       ValueError: naming ``name`` and the value.
