@@ -48,10 +48,6 @@ def dense_dot_general(config: TransformerConfig):
     return dot_general
 
 
-def _is_matmul_weight(name: str) -> bool:
-    return name == "embedding" or name.endswith("kernel")
-
-
 def cast_matmul_weights(params, config: TransformerConfig):
     """``params`` with the weight matrices (``*kernel``, ``embedding``) in
     ``config.matmul_dtype``, once, so the decoding steps do not cast them again;
@@ -62,7 +58,7 @@ def cast_matmul_weights(params, config: TransformerConfig):
     operand = jnp.dtype(config.matmul_dtype)
 
     def cast(path, x):
-        name = getattr(path[-1], "key", "")
-        return x.astype(operand) if _is_matmul_weight(str(name)) else x
+        name = str(getattr(path[-1], "key", ""))
+        return x.astype(operand) if name == "embedding" or name.endswith("kernel") else x
 
     return jax.tree_util.tree_map_with_path(cast, params)

@@ -74,9 +74,7 @@ class Encoder(nn.Module):
         **True = may attend** (see :meth:`EncoderLayer.__call__`). Pre-norm adds a final
         LayerNorm."""
         x_BSD = run_stack(self.layers, self.config.scan_layers, x_BSD, src_mask, deterministic)
-        if self.config.norm_position == "pre":
-            x_BSD = self.final_norm(x_BSD)
-        return x_BSD
+        return self.final_norm(x_BSD) if self.config.norm_position == "pre" else x_BSD
 
 
 class Decoder(nn.Module):
