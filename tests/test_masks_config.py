@@ -249,6 +249,8 @@ def test_split_positional_layout_is_sines_then_cosines():
 
 def test_head_dim():
     assert _config(d_model=33, num_heads=3).head_dim == 11
+    with pytest.raises(ValueError, match="positional_layout='split' needs an even d_model, got 33"):
+        _config(d_model=33, num_heads=3, positional_layout="split")
 
 
 # ------------------------------------------------------------------------------ presets
