@@ -579,13 +579,12 @@ def test_exported_run_converts_with_ctranslate2_and_decodes_as_transformers(conv
     assert [r.hypotheses[0] for r in results] == got
 
 
-def test_generation_config_early_stopping_is_imported_and_exported(tmp_path, capsys):
+def test_generation_config_early_stopping_is_imported_and_exported(capsys):
     """``early_stopping=True`` (done at k finished) is kept on import; ``"never"`` is not
     supported and said so."""
     from jaxformer.interop import marian
 
     hf = {"pad_token_id": 5, "eos_token_id": 0}
     for value, kept in ((True, True), (False, False), ("never", False)):
-        (tmp_path / "generation_config.json").write_text(json.dumps({"early_stopping": value}))
-        assert marian._generation_defaults(tmp_path, hf)["early_stopping"] is kept
+        assert marian._generation_defaults({**hf, "early_stopping": value}, 5)["early_stopping"] is kept
     assert "early_stopping='never'" in capsys.readouterr().err
