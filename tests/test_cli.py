@@ -245,19 +245,19 @@ def test_translate_repetition_flags_are_checked_and_used(run, capsys, monkeypatc
         assert stop.value.code == 2 and message in capsys.readouterr().err
     # The flags reach the decoder (the rules themselves: tests/test_penalties.py).
     from jaxformer.decode.evaluation import Evaluator
-    from jaxformer.decode.penalties import Penalties
+    from jaxformer.decode.strategies import penalties
 
     seen, decoder = [], Evaluator._decoder
 
-    def recording(self, fn, **static):
-        seen.append(static.get("penalties"))
-        return decoder(self, fn, **static)
+    def recording(self, strategy, sampled, **static):
+        seen.append(strategy.processors)
+        return decoder(self, strategy, sampled, **static)
 
     monkeypatch.setattr(Evaluator, "_decoder", recording)
     translate_main(["--workdir", str(workdir), "--no-repeat-ngram-size", "1", "--repetition-penalty", "1.2",
                     *SENTENCES])
     assert len(capsys.readouterr().out.splitlines()) == len(SENTENCES)
-    assert seen and set(seen) == {Penalties(no_repeat_ngram_size=1, repetition_penalty=1.2)}
+    assert seen and set(seen) == {penalties(no_repeat_ngram_size=1, repetition_penalty=1.2)}
 
 def test_translate_refuses_a_config_that_no_longer_matches_the_checkpoint(run, tmp_path, capsys):
     """An edited config.json never translates with a model the checkpoint does not fill (a
@@ -307,19 +307,21 @@ def test_greedy_and_sampled_translations_keep_each_sentences_length_limit(run):
 
 def test_translate_flags_output_checkpoint_and_batches_sized_to_the_input(run, tmp_path, capsys,
                                                                           monkeypatch):
-    from jaxformer.decode import evaluation
+    from jaxformer.decode.evaluation import Evaluator
 
     workdir, _, _ = run
-    calls = []
-    real = evaluation.beam_translate
+    calls, decoder = [], Evaluator._decoder
 
-    def spy(model, params, src, **static):
-        out = real(model, params, src, **static)
-        calls.append((src.shape, static, out[0].shape))
-        return out
+    def spy(self, strategy, sampled, **static):
+        fn = decoder(self, strategy, sampled, **static)
 
-    spy.__wrapped__ = real.__wrapped__
-    monkeypatch.setattr(evaluation, "beam_translate", spy)
+        def recorded(params, src, index, rng):
+            out = fn(params, src, index, rng)
+            calls.append((src.shape, static, out[0].shape))
+            return out
+        return recorded
+
+    monkeypatch.setattr(Evaluator, "_decoder", spy)
     out = tmp_path / "out.txt"
     translate_main(["--workdir", str(workdir), "--output", str(out), "--max-len-a", "0.5",
                     "--max-len-b", "3", "--beam-size", "4", *SENTENCES])   # the run's default: greedy
@@ -428,7 +430,7 @@ def test_translate_answers_each_stdin_line_as_it_arrives(run, tmp_path, monkeypa
 _COUNT_COMPILES = """
 import collections, sys
 import jax.monitoring
-from jaxformer.decode import decoding
+from jaxformer.decode import beam_search
 from jaxformer.model import transformer as model
 events = collections.Counter()
 jax.monitoring.register_event_listener(lambda name, **kw: events.update([name]))
@@ -437,7 +439,7 @@ def counted(name, real):   # counts the Python traces of beam search and of the 
         events[name] += 1
         return real(*args, **kwargs)
     return wrapper
-decoding.beam_search = counted("beam_search_traces", decoding.beam_search)
+beam_search.Beam.search = counted("beam_search_traces", beam_search.Beam.search)
 model.Transformer.init = counted("init_traces", model.Transformer.init)
 from jaxformer.cli.translate import main
 main(sys.argv[1:])
