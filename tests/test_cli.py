@@ -427,6 +427,26 @@ def test_translate_answers_each_stdin_line_as_it_arrives(run, tmp_path, monkeypa
     assert len(lines) == 3 and lines[1] == ""
 
 
+
+def test_a_seed_samples_each_line_the_same_from_a_pipe_a_file_or_in_bulk(run, tmp_path, capsys, monkeypatch):
+    """--sample --seed 1 draws line i from the key of its index in the input: a pipe answered
+    line by line (--batch-size 1), --input read whole and bulk mode in chunks of 2 agree."""
+    workdir, _, _ = run
+    source = tmp_path / "in.txt"
+    source.write_text("".join(f"{s}\n" for s in SENTENCES), encoding="utf-8")
+    sample = ["--workdir", str(workdir), "--sample", "--seed", "1", "--temperature", "3"]
+    read_fd, write_fd = os.pipe()
+    os.write(write_fd, source.read_bytes())
+    os.close(write_fd)
+    with os.fdopen(read_fd) as stdin:
+        monkeypatch.setattr(sys, "stdin", stdin)
+        translate_main([*sample, "--batch-size", "1"])
+    piped = capsys.readouterr().out
+    translate_main([*sample, "--input", str(source)])
+    assert capsys.readouterr().out == piped
+    translate_main([*sample, "--input", str(source), "--output", str(tmp_path / "out.txt"), "--chunk-lines", "2"])
+    assert (tmp_path / "out.txt").read_text(encoding="utf-8") == piped and len(piped.splitlines()) == 3
+
 _COUNT_COMPILES = """
 import collections, sys
 import jax.monitoring

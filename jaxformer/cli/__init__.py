@@ -13,3 +13,12 @@ def fail(prog: str, message: str, status: int = 2) -> None:
     print(f"{prog}: error: {message}", file=sys.stderr)
     sys.exit(status)
 
+
+
+def warn_replaced(where: str, bad: list[int]) -> None:
+    """Warns on stderr of the lines of ``where`` (numbers ``bad``) read with U+FFFD, if any."""
+    if bad:
+        from jaxformer.data.lines import line_numbers
+
+        print(f"warning: {len(bad)} line(s) of {where} were not valid UTF-8 (line {line_numbers(bad)}); "
+              f"their bad bytes were replaced with U+FFFD", file=sys.stderr)
