@@ -25,7 +25,7 @@ from annotated_types import Ge
 from jaxformer.aot import report as report_lib
 from jaxformer.aot.cache import ReportCache, default_directory
 from jaxformer.aot.chips import CHIPS, slice_spec
-from jaxformer.cli import fail
+from jaxformer.cli import fail, unwritable
 from jaxformer.run.config import DEFAULT_CPU_RUN, TrainConfig, check_fields
 
 PROG = "jaxformer-compile"
@@ -52,9 +52,8 @@ def _compile(name: str, lower, chip, tokens: int, save: str | None, devices: int
     FLOPs where the target's compiler counts none (XLA:GPU); ``loop_scale``: how much the
     compiled cost undercounts (scanned layers)."""
     start = time.perf_counter()
-    lowered = lower()
     try:
-        compiled = lowered.compile()
+        compiled = lower().compile()
     except Exception as e:   # XLA:TPU reports an out-of-memory program at compile time
         needed = report_lib.out_of_memory(e)
         if needed is None:
@@ -92,13 +91,11 @@ def compile_all(args: CompileArgs, cfg: TrainConfig) -> dict[str, Any]:
     from jaxformer.model.sharding import parse_mesh
 
     spec = slice_spec(args.topology)
-    chip = CHIPS[spec.chip]
-    on_gpu = spec.chip_config_name == "gpu"
+    chip, on_gpu = CHIPS[spec.chip], spec.chip_config_name == "gpu"
     if cfg.model.attention_backend == ("pallas" if on_gpu else "cudnn"):   # each kernel is for one platform
-        raise ValueError(f"--attention-backend {cfg.model.attention_backend} does not run on "
-                         f"{args.topology}: "
-                         + ("cudnn is NVIDIA's fused attention; on TPU use pallas (splash attention) or xla"
-                            if not on_gpu else "pallas is the TPU splash kernel; on a GPU use cudnn or xla"))
+        raise ValueError(f"--attention-backend {cfg.model.attention_backend} does not run on {args.topology}: "
+                         + ("pallas is the TPU splash kernel; on a GPU use cudnn or xla" if on_gpu else
+                            "cudnn is NVIDIA's fused attention; on TPU use pallas (splash attention) or xla"))
     config = preset(cfg.model.preset, src_vocab_size=cfg.data.vocab_size, **cfg.model.overrides())
     devices_count = spec.chips * args.num_slices
     sizes = parse_mesh(cfg.run.mesh, devices_count)
@@ -106,8 +103,7 @@ def compile_all(args: CompileArgs, cfg: TrainConfig) -> dict[str, Any]:
     length = cfg.train.row_length(config.max_len)
     # As training sizes its batches: too few rows is an error, rounded rows are reported;
     # a decoding batch that the data axes do not divide is named before any compile.
-    note = check_batch_rows(cfg.train.batch_tokens, length, data * cfg.train.grad_accum_steps)
-    if note:
+    if note := check_batch_rows(cfg.train.batch_tokens, length, data * cfg.train.grad_accum_steps):
         print(note, file=sys.stderr)
     if not args.no_decode and args.decode_batch % data:
         raise ValueError(f"--decode-batch {args.decode_batch} does not divide by the mesh's data × fsdp "
@@ -141,7 +137,7 @@ def compile_all(args: CompileArgs, cfg: TrainConfig) -> dict[str, Any]:
         # device counts its FLOPs. XLA counts the loop body of scanned layers once: the
         # compiled program's cost is scaled by unrolled / scanned, both lowered for the host.
         host = functools.partial(_host_cost, lower, config, shape)
-        host_cost = (lambda host=host: host(scanned=False)) if spec.chip_config_name == "gpu" else None
+        host_cost = (lambda host=host: host(scanned=False)) if on_gpu else None
         loop_scale = None
         if host_cost is None and name == "train_step" and config.scan_layers:
             def loop_scale(host=host):
@@ -167,22 +163,10 @@ def _print(out: dict[str, Any]) -> None:
 
 
 def _check_folders(args: CompileArgs) -> None:
-    """``--cache-dir`` and ``--save`` must be folders a file can be made in (or below the
-    nearest existing one), checked before minutes of compiling; nothing is created."""
-    from jaxformer.run.directory import probe_writable
-
+    """``--cache-dir`` and ``--save`` checked before minutes of compiling; nothing is created."""
     for flag, folder in (("--cache-dir", args.cache_dir), ("--save", args.save)):
-        if folder is None:
-            continue
-        path = Path(folder).absolute()
-        if path.exists() and not path.is_dir():
-            fail(PROG, f"{flag} {folder!r} is a file; name a folder")
-        existing = next(p for p in (path, *path.parents) if p.exists())
-        try:
-            probe_writable(existing)
-        except OSError as e:
-            fail(PROG, f"{flag} {folder!r} cannot be written ({existing}: {e.strerror}); name a folder "
-                       f"you can write to")
+        if folder and (problem := unwritable(folder)):
+            fail(PROG, f"{flag} {folder!r} {problem}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -195,7 +179,6 @@ def main(argv: list[str] | None = None) -> None:
         jax.config.update("jax_platforms", "cpu")
     args = tyro.cli(CompileArgs, args=argv, prog=PROG, description=__doc__,
                     config=(tyro.conf.OmitArgPrefixes,))
-    cfg = args.cfg
     try:
         slice_spec(args.topology)
         check_fields(args)
@@ -206,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
     # load back (a warning on every later read); the reports are cached instead.
     jax.config.update("jax_enable_compilation_cache", False)
     try:
-        out = compile_all(args, cfg)
+        out = compile_all(args, args.cfg)
     except (ValueError, RuntimeError) as e:   # a mesh that does not fit, no libtpu
         fail(PROG, str(e))
     print(json.dumps(out, indent=2, sort_keys=True, default=float)) if args.json else _print(out)

@@ -36,8 +36,7 @@ from jaxformer.run.directory import RunDir, enable_compilation_cache
 from jaxformer.run.platform import skip_absent_tpu
 
 
-def _is_stream(stream) -> bool:
-    """A terminal or a pipe (answered as lines arrive), not a regular file."""
+def _is_stream(stream) -> bool:   # a terminal or a pipe, not a regular file
     try:
         return not stat.S_ISREG(os.fstat(stream.fileno()).st_mode)
     except (OSError, ValueError, AttributeError):   # no file descriptor (a test's StringIO)
@@ -105,14 +104,10 @@ def _strategy(args: TranslateArgs, defaults: dict):
 
 def _translate_lines(translator: Translator, args, lines: list[str], first_index: int,
                      out) -> tuple[list[str], dict[str, int]]:
-    """Translates one batch of ``lines`` (line ``first_index`` on of the input: sampling draws
-    each line's key from its index) and writes them; empty lines stay empty, and so do lines
-    longer than ``max_len`` tokens with ``--long-lines empty``.
-
-    Returns:
-      the best translation of each line, and counts: ``empty`` lines, ``long`` lines
-      (over ``max_len`` tokens), source ``tokens`` decoded.
-    """
+    """Translates and writes ``lines``, lines ``first_index`` on of the input (sampling keys
+    come from the line index); empty lines stay empty, and lines over ``max_len`` tokens too
+    with ``--long-lines empty``. Returns the best translations and counts: ``empty`` and
+    ``long`` lines, source ``tokens`` decoded."""
     max_len = translator.config.max_len
     lengths = [len(ids) if line.strip() else 0
                for line, ids in zip(lines, translator.tokenizer.encode_source(lines))]
@@ -134,8 +129,7 @@ def _translate_lines(translator: Translator, args, lines: list[str], first_index
 
 
 def _load(args: TranslateArgs) -> Translator:
-    """The run's translator (on ``--mesh``'s devices if given), its flags checked against
-    the model; bad input exits with status 2."""
+    """The run's translator (on ``--mesh``'s devices), the flags checked against its model."""
     skip_absent_tpu()   # libtpu installed on a CPU host: never start the TPU backend
     bulk_cli.initialize(args)   # jax.distributed, before any other JAX use
     run_dir = RunDir(Path(args.workdir))

@@ -1,7 +1,5 @@
-"""The flags of ``jaxformer-translate`` (:mod:`jaxformer.cli.translate`) as one frozen
-dataclass: tyro parses them, their declared types and bounds and :meth:`TranslateArgs.problems`
-check them, and every error ends the command with status 2 and a one-line message before
-a model is loaded."""
+"""The flags of ``jaxformer-translate`` as one frozen dataclass, parsed by tyro and checked
+(types, bounds, :meth:`TranslateArgs.problems`) before a model is loaded: exit status 2."""
 
 from __future__ import annotations
 
@@ -15,9 +13,8 @@ from typing import Annotated, Literal
 import tyro
 from annotated_types import Ge, Gt, Interval
 
-from jaxformer.cli import fail
+from jaxformer.cli import fail, unwritable
 from jaxformer.run.config import Finite, Flag, check_fields, shown
-from jaxformer.run.directory import probe_writable
 
 PROG = "jaxformer-translate"
 Switch = tyro.conf.FlagCreatePairsOff   # a bool flag that is off unless given
@@ -183,8 +180,5 @@ def _output_problem(args: TranslateArgs) -> str | None:
     if len(out.name.encode()) > room:
         return (f"has too long a name for this folder ({len(out.name.encode())} bytes; at most {room}, "
                 f"leaving room for the .parts and .tmp names written beside it)")
-    try:
-        probe_writable(folder)
-    except OSError as e:
-        return f"cannot be written: no file can be made in its folder ({e.strerror})"
-    return None
+    problem = unwritable(folder)
+    return problem and f"cannot be written: its folder {problem}"
