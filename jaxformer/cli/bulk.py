@@ -29,14 +29,6 @@ def bulk_mode(args) -> bool:
     return bool(args.input and args.output and not args.sentences)
 
 
-def initialize(args) -> None:
-    """Starts ``jax.distributed`` when the flags ask for it (before any other JAX use)."""
-    if args.multi_process:
-        from jaxformer.model.sharding import initialize_distributed
-
-        initialize_distributed(args.coordinator_address, args.num_processes, args.process_id, auto=True)
-
-
 def job_record(args, translator) -> dict:
     """What a bulk job's bytes depend on (its ``.parts/manifest.json``; a resume whose record
     differs is refused): the model and the decoding settings, the sampling ones only with

@@ -31,7 +31,7 @@ from jaxformer.data import lines as lines_lib
 from jaxformer.decode.penalties import penalties
 from jaxformer.decode.strategies import Sample, strategy_for
 from jaxformer.decode.translator import Translator, save_attention_png
-from jaxformer.model.sharding import make_mesh
+from jaxformer.model.sharding import initialize_distributed, make_mesh
 from jaxformer.run.directory import RunDir, enable_compilation_cache
 from jaxformer.run.platform import skip_absent_tpu
 
@@ -131,7 +131,8 @@ def _translate_lines(translator: Translator, args, lines: list[str], first_index
 def _load(args: TranslateArgs) -> Translator:
     """The run's translator (on ``--mesh``'s devices), the flags checked against its model."""
     skip_absent_tpu()   # libtpu installed on a CPU host: never start the TPU backend
-    bulk_cli.initialize(args)   # jax.distributed, before any other JAX use
+    if args.multi_process:   # before any other JAX use
+        initialize_distributed(args.coordinator_address, args.num_processes, args.process_id, auto=True)
     run_dir = RunDir(Path(args.workdir))
     cached = run_dir.config.exists() and enable_compilation_cache(run_dir)
     if run_dir.config.exists() and not cached:
