@@ -314,7 +314,8 @@ def test_distillation_a_student_trains_on_the_teachers_output_for_its_training_s
     translate_main(["--workdir", str(teacher), "--input", str(sources), "--output", str(hyps),
                     "--sample", "--seed", "0", "--chunk-lines", "64"])
     outputs = hyps.read_text().split("\n")[:-1]
-    assert len(outputs) == len(lines) and sum(map(bool, outputs)) > len(lines) // 2
+    # about half the tiny teacher's samples end at once (eos is its likeliest first token)
+    assert len(outputs) == len(lines) and sum(map(bool, outputs)) > len(lines) // 4
     distilled = tmp_path / "distilled.tsv"
     distilled.write_text("".join(f"{s}\t{t}\n" for s, t in zip(lines, outputs)))
 

@@ -245,19 +245,19 @@ def test_translate_repetition_flags_are_checked_and_used(run, capsys, monkeypatc
         assert stop.value.code == 2 and message in capsys.readouterr().err
     # The flags reach the decoder (the rules themselves: tests/test_penalties.py).
     from jaxformer.decode.evaluation import Evaluator
-    from jaxformer.decode.penalties import Penalties
+    from jaxformer.decode.strategies import penalties
 
     seen, decoder = [], Evaluator._decoder
 
-    def recording(self, fn, **static):
-        seen.append(static.get("penalties"))
-        return decoder(self, fn, **static)
+    def recording(self, strategy, sampled, **static):
+        seen.append(strategy.processors)
+        return decoder(self, strategy, sampled, **static)
 
     monkeypatch.setattr(Evaluator, "_decoder", recording)
     translate_main(["--workdir", str(workdir), "--no-repeat-ngram-size", "1", "--repetition-penalty", "1.2",
                     *SENTENCES])
     assert len(capsys.readouterr().out.splitlines()) == len(SENTENCES)
-    assert seen and set(seen) == {Penalties(no_repeat_ngram_size=1, repetition_penalty=1.2)}
+    assert seen and set(seen) == {penalties(no_repeat_ngram_size=1, repetition_penalty=1.2)}
 
 def test_translate_refuses_a_config_that_no_longer_matches_the_checkpoint(run, tmp_path, capsys):
     """An edited config.json never translates with a model the checkpoint does not fill (a
@@ -307,19 +307,21 @@ def test_greedy_and_sampled_translations_keep_each_sentences_length_limit(run):
 
 def test_translate_flags_output_checkpoint_and_batches_sized_to_the_input(run, tmp_path, capsys,
                                                                           monkeypatch):
-    from jaxformer.decode import evaluation
+    from jaxformer.decode.evaluation import Evaluator
 
     workdir, _, _ = run
-    calls = []
-    real = evaluation.beam_translate
+    calls, decoder = [], Evaluator._decoder
 
-    def spy(model, params, src, **static):
-        out = real(model, params, src, **static)
-        calls.append((src.shape, static, out[0].shape))
-        return out
+    def spy(self, strategy, sampled, **static):
+        fn = decoder(self, strategy, sampled, **static)
 
-    spy.__wrapped__ = real.__wrapped__
-    monkeypatch.setattr(evaluation, "beam_translate", spy)
+        def recorded(params, src, index, rng):
+            out = fn(params, src, index, rng)
+            calls.append((src.shape, static, out[0].shape))
+            return out
+        return recorded
+
+    monkeypatch.setattr(Evaluator, "_decoder", spy)
     out = tmp_path / "out.txt"
     translate_main(["--workdir", str(workdir), "--output", str(out), "--max-len-a", "0.5",
                     "--max-len-b", "3", "--beam-size", "4", *SENTENCES])   # the run's default: greedy
@@ -425,10 +427,30 @@ def test_translate_answers_each_stdin_line_as_it_arrives(run, tmp_path, monkeypa
     assert len(lines) == 3 and lines[1] == ""
 
 
+
+def test_a_seed_samples_each_line_the_same_from_a_pipe_a_file_or_in_bulk(run, tmp_path, capsys, monkeypatch):
+    """--sample --seed 1 draws line i from the key of its index in the input: a pipe answered
+    line by line (--batch-size 1), --input read whole and bulk mode in chunks of 2 agree."""
+    workdir, _, _ = run
+    source = tmp_path / "in.txt"
+    source.write_text("".join(f"{s}\n" for s in SENTENCES), encoding="utf-8")
+    sample = ["--workdir", str(workdir), "--sample", "--seed", "1", "--temperature", "3"]
+    read_fd, write_fd = os.pipe()
+    os.write(write_fd, source.read_bytes())
+    os.close(write_fd)
+    with os.fdopen(read_fd) as stdin:
+        monkeypatch.setattr(sys, "stdin", stdin)
+        translate_main([*sample, "--batch-size", "1"])
+    piped = capsys.readouterr().out
+    translate_main([*sample, "--input", str(source)])
+    assert capsys.readouterr().out == piped
+    translate_main([*sample, "--input", str(source), "--output", str(tmp_path / "out.txt"), "--chunk-lines", "2"])
+    assert (tmp_path / "out.txt").read_text(encoding="utf-8") == piped and len(piped.splitlines()) == 3
+
 _COUNT_COMPILES = """
 import collections, sys
 import jax.monitoring
-from jaxformer.decode import decoding
+from jaxformer.decode import beam_search
 from jaxformer.model import transformer as model
 events = collections.Counter()
 jax.monitoring.register_event_listener(lambda name, **kw: events.update([name]))
@@ -437,7 +459,7 @@ def counted(name, real):   # counts the Python traces of beam search and of the 
         events[name] += 1
         return real(*args, **kwargs)
     return wrapper
-decoding.beam_search = counted("beam_search_traces", decoding.beam_search)
+beam_search.Beam.search = counted("beam_search_traces", beam_search.Beam.search)
 model.Transformer.init = counted("init_traces", model.Transformer.init)
 from jaxformer.cli.translate import main
 main(sys.argv[1:])

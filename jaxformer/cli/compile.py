@@ -1,14 +1,10 @@
-"""Compile a run's programs for a TPU slice from this machine: ``jaxformer-compile``.
+"""Compile a run's programs for a TPU slice or GPU node from this machine: ``jaxformer-compile``.
 
-``jaxformer-compile --topology v5e-16 --preset base --vocab-size 32000 --batch-tokens
-32768 --max-train-len 128 --dtype bfloat16`` compiles the real train step (and beam
-search, unless --no-decode) for the slice's compile-only devices (libtpu:
-pip install 'jaxformer[tpu]'; no TPU needed) and prints, per device: argument, output,
-alias, temp, code and peak bytes, whether that fits the chip's HBM, FLOPs, the
-collectives in the compiled program, and a roofline estimate of step time, tokens/s
-and the MFU ceiling. A program that does not fit is reported as such, with remedies.
-Reports are cached (--cache-dir), so a second call with the same inputs compiles
-nothing; --save DIR writes the serialized executables.
+``jaxformer-compile --topology v5e-16 --preset base --vocab-size 32000`` compiles the train
+step (and beam search, unless --no-decode) for the target's compile-only devices (TPU:
+pip install 'jaxformer[tpu]') and prints per device the memory (and whether it fits the
+chip), FLOPs, collectives and a roofline estimate of step time, tokens/s and MFU. Reports
+are cached (--cache-dir); --save DIR writes the serialized executables.
 
 Exit status: 0 every program fits; 1 one does not; 2 bad flags or no libtpu.
 """
@@ -29,7 +25,7 @@ from annotated_types import Ge
 from jaxformer.aot import report as report_lib
 from jaxformer.aot.cache import ReportCache, default_directory
 from jaxformer.aot.chips import CHIPS, slice_spec
-from jaxformer.cli import fail
+from jaxformer.cli import fail, unwritable
 from jaxformer.run.config import DEFAULT_CPU_RUN, TrainConfig, check_fields
 
 PROG = "jaxformer-compile"
@@ -37,9 +33,7 @@ PROG = "jaxformer-compile"
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CompileArgs:
-    """The command line of ``jaxformer-compile``: a target, and the training flags; those
-    that shape the programs (model, --vocab-size, --batch-tokens, --max-train-len, --mesh,
-    --grad-accum-steps, --beam-size) count, the others are accepted and change nothing."""
+    """A target, and the training flags (those that do not shape a program change nothing)."""
 
     topology: str   # TPU slice or GPU node to compile for, e.g. v5e-16, v4-8, h100-8 (jaxformer.aot.chips)
     num_slices: Annotated[int, Ge(1)] = 1   # slices (GPU: hosts) joined over DCN; the data axis spans them
@@ -54,15 +48,12 @@ class CompileArgs:
 
 def _compile(name: str, lower, chip, tokens: int, save: str | None, devices: int,
              host_cost=None, loop_scale=None) -> dict[str, Any]:
-    """Lowers and compiles one program; its report, or the does-not-fit verdict of an
-    out-of-memory compile. ``host_cost``: the program's FLOPs on one host device, for a
-    target whose compiler reports none (XLA:GPU). ``loop_scale``: by how much the
-    compiled program's cost analysis undercounts (scanned layers; see :func:`compile_all`).
-    ``compile_s`` is the lowering and compile alone."""
+    """One program's report (or the verdict of an out-of-memory compile). ``host_cost``: its
+    FLOPs where the target's compiler counts none (XLA:GPU); ``loop_scale``: how much the
+    compiled cost undercounts (scanned layers)."""
     start = time.perf_counter()
-    lowered = lower()
     try:
-        compiled = lowered.compile()
+        compiled = lower().compile()
     except Exception as e:   # XLA:TPU reports an out-of-memory program at compile time
         needed = report_lib.out_of_memory(e)
         if needed is None:
@@ -82,8 +73,7 @@ def _compile(name: str, lower, chip, tokens: int, save: str | None, devices: int
 
 
 def _host_cost(lower, config, shape, scanned: bool) -> dict[str, float]:
-    """Cost analysis of the program lowered (not compiled) for one host CPU device, with
-    scanned or unrolled layers: seconds, whatever the target."""
+    """Cost analysis of the program lowered for one host CPU device (scanned or unrolled layers)."""
     import jax
 
     from jaxformer.model.sharding import make_mesh
@@ -94,7 +84,6 @@ def _host_cost(lower, config, shape, scanned: bool) -> dict[str, float]:
 
 def compile_all(args: CompileArgs, cfg: TrainConfig) -> dict[str, Any]:
     """Every program's report, from the cache where it holds one."""
-
     from jaxformer.aot.steps import DecodeShape, TrainShape, lower_beam_search, lower_train_step
     from jaxformer.aot.target import target_devices, target_mesh
     from jaxformer.data.batching import check_batch_rows, rows_per_batch
@@ -102,13 +91,11 @@ def compile_all(args: CompileArgs, cfg: TrainConfig) -> dict[str, Any]:
     from jaxformer.model.sharding import parse_mesh
 
     spec = slice_spec(args.topology)
-    chip = CHIPS[spec.chip]
-    on_gpu = spec.chip_config_name == "gpu"
+    chip, on_gpu = CHIPS[spec.chip], spec.chip_config_name == "gpu"
     if cfg.model.attention_backend == ("pallas" if on_gpu else "cudnn"):   # each kernel is for one platform
-        raise ValueError(f"--attention-backend {cfg.model.attention_backend} does not run on "
-                         f"{args.topology}: "
-                         + ("cudnn is NVIDIA's fused attention; on TPU use pallas (splash attention) or xla"
-                            if not on_gpu else "pallas is the TPU splash kernel; on a GPU use cudnn or xla"))
+        raise ValueError(f"--attention-backend {cfg.model.attention_backend} does not run on {args.topology}: "
+                         + ("pallas is the TPU splash kernel; on a GPU use cudnn or xla" if on_gpu else
+                            "cudnn is NVIDIA's fused attention; on TPU use pallas (splash attention) or xla"))
     config = preset(cfg.model.preset, src_vocab_size=cfg.data.vocab_size, **cfg.model.overrides())
     devices_count = spec.chips * args.num_slices
     sizes = parse_mesh(cfg.run.mesh, devices_count)
@@ -116,8 +103,7 @@ def compile_all(args: CompileArgs, cfg: TrainConfig) -> dict[str, Any]:
     length = cfg.train.row_length(config.max_len)
     # As training sizes its batches: too few rows is an error, rounded rows are reported;
     # a decoding batch that the data axes do not divide is named before any compile.
-    note = check_batch_rows(cfg.train.batch_tokens, length, data * cfg.train.grad_accum_steps)
-    if note:
+    if note := check_batch_rows(cfg.train.batch_tokens, length, data * cfg.train.grad_accum_steps):
         print(note, file=sys.stderr)
     if not args.no_decode and args.decode_batch % data:
         raise ValueError(f"--decode-batch {args.decode_batch} does not divide by the mesh's data × fsdp "
@@ -151,7 +137,7 @@ def compile_all(args: CompileArgs, cfg: TrainConfig) -> dict[str, Any]:
         # device counts its FLOPs. XLA counts the loop body of scanned layers once: the
         # compiled program's cost is scaled by unrolled / scanned, both lowered for the host.
         host = functools.partial(_host_cost, lower, config, shape)
-        host_cost = (lambda host=host: host(scanned=False)) if spec.chip_config_name == "gpu" else None
+        host_cost = (lambda host=host: host(scanned=False)) if on_gpu else None
         loop_scale = None
         if host_cost is None and name == "train_step" and config.scan_layers:
             def loop_scale(host=host):
@@ -167,39 +153,20 @@ def compile_all(args: CompileArgs, cfg: TrainConfig) -> dict[str, Any]:
 def _print(out: dict[str, Any]) -> None:
     t = out["target"]
     print(f"{t['topology']} ({t['slice']} × {t['num_slices']} slice(s), {t['devices']} × {t['chip']}), "
-          f"mesh "
-          f"{t['mesh']}; d_model {t['model']['d_model']}, {t['model']['num_encoder_layers']}+"
+          f"mesh {t['mesh']}; d_model {t['model']['d_model']}, {t['model']['num_encoder_layers']}+"
           f"{t['model']['num_decoder_layers']} layers, {t['model']['dtype']}; train batch "
           f"{t['batch']['rows']} × {t['batch']['length']}")
-    for name, result in out.items():
-        if name == "target":
-            continue
+    for name, result in ((k, r) for k, r in out.items() if k != "target"):
         how = "cached" if result.get("cached") else f"compiled in {result['compile_s']:.1f} s"
-        if "verdict" in result:
-            print(f"{name} ({how}): {result['verdict']}")
-        else:
-            print(report_lib.format_report(f"{name} ({how})", result))
+        print(f"{name} ({how}): {result['verdict']}" if "verdict" in result
+              else report_lib.format_report(f"{name} ({how})", result))
 
 
 def _check_folders(args: CompileArgs) -> None:
-    """``--cache-dir`` and ``--save`` checked before anything compiles: a name that is a
-    file, or a folder no file can be made in (the nearest existing one, for a folder still
-    to be made; probed with a uniquely named file), fails now, not after minutes. Nothing
-    is created here."""
-    from jaxformer.run.directory import probe_writable
-
+    """``--cache-dir`` and ``--save`` checked before minutes of compiling; nothing is created."""
     for flag, folder in (("--cache-dir", args.cache_dir), ("--save", args.save)):
-        if folder is None:
-            continue
-        path = Path(folder).absolute()
-        if path.exists() and not path.is_dir():
-            fail(PROG, f"{flag} {folder!r} is a file; name a folder")
-        existing = next(p for p in (path, *path.parents) if p.exists())
-        try:
-            probe_writable(existing)
-        except OSError as e:
-            fail(PROG, f"{flag} {folder!r} cannot be written ({existing}: {e.strerror}); name a folder "
-                       f"you can write to")
+        if folder and (problem := unwritable(folder)):
+            fail(PROG, f"{flag} {folder!r} {problem}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -212,7 +179,6 @@ def main(argv: list[str] | None = None) -> None:
         jax.config.update("jax_platforms", "cpu")
     args = tyro.cli(CompileArgs, args=argv, prog=PROG, description=__doc__,
                     config=(tyro.conf.OmitArgPrefixes,))
-    cfg = args.cfg
     try:
         slice_spec(args.topology)
         check_fields(args)
@@ -223,13 +189,10 @@ def main(argv: list[str] | None = None) -> None:
     # load back (a warning on every later read); the reports are cached instead.
     jax.config.update("jax_enable_compilation_cache", False)
     try:
-        out = compile_all(args, cfg)
+        out = compile_all(args, args.cfg)
     except (ValueError, RuntimeError) as e:   # a mesh that does not fit, no libtpu
         fail(PROG, str(e))
-    if args.json:
-        print(json.dumps(out, indent=2, sort_keys=True, default=float))
-    else:
-        _print(out)
+    print(json.dumps(out, indent=2, sort_keys=True, default=float)) if args.json else _print(out)
     sys.exit(0 if all(r.get("fits", True) for k, r in out.items() if k != "target") else 1)
 
 

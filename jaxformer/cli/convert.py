@@ -1,13 +1,9 @@
 """OPUS-MT/Marian models in, jaxformer models out: ``jaxformer-convert``.
 
-``--from-hf DIR --workdir RUN`` reads a local Hugging Face Marian directory
-(``config.json``, ``model.safetensors``, the tokenizer files) and writes a run
-directory that ``jaxformer-translate --workdir RUN`` and ``train.py --init-from RUN``
-use. ``--to-hf RUN --out DIR`` writes a post-norm run as a ``MarianMTModel``
-directory (safetensors, ``config.json``, ``generation_config.json``, tokenizer files).
-
-Neither direction needs torch (the weights go through safetensors' NumPy API);
-how they are mapped: :mod:`jaxformer.interop.marian`.
+``--from-hf DIR --workdir RUN`` reads a local Hugging Face Marian folder into a run
+directory (for ``jaxformer-translate`` and ``train.py --init-from``); ``--to-hf RUN --out
+DIR`` writes a post-norm run as a ``MarianMTModel`` folder. Neither needs torch; the
+mapping: :mod:`jaxformer.interop.marian`.
 """
 
 from __future__ import annotations

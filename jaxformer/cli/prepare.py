@@ -1,8 +1,5 @@
-"""Prepare once: stream a corpus into token ids on disk (``jaxformer-prepare``).
-
-``python -m jaxformer.prepare`` is the same command. How the data is prepared:
-:mod:`jaxformer.data.prepare`.
-"""
+"""Prepare once: stream a corpus into token ids on disk (``jaxformer-prepare``; how:
+:mod:`jaxformer.data.prepare`)."""
 
 from __future__ import annotations
 
@@ -54,15 +51,14 @@ def main(argv: list[str] | None = None) -> None:
             fail(PROG, str(e))
         print(f"wrote {lines} training sources of {args.workdir} to {args.write_train_sources}")
         return
-    created = None
+    created = None   # the topmost folder this call makes: removed again if preparing fails
     try:
         cfg = TrainConfig(data=args.data, run=RunConfig(workdir=args.workdir))
         run_dir = RunDir(cfg.workdir)
-        # the topmost folder this call makes: removed again if preparing fails
         created = topmost_missing(run_dir.root)
         run_dir.create()   # a --workdir that is a file or cannot be written is named
-        has_checkpoints = run_dir.checkpoints.exists() and any(run_dir.checkpoints.iterdir())
-        prepare_run_data(cfg, run_dir, has_checkpoints=has_checkpoints)
+        prepare_run_data(cfg, run_dir, has_checkpoints=run_dir.checkpoints.exists()
+                         and any(run_dir.checkpoints.iterdir()))
     except (ValueError, OSError) as e:
         if created is not None:   # what this call made holds nothing worth keeping
             shutil.rmtree(created, ignore_errors=True)

@@ -1,10 +1,5 @@
-"""The ``jaxformer-train`` command (``train.py`` in a checkout calls the same :func:`main`).
-
-Exit status: 0 done; 2 bad input (data, paths, flags, unreadable checkpoints);
-1 training diverged (non-finite updates); 128 + signal number after SIGTERM (143)
-or SIGINT (130), once the current step is checkpointed: run again to resume. Ctrl-C
-while the run starts or evaluates also exits 130, with that hint, not a traceback.
-"""
+"""The ``jaxformer-train`` command (``train.py`` in a checkout calls the same :func:`main`);
+its exit statuses are in :data:`DESCRIPTION`, its ``--help``."""
 
 from __future__ import annotations
 
@@ -13,16 +8,15 @@ import sys
 DESCRIPTION = """\
 Train an encoder-decoder Transformer translator (Vaswani et al. 2017).
 
-Without corpus flags it trains English to German on the shipped corpus; the
-defaults are a CPU run of 1000 steps (about 10 minutes on 2 cores; the same result on
-a faster or slower machine, in other times; --max-minutes caps the time). The run
-directory (--workdir) keeps
-checkpoints, config.json, train.log, metrics, plots and results.json; running the
-same command again resumes the run. --config FILE reads settings from JSON or
-YAML (a run's config.json replays that run); flags given here override it.
+Without corpus flags it trains English to German on the shipped corpus, a CPU run of
+1000 steps (--max-minutes caps the time). The run directory (--workdir) keeps
+checkpoints, config.json, train.log, metrics, plots and results.json; the same command
+again resumes the run. --config FILE reads settings from JSON or YAML (a run's
+config.json replays that run); flags given here override it.
 
 Exit status: 0 done, 2 bad input, 1 training diverged, 128 + signal number when
-stopped by a signal after checkpointing (run again to resume)."""
+stopped by a signal (or Ctrl-C while starting or evaluating: 130) after checkpointing
+(run again to resume)."""
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:

@@ -1,57 +1,42 @@
 """Translate with a trained run: ``jaxformer-translate --workdir RUN "sentence"``.
 
-Reads sentences from the arguments, from ``--input FILE``, or from stdin, and writes
-one translation per line, in input order, to stdout or ``--output FILE``. With both
---input and --output a file of any size is translated in bulk: streamed in chunks of
---chunk-lines lines, each sorted by length into batches and written whole to
-OUTPUT.parts/ (a killed run started again with the same command decodes only the
-missing chunks and gives the same file), with a progress bar on a terminal and a
-report of lines/s at the end; --mesh decodes on several devices, and several processes
-(jax.distributed: --coordinator-address, --num-processes, --process-id) share the
-chunks, each on its own devices (jaxformer.cli.bulk). Another file (or
-stdin redirected from one) is read whole and sorted by length into batches; stdin
-that is a terminal or a pipe is answered as lines arrive: each batch holds the lines
-that are already there, so an interactive session or a process that writes one line
-and waits gets its answer at once. Batches are padded to the next power of two of
-their size, not to --batch-size.
-
-Checkpoints: the best by dev BLEU (else the latest) unless --checkpoint names best,
-latest, averaged (--average-last in training) or a training step. Decoding: beam
-search (--beam-size, GNMT length penalty --alpha), --n-best lists with scores, or
---sample with --temperature/--top-k/--top-p; --no-repeat-ngram-size and
---repetition-penalty against looping output (with any of them); a translation has at most
-a * source length + b tokens (--max-len-a/--max-len-b, fairseq's names).
---attention-png draws the cross-attention of the first sentence.
-
-JAX's persistent compilation cache lives in the run directory (jax_cache/), with the
-exported decoders and the parameters' shapes (jax_cache/exported/): the first call
-traces and compiles the decoder, later calls load it.
+Translates the arguments, ``--input FILE`` or stdin, one line out per line in, to stdout
+or ``--output``. With both --input and --output (bulk mode, jaxformer.cli.bulk) a file
+of any size is translated in chunks of --chunk-lines lines written to OUTPUT.parts/: the
+same command resumes a killed run; --mesh and several processes (--coordinator-address,
+--num-processes, --process-id) share the chunks. Stdin from a terminal or a pipe is
+answered as lines arrive. Checkpoint: --checkpoint (default the best by dev BLEU, else
+the latest). Decoding: beam search, --n-best lists with scores, or --sample; a line's
+sampling key comes from --seed and its line number. The run's jax_cache/ keeps the
+compiled and exported decoders for the next call.
 """
 
 from __future__ import annotations
 
 import gc
-import gzip
 import io
 import os
 import select
 import stat
 import sys
-import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
+import jax
+
 from jaxformer.cli import bulk as bulk_cli
-from jaxformer.cli import fail
+from jaxformer.cli import fail, warn_replaced
 from jaxformer.cli.translate_flags import PROG, TranslateArgs, parse_translate_args
-from jaxformer.decode import bulk
+from jaxformer.data import lines as lines_lib
+from jaxformer.decode.penalties import penalties
+from jaxformer.decode.strategies import Sample, strategy_for
 from jaxformer.decode.translator import Translator, save_attention_png
+from jaxformer.model.sharding import initialize_distributed, make_mesh
 from jaxformer.run.directory import RunDir, enable_compilation_cache
 from jaxformer.run.platform import skip_absent_tpu
 
 
-def _is_stream(stream) -> bool:
-    """A terminal or a pipe (answered as lines arrive), not a regular file."""
+def _is_stream(stream) -> bool:   # a terminal or a pipe, not a regular file
     try:
         return not stat.S_ISREG(os.fstat(stream.fileno()).st_mode)
     except (OSError, ValueError, AttributeError):   # no file descriptor (a test's StringIO)
@@ -64,151 +49,98 @@ class NotUtf8(ValueError):
 
 def arriving_lines(stream, max_lines: int, errors: str = "strict",
                    bad: list[int] | None = None) -> Iterator[list[str]]:
-    """Batches of the lines of ``stream`` as they arrive: waits for one line, then takes
-    every further complete line already readable (at most ``max_lines``) without waiting.
-    Reads the file descriptor directly so Python's buffer hides nothing from ``select``.
-    Lines follow :func:`jaxformer.decode.bulk.split_lines`'s rules (``\\n`` ends a line,
-    one ``\\r`` before it and a leading byte-order mark are dropped).
+    """Batches of the lines of ``stream`` (by :mod:`jaxformer.data.lines`' rules) as they
+    arrive: each read takes every byte already readable, without waiting for more, from the
+    file descriptor (Python's buffer would hide them from ``select``).
 
     Raises:
-      NotUtf8: a line that is not UTF-8 with ``errors="strict"``; with ``"replace"`` its
-        bad bytes become U+FFFD and its (1-based) number is appended to ``bad``.
+      NotUtf8: a line that is not UTF-8 with ``errors="strict"``, once the lines before it
+        are given; with ``"replace"`` its bad bytes become U+FFFD and its number goes to ``bad``.
+      jaxformer.data.lines.TextError: stdin is UTF-16.
     """
-    fd, pending, eof, number = stream.fileno(), b"", False, 0
-    while True:
-        while b"\n" not in pending and not eof:   # block for the first line
-            chunk = os.read(fd, 1 << 16)
-            pending, eof = pending + chunk, not chunk
+    fd, splitter, eof = stream.fileno(), lines_lib.LineSplitter("stdin", errors, bad), False
+    while not eof:
+        data = os.read(fd, 1 << 16)
+        eof = not data
         while not eof and select.select([fd], [], [], 0)[0]:   # whatever else is already there
             chunk = os.read(fd, 1 << 16)
-            pending, eof = pending + chunk, not chunk
-        *complete, pending = pending.split(b"\n")
-        if eof and pending:
-            complete, pending = complete + [pending], b""
+            data, eof = data + chunk, not chunk
         lines, failed = [], None
-        for raw in complete:
-            number += 1
-            raw = raw.removeprefix(b"\xef\xbb\xbf") if number == 1 else raw
-            raw = raw[:-1] if raw.endswith(b"\r") else raw
-            try:
-                lines.append(raw.decode("utf-8"))
-            except UnicodeDecodeError:
-                if errors == "strict":   # the lines before it are answered first
-                    failed = NotUtf8(f"line {number} of stdin is not valid UTF-8")
-                    break
-                bad.append(number)
-                lines.append(raw.decode("utf-8", errors="replace"))
+        try:
+            lines.extend(splitter.feed(data, final=eof))
+        except lines_lib.NotUtf8 as e:   # the lines before it are answered first
+            failed = NotUtf8(f"line {e.numbers[0]} of stdin is not valid UTF-8")
         for start in range(0, len(lines), max_lines):
             yield lines[start:start + max_lines]
         if failed is not None:
             raise failed
-        if eof and not pending:
-            return
 
 
 def _read_lines(args: TranslateArgs) -> list[str]:
-    """The lines of ``--input`` (or of stdin redirected from a file), split at ``\\n`` only:
-    a bare ``\\r`` inside a line stays there (universal newlines would split it and shift
-    every later translation off its source), and one ``\\r`` before the ``\\n`` is a
-    Windows line end. Bytes that are not UTF-8 stop the run with their line numbers
-    (exit status 2), or with ``--input-errors replace`` become U+FFFD, counted."""
-    if args.input:
-        with open(args.input, "rb") as stream:
-            data = stream.read()
-    else:   # a file redirected to stdin (a test's StringIO has no bytes underneath)
-        buffer = getattr(sys.stdin, "buffer", None)
-        data = buffer.read() if buffer is not None else sys.stdin.read().encode("utf-8")
-    if data[:2] == b"\x1f\x8b":   # gzip's magic number: a .gz corpus, as training reads them
-        try:
-            data = gzip.decompress(data)
-        except (EOFError, OSError, zlib.error) as e:
-            fail(PROG, f"{args.input or 'stdin'} is a truncated or corrupt gzip file ({e}); check it "
-                       f"with gzip -t")
-    lines, bad = [], []
-    for number, raw in enumerate(bulk.split_lines(io.BytesIO(data)), 1):   # the bulk mode's rules
-        try:
-            lines.append(raw.decode("utf-8"))
-        except UnicodeDecodeError:
-            bad.append(number)
-            lines.append(raw.decode("utf-8", errors="replace"))
-    if bad:
-        where = args.input or "stdin"
-        numbers = bulk.line_numbers(bad)
-        if args.input_errors == "strict":
-            fail(PROG, f"{len(bad)} line(s) of {where} are not valid UTF-8 (line {numbers}); fix the file "
-                       f"(e.g. iconv -f LATIN1 -t UTF-8) or pass --input-errors replace")
-        print(f"warning: {len(bad)} line(s) of {where} were not valid UTF-8 (line {numbers}); "
-              f"their bad bytes were replaced with U+FFFD", file=sys.stderr)
+    """The lines of ``--input`` (or of stdin redirected from a file), read whole by
+    :func:`jaxformer.data.lines.read_lines`; lines that are not UTF-8 stop the run with their
+    numbers, or with ``--input-errors replace`` become U+FFFD, counted."""
+    where, bad = args.input or "stdin", []
+    source = args.input or getattr(sys.stdin, "buffer", None) or io.BytesIO(sys.stdin.read().encode())
+    try:   # every line read with U+FFFD, so a refusal names all the bad ones
+        lines = list(lines_lib.read_lines(source, "replace", bad, where=where))
+    except lines_lib.TextError as e:
+        fail(PROG, str(e))
+    if bad and args.input_errors == "strict":
+        fail(PROG, str(lines_lib.NotUtf8(where, bad)))
+    warn_replaced(where, bad)
     return lines
 
 
-def _translate_lines(translator: Translator, args, lines: list[str], first_index: int, out,
-                     stream: int | None = None) -> tuple[list[str], dict[str, int]]:
-    """Translates one batch of ``lines`` and writes them; empty lines stay empty, and so
-    do lines longer than ``max_len`` tokens with ``--long-lines empty``. ``stream``: the
-    sampling stream (bulk mode's chunk index).
-
-    Returns:
-      the best translation of each line, and counts: ``empty`` lines, ``long`` lines
-      (over ``max_len`` tokens), source ``tokens`` decoded.
-    """
-    max_len = translator.config.max_len
-    todo = [i for i, line in enumerate(lines) if line.strip()]
-    lengths = [len(ids) for ids in translator.tokenizer.encode_source([lines[i] for i in todo])]
-    counts = {"empty": len(lines) - len(todo), "long": sum(n > max_len for n in lengths)}
-    if args.long_lines == "empty":
-        todo = [i for i, n in zip(todo, lengths) if n <= max_len]
-    counts["tokens"] = sum(min(n, max_len) for n in lengths if args.long_lines == "truncate" or n <= max_len)
-    sources = [lines[i] for i in todo]
-    best = [""] * len(lines)
-    rules = dict(no_repeat_ngram_size=args.no_repeat_ngram_size, repetition_penalty=args.repetition_penalty)
+def _strategy(args: TranslateArgs, defaults: dict):
+    """The flags' decoding strategy (the run's :attr:`Translator.defaults` where a flag is
+    not given) and whether each sentence keeps its own length limit (not with ``hf``)."""
+    rules = {**defaults, **{k: getattr(args, k) for k in defaults if getattr(args, k) is not None}}
     if args.sample:
-        results = [[(text, 0.0)] for text in translator.sample(
-            sources, seed=args.seed, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-            stream=stream, **rules)]
-    elif args.n_best > 1:
-        results = translator.n_best(sources, beam_size=args.beam_size, alpha=args.alpha,
-                                    length_normalization=args.length_normalization,
-                                    early_stopping=args.early_stopping, **rules)
-    else:
-        results = [[(text, 0.0)] for text in translator(sources, beam_size=args.beam_size, alpha=args.alpha,
-                                                       length_normalization=args.length_normalization,
-                                                       early_stopping=args.early_stopping, **rules)]
-    for i, n_best in zip(todo, results):
-        best[i] = n_best[0][0]
+        processors = penalties(rules["no_repeat_ngram_size"], rules["repetition_penalty"])
+        return Sample(args.temperature, args.top_k, args.top_p, processors), True
+    return strategy_for(**rules), rules["length_normalization"] != "hf"
+
+
+def _translate_lines(translator: Translator, args, lines: list[str], first_index: int,
+                     out) -> tuple[list[str], dict[str, int]]:
+    """Translates and writes ``lines``, lines ``first_index`` on of the input (sampling keys
+    come from the line index); empty lines stay empty, and lines over ``max_len`` tokens too
+    with ``--long-lines empty``. Returns the best translations and counts: ``empty`` and
+    ``long`` lines, source ``tokens`` decoded."""
+    max_len = translator.config.max_len
+    lengths = [len(ids) if line.strip() else 0
+               for line, ids in zip(lines, translator.tokenizer.encode_source(lines))]
+    keep = [n <= max_len or args.long_lines == "truncate" for n in lengths]
+    counts = {"empty": sum(not line.strip() for line in lines), "long": sum(n > max_len for n in lengths),
+              "tokens": sum(min(n, max_len) for n, kept in zip(lengths, keep) if kept)}
+    strategy, length_limits = _strategy(args, translator.defaults)
+    results = translator.decode([line if kept else "" for line, kept in zip(lines, keep)], strategy,
+                                seed=args.seed if args.sample else None, length_limits=length_limits,
+                                indices=list(range(first_index, first_index + len(lines))))
     if args.n_best > 1:   # n lines per input line; an empty line's are empty (score 0)
-        by_line = dict(zip(todo, results))
-        for i in range(len(lines)):
-            hypotheses = by_line.get(i, [("", 0.0)])[: args.n_best]
-            hypotheses += [hypotheses[-1]] * (args.n_best - len(hypotheses))
-            for text, score in hypotheses:
-                out.write(f"{first_index + i}\t{score:.4f}\t{text}\n")
+        for i, hypotheses in enumerate(results, first_index):
+            hypotheses = hypotheses[: args.n_best] + hypotheses[-1:] * (args.n_best - len(hypotheses))
+            out.write("".join(f"{i}\t{score:.4f}\t{text}\n" for text, score in hypotheses))
     else:
-        out.write("".join(f"{text}\n" for text in best))
+        out.write("".join(f"{n_best[0][0]}\n" for n_best in results))
     out.flush()
-    return best, counts
+    return [n_best[0][0] for n_best in results], counts
 
 
 def _load(args: TranslateArgs) -> Translator:
-    """The run's translator (on ``--mesh``'s devices if given), its flags checked against
-    the model; bad input exits with status 2."""
+    """The run's translator (on ``--mesh``'s devices), the flags checked against its model."""
     skip_absent_tpu()   # libtpu installed on a CPU host: never start the TPU backend
-    bulk_cli.initialize(args)   # jax.distributed, before any other JAX use
+    if args.multi_process:   # before any other JAX use
+        initialize_distributed(args.coordinator_address, args.num_processes, args.process_id, auto=True)
     run_dir = RunDir(Path(args.workdir))
     cached = run_dir.config.exists() and enable_compilation_cache(run_dir)
     if run_dir.config.exists() and not cached:
         print(f"note: {run_dir.root} is not writable; decoders are compiled without a cache",
               file=sys.stderr)
     try:
-        mesh = None
-        if args.mesh:
-            import jax
-
-            from jaxformer.model.sharding import make_mesh
-
-            mesh = make_mesh(args.mesh, jax.local_devices())
-        checkpoint = int(args.checkpoint) if args.checkpoint.isdigit() else args.checkpoint
-        translator = Translator(args.workdir, batch_size=args.batch_size, checkpoint=checkpoint,
+        mesh = make_mesh(args.mesh, jax.local_devices()) if args.mesh else None
+        translator = Translator(args.workdir, batch_size=args.batch_size, checkpoint=args.checkpoint,
                                 max_len_a=args.max_len_a, max_len_b=args.max_len_b, exported=cached,
                                 mesh=mesh, staged=bulk_cli.bulk_mode(args), matmul_dtype=args.matmul_dtype)
     except (ValueError, OSError) as e:
@@ -231,29 +163,26 @@ def _translate_text(args: TranslateArgs, translator: Translator):
         out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
     except OSError as e:   # what the flag checks cannot see (a link to a folder that is gone)
         fail(PROG, f"--output {args.output!r} cannot be written ({e.strerror})")
-    first, long_lines, bad = None, 0, []
+    first, long_lines, bad, done = None, 0, [], 0
     try:
         if args.sentences or args.input or not _is_stream(sys.stdin):
-            lines = list(args.sentences) or _read_lines(args)
-            batches: Iterator[list[str]] = iter([lines])
+            batches: Iterator[list[str]] = iter([list(args.sentences) or _read_lines(args)])
         else:   # a terminal or a pipe: answer each batch of arrived lines at once
             batches = arriving_lines(sys.stdin, args.batch_size, args.input_errors, bad)
-        done = 0
         for lines in batches:
             best, counts = _translate_lines(translator, args, lines, done, out)
             long_lines += counts["long"]
-            if first is None and any(line.strip() for line in lines):
-                first = next((line, hyp) for line, hyp in zip(lines, best) if line.strip())
+            first = first or next(((line, hyp) for line, hyp in zip(lines, best) if line.strip()), None)
             done += len(lines)
     except NotUtf8 as e:   # streamed: the lines before it are translated already
         fail(PROG, f"{e} (the {done} line(s) before it were translated); fix the input (e.g. iconv -f "
                    f"LATIN1 -t UTF-8) or pass --input-errors replace")
+    except lines_lib.TextError as e:
+        fail(PROG, str(e))
     finally:
         if out is not sys.stdout:
             out.close()
-    if bad:
-        print(f"warning: {len(bad)} line(s) of stdin were not valid UTF-8 (line {bulk.line_numbers(bad)}); "
-              f"their bad bytes were replaced with U+FFFD", file=sys.stderr)
+    warn_replaced("stdin", bad)
     if long_lines:
         done = "were truncated to it" if args.long_lines == "truncate" else "gave empty lines"
         print(f"warning: {long_lines} sentence(s) longer than max_len={translator.config.max_len} tokens "
@@ -265,14 +194,15 @@ def main(argv=None) -> None:
     args = parse_translate_args(argv)
     translator = _load(args)
     print(f"[{translator.kind} checkpoint, step {translator.step}]", file=sys.stderr)
-    if bulk_cli.bulk_mode(args):
-        process = bulk_cli.translate(args, translator, _translate_lines)
-        first = next(((line, translator([line], beam_size=args.beam_size)[0])
-                      for chunk in bulk.read_chunks(args.input, 1000, args.input_errors) for line in chunk
-                      if line.strip()), None) if args.attention_png and process == 0 else None
-    else:
+    if not bulk_cli.bulk_mode(args):
         first = _translate_text(args, translator)
-    if args.attention_png and first is not None:
+    elif bulk_cli.translate(args, translator, _translate_lines) == 0 and args.attention_png:
+        index, line = next(((i, line) for i, line in enumerate(lines_lib.read_lines(args.input, "replace"))
+                            if line.strip()), (0, None))
+        first = line and (line, _translate_lines(translator, args, [line], index, io.StringIO())[0][0])
+    else:
+        first = None
+    if args.attention_png and first:
         weights, src_pieces, tgt_pieces = translator.cross_attention(*first, args.layer, args.head)
         which = (f"layer {args.layer}" if args.layer is not None else "mean of layers") + ", " + \
                 (f"head {args.head}" if args.head is not None else "mean of heads")
@@ -282,14 +212,8 @@ def main(argv=None) -> None:
 
 
 def cli() -> None:
-    """The ``jaxformer-translate`` program (and ``python -m jaxformer.translate``): :func:`main`
-    on ``sys.argv`` with the objects made by importing frozen out of the garbage collector.
-
-    They live until exit anyway; frozen (``gc.freeze``, CPython ≥ 3.7), the collector no
-    longer re-scans them while the decoder is traced, nor in its sweep at interpreter
-    exit, which alone took 0.3-0.4 s of a 3.5 s call (benchmarks/README.md). A library
-    caller's process is left alone: only this entry point freezes.
-    """
+    """``jaxformer-translate``: :func:`main`, with the import's objects frozen out of the
+    garbage collector (``gc.freeze``: 0.3-0.4 s less per call, benchmarks/README.md)."""
     gc.freeze()
     main()
 

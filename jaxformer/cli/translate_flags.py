@@ -1,7 +1,5 @@
-"""The flags of ``jaxformer-translate`` (:mod:`jaxformer.cli.translate`) as one frozen
-dataclass: tyro parses them, their declared types and bounds and :meth:`TranslateArgs.problems`
-check them, and every error ends the command with status 2 and a one-line message before
-a model is loaded."""
+"""The flags of ``jaxformer-translate`` as one frozen dataclass, parsed by tyro and checked
+(types, bounds, :meth:`TranslateArgs.problems`) before a model is loaded: exit status 2."""
 
 from __future__ import annotations
 
@@ -15,9 +13,8 @@ from typing import Annotated, Literal
 import tyro
 from annotated_types import Ge, Gt, Interval
 
-from jaxformer.cli import fail
+from jaxformer.cli import fail, unwritable
 from jaxformer.run.config import Finite, Flag, check_fields, shown
-from jaxformer.run.directory import probe_writable
 
 PROG = "jaxformer-translate"
 Switch = tyro.conf.FlagCreatePairsOff   # a bool flag that is off unless given
@@ -77,29 +74,25 @@ class TranslateArgs:
             check_fields(self)
         except ValueError as e:
             return str(e).rstrip(".")
-        beam_rules = [flag for flag, value in (("--beam-size", self.beam_size), ("--alpha", self.alpha),
-                                               ("--early-stopping", self.early_stopping)) if value]
-        sampling = [flag for flag, value in (("--temperature", self.temperature), ("--top-k", self.top_k),
-                                             ("--top-p", self.top_p)) if value is not None]
-        drawing = [flag for flag, value in (("--layer", self.layer), ("--head", self.head))
-                   if value is not None]
+        beam_rules = _given(self, "beam_size", "alpha", "early_stopping", falsy=False)
+        sampling, drawing = _given(self, "temperature", "top_k", "top_p"), _given(self, "layer", "head")
         a = 1.0 if self.max_len_a is None else self.max_len_a
         b = 50 if self.max_len_b is None else self.max_len_b
         rules = (
             (self.sample and self.n_best > 1, "--n-best lists come from beam search; --sample gives one "
                                               "translation per sentence (run it again with another --seed)"),
-            (self.sample and beam_rules, f"{' and '.join(beam_rules)} {_are(beam_rules)} for beam "
-                                         f"search; --sample draws one translation per sentence: drop "
-                                         f"{_them(beam_rules)}"),
+            (self.sample and beam_rules, f"{' and '.join(beam_rules)} {_pl(beam_rules, 'are', 'is')} for "
+                                         f"beam search; --sample draws one translation per sentence: "
+                                         f"drop {_pl(beam_rules, 'them', 'it')}"),
             (self.beam_size is not None and self.n_best > self.beam_size, "need --n-best <= --beam-size"),
             (a + b < 1, "need --max-len-a + --max-len-b >= 1 (room for one token)"),
-            (sampling and not self.sample, f"{' and '.join(sampling)} {_are(sampling)} for sampling: "
-                                           f"add --sample (beam search and greedy would ignore "
-                                           f"{_them(sampling)})"),
+            (sampling and not self.sample, f"{' and '.join(sampling)} {_pl(sampling, 'are', 'is')} for "
+                                           f"sampling: add --sample (beam search and greedy would ignore "
+                                           f"{_pl(sampling, 'them', 'it')})"),
             (drawing and not self.attention_png, f"{' and '.join(drawing)} "
-                                                 f"{'choose' if len(drawing) > 1 else 'chooses'} what "
-                                                 f"--attention-png draws: add --attention-png FILE.png, or "
-                                                 f"drop {_them(drawing)}"),
+                                                 f"{_pl(drawing, 'choose', 'chooses')} what --attention-png "
+                                                 f"draws: add --attention-png FILE.png, or drop "
+                                                 f"{_pl(drawing, 'them', 'it')}"),
             (self.checkpoint not in ("auto", "best", "latest", "averaged") and not self.checkpoint.isdigit(),
              f"--checkpoint {self.checkpoint!r} is not best, latest, averaged, auto or a step number"),
             (self.multi_process and (not (self.input and self.output) or self.sentences),
@@ -117,27 +110,25 @@ class TranslateArgs:
     @property
     def multi_process(self) -> bool:
         """Whether the flags ask for ``jax.distributed``."""
-        return bool(self.distributed or self.coordinator_address or self.num_processes is not None
-                    or self.process_id is not None)
+        return bool(self.distributed or _given(self, "coordinator_address", "num_processes", "process_id"))
 
 
-def _are(flags: list[str]) -> str:
-    return "are" if len(flags) > 1 else "is"
+def _given(args: TranslateArgs, *names: str, falsy: bool = True) -> list[str]:
+    """The flags of ``names`` given (not ``None``; with ``falsy=False`` not 0 or off either)."""
+    return [f"--{name.replace('_', '-')}" for name in names
+            if (getattr(args, name) is not None if falsy else getattr(args, name))]
 
 
-def _them(flags: list[str]) -> str:
-    return "them" if len(flags) > 1 else "it"
+def _pl(flags: list[str], many: str, one: str) -> str:
+    return many if len(flags) > 1 else one
 
 
 def parse_translate_args(argv: list[str] | None = None) -> TranslateArgs:
     """The checked flags of ``jaxformer-translate``; bad ones exit with status 2 and a message."""
     args = tyro.cli(TranslateArgs, args=sys.argv[1:] if argv is None else argv, prog=PROG,
                     description=sys.modules["jaxformer.cli.translate"].__doc__.replace("``", ""))
-    problem = args.problems()
-    if problem:
-        fail(PROG, problem)
     try:
-        problem = _path_problem(args)
+        problem = args.problems() or _path_problem(args)
     except OSError as e:   # a name longer than the filesystem allows, a folder that cannot be searched
         problem = f"cannot use the path {e.filename!r}: {e.strerror}"
     if problem:
@@ -145,15 +136,12 @@ def parse_translate_args(argv: list[str] | None = None) -> TranslateArgs:
     return dataclasses.replace(args, temperature=1.0 if args.temperature is None else args.temperature)
 
 
-# File types of --attention-png that matplotlib writes with its own backends and Pillow
-# alone (.pgf needs LaTeX, .avif a Pillow built with it: left out).
+# --attention-png types matplotlib writes alone (.pgf needs LaTeX, .avif a Pillow built with it)
 IMAGE_TYPES = ("png", "svg", "svgz", "pdf", "eps", "ps", "jpg", "jpeg", "tif", "tiff", "webp")
 
 
 def _path_problem(args: TranslateArgs) -> str | None:
-    """``--input`` a readable file; ``--output`` and ``--attention-png`` in a folder that
-    exists; ``--attention-png`` a file type matplotlib writes (without one it would add
-    ``.png`` to the name); ``--output`` a writable file that is not the input."""
+    """What is wrong with ``--input``, ``--output`` or ``--attention-png`` as paths, or ``None``."""
     if args.input and not Path(args.input).exists():
         return f"--input file {args.input!r} does not exist"
     if args.input and not Path(args.input).is_file():
@@ -174,11 +162,8 @@ def _path_problem(args: TranslateArgs) -> str | None:
 
 
 def _output_problem(args: TranslateArgs) -> str | None:
-    """Why ``--output`` cannot be written: a folder, the input (overwritten before it is read
-    whole), gzip-named (translations are plain text), a name too long for the ``.parts``/``.tmp``
-    names beside it, or a folder no file can be made in (probed with a uniquely named file,
-    removed again; the output itself is never opened, so a pipe given as ``--output`` is left
-    alone). ``None`` if it can."""
+    """Why ``--output`` cannot be written, or ``None``; it is never opened here (a pipe given
+    as ``--output`` is left alone): its folder is probed with a file of another name."""
     if not args.output:
         return None
     out = Path(args.output)
@@ -195,8 +180,5 @@ def _output_problem(args: TranslateArgs) -> str | None:
     if len(out.name.encode()) > room:
         return (f"has too long a name for this folder ({len(out.name.encode())} bytes; at most {room}, "
                 f"leaving room for the .parts and .tmp names written beside it)")
-    try:
-        probe_writable(folder)
-    except OSError as e:
-        return f"cannot be written: no file can be made in its folder ({e.strerror})"
-    return None
+    problem = unwritable(folder)
+    return problem and f"cannot be written: its folder {problem}"
