@@ -118,8 +118,7 @@ class Translator:
                                               train.get(name, value)) for name, value in fallback.items()}
 
     def decode(self, sentences: list[str], strategy: Any, *, seed: int | None = None,
-               indices: list[int] | None = None, length_limits: bool = True,
-               stream: int | None = None) -> list[list[tuple[str, float]]]:
+               indices: list[int] | None = None, length_limits: bool = True) -> list[list[tuple[str, float]]]:
         """(translation, score) lists of ``sentences`` decoded with ``strategy``
         (:mod:`jaxformer.decode.strategies`), best first, in order; an empty or blank
         sentence gets one empty pair (score 0), as the command line writes an empty line.
@@ -127,7 +126,7 @@ class Translator:
         Args:
           seed: a sampling strategy's (``None``: 0); sentence i draws from ``fold_in(key(seed),
             indices[i])``, its index in the whole input (default: in ``sentences``), whatever
-            its batch or input path (``stream``: the key is ``fold_in(key(seed), stream)``).
+            its batch or input path.
           length_limits: as :meth:`jaxformer.decode.evaluation.Evaluator.decode`.
 
         Raises:
@@ -139,11 +138,10 @@ class Translator:
             raise TypeError(f"sentences must be a list of strings, got {type(sentences).__name__}"
                             + (": wrap one sentence in a list" if isinstance(sentences, str) else ""))
         rng = None   # key(0) in the decoder, which can then be an exported one
-        if seed is not None or stream is not None:
-            if not 0 <= check_count("seed", seed or 0, minimum=-(1 << 63)) < 1 << 32:   # what --seed takes
+        if seed is not None:
+            if not 0 <= check_count("seed", seed, minimum=-(1 << 63)) < 1 << 32:   # what --seed takes
                 raise ValueError(f"seed must be in [0, 2**32), got {seed}.")
-            rng = jax.random.key(int(seed or 0))
-            rng = rng if stream is None else jax.random.fold_in(rng, check_count("stream", stream, minimum=0))
+            rng = jax.random.key(int(seed))
         indices = range(len(sentences)) if indices is None else indices
         todo = [i for i, sentence in enumerate(sentences) if sentence.strip()]
         out = [[("", 0.0)] for _ in sentences]
@@ -173,17 +171,15 @@ class Translator:
 
     def sample(self, sentences: list[str], *, seed: int = 0, temperature: float = 1.0,
                top_k: int | None = None, top_p: float | None = None, no_repeat_ngram_size: int | None = None,
-               repetition_penalty: float | None = None, indices: list[int] | None = None,
-               stream: int | None = None) -> list[str]:
+               repetition_penalty: float | None = None, indices: list[int] | None = None) -> list[str]:
         """One sampled translation per sentence: :meth:`decode` with a
         :class:`~jaxformer.decode.strategies.Sample` and, left ``None``, the run's
-        repetition rules (``seed``, ``indices``, ``stream``: as :meth:`decode`)."""
+        repetition rules (``seed``, ``indices``: as :meth:`decode`)."""
         processors = penalties(
             self.defaults["no_repeat_ngram_size"] if no_repeat_ngram_size is None else no_repeat_ngram_size,
             self.defaults["repetition_penalty"] if repetition_penalty is None else repetition_penalty)
         return [n_best[0][0] for n_best in self.decode(
-            sentences, Sample(temperature, top_k, top_p, processors), seed=seed, indices=indices,
-            stream=stream)]
+            sentences, Sample(temperature, top_k, top_p, processors), seed=seed, indices=indices)]
 
     def params_digest(self) -> str:
         """SHA-256 of the parameters as decoded (every leaf's path, dtype, shape and bytes):
