@@ -1,22 +1,20 @@
 """Prepare once: stream a corpus into token ids on disk (``jaxformer-prepare``, or
-``train.py`` when the run has no prepared data). The corpus is read twice as a stream,
-never whole:
+``train.py`` when the run has no prepared data), reading it twice, never whole:
 
-1. count the usable pairs (the split fractions depend on the count) and keep a bounded
-   reservoir sample, on which sentencepiece is trained (unless the run has a tokenizer);
+1. count the usable pairs (the split fractions depend on the count) and keep a reservoir
+   sample, on which sentencepiece is trained (unless the run has a tokenizer);
 2. split every pair by the hash of its source (:class:`jaxformer.data.corpus.Splitter`),
    encode the training pairs in chunks on all cores, filter them and append their ids
-   to ``train-src.bin`` / ``train-tgt.bin`` (layout: :mod:`jaxformer.data.prepared`).
+   (layout: :mod:`jaxformer.data.prepared`); then the back-translated pairs, if any.
 
-Filters, each counted: an empty side (when reading), more than ``max_tokens`` ids on a
-side, a source/target length ratio above ``max_length_ratio`` either way (Moses
-``clean-corpus-n.perl``, default 9, here on sentencepiece ids). ``--max-train-len`` is
-applied when training, from the stored lengths.
+Filters, each counted: an empty side (when reading); a source/target length ratio above
+``max_length_ratio`` either way, then a side of more than ``max_tokens`` ids
+(:func:`jaxformer.data.batching.length_filter`). ``--max-train-len`` applies when training.
 
 Everything, a new tokenizer included, is written beside the run's files and renamed into
-place when complete (the tokenizer then moves out of the new ``prepared/``, at once or,
-after a kill, at the next start): a prepare that fails or is killed leaves the run's
-tokenizer and data as they were. The same inputs and settings again do nothing.
+place when complete (the tokenizer then moves out of the new ``prepared/``, at once or at
+the next start), so a failed or killed prepare leaves the run as it was. The same inputs
+and settings again do nothing.
 """
 
 from __future__ import annotations
@@ -35,7 +33,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from jaxformer.data import back_translation, corpus
+from jaxformer.data.batching import length_filter
 from jaxformer.data.corpus import DataReport, Pair, Splitter
+from jaxformer.data.lines import chunks
 from jaxformer.data.prepared import FORMAT_VERSION, file_digest, tokenizer_digest
 from jaxformer.data.tokenizer import BT_TAG, TextTokenizer, Tokenizer
 from jaxformer.run.logs import log
@@ -51,31 +51,25 @@ PENDING_TOKENIZER = "spm.model.new"   # a new tokenizer, in prepared/ until it i
 def prepare(spec: DataSpec, directory: str | os.PathLike, tokenizer_file: str | os.PathLike,
             *, retrain_tokenizer: bool = False, seed: int = 0,
             tokenizer: TextTokenizer | None = None) -> dict[str, Any]:
-    """Prepares ``spec``'s corpus into ``directory`` (see the module docstring).
+    """Prepares ``spec``'s corpus into ``directory`` (replaced when complete) and returns the
+    manifest it writes there.
 
     Args:
-      spec: the corpus and settings.
-      directory: the prepared directory to write (replaced when complete).
-      tokenizer_file: the sentencepiece model: trained on the sample and written here
-        if missing (or ``retrain_tokenizer``), else used as it is.
-      seed: the reservoir sample's seed.
-      tokenizer: encode with this tokenizer (e.g. the Marian tokenizer of an
-        ``--init-from`` run, whose files are ``tokenizer_file``, a folder) instead of
-        the sentencepiece model at ``tokenizer_file``; nothing is trained.
-
-    Returns:
-      the manifest (also written to ``directory/manifest.json``).
+      tokenizer_file: the sentencepiece model, trained on the sample and written here if
+        missing or ``retrain_tokenizer``, else used as it is.
+      seed: the reservoir sample's and the back-translation mix's seed.
+      tokenizer: encode with this one instead (e.g. an ``--init-from`` run's Marian
+        tokenizer, whose folder is ``tokenizer_file``); nothing is trained.
 
     Raises:
-      ValueError: no usable pair, an empty split, or every pair filtered out.
-      FileNotFoundError / PermissionError: a missing or unreadable input.
+      ValueError: no usable pair, an empty split (every pair filtered out included).
+      OSError: a missing or unreadable input.
     """
     start = time.perf_counter()
     directory, tokenizer_file = Path(directory), Path(tokenizer_file)
     fingerprint = spec.fingerprint()
-    report = DataReport()
-    n, sample = _count_and_sample(spec.read(report), SAMPLE_PAIRS, seed)   # raises if none is usable
-    splitter = Splitter.for_size(n, merged_into_train=tuple(_explicit_splits(spec)))
+    n, sample = _count_and_sample(spec.source().records(), SAMPLE_PAIRS, seed)   # raises if none is usable
+    splitter = Splitter.for_size(n, merged_into_train=tuple(spec.explicit_splits()))
     log(f"prepare: read {spec.name}: {n} pairs in {time.perf_counter() - start:.0f}s")
     for stale in directory.parent.glob(f"{directory.name}.partial-*"):   # left by a killed prepare
         shutil.rmtree(stale, ignore_errors=True)
@@ -109,18 +103,12 @@ def prepare(spec: DataSpec, directory: str | os.PathLike, tokenizer_file: str | 
 
 
 def finish_tokenizer_move(directory: Path, tokenizer_file: Path) -> None:
-    """Moves the tokenizer a completed prepare left in ``directory`` (with the data it
-    encoded) to ``tokenizer_file``: at the end of :func:`prepare`, and at the next start
-    when a prepare was killed between committing its data and this move."""
+    """Moves the tokenizer a completed prepare left in ``directory`` to ``tokenizer_file`` (at
+    the end of :func:`prepare`, or at the next start after a kill between the two)."""
     pending = Path(directory) / PENDING_TOKENIZER
     if pending.exists():
         Path(tokenizer_file).parent.mkdir(parents=True, exist_ok=True)
         shutil.move(pending, tokenizer_file)   # a rename on one filesystem
-
-
-def _explicit_splits(spec: DataSpec) -> dict[str, str]:
-    """The held-out splits given as files (``--dev-file``, ``--test-file``)."""
-    return {name: path for name, path in (("dev", spec.dev_file), ("test", spec.test_file)) if path}
 
 
 def _train_tokenizer(spec: DataSpec, sample: list[Pair], splitter: Splitter, n: int,
@@ -139,77 +127,44 @@ def _train_tokenizer(spec: DataSpec, sample: list[Pair], splitter: Splitter, n: 
 
 def _write_prepared(spec: DataSpec, splitter: Splitter, tokenizer: TextTokenizer, tmp: Path, n: int,
                     seed: int, fingerprint: dict[str, Any], tokenizer_sha256: str) -> dict[str, Any]:
-    """Writes the splits' files into ``tmp``; the manifest describing them (without
-    ``seconds``, and not yet written)."""
+    """Writes the splits' files into ``tmp``; returns their manifest (without ``seconds``)."""
     read_report = DataReport()
     counts, histogram = _write_splits(spec, splitter, tokenizer, tmp, read_report, seed)
     read_report.kept = n
     log(read_report.summary(spec.name))
-    for name, path in _explicit_splits(spec).items():
+    for name, path in spec.explicit_splits().items():
         pairs, rep = corpus.read_tsv(path)
         log(rep.summary(f"{name} file {path}"))
         _write_tsv(tmp / f"{name}.tsv", pairs)
         counts[name] = len(pairs)
-    corpus.check_splits_nonempty({k: counts[k] for k in ("train", "dev", "test")}, n)
-    dtype = "uint16" if _largest_vocab(tokenizer) <= 1 << 16 else "int32"
+    corpus.check_splits_nonempty({k: counts[k] for k in ("train", "dev", "test")}, n, counts["train_dropped"])
+    vocab = max(tokenizer.src_vocab_size, tokenizer.tgt_vocab_size)
     return {"format_version": FORMAT_VERSION, "fingerprint": fingerprint, "name": spec.name,
-            "tokenizer": {"sha256": tokenizer_sha256, "vocab_size": _largest_vocab(tokenizer)},
-            "dtype": dtype, "read": dict(read_report.skipped, lines=read_report.read),
+            "tokenizer": {"sha256": tokenizer_sha256, "vocab_size": vocab},
+            "dtype": "uint16" if vocab <= 1 << 16 else "int32",
+            "read": dict(read_report.skipped, lines=read_report.read),
             "counts": counts, "length_histogram": histogram,
             "files": {f.name: {"size": f.stat().st_size, "sha256": file_digest(f)}
                       for f in sorted(tmp.iterdir())}}
 
 
 def _count_and_sample(pairs: Iterator[Pair], size: int, seed: int) -> tuple[int, list[Pair]]:
-    """Counts the pairs and keeps a uniform sample of ``size`` of them (reservoir sampling,
-    Vitter's algorithm R). With at most ``size`` pairs the sample is all of them, in order,
-    so a small corpus gets exactly the tokenizer the in-memory path trains."""
+    """The number of pairs and a uniform sample of ``size`` of them (reservoir sampling,
+    Vitter's algorithm R); all of them, in order, when there are at most ``size``."""
     rng = random.Random(seed)
     sample: list[Pair] = []
     n = 0
     for n, pair in enumerate(pairs, start=1):
         if n <= size:
             sample.append(pair)
-        else:
-            j = rng.randrange(n)
-            if j < size:
-                sample[j] = pair
+        elif (j := rng.randrange(n)) < size:
+            sample[j] = pair
     return n, sample
 
 
-def _chunks(pairs: Iterator[Pair], size: int) -> Iterator[list[Pair]]:
-    while chunk := list(itertools.islice(pairs, size)):
-        yield chunk
-
-
-def keep_mask(src_lengths: np.ndarray, tgt_lengths: np.ndarray, max_tokens: int,
-              max_ratio: float) -> tuple[np.ndarray, dict[str, int]]:
-    """Which pairs pass the length-ratio and the length filter, and the counts dropped.
-
-    The ratio test comes first (Moses clean-corpus-n: ``len_src / len_tgt > ratio`` or
-    ``len_tgt / len_src > ratio`` drops the pair); then a side longer than
-    ``max_tokens`` ids drops it. Both sides count ids without bos/eos.
-
-    Args:
-      src_lengths / tgt_lengths: ``[N]`` integer lengths (every length ≥ 1).
-
-    Returns:
-      ``(mask [N] bool, {reason: count})``.
-    """
-    src, tgt = np.asarray(src_lengths), np.asarray(tgt_lengths)
-    ratio_bad = (src > max_ratio * tgt) | (tgt > max_ratio * src)
-    long_bad = ~ratio_bad & ((src > max_tokens) | (tgt > max_tokens))
-    return ~(ratio_bad | long_bad), {f"length ratio above {max_ratio:g}": int(ratio_bad.sum()),
-                                     f"longer than {max_tokens} tokens": int(long_bad.sum())}
-
-
-def _largest_vocab(tokenizer: TextTokenizer) -> int:
-    return max(tokenizer.src_vocab_size, tokenizer.tgt_vocab_size)
-
-
 def encode_pairs(tokenizer: TextTokenizer, pairs: list[Pair]) -> tuple[list[list[int]], list[list[int]]]:
-    """Source and target ids of ``pairs`` (no bos/eos), on all cores for sentencepiece
-    (which releases the GIL), by the tokenizer's own source/target rules otherwise (Marian)."""
+    """Source and target ids of ``pairs`` (no bos/eos): sentencepiece on all cores (it releases
+    the GIL), another tokenizer by its own source/target rules (Marian)."""
     if not isinstance(tokenizer, Tokenizer):
         return tokenizer.encode_source([p[0] for p in pairs]), tokenizer.encode_target([p[1] for p in pairs])
     threads = os.cpu_count() or 1
@@ -218,8 +173,8 @@ def encode_pairs(tokenizer: TextTokenizer, pairs: list[Pair]) -> tuple[list[list
 
 
 class IdWriter:
-    """Appends encoded training pairs to ``train-src.bin``/``train-tgt.bin`` after the
-    length filters (:func:`keep_mask`), keeping their lengths and the drop counts."""
+    """Appends encoded training pairs to ``train-src.bin``/``train-tgt.bin`` after the length
+    filters, keeping their lengths and the counts dropped."""
 
     def __init__(self, out: Path, spec: DataSpec, dtype: np.dtype):
         self.spec, self.dtype = spec, dtype
@@ -231,7 +186,8 @@ class IdWriter:
         """Filters and appends one chunk; returns how many pairs were kept."""
         src_len = np.fromiter(map(len, src), np.int64, len(src))
         tgt_len = np.fromiter(map(len, tgt), np.int64, len(tgt))
-        keep, reasons = keep_mask(src_len, tgt_len, self.spec.max_tokens, self.spec.max_length_ratio)
+        keep, reasons = length_filter(src_len, tgt_len, self.spec.max_tokens, self.spec.max_tokens,
+                                      self.spec.max_length_ratio)
         for reason, count in reasons.items():
             self.dropped[reason] = self.dropped.get(reason, 0) + count
         kept = np.flatnonzero(keep)
@@ -251,18 +207,15 @@ class IdWriter:
 
 def _write_splits(spec: DataSpec, splitter: Splitter, tokenizer: TextTokenizer, out: Path,
                   report: DataReport, seed: int = 0) -> tuple[dict[str, Any], dict[str, list[int]]]:
-    """Second pass: dev/test pairs to TSV, training pairs encoded, filtered and appended to
-    the id files, then the back-translated pairs (:mod:`jaxformer.data.back_translation`).
-    Returns the counts and the length histogram (ids per side, bins of 8)."""
-    dtype = np.uint16 if _largest_vocab(tokenizer) <= 1 << 16 else np.int32
+    """The second pass: dev/test pairs to TSV, training pairs encoded, filtered and appended,
+    then the back-translated ones. Returns the counts and the length histogram (bins of 8)."""
+    dtype = np.uint16 if max(tokenizer.src_vocab_size, tokenizer.tgt_vocab_size) <= 1 << 16 else np.int32
     held: dict[str, list[Pair]] = {"dev": [], "test": []}
     writer = IdWriter(out, spec, dtype)
-    # Chunk k is encoded in a thread (sentencepiece releases the GIL) while this thread
-    # reads and splits chunk k + 1; chunks are written in order.
-    try:
+    try:   # chunk k is encoded in a thread while this one reads and splits chunk k + 1
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             pending, real = None, 0
-            for chunk in _chunks(spec.read(report), CHUNK_PAIRS):
+            for chunk in chunks(spec.source(report).records(), CHUNK_PAIRS):
                 train = []
                 for pair in chunk:
                     name = splitter(pair[0])
@@ -277,9 +230,6 @@ def _write_splits(spec: DataSpec, splitter: Splitter, tokenizer: TextTokenizer, 
                      if spec.bt_file else None)
     finally:
         all_lengths = writer.close()
-    if not len(all_lengths):
-        raise ValueError(f"Every training pair of {spec.name} was filtered out ({writer.dropped}); "
-                         f"raise --max-length-ratio or check the corpus.")
     np.save(out / "train-lengths.npy", all_lengths.astype(np.int32))
     for name, pairs in held.items():
         _write_tsv(out / f"{name}.tsv", pairs)

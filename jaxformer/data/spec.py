@@ -1,19 +1,15 @@
-"""What the data of a run is: its corpus files and every setting that changes the ids
-(:class:`DataSpec`), read from the run's flags, with its fingerprint. What is done with
-it: :mod:`jaxformer.data.prepare` (writes it as ids) and :mod:`jaxformer.data.run_data`
-(reuses, prepares or refuses).
-"""
+"""What the data of a run is (:class:`DataSpec`): its corpus files and every setting that
+changes the ids, read from the run's flags, and its fingerprint."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from jaxformer.data import corpus
-from jaxformer.data.corpus import DataReport, Pair, PairFiles, describe_file
+from jaxformer.data.corpus import DataReport, PairFiles, describe_file
+from jaxformer.data.back_translation import BackTranslationMix
 from jaxformer.data.prepared import FORMAT_VERSION
-from jaxformer.data.tokenizer import BT_TAG
 
 if TYPE_CHECKING:
     from jaxformer.run.config import TrainConfig
@@ -21,12 +17,9 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass(frozen=True)
 class DataSpec:
-    """What the data of a run is: the corpus files and every setting that changes the ids.
-
-    ``corpus_files`` is one TSV file, or a source and a target file (``aligned``);
-    ``bt_file`` a TSV file of synthetic pairs added to training with tagged sources, at
-    ``bt_ratio`` synthetic pairs per real one (:mod:`jaxformer.data.back_translation`).
-    """
+    """The corpus (``corpus_files``: one TSV file, or source and target files when
+    ``aligned``) and the settings that change the ids; ``bt_file``: synthetic pairs added
+    to training, tagged, ``bt_ratio`` per real one (:mod:`jaxformer.data.back_translation`)."""
 
     corpus_files: tuple[str, ...]
     aligned: bool = False
@@ -36,13 +29,12 @@ class DataSpec:
     max_tokens: int = 1024
     max_length_ratio: float = 9.0
     name: str = ""
-    bt_file: str | None = None          # synthetic pairs, tagged (jaxformer.data.back_translation)
-    bt_ratio: float | None = None       # synthetic pairs per real training pair; None = each once
+    bt_file: str | None = None
+    bt_ratio: float | None = None       # None = each synthetic pair once
 
     @classmethod
     def from_config(cls, cfg: TrainConfig) -> DataSpec:
-        """The data named by a run's flags (``--train-file``, ``--src-file``/``--tgt-file`` or
-        ``--pair``).
+        """The data a run's flags name (``--train-file``, ``--src-file``/``--tgt-file`` or ``--pair``).
 
         Raises:
           ValueError: conflicting corpus flags.
@@ -64,14 +56,14 @@ class DataSpec:
         """The corpus as a data source (its pairs counted in ``report``)."""
         return PairFiles(self.corpus_files, report or DataReport())
 
-    def read(self, report: DataReport) -> Iterator[Pair]:
-        """Streams the corpus's usable pairs (counted in ``report``)."""
-        return self.source(report).records()
+    def explicit_splits(self) -> dict[str, str]:
+        """The held-out splits given as files (``--dev-file``, ``--test-file``)."""
+        return {name: path for name, path in (("dev", self.dev_file), ("test", self.test_file)) if path}
 
     def fingerprint(self) -> dict[str, Any]:
-        """Every input file's path, size and SHA-256 (:func:`jaxformer.data.corpus.describe_file`),
-        and the settings that change the ids: the value ``prepared/manifest.json`` and the run
-        record keep, so its keys and values stay as they are.
+        """Every input file's :func:`jaxformer.data.corpus.describe_file` and the settings that
+        change the ids: what ``prepared/manifest.json`` and the run record keep (its keys and
+        values never change, so old runs still resume).
 
         Raises:
           FileNotFoundError: an input file is missing; ValueError: one is a folder, pipe or device.
@@ -83,7 +75,6 @@ class DataSpec:
                        "aligned": self.aligned, "dev_file": describe(self.dev_file),
                        "test_file": describe(self.test_file), "vocab_size": self.vocab_size,
                        "max_tokens": self.max_tokens, "max_length_ratio": self.max_length_ratio}
-        if self.bt_file:   # only then: the fingerprints of runs without synthetic data are unchanged
-            fingerprint["back_translation"] = {"file": describe(self.bt_file), "ratio": self.bt_ratio,
-                                               "tag": BT_TAG}
+        if self.bt_file:   # only then: runs without synthetic data keep their fingerprints
+            fingerprint["back_translation"] = BackTranslationMix(self.bt_file, self.bt_ratio, 0).fingerprint()
         return fingerprint
