@@ -1,20 +1,11 @@
-"""Tagged back-translation: synthetic pairs beside the real ones (``--bt-file``).
-
-Back-translation (Sennrich et al. 2016) trains on pairs whose source is a machine
-translation of real target-language text; tagged back-translation (Caswell et al. 2019)
-marks those sources so the model tells them apart. The pairs come as a TSV file
-(synthetic source, real target), e.g. from bulk translation::
-
-    jaxformer-translate --workdir runs/de-en --input mono.de --output mono.bt.en
-    paste mono.bt.en mono.de > bt.tsv
-    python train.py --train-file real.tsv --bt-file bt.tsv --bt-ratio 1
+"""Tagged back-translation (Sennrich et al. 2016; tags: Caswell et al. 2019): synthetic pairs
+(a machine-translated source, a real target; a TSV file, e.g. ``paste`` of bulk translation's
+output and its input) beside the real ones, ``--bt-file bt.tsv --bt-ratio R``.
 
 Each synthetic source starts with the id of :data:`BT_TAG`, a control piece of the run's
-tokenizer (no text encodes to it; decoding drops it). Synthetic pairs go to training
-only, through the real pairs' length filters, appended to the prepared ids; the epoch
-shuffle mixes them. ``--bt-ratio R``: R synthetic pairs per real one, sampled without
-replacement when there are more, repeated (whole copies, then a sample) when fewer; none:
-each once. The choice is seeded, and file, ratio and tag are in the data's fingerprint.
+tokenizer (no text encodes to it). The pairs go to training only, through the real pairs'
+length filters; the epoch shuffle mixes them. ``R`` synthetic pairs per real one are taken
+(whole copies, then a seeded sample without replacement); no ratio: each once.
 """
 
 from __future__ import annotations
@@ -31,7 +22,7 @@ from jaxformer.data.tokenizer import BT_TAG, TextTokenizer, Tokenizer
 from jaxformer.run.logs import log
 
 if TYPE_CHECKING:
-    from jaxformer.data.spec import DataSpec
+    from jaxformer.data.run_data import DataSpec
 
 Encoder = Callable[[TextTokenizer, list[Pair]], tuple[list[list[int]], list[list[int]]]]
 
@@ -40,11 +31,8 @@ MAX_REPEATS = 100   # copies of one synthetic pair --bt-ratio may ask for
 
 
 def tag_id(tokenizer: TextTokenizer) -> int:
-    """The id of :data:`BT_TAG`, a control piece of ``tokenizer``.
-
-    Raises:
-      ValueError: the tokenizer has none (trained without ``--bt-file``, or Marian's).
-    """
+    """The id of :data:`BT_TAG`, a control piece of ``tokenizer``. Raises ValueError: the tokenizer
+    has none (trained without ``--bt-file``, or Marian's)."""
     sp = tokenizer.sp if isinstance(tokenizer, Tokenizer) else None
     piece_id = sp.piece_to_id(BT_TAG) if sp is not None else None
     if sp is None or piece_id == tokenizer.unk_id or not sp.is_control(piece_id):
@@ -117,17 +105,10 @@ class BackTranslationMix:
 
 def append(spec: DataSpec, tokenizer: TextTokenizer, writer: Any, real_pairs: int, seed: int,
            encode: Encoder) -> dict[str, Any]:
-    """Encodes the :class:`BackTranslationMix` of ``spec.bt_file`` with ``encode``, tags the
-    sources and appends them through ``writer`` (a :class:`jaxformer.data.prepare.IdWriter`,
-    which filters), a chunk at a time.
-
-    Returns:
-      the manifest's counts: ``read`` (usable pairs), ``chosen`` (by the ratio), ``kept``
-      (after the filters), ``ratio``, ``tag_id``.
-
-    Raises:
-      ValueError: see :func:`tag_id` and :class:`BackTranslationMix`.
-    """
+    """Appends ``spec.bt_file``'s :class:`BackTranslationMix`, encoded, sources tagged, through
+    ``writer`` (a :class:`jaxformer.data.prepare.IdWriter`) a chunk at a time; returns the
+    manifest's counts (``read``, ``chosen``, ``kept``, ``ratio``, ``tag_id``). Raises
+    ValueError: see :func:`tag_id` and :class:`BackTranslationMix`."""
     tag = tag_id(tokenizer)
     mix = BackTranslationMix(spec.bt_file, spec.bt_ratio, real_pairs, seed)
     kept = 0

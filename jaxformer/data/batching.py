@@ -57,13 +57,9 @@ def length_filter(src_len: np.ndarray, tgt_len: np.ndarray, max_src: int, max_tg
 
 def kept_records(corpus: Any, max_len: int, max_ratio: float | None = None,
                  report: DataReport | None = None) -> tuple[np.ndarray, int]:
-    """The records of ``corpus`` (:class:`Examples` or a prepared corpus) that fit ``max_len``
-    (source ids ≤ max_len, target ids + 1 ≤ max_len) and ``max_ratio``, as int64 ``[M]``, and
-    the number dropped (counted by reason in ``report``).
-
-    Raises:
-      ValueError: no record fits.
-    """
+    """int64 ``[M]``: the records of ``corpus`` (:class:`Examples` or a prepared corpus) that fit
+    ``max_len`` (source ids, target ids + 1) and ``max_ratio``; and the number dropped (by
+    reason in ``report``). Raises ValueError: none fits."""
     keep, dropped = length_filter(corpus.src_lengths, corpus.tgt_lengths, max_len, max_len - 1, max_ratio)
     records = np.flatnonzero(keep)
     if report is not None:
@@ -77,11 +73,8 @@ def kept_records(corpus: Any, max_len: int, max_ratio: float | None = None,
 
 def tokenize_pairs(pairs: Sequence[Pair], tokenizer: TextTokenizer, max_len: int,
                    report: DataReport | None = None, max_ratio: float | None = None) -> Examples:
-    """``pairs`` encoded, less those :func:`kept_records` drops (counted in ``report``).
-
-    Raises:
-      ValueError: no pair fits.
-    """
+    """``pairs`` encoded, less those :func:`kept_records` drops (counted in ``report``). Raises
+    ValueError: no pair fits."""
     examples = Examples(tokenizer.encode_source([p[0] for p in pairs]),
                         tokenizer.encode_target([p[1] for p in pairs]))
     records, _ = kept_records(examples, max_len, max_ratio, report)
@@ -107,10 +100,7 @@ def rows_per_batch(batch_tokens: int, length: int, row_multiple: int = 1) -> int
 def check_batch_rows(batch_tokens: int, row_length: int, row_multiple: int) -> str | None:
     """Checks that a full-length batch has at least ``row_multiple`` rows (data axis ×
     grad-accumulation steps × processes); returns a note when :func:`rows_per_batch` rounds.
-
-    Raises:
-      ValueError: fewer rows, naming the ``--batch-tokens`` that fits.
-    """
+    Raises ValueError: fewer rows, naming the ``--batch-tokens`` that fits."""
     rows = batch_tokens // row_length
     if rows < row_multiple:
         raise ValueError(f"--batch-tokens {batch_tokens} gives {rows} row(s) of {row_length} tokens, but "
@@ -126,15 +116,9 @@ def check_batch_rows(batch_tokens: int, row_length: int, row_multiple: int) -> s
 
 def bucket_plan(src_len: np.ndarray, tgt_len: np.ndarray, rng: np.random.Generator, *, batch_tokens: int,
                 boundaries: Sequence[int], row_multiple: int = 1) -> Plan:
-    """Batches by padded length: each pair goes to the smallest boundary ``L`` that holds it;
-    a bucket's batches have :func:`rows_per_batch` rows (its last one filled with -1).
-
-    Args:
-      src_len / tgt_len: ``[N]`` source ids and target ids + 1, each ≤ ``boundaries[-1]``.
-
-    Returns:
-      ``(L, indices [rows])`` batches in a random order.
-    """
+    """Length buckets: ``[N]`` pairs of ``src_len`` source ids and ``tgt_len`` target ids + 1
+    (≤ ``boundaries[-1]``), each in the smallest boundary ``L`` that holds it. Returns ``(L,
+    indices [rows])`` batches (:func:`rows_per_batch` rows, -1 = empty) in a random order."""
     bucket_of = np.searchsorted(np.asarray(boundaries), np.maximum(src_len, tgt_len))
     batches = []
     for b, length in enumerate(boundaries):
@@ -151,18 +135,11 @@ def bucket_plan(src_len: np.ndarray, tgt_len: np.ndarray, rng: np.random.Generat
 
 def pack_plan(src_len: np.ndarray, tgt_len: np.ndarray, rng: np.random.Generator, *, batch_tokens: int,
               length: int, row_multiple: int = 1) -> Plan:
-    """Sequence packing: whole pairs concatenated into rows of ``length`` source and ``length``
-    target positions, best-fit over a random order sorted longest first (a few per cent of
-    padding, one compiled shape); :func:`rows_per_batch` rows a batch, the last filled with
-    empty rows.
-
-    Args:
-      src_len / tgt_len: ``[N]`` source ids and target ids + 1, each ≤ ``length``.
-
-    Returns:
-      ``(length, indices [rows, P])`` batches in a random order: row r holds the pairs
-      ``indices[r] >= 0`` in order (segments 1, 2, … of :func:`collate_packed`).
-    """
+    """Sequence packing: ``[N]`` pairs of ``src_len`` source ids and ``tgt_len`` target ids + 1
+    (each ≤ ``length``) concatenated into rows of ``length`` positions a side, best-fit over
+    a random order sorted longest first; :func:`rows_per_batch` rows a batch. Returns
+    ``(length, indices [rows, P])`` batches in a random order, row r holding the pairs
+    ``indices[r] >= 0`` (segments 1, 2, … of :func:`collate_packed`)."""
     order = rng.permutation(len(src_len))
     order = order[np.argsort(-np.maximum(src_len, tgt_len)[order], kind="stable")]
     # Open rows grouped by free space (source, target); best fit = the fitting group with the
@@ -207,13 +184,9 @@ def padding_fraction(corpus: Any, batches: Plan) -> dict[str, float]:
 
 def collate_packed(examples: Any, length: int, indices: np.ndarray, *, pad_id: int, bos_id: int,
                    eos_id: int) -> dict[str, np.ndarray]:
-    """One packed batch of :func:`pack_plan` rows ``indices [rows, P]`` of ``examples``
-    (``examples.src[i]``: the ids of pair ``i``).
-
-    Returns:
-      :func:`collate`'s arrays plus ``src_segments`` / ``tgt_segments`` int32 ``[rows, L]``:
-      1, 2, … for the pairs of a row (a pair's two sides alike), 0 on padding.
-    """
+    """One packed batch of :func:`pack_plan` rows ``indices [rows, P]`` of ``examples``:
+    :func:`collate`'s arrays plus int32 ``[rows, L]`` ``src_segments`` / ``tgt_segments``, 1,
+    2, … for the pairs of a row (both sides alike), 0 on padding."""
     rows = len(indices)
     out = {name: np.full((rows, length), pad_id, np.int32) for name in ("src", "tgt_in", "tgt_out")}
     out.update({name: np.zeros((rows, length), np.int32) for name in ("src_segments", "tgt_segments")})

@@ -33,21 +33,14 @@ class DataReport:
     kept: int = 0
     skipped: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
-    def skip(self, reason: str, count: int = 1) -> None:
-        self.skipped[reason] += count
-
     def summary(self, name: str) -> str:
         parts = ", ".join(f"{n} {r}" for r, n in sorted(self.skipped.items())) or "none"
         return f"{name}: read {self.read} lines, kept {self.kept} pairs, skipped: {parts}"
 
 
 def describe_file(path: str | os.PathLike) -> dict[str, Any]:
-    """A corpus file's fingerprint: resolved path, size and SHA-256.
-
-    Raises:
-      FileNotFoundError: missing. ValueError: a folder, a pipe or a device (a corpus is
-        read more than once).
-    """
+    """A corpus file's fingerprint: resolved path, size and SHA-256. Raises FileNotFoundError:
+    missing. ValueError: a folder, a pipe or a device (a corpus is read more than once)."""
     p = Path(path)
     if not p.is_file():
         problem = ("does not exist; check the path" if not p.exists() else
@@ -59,34 +52,29 @@ def describe_file(path: str | os.PathLike) -> dict[str, Any]:
     return {"path": str(p.resolve()), "size": p.stat().st_size, "sha256": file_digest(p)}
 
 
-def _cleaned(src: str | None, tgt: str | None, report: DataReport) -> Pair | None:
-    """The whitespace-normalised pair, or ``None`` (counted) for a side not UTF-8 or empty."""
+def _cleaned(src: str | None, tgt: str | None) -> Pair | str:
+    """The whitespace-normalised pair, or why it is skipped."""
     if src is None or tgt is None:
-        report.skip("invalid UTF-8")
-        return None
+        return "invalid UTF-8"
     src, tgt = " ".join(src.split()), " ".join(tgt.split())
-    if not src or not tgt:
-        report.skip("empty side")
-        return None
-    return src, tgt
+    return (src, tgt) if src and tgt else "empty side"
 
 
-def _tsv_pairs(path: str, report: DataReport) -> Iterator[Pair | None]:
+def _tsv_pairs(path: str) -> Iterator[Pair | str]:
     for line in read_lines(path, errors="skip"):
-        report.read += 1
         if line is None:
-            yield _cleaned(None, None, report)
+            yield "invalid UTF-8"
         elif not line.strip():
-            report.skip("blank line")
+            yield "blank line"
         elif "\r" in line and line.count("\t") > 1:   # a file of \r line endings reads as one line
-            report.skip("carriage return inside the line (\\r line endings? convert them to \\n)")
+            yield "carriage return inside the line (\\r line endings? convert them to \\n)"
         elif line.count("\t") != 1:
-            report.skip("no tab" if "\t" not in line else "more than one tab")
+            yield "no tab" if "\t" not in line else "more than one tab"
         else:
-            yield _cleaned(*line.split("\t"), report)
+            yield _cleaned(*line.split("\t"))
 
 
-def _aligned_pairs(src_path: str, tgt_path: str, report: DataReport) -> Iterator[Pair | None]:
+def _aligned_pairs(src_path: str, tgt_path: str) -> Iterator[Pair | str]:
     end = object()
     for src, tgt in itertools.zip_longest(read_lines(src_path, "skip"), read_lines(tgt_path, "skip"),
                                           fillvalue=end):
@@ -94,8 +82,7 @@ def _aligned_pairs(src_path: str, tgt_path: str, report: DataReport) -> Iterator
             raise ValueError(f"{src_path} and {tgt_path} have different numbers of lines "
                              f"({src_path if tgt is end else tgt_path} has more); aligned files need "
                              f"one sentence per line each.")
-        report.read += 1
-        yield _cleaned(src, tgt, report)
+        yield _cleaned(src, tgt)
 
 
 @dataclasses.dataclass
@@ -113,20 +100,21 @@ class PairFiles:
     position: int = 0
 
     def records(self) -> Iterator[Pair]:
-        """The usable pairs from the position on, streamed.
-
-        Raises:
-          OSError: a missing or unreadable path. ValueError: no usable pair; aligned files
-            of different lengths. jaxformer.data.lines.TextError: UTF-16, a corrupt ``.gz``.
-        """
+        """The usable pairs from the position on, streamed. Raises OSError: a missing or unreadable
+        path. ValueError: no usable pair; aligned files of different lengths.
+        jaxformer.data.lines.TextError: UTF-16, a corrupt ``.gz``."""
         paths = [str(p) for p in self.paths]
-        read = _aligned_pairs(*paths, self.report) if len(paths) == 2 else _tsv_pairs(paths[0], self.report)
-        for index, pair in enumerate(p for p in read if p is not None):
-            self.report.kept = index + 1
-            if index >= self.position:
-                self.position = index + 1
+        kept = 0
+        for pair in _aligned_pairs(*paths) if len(paths) == 2 else _tsv_pairs(paths[0]):
+            self.report.read += 1
+            if isinstance(pair, str):
+                self.report.skipped[pair] += 1
+                continue
+            kept = self.report.kept = kept + 1
+            if kept > self.position:
+                self.position = kept
                 yield pair
-        if not self.report.kept:
+        if not kept:
             expected = ("one UTF-8 sentence per line in each file" if len(paths) == 2 else
                         "UTF-8 lines 'source<TAB>target'")
             raise ValueError(f"No usable sentence pair in {' / '.join(map(repr, paths))} "

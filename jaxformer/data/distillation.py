@@ -5,12 +5,9 @@ teacher's beam-search translations of the teacher's own training sources::
     jaxformer-translate --workdir runs/en-de --input train.en --output train.distilled.de --beam-size 4
     paste train.en train.distilled.de > distilled.tsv
     python train.py --workdir runs/en-de-student --train-file distilled.tsv \\
-        --dev-file runs/en-de/prepared/dev.tsv --test-file runs/en-de/prepared/test.tsv \\
-        --d-model 64 --d-ff 256
+        --dev-file runs/en-de/prepared/dev.tsv --test-file runs/en-de/prepared/test.tsv
 
-:func:`write_training_sources` gives the first step: the sources of the teacher's training
-split only, so the student never trains on the teacher's output for its dev and test
-sources and is scored against the teacher's references, not its output.
+Only the training split's sources: the student is scored on the teacher's references.
 """
 
 from __future__ import annotations
@@ -20,8 +17,7 @@ from pathlib import Path
 
 from jaxformer.data.corpus import Splitter
 from jaxformer.data.prepared import read_manifest
-from jaxformer.data.run_data import fingerprint_differences, same_data
-from jaxformer.data.spec import DataSpec
+from jaxformer.data.run_data import DataSpec, fingerprint_differences, same_data
 from jaxformer.run.config import TrainConfig
 from jaxformer.run.directory import RunDir
 from jaxformer.run.train_flags import load_config_file
@@ -48,14 +44,11 @@ def _output_problem(output: Path, tmp: Path, spec: DataSpec, run_dir: RunDir) ->
 
 
 def write_training_sources(workdir: str | os.PathLike, output: str | os.PathLike) -> int:
-    """Writes the sources of a run's training split (before the length filters; no
-    ``--bt-file`` pairs), one a line, in corpus order, streamed from the corpus its
-    ``config.json`` names, split as preparing split it. Returns the number of lines.
-
-    Raises:
-      FileNotFoundError: no run (``config.json``) or no prepared data at ``workdir``.
-      ValueError: the corpus changed since it was prepared, or ``output`` cannot be written.
-    """
+    """Writes the sources of a run's training split (before the length filters; no ``--bt-file``
+    pairs), one a line, in corpus order, streamed from the corpus its ``config.json`` names,
+    split as preparing split it. Returns the number of lines. Raises FileNotFoundError: no run
+    (``config.json``) or no prepared data at ``workdir``. ValueError: the corpus changed since
+    it was prepared, or ``output`` cannot be written."""
     run_dir = RunDir(Path(workdir))
     manifest = read_manifest(run_dir.prepared)
     if not run_dir.config.exists() or manifest is None:

@@ -1,13 +1,11 @@
 """The one reader of text lines (corpora, bulk-translation input, the translate tool's input).
 
-Rules: gzip by its magic number, whatever the name; a line ends at ``\\n`` only (a bare
-``\\r`` stays inside its line, so aligned files never shift), one ``\\r`` before it is
-dropped; a UTF-8 byte-order mark at the start is dropped; the last line needs no
-newline. A UTF-16 file and a truncated or corrupt gzip stream are a :class:`TextError`.
-A line that is not UTF-8 is, by ``errors``: ``"strict"`` a :class:`NotUtf8`,
-``"replace"`` decoded with U+FFFD, ``"skip"`` given as ``None``; with the latter two its
-1-based number is appended to ``bad`` (other codec handlers, e.g. ``"surrogateescape"``,
-work as ``"replace"``).
+gzip by its magic number; a line ends at ``\\n`` only (a bare ``\\r`` stays in it), one
+``\\r`` before it and a UTF-8 byte-order mark at the start are dropped; the last line needs
+no newline. UTF-16 and a truncated or corrupt gzip are a :class:`TextError`. A line not
+UTF-8 is, by ``errors``: ``"strict"`` a :class:`NotUtf8`, ``"replace"`` (or another codec
+handler) decoded with U+FFFD, ``"skip"`` ``None``; the latter two append its 1-based
+number to ``bad``.
 """
 
 from __future__ import annotations
@@ -91,11 +89,8 @@ class LineSplitter:
 def read_lines(source: str | os.PathLike | BinaryIO, errors: Errors = "strict",
                bad: list[int] | None = None, where: str | None = None) -> Iterator[str | None]:
     """The lines of a path or a binary stream (e.g. ``sys.stdin.buffer``), read 1 MiB at a time.
-
-    Raises:
-      OSError: from opening ``source``. TextError: UTF-16, or a truncated or corrupt gzip.
-      NotUtf8: a line that is not UTF-8, with ``errors="strict"``.
-    """
+    Raises OSError: from opening ``source``. TextError: UTF-16, or a truncated or corrupt gzip.
+    NotUtf8: a line that is not UTF-8, with ``errors="strict"``."""
     is_path = isinstance(source, (str, os.PathLike))
     where = where or (repr(str(source)) if is_path else "stdin")
     splitter = LineSplitter(where, errors, bad)

@@ -1,20 +1,13 @@
-"""Prepare once: stream a corpus into token ids on disk (``jaxformer-prepare``, or
-``train.py`` when the run has no prepared data), reading it twice, never whole:
-
-1. count the usable pairs (the split fractions depend on the count) and keep a reservoir
-   sample, on which sentencepiece is trained (unless the run has a tokenizer);
-2. split every pair by the hash of its source (:class:`jaxformer.data.corpus.Splitter`),
-   encode the training pairs in chunks on all cores, filter them and append their ids
-   (layout: :mod:`jaxformer.data.prepared`); then the back-translated pairs, if any.
-
-Filters, each counted: an empty side (when reading); a source/target length ratio above
-``max_length_ratio`` either way, then a side of more than ``max_tokens`` ids
-(:func:`jaxformer.data.batching.length_filter`). ``--max-train-len`` applies when training.
-
-Everything, a new tokenizer included, is written beside the run's files and renamed into
-place when complete (the tokenizer then moves out of the new ``prepared/``, at once or at
-the next start), so a failed or killed prepare leaves the run as it was. The same inputs
-and settings again do nothing.
+"""Prepare once: a corpus streamed into token ids on disk (``jaxformer-prepare``, or
+``train.py`` when the run has none), read twice, never whole: (1) count the usable pairs
+and keep a reservoir sample, on which sentencepiece is trained (unless the run has a
+tokenizer); (2) split by the hash of the source (:class:`jaxformer.data.corpus.Splitter`),
+encode the training pairs in chunks on all cores, filter them
+(:func:`jaxformer.data.batching.length_filter` with ``max_tokens`` and
+``max_length_ratio``) and append their ids (:mod:`jaxformer.data.prepared`), then the
+back-translated pairs. Everything, a new tokenizer included, is written beside the run's
+files and renamed into place when complete, so a failed or killed prepare leaves the run
+as it was.
 """
 
 from __future__ import annotations
@@ -41,7 +34,7 @@ from jaxformer.data.tokenizer import BT_TAG, TextTokenizer, Tokenizer
 from jaxformer.run.logs import log
 
 if TYPE_CHECKING:
-    from jaxformer.data.spec import DataSpec
+    from jaxformer.data.run_data import DataSpec
 
 SAMPLE_PAIRS = 100_000      # tokenizer sample: 200k sentences, sentencepiece's input_sentence_size
 CHUNK_PAIRS = 20_000        # pairs encoded per sentencepiece call
@@ -51,24 +44,15 @@ PENDING_TOKENIZER = "spm.model.new"   # a new tokenizer, in prepared/ until it i
 def prepare(spec: DataSpec, directory: str | os.PathLike, tokenizer_file: str | os.PathLike,
             *, retrain_tokenizer: bool = False, seed: int = 0,
             tokenizer: TextTokenizer | None = None) -> dict[str, Any]:
-    """Prepares ``spec``'s corpus into ``directory`` (replaced when complete) and returns the
-    manifest it writes there.
-
-    Args:
-      tokenizer_file: the sentencepiece model, trained on the sample and written here if
-        missing or ``retrain_tokenizer``, else used as it is.
-      seed: the reservoir sample's and the back-translation mix's seed.
-      tokenizer: encode with this one instead (e.g. an ``--init-from`` run's Marian
-        tokenizer, whose folder is ``tokenizer_file``); nothing is trained.
-
-    Raises:
-      ValueError: no usable pair, an empty split (every pair filtered out included).
-      OSError: a missing or unreadable input.
-    """
+    """Prepares ``spec``'s corpus into ``directory`` and returns the manifest written there.
+    ``tokenizer_file``: the sentencepiece model, trained on the sample if missing or
+    ``retrain_tokenizer``; ``tokenizer``: encode with this one instead (e.g. an ``--init-from``
+    run's, in ``tokenizer_file``); ``seed``: the sample's and the mix's. Raises ValueError: no
+    usable pair, or an empty split. OSError: an unreadable input."""
     start = time.perf_counter()
     directory, tokenizer_file = Path(directory), Path(tokenizer_file)
     fingerprint = spec.fingerprint()
-    n, sample = _count_and_sample(spec.source().records(), SAMPLE_PAIRS, seed)   # raises if none is usable
+    n, sample = _count_and_sample(spec.source().records(), SAMPLE_PAIRS, seed)
     splitter = Splitter.for_size(n, merged_into_train=tuple(spec.explicit_splits()))
     log(f"prepare: read {spec.name}: {n} pairs in {time.perf_counter() - start:.0f}s")
     for stale in directory.parent.glob(f"{directory.name}.partial-*"):   # left by a killed prepare
@@ -86,8 +70,9 @@ def prepare(spec: DataSpec, directory: str | os.PathLike, tokenizer_file: str | 
         del sample
         tmp.mkdir(parents=True)
         sha256 = tokenizer_digest(tokenizer_file if trained is None else new_tokenizer / "spm.model")
-        manifest = _write_prepared(spec, splitter, tokenizer, tmp, n, seed, fingerprint, sha256)
-        manifest["seconds"] = round(time.perf_counter() - start, 1)
+        manifest = {"format_version": FORMAT_VERSION, "fingerprint": fingerprint, "name": spec.name,
+                    **_write_splits(spec, splitter, tokenizer, tmp, n, seed, sha256),
+                    "seconds": round(time.perf_counter() - start, 1)}
         if trained is not None:   # travels with the data: the rename below commits both
             shutil.move(new_tokenizer / "spm.model", tmp / PENDING_TOKENIZER)
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
@@ -98,7 +83,8 @@ def prepare(spec: DataSpec, directory: str | os.PathLike, tokenizer_file: str | 
         for partial in (tmp, new_tokenizer):
             shutil.rmtree(partial, ignore_errors=True)
     finish_tokenizer_move(directory, tokenizer_file)
-    log(f"prepare: {spec.name} → {directory}: {json.dumps(manifest['counts'])} in {manifest['seconds']:.0f}s")
+    log(f"prepare: {spec.name} → {directory}: {json.dumps(manifest['counts'])} in "
+        f"{manifest['seconds']:.0f}s")
     return manifest
 
 
@@ -123,29 +109,6 @@ def _train_tokenizer(spec: DataSpec, sample: list[Pair], splitter: Splitter, n: 
     log(f"prepare: trained sentencepiece ({tokenizer.vocab_size} pieces) on {len(sentences)} "
         f"sampled sentences in {time.perf_counter() - t0:.0f}s")
     return tokenizer
-
-
-def _write_prepared(spec: DataSpec, splitter: Splitter, tokenizer: TextTokenizer, tmp: Path, n: int,
-                    seed: int, fingerprint: dict[str, Any], tokenizer_sha256: str) -> dict[str, Any]:
-    """Writes the splits' files into ``tmp``; returns their manifest (without ``seconds``)."""
-    read_report = DataReport()
-    counts, histogram = _write_splits(spec, splitter, tokenizer, tmp, read_report, seed)
-    read_report.kept = n
-    log(read_report.summary(spec.name))
-    for name, path in spec.explicit_splits().items():
-        pairs, rep = corpus.read_tsv(path)
-        log(rep.summary(f"{name} file {path}"))
-        _write_tsv(tmp / f"{name}.tsv", pairs)
-        counts[name] = len(pairs)
-    corpus.check_splits_nonempty({k: counts[k] for k in ("train", "dev", "test")}, n, counts["train_dropped"])
-    vocab = max(tokenizer.src_vocab_size, tokenizer.tgt_vocab_size)
-    return {"format_version": FORMAT_VERSION, "fingerprint": fingerprint, "name": spec.name,
-            "tokenizer": {"sha256": tokenizer_sha256, "vocab_size": vocab},
-            "dtype": "uint16" if vocab <= 1 << 16 else "int32",
-            "read": dict(read_report.skipped, lines=read_report.read),
-            "counts": counts, "length_histogram": histogram,
-            "files": {f.name: {"size": f.stat().st_size, "sha256": file_digest(f)}
-                      for f in sorted(tmp.iterdir())}}
 
 
 def _count_and_sample(pairs: Iterator[Pair], size: int, seed: int) -> tuple[int, list[Pair]]:
@@ -205,13 +168,14 @@ class IdWriter:
         return np.concatenate(self.lengths) if self.lengths else np.zeros((0, 2), np.int64)
 
 
-def _write_splits(spec: DataSpec, splitter: Splitter, tokenizer: TextTokenizer, out: Path,
-                  report: DataReport, seed: int = 0) -> tuple[dict[str, Any], dict[str, list[int]]]:
-    """The second pass: dev/test pairs to TSV, training pairs encoded, filtered and appended,
-    then the back-translated ones. Returns the counts and the length histogram (bins of 8)."""
-    dtype = np.uint16 if max(tokenizer.src_vocab_size, tokenizer.tgt_vocab_size) <= 1 << 16 else np.int32
+def _write_splits(spec: DataSpec, splitter: Splitter, tokenizer: TextTokenizer, out: Path, n: int,
+                  seed: int, tokenizer_sha256: str) -> dict[str, Any]:
+    """The second pass into ``out``: dev/test pairs to TSV, training pairs encoded, filtered and
+    appended, then the back-translated ones. Returns the manifest's entries about them."""
+    vocab = max(tokenizer.src_vocab_size, tokenizer.tgt_vocab_size)
+    dtype = "uint16" if vocab <= 1 << 16 else "int32"
     held: dict[str, list[Pair]] = {"dev": [], "test": []}
-    writer = IdWriter(out, spec, dtype)
+    report, writer = DataReport(), IdWriter(out, spec, np.dtype(dtype))
     try:   # chunk k is encoded in a thread while this one reads and splits chunk k + 1
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             pending, real = None, 0
@@ -229,19 +193,28 @@ def _write_splits(spec: DataSpec, splitter: Splitter, tokenizer: TextTokenizer, 
         synthetic = (back_translation.append(spec, tokenizer, writer, real, seed, encode_pairs)
                      if spec.bt_file else None)
     finally:
-        all_lengths = writer.close()
-    np.save(out / "train-lengths.npy", all_lengths.astype(np.int32))
+        lengths = writer.close()
+    np.save(out / "train-lengths.npy", lengths.astype(np.int32))
+    report.kept = n
+    log(report.summary(spec.name))
+    for name, path in spec.explicit_splits().items():
+        held[name], explicit = corpus.read_tsv(path)
+        log(explicit.summary(f"{name} file {path}"))
     for name, pairs in held.items():
         _write_tsv(out / f"{name}.tsv", pairs)
-    bins = np.arange(0, spec.max_tokens + 8, 8)
-    histogram = {"bin_edges": bins.tolist(),
-                 "src": np.histogram(all_lengths[:, 0], bins)[0].tolist(),
-                 "tgt": np.histogram(all_lengths[:, 1], bins)[0].tolist()}
-    counts = {"train": len(all_lengths), "dev": len(held["dev"]), "test": len(held["test"]),
+    counts = {"train": len(lengths), "dev": len(held["dev"]), "test": len(held["test"]),
               "train_dropped": writer.dropped}
     if synthetic is not None:
         counts["back_translation"] = synthetic
-    return counts, histogram
+    corpus.check_splits_nonempty({k: counts[k] for k in ("train", "dev", "test")}, n, writer.dropped)
+    bins = np.arange(0, spec.max_tokens + 8, 8)
+    return {"tokenizer": {"sha256": tokenizer_sha256, "vocab_size": vocab}, "dtype": dtype,
+            "read": dict(report.skipped, lines=report.read), "counts": counts,
+            "length_histogram": {"bin_edges": bins.tolist(),
+                                 **{side: np.histogram(lengths[:, i], bins)[0].tolist()
+                                    for i, side in enumerate(("src", "tgt"))}},
+            "files": {f.name: {"size": f.stat().st_size, "sha256": file_digest(f)}
+                      for f in sorted(out.iterdir())}}
 
 
 def _write_tsv(path: Path, pairs: list[Pair]) -> None:

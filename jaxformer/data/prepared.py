@@ -1,17 +1,11 @@
-"""Prepared training data: token ids on disk, memory-mapped, checked before use. Written by
-:mod:`jaxformer.data.prepare`; a prepared directory holds::
-
-  manifest.json     inputs' fingerprint, tokenizer, filters, counts, length histogram,
-                    and the size and SHA-256 of every file below
-  train-src.bin     source ids of every kept training pair, concatenated (dtype: manifest)
-  train-tgt.bin     target ids (no bos/eos), concatenated
-  train-lengths.npy int32 [N, 2] ids per pair (source, target); offsets are their cumsum
-  dev.tsv test.tsv  the held-out pairs as text (evaluation scores text)
-
-Flat ``.bin`` files, not ArrayRecord: a record is a few dozen small integers read whole,
-and a memory map gives random access with no per-record framing while the page cache
-holds the data (benchmarks/README.md, "data at scale"); only lengths and offsets (32
-bytes a pair) live in process memory.
+"""Prepared training data (written by :mod:`jaxformer.data.prepare`): token ids on disk,
+memory-mapped, checked before use. A prepared directory holds ``manifest.json`` (inputs'
+fingerprint, tokenizer, filters, counts, length histogram, each file's size and SHA-256),
+``train-src.bin`` / ``train-tgt.bin`` (every kept training pair's ids, no bos/eos,
+concatenated, dtype in the manifest), ``train-lengths.npy`` (int32 ``[N, 2]`` ids per pair;
+offsets are their cumsum) and ``dev.tsv`` / ``test.tsv`` (held-out text). Flat files, not
+ArrayRecord: a record is a few dozen integers read whole, which a memory map reads with no
+per-record framing, the page cache holding the data (benchmarks/README.md, "data at scale").
 """
 
 from __future__ import annotations
@@ -92,11 +86,8 @@ class PreparedCorpus:
     @classmethod
     def open(cls, directory: str | Path, check_hashes: bool = True) -> PreparedCorpus:
         """Opens a prepared directory, checking sizes, the lengths against the ids, and (with
-        ``check_hashes``) every SHA-256.
-
-        Raises:
-          PreparedDataError: naming the first bad file and the fix.
-        """
+        ``check_hashes``) every SHA-256. Raises PreparedDataError: naming the first bad file and the
+        fix."""
         directory = Path(directory)
         manifest = read_manifest(directory)
         problem = _problem(directory, manifest, check_hashes)

@@ -1,26 +1,87 @@
-"""Which data a run belongs to: reuse, prepare or refuse.
-
-A run's ``prepared/manifest.json`` records the fingerprint of the data it was prepared
-from (:meth:`jaxformer.data.spec.DataSpec.fingerprint`). Every start compares the flags'
-data with it: equal, the prepared data is reused; different in a run with checkpoints,
-an error naming what differs and the fix; different before any checkpoint, prepared again.
+"""What the data of a run is (:class:`DataSpec`: its corpus and the settings that change the
+ids) and whether it is reused, prepared or refused: every start compares its fingerprint
+with the one ``prepared/manifest.json`` records; equal, the prepared data is reused;
+different in a run with checkpoints, an error naming what differs and the fix; different
+before any checkpoint, prepared again.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from jaxformer.data import corpus
+from jaxformer.data.back_translation import BackTranslationMix
+from jaxformer.data.corpus import DataReport, PairFiles, describe_file
 from jaxformer.data.prepare import finish_tokenizer_move, prepare
-from jaxformer.data.prepared import PreparedCorpus, read_manifest, tokenizer_digest
-from jaxformer.data.spec import DataSpec
+from jaxformer.data.prepared import FORMAT_VERSION, PreparedCorpus, read_manifest, tokenizer_digest
 from jaxformer.run.logs import log
 
 if TYPE_CHECKING:
     from jaxformer.data.tokenizer import TextTokenizer
     from jaxformer.run.config import TrainConfig
     from jaxformer.run.directory import RunDir
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSpec:
+    """The corpus (``corpus_files``: one TSV file, or source and target files when
+    ``aligned``) and the settings that change the ids; ``bt_file``: synthetic pairs added
+    to training, tagged, ``bt_ratio`` per real one (:mod:`jaxformer.data.back_translation`)."""
+
+    corpus_files: tuple[str, ...]
+    aligned: bool = False
+    dev_file: str | None = None
+    test_file: str | None = None
+    vocab_size: int = 4000
+    max_tokens: int = 1024
+    max_length_ratio: float = 9.0
+    name: str = ""
+    bt_file: str | None = None
+    bt_ratio: float | None = None       # None = each synthetic pair once
+
+    @classmethod
+    def from_config(cls, cfg: TrainConfig) -> DataSpec:
+        """The data a run's flags name (``--train-file``, ``--src-file``/``--tgt-file`` or ``--pair``).
+        Raises ValueError: conflicting corpus flags."""
+        if (cfg.train_file and (cfg.src_file or cfg.tgt_file)) or bool(cfg.src_file) != bool(cfg.tgt_file):
+            raise ValueError("Give either --train-file or --src-file with --tgt-file, not both; "
+                             "--src-file and --tgt-file go together.")
+        common = dict(dev_file=cfg.dev_file, test_file=cfg.test_file, vocab_size=cfg.vocab_size,
+                      max_length_ratio=cfg.max_length_ratio, bt_file=cfg.bt_file, bt_ratio=cfg.bt_ratio)
+        if cfg.train_file:
+            return cls((cfg.train_file,), name=cfg.train_file, **common)
+        if cfg.src_file:
+            return cls((cfg.src_file, cfg.tgt_file), aligned=True,
+                       name=f"{cfg.src_file} + {cfg.tgt_file}", **common)
+        return cls((str(corpus.builtin_corpus_path(cfg.pair)),),
+                   name=f"shipped {cfg.pair} corpus (LibreOffice help, MPL-2.0)", **common)
+
+    def source(self, report: DataReport | None = None) -> PairFiles:
+        """The corpus as a data source (its pairs counted in ``report``)."""
+        return PairFiles(self.corpus_files, report or DataReport())
+
+    def explicit_splits(self) -> dict[str, str]:
+        """The held-out splits given as files (``--dev-file``, ``--test-file``)."""
+        return {name: path for name, path in (("dev", self.dev_file), ("test", self.test_file)) if path}
+
+    def fingerprint(self) -> dict[str, Any]:
+        """Every input file's :func:`jaxformer.data.corpus.describe_file` and the settings that change
+        the ids: what ``prepared/manifest.json`` and the run record keep (its keys and values never
+        change, so old runs still resume). Raises FileNotFoundError: an input file is missing;
+        ValueError: one is a folder, pipe or device."""
+        def describe(path: str | None) -> dict[str, Any] | None:
+            return None if path is None else describe_file(path)
+
+        fingerprint = {"format_version": FORMAT_VERSION, "corpus": self.source().fingerprint(),
+                       "aligned": self.aligned, "dev_file": describe(self.dev_file),
+                       "test_file": describe(self.test_file), "vocab_size": self.vocab_size,
+                       "max_tokens": self.max_tokens, "max_length_ratio": self.max_length_ratio}
+        if self.bt_file:   # only then: runs without synthetic data keep their fingerprints
+            fingerprint["back_translation"] = BackTranslationMix(self.bt_file, self.bt_ratio, 0).fingerprint()
+        return fingerprint
 
 
 def fingerprint_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
@@ -63,13 +124,10 @@ def check_prepared(spec: DataSpec, directory: Path, tokenizer_file: Path, *,
                    has_checkpoints: bool, recorded: dict[str, Any] | None = None
                    ) -> tuple[dict[str, Any], str]:
     """``(the inputs' fingerprint, action)``: ``"reuse"``, ``"encode"`` (same data, another
-    tokenizer), ``"prepare"`` (none yet, or ``prepared/`` gone from a run whose record says
-    the same data) or ``"retrain"`` (the data changed and there are no checkpoints).
-    ``recorded``: the run record's fingerprint (``config.json``'s ``"data"``).
-
-    Raises:
-      ValueError: checkpoints of other data, or of data nothing describes; names the fix.
-    """
+    tokenizer), ``"prepare"`` (none yet, or ``prepared/`` gone from a run whose record says the
+    same data) or ``"retrain"`` (the data changed and there are no checkpoints). ``recorded``:
+    the run record's fingerprint (``config.json``'s ``"data"``). Raises ValueError: checkpoints
+    of other data, or of data nothing describes; names the fix."""
     fingerprint = spec.fingerprint()
     manifest = read_manifest(directory)
     if manifest is not None and same_data(manifest.get("fingerprint", {}), fingerprint):
@@ -83,12 +141,12 @@ def check_prepared(spec: DataSpec, directory: Path, tokenizer_file: Path, *,
         fresh = "--fresh of train.py / jaxformer-train moves the old run aside"
         raise ValueError(
             f"The run directory {str(directory.parent)!r} holds checkpoints, but neither "
-            f"{directory / 'manifest.json'} (missing or unreadable) nor its config.json (from before "
-            f"jaxformer recorded it there) says which data they were trained on, so a resume could "
-            f"continue on other data. Put back its prepared/ folder; or, if these flags name the data "
-            f"it was started with (config.json's \"train\" and train.log list them), move its "
-            f"checkpoints/ aside, run jaxformer-prepare with them, and move checkpoints/ back; or start "
-            f"this run over on the flags' data ({fresh})." if trained_on is None else
+            f"{directory / 'manifest.json'} (missing or unreadable) nor its config.json says which data "
+            f"they were trained on. "
+            f"Put back its prepared/ folder; or, if these flags name its data (config.json's \"train\" "
+            f"and train.log list them), move its checkpoints/ aside, run jaxformer-prepare with them, "
+            f"and move checkpoints/ back; or start this run over on the flags' data ({fresh})."
+            if trained_on is None else
             f"The run directory {str(directory.parent)!r} holds a run trained on other data "
             f"({'; '.join(fingerprint_differences(trained_on, fingerprint))}). Resume with the data flags "
             f"it was started with, choose another --workdir for the new data, or start this run over on "
@@ -147,15 +205,11 @@ def ensure_prepared(spec: DataSpec, directory: Path, tokenizer_file: Path, *, ha
 def prepare_run_data(cfg: TrainConfig, run_dir: RunDir, *, has_checkpoints: bool,
                      tokenizer: TextTokenizer | None = None, previous: Path | None = None
                      ) -> PreparedCorpus:
-    """A run directory's prepared data, prepared first if missing or stale (process 0 of a
-    multi-process run prepares, the others wait). ``tokenizer``: encode with this one
-    (fine-tuning: the ``--init-from`` run's) instead of ``tokenizer/spm.model``.
-    ``previous``: the folder ``--fresh`` moved the run's files to.
-
-    Raises:
-      ValueError: bad corpus flags, an unusable corpus, or checkpoints of other data.
-      PreparedDataError: a prepared file is truncated or corrupt.
-    """
+    """A run directory's prepared data, prepared first (by process 0) if missing or stale.
+    ``tokenizer``: encode with this one (the ``--init-from`` run's) instead of ``spm.model``;
+    ``previous``: the folder ``--fresh`` moved the run's files to. Raises ValueError: bad corpus
+    flags or corpus, or checkpoints of other data. PreparedDataError: a prepared file is
+    truncated or corrupt."""
     import jax
 
     spec = DataSpec.from_config(cfg)

@@ -1,16 +1,12 @@
-"""Streaming prepared data into batches: constant memory, exact resume.
+"""Prepared data streamed into batches: constant memory, exact resume.
 
-A grain ``IterDataset``: a per-epoch shuffled record order → blocks of ``block_pairs``
-records → each block's batch plan (:func:`jaxformer.data.batching.pack_plan` or
-``bucket_plan``) → this process's rows, collated from the memory-mapped ids. Only
-per-pair integers live in memory (about 60 bytes a pair). The position is three
-integers (epoch, block, batch), saved with every checkpoint; restoring it re-plans one
-block. :class:`BatchStream` runs it here or in grain worker processes (worker ``i`` of
-``n`` collates batches ``i, i + n, …``; grain interleaves them back in order).
-
-Not ``grain.experimental.BestFitPackIterDataset``: it emits all its bins whenever a pair
-fits none and works pair by pair in Python, leaving 8.8-10.6% padding at about 1 ms a
-pair on the shipped en-de corpus; best-fit-decreasing over a block leaves less, faster
+A grain ``IterDataset``: a per-epoch shuffled record order, cut into blocks of
+``block_pairs``, each block planned (:func:`jaxformer.data.batching.pack_plan` or
+``bucket_plan``), this process's rows collated from the memory-mapped ids. Only per-pair
+integers live in memory; the position is (epoch, block, batch), and restoring it re-plans
+one block. Not ``grain.experimental.BestFitPackIterDataset``: it flushes all its bins
+whenever a pair fits none, pair by pair in Python (8.8-10.6% padding at ~1 ms a pair on
+the shipped en-de); best-fit-decreasing over a block pads less, faster
 (benchmarks/README.md, "data at scale").
 """
 
@@ -41,12 +37,9 @@ POSITION_KEY = "stream_position"   # a batch's int64 [3] (epoch, block, batch) a
 
 
 def check_position(state: Any) -> Position:
-    """``state`` as a :data:`Position` (where a saved position enters).
-
-    Raises:
-      DataPositionError: not ``{"epoch", "block", "batch"}`` of non-negative ints: grain's
-        ``{"next_index": …}`` (an older jaxformer's in-memory pipeline) or a damaged file.
-    """
+    """``state`` as a :data:`Position` (where a saved position enters). Raises DataPositionError:
+    not ``{"epoch", "block", "batch"}`` of non-negative ints: grain's ``{"next_index": …}`` (an
+    older jaxformer's in-memory pipeline) or a damaged file."""
     if (isinstance(state, dict) and set(state) == set(START)
             and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in state.values())):
         return {k: int(state[k]) for k in START}
@@ -66,12 +59,7 @@ class BlockPlanDataset(grain.IterDataset):
     Epoch ``e`` visits the records in ``default_rng([seed, e]).permutation(N)`` order, cut
     into blocks of ``block_pairs``; ``planner(src_len, tgt_len, default_rng([seed, e,
     block]))`` plans each block (indices into the records, -1 = empty). No batch spans two
-    blocks.
-
-    Args:
-      src_lengths / tgt_lengths: ``[N]`` source ids / target ids + 1 per record (N ≥ 1).
-      planner: e.g. ``functools.partial(batching.pack_plan, batch_tokens=…, length=…)``.
-      start: the position of the first batch.
+    blocks. ``src_lengths`` / ``tgt_lengths``: ``[N]`` source ids / target ids + 1 (N ≥ 1).
     """
 
     def __init__(self, src_lengths: np.ndarray, tgt_lengths: np.ndarray, *, planner: Planner,
@@ -83,17 +71,13 @@ class BlockPlanDataset(grain.IterDataset):
         self.slice = (0, 1)   # (offset, step) of the batches this copy emits
 
     def set_slice(self, sl: slice, sequential_slice: bool = False) -> None:
-        """Emit only batches ``sl.start, sl.start + sl.step, …`` (grain's worker sharding;
-        ``sequential_slice`` is not supported)."""
+        """Emit only batches ``sl.start, sl.start + sl.step, …`` (grain's worker sharding)."""
         self.slice = (sl.start or 0, sl.step or 1)
 
     def __iter__(self) -> _BlockPlanIterator:
         iterator = _BlockPlanIterator(self)
         iterator.set_state(self.start)
         return iterator
-
-    def blocks_per_epoch(self) -> int:
-        return -(-len(self.src_lengths) // self.block_pairs)
 
 
 class _BlockPlanIterator(grain.DatasetIterator):
@@ -108,23 +92,18 @@ class _BlockPlanIterator(grain.DatasetIterator):
         self._seen = 0   # batches passed since the last set_state (for the slice)
 
     def __next__(self) -> tuple[int, np.ndarray, Position]:
-        offset, step = self._ds.slice
-        while True:
-            length, indices = self._next_plan()
-            self._seen += 1
-            if (self._seen - 1) % step == offset:
-                return length, indices, self.get_state()
-
-    def _next_plan(self) -> tuple[int, np.ndarray]:
+        ds, (offset, step) = self._ds, self._ds.slice
         while True:
             if self._plan is None:
                 self._plan = self._plan_block()
-            if self._batch < len(self._plan):
-                self._batch += 1
-                return self._plan[self._batch - 1]
-            self._plan, self._batch, self._block = None, 0, self._block + 1
-            if self._block == self._ds.blocks_per_epoch():
-                self._epoch, self._block, self._order = self._epoch + 1, 0, None
+            if self._batch == len(self._plan):
+                self._plan, self._batch, self._block = None, 0, self._block + 1
+                if self._block * ds.block_pairs >= len(ds.src_lengths):
+                    self._epoch, self._block, self._order = self._epoch + 1, 0, None
+                continue
+            self._batch, self._seen = self._batch + 1, self._seen + 1
+            if (self._seen - 1) % step == offset:
+                return *self._plan[self._batch - 1], self.get_state()
 
     def _plan_block(self) -> Plan:
         ds = self._ds
@@ -136,10 +115,10 @@ class _BlockPlanIterator(grain.DatasetIterator):
         plan = ds.planner(ds.src_lengths[records], ds.tgt_lengths[records], rng)
         return [(length, np.where(idx >= 0, records[np.maximum(idx, 0)], -1)) for length, idx in plan]
 
-    def get_state(self) -> dict[str, Any]:
+    def get_state(self) -> Position:
         return {"epoch": self._epoch, "block": self._block, "batch": self._batch}
 
-    def set_state(self, state: dict[str, Any]) -> None:
+    def set_state(self, state: Position) -> None:
         """``state``: a :data:`Position` (checked by :meth:`BatchStream.set_state`)."""
         if state["epoch"] != self._epoch:
             self._order = None
@@ -151,14 +130,10 @@ def process_plans(corpus: PreparedCorpus, *, max_len: int, batch_tokens: int,
                   boundaries: tuple[int, ...], seed: int, row_multiple: int = 1, process_index: int = 0,
                   process_count: int = 1, pack: bool = True, block_pairs: int = 8192,
                   start: Position = START) -> grain.IterDataset:
-    """This process's share of every global batch from ``start`` on: ``(length, record ids
-    [rows / process_count, P] packed or [rows / process_count] bucketed (-1 = empty),
-    position after the batch)``. Every process plans the same global batches and takes its
-    own contiguous rows; ``row_multiple`` is a multiple of ``process_count``.
-
-    Raises:
-      ValueError: no pair fits (:func:`jaxformer.data.batching.kept_records`).
-    """
+    """This process's contiguous rows of every global batch from ``start`` on: ``(length, record
+    ids [rows / process_count, P] packed or [rows / process_count] bucketed (-1 = empty),
+    position after)``; ``row_multiple`` is a multiple of ``process_count``. Raises ValueError:
+    no pair fits (:func:`jaxformer.data.batching.kept_records`)."""
     records, _ = kept_records(corpus, max_len)
     planner = (functools.partial(batching.pack_plan, length=boundaries[-1]) if pack else
                functools.partial(batching.bucket_plan, boundaries=boundaries))
@@ -177,15 +152,10 @@ def process_plans(corpus: PreparedCorpus, *, max_len: int, batch_tokens: int,
 
 def stream_dataset(corpus: PreparedCorpus, *, pad_id: int, bos_id: int, eos_id: int, pack: bool = True,
                    **plan_options: Any) -> grain.IterDataset:
-    """An endless, deterministic grain pipeline of this process's batches of ``corpus`` (a
-    prepared corpus or :class:`jaxformer.data.batching.Examples`): packed rows of
-    ``boundaries[-1]`` with segment ids (``pack``) or length buckets, planned by
-    :func:`process_plans` with ``plan_options``. Each batch holds :data:`POSITION_KEY`, int64
-    ``[3]``: the (epoch, block, batch) after it.
-
-    Raises:
-      ValueError: no pair fits.
-    """
+    """An endless, deterministic grain pipeline of this process's batches of ``corpus`` (a prepared
+    corpus or :class:`jaxformer.data.batching.Examples`), planned by :func:`process_plans`; each
+    holds :data:`POSITION_KEY` (int64 ``[3]``, the position after it). Raises ValueError: no
+    pair fits."""
     build = batching.collate_packed if pack else batching.collate
 
     def collate(item: tuple[int, np.ndarray, Position]) -> dict[str, np.ndarray]:
@@ -198,21 +168,15 @@ def stream_dataset(corpus: PreparedCorpus, *, pad_id: int, bos_id: int, eos_id: 
 
 
 class BatchStream(grain.DatasetIterator):
-    """The training batches as a data source (:class:`jaxformer.data.sources.DataSource`):
-    what the trainer iterates and checkpoints.
+    """The training batches as a data source (:class:`jaxformer.data.sources.DataSource`).
 
-    Args:
-      build: ``build(start) -> grain.IterDataset`` of batches carrying their position
-        (:func:`stream_dataset` with its options bound).
-      workers: 0 = collate in this process between train steps (the device is still busy
-        with the last one); ``n`` = in ``n`` grain worker processes (``mp_prefetch``).
-      buffer: batches each worker prepares ahead (≥ 1).
-      fingerprint: the data's (the prepared manifest's), for :meth:`fingerprint`.
-
-    ``get_state()`` is the position after the last batch returned (never the workers'
-    lookahead), so a checkpoint resumes exactly with any ``workers``; ``set_state``
-    restarts the pipeline there. Workers start on the first batch or
-    :meth:`start_prefetch`, and stop on :meth:`close`.
+    ``build(start)``: a ``grain.IterDataset`` of batches carrying their position
+    (:func:`stream_dataset` bound); ``workers``: 0 = collate in this process (between
+    train steps, while the device runs), ``n`` = in ``n`` grain processes, each ``buffer``
+    batches ahead (worker ``i`` collates batches ``i, i + n, …``). ``get_state()`` is the
+    position after the last batch returned, never the workers' lookahead, so a checkpoint
+    resumes exactly with any ``workers``. Workers start on the first batch or
+    :meth:`start_prefetch` and stop on :meth:`close`.
 
     Raises:
       DataPositionError: from ``set_state`` (:func:`check_position`).

@@ -13,7 +13,7 @@ import os
 import shutil
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from jaxformer.model.validation import check_special_ids
 
@@ -30,44 +30,37 @@ def _until(seq: Sequence[int], eos_id: int) -> list[int]:
 
 def _load(path: Path, fix: str, required: Sequence[str] = ()):
     """A ``*.json`` vocabulary (piece → int id) holding the ``required`` pieces, or else a
-    sentencepiece model whose ``required`` ids (e.g. ``"pad_id"``) are set.
-
-    Raises:
-      FileNotFoundError: a missing vocabulary. ValueError: anything else unreadable (``fix``).
-    """
+    sentencepiece model whose ``required`` ids (e.g. ``"pad_id"``) are set. Raises
+    FileNotFoundError: a missing vocabulary. ValueError: anything else unreadable (``fix``)."""
     import sentencepiece as spm
 
     is_vocab = path.suffix == ".json"
     try:
         if is_vocab:
-            vocab = {piece: operator.index(i) for piece, i in json.loads(path.read_text(encoding="utf-8")).items()}
+            vocab = {p: operator.index(i) for p, i in json.loads(path.read_text(encoding="utf-8")).items()}
             _ = [vocab[piece] for piece in required]
             return vocab
         sp = spm.SentencePieceProcessor(model_file=str(path))
         _ = [sp.id_to_piece(getattr(sp, name)()) for name in required]   # IndexError when unset (-1)
         return sp
-    except (RuntimeError, ValueError, LookupError, TypeError, AttributeError) + (() if is_vocab else (OSError,)) as e:
-        what = "readable JSON of a vocabulary (piece → id)" if is_vocab else "a readable sentencepiece model"
-        with_ids = f" with {', '.join(required)}" if required else ""
-        raise ValueError(f"{path} is not {what}{with_ids} ({type(e).__name__}: {e}); {fix}") from e
+    except (RuntimeError, ValueError, LookupError, TypeError, AttributeError,
+            *(() if is_vocab else (OSError,))) as e:
+        what = "readable JSON (piece → id)" if is_vocab else "a readable sentencepiece model"
+        raise ValueError(f"{path} is not {what}{' with ' + ', '.join(required) if required else ''} "
+                         f"({type(e).__name__}: {e}); {fix}") from e
 
 
 class Tokenizer:
-    """A joint sentencepiece vocabulary for source and target; special ids (pad, unk, bos,
-    eos) read from the model.
-
-    Raises:
-      ValueError: an unreadable model, one without pad, bos and eos ids, or one whose pad id
-        is another special id.
-    """
+    """A joint sentencepiece vocabulary for source and target, special ids from the model. Raises
+    ValueError: an unreadable model, no pad, bos or eos id, or a pad id shared."""
 
     def __init__(self, model_file: str | os.PathLike):
         self.model_file = Path(model_file)
         self.sp = _load(self.model_file, "it must be the sentencepiece model the run was trained with: "
                         "restore it, or start a new run (--fresh or another --workdir).",
                         ("pad_id", "bos_id", "eos_id"))
-        self.pad_id, self.unk_id = self.sp.pad_id(), self.sp.unk_id()
-        self.bos_id, self.eos_id = self.sp.bos_id(), self.sp.eos_id()
+        self.pad_id, self.unk_id, self.eos_id = self.sp.pad_id(), self.sp.unk_id(), self.sp.eos_id()
+        self.bos_id = self.decoder_start_id = self.sp.bos_id()
         check_special_ids(pad_id=self.pad_id, bos_id=self.bos_id, eos_id=self.eos_id, unk_id=self.unk_id,
                           source=str(self.model_file))
 
@@ -76,10 +69,6 @@ class Tokenizer:
         return self.sp.get_piece_size()
 
     src_vocab_size = tgt_vocab_size = vocab_size   # one joint vocabulary
-
-    @property
-    def decoder_start_id(self) -> int:
-        return self.bos_id
 
     def encode(self, texts: Sequence[str]) -> list[list[int]]:
         """Token ids (no bos/eos) for each text."""
@@ -105,16 +94,11 @@ class Tokenizer:
     def train(sentences: Iterable[str], model_dir: str | os.PathLike, vocab_size: int = 8000,
               seed_sentences: int = 200_000, reserved: Sequence[str] = ()) -> Tokenizer:
         """A unigram sentencepiece model trained on ``sentences``, written to ``model_dir/spm.model``.
-        Ids: pad 0, unk 1, bos 2, eos 3, the ``reserved`` control pieces (e.g. :data:`BT_TAG`),
-        then the learned pieces.
-
-        Raises:
-          ValueError: a ``vocab_size`` below the corpus's characters plus the special pieces.
-        """
+        Ids: pad 0, unk 1, bos 2, eos 3, the ``reserved`` control pieces (e.g. :data:`BT_TAG`), then
+        the learned pieces. Raises ValueError: a ``vocab_size`` below the corpus's characters plus
+        the special pieces."""
         import sentencepiece as spm
 
-        model_dir = Path(model_dir)
-        model_dir.mkdir(parents=True, exist_ok=True)
         buffer = io.BytesIO()
         try:
             spm.SentencePieceTrainer.train(
@@ -128,61 +112,19 @@ class Tokenizer:
             raise ValueError(f"sentencepiece cannot train a vocabulary of {vocab_size} pieces on this "
                              f"corpus ({reason}); use a larger --vocab-size (at least the corpus's "
                              f"distinct characters plus {4 + len(reserved)} special pieces).") from e
-        path = model_dir / "spm.model"
-        tmp = path.with_suffix(".tmp")
+        path, tmp = Path(model_dir) / "spm.model", Path(model_dir) / "spm.tmp"
+        path.parent.mkdir(parents=True, exist_ok=True)
         tmp.write_bytes(buffer.getvalue())
-        tmp.replace(path)
-        return Tokenizer(path)
-
-
-class TextTokenizer(Protocol):
-    """What translate and the trainer ask of a tokenizer. ``bos_id`` is the *decoder start*
-    id fed at target position 0 (the paper's bos; Marian's pad). ``encode_source`` gives the
-    encoder input as the model was trained on it (Marian appends eos); ``encode_target``
-    target ids without start or eos (teacher forcing adds them)."""
-
-    pad_id: int
-    bos_id: int
-    eos_id: int
-    unk_id: int
-
-    @property
-    def src_vocab_size(self) -> int: ...
-
-    @property
-    def tgt_vocab_size(self) -> int: ...
-
-    @property
-    def decoder_start_id(self) -> int: ...
-
-    def encode_source(self, texts: Sequence[str]) -> list[list[int]]: ...
-
-    def encode_target(self, texts: Sequence[str]) -> list[list[int]]: ...
-
-    def decode(self, ids: Iterable[Sequence[int]]) -> list[str]: ...
-
-    def source_pieces(self, ids: Sequence[int]) -> list[str]: ...
-
-    def target_pieces(self, ids: Sequence[int]) -> list[str]: ...
-
-    def save_marian(self, out_dir: Path) -> None: ...
+        return Tokenizer(tmp.replace(path))
 
 
 class MarianTokenizer:
-    """OPUS-MT's tokenizer: ``source.spm`` / ``target.spm`` segment, ``vocab.json`` maps
-    pieces to ids (``target_vocab.json`` too when the vocabularies are separate).
-
-    Mirrors transformers' ``models/marian/tokenization_marian.py``: a leading ``>>xx<<``
-    language code passes through as one token; pieces missing from the map are ``<unk>``;
-    every source gets ``</s>``; decoding drops pad, eos and unk and joins the pieces with
-    the source model for a joint vocabulary. Not done: Moses punctuation normalisation
-    (transformers applies it only with ``sacremoses`` installed). The decoder starts from
-    the pad id, so ``bos_id == pad_id`` unless ``decoder_start_id`` says otherwise.
-
-    Raises:
-      FileNotFoundError: ``vocab.json`` is missing. ValueError: a damaged file, or a
-        ``vocab.json`` without ``<unk>``, ``</s>`` or ``<pad>``.
-    """
+    """OPUS-MT's tokenizer, mirroring transformers' ``tokenization_marian.py`` (without its
+    optional Moses normalisation): ``source.spm`` / ``target.spm`` segment, ``vocab.json`` (and
+    ``target_vocab.json`` if separate) maps pieces to ids, ``<unk>`` if missing; a leading
+    ``>>xx<<`` passes as one token; sources end in ``</s>``. ``bos_id`` (the decoder start) is
+    the pad id unless ``decoder_start_id`` says otherwise. Raises FileNotFoundError: no
+    ``vocab.json``. ValueError: a damaged file."""
 
     def __init__(self, directory: str | os.PathLike, *, separate_vocabs: bool = False,
                  decoder_start_id: int | None = None):
@@ -200,12 +142,8 @@ class MarianTokenizer:
         self.source_spm, self.target_spm = read("source.spm"), read("target.spm")
         self.pad_id, self.eos_id = self.source_vocab["<pad>"], self.source_vocab["</s>"]
         self.unk_id = self.source_vocab["<unk>"]
-        self.bos_id = self.pad_id if decoder_start_id is None else decoder_start_id
+        self.bos_id = self.decoder_start_id = self.pad_id if decoder_start_id is None else decoder_start_id
         self._special = {self.pad_id, self.eos_id, self.unk_id}
-
-    @property
-    def decoder_start_id(self) -> int:
-        return self.bos_id
 
     @property
     def src_vocab_size(self) -> int:
@@ -274,13 +212,10 @@ def save_joint_as_marian(model_file: Path, out_dir: Path, *, target_language: st
 
 
 def load_tokenizer(workdir: str | os.PathLike, record: dict[str, Any]):
-    """The tokenizer a run's ``config.json`` names: ``{"file": "tokenizer/spm.model"}`` (the
-    trainer's) a :class:`Tokenizer`, ``{"kind": "marian", "dir": ...}`` (``jaxformer-convert
-    --from-hf``'s) a :class:`MarianTokenizer`.
-
-    Raises:
-      ValueError: an unknown kind or a damaged file. FileNotFoundError: a missing vocabulary.
-    """
+    """The tokenizer a run's ``config.json`` names: ``{"file": ...}`` (the trainer's) a
+    :class:`Tokenizer`, ``{"kind": "marian", "dir": ...}`` (``jaxformer-convert``'s) a
+    :class:`MarianTokenizer`. Raises ValueError: an unknown kind or a damaged file.
+    FileNotFoundError: a missing vocabulary."""
     workdir, info = Path(workdir), record.get("tokenizer", {})
     kind = info.get("kind", "sentencepiece")
     if kind == "sentencepiece":
@@ -291,3 +226,9 @@ def load_tokenizer(workdir: str | os.PathLike, record: dict[str, Any]):
                                decoder_start_id=info.get("decoder_start_id"))
     raise ValueError(f"{workdir / 'config.json'} names tokenizer kind {kind!r}; "
                      f"known: 'sentencepiece', 'marian'.")
+
+
+# What translate and the trainer ask of a tokenizer: ``pad_id``, ``eos_id``, ``unk_id``, ``bos_id``
+# (the decoder start id), ``src_vocab_size``, ``tgt_vocab_size``, ``encode_source`` (the encoder
+# input as trained), ``encode_target`` (no start or eos), ``decode``, ``*_pieces``, ``save_marian``.
+TextTokenizer = Tokenizer | MarianTokenizer

@@ -1,17 +1,16 @@
 """Bulk translation of a file of any size: streamed, resumable, one line out per line in.
 
-:func:`translate_file` reads the input (by :mod:`jaxformer.data.lines`) in chunks of
-``chunk_lines`` lines, decodes each and writes it to ``OUTPUT.parts/<chunk>.txt`` by
-rename, then joins the chunks into ``OUTPUT`` by rename. Started again after a kill, it
-decodes only the missing chunks, with the same batches, so the output is the same byte for
-byte. ``OUTPUT.parts/manifest.json`` records what the output depends on (the input's
-SHA-256 and size, the model, the decoding settings, chunk size); a resume with other
-ones is refused, naming them. A first pass hashes the input, counts its lines and finds
-those that are not UTF-8 (``errors="strict"`` refuses them before anything is decoded).
+:func:`translate_file` decodes the input (read by :mod:`jaxformer.data.lines`) in chunks
+of ``chunk_lines`` lines, each written whole to ``OUTPUT.parts/<chunk>.txt``, then joins
+them into ``OUTPUT`` by rename. Started again after a kill, it decodes only the missing
+chunks, so the output is the same byte for byte; ``OUTPUT.parts/manifest.json`` records
+what it depends on (input hash and size, model, settings), and a resume with others is
+refused, naming them.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
@@ -52,11 +51,8 @@ def split_lines(stream) -> Iterator[bytes]:
 
 
 def scan_input(path: str | Path) -> InputInfo:
-    """The input's :class:`InputInfo`, streamed.
-
-    Raises:
-      BulkInputError: UTF-16, or a truncated or corrupt gzip file.
-    """
+    """The input's :class:`InputInfo`, streamed. Raises BulkInputError: UTF-16, or a truncated or
+    corrupt gzip file."""
     bad: list[int] = []
     count = sum(1 for _ in lines_lib.read_lines(path, errors="skip", bad=bad))
     return InputInfo(file_digest(path), Path(path).stat().st_size, count, tuple(bad))
@@ -68,12 +64,8 @@ def read_chunks(path: str | Path, chunk_lines: int, errors: str = "strict") -> I
 
 
 class BulkJob:
-    """``<output>.parts/``: the manifest (``record``, all the output depends on) and the
-    finished chunks.
-
-    Raises:
-      BulkResumeError: the folder holds another input's or other settings' chunks.
-    """
+    """``<output>.parts/``: the manifest (``record``, all the output depends on) and the finished
+    chunks. Raises BulkResumeError: the folder holds another input's or other settings' chunks."""
 
     def __init__(self, output: str | Path, record: dict[str, Any]):
         self.output = Path(output)
@@ -133,35 +125,28 @@ def _write_atomically(path: Path, text: str) -> None:
 @dataclasses.dataclass
 class BulkReport:
     """Counts and rates of one :func:`translate_file` call: the whole cluster's in process 0,
-    its own share in another process (rates over the chunks decoded by this call)."""
+    its own share in another. ``decoded`` counts the lines of the chunks this call decoded
+    and, of those, ``empty``, ``long`` (over max_len), ``replaced`` (not UTF-8) and their
+    source ``tokens``."""
 
-    lines: int = 0              # input lines
+    lines: int = 0
     chunks: int = 0
     resumed_chunks: int = 0     # found finished, not decoded again
-    decoded_lines: int = 0      # lines of the chunks decoded by this call
-    empty_lines: int = 0        # of those, empty (an empty output line)
-    long_lines: int = 0         # of those, longer than max_len tokens (handled as asked)
-    replaced_lines: int = 0     # of those, with bytes that were not UTF-8 (errors="replace")
-    source_tokens: int = 0      # of the decoded lines
+    decoded: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     seconds: float = 0.0
     processes: int = 1
 
     def add(self, lines: int, counts: dict[str, int]) -> None:
         """Counts one decoded chunk of ``lines`` lines."""
-        self.decoded_lines += lines
-        self.empty_lines += counts.get("empty", 0)
-        self.long_lines += counts.get("long", 0)
-        self.source_tokens += counts.get("tokens", 0)
-        self.replaced_lines += counts.get("replaced", 0)
+        self.decoded.update(counts, lines=lines)
 
     def summary(self) -> str:
-        rate = self.decoded_lines / self.seconds if self.seconds else 0.0
-        tokens = self.source_tokens / self.seconds if self.seconds else 0.0
+        d, per_s = self.decoded, 1 / self.seconds if self.seconds else 0.0
         by = f" by {self.processes} processes" if self.processes > 1 else ""
         return (f"{self.lines:,} lines in {self.chunks} chunk(s), {self.resumed_chunks} found finished; "
-                f"decoded {self.decoded_lines:,} lines ({self.empty_lines:,} empty, {self.long_lines:,} "
-                f"longer than max_len, {self.replaced_lines:,} with bytes not UTF-8 replaced){by} in "
-                f"{self.seconds:.1f} s: {rate:,.1f} sentences/s, {tokens:,.0f} source tokens/s")
+                f"decoded {d['lines']:,} lines ({d['empty']:,} empty, {d['long']:,} longer than max_len, "
+                f"{d['replaced']:,} with bytes not UTF-8 replaced){by} in {self.seconds:.1f} s: "
+                f"{d['lines'] * per_s:,.1f} sentences/s, {d['tokens'] * per_s:,.0f} source tokens/s")
 
 
 ChunkTranslator = Callable[[list[str], int, int], tuple[str, dict[str, int]]]
@@ -173,25 +158,20 @@ def translate_file(translate_chunk: ChunkTranslator, input_path: str | Path, out
                    process_index: int = 0, process_count: int = 1,
                    barrier: Callable[[str], None] | None = None) -> BulkReport:
     """Translates ``input_path`` (text or gzip, a sentence a line) into ``output``, chunk by
-    chunk, resuming a killed run.
-
-    Processes of a cluster share the work: each decodes the chunks whose index is
-    ``process_index`` modulo ``process_count`` into the same parts folder (on a filesystem
-    all see); process 0 joins them once ``barrier`` says all are done. A chunk's output
-    does not depend on who decoded it, so any process count gives the same file.
+    chunk, resuming a killed run. Each process of a cluster decodes the chunks whose index
+    is ``process_index`` modulo ``process_count`` into the shared parts folder; process 0
+    joins them once ``barrier`` (:func:`jaxformer.model.sharding.process_barrier`) says all
+    are done. Any process count gives the same file.
 
     Args:
       translate_chunk: ``(lines, first_line_index, chunk_index) -> (text, counts)``: a
-        chunk's output (lines ending in ``\\n``) and counts (``empty``, ``long``,
-        ``tokens``), a function of its arguments only.
-      record: the settings the output depends on, for the manifest (the input's hash and
-        size, ``chunk_lines`` and ``errors`` are added).
-      chunk_lines: lines per chunk (the resume granularity and the sorting window).
+        chunk's output lines and counts (``empty``, ``long``, ``tokens``), a function of its
+        arguments only.
+      record: what the output depends on, for the manifest (input hash and size,
+        ``chunk_lines`` and ``errors`` are added).
       errors: ``"strict"`` (lines that are not UTF-8 refuse the input) or ``"replace"``.
-      progress: a tqdm bar on stderr; ``None`` = when stderr is a terminal.
+      progress: a tqdm bar; ``None`` = when stderr is a terminal.
       info: the input's :func:`scan_input`, if already made.
-      barrier: ``barrier(name)`` returns once every process called it
-        (:func:`jaxformer.model.sharding.process_barrier`); needed when ``process_count > 1``.
 
     Raises:
       BulkInputError: ``chunk_lines < 1``, lines not UTF-8 under ``"strict"`` (named), or
