@@ -1,11 +1,8 @@
-"""Tagged back-translation (Sennrich et al. 2016; tags: Caswell et al. 2019): synthetic pairs
-(a machine-translated source, a real target; a TSV file, e.g. ``paste`` of bulk translation's
-output and its input) beside the real ones, ``--bt-file bt.tsv --bt-ratio R``.
-
-Each synthetic source starts with the id of :data:`BT_TAG`, a control piece of the run's
-tokenizer (no text encodes to it). The pairs go to training only, through the real pairs'
-length filters; the epoch shuffle mixes them. ``R`` synthetic pairs per real one are taken
-(whole copies, then a seeded sample without replacement); no ratio: each once.
+"""Tagged back-translation (Sennrich et al. 2016; Caswell et al. 2019): ``--bt-file`` pairs of
+a machine-translated source and a real target (e.g. ``paste`` of bulk translation's output and
+input) join training, each source starting with the id of :data:`BT_TAG` (a control piece no
+text encodes to), through the real pairs' length filters; ``--bt-ratio R`` takes R per real
+pair (whole copies, then a seeded sample without replacement), no ratio each once.
 """
 
 from __future__ import annotations

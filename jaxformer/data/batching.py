@@ -22,8 +22,8 @@ Plan = list[tuple[int, np.ndarray]]   # batches as (row length, indices; -1 = em
 
 @dataclasses.dataclass(frozen=True)
 class Examples:
-    """Tokenized pairs in memory (ragged id lists, no bos/eos), indexed and measured as a
-    :class:`jaxformer.data.prepared.PreparedCorpus` is, so either can be batched."""
+    """Tokenized pairs in memory (ragged id lists, no bos/eos) with int64 ``[N]`` ``src_lengths``
+    / ``tgt_lengths``, as a :class:`jaxformer.data.prepared.PreparedCorpus`, so either is batched."""
 
     src: list[list[int]]
     tgt: list[list[int]]
@@ -33,12 +33,10 @@ class Examples:
 
     @functools.cached_property
     def src_lengths(self) -> np.ndarray:
-        """int64 ``[N]``: source ids per pair."""
         return np.array([len(s) for s in self.src], np.int64)
 
     @functools.cached_property
     def tgt_lengths(self) -> np.ndarray:
-        """int64 ``[N]``: target ids per pair (no bos/eos)."""
         return np.array([len(t) for t in self.tgt], np.int64)
 
 

@@ -51,8 +51,7 @@ def chunks(items: Iterable[T], size: int) -> Iterator[list[T]]:
 
 
 class LineSplitter:
-    """Bytes in chunks of any size in, lines out (the module's rules): :meth:`feed` each
-    chunk, ``final=True`` at the end."""
+    """Bytes in, in chunks of any size (:meth:`feed`, ``final=True`` at the end), lines out."""
 
     def __init__(self, where: str, errors: Errors = "strict", bad: list[int] | None = None):
         self.where, self.errors = where, errors

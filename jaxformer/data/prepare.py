@@ -12,6 +12,7 @@ as it was.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import itertools
 import json
@@ -142,7 +143,7 @@ class IdWriter:
     def __init__(self, out: Path, spec: DataSpec, dtype: np.dtype):
         self.spec, self.dtype = spec, dtype
         self.files = ((out / "train-src.bin").open("wb"), (out / "train-tgt.bin").open("wb"))
-        self.dropped: dict[str, int] = {}
+        self.dropped: collections.Counter = collections.Counter()   # by reason
         self.lengths: list[np.ndarray] = []
 
     def write(self, src: list[list[int]], tgt: list[list[int]]) -> int:
@@ -151,8 +152,7 @@ class IdWriter:
         tgt_len = np.fromiter(map(len, tgt), np.int64, len(tgt))
         keep, reasons = length_filter(src_len, tgt_len, self.spec.max_tokens, self.spec.max_tokens,
                                       self.spec.max_length_ratio)
-        for reason, count in reasons.items():
-            self.dropped[reason] = self.dropped.get(reason, 0) + count
+        self.dropped.update(reasons)
         kept = np.flatnonzero(keep)
         for f, ids, side_len in zip(self.files, (src, tgt), (src_len, tgt_len)):
             rows = ids if len(kept) == len(ids) else [ids[i] for i in kept]
@@ -206,7 +206,7 @@ def _write_splits(spec: DataSpec, splitter: Splitter, tokenizer: TextTokenizer, 
               "train_dropped": writer.dropped}
     if synthetic is not None:
         counts["back_translation"] = synthetic
-    corpus.check_splits_nonempty({k: counts[k] for k in ("train", "dev", "test")}, n, writer.dropped)
+    corpus.check_splits_nonempty({k: counts[k] for k in ("train", "dev", "test")}, n, dict(writer.dropped))
     bins = np.arange(0, spec.max_tokens + 8, 8)
     return {"tokenizer": {"sha256": tokenizer_sha256, "vocab_size": vocab}, "dtype": dtype,
             "read": dict(report.skipped, lines=report.read), "counts": counts,

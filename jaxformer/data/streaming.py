@@ -176,17 +176,14 @@ class BatchStream(grain.DatasetIterator):
     batches ahead (worker ``i`` collates batches ``i, i + n, …``). ``get_state()`` is the
     position after the last batch returned, never the workers' lookahead, so a checkpoint
     resumes exactly with any ``workers``. Workers start on the first batch or
-    :meth:`start_prefetch` and stop on :meth:`close`.
-
-    Raises:
-      DataPositionError: from ``set_state`` (:func:`check_position`).
+    :meth:`start_prefetch` and stop on :meth:`close`. ``set_state`` raises DataPositionError
+    (:func:`check_position`).
     """
 
     def __init__(self, build: Callable[[Position], grain.IterDataset], workers: int = 0, buffer: int = 2,
                  fingerprint: dict[str, Any] | None = None):
         super().__init__()
-        self._fingerprint = fingerprint
-        self._build, self._workers, self._buffer = build, workers, buffer
+        self._build, self._workers, self._buffer, self._fingerprint = build, workers, buffer, fingerprint
         self._position: Position = dict(START)
         self._batches: Any = None   # the running pipeline's iterator, started on demand
         if workers:
@@ -208,8 +205,7 @@ class BatchStream(grain.DatasetIterator):
         self.start_prefetch()
         # Workers' arrays live in shared memory until dropped: copies release it at once.
         batch = {name: np.array(value) for name, value in next(self._batches).items()}
-        epoch, block, index = (int(v) for v in batch.pop(POSITION_KEY))
-        self._position = {"epoch": epoch, "block": block, "batch": index}
+        self._position = dict(zip(START, map(int, batch.pop(POSITION_KEY))))
         return batch
 
     def records(self) -> BatchStream:
@@ -259,8 +255,7 @@ def _close_at_exit(stream: BatchStream) -> None:
 
 
 def _absl_flags_parsed() -> None:
-    """grain 0.2.18's worker start reads an absl flag, which raises unless flags were parsed
-    (google/grain#1355): mark them parsed, keeping every default."""
+    """grain 0.2.18's workers read an absl flag, which raises unless parsed (google/grain#1355)."""
     from absl import flags
 
     if not flags.FLAGS.is_parsed():

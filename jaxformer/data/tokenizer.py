@@ -203,9 +203,8 @@ def save_joint_as_marian(model_file: Path, out_dir: Path, *, target_language: st
     vocab = {sp.id_to_piece(i): i for i in range(sp.get_piece_size())}
     (out_dir / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False, indent=1), encoding="utf-8")
     config: dict[str, Any] = {"tokenizer_class": "MarianTokenizer", "separate_vocabs": False,
-                              "unk_token": sp.id_to_piece(sp.unk_id()),
-                              "eos_token": sp.id_to_piece(sp.eos_id()),
-                              "pad_token": sp.id_to_piece(sp.pad_id())}
+                              **{f"{name}_token": sp.id_to_piece(getattr(sp, f"{name}_id")())
+                                 for name in ("unk", "eos", "pad")}}
     if target_language:
         config["target_lang"] = target_language
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -46,8 +46,7 @@ class InputInfo:
 
 def split_lines(stream) -> Iterator[bytes]:
     """The lines of a binary stream by :mod:`jaxformer.data.lines`' rules, as bytes."""
-    for line in lines_lib.read_lines(stream, errors="surrogateescape"):
-        yield line.encode("utf-8", errors="surrogateescape")
+    return (line.encode(errors="surrogateescape") for line in lines_lib.read_lines(stream, "surrogateescape"))
 
 
 def scan_input(path: str | Path) -> InputInfo:
