@@ -43,11 +43,19 @@ def alternating_median_seconds(fns, repeats: int) -> list[float]:
 
 
 def matmul_flops_per_s(n: int, repeats: int) -> float:
-    """The machine's limit: FLOP/s of a jitted float32 ``N×N`` by ``N×N`` ``jnp.dot`` (2·N³
-    FLOPs), as ``jaxformer.run.platform.matmul_flop_rate`` measures it for the trainer."""
-    from jaxformer.run.platform import matmul_flop_rate
+    """The machine's speed as the READMEs quote it: FLOP/s of a jitted float32 ``N×N`` by
+    ``N×N`` ``jnp.dot`` (2·N³ FLOPs) on the default device, the median of ``repeats`` timed
+    calls after one untimed one. About half a second on a 2-core CPU at N = 2048."""
+    import jax
+    import jax.numpy as jnp
 
-    return matmul_flop_rate(n, repeats)
+    from jaxformer.run.platform import skip_absent_tpu
+
+    skip_absent_tpu()   # libtpu installed on a CPU host: time the CPU, as the commands do
+    a = jnp.full((n, n), 0.5, jnp.float32)   # the values do not change a float32 matmul's speed
+    b = jnp.full((n, n), 0.25, jnp.float32)
+    dot = jax.jit(jnp.dot)
+    return 2 * n ** 3 / median_seconds(lambda: dot(a, b).block_until_ready(), repeats, warmup=True)
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, *, batch: int) -> None:

@@ -51,7 +51,7 @@ from jaxformer.train.step import create_train_state, jit_train_step
 
 def default_settings(**overrides) -> dict:
     """The default CPU run's flat settings (as ``config.json``'s ``"train"`` keeps them)."""
-    return TrainConfig(**{**DEFAULT_CPU_RUN, **overrides}).to_dict()
+    return TrainConfig.flat(**{**DEFAULT_CPU_RUN, **overrides}).to_dict()
 
 
 def in_memory(settings: dict, tokenizer_dir: Path, max_ratio: float | None = None):

@@ -84,8 +84,8 @@ def _cfg(args: argparse.Namespace, **overrides):
     from jaxformer.run.config import DEFAULT_CPU_RUN, TrainConfig
 
     data = {"train_file": args.train_file} if args.train_file else {}
-    return TrainConfig(**{**DEFAULT_CPU_RUN, **data, "workdir": args.workdir, "progress": False,
-                          "max_train_len": args.max_train_len, "checkpoint_every": 10**9, **overrides})
+    return TrainConfig.flat(**{**DEFAULT_CPU_RUN, **data, "workdir": args.workdir, "progress": False,
+                                "max_train_len": args.max_train_len, "checkpoint_every": 10**9, **overrides})
 
 
 def startup(args: argparse.Namespace) -> None:
@@ -103,7 +103,7 @@ def startup(args: argparse.Namespace) -> None:
     if not args.no_cache:   # as train.py does: JAX's persistent cache in the run directory
         keep_compilation_cache(RunDir(args.workdir))
     run = setup(_cfg(args))
-    step = jit_train_step(run.model, run.cfg.label_smoothing, layout=run.layout)
+    step = jit_train_step(run.model, run.cfg.train.label_smoothing, layout=run.layout)
     batch = sharding_lib.shard_batch(next(run.data.iterator), run.layout.batch)
     run.state, metrics = step(run.state, batch, run.dropout_key)
     jax.block_until_ready(metrics)
@@ -141,8 +141,8 @@ def shipped(args: argparse.Namespace) -> None:
     run = setup(cfg)   # on CPU the default: collated in this process (--data-workers 0)
     tok = run.tokenizer
     corpus_ = PreparedCorpus.open(run.run_dir.prepared)
-    bounds = batching.bucket_boundaries(cfg.max_train_len)
-    plans = iter(process_plans(corpus_, max_len=cfg.max_train_len, batch_tokens=cfg.batch_tokens,
+    bounds = batching.bucket_boundaries(cfg.train.max_train_len)
+    plans = iter(process_plans(corpus_, max_len=cfg.train.max_train_len, batch_tokens=cfg.train.batch_tokens,
                                boundaries=bounds, seed=0))
     real = processed = 0
     while plans.get_state()["epoch"] == 0:
@@ -151,9 +151,9 @@ def shipped(args: argparse.Namespace) -> None:
         real += int(corpus_.src_lengths[used].sum() + corpus_.tgt_lengths[used].sum() + used.size)
         processed += 2 * length * len(ids)
     settings = cfg.to_dict()
-    _, examples, _ = in_memory(settings, run.run_dir.tokenizer_dir, max_ratio=cfg.max_length_ratio)
+    _, examples, _ = in_memory(settings, run.run_dir.tokenizer_dir, max_ratio=cfg.data.max_length_ratio)
     old = in_memory_stream(examples, tok, settings, pack=True)
-    step = jit_train_step(run.model, cfg.label_smoothing, layout=run.layout)
+    step = jit_train_step(run.model, cfg.train.label_smoothing, layout=run.layout)
     whole_plan = epoch_batches(examples, settings, True)
     result = {"padding_streamed": 1 - real / processed,
               "padding_old": batching.padding_fraction(examples, whole_plan)["both"]}

@@ -57,21 +57,6 @@ from jaxformer.run.logs import console_logging  # noqa: E402
 console_logging()
 
 
-@pytest.fixture(scope="session", autouse=True)
-def matmul_rate_measured_once():
-    """``train()`` times a 2048³ matmul for its record (0.5-1 s on 2 cores); the dozens
-    of in-process runs of a test worker, module fixtures' included, share its first
-    measurement (runs in subprocesses measure their own). No test checks more than that
-    the rate is positive."""
-    import functools
-
-    from jaxformer.train import run_setup
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(run_setup, "matmul_flop_rate", functools.cache(run_setup.matmul_flop_rate))
-        yield
-
-
 @pytest.fixture(scope="session")
 def xla_flags():
     """``xla_flags(devices)``: XLA_FLAGS for a test's subprocess with ``devices`` fake CPU

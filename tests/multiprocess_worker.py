@@ -87,7 +87,7 @@ def main(port: str, process_id: int, config_json: str) -> None:
         run_setup.run_programs = run_programs
 
     # The trainer initialises jax.distributed itself, from the config.
-    config = TrainConfig(**json.loads(config_json), coordinator_address=f"localhost:{port}",
+    config = TrainConfig.flat(**json.loads(config_json), coordinator_address=f"localhost:{port}",
                          num_processes=2, process_id=process_id)
     try:
         output = {"results": trainer.train(config)}

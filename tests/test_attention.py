@@ -11,7 +11,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import numpy_reference as ref
-import pytest
 from absl.testing import parameterized
 
 from jaxformer import MultiHeadAttention, TransformerConfig, scaled_dot_product_attention
@@ -120,14 +119,6 @@ class ScaledDotProductAttentionTest(chex.TestCase):
         assert np.abs(dq[0]).sum() > 0 and np.abs(dv[0]).sum() > 0
 
     @chex.variants(with_jit=True, without_jit=True)
-    def test_cross_attention_shapes(self):
-        q, _, _ = _qkv(t=T)
-        _, k, v = _qkv(s=S)
-        out, weights = self.variant(scaled_dot_product_attention)(q, k, v, _masks()["padding"])
-        chex.assert_shape(out, (B, H, T, K))
-        chex.assert_shape(weights, (B, H, T, S))
-
-    @chex.variants(with_jit=True, without_jit=True)
     def test_attention_dropout(self):
         q, k, v = _qkv()
         fn = self.variant(lambda q, k, v, rng: scaled_dot_product_attention(
@@ -143,26 +134,6 @@ class ScaledDotProductAttentionTest(chex.TestCase):
         assert not np.allclose(out1, plain)
         np.testing.assert_allclose(w1, w0, atol=1e-6)       # weights are pre-dropout
         np.testing.assert_allclose(w2, w0, atol=1e-6)
-
-    def test_mask_that_does_not_broadcast_raises(self):
-        q, k, v = _qkv()
-        for shape in [(B, 1, 1, S + 1), (B + 1, 1, 1, S), (B, 1, T + 1, S), (B, H + 1, T, S)]:
-            with pytest.raises(ValueError, match="mask.*broadcast"):   # names the argument
-                scaled_dot_product_attention(q, k, v, jnp.ones(shape, jnp.bool_))
-
-    def test_non_boolean_mask_raises(self):
-        q, k, v = _qkv()
-        with pytest.raises(ValueError, match="boolean"):
-            scaled_dot_product_attention(q, k, v, jnp.ones((B, 1, 1, S), jnp.float32))
-
-    def test_rank_3_inputs_raise(self):
-        q, k, v = _qkv()
-        with pytest.raises(ValueError, match="q must have rank 4"):
-            scaled_dot_product_attention(q[:, 0], k, v)
-        with pytest.raises(ValueError, match="k must have rank 4"):
-            scaled_dot_product_attention(q, k[:, 0], v)
-        with pytest.raises(ValueError, match="v must have rank 4"):
-            scaled_dot_product_attention(q, k, v[:, 0])
 
 
 # ------------------------------------------------------------- per-head projections

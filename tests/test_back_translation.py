@@ -32,7 +32,7 @@ def bt_file(tmp_path_factory, short_corpus):
 
 
 def _cfg(short_corpus, workdir, **overrides) -> TrainConfig:
-    return TrainConfig(workdir=str(workdir), train_file=str(short_corpus["train"]),
+    return TrainConfig.flat(workdir=str(workdir), train_file=str(short_corpus["train"]),
                        dev_file=str(short_corpus["dev"]), test_file=str(short_corpus["test"]), vocab_size=300,
                        **overrides)
 

@@ -41,7 +41,7 @@ def teacher(tmp_path_factory):
     corpus_file = root / "corpus.tsv"
     corpus_file.write_text("".join(f"{s}\t{t}\n" for s, t in
                                    [p for p in pairs if len(p[0]) < 60 and len(p[1]) < 60][:200]))
-    train(TrainConfig(workdir=str(root / "run"), train_file=str(corpus_file), preset="tiny", max_steps=2,
+    train(TrainConfig.flat(workdir=str(root / "run"), train_file=str(corpus_file), preset="tiny", max_steps=2,
                       warmup_steps=1, batch_tokens=256, **TINY_RUN))
     return root / "run"
 
@@ -146,16 +146,15 @@ def test_a_beam_job_records_no_sampling_settings_so_another_seed_resumes_it(work
     """Beam search ignores --seed: a resume with another one gives the same bytes and is
     not refused; with --sample the seed is part of the job."""
     from jaxformer.cli.bulk import job_record
-    from jaxformer.cli.translate_flags import check_args
+    from jaxformer.cli.translate_flags import parse_translate_args
     from jaxformer.decode.translator import Translator
 
-    translator, parser = Translator(workdir), translate_lib.build_parser()
+    translator = Translator(workdir)
     _input(tmp_path / "in.txt", lines=2)
 
     def record(*flags):
-        args = parser.parse_args(["--workdir", str(workdir), "--input", str(tmp_path / "in.txt"),
-                                  "--output", str(tmp_path / "out.txt"), *flags])
-        check_args(parser, args)
+        args = parse_translate_args(["--workdir", str(workdir), "--input", str(tmp_path / "in.txt"),
+                                     "--output", str(tmp_path / "out.txt"), *flags])
         return job_record(args, translator)
 
     beam = record("--seed", "3", "--beam-size", "2")
@@ -320,7 +319,7 @@ def test_distillation_a_student_trains_on_the_teachers_output_for_its_training_s
     distilled.write_text("".join(f"{s}\t{t}\n" for s, t in zip(lines, outputs)))
 
     student = tmp_path / "student"
-    results = train(TrainConfig(
+    results = train(TrainConfig.flat(
         workdir=str(student), train_file=str(distilled), dev_file=str(teacher / "prepared" / "dev.tsv"),
         test_file=str(teacher / "prepared" / "test.tsv"), preset="tiny", d_model=16, d_ff=32, max_steps=2,
         **TINY_RUN))
@@ -391,7 +390,7 @@ def test_a_trained_run_exports_to_hugging_face_and_back_and_the_export_never_ove
         translate_main(["--workdir", str(hf), "x"])
     assert stop.value.code == 2 and "holds a Hugging Face model ('marian')" in capsys.readouterr().err
     with pytest.raises(ValueError, match="Hugging Face model.*jaxformer-convert --from-hf"):
-        train(TrainConfig(workdir=str(tmp_path / "tuned"), init_from=str(hf), max_steps=1, **TINY_RUN))
+        train(TrainConfig.flat(workdir=str(tmp_path / "tuned"), init_from=str(hf), max_steps=1, **TINY_RUN))
     (tmp_path / "back" / "config.json").write_text('{"model": {"d_mod')   # damaged
     with pytest.raises(SystemExit) as stop:
         translate_main(["--workdir", str(tmp_path / "back"), "x"])

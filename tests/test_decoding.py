@@ -1,6 +1,9 @@
-"""Greedy, beam search and sampling against stubs with known answers, and the model."""
+"""Greedy, beam search and sampling against stubs with known answers, and the model; a
+strategy defined here decodes through the same ``decode``."""
 
+import dataclasses
 import itertools
+from typing import ClassVar
 
 import chex
 import flax.linen as nn
@@ -11,6 +14,7 @@ import pytest
 
 import jaxformer as jf
 from jaxformer.decode import decoding
+from jaxformer.decode.strategies import Beam, Greedy, Sample, autoregress
 
 PAD, BOS, EOS = 0, 1, 2
 VOCAB = 5          # pad, bos, eos and two real tokens 3, 4
@@ -129,22 +133,22 @@ def test_sampling_is_reproducible_and_cold_sampling_is_greedy():
     cache = {"index": jnp.zeros((), jnp.int32)}
     kwargs = dict(batch_size=16, bos_id=BOS, eos_id=EOS, pad_id=PAD, max_decode_len=6)
     stub = _stub(table)
-    a = decoding.sample(stub, cache, jax.random.key(0), **kwargs)
-    b = decoding.sample(stub, cache, jax.random.key(0), **kwargs)
-    c = decoding.sample(stub, cache, jax.random.key(1), **kwargs)
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    assert not np.array_equal(np.asarray(a), np.asarray(c))
+
+    def sample(seed, **settings):
+        keys_B = jax.vmap(jax.random.fold_in, (None, 0))(jax.random.key(seed), jnp.arange(16))
+        return np.asarray(Sample(**settings).search(stub, cache, keys_B=keys_B, **kwargs)[0][:, 0])
+
+    a, b, c = sample(0), sample(0), sample(1)
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c)
     greedy = decoding.greedy_search(stub, cache, **kwargs)
-    np.testing.assert_array_equal(np.asarray(decoding.sample(stub, cache, jax.random.key(0),
-                                                             temperature=0.0, **kwargs)), greedy)
-    cold = decoding.sample(stub, cache, jax.random.key(5), temperature=1e-4, **kwargs)
-    np.testing.assert_array_equal(np.asarray(cold), np.asarray(greedy))
+    np.testing.assert_array_equal(sample(0, temperature=0.0), greedy)
+    np.testing.assert_array_equal(sample(5, temperature=1e-4), greedy)
     # top_k=1 and a tiny top_p are greedy too.
     for extra in (dict(top_k=1), dict(top_p=1e-6)):
-        np.testing.assert_array_equal(
-            np.asarray(decoding.sample(stub, cache, jax.random.key(9), **extra, **kwargs)), greedy)
+        np.testing.assert_array_equal(sample(9, **extra), greedy)
     with pytest.raises(ValueError, match="top_p"):
-        decoding.sample(stub, cache, jax.random.key(0), top_p=1.5, **kwargs)
+        Sample(top_p=1.5)
 
 
 @pytest.fixture(scope="module")
@@ -183,16 +187,95 @@ def test_a_sentence_decodes_the_same_alone_in_a_batch_and_padded(tiny_model):
 
 def test_decode_loop_compiles_once_per_shape(tiny_model):
     model, params = tiny_model
-    calls = chex.assert_max_traces(decoding.greedy_search, n=2)
-    original = decoding.greedy_search
-    decoding.greedy_search = calls
-    try:
-        jax.clear_caches()
-        kw = dict(max_decode_len=6, bos_id=BOS, eos_id=EOS)
-        for src in ([[5, 6, 7]], [[8, 9, 10]], [[5, 6, 7, 8, 9]], [[1 + 4, 6, 7, 8, 9]]):
-            decoding.greedy_translate(model, params, jnp.array(src), **kw)
-    finally:
-        decoding.greedy_search = original
+    jax.clear_caches()
+    kw = dict(max_decode_len=6, bos_id=BOS, eos_id=EOS)
+    for src in ([[5, 6, 7]], [[8, 9, 10]], [[5, 6, 7, 8, 9]], [[1 + 4, 6, 7, 8, 9]]):
+        decoding.decode(model, params, jnp.array(src), Greedy(), **kw)
+    assert decoding._decode_jit._cache_size() == 2
+
+
+def test_a_sampled_sentence_is_the_same_alone_and_in_a_batch(tiny_model):
+    """Its key is folded from the seed and its index in the input, not from its batch."""
+    model, params = tiny_model
+    sources = [[9, 10, 11, 12, 13, 14], [5, 6, 7, 8, 0, 0], [15, 16, 0, 0, 0, 0], [17, 18, 19, 0, 0, 0]]
+    kw = dict(max_decode_len=10, bos_id=BOS, eos_id=EOS, rng=jax.random.key(7))
+    batch = np.asarray(decoding.decode(model, params, jnp.array(sources), Sample(temperature=2.0), **kw)[0])
+    for i in range(4):
+        alone = decoding.decode(model, params, jnp.array(sources[i:i + 1]), Sample(temperature=2.0),
+                                indices_B=jnp.array([i]), **kw)[0]
+        np.testing.assert_array_equal(np.asarray(alone)[0], batch[i])
+    assert len({tuple(row[0]) for row in batch}) > 1
+
+
+class _Digits:
+    """A tokenizer stub: a sentence of digits is its ids (+ 5), and back."""
+
+    bos_id, eos_id = BOS, EOS
+
+    def encode_source(self, texts):
+        return [[int(c) + 5 for c in text] + [EOS] for text in texts]
+
+    def decode(self, ids):
+        return [" ".join(str(int(t)) for t in row if t != PAD) for row in ids]
+
+
+def test_a_seed_samples_each_line_the_same_whatever_the_batch_or_input_path(tiny_model):
+    """The Evaluator (the Translator's and bulk mode's decoding) with sentence indices: the
+    whole input at once, one line at a time (a pipe), or in other batches, the same samples."""
+    from jaxformer.decode.evaluation import Evaluator
+
+    model, params = tiny_model
+    lines = ["1234", "56", "789012", "3", "45678"]
+    evaluator = Evaluator(model, _Digits(), batch_size=4, target_language="de", scoring=False)
+    sample = Sample(temperature=2.0)
+    rng = jax.random.key(11)
+    whole = evaluator.decode(params, lines, sample, rng=rng)
+    one_by_one = [evaluator.decode(params, [line], sample, rng=rng, indices=[i])[0]
+                  for i, line in enumerate(lines)]
+    reversed_ = evaluator.decode(params, lines[::-1], sample, rng=rng, indices=range(4, -1, -1))[::-1]
+    assert whole == one_by_one == reversed_
+    assert len({best[0][0] for best in whole}) > 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Argmin:
+    """A strategy in one class: the least likely token, never pad or bos."""
+
+    beams: ClassVar[int] = 1
+
+    def search(self, tokens_to_logits, cache, *, keys_B=None, **loop):
+        def pick(logits_BV, step, out_BM, at_limit_B):
+            never = jnp.isin(jnp.arange(logits_BV.shape[-1]), jnp.array([loop["pad_id"], loop["bos_id"]]))
+            return jnp.argmin(jnp.where(never, jnp.inf, logits_BV), axis=-1).astype(jnp.int32)
+
+        return autoregress(tokens_to_logits, cache, pick, **loop)
+
+
+def test_a_strategy_defined_here_decodes_through_decode(tiny_model):
+    model, params = tiny_model
+    src = jnp.array([[5, 6, 7, 8, 0, 0], [9, 10, 11, 12, 13, 14]])
+    seqs, scores = decoding.decode(model, params, src, Argmin(), max_decode_len=7, bos_id=BOS, eos_id=EOS)
+    assert seqs.shape == (2, 1, 7) and scores.shape == (2, 1)
+    tokens_to_logits, cache = decoding._model_callback(model, params, src, 7)
+    ids, done = jnp.full((2, 1), BOS), np.zeros(2, bool)
+    for t in range(7):   # the same as picking the least likely token by hand; pad after eos
+        logits, cache = tokens_to_logits(ids, cache)
+        ids = jnp.argmin(logits.at[:, :2].set(jnp.inf), axis=-1)[:, None]
+        np.testing.assert_array_equal(np.asarray(seqs[:, 0, t]), np.where(done, PAD, np.asarray(ids[:, 0])))
+        done |= np.asarray(ids[:, 0]) == EOS
+
+
+def test_strategies_check_their_settings_when_made():
+    for make, words in ((lambda: Beam(beam_size=0), "beam_size must be at least 1"),
+                        (lambda: Beam(beam_size=2.0), r"beam_size must be an integer, got 2.0 \(float\)"),
+                        (lambda: Beam(early_stopping="no"), "early_stopping must be True or False"),
+                        (lambda: Beam(length_normalization="fairseq"), "length_normalization must be"),
+                        (lambda: Sample(temperature=float("nan")), "temperature must be a finite number"),
+                        (lambda: Sample(top_k=2.5), "top_k must be an integer"),
+                        (lambda: Sample(top_p=True), "top_p must be a finite number, got True")):
+        with pytest.raises(ValueError, match=words):
+            make()
+    assert Beam(4, np.float32(0.5), early_stopping=np.bool_(True)) == Beam(4, 0.5, early_stopping=True)
 
 
 def test_beam_search_reorders_the_cache_like_recomputing_the_prefix(tiny_model):

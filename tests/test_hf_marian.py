@@ -503,7 +503,7 @@ def test_train_init_from_converted_run(converted, tokenizer_files, tmp_path, cap
         return dataclasses.replace(programs, init=lambda key: inits.append(key) or programs.init(key))
 
     monkeypatch.setattr(run_setup, "run_programs", run_programs)
-    cfg = TrainConfig(workdir=str(workdir), train_file=str(tsv), init_from=str(run),
+    cfg = TrainConfig.flat(workdir=str(workdir), train_file=str(tsv), init_from=str(run),
                       dropout_rate=0.0, batch_tokens=320, max_steps=12, warmup_steps=2,
                       lr_scale=3.0, eval_every=1000, dev_bleu_sentences=4, eval_batch_size=8,
                       beam_size=1, log_every=2, checkpoint_every=1000, progress=False, devices=1)
@@ -518,18 +518,18 @@ def test_train_init_from_converted_run(converted, tokenizer_files, tmp_path, cap
     losses = [r["train/loss"] for r in rows if "train/loss" in r]
     assert losses[-1] < losses[0], losses
     with pytest.raises(ValueError, match="--d-model"):
-        train(TrainConfig(workdir=str(tmp_path / "other"), train_file=str(tsv), init_from=str(run),
+        train(TrainConfig.flat(workdir=str(tmp_path / "other"), train_file=str(tsv), init_from=str(run),
                           d_model=32, progress=False))
     # --fresh would move this run's own files (the weights to load) aside: refused first.
     before = sorted(p.name for p in workdir.iterdir())
     with pytest.raises(ValueError, match="own --workdir, whose files --fresh would move aside"):
-        train(dataclasses.replace(cfg, init_from=str(workdir)), fresh=True)
+        train(cfg.replace(init_from=str(workdir)), fresh=True)
     assert sorted(p.name for p in workdir.iterdir()) == before
     # The fine-tune resumes from its own checkpoint, config and tokenizer: the run it was
     # initialised from may be gone (moved, deleted, or left on another machine).
     shutil.rmtree(run)
     capsys.readouterr()
-    assert train(dataclasses.replace(cfg, max_steps=14))["final_step"] == 14
+    assert train(cfg.replace(max_steps=14))["final_step"] == 14
     assert "resumed from" in capsys.readouterr().out
     assert [r["step"] for r in map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines())
             if "train/loss" in r][-1] == 14
@@ -543,12 +543,12 @@ def test_resuming_a_finetuning_run_keeps_its_init_from(tmp_path):
     from jaxformer.run.directory import RunDir
 
     run_dir = RunDir(tmp_path)
-    cfg = TrainConfig(workdir=str(tmp_path), progress=False)
+    cfg = TrainConfig.flat(workdir=str(tmp_path), progress=False)
     assert with_saved_init_from(cfg, run_dir) is cfg                      # a fresh run dir
     (tmp_path / "config.json").write_text(json.dumps({"train": {"init_from": "runs/opus"}}))
-    assert with_saved_init_from(cfg, run_dir).init_from == "runs/opus"
-    explicit = TrainConfig(workdir=str(tmp_path), init_from="runs/other", progress=False)
-    assert with_saved_init_from(explicit, run_dir).init_from == "runs/other"
+    assert with_saved_init_from(cfg, run_dir).run.init_from == "runs/opus"
+    explicit = TrainConfig.flat(workdir=str(tmp_path), init_from="runs/other", progress=False)
+    assert with_saved_init_from(explicit, run_dir).run.init_from == "runs/other"
 
 
 def test_exported_run_converts_with_ctranslate2_and_decodes_as_transformers(converted, tmp_path):
@@ -579,13 +579,12 @@ def test_exported_run_converts_with_ctranslate2_and_decodes_as_transformers(conv
     assert [r.hypotheses[0] for r in results] == got
 
 
-def test_generation_config_early_stopping_is_imported_and_exported(tmp_path, capsys):
+def test_generation_config_early_stopping_is_imported_and_exported(capsys):
     """``early_stopping=True`` (done at k finished) is kept on import; ``"never"`` is not
     supported and said so."""
     from jaxformer.interop import marian
 
     hf = {"pad_token_id": 5, "eos_token_id": 0}
     for value, kept in ((True, True), (False, False), ("never", False)):
-        (tmp_path / "generation_config.json").write_text(json.dumps({"early_stopping": value}))
-        assert marian._generation_defaults(tmp_path, hf)["early_stopping"] is kept
+        assert marian._generation_defaults({**hf, "early_stopping": value}, 5)["early_stopping"] is kept
     assert "early_stopping='never'" in capsys.readouterr().err

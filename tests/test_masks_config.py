@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 
 import chex
 import flax.linen as nn
@@ -46,11 +45,6 @@ def test_padding_mask_literal_pad_id_3_comes_from_argument():
     # The same tokens with pad_id=0 give a different mask: the id is not hard-coded.
     np.testing.assert_array_equal(create_padding_mask(TOKENS, pad_id=3)[:, 0, 0].astype(int),
                                   [[1, 1, 1, 1], [1, 1, 1, 1]])
-
-
-def test_padding_mask_shape_uses_distinct_sizes():
-    tokens = jnp.ones((2, 7), jnp.int32)
-    chex.assert_shape(create_padding_mask(tokens, 0), (2, 1, 1, 7))
 
 
 def test_causal_mask_literal():
@@ -98,24 +92,6 @@ def test_decoder_mask_start_token_is_never_padding():
                                                            [1, 1, 0, 0],
                                                            [1, 1, 0, 0],
                                                            [1, 1, 0, 0]])
-
-
-def test_decoder_mask_shape_distinct_sizes():
-    chex.assert_shape(create_decoder_mask(jnp.ones((2, 7), jnp.int32), 0), (2, 1, 7, 7))
-
-
-@pytest.mark.parametrize("call, error, words", [
-    (lambda: create_decoder_mask(jnp.ones((3,), jnp.int32), 0), ValueError, "got shape (3,)"),
-    (lambda: create_padding_mask([[4, 5, 0]], 0), ValueError, "got a list"),
-    (lambda: create_padding_mask(jnp.ones((1, 3), jnp.int32), None), TypeError, "pad_id must be an integer"),
-    (lambda: create_decoder_mask(jnp.ones((1, 3), jnp.int32), 0.5), TypeError, "pad_id must be an integer"),
-    (lambda: create_causal_mask(-1), ValueError, "non-negative integer"),
-    (lambda: create_causal_mask(2.0), ValueError, "non-negative integer"),
-    (lambda: create_causal_mask(jnp.ones((2, 3), jnp.int32)), ValueError, "create_decoder_mask(tgt, pad_id)"),
-])
-def test_mask_helpers_name_a_wrong_argument(call, error, words):
-    with pytest.raises(error, match=re.escape(words)):
-        call()
 
 
 def test_mask_helpers_take_numpy_and_traced_integers():
@@ -269,12 +245,12 @@ def test_split_positional_layout_is_sines_then_cosines():
     np.testing.assert_array_equal(split[0, :, :3], interleaved[0, :, 0::2])
     np.testing.assert_array_equal(split[0, :, 3:], interleaved[0, :, 1::2])
     np.testing.assert_allclose(split[0, 2, [0, 3]], [np.sin(2.0), np.cos(2.0)], rtol=1e-6)
-    with pytest.raises(ValueError, match="split"):
-        sinusoidal_positional_encoding(11, 5, "split")
 
 
 def test_head_dim():
     assert _config(d_model=33, num_heads=3).head_dim == 11
+    with pytest.raises(ValueError, match="positional_layout='split' needs an even d_model, got 33"):
+        _config(d_model=33, num_heads=3, positional_layout="split")
 
 
 # ------------------------------------------------------------------------------ presets
@@ -335,5 +311,3 @@ def test_dropout_keeps_one_minus_rate_and_is_unbiased(rate):
     y = dropout(x, rate, jax.random.key(0))
     assert set(np.unique(np.asarray(y)).tolist()) == {0.0, float(np.float32(2.0 / keep_probability))}
     assert abs(float(y.mean()) - 2.0) < 0.02
-    with pytest.raises(ValueError, match="dropout rate"):
-        keep_mask(jax.random.key(0), 1.0, shape)

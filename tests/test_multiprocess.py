@@ -148,7 +148,7 @@ def _preempt_resume_and_compare(tmp_path: Path, short_corpus, capsys, xla_flags,
     assert sorted(losses) == list(range(1, _LAST + 1))   # one record per step, none repeated
 
     shutil.copytree(two / "tokenizer", one / "tokenizer")   # the same vocabulary
-    assert train(TrainConfig(**config, workdir=str(one), max_steps=_LAST))["final_step"] == _LAST
+    assert train(TrainConfig.flat(**config, workdir=str(one), max_steps=_LAST))["final_step"] == _LAST
     reference, reference_params = _train_losses(one), _leaves(_params_at(one, _LAST))
 
     def assert_like_the_reference(losses, params):
@@ -166,7 +166,7 @@ def _preempt_resume_and_compare(tmp_path: Path, short_corpus, capsys, xla_flags,
     # The first stop's checkpoint, saved by two processes, resumed by one (elastic): the
     # same global batches from there on (the one process kept the reference's programs).
     capsys.readouterr()
-    assert train(TrainConfig(**config, workdir=str(elastic), max_steps=_LAST))["final_step"] == _LAST
+    assert train(TrainConfig.flat(**config, workdir=str(elastic), max_steps=_LAST))["final_step"] == _LAST
     assert "saved by 2 process(es), continues on 1" in capsys.readouterr().out
     assert_like_the_reference(_train_losses(elastic), _leaves(_params_at(elastic, _LAST)))
 

@@ -12,7 +12,8 @@ import pytest
 
 from jaxformer.decode import decoding
 from jaxformer.decode.evaluation import repeats_ngram
-from jaxformer.decode.penalties import Penalties, banned_ngram_mask, repetition_penalized
+from jaxformer.decode.penalties import NoRepeatNGram, RepetitionPenalty, banned_ngram_mask, penalties
+from jaxformer.decode.strategies import Sample
 
 PAD, BOS, EOS = 0, 1, 2
 
@@ -53,54 +54,56 @@ def test_banned_ngram_mask_by_hand():
 def test_repetition_penalty_by_hand():
     scores = jnp.array([[2.0, -1.0, 4.0, -3.0]])
     seqs = jnp.array([[0, 1, 3, 2]])            # only positions < step = 3 count: 0, 1, 3
-    out = np.asarray(repetition_penalized(scores, seqs, jnp.int32(3), 2.0))
+    out = np.asarray(RepetitionPenalty(2.0)(scores, seqs, jnp.int32(3)))
     np.testing.assert_allclose(out, [[1.0, -2.0, 4.0, -6.0]])
 
 
 def test_penalties_reject_bad_values():
     with pytest.raises(ValueError, match="no_repeat_ngram_size must be at least 0"):
-        Penalties(no_repeat_ngram_size=-1)
+        penalties(no_repeat_ngram_size=-1)
     with pytest.raises(ValueError, match="repetition_penalty must be greater than 0"):
-        Penalties(repetition_penalty=0.0)
-    assert not Penalties().active and Penalties(2).active and Penalties(repetition_penalty=1.2).active
+        penalties(repetition_penalty=0.0)
+    assert penalties() == () and penalties(2) == (NoRepeatNGram(2),)
+    assert penalties(2, 1.2) == (RepetitionPenalty(1.2), NoRepeatNGram(2))   # transformers' order
     for bad, words in ((dict(no_repeat_ngram_size=2.0), "no_repeat_ngram_size must be an integer"),
                        (dict(no_repeat_ngram_size=True), "no_repeat_ngram_size must be an integer"),
                        (dict(repetition_penalty=float("inf")), "repetition_penalty must be a finite")):
         with pytest.raises(ValueError, match=words):
-            Penalties(**bad)
+            penalties(**bad)
     # Stored as Python int and float: a NumPy 2 and 2 are one static argument, one program.
-    same = Penalties(np.int64(2), np.float32(1.5))
-    assert same == Penalties(2, 1.5) and type(same.no_repeat_ngram_size) is int
+    same = penalties(np.int64(2), np.float32(1.5))
+    assert same == penalties(2, 1.5) and type(same[1].size) is int
 
 
-@pytest.mark.parametrize("penalties, expected", [
-    (Penalties(), [3, 3, 3, 3, 3, 3]),                                 # loops without a rule
-    (Penalties(no_repeat_ngram_size=1), [3, 4, EOS]),                  # 3 and 4 banned after use
-    (Penalties(no_repeat_ngram_size=2), [3, 3, 4, 3, EOS]),            # (3,3), (3,4) banned after 3
-    (Penalties(repetition_penalty=2.0), [3, 3, 3, 3, 3, 3]),           # 2·log .6 > log .2: still 3
-    (Penalties(repetition_penalty=4.0), [3, 4, EOS]),                  # 4·log .6 < log .2; then eos
+@pytest.mark.parametrize("rules, expected", [
+    ({}, [3, 3, 3, 3, 3, 3]),                                          # loops without a rule
+    (dict(no_repeat_ngram_size=1), [3, 4, EOS]),                       # 3 and 4 banned after use
+    (dict(no_repeat_ngram_size=2), [3, 3, 4, 3, EOS]),                 # (3,3), (3,4) banned after 3
+    (dict(repetition_penalty=2.0), [3, 3, 3, 3, 3, 3]),                # 2·log .6 > log .2: still 3
+    (dict(repetition_penalty=4.0), [3, 4, EOS]),                       # 4·log .6 < log .2; then eos
 ])
-def test_greedy_with_penalties_by_hand(penalties, expected):
+def test_greedy_with_penalties_by_hand(rules, expected):
     out = decoding.greedy_search(_markov, jnp.zeros((1,)), batch_size=1, bos_id=BOS, eos_id=EOS,
-                                 pad_id=PAD, max_decode_len=6, penalties=penalties)
+                                 pad_id=PAD, max_decode_len=6, processors=penalties(**rules))
     assert _tokens(out[0]) == expected
 
 
 def test_beam_with_penalties_by_hand():
     """k = 2, α = 0, M = 4, worked out step by step in the comments."""
-    def run(penalties):
+    def run(processors):
         return decoding.beam_search(_markov, jnp.zeros((2,)), batch_size=1, beam_size=2, bos_id=BOS,
-                                    eos_id=EOS, pad_id=PAD, max_decode_len=4, alpha=0.0, penalties=penalties)
+                                    eos_id=EOS, pad_id=PAD, max_decode_len=4, alpha=0.0,
+                                    processors=processors)
 
-    seqs, scores = run(Penalties())
+    seqs, scores = run(())
     # Live (3) .5, (4) .3 → (3 3) .30, (4 3) .15 → (3 3 3) .18, (4 3 3) .09 → eos forced at M.
     assert _tokens(seqs[0, 0]) == [3, 3, 3, EOS]
     np.testing.assert_allclose(float(scores[0, 0]), math.log(0.5 * 0.6 * 0.6 * 0.1), rtol=1e-5)
-    seqs, scores = run(Penalties(no_repeat_ngram_size=1))
+    seqs, scores = run(penalties(no_repeat_ngram_size=1))
     # (4 3) .15, (3 4) .10 live; then 3 and 4 are banned in both: (3 4 eos) .03 beats (4 3 eos) .015.
     assert [_tokens(s) for s in seqs[0]] == [[3, 4, EOS], [4, 3, EOS]]
     np.testing.assert_allclose(np.asarray(scores[0]), np.log([0.5 * 0.2 * 0.3, 0.3 * 0.5 * 0.1]), rtol=1e-5)
-    seqs, scores = run(Penalties(repetition_penalty=3.0))
+    seqs, scores = run(penalties(repetition_penalty=3.0))
     # log-probabilities of seen tokens × 3: (4 3) -1.90 overtakes (3 3) -2.23 and stays ahead.
     assert _tokens(seqs[0, 0]) == [4, 3, 3, EOS]
     np.testing.assert_allclose(float(scores[0, 0]), math.log(0.3) + math.log(0.5) + 3 * math.log(0.6)
@@ -112,9 +115,8 @@ def _random_table(seed, max_len, vocab=5):
     return np.asarray(jax.nn.log_softmax(jnp.asarray(logits)), np.float64)
 
 
-def _exhaustive(table, max_len, penalties):
+def _exhaustive(table, max_len, n, p):
     """Every hypothesis ending in eos, scored by the rules themselves (in plain Python)."""
-    n, p = penalties.no_repeat_ngram_size, penalties.repetition_penalty
     hyps = []
     for length in range(1, max_len + 1):
         for body in itertools.product((3, 4), repeat=length - 1):
@@ -130,11 +132,9 @@ def _exhaustive(table, max_len, penalties):
     return sorted(hyps, reverse=True)
 
 
-@pytest.mark.parametrize("penalties", [Penalties(no_repeat_ngram_size=1), Penalties(no_repeat_ngram_size=2),
-                                       Penalties(repetition_penalty=1.7),
-                                       Penalties(no_repeat_ngram_size=2, repetition_penalty=1.3)])
+@pytest.mark.parametrize("rules", [(1, 1.0), (2, 1.0), (0, 1.7), (2, 1.3)])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_beam_search_with_penalties_equals_exhaustive_search(seed, penalties):
+def test_beam_search_with_penalties_equals_exhaustive_search(seed, rules):
     # As test_decoding's exhaustive test: k = 12 covers every candidate at M = 4.
     max_len, k = 4, 12
     table = jnp.asarray(_random_table(seed, max_len), jnp.float32)
@@ -144,8 +144,8 @@ def test_beam_search_with_penalties_equals_exhaustive_search(seed, penalties):
 
     seqs, scores = jax.jit(lambda: decoding.beam_search(
         stub, {"index": jnp.zeros((), jnp.int32)}, batch_size=1, beam_size=k, bos_id=BOS, eos_id=EOS,
-        pad_id=PAD, max_decode_len=max_len, alpha=0.0, penalties=penalties))()
-    expected = _exhaustive(np.asarray(table, np.float64), max_len, penalties)
+        pad_id=PAD, max_decode_len=max_len, alpha=0.0, processors=penalties(*rules)))()
+    expected = _exhaustive(np.asarray(table, np.float64), max_len, *rules)
     got = [(float(s), tuple(_tokens(q))) for s, q in zip(scores[0], seqs[0]) if s > -1e8]
     assert [q for _, q in got] == [q for _, q in expected[:len(got)]]
     np.testing.assert_allclose([s for s, _ in got], [s for s, _ in expected[:len(got)]], rtol=1e-5)
@@ -153,9 +153,11 @@ def test_beam_search_with_penalties_equals_exhaustive_search(seed, penalties):
 
 
 def test_sampling_with_no_repeat_unigrams_never_repeats_a_token():
-    out = decoding.sample(_markov, jnp.zeros((64,)), jax.random.key(0), batch_size=64, bos_id=BOS, eos_id=EOS,
-                          pad_id=PAD, max_decode_len=6, penalties=Penalties(no_repeat_ngram_size=1))
-    for row in np.asarray(out):
+    keys_B = jax.random.split(jax.random.key(0), 64)
+    out, _ = Sample(processors=penalties(no_repeat_ngram_size=1)).search(
+        _markov, jnp.zeros((64,)), keys_B=keys_B, batch_size=64, bos_id=BOS, eos_id=EOS, pad_id=PAD,
+        max_decode_len=6)
+    for row in np.asarray(out[:, 0]):
         tokens = _tokens(row)
         assert len(set(tokens)) == len(tokens), tokens
 

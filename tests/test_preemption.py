@@ -148,6 +148,6 @@ def test_an_edited_run_record_with_a_section_of_the_wrong_type_is_named(tmp_path
                                       section: value}))
     message = f"its {section!r} section is .*, not a JSON {kind}: .*edited or damaged"
     for read in (run.read_config, run.read_run_record,
-                 lambda: with_saved_init_from(TrainConfig(workdir=str(tmp_path)), run)):
+                 lambda: with_saved_init_from(TrainConfig.flat(workdir=str(tmp_path)), run)):
         with pytest.raises(ValueError, match=message):
             read()

@@ -41,7 +41,7 @@ def corpus_file(tmp_path_factory):
 
 
 def _cfg(corpus_file, workdir, **overrides) -> TrainConfig:
-    return TrainConfig(train_file=str(corpus_file), workdir=str(workdir), vocab_size=300, **overrides)
+    return TrainConfig.flat(train_file=str(corpus_file), workdir=str(workdir), vocab_size=300, **overrides)
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +66,7 @@ def test_explicit_dev_and_test_files_replace_the_hashed_split(corpus_file, tmp_p
     counts = prepared.manifest["counts"]   # every corpus pair went to training (before the filters)
     assert counts["train"] + sum(counts["train_dropped"].values()) == len(corpus.read_tsv(corpus_file)[0])
     with pytest.raises(ValueError, match="not both"):
-        DataSpec.from_config(TrainConfig(train_file="a.tsv", src_file="b.txt", tgt_file="c.txt"))
+        DataSpec.from_config(TrainConfig.flat(train_file="a.tsv", src_file="b.txt", tgt_file="c.txt"))
 
 
 def _copy(run_dir, tmp_path) -> RunDir:
@@ -175,17 +175,17 @@ def test_fresh_on_the_same_data_copies_the_prepared_data_back(corpus_file, run_d
     again = _copy(run_dir, tmp_path / "again")
     moved = again.create(fresh=True)
     monkeypatch.undo()
-    other_vocab = TrainConfig(train_file=str(corpus_file), workdir=str(again.root), vocab_size=280)
+    other_vocab = TrainConfig.flat(train_file=str(corpus_file), workdir=str(again.root), vocab_size=280)
     prepared = rundata.prepare_run_data(other_vocab, again, has_checkpoints=False, previous=moved)
     assert prepared.manifest["fingerprint"]["vocab_size"] == 280
 
 
 def test_workdir_defaults_to_the_data():
     assert TrainConfig().workdir == "runs/en-de"
-    assert TrainConfig(pair="en-fr").workdir == "runs/en-fr"
-    assert TrainConfig(train_file="data/wmt14.en-de.tsv.gz").workdir == "runs/wmt14.en-de"
-    assert TrainConfig(src_file="d/train.en", tgt_file="d/train.de").workdir == "runs/train.en-de"
-    assert TrainConfig(workdir="mine", pair="en-fr").workdir == "mine"
+    assert TrainConfig.flat(pair="en-fr").workdir == "runs/en-fr"
+    assert TrainConfig.flat(train_file="data/wmt14.en-de.tsv.gz").workdir == "runs/wmt14.en-de"
+    assert TrainConfig.flat(src_file="d/train.en", tgt_file="d/train.de").workdir == "runs/train.en-de"
+    assert TrainConfig.flat(workdir="mine", pair="en-fr").workdir == "mine"
 
 
 def test_a_failed_prepare_leaves_no_folder_it_made_and_keeps_one_it_found(tmp_path, capsys):
@@ -254,7 +254,7 @@ def test_a_corpus_from_a_pipe_is_refused_not_read_as_empty(tmp_path):
 def test_a_corpus_file_that_is_a_folder_is_named(corpus_file, tmp_path):
     """``--dev-file runs`` once ended in "[Errno 21] Is a directory: 'runs'"."""
     for field in ("train_file", "dev_file", "test_file"):
-        spec = DataSpec.from_config(TrainConfig(**{"train_file": str(corpus_file), field: str(tmp_path)}))
+        spec = DataSpec.from_config(TrainConfig.flat(**{"train_file": str(corpus_file), field: str(tmp_path)}))
         with pytest.raises(ValueError, match=f"Corpus file '{tmp_path}' is a folder: name the file"):
             spec.fingerprint()
 
@@ -279,7 +279,7 @@ def test_init_from_a_run_without_a_checkpoint_fails_before_preparing_and_names_i
 
 
 def test_a_library_fine_tune_refuses_a_preset_or_vocab_size_it_would_ignore(corpus_file, tmp_path):
-    """``train(TrainConfig(init_from=RUN, preset=..., vocab_size=...))`` keeps RUN's
+    """``train(TrainConfig.flat(init_from=RUN, preset=..., vocab_size=...))`` keeps RUN's
     architecture and tokenizer: the fields would do nothing, so the start (and a resume
     of the fine-tune, whose record names RUN) refuses them before any folder is made."""
     teacher = tmp_path / "teacher"
@@ -503,7 +503,7 @@ def test_a_prepare_that_fails_after_training_a_tokenizer_leaves_the_runs_files_a
     before = {p: p.read_bytes() for p in copy.root.rglob("*") if p.is_file()}
     empty = tmp_path / "empty-dev.tsv"
     empty.write_text("")
-    other = TrainConfig(train_file=str(corpus_file), workdir=str(copy.root), vocab_size=250,
+    other = TrainConfig.flat(train_file=str(corpus_file), workdir=str(copy.root), vocab_size=250,
                         dev_file=str(empty))
     with pytest.raises(ValueError, match="dev"):
         rundata.prepare_run_data(other, copy, has_checkpoints=False)
@@ -533,7 +533,7 @@ def test_a_prepare_killed_after_committing_its_data_moves_its_tokenizer_in_at_th
     from jaxformer.data.prepared import tokenizer_digest
 
     copy = _copy(run_dir, tmp_path)
-    other = TrainConfig(train_file=str(corpus_file), workdir=str(copy.root), vocab_size=250)
+    other = TrainConfig.flat(train_file=str(corpus_file), workdir=str(copy.root), vocab_size=250)
 
     def killed(*args):
         raise KeyboardInterrupt("killed")

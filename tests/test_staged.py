@@ -1,4 +1,4 @@
-"""Staged beam search (:mod:`jaxformer.decode.staged`) against the one-loop ``beam_translate``."""
+"""Staged beam search (:mod:`jaxformer.decode.staged`) against ``decode``'s one-loop ``Beam``."""
 
 import jax
 import jax.numpy as jnp
@@ -8,6 +8,7 @@ import pytest
 import jaxformer as jf
 from jaxformer.decode import decoding
 from jaxformer.decode.staged import StagedBeamSearch
+from jaxformer.decode.strategies import Beam, Greedy
 
 BOS, M = 1, 24
 
@@ -26,22 +27,23 @@ def model_params_src():
     for row, length in enumerate(rng.permutation(np.arange(3, 13))[:8]):
         src[row, :length] = rng.integers(4, 40, length)
     params = jax.jit(model.init)(jax.random.key(0), jnp.asarray(src), jnp.asarray(src))["params"]
-    greedy = np.asarray(decoding.greedy_translate(model, params, jnp.asarray(src), max_decode_len=M,
-                                                  bos_id=BOS, eos_id=99))
+    greedy = np.asarray(decoding.decode(model, params, jnp.asarray(src), Greedy(), max_decode_len=M,
+                                        bos_id=BOS, eos_id=99)[0][:, 0])
     first_steps = {t: {int(np.argmax(row == t)) for row in greedy if t in row} for t in range(4, 40)}
     eos = max(first_steps, key=lambda t: len(first_steps[t]))
     return model, params, src, eos
 
 
-@pytest.mark.parametrize("rule", [dict(),
+@pytest.mark.parametrize("rule", [dict(extra_len=10),
                                   dict(early_stopping=True, length_normalization="hf", extra_len=None)])
-def test_staged_beam_search_equals_beam_translate(model_params_src, rule):
+def test_staged_beam_search_equals_decode(model_params_src, rule):
     model, params, src, eos = model_params_src
-    settings = {**dict(beam_size=3, bos_id=BOS, eos_id=eos, alpha=0.6, extra_len=10), **rule}
-    staged = StagedBeamSearch(model, first_length=4, **settings)
+    extra_len = rule.pop("extra_len")
+    beam = Beam(beam_size=3, alpha=0.6, **rule)
+    staged = StagedBeamSearch(model, beam, bos_id=BOS, eos_id=eos, extra_len=extra_len, first_length=4)
     seqs, scores = staged(params, src, M)
-    expected_seqs, expected_scores = jax.device_get(decoding.beam_translate(
-        model, params, jnp.asarray(src), max_decode_len=M, **settings))
+    expected_seqs, expected_scores = jax.device_get(decoding.decode(
+        model, params, jnp.asarray(src), beam, max_decode_len=M, bos_id=BOS, eos_id=eos, extra_len=extra_len))
     np.testing.assert_array_equal(seqs, expected_seqs)
     np.testing.assert_allclose(scores, expected_scores, rtol=1e-5, atol=1e-5)
     rows = [r for r, _, _ in staged.stages]
@@ -49,11 +51,3 @@ def test_staged_beam_search_equals_beam_translate(model_params_src, rule):
     assert lengths[0] == 4 and lengths[-1] > 4, staged.stages   # the cache grew
     assert rows[0] == 8 and rows == sorted(rows, reverse=True), staged.stages
     assert rows[-1] < 8, staged.stages   # closed sentences left the batch
-
-
-def test_staged_beam_search_refuses_bad_settings(model_params_src):
-    model = model_params_src[0]
-    with pytest.raises(ValueError, match="length_normalization"):
-        StagedBeamSearch(model, beam_size=2, bos_id=BOS, eos_id=2, length_normalization="fairseq")
-    with pytest.raises(ValueError, match="first_length"):
-        StagedBeamSearch(model, beam_size=2, bos_id=BOS, eos_id=2, first_length=0)

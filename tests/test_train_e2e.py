@@ -27,7 +27,7 @@ def corpus_slice(tmp_path_factory):
 
 
 def _config(workdir, corpus, max_steps):
-    return TrainConfig(workdir=str(workdir), train_file=str(corpus / "train.tsv"),
+    return TrainConfig.flat(workdir=str(workdir), train_file=str(corpus / "train.tsv"),
                        dev_file=str(corpus / "dev.tsv"), test_file=str(corpus / "test.tsv"),
                        preset="tiny", vocab_size=400,
                        max_len=32, batch_tokens=512, max_steps=max_steps, warmup_steps=30,
@@ -79,7 +79,7 @@ def test_train_checkpoints_and_resumes(tmp_path, trained_run, corpus_slice, caps
 
     # Resuming with another architecture names the differing field.
     with pytest.raises(ValueError, match="d_model"):
-        train(TrainConfig(**{**_config(workdir, corpus_slice, 100).to_dict(), "d_model": 48}))
+        train(TrainConfig.flat(**{**_config(workdir, corpus_slice, 100).to_dict(), "d_model": 48}))
 
 
 def test_translate_cli_uses_the_run(tmp_path, trained_run, capsys):
@@ -167,7 +167,7 @@ def test_step_budget_gives_the_same_run_on_a_slower_machine(tmp_path, trained_ru
     for key in ("test_bleu", "test_chrf", "final_step", "best_dev_bleu", "degenerate", "steps"):
         assert slow[key] == fast[key], key
     assert slow["stopped_by"] == "max_steps" and slow["steps"]["cut_by_max_minutes"] is False
-    assert len(calls) == 3 * 30 and slow["matmul_gflops"] > 0   # 1.8 s of sleep in the loop
+    assert len(calls) == 3 * 30 and "matmul_gflops" not in slow   # 1.8 s of sleep in the loop
     jax.tree_util.tree_map(np.testing.assert_array_equal, _final_params(tmp_path / "slow"),
                            _final_params(trained_run))
 
@@ -178,7 +178,7 @@ def test_a_max_minutes_cut_is_reported(tmp_path, corpus_slice, monkeypatch, caps
     # The clock is the preemption module's to read; here it says "time is up" at step 10.
     monkeypatch.setattr(trainer, "past_deadline", lambda deadline, step, every: step >= 10)
     # The fixture's settings otherwise, so every program comes from the compilation cache.
-    cfg = TrainConfig(**{**_config(tmp_path / "cut", corpus_slice, 30).to_dict(), "max_minutes": 5.0})
+    cfg = TrainConfig.flat(**{**_config(tmp_path / "cut", corpus_slice, 30).to_dict(), "max_minutes": 5.0})
     results = train(cfg)
     assert results["stopped_by"] == "max_minutes" and results["final_step"] == 10
     assert results["steps"] == {"done": 10, "max_steps": 30, "fraction_done": 10 / 30,

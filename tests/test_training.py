@@ -1,6 +1,7 @@
 """Loss, schedule, optimizer and train step (issue: the main job)."""
 
 import functools
+import re
 
 import chex
 import jax
@@ -46,10 +47,23 @@ def test_wsd_schedule_warms_up_holds_the_paper_peak_and_reaches_zero_at_the_budg
     np.testing.assert_allclose(lrs[warmup:80], peak, rtol=1e-6)                 # stable
     np.testing.assert_allclose(lrs[80:], peak * (total - np.arange(80, total)) / 20, rtol=1e-5)
     assert lrs[-1] == pytest.approx(peak / 20) and float(schedule(total)) == 0.0
-    with pytest.raises(ValueError, match="decay_fraction"):
-        wsd_schedule(d_model, warmup, total, decay_fraction=0.0)
-    with pytest.raises(ValueError, match="--lr-schedule must be one of"):
-        make_schedule("cosine", d_model=d_model, warmup_steps=warmup, total_steps=total, decay_fraction=0.2)
+    same = make_schedule("wsd", d_model=d_model, warmup_steps=warmup, total_steps=total, decay_fraction=0.2,
+                         scale=0.5)
+    assert [float(same(c)) for c in range(total)] == list(lrs)
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("decay_fraction", 0.0, "--decay-fraction must be > 0 and at most 1"),
+    ("lr_schedule", "cosine", "--lr-schedule must be one of"),
+    ("warmup_steps", 0, "--warmup-steps must be at least 1"),
+    ("label_smoothing", 1.0, "--label-smoothing must be at least 0 and < 1"),
+])
+def test_schedule_and_loss_settings_are_checked_where_they_enter(field, value, words):
+    """The schedules and losses trust their settings: the run's config checks them once."""
+    from jaxformer.run.config import TrainConfig
+
+    with pytest.raises(ValueError, match=re.escape(words)):
+        TrainConfig.flat(**{field: value})
 
 
 def _reference_smoothed_loss(logits, targets, smoothing):
@@ -148,12 +162,6 @@ def test_projected_cross_entropy_equals_projection_then_loss(smoothing, with_bia
         np.testing.assert_allclose(np.asarray(f), np.asarray(p), rtol=1e-4, atol=1e-5)
     # Padded rows get no gradient.
     assert np.all(np.asarray(fused_grads[0][1, 3:]) == 0.0)
-
-
-def test_projected_cross_entropy_rejects_smoothing_outside_0_1():
-    x, kernel = jnp.ones((1, 2, 4)), jnp.ones((4, 5))
-    with pytest.raises(ValueError, match=r"smoothing must be in \[0, 1\)"):
-        projected_cross_entropy(x, kernel, None, jnp.zeros((1, 2), jnp.int32), jnp.ones((1, 2)), 1.0)
 
 
 def test_projected_cross_entropy_bfloat16_inputs():
@@ -272,53 +280,35 @@ def test_non_finite_update_is_skipped_and_reported():
     assert float(metrics["skipped"]) == 0.0 and np.isfinite(float(metrics["loss_sum"]))
 
 
-def test_run_programs_are_kept_for_the_same_settings_and_built_anew_for_others():
-    """``train()`` takes its model, optimizer and jitted programs from ``run_programs``:
-    the same objects for settings that give the same programs (data, seed, directory and,
-    under the inverse square root, the step budget do not matter), new ones otherwise."""
+def test_each_run_builds_its_own_programs_from_its_settings():
+    """``train()`` takes its model, optimizer and jitted programs from ``run_programs``: new
+    objects for every run (nothing kept in the process), built from the settings they
+    depend on; the restore target is the init's shapes, dtypes and shardings, and a
+    fine-tune's start donates the loaded parameters into a fresh state."""
     import dataclasses
 
     from jaxformer.model.sharding import abstract_state, first_devices, make_mesh
     from jaxformer.run.config import TrainConfig
-    from jaxformer.train import programs
+    from jaxformer.train.programs import run_programs
 
-    programs.clear()
-    mesh = make_mesh(None, first_devices(1))
     config = jf.preset("tiny", src_vocab_size=40, max_len=16, **ONE_LAYER)
-    cfg = TrainConfig(preset="tiny", vocab_size=40, max_steps=100)
-    kept = programs.run_programs(cfg, config, mesh)
-    same = dataclasses.replace(cfg, workdir="elsewhere", train_file="other.tsv", seed=7, max_steps=300,
-                               decay_fraction=0.5, eval_every=3)
-    assert programs.run_programs(same, config, mesh) is kept
-    assert programs.run_programs(same, jf.preset("tiny", src_vocab_size=40, max_len=16, **ONE_LAYER),
-                                 mesh) is kept
-    others = [(dataclasses.replace(cfg, **change), config, mesh) for change in (
-        dict(lr_scale=2.0), dict(warmup_steps=9), dict(grad_clip=1.0), dict(label_smoothing=0.0),
-        dict(grad_accum_steps=2), dict(lr_schedule="wsd"), dict(lr_schedule="wsd", decay_fraction=0.5))]
-    others += [(cfg, dataclasses.replace(config, dropout_rate=0.3), mesh),
-               (cfg, config, make_mesh(None, first_devices(2)))]
-    built = [programs.run_programs(*args) for args in others]
-    assert all(p is not kept for p in built) and len({id(p) for p in built}) == len(built)
-    wsd = dataclasses.replace(cfg, lr_schedule="wsd")
-    assert programs.run_programs(dataclasses.replace(wsd, max_steps=300), config, mesh) is not \
-        programs.run_programs(wsd, config, mesh), "a WSD decay ends on the step budget"
-    assert float(kept.schedule(0)) == float(transformer_schedule(config.d_model, cfg.warmup_steps)(0))
-    # The restore target of a resumed run is the init's shapes, dtypes and shardings, exactly.
-    two, initial = built[-1], abstract_state(built[-1].init(jax.random.key(0)))   # on 2 devices
+    cfg = TrainConfig.flat(preset="tiny", vocab_size=40, max_steps=100)
+    one = run_programs(cfg, config, make_mesh(None, first_devices(1)))
+    assert run_programs(cfg, config, make_mesh(None, first_devices(1))).train_step is not one.train_step
+    assert float(one.schedule(0)) == float(transformer_schedule(config.d_model, cfg.train.warmup_steps)(0))
+    wsd = run_programs(cfg.replace(lr_schedule="wsd"), config, make_mesh(None, first_devices(1)))
+    assert float(wsd.schedule(99)) > 0.0 == float(wsd.schedule(100)), "a WSD decay ends on the step budget"
+    two = run_programs(cfg.replace(grad_clip=1.0), config, make_mesh(None, first_devices(2)))
+    initial = abstract_state(two.init(jax.random.key(0)))
     assert jax.tree_util.tree_structure(two.abstract_state) == jax.tree_util.tree_structure(initial)
     assert [(x.shape, x.dtype, x.sharding) for x in jax.tree_util.tree_leaves(two.abstract_state)] == \
         [(x.shape, x.dtype, x.sharding) for x in jax.tree_util.tree_leaves(initial)]
-    # A fine-tune's start: the init's state with the loaded params in it, laid out the same,
-    # the params donated into it (no initial params are computed beside them); with a
-    # clipped optimizer too (built[2]: --grad-clip).
-    for built_programs in (two, built[2]):
-        state = built_programs.init(jax.random.key(0))
-        loaded = jax.tree_util.tree_map(lambda x: x + 1.0, state.params)   # another run's weights
-        expected = jax.tree_util.tree_map(np.array, state.replace(params=loaded))   # a copy (a view pins)
-        started = built_programs.start_from(loaded)
-        jax.tree_util.tree_map(np.testing.assert_array_equal, started, expected)
-        assert [(x.dtype, x.sharding) for x in jax.tree_util.tree_leaves(started)] == \
-            [(x.dtype, x.sharding) for x in jax.tree_util.tree_leaves(state)]
-        assert all(x.is_deleted() for x in jax.tree_util.tree_leaves(loaded)), "the loaded params were copied"
-    programs.clear()
-    assert programs.run_programs(cfg, config, mesh) is not kept
+    assert two.num_params == sum(x.size for x in jax.tree_util.tree_leaves(initial.params))
+    state = two.init(jax.random.key(0))   # a clipped optimizer on 2 devices
+    loaded = jax.tree_util.tree_map(lambda x: x + 1.0, state.params)   # another run's weights
+    expected = jax.tree_util.tree_map(np.array, state.replace(params=loaded))   # a copy (a view pins)
+    started = two.start_from(loaded)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, started, expected)
+    assert [(x.dtype, x.sharding) for x in jax.tree_util.tree_leaves(started)] == \
+        [(x.dtype, x.sharding) for x in jax.tree_util.tree_leaves(state)]
+    assert all(x.is_deleted() for x in jax.tree_util.tree_leaves(loaded)), "the loaded params were copied"

@@ -1,11 +1,7 @@
-"""Compile reports kept on disk: a big program takes minutes to compile on a 2-core host,
-so each report is written once under a key of everything it depends on and read back.
-
-The key is :meth:`jaxformer.decode.exported.ExportCache.key`'s (jaxformer's sources, the
-jax, jaxlib and flax versions, the tracing settings) with the libtpu version, the
-target and every input that shapes the program; a change to any of them is another
-key. Files are JSON behind their SHA-256, written atomically
-(:mod:`jaxformer.decode.exported`); one that fails to verify is compiled again.
+"""Compile reports kept on disk, each under a key of everything it depends on: the key of
+:meth:`jaxformer.decode.exported.ExportCache.key` (sources, library versions, tracing
+settings), the libtpu version and the program's inputs. Files are JSON behind their
+SHA-256, written atomically; one that fails to verify is compiled again.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
-"""Accelerator chips and TPU slice names: what the compile tool compiles for and judges
-against.
+"""Accelerator chips and slice names: what the compile tool compiles for and judges against.
 
-:data:`CHIPS` holds each chip's HBM, dense bf16 peak, HBM bandwidth and inter-chip
-bandwidth, per chip, from the vendors' published specifications (the ``source`` of
-each row). :func:`slice_spec` maps the names users rent (``v4-8``, ``v5e-16``,
-``v5p-128``, ``v6e-8``) to the topology strings that
-``jax.experimental.topologies.get_topology_desc`` takes, as MaxText's
-``accelerator_to_spec_map.py`` and Cloud TPU's documentation name them: v4 and v5p
-names count TensorCores (two per chip, one "megacore" device per chip), v5e and v6e
-names count chips.
+:data:`CHIPS` holds each chip's HBM, dense bf16 peak, HBM and inter-chip bandwidth, from
+the vendors' specifications (each row's ``source``). :func:`slice_spec` maps the names
+users rent (``v4-8``, ``v5e-16``, ``h100-8``) to what ``get_topology_desc`` takes, as
+MaxText's ``accelerator_to_spec_map.py`` names them: v4 and v5p names count TensorCores
+(two per chip, one "megacore" device per chip), v5e and v6e names count chips.
 """
 
 from __future__ import annotations
@@ -77,13 +73,12 @@ GPU_NODES = {"h100": 8, "h200": 8}
 # What XLA's GPU compiler needs to know of a chip it cannot see (a GpuTargetConfigProto,
 # xla/stream_executor/device_description.proto), from the vendor's specifications:
 # H100/H200 SXM, compute capability 9.0, 132 SMs, 50 MiB L2, 1.98 GHz boost.
-_HOPPER = {"threads_per_block_limit": 1024, "threads_per_warp": 32, "shared_memory_per_block": 49152,
-           "shared_memory_per_core": 233472, "threads_per_core_limit": 2048, "core_count": 132,
-           "fpus_per_core": 128, "block_dim_limit_x": 2147483647, "block_dim_limit_y": 65535,
-           "block_dim_limit_z": 65535, "l2_cache_size": 50 * 2**20, "clock_rate_ghz": 1.98,
-           "shared_memory_per_block_optin": 232448, "registers_per_core_limit": 65536,
-           "registers_per_block_limit": 65536, "thread_dim_limit_x": 1024, "thread_dim_limit_y": 1024,
-           "thread_dim_limit_z": 64}
+_HOPPER = dict(threads_per_block_limit=1024, threads_per_warp=32, shared_memory_per_block=49152,
+               shared_memory_per_core=233472, threads_per_core_limit=2048, core_count=132, fpus_per_core=128,
+               block_dim_limit_x=2147483647, block_dim_limit_y=65535, block_dim_limit_z=65535,
+               l2_cache_size=50 * 2**20, clock_rate_ghz=1.98, shared_memory_per_block_optin=232448,
+               registers_per_core_limit=65536, registers_per_block_limit=65536, thread_dim_limit_x=1024,
+               thread_dim_limit_y=1024, thread_dim_limit_z=64)
 
 
 def gpu_target_config(chip: str) -> str:

@@ -1,25 +1,16 @@
-"""What a compiled program needs of a chip: memory per device, FLOPs, collectives, whether
-it fits, and a roofline estimate of its time.
-
-Memory is XLA's own buffer assignment (``Compiled.memory_analysis()``, bytes per device):
-arguments, outputs, temporaries, the bytes an output reuses from a donated argument
-(alias) and the program code. Peak = arguments + outputs - alias + temporaries + code:
-everything live at once, an upper bound. FLOPs and bytes accessed are XLA's cost
-analysis of the partitioned (per-device) program; a ``while`` body (beam search's step)
-is counted once. Collectives are read off the optimized HLO: kind, count and result
-bytes.
-
-The time estimate is a roofline, not a measurement: the largest of compute (FLOPs /
-peak), memory traffic (bytes accessed / HBM bandwidth) and collectives (result bytes /
-inter-chip bandwidth, which understates a ring all-reduce by up to 2×), as if they
-overlapped perfectly; and the time at 50% MFU for comparison. The step-time estimate
-(``step_s_estimate``) is the slower of the two: 50% MFU where the roofline allows it,
-else the roofline's bound (``estimate_bound_by``).
+"""What a compiled program needs of a chip: memory per device (XLA's buffer assignment;
+peak = arguments + outputs - donated alias + temporaries + code, an upper bound), FLOPs
+and bytes (XLA's per-device cost analysis; a ``while`` body counted once), collectives
+(read off the optimized HLO), whether it fits, and a roofline estimate, not a
+measurement: the largest of compute, memory traffic and collective times (result bytes
+/ inter-chip bandwidth, understating a ring all-reduce by up to 2×), as if overlapped.
+``step_s_estimate`` is the slower of that and 50% MFU (``estimate_bound_by`` says which).
 """
 
 from __future__ import annotations
 
 import collections
+import math
 import re
 from typing import Any
 
@@ -40,16 +31,8 @@ _UNIT = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
 def _array_bytes(type_text: str, last_only: bool) -> int:
-    arrays = _ARRAY.findall(type_text)
-    if last_only:   # an async start returns (operands…, result): count the result
-        arrays = arrays[-1:]
-    total = 0
-    for dtype, dims in arrays:
-        count = 1
-        for d in filter(None, dims.split(",")):
-            count *= int(d)
-        total += count * _BYTES[dtype]
-    return total
+    arrays = _ARRAY.findall(type_text)[-1 if last_only else 0:]   # an async start's last is its result
+    return sum(math.prod(int(d) for d in dims.split(",") if d) * _BYTES[dtype] for dtype, dims in arrays)
 
 
 def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
@@ -77,13 +60,10 @@ def analyse(compiled: jax.stages.Compiled, chip: Chip, tokens_per_step: int,
             cost_scale: dict[str, float] | None = None) -> dict[str, Any]:
     """The report of one compiled program on ``chip``: memory, fits, FLOPs, collectives
     and the roofline estimate (``tokens_per_step``: target positions of the global batch).
-
-    ``global_cost`` (a lowered, unpartitioned program's cost analysis), divided over
-    ``devices``, stands in where the compiled program has none (XLA:GPU).
-    ``cost_scale`` multiplies the compiled program's FLOPs and bytes: XLA counts a loop
-    body once, so scanned layers pass the ratio of the unrolled to the scanned program,
-    both lowered for the host (``jaxformer-compile``). Collectives inside a loop body are
-    still counted once."""
+    ``global_cost`` (an unpartitioned program's cost analysis, divided over ``devices``)
+    stands in where the compiled program has none (XLA:GPU). ``cost_scale`` multiplies
+    FLOPs and bytes: XLA counts a loop body once, so scanned layers pass the unrolled to
+    scanned ratio of the programs lowered for the host (collectives stay counted once)."""
     mem = memory(compiled)
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost

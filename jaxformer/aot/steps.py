@@ -1,12 +1,8 @@
 """The programs a run executes, lowered for a target mesh without any array: the jitted
-train step (:func:`jaxformer.train.step.jit_train_step`, state donated, the layout's
-shardings) on a packed batch, and beam search (:func:`jaxformer.decode.decoding.beam_translate`)
-on a batch of sources. Every input is a ``jax.ShapeDtypeStruct`` carrying its sharding
-(:func:`jaxformer.train.step.abstract_train_state`), so nothing is allocated: a model
-too large for this host's memory lowers all the same.
-
-Shapes: R batch rows (the packed training rows), L row length, B sentences, S source
-length, k beams, M decoded tokens.
+train step (:func:`jaxformer.train.step.jit_train_step`) on a packed batch and beam
+search (:func:`jaxformer.decode.decoding.beam_translate`). Every input is a
+``jax.ShapeDtypeStruct`` with its sharding, so a model too large for this host lowers
+all the same.
 """
 
 from __future__ import annotations
@@ -19,7 +15,6 @@ from jax.sharding import Mesh
 
 from jaxformer.decode.decoding import beam_translate, jit_decoder
 from jaxformer.model.config import TransformerConfig
-from jaxformer.model.sharding import batch_shards
 from jaxformer.model.transformer import Transformer
 from jaxformer.train.optimizer import make_optimizer, transformer_schedule
 from jaxformer.train.step import abstract_train_state, jit_train_step
@@ -51,16 +46,12 @@ class DecodeShape:
 
 
 def lower_train_step(config: TransformerConfig, mesh: Mesh, shape: TrainShape) -> jax.stages.Lowered:
-    """The train step of ``config`` on ``mesh``, lowered for ``shape``'s batch.
+    """The train step of ``config`` on ``mesh``, lowered for ``shape``'s batch, whose rows
+    divide by the data × fsdp axes × accumulation steps (``jaxformer-compile`` sizes them so).
 
     Raises:
-      ValueError: a sharded dimension does not divide by its mesh axis, or the rows do
-        not divide by data axis × accumulation steps.
+      ValueError: a sharded parameter dimension does not divide by its mesh axes.
     """
-    data = batch_shards(mesh) * shape.grad_accum_steps
-    if shape.rows % data:
-        raise ValueError(f"{shape.rows} batch rows do not divide into data × fsdp axes "
-                         f"{batch_shards(mesh)} × --grad-accum-steps {shape.grad_accum_steps}.")
     model = Transformer(config)
     tx = make_optimizer(transformer_schedule(config.d_model, shape.warmup_steps))
     state, layout = abstract_train_state(model, tx, mesh)
@@ -74,14 +65,8 @@ def lower_train_step(config: TransformerConfig, mesh: Mesh, shape: TrainShape) -
 
 def lower_beam_search(config: TransformerConfig, mesh: Mesh, shape: DecodeShape) -> jax.stages.Lowered:
     """Beam search of ``config``'s model on ``mesh`` (parameters laid out as in training,
-    sentences over ``data``), lowered for ``shape``.
-
-    Raises:
-      ValueError: ``shape.batch`` does not divide by the data axis.
-    """
-    if shape.batch % batch_shards(mesh):
-        raise ValueError(f"a decoding batch of {shape.batch} does not divide by the data × fsdp axes "
-                         f"{batch_shards(mesh)}.")
+    sentences over ``data``), lowered for ``shape``, whose batch divides by the data ×
+    fsdp axes (``jaxformer-compile`` checks it)."""
     model = Transformer(config)
     tx = make_optimizer(transformer_schedule(config.d_model, 1))
     state, layout = abstract_train_state(model, tx, mesh)

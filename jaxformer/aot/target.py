@@ -1,11 +1,9 @@
-"""Compile-only TPU devices on a CPU host, and the run's mesh over them.
+"""Compile-only devices on a CPU host, and the run's mesh over them.
 
-``jax.experimental.topologies.get_topology_desc`` asks ``libtpu`` (the ``tpu`` extra:
-``pip install 'jaxformer[tpu]'``) for the devices of a slice that is not attached:
-programs lowered for them compile to real TPU executables, with the compiler's memory
-and cost analyses, and fail with the same out-of-memory error as on the chips. No TPU
-backend starts: the CPU stays JAX's platform (MaxText's ``train_compile.py`` works the
-same way).
+``jax.experimental.topologies.get_topology_desc`` asks libtpu (or the CUDA plugin) for
+the devices of a slice that is not attached: programs lowered for them compile to real
+executables, with the compiler's memory and cost analyses and out-of-memory errors. No
+TPU backend starts (as MaxText's ``train_compile.py``).
 """
 
 from __future__ import annotations
@@ -16,7 +14,7 @@ import jax
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-from jaxformer.aot.chips import SliceSpec
+from jaxformer.aot.chips import SliceSpec, gpu_target_config
 from jaxformer.model.sharding import MESH_AXES, make_mesh, parse_mesh
 
 
@@ -32,60 +30,40 @@ def _quiet_libtpu(spec: SliceSpec) -> None:
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 
 
-def tpu_devices(spec: SliceSpec, num_slices: int = 1) -> list[jax.Device]:
-    """The compile-only devices of ``num_slices`` slices of ``spec`` (one per chip, or per
-    megacore chip on v4/v5p), connected over DCN when ``num_slices > 1``.
-
-    Raises:
-      RuntimeError: libtpu is not installed, or refuses the topology.
-    """
-    if num_slices < 1:
-        raise ValueError(f"--num-slices must be at least 1, got {num_slices}.")
-    _quiet_libtpu(spec)
-    from jax.experimental.topologies import get_topology_desc
-
-    try:
-        topology = get_topology_desc(platform="tpu", topology_name=spec.topology,
-                                     chip_config_name=spec.chip_config_name,
-                                     chips_per_host_bounds=spec.chips_per_host_bounds,
-                                     num_slices=num_slices)
-    except (RuntimeError, NotImplementedError) as e:   # libtpu missing or refusing (JaxRuntimeError)
-        raise RuntimeError(f"No compile-only TPU devices for {spec.name} ({spec.topology}): "
-                           f"{str(e).strip().splitlines()[0]}. Install libtpu, paired with this jax, "
-                           f"with pip install 'jaxformer[tpu]'.") from e
-    return list(topology.devices)
-
-
-def gpu_devices(spec: SliceSpec, num_hosts: int = 1) -> list[jax.Device]:
-    """Compile-only CUDA devices: ``num_hosts`` nodes of ``spec``'s GPUs (the jax CUDA
-    plugin: pip install 'jaxformer[gpu-aot]'; no GPU and no driver needed, the host's
-    ``ptxas`` compiles).
-
-    Raises:
-      RuntimeError: the plugin is missing, or refuses the topology.
-    """
-    from jax.experimental.topologies import get_topology_desc
-
-    from jaxformer.aot.chips import gpu_target_config
-
-    try:
-        topology = get_topology_desc(platform="cuda", topology_name="", target_config=gpu_target_config(
-            spec.chip), topology=f"{num_hosts}x1x{spec.chips}")
-    except (RuntimeError, NotImplementedError) as e:   # no plugin; or the plugin's JaxRuntimeError
-        raise RuntimeError(f"No compile-only CUDA devices for {spec.name}: {str(e).strip().splitlines()[0]}. "
-                           f"Install the jax CUDA plugin with pip install 'jaxformer[gpu-aot]'.") from e
-    return list(topology.devices)
-
-
 def target_devices(spec: SliceSpec, num_slices: int = 1) -> list[jax.Device]:
-    """:func:`tpu_devices` or :func:`gpu_devices`, by the target's kind."""
-    return gpu_devices(spec, num_slices) if spec.chip_config_name == "gpu" else tpu_devices(spec, num_slices)
+    """The compile-only devices of ``num_slices`` slices of ``spec`` (``num_slices`` ≥ 1):
+    TPU chips from libtpu (one device per chip, or per megacore chip on v4/v5p; slices
+    joined over DCN), or ``num_slices`` hosts of CUDA GPUs from the jax CUDA plugin (no
+    GPU and no driver needed, the host's ``ptxas`` compiles).
+
+    Raises:
+      RuntimeError: libtpu or the CUDA plugin is not installed, or refuses the topology.
+    """
+    from jax.experimental.topologies import get_topology_desc
+
+    if spec.chip_config_name == "gpu":
+        extra, kind = "gpu-aot", "CUDA"
+        describe = lambda: get_topology_desc(  # noqa: E731
+            platform="cuda", topology_name="", target_config=gpu_target_config(spec.chip),
+            topology=f"{num_slices}x1x{spec.chips}")
+    else:
+        extra, kind = "tpu", "TPU"
+        _quiet_libtpu(spec)
+        describe = lambda: get_topology_desc(  # noqa: E731
+            platform="tpu", topology_name=spec.topology, chip_config_name=spec.chip_config_name,
+            chips_per_host_bounds=spec.chips_per_host_bounds, num_slices=num_slices)
+    try:
+        return list(describe().devices)
+    except (RuntimeError, NotImplementedError) as e:   # not installed, or refusing (JaxRuntimeError)
+        raise RuntimeError(f"No compile-only {kind} devices for {spec.name} ({spec.topology}): "
+                           f"{str(e).strip().splitlines()[0]}. Install it, paired with this jax, with "
+                           f"pip install 'jaxformer[{extra}]'.") from e
 
 
 def target_mesh(devices: list[jax.Device], spec: str | None, num_slices: int = 1) -> Mesh:
-    """The run's ``(data, fsdp, model)`` mesh over target ``devices``. Over several slices
-    the ``data`` axis spans them (DCN: only the gradient all-reduce crosses slices) and
-    ``fsdp`` and ``model`` stay inside each slice (ICI), as MaxText's ``dcn_data_parallelism``.
+    """The run's ``(data, fsdp, model)`` mesh over target ``devices``; over several slices
+    ``data`` spans them (DCN) and ``fsdp``, ``model`` stay inside each (MaxText's
+    ``dcn_data_parallelism``).
 
     Raises:
       ValueError: the mesh does not fit the devices, or ``data`` is not a multiple of

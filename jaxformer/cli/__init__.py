@@ -4,3 +4,12 @@
 (``jaxformer-convert``) and ``compile``
 (``jaxformer-compile``). ``python -m jaxformer.translate``, ``.prepare`` and ``.compile``
 run the same."""
+
+import sys
+
+
+def fail(prog: str, message: str, status: int = 2) -> None:
+    """Ends a command with ``prog: error: message`` on stderr and exit ``status`` (2: bad input)."""
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    sys.exit(status)
+

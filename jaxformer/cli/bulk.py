@@ -14,13 +14,15 @@ decoders on every run (measured in benchmarks/README.md, "Bulk translation").
 
 from __future__ import annotations
 
-import argparse
 import io
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from jaxformer.cli import fail
 from jaxformer.decode import bulk
+
+PROG = "jaxformer-translate"
 
 # Everything a chunk's bytes depend on, recorded in the manifest: a resume with other
 # values is refused (the process count is not among them: it does not change a byte).
@@ -29,49 +31,22 @@ SETTINGS = ("beam_size", "alpha", "length_normalization", "early_stopping", "max
             "top_p", "seed", "batch_size", "long_lines", "mesh", "matmul_dtype")
 
 
-def bulk_mode(args: argparse.Namespace) -> bool:
+def bulk_mode(args) -> bool:
     """Whether the flags ask for bulk mode: ``--input`` and ``--output``, no sentences as
     arguments. Its beam search runs in stages (:mod:`jaxformer.decode.staged`) on one device."""
     return bool(args.input and args.output and not args.sentences)
 
 
-def add_process_flags(parser: argparse.ArgumentParser) -> None:
-    """``--coordinator-address``, ``--num-processes``, ``--process-id``, ``--distributed``:
-    the training script's names (:class:`jaxformer.run.config.TrainConfig`)."""
-    add = parser.add_argument
-    add("--coordinator-address", help="bulk mode on several processes: host:port of process 0")
-    add("--num-processes", type=int, help="bulk mode on several processes: how many")
-    add("--process-id", type=int, help="bulk mode on several processes: this one's index")
-    add("--distributed", action="store_true",
-        help="bulk mode on several processes, found by jax.distributed's cluster auto-detection "
-             "(TPU pods, SLURM, Open MPI, Kubernetes)")
+def initialize(args) -> None:
+    """Starts ``jax.distributed`` when the flags ask for it (before any other JAX use;
+    the flags are checked by :meth:`jaxformer.cli.translate_flags.TranslateArgs.problems`)."""
+    if args.multi_process:
+        from jaxformer.model.sharding import initialize_distributed
+
+        initialize_distributed(args.coordinator_address, args.num_processes, args.process_id, auto=True)
 
 
-def multi_process(args: argparse.Namespace) -> bool:
-    """Whether the flags ask for ``jax.distributed``."""
-    return bool(args.distributed or args.coordinator_address or args.num_processes is not None
-                or args.process_id is not None)
-
-
-def initialize(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Starts ``jax.distributed`` when the flags ask for it (before any other JAX use);
-    bad flags exit with status 2."""
-    if not multi_process(args):
-        return
-    explicit = (args.coordinator_address, args.num_processes, args.process_id)
-    if not args.distributed and None in explicit:
-        parser.error("several processes need all of --coordinator-address, --num-processes and "
-                     "--process-id (or --distributed for auto-detection)")
-    if args.num_processes is not None and args.num_processes < 1:
-        parser.error(f"--num-processes must be at least 1, got {args.num_processes}")
-    if args.num_processes is not None and not 0 <= (args.process_id or 0) < args.num_processes:
-        parser.error(f"--process-id {args.process_id} is not in 0..{args.num_processes - 1}")
-    from jaxformer.model.sharding import initialize_distributed
-
-    initialize_distributed(args.coordinator_address, args.num_processes, args.process_id, auto=True)
-
-
-def job_record(args: argparse.Namespace, translator) -> dict:
+def job_record(args, translator) -> dict:
     """What a bulk job's bytes depend on (its ``.parts/manifest.json``): the model and the
     decoding settings. A resume whose record differs is refused.
 
@@ -92,8 +67,7 @@ def job_record(args: argparse.Namespace, translator) -> dict:
     return record
 
 
-def translate(parser: argparse.ArgumentParser, args: argparse.Namespace, translator,
-              translate_lines: Callable) -> int:
+def translate(args, translator, translate_lines: Callable) -> int:
     """Translates ``--input`` into ``--output`` (this process's share when there are several);
     process 0 prints the report on stderr. Input and resume errors exit with status 2.
 
@@ -127,10 +101,10 @@ def translate(parser: argparse.ArgumentParser, args: argparse.Namespace, transla
                                      process_index=process, process_count=processes,
                                      barrier=process_barrier if processes > 1 else None)
     except (bulk.BulkInputError, bulk.BulkResumeError) as e:
-        parser.exit(2, f"{parser.prog}: error: {e}\n")
+        fail(PROG, str(e))
     except OSError as e:   # a full disk, a folder gone: the chunks written so far stay
-        parser.exit(2, f"{parser.prog}: error: {e}; the finished chunks in {args.output}.parts/ are "
-                       f"kept, and the same command resumes from them\n")
+        fail(PROG, f"{e}; the finished chunks in {args.output}.parts/ are kept, and the same command "
+                   f"resumes from them")
     if process == 0:
         print(report.summary(), file=sys.stderr)
     return process

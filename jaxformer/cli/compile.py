@@ -15,42 +15,41 @@ Exit status: 0 every program fits; 1 one does not; 2 bad flags or no libtpu.
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import functools
 import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+import tyro
+from annotated_types import Ge
 
 from jaxformer.aot import report as report_lib
 from jaxformer.aot.cache import ReportCache, default_directory
-from jaxformer.aot.chips import CHIPS, slice_names, slice_spec
-from jaxformer.run.config import DEFAULT_CPU_RUN, TrainConfig
-from jaxformer.run.train_flags import add_config_flags
+from jaxformer.aot.chips import CHIPS, slice_spec
+from jaxformer.cli import fail
+from jaxformer.run.config import DEFAULT_CPU_RUN, TrainConfig, check_fields
 
-FLAGS = ("preset", "d_model", "num_heads", "d_ff", "num_layers", "max_len", "dtype", "attention_backend",
-         "remat", "scan_layers", "vocab_size", "batch_tokens", "max_train_len", "mesh", "grad_accum_steps",
-         "beam_size")
+PROG = "jaxformer-compile"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The command line of ``jaxformer-compile``: the training flags that shape the step."""
-    parser = argparse.ArgumentParser(prog="jaxformer-compile", allow_abbrev=False, description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--topology", required=True, metavar="SLICE",
-                        help=f"TPU slice or GPU node to compile for: {', '.join(slice_names())}")
-    parser.add_argument("--num-slices", type=int, default=1,
-                        help="slices (GPU: hosts) joined over DCN; the data axis spans them")
-    add_config_flags(parser, list(FLAGS), DEFAULT_CPU_RUN)
-    parser.add_argument("--decode-batch", type=int, default=64, help="sentences per beam-search batch")
-    parser.add_argument("--no-decode", action="store_true", help="compile the train step only")
-    parser.add_argument("--save", metavar="DIR", help="write the serialized executables to DIR")
-    parser.add_argument("--cache-dir", default=str(default_directory()),
-                        help="where compile reports are kept (default: %(default)s)")
-    parser.add_argument("--no-cache", action="store_true", help="compile even if a report is cached")
-    parser.add_argument("--json", action="store_true", help="print the reports as one JSON object")
-    return parser
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CompileArgs:
+    """The command line of ``jaxformer-compile``: a target, and the training flags; those
+    that shape the programs (model, --vocab-size, --batch-tokens, --max-train-len, --mesh,
+    --grad-accum-steps, --beam-size) count, the others are accepted and change nothing."""
+
+    topology: str   # TPU slice or GPU node to compile for, e.g. v5e-16, v4-8, h100-8 (jaxformer.aot.chips)
+    num_slices: Annotated[int, Ge(1)] = 1   # slices (GPU: hosts) joined over DCN; the data axis spans them
+    decode_batch: Annotated[int, Ge(1)] = 64   # sentences per beam-search batch
+    no_decode: Annotated[bool, tyro.conf.FlagCreatePairsOff] = False   # compile the train step only
+    save: str | None = None   # write the serialized executables to this folder
+    cache_dir: str = str(default_directory())   # where compile reports are kept
+    no_cache: Annotated[bool, tyro.conf.FlagCreatePairsOff] = False   # compile even if a report is cached
+    json: Annotated[bool, tyro.conf.FlagCreatePairsOff] = False   # print the reports as one JSON object
+    cfg: TrainConfig = TrainConfig.flat(**DEFAULT_CPU_RUN)
 
 
 def _compile(name: str, lower, chip, tokens: int, save: str | None, devices: int,
@@ -93,7 +92,7 @@ def _host_cost(lower, config, shape, scanned: bool) -> dict[str, float]:
     return lower(config.replace(scan_layers=scanned), host, shape).cost_analysis()
 
 
-def compile_all(args: argparse.Namespace, cfg: TrainConfig) -> dict[str, Any]:
+def compile_all(args: CompileArgs, cfg: TrainConfig) -> dict[str, Any]:
     """Every program's report, from the cache where it holds one."""
 
     from jaxformer.aot.steps import DecodeShape, TrainShape, lower_beam_search, lower_train_step
@@ -105,33 +104,35 @@ def compile_all(args: argparse.Namespace, cfg: TrainConfig) -> dict[str, Any]:
     spec = slice_spec(args.topology)
     chip = CHIPS[spec.chip]
     on_gpu = spec.chip_config_name == "gpu"
-    if cfg.attention_backend == ("pallas" if on_gpu else "cudnn"):   # each kernel is for one platform
-        raise ValueError(f"--attention-backend {cfg.attention_backend} does not run on {args.topology}: "
+    if cfg.model.attention_backend == ("pallas" if on_gpu else "cudnn"):   # each kernel is for one platform
+        raise ValueError(f"--attention-backend {cfg.model.attention_backend} does not run on "
+                         f"{args.topology}: "
                          + ("cudnn is NVIDIA's fused attention; on TPU use pallas (splash attention) or xla"
                             if not on_gpu else "pallas is the TPU splash kernel; on a GPU use cudnn or xla"))
-    config = preset(cfg.preset, src_vocab_size=cfg.vocab_size, **cfg.model_overrides())
+    config = preset(cfg.model.preset, src_vocab_size=cfg.data.vocab_size, **cfg.model.overrides())
     devices_count = spec.chips * args.num_slices
-    sizes = parse_mesh(cfg.mesh, devices_count)
+    sizes = parse_mesh(cfg.run.mesh, devices_count)
     data = sizes["data"] * sizes["fsdp"]
-    length = cfg.row_length(config.max_len)
+    length = cfg.train.row_length(config.max_len)
     # As training sizes its batches: too few rows is an error, rounded rows are reported;
     # a decoding batch that the data axes do not divide is named before any compile.
-    note = check_batch_rows(cfg.batch_tokens, length, data * cfg.grad_accum_steps)
+    note = check_batch_rows(cfg.train.batch_tokens, length, data * cfg.train.grad_accum_steps)
     if note:
         print(note, file=sys.stderr)
     if not args.no_decode and args.decode_batch % data:
         raise ValueError(f"--decode-batch {args.decode_batch} does not divide by the mesh's data × fsdp "
                          f"axes ({data}); use a multiple of {data}, e.g. --decode-batch "
                          f"{-(-args.decode_batch // data) * data}.")
-    rows = rows_per_batch(cfg.batch_tokens, length, data * cfg.grad_accum_steps)
-    shapes = {"train_step": TrainShape(rows=rows, length=length, label_smoothing=cfg.label_smoothing,
-                                       grad_accum_steps=cfg.grad_accum_steps)}
+    rows = rows_per_batch(cfg.train.batch_tokens, length, data * cfg.train.grad_accum_steps)
+    shapes = {"train_step": TrainShape(rows=rows, length=length, label_smoothing=cfg.train.label_smoothing,
+                                       grad_accum_steps=cfg.train.grad_accum_steps)}
     if not args.no_decode:
-        shapes["beam_search"] = DecodeShape(batch=args.decode_batch, src_len=length, beam_size=cfg.beam_size,
+        shapes["beam_search"] = DecodeShape(batch=args.decode_batch, src_len=length,
+                                            beam_size=cfg.decode.beam_size,
                                             max_decode_len=min(config.max_len, length + 50))
     cache = ReportCache(args.cache_dir)
     header = {"topology": spec.name, "slice": spec.topology, "num_slices": args.num_slices,
-              "devices": devices_count, "chip": chip.name, "mesh": cfg.mesh or f"data={devices_count}",
+              "devices": devices_count, "chip": chip.name, "mesh": cfg.run.mesh or f"data={devices_count}",
               "model": config.to_dict(), "batch": {"rows": rows, "length": length}}
     out: dict[str, Any] = {"target": header}
     mesh = None
@@ -142,7 +143,7 @@ def compile_all(args: argparse.Namespace, cfg: TrainConfig) -> dict[str, Any]:
             out[name] = {**cached, "cached": True}
             continue
         if mesh is None:
-            mesh = target_mesh(target_devices(spec, args.num_slices), cfg.mesh, args.num_slices)
+            mesh = target_mesh(target_devices(spec, args.num_slices), cfg.run.mesh, args.num_slices)
         lower = {"train_step": lower_train_step, "beam_search": lower_beam_search}[name]
         # beam search: XLA counts its while body (one token per sentence) once
         tokens = rows * length if name == "train_step" else shape.batch
@@ -165,7 +166,8 @@ def compile_all(args: argparse.Namespace, cfg: TrainConfig) -> dict[str, Any]:
 
 def _print(out: dict[str, Any]) -> None:
     t = out["target"]
-    print(f"{t['topology']} ({t['slice']} × {t['num_slices']} slice(s), {t['devices']} × {t['chip']}), mesh "
+    print(f"{t['topology']} ({t['slice']} × {t['num_slices']} slice(s), {t['devices']} × {t['chip']}), "
+          f"mesh "
           f"{t['mesh']}; d_model {t['model']['d_model']}, {t['model']['num_encoder_layers']}+"
           f"{t['model']['num_decoder_layers']} layers, {t['model']['dtype']}; train batch "
           f"{t['batch']['rows']} × {t['batch']['length']}")
@@ -179,7 +181,7 @@ def _print(out: dict[str, Any]) -> None:
             print(report_lib.format_report(f"{name} ({how})", result))
 
 
-def _check_folders(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+def _check_folders(args: CompileArgs) -> None:
     """``--cache-dir`` and ``--save`` checked before anything compiles: a name that is a
     file, or a folder no file can be made in (the nearest existing one, for a folder still
     to be made; probed with a uniquely named file), fails now, not after minutes. Nothing
@@ -191,13 +193,13 @@ def _check_folders(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
             continue
         path = Path(folder).absolute()
         if path.exists() and not path.is_dir():
-            parser.exit(2, f"{parser.prog}: error: {flag} {folder!r} is a file; name a folder\n")
+            fail(PROG, f"{flag} {folder!r} is a file; name a folder")
         existing = next(p for p in (path, *path.parents) if p.exists())
         try:
             probe_writable(existing)
         except OSError as e:
-            parser.exit(2, f"{parser.prog}: error: {flag} {folder!r} cannot be written ({existing}: "
-                           f"{e.strerror}); name a folder you can write to\n")
+            fail(PROG, f"{flag} {folder!r} cannot be written ({existing}: {e.strerror}); name a folder "
+                       f"you can write to")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -208,25 +210,22 @@ def main(argv: list[str] | None = None) -> None:
     # (and the CUDA plugin registers its compile-only devices without a driver).
     if not jax.config.jax_platforms:
         jax.config.update("jax_platforms", "cpu")
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = tyro.cli(CompileArgs, args=argv, prog=PROG, description=__doc__,
+                    config=(tyro.conf.OmitArgPrefixes,))
+    cfg = args.cfg
     try:
         slice_spec(args.topology)
-        cfg = TrainConfig(**{name: getattr(args, name) for name in FLAGS})
+        check_fields(args)
     except ValueError as e:
-        parser.error(str(e))
-    for flag, value in (("--num-slices", args.num_slices),
-                        ("--decode-batch", 1 if args.no_decode else args.decode_batch)):
-        if value < 1:
-            parser.error(f"{flag} must be at least 1, got {value}")
-    _check_folders(parser, args)
+        fail(PROG, str(e).rstrip("."))
+    _check_folders(args)
     # JAX's persistent cache would store executables that a compile-only client cannot
     # load back (a warning on every later read); the reports are cached instead.
     jax.config.update("jax_enable_compilation_cache", False)
     try:
         out = compile_all(args, cfg)
     except (ValueError, RuntimeError) as e:   # a mesh that does not fit, no libtpu
-        parser.exit(2, f"{parser.prog}: error: {e}\n")
+        fail(PROG, str(e))
     if args.json:
         print(json.dumps(out, indent=2, sort_keys=True, default=float))
     else:

@@ -6,61 +6,57 @@
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import shutil
+from typing import Annotated
 
+import tyro
+
+from jaxformer.cli import fail
 from jaxformer.data.distillation import write_training_sources
 from jaxformer.data.run_data import prepare_run_data
-from jaxformer.run.config import PAIRS, TrainConfig
+from jaxformer.run.config import DataConfig, RunConfig, TrainConfig, shown
 from jaxformer.run.directory import RunDir, topmost_missing
 from jaxformer.run.logs import console_logging
 from jaxformer.run.platform import skip_absent_tpu
 
+PROG = "jaxformer-prepare"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PrepareArgs:
+    """Give train.py the same data flags (and --workdir) to train on the prepared data."""
+
+    data: DataConfig = DataConfig()
+    workdir: Annotated[str | None, shown("derived from the data, as train.py")] = None   # run directory
+    # instead of preparing: write the sources of --workdir's training split, one per line
+    # (a teacher's input for distillation; docs, "Distillation")
+    write_train_sources: str | None = None
+
 
 def main(argv: list[str] | None = None) -> None:
     """``jaxformer-prepare``: prepares a run directory's data ahead of ``train.py``."""
-    defaults = TrainConfig()
-    parser = argparse.ArgumentParser(
-        prog="jaxformer-prepare", description=__doc__.split("\n\n")[0], allow_abbrev=False,
-        epilog="Give train.py the same data flags (and --workdir) to train on the prepared data.")
-    for name, help_text in (("workdir", "run directory (default: derived from the data, as train.py)"),
-                            ("pair", f"shipped corpus (default {defaults.pair})"),
-                            ("train-file", "source<TAB>target lines, plain or .gz"),
-                            ("src-file", "or line-aligned source file"), ("tgt-file", "and target file"),
-                            ("dev-file", "explicit dev TSV"), ("test-file", "explicit test TSV"),
-                            ("bt-file", "back-translated pairs (TSV), added to training with tagged "
-                                        "sources")):
-        parser.add_argument(f"--{name}", help=help_text, **({"choices": PAIRS} if name == "pair" else {}))
-    parser.add_argument("--vocab-size", type=int, default=defaults.vocab_size)
-    parser.add_argument("--max-length-ratio", type=float, default=defaults.max_length_ratio,
-                        help="drop pairs whose source/target id counts differ by more (Moses clean-corpus-n)")
-    parser.add_argument("--bt-ratio", type=float,
-                        help="synthetic pairs per real training pair (default: each --bt-file pair once)")
-    parser.add_argument("--write-train-sources", metavar="FILE",
-                        help="instead of preparing: write the sources of --workdir's training split, one "
-                             "per line (a teacher's input for distillation; README, 'Distillation')")
-    args = parser.parse_args(argv)
+    args = tyro.cli(PrepareArgs, args=argv, prog=PROG, description=__doc__.split("\n\n")[0],
+                    config=(tyro.conf.OmitArgPrefixes,))
     skip_absent_tpu()   # libtpu installed on a CPU host: never start the TPU backend
     console_logging()   # the data report (read, kept, skipped by reason) and the timings, as train.py
     if args.write_train_sources:
         if not args.workdir:
-            parser.error("--write-train-sources needs the --workdir of a prepared run")
-        given = [f"--{name.replace('_', '-')}" for name, value in vars(args).items()
-                 if name not in ("workdir", "write_train_sources") and value != parser.get_default(name)]
+            fail(PROG, "--write-train-sources needs the --workdir of a prepared run")
+        given = [f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(DataConfig)
+                 if getattr(args.data, f.name) != f.default]
         if given:   # the run's own data and settings are what it writes
-            parser.error(f"--write-train-sources writes the training sources of --workdir's run, from its "
-                         f"own data flags: drop {', '.join(given)}")
+            fail(PROG, f"--write-train-sources writes the training sources of --workdir's run, from its "
+                       f"own data flags: drop {', '.join(given)}")
         try:
             lines = write_training_sources(args.workdir, args.write_train_sources)
         except (ValueError, OSError) as e:
-            parser.exit(2, f"jaxformer-prepare: error: {e}\n")
+            fail(PROG, str(e))
         print(f"wrote {lines} training sources of {args.workdir} to {args.write_train_sources}")
         return
-    del args.write_train_sources
-    fields = {k: v for k, v in vars(args).items() if v is not None}
     created = None
     try:
-        cfg = TrainConfig(**fields)
+        cfg = TrainConfig(data=args.data, run=RunConfig(workdir=args.workdir))
         run_dir = RunDir(cfg.workdir)
         # the topmost folder this call makes: removed again if preparing fails
         created = topmost_missing(run_dir.root)
@@ -70,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, OSError) as e:
         if created is not None:   # what this call made holds nothing worth keeping
             shutil.rmtree(created, ignore_errors=True)
-        parser.exit(2, f"jaxformer-prepare: error: {e}\n")
+        fail(PROG, str(e))
 
 
 if __name__ == "__main__":

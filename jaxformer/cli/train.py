@@ -8,6 +8,8 @@ while the run starts or evaluates also exits 130, with that hint, not a tracebac
 
 from __future__ import annotations
 
+import sys
+
 DESCRIPTION = """\
 Train an encoder-decoder Transformer translator (Vaswani et al. 2017).
 
@@ -25,29 +27,28 @@ stopped by a signal after checkpointing (run again to resume)."""
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     """Parses the command line, trains, and exits with the status documented above."""
+    from jaxformer.cli import fail
     from jaxformer.run.config import DEFAULT_CPU_RUN
     from jaxformer.run.logs import console_logging
     from jaxformer.run.platform import skip_absent_tpu
-    from jaxformer.run.train_flags import from_args, parse_train_args
+    from jaxformer.run.train_flags import parse_train_args
 
-    parser, args = parse_train_args(argv, DEFAULT_CPU_RUN, DESCRIPTION, prog=prog)
-    try:
-        cfg = from_args(args)
-    except ValueError as e:
-        parser.error(str(e))
+    prog = prog or "jaxformer-train"
+    args = parse_train_args(argv, DEFAULT_CPU_RUN, DESCRIPTION, prog=prog)
+    cfg = args.cfg
     from jaxformer.interop.pretrained import with_saved_init_from
     from jaxformer.run.directory import RunDir, keep_compilation_cache
 
     try:   # a resume of a fine-tune, without the flag, is a fine-tune too
-        saved = None if args.fresh else with_saved_init_from(cfg, RunDir(cfg.workdir)).init_from
-        loaded = cfg.init_from or saved
+        saved = None if args.fresh else with_saved_init_from(cfg, RunDir(cfg.workdir)).run.init_from
+        loaded = cfg.run.init_from or saved
     except (ValueError, OSError):   # a damaged config.json: train() names it
-        loaded = cfg.init_from
+        loaded = cfg.run.init_from
     if loaded and (ignored := sorted(args.chosen & {"preset", "vocab_size"})):
         them = "them" if len(ignored) > 1 else "it"
         named = " and ".join("--" + name.replace("_", "-") for name in ignored)
-        parser.error(f"this run fine-tunes {loaded} (--init-from), whose architecture and tokenizer it "
-                     f"keeps, so {named} would do nothing (given as a flag or in --config): drop {them}.")
+        fail(prog, f"this run fine-tunes {loaded} (--init-from), whose architecture and tokenizer it "
+                   f"keeps, so {named} would do nothing (given as a flag or in --config): drop {them}.")
     from jaxformer.train.trainer import Preempted, TrainingDiverged, train
 
     console_logging()
@@ -56,14 +57,14 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     try:
         train(cfg, fresh=args.fresh)
     except (ValueError, OSError) as e:   # bad data, paths or checkpoints: a message, not a traceback
-        parser.exit(2, f"{parser.prog}: error: {e}\n")
+        fail(prog, str(e))
     except TrainingDiverged as e:
-        parser.exit(1, f"{parser.prog}: error: {e}\n")
+        fail(prog, str(e), status=1)
     except Preempted as e:               # the message with the resume hint is already printed
-        parser.exit(128 + e.signum)
+        sys.exit(128 + e.signum)
     except KeyboardInterrupt:            # Ctrl-C outside the steps (the steps stop as Preempted)
-        parser.exit(130, f"{parser.prog}: interrupted; run the same command again to continue from the "
-                         f"run's last checkpoint (or to start it, if it has none yet).\n")
+        fail(prog, "interrupted; run the same command again to continue from the run's last checkpoint "
+                   "(or to start it, if it has none yet).", status=130)
 
 
 if __name__ == "__main__":

@@ -179,4 +179,4 @@ def check_splits_nonempty(sizes: dict[str, int], n: int, dropped: dict[str, int]
 
 def target_language_of(cfg: TrainConfig) -> str:
     """The target language code of a run's data (``"xx"`` for a user's own corpus)."""
-    return cfg.pair.split("-")[1] if not (cfg.train_file or cfg.src_file) else "xx"
+    return cfg.data.pair.split("-")[1] if not (cfg.data.train_file or cfg.data.src_file) else "xx"

@@ -57,7 +57,7 @@ def write_training_sources(workdir: str | os.PathLike, output: str | os.PathLike
             f"starts); train the teacher there first." if manifest is not None else
             f"{workdir} has no run with prepared data (config.json and prepared/); give the teacher's "
             f"--workdir.")
-    cfg = TrainConfig(**{**load_config_file(run_dir.config), "workdir": str(run_dir.root)})
+    cfg = TrainConfig.flat(**{**load_config_file(run_dir.config), "workdir": str(run_dir.root)})
     spec = DataSpec.from_config(cfg)
     saved, now = ({k: v for k, v in f.items() if k != "back_translation"}
                   for f in (manifest["fingerprint"], spec.fingerprint()))

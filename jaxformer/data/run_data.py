@@ -46,18 +46,18 @@ class DataSpec:
     def from_config(cls, cfg: TrainConfig) -> DataSpec:
         """The data a run's flags name (``--train-file``, ``--src-file``/``--tgt-file`` or ``--pair``).
         Raises ValueError: conflicting corpus flags."""
-        if (cfg.train_file and (cfg.src_file or cfg.tgt_file)) or bool(cfg.src_file) != bool(cfg.tgt_file):
+        d = cfg.data
+        if (d.train_file and (d.src_file or d.tgt_file)) or bool(d.src_file) != bool(d.tgt_file):
             raise ValueError("Give either --train-file or --src-file with --tgt-file, not both; "
                              "--src-file and --tgt-file go together.")
-        common = dict(dev_file=cfg.dev_file, test_file=cfg.test_file, vocab_size=cfg.vocab_size,
-                      max_length_ratio=cfg.max_length_ratio, bt_file=cfg.bt_file, bt_ratio=cfg.bt_ratio)
-        if cfg.train_file:
-            return cls((cfg.train_file,), name=cfg.train_file, **common)
-        if cfg.src_file:
-            return cls((cfg.src_file, cfg.tgt_file), aligned=True,
-                       name=f"{cfg.src_file} + {cfg.tgt_file}", **common)
-        return cls((str(corpus.builtin_corpus_path(cfg.pair)),),
-                   name=f"shipped {cfg.pair} corpus (LibreOffice help, MPL-2.0)", **common)
+        common = dict(dev_file=d.dev_file, test_file=d.test_file, vocab_size=d.vocab_size,
+                      max_length_ratio=d.max_length_ratio, bt_file=d.bt_file, bt_ratio=d.bt_ratio)
+        if d.train_file:
+            return cls((d.train_file,), name=d.train_file, **common)
+        if d.src_file:
+            return cls((d.src_file, d.tgt_file), aligned=True, name=f"{d.src_file} + {d.tgt_file}", **common)
+        return cls((str(corpus.builtin_corpus_path(d.pair)),),
+                   name=f"shipped {d.pair} corpus (LibreOffice help, MPL-2.0)", **common)
 
     def source(self, report: DataReport | None = None) -> PairFiles:
         """The corpus as a data source (its pairs counted in ``report``)."""

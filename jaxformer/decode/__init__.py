@@ -1,8 +1,8 @@
 """The decode wing: translating with a trained model.
 
-``decoding`` (incremental greedy decoding, sampling, jitted decoders), ``beam_search``
-(scoring and the stopping rule, after flax's WMT example), ``evaluation`` (batched
-translation, BLEU/chrF), ``exported`` (the cache of exported decoders),
-``translator`` (a run directory as a ``Translator``), ``bulk`` (whole files, chunked and
-resumable). Imports ``model``, ``run`` and ``data`` only.
+``decoding`` (:func:`decode`: a strategy over a batch), ``strategies`` and ``beam_search``
+(``Greedy``, ``Sample``, ``Beam``), ``penalties`` (logit processors), ``staged`` (beam search
+in stages), ``evaluation`` (batches, BLEU/chrF), ``exported`` (exported decoders),
+``translator`` (a run as a ``Translator``), ``bulk`` (whole files, chunked and resumable).
+Imports ``model``, ``run`` and ``data`` only.
 """

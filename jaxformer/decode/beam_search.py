@@ -1,23 +1,21 @@
-"""Beam search over a ``tokens_to_logits`` callback, as one ``lax.while_loop``.
-
-Two ways to rank finished hypotheses: the GNMT length penalty (Wu et al. 2016; the
-paper's §6.1 decoding, the default) and Hugging Face ``generate``'s
-sum-of-log-probs / length^``length_penalty`` with its stopping rule, so an imported
-OPUS-MT model reproduces ``generate(num_beams=k)`` token for token.
-
-Glossary: B batch, V vocabulary, M the longest output; beams get their own letter,
-N (the beam width k), so K stays the head width.
+"""Beam search over a ``tokens_to_logits`` callback, as one ``lax.while_loop``: :class:`Beam`,
+GNMT-normalised (the paper's §6.1 decoding) or as Hugging Face ``generate``, so an imported
+OPUS-MT model reproduces ``generate(num_beams=k)`` token for token. Glossary: B batch, V
+vocabulary, M the longest output; the beam width is k (N in names), so K stays the head width.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from jaxformer.decode.penalties import NO_PENALTIES, Penalties
+from jaxformer.decode.penalties import apply_processors
+from jaxformer.model.validation import check_count, check_real
 
 # The model callback of every decoder: tokens_to_logits(ids [B, 1], cache) -> (logits [B, V], cache).
 TokensToLogits = Callable[[jax.Array, Any], tuple[jax.Array, Any]]
@@ -25,26 +23,84 @@ TokensToLogits = Callable[[jax.Array, Any], tuple[jax.Array, Any]]
 NEG_INF = -1.0e9
 
 
-LENGTH_NORMALIZATIONS = ("gnmt", "hf")
-
-
 def length_penalty(length, alpha: float, normalization: str = "gnmt"):
-    """The divisor of a finished hypothesis' log-probability.
+    """The divisor of a finished hypothesis' log-probability: ``"gnmt"``, ((5 + |Y|) / 6)^α
+    (Wu et al. 2016; paper §6.1, α = 0.6); ``"hf"``, |Y|^α (transformers
+    ``generation/utils.py``, ``_update_finished_beams``). |Y| counts eos."""
+    length = jnp.asarray(length, jnp.float32)
+    return length ** alpha if normalization == "hf" else ((5.0 + length) / 6.0) ** alpha
 
-    ``"gnmt"``: lp(Y) = ((5 + |Y|) / 6)^α (Wu et al. 2016; paper §6.1, α = 0.6).
-    ``"hf"``: |Y|^α, Hugging Face ``generate``'s ``length_penalty`` (transformers
-    ``generation/utils.py``, ``_update_finished_beams``). |Y| counts the generated
-    tokens, eos included.
+
+@dataclasses.dataclass(frozen=True)
+class Beam:
+    """Beam search (paper §6.1: k = 4, α = 0.6): the k best hypotheses per sentence,
+    scored log-probability / :func:`length_penalty` (a strategy: :mod:`jaxformer.decode.strategies`).
+
+    Each step extends the live beams, keeps the best 2k candidates, continues the best
+    k that did not end and merges those of the top k that ended (eos; forced at each
+    sentence's limit) into the k finished; pad and bos are never generated. The loop
+    stops when every sentence is *closed* (or at M tokens):
+
+    * ``length_normalization="gnmt"``: k finished, and the best live log-probability over
+      the largest penalty it could get, lp(its limit), below the worst finished: exact.
+    * ``"hf"``: ``generate``'s rule (``_check_early_stop_heuristic``: the *current*
+      length^α), eos forced with log-probability 0 (``ForcedEOSTokenLogitsProcessor``):
+      ``generate(num_beams=k, length_penalty=α)``'s sequences and ``sequences_scores``.
+    * ``early_stopping=True`` (either): k finished, the rule of fairseq, CTranslate2 and
+      ``generate(early_stopping=True)``; faster, not exact.
+
+    ``processors`` (:mod:`jaxformer.decode.penalties`) apply to each beam's log-probabilities
+    before ranking, as in fairseq and ``generate``; the scores are the penalised ones.
+    Bulk translation runs it in stages (:mod:`jaxformer.decode.staged`).
 
     Raises:
-      ValueError: an unknown ``normalization``.
+      ValueError: ``beam_size`` not an integer ≥ 1, ``alpha`` not finite, another
+        ``length_normalization`` or an ``early_stopping`` not True or False.
     """
-    length = jnp.asarray(length, jnp.float32)
-    if normalization == "gnmt":
-        return ((5.0 + length) / 6.0) ** alpha
-    if normalization == "hf":
-        return length ** alpha
-    raise ValueError(f"length normalization must be one of {LENGTH_NORMALIZATIONS}, got {normalization!r}.")
+
+    beam_size: int = 4
+    alpha: float = 0.6
+    length_normalization: Literal["gnmt", "hf"] = "gnmt"
+    early_stopping: bool = False
+    processors: tuple = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "beam_size", check_count("beam_size", self.beam_size))
+        object.__setattr__(self, "alpha", check_real("alpha", self.alpha))
+        rules = {"length_normalization": ("'gnmt' or 'hf'", self.length_normalization in ("gnmt", "hf")),
+                 "early_stopping": ("True or False", isinstance(self.early_stopping, (bool, np.bool_)))}
+        wrong = [f"{name} must be {allowed}, got {getattr(self, name)!r}"
+                 for name, (allowed, ok) in rules.items() if not ok]
+        if wrong:
+            raise ValueError("; ".join(wrong) + ".")
+        object.__setattr__(self, "early_stopping", bool(self.early_stopping))
+
+    @property
+    def beams(self) -> int:
+        return self.beam_size
+
+    def search(self, tokens_to_logits: TokensToLogits, cache: Any, *, batch_size: int, bos_id: int,
+               eos_id: int, pad_id: int, max_decode_len: int, max_lengths: jax.Array | None = None,
+               keys_B: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """``(sequences [B, k, M] int32, scores [B, k] float32)``, best first; ``cache``
+        holds ``B*k`` rows (:func:`tile_beams`)."""
+        state0 = init_beam_state(cache, self, batch_size=batch_size, bos_id=bos_id, pad_id=pad_id,
+                                 length=max_decode_len, max_decode_len=max_decode_len,
+                                 max_lengths=max_lengths)
+        state = jax.lax.while_loop(
+            lambda state: (state["step"] < max_decode_len) & jnp.any(state["open"]),
+            lambda state: beam_step(state, tokens_to_logits, self, bos_id=bos_id, eos_id=eos_id,
+                                    pad_id=pad_id),
+            state0)
+        return beam_output(state, self, pad_id=pad_id)
+
+
+def beam_search(tokens_to_logits: TokensToLogits, cache: Any, *, beam_size: int, alpha: float = 0.6,
+                length_normalization: str = "gnmt", early_stopping: bool = False, processors: tuple = (),
+                **loop) -> tuple[jax.Array, jax.Array]:
+    """``Beam(beam_size, alpha, ...).search(tokens_to_logits, cache, **loop)``."""
+    return Beam(beam_size, alpha, length_normalization, early_stopping, processors).search(
+        tokens_to_logits, cache, **loop)
 
 
 def _flatten_beams(x):
@@ -56,11 +112,8 @@ def _unflatten_beams(x, batch_size):
 
 
 def _gather_beams(tree, beam_indices_BN, batch_size):
-    """Picks beams ``[B, N]`` from every leaf with a flattened ``[B*k, ...]`` batch axis.
-
-    A cache with a ``map_beam_state(fn)`` method (:class:`jaxformer.model.transformer.DecodeCache`)
-    gathers only the leaves it names as differing between beams.
-    """
+    """Picks beams ``[B, N]`` from every leaf with a flattened ``[B*k, ...]`` batch axis (of a
+    :class:`~jaxformer.model.transformer.DecodeCache`, only the leaves that differ by beam)."""
     if hasattr(tree, "map_beam_state"):
         return tree.map_beam_state(lambda x: _gather_beams(x, beam_indices_BN, batch_size))
 
@@ -75,25 +128,14 @@ def _gather_beams(tree, beam_indices_BN, batch_size):
 
 
 def blocked_top_k(x: jax.Array, k: int, block: int = 128) -> tuple[jax.Array, jax.Array]:
-    """``jax.lax.top_k(x, k)`` along the last axis, exactly (ties included), found by blocks.
+    """``jax.lax.top_k(x, k)`` along the last axis, exactly (ties to the lower index), by
+    blocks: ``(values, int32 indices)`` of shape ``x.shape[:-1] + (k,)``, largest first.
 
-    The last axis is cut into blocks of ``block`` (padded with -inf); only the ``k``
-    blocks with the largest maxima can hold the top ``k`` (each of the top ``k`` lies
-    in a block whose maximum is at least the k-th value, and at most ``k`` blocks have
-    one), so a max per block, a small top-k over block maxima and a top-k over
-    ``k · block`` candidates replace one top-k over the whole axis. The chosen blocks
-    are kept in index order, so ties resolve to the lower index as in ``lax.top_k``.
-    At beam search's ``[32, 4 · 8000]`` it takes 0.3 ms where ``lax.top_k`` takes 1.5 ms
-    on a 2-core CPU.
-
-    Returns:
-      ``(values, indices)`` of shape ``x.shape[:-1] + (k,)``, largest first; indices int32.
-
-    Raises:
-      ValueError: ``block < 1``.
+    Only the k blocks (of ``block``, padded with -inf) with the largest maxima can hold
+    the top k, so a max per block, a top-k over those and one over ``k · block``
+    candidates replace one over the whole axis: 0.3 ms for beam search's ``[32, 4 · 8000]``
+    where ``lax.top_k`` takes 1.5 ms on a 2-core CPU.
     """
-    if block < 1:
-        raise ValueError(f"blocked_top_k: block must be >= 1, got {block}.")
     n = x.shape[-1]
     if n <= 4 * block or k > n // block:
         return jax.lax.top_k(x, k)
@@ -118,17 +160,9 @@ def tile_beams(tree, beam_size: int):
 
 def constrain_log_probs(logp_BNV: jax.Array, at_limit_B: jax.Array, *, eos_id: int, pad_id: int,
                         bos_id: int, forced_eos_logprob_zero: bool = False) -> jax.Array:
-    """The scoring rule of one beam-search step: pad and bos are never generated
-    (``bad_words_ids``), and a sentence at its length limit (``at_limit_B``, bool
-    ``[B]``) can only end (eos forced). With ``forced_eos_logprob_zero`` the forced eos
-    has log-probability 0, as transformers' ``ForcedEOSTokenLogitsProcessor`` gives it.
-
-    Args:
-      logp_BNV: float32 log-probabilities ``[B, k, V]``.
-
-    Returns:
-      ``[B, k, V]``, the excluded tokens at :data:`NEG_INF`.
-    """
+    """float32 log-probabilities ``[B, k, V]`` with pad and bos (never generated) and, for a
+    sentence at its limit (``at_limit_B``, bool ``[B]``), all but eos at :data:`NEG_INF`;
+    ``forced_eos_logprob_zero``: that eos at 0 (transformers' ``ForcedEOSTokenLogitsProcessor``)."""
     vocab = logp_BNV.shape[-1]
     force = at_limit_B[:, None, None] & (jnp.arange(vocab) != eos_id)[None, None, :]
     never = ((jnp.arange(vocab) == pad_id) | (jnp.arange(vocab) == bos_id))[None, None, :]
@@ -139,18 +173,13 @@ def constrain_log_probs(logp_BNV: jax.Array, at_limit_B: jax.Array, *, eos_id: i
     return logp_BNV
 
 
-def still_open(state: dict[str, jax.Array], *, alpha: float, length_normalization: str = "gnmt",
-               early_stopping: bool = False) -> jax.Array:
-    """The stopping rule: per sentence (bool ``[B]``), can a live beam still beat the worst
-    finished hypothesis? (See :func:`beam_search` for the rules.)
-
-    Args:
-      state: the loop state: ``open [B]``, ``step`` (tokens so far), ``limit [B]`` (each
-        sentence's most tokens), ``live_logprobs [B, k]`` (best first),
-        ``finished_scores``/``finished_flags [B, k]``.
-    """
+def still_open(state: dict[str, jax.Array], beam: Beam) -> jax.Array:
+    """The stopping rule (:class:`Beam`'s): per sentence (bool ``[B]``), can a live beam
+    still beat the worst finished hypothesis? ``state``: the loop's
+    (:func:`init_beam_state`), ``step`` tokens generated."""
     all_full = jnp.all(state["finished_flags"], axis=1)
-    if early_stopping:   # fairseq, CTranslate2, generate(early_stopping=True): k finished
+    alpha, length_normalization = beam.alpha, beam.length_normalization
+    if beam.early_stopping:   # fairseq, CTranslate2, generate(early_stopping=True): k finished
         return state["open"] & ~all_full
     worst_finished = jnp.min(jnp.where(state["finished_flags"], state["finished_scores"], NEG_INF), axis=1)
     if length_normalization == "hf":   # transformers' heuristic: the live beam as if it ended now
@@ -161,49 +190,40 @@ def still_open(state: dict[str, jax.Array], *, alpha: float, length_normalizatio
     return state["open"] & ~(all_full & (worst_finished >= best_live))
 
 
-def init_beam_state(cache: Any, *, batch_size: int, beam_size: int, bos_id: int, pad_id: int,
+def init_beam_state(cache: Any, beam: Beam, *, batch_size: int, bos_id: int, pad_id: int,
                     length: int, max_decode_len: int, max_lengths: jax.Array | None = None) -> dict[str, Any]:
-    """The loop state before the first step: only beam 0 is live (so the first step does
-    not pick k copies), nothing finished, every sentence open.
-
-    Args:
-      cache: the model callback's state for ``B*k`` rows.
-      length: the length of the token arrays ``live_seqs``/``finished_seqs [B, k, length]``.
-      max_decode_len: M, tokens per hypothesis at most (≥ ``length``).
-      max_lengths: optional int ``[B]``, per-sentence limits; each sentence's ``limit``
-        (eos forced there) is min(its limit, M).
-    """
-    k = beam_size
+    """The loop state before the first step: only beam 0 live (the first step does not
+    pick k copies), nothing finished, every sentence open; token arrays ``[B, k, length]``
+    (``length`` ≤ M), each sentence's ``limit`` min(its ``max_lengths``, M); ``cache``
+    for ``B*k`` rows."""
+    k = beam.beam_size
     live_logprobs0 = jnp.tile(jnp.array([0.0] + [NEG_INF] * (k - 1), jnp.float32), (batch_size, 1))
     return dict(
-        step=jnp.zeros((), jnp.int32),
+        step=jnp.zeros((), jnp.int32), live_logprobs=live_logprobs0,
         live_seqs=jnp.full((batch_size, k, length), pad_id, jnp.int32),
-        live_logprobs=live_logprobs0,
         last_ids=jnp.full((batch_size, k), bos_id, jnp.int32),
         finished_seqs=jnp.full((batch_size, k, length), pad_id, jnp.int32),
         finished_scores=jnp.full((batch_size, k), NEG_INF, jnp.float32),
-        finished_flags=jnp.zeros((batch_size, k), jnp.bool_),
-        open=jnp.ones((batch_size,), jnp.bool_),
+        finished_flags=jnp.zeros((batch_size, k), jnp.bool_), open=jnp.ones((batch_size,), jnp.bool_),
         limit=(jnp.full((batch_size,), max_decode_len, jnp.int32) if max_lengths is None
                else jnp.minimum(jnp.asarray(max_lengths, jnp.int32), max_decode_len)),
         cache=cache)
 
 
-def beam_step(state: dict[str, Any], tokens_to_logits: TokensToLogits, *, bos_id: int, eos_id: int,
-              pad_id: int, alpha: float = 0.6, length_normalization: str = "gnmt",
-              early_stopping: bool = False, penalties: Penalties = NO_PENALTIES) -> dict[str, Any]:
-    """One step of :func:`beam_search`: extend, rank, merge the finished, re-check each
+def beam_step(state: dict[str, Any], tokens_to_logits: TokensToLogits, beam: Beam, *, bos_id: int,
+              eos_id: int, pad_id: int) -> dict[str, Any]:
+    """One step of :class:`Beam`'s search: extend, rank, merge the finished, re-check each
     sentence's stopping rule. Works on any number of sentences B (the state's rows) and
     any token-array length greater than ``state["step"]``."""
-    hf = length_normalization == "hf"
+    hf = beam.length_normalization == "hf"
     batch_size, k = state["live_logprobs"].shape
     step = state["step"]
     logits, cache = tokens_to_logits(_flatten_beams(state["last_ids"])[:, None], state["cache"])
     logp_BNV = _unflatten_beams(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), batch_size)
-    if penalties.active:
-        logp_BNV = _unflatten_beams(penalties.apply(
-            _flatten_beams(logp_BNV), _flatten_beams(state["live_seqs"]), step, banned_value=NEG_INF),
-            batch_size)
+    if beam.processors:   # a banned token's -inf becomes NEG_INF, as every excluded token's
+        logp_RV = apply_processors(beam.processors, _flatten_beams(logp_BNV),
+                                   _flatten_beams(state["live_seqs"]), step)
+        logp_BNV = _unflatten_beams(jnp.maximum(logp_RV, NEG_INF), batch_size)
     logp_BNV = constrain_log_probs(logp_BNV, step + 1 >= state["limit"], eos_id=eos_id, pad_id=pad_id,
                                    bos_id=bos_id, forced_eos_logprob_zero=hf)
     vocab = logp_BNV.shape[-1]
@@ -227,8 +247,8 @@ def beam_step(state: dict[str, Any], tokens_to_logits: TokensToLogits, *, bos_id
     # hypothesis, so beam size 1 is exactly greedy decoding; a closed sentence
     # takes no more.
     ended = is_eos & alive & (jnp.arange(2 * k) < k)[None, :] & state["open"][:, None]
-    ended_scores = jnp.where(ended, top_logprobs / length_penalty(step + 1, alpha, length_normalization),
-                             NEG_INF)
+    ended_scores = jnp.where(
+        ended, top_logprobs / length_penalty(step + 1, beam.alpha, beam.length_normalization), NEG_INF)
     merged_scores = jnp.concatenate([state["finished_scores"], ended_scores], axis=1)
     merged_seqs = jnp.concatenate([state["finished_seqs"], top_seqs], axis=1)
     merged_flags = jnp.concatenate([state["finished_flags"], ended], axis=1)
@@ -239,91 +259,16 @@ def beam_step(state: dict[str, Any], tokens_to_logits: TokensToLogits, *, bos_id
         finished_scores=new_finished_scores,
         finished_flags=jnp.take_along_axis(merged_flags, finished_pick, axis=1),
         cache=cache)
-    return dict(new_state, open=still_open(new_state, alpha=alpha, length_normalization=length_normalization,
-                                           early_stopping=early_stopping))
+    return dict(new_state, open=still_open(new_state, beam))
 
 
-def beam_output(state: dict[str, Any], *, pad_id: int, alpha: float = 0.6,
-                length_normalization: str = "gnmt") -> tuple[jax.Array, jax.Array]:
-    """``(sequences [B, k, L], scores [B, k])`` of a loop state, best first. A sentence with
-    no finished hypothesis (only when M is tiny) falls back to its live ones."""
+def beam_output(state: dict[str, Any], beam: Beam, *, pad_id: int) -> tuple[jax.Array, jax.Array]:
+    """``(sequences [B, k, L], scores [B, k])`` of a loop state, best first (a sentence with
+    no finished hypothesis, only when M is tiny, gives its live ones)."""
     any_finished = jnp.any(state["finished_flags"], axis=1)
     lengths = jnp.sum(state["live_seqs"] != pad_id, axis=2)
-    live_scores = state["live_logprobs"] / length_penalty(lengths, alpha, length_normalization)
+    live_scores = state["live_logprobs"] / length_penalty(lengths, beam.alpha, beam.length_normalization)
     seqs = jnp.where(any_finished[:, None, None], state["finished_seqs"], state["live_seqs"])
     scores = jnp.where(any_finished[:, None], state["finished_scores"], live_scores)
     return seqs, scores
 
-
-def beam_search(tokens_to_logits: TokensToLogits, cache: Any, *, batch_size: int, beam_size: int,
-                bos_id: int, eos_id: int, pad_id: int, max_decode_len: int, alpha: float = 0.6,
-                max_lengths: jax.Array | None = None, length_normalization: str = "gnmt",
-                early_stopping: bool = False,
-                penalties: Penalties = NO_PENALTIES) -> tuple[jax.Array, jax.Array]:
-    """Beam search (paper §6.1: k = 4, α = 0.6), GNMT- or Hugging Face-normalised.
-
-    Each step extends the live beams, keeps the best 2k candidates, continues the
-    best k that did not end, and merges those of the top k that ended (eos) into
-    the k finished hypotheses, scored log-probability / ``length_penalty``. A
-    sentence stops taking hypotheses once it is *closed*, and the loop stops when
-    every sentence is closed (or at M tokens):
-
-    * ``"gnmt"``: closed when k hypotheses are finished and the best live
-      log-probability divided by the largest penalty it could still get, lp(its
-      limit), is below the worst finished score: exact, as log-probabilities only fall.
-    * ``"hf"``: ``generate``'s rule with ``early_stopping=False`` (transformers
-      ``generation/utils.py``, ``_check_early_stop_heuristic``): the best live
-      log-probability is divided by the *current* length^α. Eos is forced at M with
-      log-probability 0, as ``forced_eos_token_id`` does (``ForcedEOSTokenLogitsProcessor``).
-      This reproduces ``generate(num_beams=k, length_penalty=α)``'s sequences and
-      ``sequences_scores``.
-    * ``early_stopping=True`` (either normalization): closed as soon as k hypotheses
-      are finished, the rule of fairseq, CTranslate2 and ``generate(early_stopping=True)``.
-      Faster (a sentence whose live beams would only lose is not carried on), not exact.
-
-    Args:
-      tokens_to_logits: model callback on ``[B*k, 1]`` ids.
-      cache: its initial state for ``B*k`` rows (see :func:`tile_beams`).
-      batch_size: B.
-      beam_size: k.
-      bos_id, eos_id, pad_id: special ids (bos = the decoder start id); pad and bos
-        are never generated (``bad_words_ids``).
-      max_decode_len: M, tokens per hypothesis at most (eos included).
-      alpha: length-penalty exponent α; 0 = raw log-probability.
-      max_lengths: optional int ``[B]``, per-sentence limits ≤ M (e.g. source length
-        + 50): eos is forced at that length (at M without it).
-      length_normalization: ``"gnmt"`` or ``"hf"`` (see :func:`length_penalty`).
-      early_stopping: close a sentence once k hypotheses are finished.
-      penalties: ``no_repeat_ngram_size`` and ``repetition_penalty``
-        (:mod:`jaxformer.decode.penalties`), applied to each beam's log-probabilities
-        before the candidates are ranked, as fairseq and ``generate`` do; the scores
-        returned are the penalised ones.
-
-    Returns:
-      ``(sequences [B, k, M] int32, scores [B, k] float32)``, best first; sequences end
-      with eos then pad. Scores are log-probability / penalty(length).
-
-    Raises:
-      ValueError: an unknown ``length_normalization``.
-    """
-    check_length_normalization(length_normalization)
-    state0 = init_beam_state(cache, batch_size=batch_size, beam_size=beam_size, bos_id=bos_id,
-                             pad_id=pad_id, length=max_decode_len, max_decode_len=max_decode_len,
-                             max_lengths=max_lengths)
-    rule = dict(alpha=alpha, length_normalization=length_normalization)
-
-    def cond(state):
-        return (state["step"] < max_decode_len) & jnp.any(state["open"])
-
-    def body(state):
-        return beam_step(state, tokens_to_logits, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id,
-                         early_stopping=early_stopping, penalties=penalties, **rule)
-
-    return beam_output(jax.lax.while_loop(cond, body, state0), pad_id=pad_id, **rule)
-
-
-def check_length_normalization(length_normalization: str) -> None:
-    """Raises ``ValueError`` for a ``length_normalization`` other than ``"gnmt"``/``"hf"``."""
-    if length_normalization not in LENGTH_NORMALIZATIONS:
-        raise ValueError(f"length_normalization must be one of {LENGTH_NORMALIZATIONS}, "
-                         f"got {length_normalization!r}.")

@@ -1,28 +1,21 @@
 """Decoders and parameter shapes kept in a run directory, so that a later translate
 process neither traces nor compiles.
 
-JAX's persistent compilation cache (``RUN/jax_cache``) saves the compile, but every
-new process still traces the decoder in Python to find its cache key: about 0.5 s
-for the small preset's beam search (flax also checks each parameter's shape by
-tracing its initializer), and another 0.3 s to trace the model's ``init`` for the
-parameters' shapes that orbax restores into. Here both are done once per run:
-
-* a decoder is exported (``jax.export``: the traced and lowered StableHLO program,
-  https://docs.jax.dev/en/latest/export/export.html) to ``<key>.jaxexport``; a later
-  process deserializes it in milliseconds and compiles it, which the compilation
-  cache answers;
-* the parameters' shapes and dtypes are written to ``<key>.json``.
-
-Each key is a SHA-256 of everything the entry depends on: jaxformer's source files,
-the jax, jaxlib and flax versions, the JAX settings that change a trace (x64, default
-matmul precision), the model config, the decoder with its static arguments and the
-inputs' tree, shapes and dtypes. A change to any of them is another key, so a stale
-entry is never used. Each file starts with its payload's SHA-256; an entry that fails
-to load or to verify is made again and rewritten.
+JAX's persistent compilation cache (``RUN/jax_cache``) saves the compile, but a new
+process still traces the decoder to find its cache key (about 0.5 s for the small
+preset's beam search) and the model's ``init`` for the parameters' shapes (0.3 s).
+Here a decoder is exported (``jax.export``, the lowered StableHLO program) to
+``<key>.jaxexport`` and the parameters' shapes and dtypes to ``<key>.json``; a later
+process reads them in milliseconds. Each key is a SHA-256 of all the entry depends on:
+jaxformer's source files, the jax, jaxlib and flax versions, the JAX settings that
+change a trace, the model config, the decoder's settings and the inputs' shapes and
+dtypes, so a stale entry is never used. Each file starts with its payload's SHA-256;
+one that fails to load or verify is made again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -54,25 +47,19 @@ def _signature(tree: Any) -> list[Any]:
 
 
 def _write_atomically(path: Path, data: bytes) -> None:
-    """Writes ``data`` to ``path``, after its SHA-256 (:func:`_read_verified`), through a
-    temporary file and a rename: a reader never sees half a file, and two processes
-    writing the same entry write the same bytes. The file gets the permissions of any
-    file this process creates (0666 less the umask), not the temporary file's 0600, so a
-    group-shared run directory can be served by another user."""
+    """Writes ``data`` to ``path`` after its SHA-256, through a temporary file and a
+    rename (a reader never sees half a file), with the umask's permissions, not 0600
+    (a group-shared run directory serves other users)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.parent / f".{path.name}-{secrets.token_hex(8)}"
-    # os.open applies the umask to 0o666, as open() does (tempfile would make it 0600).
+    temporary = path.parent / f".{path.name}-{secrets.token_hex(8)}"   # os.open: 0o666 less the umask
     with os.fdopen(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as f:
         f.write(hashlib.sha256(data).digest() + data)
     os.replace(temporary, path)
 
 
 def _read_verified(path: Path) -> bytes:
-    """What :func:`_write_atomically` wrote to ``path``.
-
-    Raises:
-      OSError: unreadable; ValueError: its SHA-256 does not match (a damaged file).
-    """
+    """What :func:`_write_atomically` wrote to ``path``; ``OSError`` when unreadable,
+    ``ValueError`` when damaged (its SHA-256 does not match)."""
     raw = path.read_bytes()
     digest, data = raw[:32], raw[32:]
     if hashlib.sha256(data).digest() != digest:
@@ -81,11 +68,8 @@ def _read_verified(path: Path) -> bytes:
 
 
 class ExportCache:
-    """Exported decoders and parameter shapes in ``directory`` (e.g. ``RUN/jax_cache/exported``).
-
-    Args:
-      directory: created on the first write.
-    """
+    """Exported decoders and parameter shapes in ``directory`` (e.g. ``RUN/jax_cache/exported``;
+    created on the first write)."""
 
     def __init__(self, directory: str | Path):
         self.directory = Path(directory)
@@ -100,42 +84,29 @@ class ExportCache:
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
     def abstract_params(self, config: Any, make: Callable[[], Any]) -> Any:
-        """``make()`` (a tree of ``jax.ShapeDtypeStruct``: the parameters of a model with
-        ``config``), read from this cache when it was made before.
-
-        Returns:
-          a nested dict of ``jax.ShapeDtypeStruct`` (``make()``'s on a cache miss).
-        """
+        """``make()`` (a nested dict of ``jax.ShapeDtypeStruct``: the parameters of a model
+        with ``config``), read from this cache when it was made before."""
         path = self.directory / f"{self.key('params', repr(config))}.json"
-        try:
-            leaves = json.loads(_read_verified(path))
+        with contextlib.suppress(OSError, ValueError, TypeError, KeyError, AttributeError):   # missing
             tree: dict[str, Any] = {}
-            for names, shape, dtype in leaves:
+            for names, shape, dtype in json.loads(_read_verified(path)):
                 node = tree
                 for name in names[:-1]:
                     node = node.setdefault(name, {})
                 node[names[-1]] = jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype))
             return tree
-        except (OSError, ValueError, TypeError, KeyError, AttributeError):   # missing or unreadable
-            pass
         abstract = make()
-        flat = jax.tree_util.tree_flatten_with_path(abstract)[0]
-        leaves = [[[k.key for k in names], list(x.shape), str(x.dtype)] for names, x in flat]
-        try:
+        leaves = [[[k.key for k in names], list(x.shape), str(x.dtype)]
+                  for names, x in jax.tree_util.tree_flatten_with_path(abstract)[0]]
+        with contextlib.suppress(OSError):   # an unwritable run directory: made again next time
             _write_atomically(path, json.dumps(leaves).encode())
-        except OSError:   # an unwritable run directory: made again next time
-            pass
         return abstract
 
     def decoder(self, fn: Callable, name: str, config: Any, **static: Any) -> Callable:
-        """``fn(params, src)`` (a pure function of arrays, ``static`` bound) served from an
-        exported program: traced and exported on the first call with a new input
-        signature, read from disk in later processes.
-
-        Args:
-          fn: the decoder with its static arguments bound; ``name``, ``config`` (the
-            model's) and ``static`` enter the key, as every input's shape and dtype do.
-        """
+        """``fn(*arrays)`` (a decoder, its settings ``static`` bound) served from an exported
+        program: exported on the first call with a new input signature, read from disk in
+        later processes. ``name``, ``config`` (the model's), ``static`` (by their ``repr``)
+        and the inputs' shapes and dtypes make the key."""
         compiled: dict[str, Callable] = {}
 
         def call(*args):
@@ -148,13 +119,9 @@ class ExportCache:
 
     def _load_or_export(self, key: str, fn: Callable, args: tuple) -> jax.export.Exported:
         path = self.directory / f"{key}.jaxexport"
-        try:
+        with contextlib.suppress(Exception):   # missing, truncated or from elsewhere: export it again
             return jax.export.deserialize(bytearray(_read_verified(path)))
-        except Exception:  # noqa: BLE001 - missing, truncated or from elsewhere: export it again
-            pass
         exported = jax.export.export(jax.jit(fn))(*args)
-        try:
+        with contextlib.suppress(OSError, ImportError):   # unwritable, or no flatbuffers: used here only
             _write_atomically(path, bytes(exported.serialize()))
-        except (OSError, ImportError):   # unwritable, or no flatbuffers: this process still uses it
-            pass
         return exported

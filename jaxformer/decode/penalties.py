@@ -1,22 +1,10 @@
-"""Decoding penalties against repetition, applied inside the decoding loops.
+"""Logit processors against repetition, as fairseq, CTranslate2 and Hugging Face offer them.
 
-Two rules, as fairseq, Marian/CTranslate2 and Hugging Face ``generate`` offer them:
-
-* ``no_repeat_ngram_size`` n (fairseq ``--no-repeat-ngram-size``, transformers
-  ``NoRepeatNGramLogitsProcessor``): a token that would complete an n-gram the
-  hypothesis already holds is banned (score -inf). n = 1 bans every token generated
-  before.
-* ``repetition_penalty`` p (Keskar et al. 2019, CTRL §4.1; transformers
-  ``RepetitionPenaltyLogitsProcessor``): the score of every token already generated is
-  divided by p where positive and multiplied by p where negative, so p > 1 makes
-  repeats less likely. It applies to what the decoder ranks: the log-probabilities in
-  beam search (as ``generate`` applies its processors to log-softmax scores there),
-  the logits in greedy decoding and sampling.
-
-Both look only at the generated tokens (the decoder start token is never generated,
-so an n-gram through it can never repeat). Shapes: R rows (batch × beams), M the
-longest output, V the vocabulary; ``seqs_RM`` holds the tokens generated so far at
-positions ``< step`` (anything after is ignored).
+A processor is a hashable callable ``(scores_RV, seqs_RM, step) -> scores_RV``: float
+scores ``[R, V]`` (R rows: batch × beams) for position ``step``, given the tokens generated
+before it, ``seqs_RM`` (int ``[R, M]``; later positions ignored; never the start token).
+Strategies apply their ``processors`` in order (transformers' ``LogitsProcessorList``) to
+the logits, or to beam search's log-probabilities; banned tokens get ``-inf``.
 """
 
 from __future__ import annotations
@@ -30,43 +18,53 @@ from jaxformer.model.validation import check_count, check_real
 
 
 @dataclasses.dataclass(frozen=True)
-class Penalties:
-    """The repetition rules of one decoder (hashable: a static argument of the jitted
-    decoders). The defaults change nothing and compile nothing extra.
+class RepetitionPenalty:
+    """CTRL's repetition penalty (Keskar et al. 2019, §4.1; transformers
+    ``RepetitionPenaltyLogitsProcessor``): the score of a token generated before is divided
+    by ``penalty`` where positive, multiplied where negative (> 1: fewer repeats).
+    Raises ``ValueError`` unless ``penalty`` is a finite number > 0."""
 
-    Raises:
-      ValueError: ``no_repeat_ngram_size`` not an integer ≥ 0, or ``repetition_penalty``
-        not a finite number > 0.
-    """
+    penalty: float
 
-    no_repeat_ngram_size: int = 0     # 0 = off
-    repetition_penalty: float = 1.0   # 1 = off
+    def __post_init__(self):   # a float: RepetitionPenalty(2) and (2.0) are one static argument
+        object.__setattr__(self, "penalty", check_real("repetition_penalty", self.penalty, above=0.0))
+
+    def __call__(self, scores_RV: jax.Array, seqs_RM: jax.Array, step: jax.Array) -> jax.Array:
+        seen = _scatter_mask(seqs_RM, jnp.arange(seqs_RM.shape[1])[None, :] < step, scores_RV.shape[-1])
+        penalized = jnp.where(scores_RV > 0, scores_RV / self.penalty, scores_RV * self.penalty)
+        return jnp.where(seen, penalized, scores_RV)
+
+
+@dataclasses.dataclass(frozen=True)
+class NoRepeatNGram:
+    """Bans each token that would repeat an n-gram of ``size`` (fairseq
+    ``--no-repeat-ngram-size``, transformers ``NoRepeatNGramLogitsProcessor``; 1: every
+    token generated before). Raises ``ValueError`` unless ``size`` is an integer ≥ 1."""
+
+    size: int
 
     def __post_init__(self):
-        # Stored as int and float: Penalties(2.0) == Penalties(2) would share a compiled
-        # decoder that runs range(2.0). NumPy scalars are taken as Python ones.
-        object.__setattr__(self, "no_repeat_ngram_size",
-                           check_count("no_repeat_ngram_size", self.no_repeat_ngram_size, minimum=0))
-        object.__setattr__(self, "repetition_penalty", check_real(
-            "repetition_penalty", self.repetition_penalty, above=0.0))   # 1 = off; > 1 penalises repeats
+        object.__setattr__(self, "size", check_count("no_repeat_ngram_size", self.size))
 
-    @property
-    def active(self) -> bool:
-        return self.no_repeat_ngram_size > 0 or self.repetition_penalty != 1.0
-
-    def apply(self, scores_RV: jax.Array, seqs_RM: jax.Array, step: jax.Array, *,
-              banned_value: float) -> jax.Array:
-        """``scores_RV`` (float ``[R, V]``) after both rules, for the token at position
-        ``step`` of ``seqs_RM`` (int ``[R, M]``); banned tokens get ``banned_value``."""
-        if self.repetition_penalty != 1.0:
-            scores_RV = repetition_penalized(scores_RV, seqs_RM, step, self.repetition_penalty)
-        if self.no_repeat_ngram_size > 0:
-            banned = banned_ngram_mask(seqs_RM, step, self.no_repeat_ngram_size, scores_RV.shape[-1])
-            scores_RV = jnp.where(banned, banned_value, scores_RV)
-        return scores_RV
+    def __call__(self, scores_RV: jax.Array, seqs_RM: jax.Array, step: jax.Array) -> jax.Array:
+        banned = banned_ngram_mask(seqs_RM, step, self.size, scores_RV.shape[-1])
+        return jnp.where(banned, -jnp.inf, scores_RV)
 
 
-NO_PENALTIES = Penalties()
+def penalties(no_repeat_ngram_size: int = 0, repetition_penalty: float = 1.0) -> tuple:
+    """The processors of the two repetition flags (0 and 1 = off), in transformers' order;
+    ``ValueError`` for a size not an integer ≥ 0 or a penalty not a finite number > 0."""
+    size = check_count("no_repeat_ngram_size", no_repeat_ngram_size, minimum=0)
+    penalty = RepetitionPenalty(repetition_penalty)
+    return ((penalty,) if penalty.penalty != 1.0 else ()) + ((NoRepeatNGram(size),) if size else ())
+
+
+def apply_processors(processors: tuple, scores_RV: jax.Array, seqs_RM: jax.Array, step: jax.Array):
+    """``scores_RV`` after each processor in turn, as float32."""
+    scores_RV = scores_RV.astype(jnp.float32)
+    for processor in processors:
+        scores_RV = processor(scores_RV, seqs_RM, step)
+    return scores_RV
 
 
 def _scatter_mask(ids_RJ: jax.Array, keep_RJ: jax.Array, vocab: int) -> jax.Array:
@@ -76,27 +74,10 @@ def _scatter_mask(ids_RJ: jax.Array, keep_RJ: jax.Array, vocab: int) -> jax.Arra
     return jnp.zeros((ids_RJ.shape[0], vocab), jnp.bool_).at[rows, where].set(True, mode="drop")
 
 
-def generated_mask(seqs_RM: jax.Array, step: jax.Array, vocab: int) -> jax.Array:
-    """bool ``[R, V]``: the tokens at positions ``< step`` of each row."""
-    positions = jnp.arange(seqs_RM.shape[1])[None, :]
-    return _scatter_mask(seqs_RM, positions < step, vocab)
-
-
-def repetition_penalized(scores_RV: jax.Array, seqs_RM: jax.Array, step: jax.Array,
-                         penalty: float) -> jax.Array:
-    """CTRL's repetition penalty on the tokens generated so far (module docstring)."""
-    seen = generated_mask(seqs_RM, step, scores_RV.shape[-1])
-    penalized = jnp.where(scores_RV > 0, scores_RV / penalty, scores_RV * penalty)
-    return jnp.where(seen, penalized, scores_RV)
-
-
 def banned_ngram_mask(seqs_RM: jax.Array, step: jax.Array, n: int, vocab: int) -> jax.Array:
-    """bool ``[R, V]``: the tokens that would repeat an n-gram at position ``step``.
-
-    An n-gram starting at j (``seqs[j : j+n]``, complete before ``step``) bans its last
-    token when its first n-1 tokens equal the last n-1 generated ones,
-    ``seqs[step-n+1 : step]``. O(M · n) per row, one scatter.
-    """
+    """bool ``[R, V]``: the tokens that would repeat an n-gram at position ``step``: an
+    n-gram ``seqs[j : j+n]`` complete before ``step`` bans its last token when its first
+    n-1 equal ``seqs[step-n+1 : step]``. O(M · n) per row, one scatter."""
     length = seqs_RM.shape[1]
     if n > length:
         return jnp.zeros((seqs_RM.shape[0], vocab), jnp.bool_)

@@ -1,30 +1,20 @@
 """Beam search in stages, for bulk decoding: closed sentences leave the batch and the
 self-attention cache grows with the output.
 
-:func:`jaxformer.decode.decoding.beam_translate` is one fixed-shape ``while_loop``: every
-step pays for all B·k rows and all M cache positions until the batch's last sentence
-closes. In a batch sorted by length most sentences close long before a straggler does
-(on the default run's en-de sources, beam 4, batch 32: 51% of the rows' steps belonged
-to open sentences), and M is the bucket's bound (32 + 50 positions) where outputs are
-~16 tokens long; reordering the K/V cache between beams alone costs time ∝ M.
+In one fixed-shape ``while_loop`` every step pays for all B·k rows and all M cache
+positions until the batch's last sentence closes, though most close long before a
+straggler does (en-de, beam 4, batch 32: 51% of the rows' steps belonged to open
+sentences) and outputs are far shorter than M. :class:`StagedBeamSearch` runs the same
+:func:`~jaxformer.decode.beam_search.beam_step` in stages driven from the host: a stage
+is a ``while_loop`` over R sentences with arrays and cache of length L that returns once
+at most R/2 sentences are open, or at step L. Between stages the open sentences are
+gathered into R/2 rows (R/4 while at most that many are open: fairseq and CTranslate2
+drop finished sentences the same way); once a stage reaches step L the arrays are
+padded to M. Each (R, L) is one compiled loop, at most 2 × (log2 B + 1) per bucket.
 
-:class:`StagedBeamSearch` runs the same :func:`~jaxformer.decode.beam_search.beam_step`
-in stages driven from the host. A stage is a ``while_loop`` over R sentences with token
-arrays and cache of length L; it returns once at most R/2 sentences are open, or at
-step L. Between stages the open sentences are gathered into R/2 rows, and again into
-R/4 while at most that many are open (fairseq and CTranslate2 drop finished sentences
-from their batch the same way); once a stage reaches step L the arrays are padded to M
-(the sentences still open then are few, so a longer cache costs little more). Each
-(R, L) is one compiled decoding loop, at most 2 × (log2 B + 1) per source bucket, plus
-a small restaging program per pair of levels; the persistent compile cache keeps them
-between processes. Each stage's end reads two scalars and the stage's results back to
-the host.
-
-A sentence's steps are the same arithmetic on its own rows as in ``beam_translate``;
-only the batch it shares a matmul with and the number of masked cache positions
-differ, so the output equals ``beam_translate``'s up to float rounding (a near-tie can
-flip). The stages are a pure function of the batch, so a bulk run resumed after a kill
-repeats them exactly.
+A sentence's steps are the same arithmetic on its own rows as in one loop, so the
+output equals :func:`~jaxformer.decode.decoding.decode`'s up to float rounding (a near-tie
+can flip); the stages are a pure function of the batch, so a resumed bulk run repeats them.
 """
 
 from __future__ import annotations
@@ -36,9 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxformer.decode.beam_search import beam_output, beam_step, check_length_normalization, init_beam_state
+from jaxformer.decode.beam_search import Beam, beam_output, beam_step, init_beam_state
 from jaxformer.decode.decoding import _model_callback, decode_step_callback, source_limits
-from jaxformer.decode.penalties import NO_PENALTIES, Penalties
 from jaxformer.model.transformer import DecodeCache, Transformer
 
 _SENTENCE_KEYS = ("live_seqs", "live_logprobs", "last_ids", "finished_seqs", "finished_scores",
@@ -47,38 +36,17 @@ _LENGTH_KEYS = ("live_seqs", "finished_seqs")
 
 
 class StagedBeamSearch:
-    """Beam search over batches of sources, stage by stage (see the module docstring).
+    """``beam``'s search of ``model`` over batches of sources, stage by stage (the module
+    docstring): ``bos_id``, ``eos_id``, ``len_a``, ``extra_len`` as
+    :func:`jaxformer.decode.decoding.decode`'s; ``first_length``: the first stage's L (≥ 1).
+    ``stages``: the last call's, ``(rows, length, step at its end)`` each."""
 
-    Args:
-      model: the :class:`~jaxformer.model.transformer.Transformer` (scanned layers are
-        decoded through their unrolled view).
-      beam_size, bos_id, eos_id, alpha, length_normalization, early_stopping, penalties:
-        as :func:`jaxformer.decode.decoding.beam_translate`.
-      len_a, extra_len: each output is at most ``len_a`` × its source length +
-        ``extra_len`` tokens (``None``: no such limit), capped by ``max_decode_len``.
-      first_length: the first stage's token-array and cache length L0.
-
-    Raises:
-      ValueError: an unknown ``length_normalization``, ``beam_size`` or ``first_length`` < 1.
-
-    Attributes:
-      stages: the last call's stages, ``(rows, length, step at its end)`` each.
-    """
-
-    def __init__(self, model: Transformer, *, beam_size: int, bos_id: int, eos_id: int,
-                 alpha: float = 0.6, length_normalization: str = "gnmt", early_stopping: bool = False,
-                 penalties: Penalties = NO_PENALTIES, len_a: float = 1.0, extra_len: int | None = 50,
-                 first_length: int = 32):
-        check_length_normalization(length_normalization)
-        if beam_size < 1 or first_length < 1:
-            raise ValueError(f"beam_size ({beam_size}) and first_length ({first_length}) must be >= 1.")
-        self.model, self.beam_size, self.first_length = model, beam_size, first_length
+    def __init__(self, model: Transformer, beam: Beam, *, bos_id: int, eos_id: int, len_a: float = 1.0,
+                 extra_len: int | None = 50, first_length: int = 32):
+        self.model, self.beam, self.beam_size, self.first_length = model, beam, beam.beam_size, first_length
         self.pad_id = model.config.pad_id
-        self._rule = dict(alpha=alpha, length_normalization=length_normalization)
-        self._step = functools.partial(beam_step, bos_id=bos_id, eos_id=eos_id, pad_id=self.pad_id,
-                                       early_stopping=early_stopping, penalties=penalties, **self._rule)
-        self._init = functools.partial(init_beam_state, beam_size=beam_size, bos_id=bos_id,
-                                       pad_id=self.pad_id)
+        self._step = functools.partial(beam_step, beam=beam, bos_id=bos_id, eos_id=eos_id, pad_id=self.pad_id)
+        self._init = functools.partial(init_beam_state, beam=beam, bos_id=bos_id, pad_id=self.pad_id)
         self._len_a, self._extra_len = len_a, extra_len
         self.stages: list[tuple[int, int, int]] = []
         self._start = jax.jit(self._start_stage, static_argnames=("length", "max_decode_len"))
@@ -89,10 +57,9 @@ class StagedBeamSearch:
         """Encodes ``src [B, S]`` and builds the first stage's state (cache length ``length``)."""
         _, cache = _model_callback(self.model, params, src_BS, length, self.beam_size)
         limits = source_limits(src_BS, pad_id=self.pad_id, len_a=self._len_a, extra_len=self._extra_len)
-        batch = src_BS.shape[0]
-        state = self._init(cache, batch_size=batch, length=length, max_decode_len=max_decode_len,
+        state = self._init(cache, batch_size=src_BS.shape[0], length=length, max_decode_len=max_decode_len,
                            max_lengths=limits)
-        return dict(state, origin=jnp.arange(batch, dtype=jnp.int32))
+        return dict(state, origin=jnp.arange(src_BS.shape[0], dtype=jnp.int32))
 
     def _run_stage(self, params, state, *, stop_at: int):
         """Steps until at most ``stop_at`` sentences are open or the arrays are full.
@@ -104,7 +71,7 @@ class StagedBeamSearch:
             return (state["step"] < length) & (jnp.sum(state["open"]) > stop_at)
 
         state = jax.lax.while_loop(cond, lambda s: self._step(s, tokens_to_logits), state)
-        seqs, scores = beam_output(state, pad_id=self.pad_id, **self._rule)
+        seqs, scores = beam_output(state, self.beam, pad_id=self.pad_id)
         return state, (seqs, scores, state["origin"], jnp.sum(state["open"]), state["step"])
 
     def _next_stage(self, state, *, rows: int, length: int) -> dict[str, Any]:
@@ -119,12 +86,8 @@ class StagedBeamSearch:
         return dict(new, step=state["step"], cache=cache)
 
     def __call__(self, params: Any, src_BS: np.ndarray, max_decode_len: int) -> tuple[np.ndarray, np.ndarray]:
-        """Beam search of ``src [B, S]`` (int32 ids, one device).
-
-        Returns:
-          ``(sequences [B, k, M] int32, scores [B, k] float32)`` as numpy arrays, best
-          first, as :func:`jaxformer.decode.decoding.beam_translate` returns them.
-        """
+        """Beam search of ``src [B, S]`` (int32 ids, one device): numpy ``(sequences [B, k, M]
+        int32, scores [B, k] float32)``, best first, as :func:`~jaxformer.decode.decoding.decode`'s."""
         batch, k = src_BS.shape[0], self.beam_size
         rows, length = batch, min(self.first_length, max_decode_len)
         seqs_BNM = np.full((batch, k, max_decode_len), self.pad_id, np.int32)

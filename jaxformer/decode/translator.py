@@ -6,7 +6,7 @@ device, with beam search, n-best lists, sampling and cross-attention maps
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+import math
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,8 @@ import numpy as np
 from jaxformer.data.tokenizer import load_tokenizer
 from jaxformer.decode.evaluation import Evaluator
 from jaxformer.decode.exported import ExportCache
-from jaxformer.decode.penalties import Penalties
+from jaxformer.decode.penalties import penalties
+from jaxformer.decode.strategies import Beam, Sample, strategy_for
 from jaxformer.model.config import TransformerConfig
 from jaxformer.model.matmul import cast_matmul_weights
 from jaxformer.model.scan import unrolled
@@ -29,12 +30,10 @@ from jaxformer.run.directory import RunDir
 
 
 class Translator:
-    """A trained model ready to translate: config, tokenizer and parameters of a run.
+    """A trained run ready to translate: its config, tokenizer and parameters.
 
-    Decoding options left ``None`` take :attr:`defaults`: an imported model's
-    generation config, else what the run decoded its dev and test sets with (its
-    ``beam_size``, ``alpha``, ``no_repeat_ngram_size``, ``repetition_penalty``), else
-    beam 4 and α 0.6 (§6.1).
+    Decoding options left ``None`` take :attr:`defaults`: an imported model's generation
+    config, else what the run decoded its dev and test sets with, else beam 4, α 0.6 (§6.1).
 
     Args:
       workdir: the run directory.
@@ -42,29 +41,23 @@ class Translator:
       checkpoint: ``"auto"`` (best by dev BLEU, else latest), ``"best"``, ``"latest"``,
         ``"averaged"`` or a training step (int).
       max_len_a, max_len_b: output limit ``a * source length + b`` tokens (eos included).
-        ``None`` (both): the model's own limit, an imported model's generation
-        ``max_length`` (``a = 0``, ``b = max_length - 1``: Hugging Face counts the decoder
-        start token), else ``a = 1``, ``b = 50``; one given, the other takes 1 or 50.
-      exported: keep the parameters' shapes and the exported greedy/beam decoders in
-        ``RUN/jax_cache/exported`` (:mod:`jaxformer.decode.exported`), so a later process neither
-        traces the model nor the decoders (the translate tool does, when the run
-        directory is writable). Not with a ``mesh``.
-      mesh: decode data-parallel over this mesh's devices (sentences split over ``data``
-        × ``fsdp``, parameters laid out by the rules table as in training); ``None`` =
-        one device.
-      staged: beam search in stages (:mod:`jaxformer.decode.staged`: closed sentences
-        leave the batch, the cache grows with the output), for bulk translation; one
-        device only (ignored with a ``mesh``).
-      matmul_dtype: decode with the weight matmuls in this dtype (``"bfloat16"``: the
-        weight matrices are cast once, activations at each matmul, sums in float32;
-        :mod:`jaxformer.model.matmul`); ``None`` = the run's.
+        ``None`` (both): an imported model's generation ``max_length`` (``a = 0``,
+        ``b = max_length - 1``: Hugging Face counts the decoder start token), else 1 and 50.
+      exported: keep the parameters' shapes and the exported decoders in
+        ``RUN/jax_cache/exported`` (:mod:`jaxformer.decode.exported`), so a later process
+        traces neither the model nor the decoders. Not with a ``mesh``.
+      mesh: decode data-parallel over this mesh's devices (sentences over ``data`` ×
+        ``fsdp``, parameters laid out as in training); ``None`` = one device.
+      staged: beam search in stages (:mod:`jaxformer.decode.staged`), for bulk
+        translation; one device only (ignored with a ``mesh``).
+      matmul_dtype: the weight matmuls' dtype (:mod:`jaxformer.model.matmul`); ``None``: the run's.
 
     Raises:
       FileNotFoundError: the run directory lacks ``config.json``, the tokenizer or the
         checkpoint asked for.
-      ValueError: ``config.json`` is damaged or a Hugging Face model's
-        (:meth:`jaxformer.run.directory.RunDir.read_run_record`), ``batch_size`` or
-        ``max_len_b`` not an integer (``batch_size < 1``), ``max_len_a`` not finite or < 0.
+      ValueError: ``config.json`` is damaged or a Hugging Face model's, ``batch_size`` not
+        an integer ≥ 1, ``max_len_a`` not a finite number ≥ 0, ``max_len_b`` not an
+        integer or a + b < 1 (no output token).
     """
 
     def __init__(self, workdir: str | Path, batch_size: int = 32, checkpoint: str | int = "auto",
@@ -74,14 +67,8 @@ class Translator:
         from flax import linen as nn
 
         batch_size = check_count("batch_size", batch_size)
-        if max_len_a is not None:
-            max_len_a = check_real("max_len_a", max_len_a, minimum=0.0)
-        if max_len_b is not None:
-            max_len_b = check_count("max_len_b", max_len_b, minimum=-(1 << 30))
-        if isinstance(checkpoint, str) and checkpoint.isdigit():   # "20": a step, as the CLI reads it
-            checkpoint = int(checkpoint)
-        elif isinstance(checkpoint, np.integer):   # a NumPy step is a step
-            checkpoint = int(checkpoint)
+        if isinstance(checkpoint, np.integer) or isinstance(checkpoint, str) and checkpoint.isdigit():
+            checkpoint = int(checkpoint)   # "20" (as the command line reads it) or a NumPy 20: a step
         workdir = Path(workdir)
         exported = exported and mesh is None   # exported decoders are one-device programs
         exports = ExportCache(RunDir(workdir).jax_cache / "exported") if exported else None
@@ -94,6 +81,7 @@ class Translator:
         ids = jnp.ones((1, 8), jnp.int32)
         # Restore onto one device (or this mesh), whatever mesh the run was trained on.
         one_device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
         def params_shapes():
             return jax.eval_shape(lambda: nn.unbox(self.model.init(jax.random.key(0), ids, ids)["params"]))
 
@@ -116,124 +104,102 @@ class Translator:
         generation = record.get("generation", {})
         if max_len_a is None and max_len_b is None and generation.get("max_length"):
             max_len_a, max_len_b = 0.0, int(generation["max_length"]) - 1
-        self.max_len_a = 1.0 if max_len_a is None else float(max_len_a)
-        self.max_len_b = 50 if max_len_b is None else int(max_len_b)
+        self.max_len_a = check_real("max_len_a", 1.0 if max_len_a is None else max_len_a, minimum=0.0)
+        self.max_len_b = check_count("max_len_b", 50 if max_len_b is None else max_len_b,
+                                     minimum=math.ceil(1 - self.max_len_a))   # a + b ≥ 1: room for a token
         self.evaluator = Evaluator(self.model, self.tokenizer, batch_size=batch_size, scoring=False,
-                                   layout=layout,
-                                   target_language=record.get("target_language", "xx"),
+                                   layout=layout, target_language=record.get("target_language", "xx"),
                                    max_len_a=self.max_len_a, max_len_b=self.max_len_b, exports=exports,
                                    staged=staged)
-        # Decoding defaults: an imported model's generation_config (jaxformer.interop.marian),
-        # else what the run decoded its dev and test sets with (--beam-size, --alpha and the
-        # repetition rules), else §6.1's beam 4 and α 0.6.
-        generation = record.get("generation", {})
-        train = record.get("train", {})
-        self.defaults = {"beam_size": generation.get("beam_size", train.get("beam_size", 4)),
-                         "alpha": generation.get("length_penalty", train.get("alpha", 0.6)),
-                         "length_normalization": generation.get("length_normalization", "gnmt"),
-                         "early_stopping": generation.get("early_stopping", False),
-                         "no_repeat_ngram_size": generation.get(
-                             "no_repeat_ngram_size", train.get("no_repeat_ngram_size", 0)),
-                         "repetition_penalty": generation.get(
-                             "repetition_penalty", train.get("repetition_penalty", 1.0))}
+        train, fallback = record.get("train", {}), dict(beam_size=4, alpha=0.6, length_normalization="gnmt",
+                                                        early_stopping=False,
+                        no_repeat_ngram_size=0, repetition_penalty=1.0)   # §6.1's beam 4 and α 0.6
+        self.defaults = {name: generation.get("length_penalty" if name == "alpha" else name,
+                                              train.get(name, value)) for name, value in fallback.items()}
 
-    def _penalties(self, no_repeat_ngram_size: int | None, repetition_penalty: float | None) -> Penalties:
-        n = self.defaults["no_repeat_ngram_size"] if no_repeat_ngram_size is None else no_repeat_ngram_size
-        p = self.defaults["repetition_penalty"] if repetition_penalty is None else repetition_penalty
-        return Penalties(no_repeat_ngram_size=n, repetition_penalty=p)
+    def decode(self, sentences: list[str], strategy: Any, *, seed: int | None = None,
+               indices: list[int] | None = None, length_limits: bool = True,
+               stream: int | None = None) -> list[list[tuple[str, float]]]:
+        """(translation, score) lists of ``sentences`` decoded with ``strategy``
+        (:mod:`jaxformer.decode.strategies`), best first, in order; an empty or blank
+        sentence gets one empty pair (score 0), as the command line writes an empty line.
 
-    def _options(self, beam_size, alpha, length_normalization, early_stopping, no_repeat_ngram_size,
-                 repetition_penalty):
-        if beam_size is not None:
-            beam_size = check_count("beam_size", beam_size)
-        if alpha is not None:
-            alpha = check_real("alpha", alpha)
-        if early_stopping is not None and not isinstance(early_stopping, (bool, np.bool_)):
-            raise ValueError(f"early_stopping must be True or False, got {early_stopping!r}.")
-        chosen = dict(beam_size=beam_size, alpha=alpha, length_normalization=length_normalization,
-                      early_stopping=early_stopping)
-        return {**{k: self.defaults[k] if v is None else v for k, v in chosen.items()},
-                "penalties": self._penalties(no_repeat_ngram_size, repetition_penalty)}
-
-    def __call__(self, sentences: list[str], *, beam_size: int | None = None, alpha: float | None = None,
-                 length_normalization: str | None = None, early_stopping: bool | None = None,
-                 no_repeat_ngram_size: int | None = None,
-                 repetition_penalty: float | None = None) -> list[str]:
-        """Best translations of ``sentences``, in order (``beam_size=1`` = greedy); options
-        left ``None`` take the run's defaults (:attr:`defaults`); ``early_stopping``: close
-        a sentence once ``beam_size`` hypotheses end (:func:`jaxformer.decode.beam_search.beam_search`);
-        the repetition rules are those of :mod:`jaxformer.decode.penalties`.
+        Args:
+          seed: a sampling strategy's (``None``: 0); sentence i draws from ``fold_in(key(seed),
+            indices[i])``, its index in the whole input (default: in ``sentences``), whatever
+            its batch or input path (``stream``: the key is ``fold_in(key(seed), stream)``).
+          length_limits: as :meth:`jaxformer.decode.evaluation.Evaluator.decode`.
 
         Raises:
-          ValueError: ``beam_size`` not an integer ≥ 1, a non-finite ``alpha``,
-            ``no_repeat_ngram_size < 0`` or ``repetition_penalty <= 0``.
           TypeError: ``sentences`` is one string, not a list of them.
+          ValueError: ``seed`` not an integer in [0, 2**32).
         """
-        _check_sentences(sentences)
-        options = self._options(beam_size, alpha, length_normalization, early_stopping, no_repeat_ngram_size,
-                                repetition_penalty)
-        return _skipping_blank(sentences, lambda todo: self.evaluator.translate(self.params, todo, **options),
-                               "")
+        if isinstance(sentences, str) or not hasattr(sentences, "__len__") \
+                or not all(isinstance(s, str) for s in sentences):   # (a generator would be used up)
+            raise TypeError(f"sentences must be a list of strings, got {type(sentences).__name__}"
+                            + (": wrap one sentence in a list" if isinstance(sentences, str) else ""))
+        rng = None   # key(0) in the decoder, which can then be an exported one
+        if seed is not None or stream is not None:
+            if not 0 <= check_count("seed", seed or 0, minimum=-(1 << 63)) < 1 << 32:   # what --seed takes
+                raise ValueError(f"seed must be in [0, 2**32), got {seed}.")
+            rng = jax.random.key(int(seed or 0))
+            rng = rng if stream is None else jax.random.fold_in(rng, check_count("stream", stream, minimum=0))
+        indices = range(len(sentences)) if indices is None else indices
+        todo = [i for i, sentence in enumerate(sentences) if sentence.strip()]
+        out = [[("", 0.0)] for _ in sentences]
+        for i, result in zip(todo, self.evaluator.decode(
+                self.params, [sentences[i] for i in todo], strategy, rng=rng,
+                indices=[indices[i] for i in todo], length_limits=length_limits) if todo else []):
+            out[i] = result
+        return out
 
-    def n_best(self, sentences: list[str], *, beam_size: int | None = None, alpha: float | None = None,
-               length_normalization: str | None = None, early_stopping: bool | None = None,
-               no_repeat_ngram_size: int | None = None, repetition_penalty: float | None = None):
-        """``beam_size`` (translation, score) pairs per sentence, best first (options as
-        :meth:`__call__`)."""
-        _check_sentences(sentences)
-        options = self._options(beam_size, alpha, length_normalization, early_stopping, no_repeat_ngram_size,
-                                repetition_penalty)
-        return _skipping_blank(
-            sentences, lambda todo: self.evaluator.translate_n_best(self.params, todo, **options),
-            [("", 0.0)])
+    def n_best(self, sentences: list[str], *, best_only: bool = False, **options) -> list[list]:
+        """``beam_size`` (translation, score) pairs per sentence, best first: :meth:`decode`
+        with a :class:`~jaxformer.decode.strategies.Beam` of ``options`` (``beam_size``,
+        ``alpha``, ``length_normalization``, ``early_stopping``, ``no_repeat_ngram_size``,
+        ``repetition_penalty``; left out or ``None``: the run's :attr:`defaults`); with
+        ``best_only``, :func:`~jaxformer.decode.strategies.strategy_for`'s (beam 1: greedy)."""
+        rules = {**self.defaults, **{k: v for k, v in options.items() if v is not None}}
+        strategy = strategy_for(**rules)
+        if not best_only and not isinstance(strategy, Beam):   # beam 1: its one hypothesis, scored
+            strategy = Beam(1, rules["alpha"], rules["length_normalization"], rules["early_stopping"],
+                            strategy.processors)
+        return self.decode(sentences, strategy, length_limits=rules["length_normalization"] != "hf")
+
+    def __call__(self, sentences: list[str], **options) -> list[str]:
+        """Best translations of ``sentences``, in order (options as :meth:`n_best`;
+        ``beam_size=1`` = greedy)."""
+        return [n_best[0][0] for n_best in self.n_best(sentences, **options, best_only=True)]
 
     def sample(self, sentences: list[str], *, seed: int = 0, temperature: float = 1.0,
                top_k: int | None = None, top_p: float | None = None, no_repeat_ngram_size: int | None = None,
-               repetition_penalty: float | None = None, stream: int | None = None) -> list[str]:
-        """One sampled translation per sentence (:func:`jaxformer.decode.decoding.sample`).
-
-        ``stream``: draws from ``fold_in(key(seed), stream)`` instead of ``key(seed)``
-        (bulk translation gives each chunk its own stream, so a resumed run draws the same).
-        An empty or blank sentence gets an empty translation, here and in :meth:`__call__`
-        (:meth:`n_best`: one empty pair, score 0).
-
-        Raises:
-          ValueError: ``seed`` not an integer in [0, 2**32), ``temperature`` not a finite
-            number ≥ 0, ``top_k < 1`` or ``top_p`` outside (0, 1].
-        """
-        key = jax.random.key(_check_seed(seed))
-        key = key if stream is None else jax.random.fold_in(key, check_count("stream", stream, minimum=0))
-        _check_sentences(sentences)
-        temperature = check_real("temperature", temperature, minimum=0.0)
-        penalties = self._penalties(no_repeat_ngram_size, repetition_penalty)
-        return _skipping_blank(sentences, lambda todo: self.evaluator.sample(
-            self.params, todo, key, temperature=temperature, top_k=top_k, top_p=top_p, penalties=penalties),
-            "")
+               repetition_penalty: float | None = None, indices: list[int] | None = None,
+               stream: int | None = None) -> list[str]:
+        """One sampled translation per sentence: :meth:`decode` with a
+        :class:`~jaxformer.decode.strategies.Sample` and, left ``None``, the run's
+        repetition rules (``seed``, ``indices``, ``stream``: as :meth:`decode`)."""
+        processors = penalties(
+            self.defaults["no_repeat_ngram_size"] if no_repeat_ngram_size is None else no_repeat_ngram_size,
+            self.defaults["repetition_penalty"] if repetition_penalty is None else repetition_penalty)
+        return [n_best[0][0] for n_best in self.decode(
+            sentences, Sample(temperature, top_k, top_p, processors), seed=seed, indices=indices,
+            stream=stream)]
 
     def params_digest(self) -> str:
         """SHA-256 of the parameters as decoded (every leaf's path, dtype, shape and bytes):
         what a bulk job records, so its resume refuses a run retrained to the same step."""
         digest = hashlib.sha256()
         for path, leaf in jax.tree_util.tree_leaves_with_path(self.params):
-            array = np.asarray(leaf)
+            array = np.ascontiguousarray(leaf)
             digest.update(f"{jax.tree_util.keystr(path)} {array.dtype} {array.shape}".encode())
-            digest.update(np.ascontiguousarray(array).tobytes())
+            digest.update(array.tobytes())
         return digest.hexdigest()
 
     def cross_attention(self, source: str, translation: str, layer: int | None = None,
                         head: int | None = None):
-        """Cross-attention weights of one sentence pair, teacher-forced.
-
-        Args:
-          layer: decoder layer index, or ``None`` = average over layers.
-          head: head index, or ``None`` = average over heads.
-
-        Raises:
-          ValueError: ``layer`` or ``head`` outside the model's.
-
-        Returns:
-          ``(weights [T, S] float32, source pieces [S], target pieces [T])``.
-        """
+        """Cross-attention weights of one sentence pair, teacher-forced: ``(weights [T, S]
+        float32, source pieces [S], target pieces [T])`` of decoder ``layer`` and ``head``
+        (``None``: their average). Raises ``ValueError`` for a layer or head not the model's."""
         for name, value, count in (("layer", layer, self.config.num_decoder_layers),
                                    ("head", head, self.config.num_heads)):
             if value is not None and not 0 <= value < count:
@@ -241,64 +207,29 @@ class Translator:
         tok = self.tokenizer
         src_ids = tok.encode_source([source])[0][: self.config.max_len]
         tgt_ids = tok.encode_target([translation])[0][: self.config.max_len - 1]
-        src = jnp.asarray([src_ids], jnp.int32)
-        tgt_in = jnp.asarray([[tok.bos_id, *tgt_ids]], jnp.int32)
         model, variables = unrolled(self.model, {"params": self.params})   # one entry per layer
-        _, state = model.apply(variables, src, tgt_in, mutable=["intermediates"])
+        _, state = model.apply(variables, jnp.asarray([src_ids], jnp.int32),
+                               jnp.asarray([[tok.bos_id, *tgt_ids]], jnp.int32), mutable=["intermediates"])
         layers = state["intermediates"]["decoder"]
         stack = np.stack([np.asarray(layers[f"layer_{i}"]["cross_attention"]["attention_weights"][0][0])
                           for i in range(self.config.num_decoder_layers)])      # [N, H, T, S]
         stack = stack.mean(axis=0) if layer is None else stack[layer]
         weights = stack.mean(axis=0) if head is None else stack[head]
-        src_pieces = tok.source_pieces(src_ids)
-        tgt_pieces = tok.target_pieces([*tgt_ids, tok.eos_id])
-        return weights, src_pieces, tgt_pieces
-
-
-def _check_sentences(sentences) -> None:
-    """A list (or tuple) of strings: one string would be translated character by character."""
-    if isinstance(sentences, str) or not hasattr(sentences, "__len__") \
-            or not all(isinstance(s, str) for s in sentences):   # (a generator would be used up here)
-        raise TypeError(f"sentences must be a list of strings, got {type(sentences).__name__}"
-                        + (": wrap one sentence in a list" if isinstance(sentences, str) else ""))
-
-
-def _skipping_blank(sentences: list[str], translate: Callable[[list[str]], list], blank: Any) -> list:
-    """``translate`` on the sentences with text; an empty or blank one gets ``blank`` (an
-    empty translation, as the command line writes an empty line for an empty one) instead
-    of whatever the model makes of a bare end-of-sentence."""
-    todo = [i for i, sentence in enumerate(sentences) if sentence.strip()]
-    out = [blank] * len(sentences)
-    for i, result in zip(todo, translate([sentences[i] for i in todo]) if todo else []):
-        out[i] = result
-    return out
-
-
-def _check_seed(seed: Any) -> int:
-    """A sampling seed: an integer in [0, 2**32) (what ``--seed`` takes)."""
-    seed = check_count("seed", seed, minimum=0)
-    if seed >= 1 << 32:
-        raise ValueError(f"seed must be in [0, 2**32), got {seed}.")
-    return seed
+        return weights, tok.source_pieces(src_ids), tok.target_pieces([*tgt_ids, tok.eos_id])
 
 
 def save_attention_png(path: str | Path, weights, src_pieces, tgt_pieces, title: str = "") -> None:
-    """Heat map of cross-attention ``weights [T, S]``: source pieces × target pieces.
-
-    Drawn on a matplotlib ``Figure``, not through ``pyplot``, so a notebook's or another
-    program's backend and figures are left as they are."""
+    """Heat map of cross-attention ``weights [T, S]`` (source × target pieces), drawn on a
+    matplotlib ``Figure``, not through ``pyplot``: an application's figures are left alone."""
     from matplotlib.figure import Figure
 
     height, width = weights.shape
     fig = Figure(figsize=(max(4, 0.45 * width + 2), max(3, 0.4 * height + 1.5)))
     ax = fig.subplots()
-    image = ax.imshow(weights, cmap="viridis", aspect="auto", vmin=0.0)
+    fig.colorbar(ax.imshow(weights, cmap="viridis", aspect="auto", vmin=0.0), ax=ax)
     ax.set_xticks(range(width), src_pieces, rotation=90)
     ax.set_yticks(range(height), tgt_pieces[:height])
-    ax.set_xlabel("source")
-    ax.set_ylabel("target")
-    ax.set_title(title)
-    fig.colorbar(image, ax=ax)
+    ax.set(xlabel="source", ylabel="target", title=title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

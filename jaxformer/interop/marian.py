@@ -1,11 +1,8 @@
-"""Hugging Face Marian (OPUS-MT) folders as jaxformer run directories, and back.
-
-:func:`import_marian` writes a run directory from a local ``MarianMTModel`` folder
-(config, ``model.safetensors``, tokenizer files, generation defaults);
-:func:`export_marian` writes a post-norm run as such a folder. :func:`config_from_hf`
-and :func:`config_to_hf` map the configs, after transformers' ``MarianConfig``; the
-weights go through ``safetensors.numpy`` (no torch), mapped by
-:mod:`jaxformer.interop.marian_weights`. The command: :mod:`jaxformer.cli.convert`.
+"""Hugging Face Marian (OPUS-MT) folders as jaxformer run directories, and back
+(:func:`import_marian`, :func:`export_marian`; the command :mod:`jaxformer.cli.convert`).
+:func:`config_from_hf` and :func:`config_to_hf` map the configs after transformers'
+``MarianConfig``; the weights go through ``safetensors.numpy`` (no torch), mapped by
+:mod:`jaxformer.interop.marian_weights`.
 """
 
 from __future__ import annotations
@@ -38,62 +35,61 @@ TOKENIZER_FILES = ("source.spm", "target.spm", "vocab.json", "target_vocab.json"
 
 
 # ---------------------------------------------------------------------- configs
-def config_from_hf(hf: dict[str, Any]) -> TransformerConfig:
-    """A :class:`TransformerConfig` equal in function to a Hugging Face ``MarianConfig``.
-
-    Marian's departures from the paper become config fields: swish FFN, the split
-    positional table, ``final_logits_bias``, LayerNorm ε 1e-5. Dropout rates are kept
-    for fine-tuning (Marian's ``activation_dropout`` has no counterpart and is ignored).
-
-    Raises:
-      ConversionError: not a Marian config, or a Marian option jaxformer lacks
-        (pre-norm, unscaled embeddings, learned positions, different encoder and
-        decoder widths, an unknown activation).
-    """
+def _config_problems(hf: dict[str, Any]) -> list[str]:
+    """What a Hugging Face config asks that jaxformer's Marian model cannot do."""
     if hf.get("model_type") != "marian":
-        raise ConversionError(f"config.json has model_type={hf.get('model_type')!r}; only Marian "
-                              f"(OPUS-MT) models convert. Is this a MarianMTModel directory?")
+        return [f"config.json has model_type={hf.get('model_type')!r}; only Marian (OPUS-MT) models "
+                f"convert. Is this a MarianMTModel directory?"]
     missing = [k for k in ("vocab_size", "d_model", "encoder_attention_heads", "decoder_attention_heads",
                            "encoder_ffn_dim", "decoder_ffn_dim", "encoder_layers", "decoder_layers",
                            "max_position_embeddings", "pad_token_id") if hf.get(k) is None]
     if missing:
-        raise ConversionError(f"config.json lacks {missing}: not a complete MarianConfig.")
-    for key, needed in _REQUIRED_HF.items():
-        # an absent scale_embedding is MarianConfig's default, False; the others are legacy keys
-        value = hf.get(key, False if key == "scale_embedding" else needed)
-        if value != needed:
-            raise ConversionError(f"config.json sets {key}={value!r}; jaxformer's Marian import "
-                                  f"needs {key}={needed!r} (the OPUS-MT architecture).")
-    for a, b in (("encoder_attention_heads", "decoder_attention_heads"),
-                 ("encoder_ffn_dim", "decoder_ffn_dim")):
-        if hf[a] != hf[b]:
-            raise ConversionError(f"{a}={hf[a]} != {b}={hf[b]}: jaxformer uses one value for both stacks.")
-    activation = _ACTIVATION_FROM_HF.get(hf.get("activation_function", "gelu"))
-    if activation is None:
-        raise ConversionError(f"activation_function={hf['activation_function']!r} is not supported; "
-                              f"jaxformer has {sorted(_ACTIVATION_FROM_HF)}.")
+        return [f"config.json lacks {missing}: not a complete MarianConfig"]
+    # an absent scale_embedding is MarianConfig's default, False; the others are legacy keys
+    problems = [f"config.json sets {key}={value!r}; jaxformer's Marian import needs {key}={needed!r} (the "
+                f"OPUS-MT architecture)" for key, needed in _REQUIRED_HF.items()
+                if (value := hf.get(key, False if key == "scale_embedding" else needed)) != needed]
+    problems += [f"{a}={hf[a]} != {b}={hf[b]}: jaxformer uses one value for both stacks"
+                 for a, b in (("encoder_attention_heads", "decoder_attention_heads"),
+                              ("encoder_ffn_dim", "decoder_ffn_dim")) if hf[a] != hf[b]]
+    if hf.get("activation_function", "gelu") not in _ACTIVATION_FROM_HF:
+        problems.append(f"activation_function={hf['activation_function']!r} is not supported; jaxformer "
+                        f"has {sorted(_ACTIVATION_FROM_HF)}")
+    return problems
+
+
+def config_from_hf(hf: dict[str, Any]) -> TransformerConfig:
+    """A :class:`TransformerConfig` equal in function to a Hugging Face ``MarianConfig``
+    (Marian's swish FFN, split positional table, ``final_logits_bias``, LayerNorm ε 1e-5);
+    dropout rates are kept for fine-tuning (``activation_dropout`` has no counterpart).
+
+    Raises:
+      ConversionError: not a Marian config, or options jaxformer lacks (pre-norm, unscaled
+        embeddings, learned positions, unequal stacks, an unknown activation), in one message.
+    """
+    problems = _config_problems(hf)
+    if problems:
+        raise ConversionError("; ".join(problems) + ".")
     shared = hf.get("share_encoder_decoder_embeddings", True)
-    tied = hf.get("tie_word_embeddings", True)
+    share = bool(shared and hf.get("tie_word_embeddings", True))
     src_vocab = hf["vocab_size"]
     tgt_vocab = src_vocab if shared else (hf.get("decoder_vocab_size") or src_vocab)
-    share = bool(shared and tied)
     return TransformerConfig(
-        src_vocab_size=src_vocab, tgt_vocab_size=tgt_vocab, d_model=hf["d_model"],
-        num_heads=hf["encoder_attention_heads"], d_ff=hf["encoder_ffn_dim"],
+        src_vocab_size=src_vocab, tgt_vocab_size=tgt_vocab,
+        d_model=hf["d_model"], num_heads=hf["encoder_attention_heads"], d_ff=hf["encoder_ffn_dim"],
         num_encoder_layers=hf["encoder_layers"], num_decoder_layers=hf["decoder_layers"],
         dropout_rate=float(hf.get("dropout", 0.1)),
         attention_dropout_rate=float(hf.get("attention_dropout", 0.0)),
         max_len=hf["max_position_embeddings"], pad_id=hf["pad_token_id"], share_embeddings=share,
-        norm_position="post", activation=activation, positional_layout="split",
-        final_logits_bias=share, layer_norm_epsilon=MARIAN_LAYER_NORM_EPSILON)
+        norm_position="post", activation=_ACTIVATION_FROM_HF[hf.get("activation_function", "gelu")],
+        positional_layout="split", final_logits_bias=share, layer_norm_epsilon=MARIAN_LAYER_NORM_EPSILON)
 
 
 def config_to_hf(config: TransformerConfig, *, eos_id: int, decoder_start_id: int) -> dict[str, Any]:
     """The ``MarianConfig`` (as a dict) of a post-norm jaxformer model.
 
     Raises:
-      ConversionError: a pre-norm model (Marian has no pre-norm form in
-        transformers: ``MarianEncoderLayer`` normalises after each residual).
+      ConversionError: a pre-norm model (transformers' Marian normalises after each residual).
     """
     c = config
     if c.norm_position != "post":
@@ -102,7 +98,6 @@ def config_to_hf(config: TransformerConfig, *, eos_id: int, decoder_start_id: in
             f"post-norm only (LayerNorm after each residual, no final LayerNorm), so the weights "
             f"would compute something else. Only post-norm runs export (train with "
             f"--norm-position post).")
-    activation = {"relu": "relu", "swish": "swish", "gelu": "gelu"}[c.activation]
     return {
         "model_type": "marian", "architectures": ["MarianMTModel"],
         "vocab_size": c.src_vocab_size, "decoder_vocab_size": c.tgt_vocab_size,
@@ -111,7 +106,7 @@ def config_to_hf(config: TransformerConfig, *, eos_id: int, decoder_start_id: in
         "encoder_ffn_dim": c.d_ff, "decoder_ffn_dim": c.d_ff, "encoder_layers": c.num_encoder_layers,
         "decoder_layers": c.num_decoder_layers, "num_hidden_layers": c.num_encoder_layers,
         "dropout": c.dropout_rate, "attention_dropout": c.attention_dropout_rate,
-        "activation_dropout": 0.0, "activation_function": activation,
+        "activation_dropout": 0.0, "activation_function": c.activation,
         "max_position_embeddings": c.max_len, "scale_embedding": True, "is_encoder_decoder": True,
         "pad_token_id": c.pad_id, "eos_token_id": eos_id, "forced_eos_token_id": eos_id,
         "decoder_start_token_id": decoder_start_id, "bos_token_id": None,
@@ -121,45 +116,102 @@ def config_to_hf(config: TransformerConfig, *, eos_id: int, decoder_start_id: in
 
 
 # ---------------------------------------------------------------------- run directories
-def import_marian(hf_dir: str | Path, workdir: str | Path) -> TransformerConfig:
-    """Writes the run directory ``workdir`` from the Hugging Face Marian dir ``hf_dir``.
-
-    Writes ``config.json`` (model config, tokenizer record, generation defaults from
-    ``generation_config.json``), ``tokenizer/`` (the Marian tokenizer files) and the
-    parameters as the best checkpoint at step 0 (params only, as
-    :meth:`jaxformer.run.checkpoints.RunCheckpoints.restore_params` reads them).
+def _read_folder(hf_dir: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """The JSON files of a Hugging Face Marian folder, read once: ``(config, generation
+    config over config, tokenizer_config)``; the tokenizer is loaded to name a damaged file now.
 
     Raises:
-      ConversionError: unsupported model, missing files, or ``workdir`` already holds
-        a run.
+      ConversionError: one message naming every problem (a missing or unreadable file,
+        each unsupported field) and its fix.
+    """
+    problems: list[str] = []
+
+    def read(name: str) -> dict[str, Any]:
+        path = hf_dir / name
+        try:
+            data = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+            if isinstance(data, dict):
+                return data
+            problems.append(f"{path} is not a JSON object, as a Hugging Face model's must be")
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            problems.append(f"{path} is not readable JSON ({e}): a damaged or partial download? "
+                            f"Download it again")
+        return {}
+
+    hf, tokenizer_config = read("config.json"), read("tokenizer_config.json")
+    gen = {**hf, **read("generation_config.json")}
+    if not (hf_dir / "config.json").is_file():
+        problems.append(f"{hf_dir}/config.json not found: pass the folder of a downloaded Hugging Face "
+                        f"Marian model (e.g. from `hf download`)")
+    elif hf:
+        problems += _config_problems(hf) or _generation_problems(hf, gen)
+    absent = [name for name in ("source.spm", "target.spm", "vocab.json") if not (hf_dir / name).is_file()]
+    if absent:
+        problems.append(f"{hf_dir} lacks {', '.join(absent)}: a Marian model needs its tokenizer files "
+                        f"(source.spm, target.spm, vocab.json) beside the weights")
+    else:
+        try:
+            MarianTokenizer(hf_dir, separate_vocabs=bool(tokenizer_config.get("separate_vocabs", False)))
+        except (ValueError, OSError) as e:
+            problems.append(str(e).rstrip("."))
+    if problems:
+        raise ConversionError("; ".join(problems) + ".")
+    return hf, gen, tokenizer_config
+
+
+def _generation_problems(hf: dict[str, Any], gen: dict[str, Any]) -> list[str]:
+    """What config.json and the generation config over it ask that jaxformer's decoders do not do."""
+    pad, eos = hf["pad_token_id"], hf.get("eos_token_id", 0)
+    start, first = gen.get("decoder_start_token_id", pad), hf.get("decoder_start_token_id", pad)
+    bad = gen.get("bad_words_ids") or [[pad]]
+    return [problem for wrong, problem in (
+        (first == eos, f"decoder_start_token_id={first} is the eos id: jaxformer's decoders never generate "
+                       f"the start token, so this model could never end a translation. Only models whose "
+                       f"decoder starts with another token (OPUS-MT: the pad id) convert"),
+        (any(ids not in ([pad], [start]) for ids in bad),
+         f"generation config bad_words_ids={bad}: jaxformer's decoders ban only the pad id {pad} and the "
+         f"decoder start id {start}; other bans are not supported"),
+        (gen.get("max_length") and gen.get("forced_eos_token_id") != eos,
+         f"generation config max_length={gen.get('max_length')} without forced_eos_token_id={eos}: generate "
+         f"then cuts a hypothesis at the limit without eos, which jaxformer's beam search does not "
+         f"reproduce (it ends every hypothesis with eos). Set forced_eos_token_id={eos} (as OPUS-MT "
+         f"models do) in config.json or generation_config.json")) if wrong]
+
+
+def _generation_defaults(gen: dict[str, Any], pad: int) -> dict[str, Any]:
+    """Decoding defaults from the generation config over config.json: beam size, length
+    limit (with the start token; ``None``: the translate tool's a * source length + b),
+    HF length normalisation, the ids never generated, the repetition rules."""
+    if gen.get("early_stopping") not in (None, False, True):
+        print(f"note: early_stopping={gen['early_stopping']!r} in the generation config; jaxformer "
+              f"reproduces generate's default (False) stopping rule", file=sys.stderr)
+    bad = gen.get("bad_words_ids") or [[pad]]
+    return {"beam_size": int(gen.get("num_beams") or 1),
+            "max_length": int(gen["max_length"]) if gen.get("max_length") else None,
+            "length_penalty": float(gen.get("length_penalty", 1.0)), "length_normalization": "hf",
+            "early_stopping": gen.get("early_stopping") is True,
+            "banned_ids": sorted({ids[0] for ids in bad}),
+            "forced_eos": gen.get("forced_eos_token_id") is not None,
+            "no_repeat_ngram_size": int(gen.get("no_repeat_ngram_size") or 0),
+            "repetition_penalty": float(gen.get("repetition_penalty") or 1.0)}
+
+
+def import_marian(hf_dir: str | Path, workdir: str | Path) -> TransformerConfig:
+    """Writes the run directory ``workdir`` from the Hugging Face Marian folder ``hf_dir``:
+    ``config.json`` (model, tokenizer record, generation defaults), ``tokenizer/`` and the
+    parameters as the best checkpoint at step 0 (params only).
+
+    Raises:
+      ConversionError: ``workdir`` holds a run; an unsupported model, missing or damaged files.
     """
     from jaxformer.run.checkpoints import RunCheckpoints
 
     hf_dir, workdir = Path(hf_dir), Path(workdir)
-    if not (hf_dir / "config.json").is_file():
-        raise ConversionError(f"{hf_dir}/config.json not found: pass the folder of a downloaded "
-                              f"Hugging Face Marian model (e.g. from `hf download`).")
     if any((workdir / name).exists() for name in ("config.json", "best", "checkpoints")):
         raise ConversionError(f"{workdir} already holds a run; choose a new --workdir.")
-    hf = _read_json(hf_dir / "config.json")
+    hf, gen, tokenizer_config = _read_folder(hf_dir)
     config = config_from_hf(hf)
-    start, eos = hf.get("decoder_start_token_id", config.pad_id), hf.get("eos_token_id", 0)
-    if start == eos:
-        raise ConversionError(
-            f"decoder_start_token_id={start} is the eos id: jaxformer's decoders never generate "
-            f"the start token, so this model could never end a translation. Only models whose "
-            f"decoder starts with another token (OPUS-MT: the pad id) convert.")
-    for name in ("source.spm", "target.spm", "vocab.json"):
-        if not (hf_dir / name).is_file():
-            raise ConversionError(f"{hf_dir}/{name} not found: a Marian model needs its tokenizer "
-                                  f"files (source.spm, target.spm, vocab.json) beside the weights.")
-    tokenizer_config = _read_json(hf_dir / "tokenizer_config.json")
-    try:   # what translating will read: a damaged file is named now, not at the first sentence
-        MarianTokenizer(hf_dir, separate_vocabs=bool(tokenizer_config.get("separate_vocabs", False)))
-    except (ValueError, OSError) as e:
-        raise ConversionError(str(e)) from e
     params = params_from_hf(read_hf_weights(hf_dir), config)
-    generation = _generation_defaults(hf_dir, hf)
     (workdir / "tokenizer").mkdir(parents=True, exist_ok=True)
     for name in TOKENIZER_FILES:
         if (hf_dir / name).is_file():
@@ -170,7 +222,7 @@ def import_marian(hf_dir: str | Path, workdir: str | Path) -> TransformerConfig:
                             "decoder_start_id": hf.get("decoder_start_token_id", config.pad_id),
                             "separate_vocabs": bool(tokenizer_config.get("separate_vocabs", False))},
               "target_language": tokenizer_config.get("target_lang") or "xx",
-              "generation": generation,
+              "generation": _generation_defaults(gen, config.pad_id),
               "imported_from": {"format": "huggingface-marian", "name": hf.get("_name_or_path", hf_dir.name)}}
     checkpoints = RunCheckpoints(workdir)
     try:
@@ -183,93 +235,37 @@ def import_marian(hf_dir: str | Path, workdir: str | Path) -> TransformerConfig:
     return config
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    """A JSON object file of the model folder (``{}`` if absent).
-
-    Raises:
-      ConversionError: not a readable JSON object; names the file.
-    """
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConversionError(f"{path} is not readable JSON ({e}): a damaged or partial download? "
-                              f"Download it again.") from e
-    if not isinstance(data, dict):
-        raise ConversionError(f"{path} is not a JSON object, as a Hugging Face model's must be.")
-    return data
-
-
-def _generation_defaults(hf_dir: Path, hf: dict[str, Any]) -> dict[str, Any]:
-    """Decoding defaults of the model (``generation_config.json``, else config.json):
-    beam size, length limit, HF length normalisation with its exponent, pad never generated,
-    and the repetition rules (``no_repeat_ngram_size``, ``repetition_penalty``).
-    """
-    gen = {**hf, **_read_json(hf_dir / "generation_config.json")}
-    pad = hf["pad_token_id"]
-    start = gen.get("decoder_start_token_id", pad)
-    bad = gen.get("bad_words_ids") or [[pad]]
-    if any(ids not in ([pad], [start]) for ids in bad):   # what our decoders never generate anyway
-        raise ConversionError(f"generation config bad_words_ids={bad}: jaxformer's decoders ban only "
-                              f"the pad id {pad} and the decoder start id {start}; other bans are not "
-                              f"supported.")
-    if gen.get("early_stopping") not in (None, False, True):
-        print(f"note: early_stopping={gen['early_stopping']!r} in the generation config; jaxformer "
-              f"reproduces generate's default (False) stopping rule", file=sys.stderr)
-    eos = hf.get("eos_token_id", 0)
-    if gen.get("max_length") and gen.get("forced_eos_token_id") != eos:
-        raise ConversionError(
-            f"generation config max_length={gen['max_length']} without forced_eos_token_id={eos}: "
-            f"generate then cuts a hypothesis at the limit without eos, which jaxformer's beam "
-            f"search does not reproduce (it ends every hypothesis with eos). Set "
-            f"forced_eos_token_id={eos} (as OPUS-MT models do) in config.json or generation_config.json.")
-    # max_length counts the decoder start token (None: the model sets none, and the
-    # translate tool's a * source length + b applies)
-    return {"beam_size": int(gen.get("num_beams") or 1),
-            "max_length": int(gen["max_length"]) if gen.get("max_length") else None,
-            "length_penalty": float(gen.get("length_penalty", 1.0)), "length_normalization": "hf",
-            "early_stopping": gen.get("early_stopping") is True,
-            "banned_ids": sorted({ids[0] for ids in bad}),
-            "forced_eos": gen.get("forced_eos_token_id") is not None,
-            "no_repeat_ngram_size": int(gen.get("no_repeat_ngram_size") or 0),
-            "repetition_penalty": float(gen.get("repetition_penalty") or 1.0)}
-
-
 EXPORT_FILES = ("model.safetensors", "config.json", "generation_config.json", *TOKENIZER_FILES)
 
 
 def _check_export_folder(workdir: Path, out_dir: Path) -> None:
-    """Refuses an ``--out`` that would write over a run (this one or any other) or over a
-    model: a folder holding any file the export writes (an earlier export, the Hugging Face
-    model a run was converted from). Other files (a Hub clone's ``.git``, ``README.md``)
-    stay beside the export.
+    """Refuses an ``--out`` that would write over a run or a model (any file the export
+    writes); other files (a Hub clone's ``README.md``) stay beside the export.
 
     Raises:
       ConversionError: naming the folder and the fix.
     """
-    if not out_dir.exists():
-        return
-    if not out_dir.is_dir():
-        raise ConversionError(f"--out {str(out_dir)!r} is a file; choose a new folder.")
-    if out_dir.resolve() == workdir.resolve() or any(
-            (out_dir / name).exists() for name in ("checkpoints", "best", "prepared", "tokenizer")):
-        raise ConversionError(f"--out {str(out_dir)!r} holds a jaxformer run, which the export would "
-                              f"overwrite; choose a new folder.")
     present = [name for name in EXPORT_FILES if (out_dir / name).exists()]
-    if present:
-        raise ConversionError(f"--out {str(out_dir)!r} already holds a model ({', '.join(present)}), which "
-                              f"the export would overwrite; remove those files or choose a new folder.")
+    if out_dir.exists() and not out_dir.is_dir():
+        problem = "is a file; choose a new folder"
+    elif out_dir.exists() and (out_dir.resolve() == workdir.resolve() or any(
+            (out_dir / name).exists() for name in ("checkpoints", "best", "prepared", "tokenizer"))):
+        problem = "holds a jaxformer run, which the export would overwrite; choose a new folder"
+    elif present:
+        problem = (f"already holds a model ({', '.join(present)}), which the export would overwrite; "
+                   f"remove those files or choose a new folder")
+    else:
+        return
+    raise ConversionError(f"--out {str(out_dir)!r} {problem}.")
 
 
 def export_marian(workdir: str | Path, out_dir: str | Path) -> None:
-    """Writes run ``workdir`` as a Hugging Face ``MarianMTModel`` directory ``out_dir``.
+    """Writes run ``workdir`` as a Hugging Face ``MarianMTModel`` folder ``out_dir`` (a joint
+    sentencepiece model exports as ``source.spm = target.spm`` with a ``vocab.json`` built
+    from it).
 
     Raises:
-      ConversionError: a pre-norm run; a run whose tokenizer is not a Marian one
-        (a joint sentencepiece model exports as ``source.spm = target.spm`` with a
-        ``vocab.json`` built from it); an ``out_dir`` holding a run or a model (any
-        file the export writes).
+      ConversionError: a pre-norm run; an ``out_dir`` holding a run or a model.
     """
     from safetensors.numpy import save_file
 

@@ -7,7 +7,6 @@ tokenizer and parameters; a fresh optimizer and step.
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,6 @@ import jax
 
 from jaxformer.data.tokenizer import load_tokenizer
 from jaxformer.model.config import TransformerConfig
-from jaxformer.model.sharding import check_mesh_divides
 from jaxformer.run.checkpoints import RunCheckpoints
 from jaxformer.run.config import TrainConfig
 from jaxformer.run.directory import RunDir
@@ -71,65 +69,36 @@ def copy_tokenizer(init_from: str | Path, record: dict[str, Any], target: Path) 
         shutil.copytree(Path(init_from) / folder, target, dirs_exist_ok=True)
 
 
-def check_not_moved_by_fresh(init_from: str | Path | None, run_dir: RunDir, fresh: bool) -> None:
-    """Refuses ``--fresh`` with ``--init-from`` this very run directory, before ``--fresh``
-    moves its files (the weights to load among them) into ``old-<time>/``.
+def check_fine_tune(cfg: TrainConfig, run_dir: RunDir, *, fresh: bool, starting: bool) -> None:
+    """Refuses a fine-tune of ``cfg.run.init_from`` before anything is written: ``--fresh`` into
+    that very run (which would move the weights to load aside), a ``preset`` or
+    ``vocab_size`` away from their defaults (the loaded run's are kept: they would do
+    nothing), and, ``starting`` (no checkpoint of its own yet), a run without a checkpoint.
 
     Raises:
-      ValueError: naming the flags and the fix.
+      ValueError: naming the flags and the fix; FileNotFoundError: no checkpoint, or not a
+        run (as :func:`read_run`).
     """
-    if fresh and init_from and Path(init_from).resolve() == run_dir.root.resolve():
-        raise ValueError(f"--init-from {str(init_from)!r} is this run's own --workdir, whose files "
-                         f"--fresh would move aside before loading them: fine-tune into another "
-                         f"--workdir (nothing was moved).")
-
-
-def check_mesh_takes_loaded_run(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> None:
-    """Refuses a ``mesh`` that cannot split the sizes of the run ``cfg.init_from`` names
-    (:func:`jaxformer.model.sharding.check_mesh_divides`), read from its ``config.json``:
-    a fine-tune's start checks this before its run directory is made (or, with
-    ``--fresh``, before the old run is moved aside).
-
-    Raises:
-      ValueError: a size the mesh does not divide, or a damaged ``config.json``.
-      FileNotFoundError: ``cfg.init_from`` is not a run directory.
-    """
-    config = model_config(read_run(cfg.init_from), cfg.model_overrides())
-    check_mesh_divides(mesh, config, loaded_from=cfg.init_from)
-
-
-def check_takes_no_model_choice(cfg: TrainConfig, loaded: str | Path) -> None:
-    """Refuses a fine-tune (of run ``loaded``) whose ``cfg`` sets ``preset`` or
-    ``vocab_size`` away from their defaults: the loaded run's architecture and tokenizer
-    are kept, so they would be ignored silently. (``jaxformer-train`` also refuses
-    them given at their default values, which it can tell from unset ones.)
-
-    Raises:
-      ValueError: naming the fields and the fix.
-    """
-    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
-    ignored = [name for name in ("preset", "vocab_size") if getattr(cfg, name) != defaults[name]]
+    defaults = TrainConfig().settings()
+    ignored = [name for name in ("preset", "vocab_size") if cfg.settings().get(name) != defaults[name]]
+    problem = None
+    if starting:   # a Hugging Face folder or a damaged record: that diagnosis first
+        read_run(cfg.run.init_from)
+        if not RunDir(cfg.run.init_from).has_checkpoint(or_best=True):
+            raise FileNotFoundError(f"--init-from {str(cfg.run.init_from)!r} has no checkpoint (its best/ and "
+                                    f"checkpoints/ hold no step): train it first, or start from a run that "
+                                    f"has one.")
     if ignored:
-        named = " and ".join(f"{name}={getattr(cfg, name)!r}" for name in ignored)
-        raise ValueError(f"this run fine-tunes {str(loaded)!r} (init_from), whose architecture and "
-                         f"tokenizer it keeps, so {named} would do nothing: leave "
-                         f"{'them' if len(ignored) > 1 else 'it'} at the default.")
-
-
-def check_has_checkpoint(init_from: str | Path) -> None:
-    """Fails fast, before this run prepares its data, when ``--init-from RUN`` has no
-    checkpoint step to start from (files only; the restore reads them later).
-
-    Raises:
-      FileNotFoundError: naming ``RUN``; ValueError: not a run (as :func:`read_run`).
-    """
-    read_run(init_from)   # a Hugging Face folder or a damaged record: that diagnosis first
-    steps = [p for sub in ("best", "checkpoints") for p in (Path(init_from) / sub).glob("*")
-             if p.name.isdigit() and p.is_dir()]
-    if not steps:
-        raise FileNotFoundError(f"--init-from {str(init_from)!r} has no checkpoint (its best/ and "
-                                f"checkpoints/ hold no step): train it first, or start from a run that "
-                                f"has one.")
+        named = " and ".join(f"{name}={cfg.settings().get(name)!r}" for name in ignored)
+        problem = (f"this run fine-tunes {str(cfg.run.init_from)!r} (init_from), whose architecture and "
+                   f"tokenizer it keeps, so {named} would do nothing: leave "
+                   f"{'them' if len(ignored) > 1 else 'it'} at the default.")
+    if fresh and Path(cfg.run.init_from).resolve() == run_dir.root.resolve():
+        problem = (f"--init-from {str(cfg.run.init_from)!r} is this run's own --workdir, whose files "
+                   f"--fresh would move aside before loading them: fine-tune into another "
+                   f"--workdir (nothing was moved).")
+    if problem:
+        raise ValueError(problem)
 
 
 def load_params(init_from: str | Path, abstract_params: Any) -> Any:
@@ -144,8 +113,7 @@ def load_params(init_from: str | Path, abstract_params: Any) -> Any:
 
 
 def tokenizer_and_model_config(cfg: TrainConfig, run_dir: RunDir, *,
-                               own_record: dict[str, Any] | None = None,
-                               mesh: jax.sharding.Mesh | None = None):
+                               own_record: dict[str, Any] | None = None):
     """The tokenizer and architecture of ``--init-from RUN`` (its tokenizer folder copied
     into this run's ``tokenizer/``; the prepared data is encoded with it).
 
@@ -154,27 +122,20 @@ def tokenizer_and_model_config(cfg: TrainConfig, run_dir: RunDir, *,
     without ``RUN``, which may have been moved or deleted since (or the run copied to
     another machine).
 
-    ``mesh``: the run's mesh, checked against the loaded sizes before anything is copied
-    (:func:`jaxformer.model.sharding.check_mesh_divides`), so a start it fails leaves no
-    folder behind.
-
     Returns:
       ``(tokenizer, model_config, the config.json record they come from)``.
 
     Raises:
       FileNotFoundError: ``RUN`` is not a run directory.
-      ValueError: a model flag would change the architecture, ``mesh`` cannot split the
-        loaded sizes, or ``RUN`` is a Hugging Face folder or its ``config.json`` is
-        damaged (:func:`read_run`).
+      ValueError: a model flag would change the architecture, or ``RUN`` is a Hugging
+        Face folder or its ``config.json`` is damaged (:func:`read_run`).
     """
     resumed = own_record is not None and "model" in own_record and "tokenizer" in own_record
-    record = own_record if resumed else read_run(cfg.init_from)
-    config = model_config(record, cfg.model_overrides())
-    if mesh is not None:
-        check_mesh_divides(mesh, config, loaded_from=cfg.init_from)
+    record = own_record if resumed else read_run(cfg.run.init_from)
+    config = model_config(record, cfg.model.overrides())
     if not resumed:   # this run's tokenizer/ is the loaded run's, copied once
         if is_main_process():
-            copy_tokenizer(cfg.init_from, record, run_dir.tokenizer_dir)
+            copy_tokenizer(cfg.run.init_from, record, run_dir.tokenizer_dir)
         if jax.process_count() > 1:   # the others load the files process 0 copied
             from jax.experimental import multihost_utils
 
@@ -188,6 +149,6 @@ def with_saved_init_from(cfg: TrainConfig, run_dir: RunDir) -> TrainConfig:
     sentencepiece model would otherwise be trained into the copied tokenizer folder)."""
     saved = run_dir.read_config() or {}
     init_from = saved.get("train", {}).get("init_from")
-    if cfg.init_from or not init_from:
+    if cfg.run.init_from or not init_from:
         return cfg
-    return dataclasses.replace(cfg, init_from=init_from)
+    return cfg.replace(init_from=init_from)

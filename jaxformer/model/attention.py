@@ -1,10 +1,8 @@
 """Scaled dot-product attention (§3.2.1) and multi-head attention (§3.2.2).
 
-Shapes: B batch, S source length, T target (query) length, D d_model, H heads,
-K = D / H per-head width. Masks follow :mod:`jaxformer.model.masks` (bool, True = attend;
-the layers pass :class:`~jaxformer.model.masks.AttentionMask`). Backends: the reference
-core, :func:`jax.nn.dot_product_attention` (``"xla"``, ``"cudnn"``) and Pallas's TPU
-splash kernel (``"pallas"``, :mod:`jaxformer.model.splash`).
+Shapes: B batch, S keys, T queries, D d_model, H heads, K = D / H. Masks follow
+:mod:`jaxformer.model.masks` (bool, True = attend). Backends: the reference core,
+:func:`jax.nn.dot_product_attention` (``"xla"``, ``"cudnn"``), the splash kernel (``"pallas"``).
 """
 
 from __future__ import annotations
@@ -41,89 +39,45 @@ def _single_head_attention(q_TK, k_SK, v_SK, mask_TS, keep_TS):
 
 def scaled_dot_product_attention(q, k, v, mask=None, *, dropout_rate: float = 0.0,
                                  dropout_rng: chex.PRNGKey | None = None):
-    """Scaled dot-product attention, Attention(Q, K, V) = softmax(QKᵀ/√d_k)V (Eq. 1).
+    """Attention(Q, K, V) = softmax(QKᵀ/√d_k)V (Eq. 1): a pure function, the one-example,
+    one-head core lifted over heads and batch with :func:`jax.vmap`.
 
-    A pure function: the single-example, single-head core is lifted over heads and
-    batch with :func:`jax.vmap`. Jit-compatible.
-
-    Args:
-      q: queries ``[B, H, T, K]`` (any float dtype).
-      k: keys ``[B, H, S, K]``.
-      v: values ``[B, H, S, K]``.
-      mask: optional bool mask broadcastable to ``[B, H, T, S]`` (True = attend), e.g.
-        a padding mask ``[B, 1, 1, S]`` or a decoder mask ``[B, 1, T, T]``.
-      dropout_rate: dropout on the attention weights (applied only with a key).
-      dropout_rng: PRNG key for that dropout; ``None`` = no dropout.
-
-    Returns:
-      ``(outputs [B, H, T, K]`` in ``v.dtype``, ``weights [B, H, T, S]`` float32)``.
-      The weights are the pre-dropout softmax; fully masked rows give zeros.
-
-    Raises:
-      ValueError: wrong ranks or mismatched shapes, naming the argument.
+    Queries ``q [B, H, T, K]`` (any float dtype), keys and values ``[B, H, S, K]``, an
+    optional bool ``mask`` broadcastable to ``[B, H, T, S]`` (True = attend; e.g. padding
+    ``[B, 1, 1, S]``, decoder ``[B, 1, T, T]``), dropout on the weights with ``dropout_rng``
+    → ``(outputs [B, H, T, K]`` in ``v.dtype``, pre-dropout ``weights [B, H, T, S]``
+    float32)``; fully masked rows give zeros.
     """
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.ndim != 4:
-            raise ValueError(f"scaled_dot_product_attention: {name} must have rank 4 "
-                             f"[B, H, L, K], got shape {x.shape}.")
+    chex.assert_rank([q, k, v], 4)
     batch, heads, q_len, head_dim = q.shape
     kv_len = k.shape[2]
-    chex.assert_shape(k, (batch, heads, kv_len, head_dim))
-    chex.assert_shape(v, (batch, heads, kv_len, head_dim))
+    chex.assert_shape([k, v], (batch, heads, kv_len, head_dim))
     full = (batch, heads, q_len, kv_len)
-    if mask is None:
-        mask = jnp.ones(full, jnp.bool_)
-    else:
-        if mask.dtype != jnp.bool_:
-            raise ValueError(f"mask must be boolean (True = may attend), got dtype {mask.dtype}.")
-        try:
-            mask = jnp.broadcast_to(mask, full)
-        except ValueError as e:
-            raise ValueError(f"mask of shape {mask.shape} does not broadcast to scores {full}.") from e
+    if mask is not None:
+        chex.assert_type(mask, bool)
+    mask = jnp.broadcast_to(True if mask is None else mask, full)
     if dropout_rng is not None and dropout_rate > 0.0:
         keep, keep_probability = keep_mask(dropout_rng, dropout_rate, full)
         keep = keep.astype(jnp.float32) / keep_probability
     else:
-        keep = jnp.ones((), jnp.float32)
-        keep = jnp.broadcast_to(keep, full)
+        keep = jnp.ones(full, jnp.float32)
     per_head = jax.vmap(_single_head_attention)          # over H
     per_example = jax.vmap(per_head)                      # over B
-    out, weights = per_example(q, k, v, mask, keep)
-    chex.assert_shape(out, (batch, heads, q_len, head_dim))
-    chex.assert_shape(weights, full)
-    return out, weights
+    return per_example(q, k, v, mask, keep)
 
 
 def fused_dot_product_attention(q, k, v, mask=None, *, implementation: str | None = None):
-    """The same attention as :func:`scaled_dot_product_attention`, by :func:`jax.nn.dot_product_attention`.
-
-    XLA's implementation on any device, cuDNN's flash attention on NVIDIA GPUs
-    (``implementation="cudnn"``, bfloat16/float16 only). Scores and softmax run in
-    float32; float16 on CPU computes in float32 throughout (XLA:CPU lacks the mixed
-    float16 dot) and returns float16. A query row whose mask is all False yields zeros (the fused kernels
-    would return the mean of ``v``). No dropout, no weights.
-
-    Args:
-      q: queries ``[B, H, T, K]``.
-      k, v: keys and values ``[B, H, S, K]``.
-      mask: optional bool mask broadcastable to ``[B, H, T, S]`` (True = attend).
-      implementation: ``None`` (JAX picks), ``"xla"`` or ``"cudnn"``.
-
-    Returns:
-      outputs ``[B, H, T, K]`` in ``v.dtype``.
-
-    Raises:
-      ValueError: wrong ranks or a non-boolean mask.
-    """
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.ndim != 4:
-            raise ValueError(f"fused_dot_product_attention: {name} must have rank 4 "
-                             f"[B, H, L, K], got shape {x.shape}.")
+    """:func:`scaled_dot_product_attention`'s outputs ``[B, H, T, K]`` (``v.dtype``; no
+    dropout, no weights) by :func:`jax.nn.dot_product_attention`: ``implementation``
+    ``None`` (JAX picks), ``"xla"`` (any device) or ``"cudnn"`` (NVIDIA flash attention,
+    bfloat16/float16). Scores and softmax run in float32 (float16 on CPU: float32
+    throughout, XLA:CPU lacks the mixed dot). A query whose mask row is all False gets
+    zeros (the fused kernels would return the mean of ``v``)."""
+    chex.assert_rank([q, k, v], 4)
     batch, heads, q_len, head_dim = q.shape
-    kv_len = k.shape[2]
-    chex.assert_shape([k, v], (batch, heads, kv_len, head_dim))
-    if mask is not None and mask.dtype != jnp.bool_:
-        raise ValueError(f"mask must be boolean (True = may attend), got dtype {mask.dtype}.")
+    chex.assert_shape([k, v], (batch, heads, k.shape[2], head_dim))
+    if mask is not None:
+        chex.assert_type(mask, bool)
     to_BLHK = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731  (the fused API's layout)
     out_dtype = v.dtype
     if q.dtype == jnp.float16 and implementation != "cudnn" and jax.default_backend() == "cpu":
@@ -137,20 +91,14 @@ def fused_dot_product_attention(q, k, v, mask=None, *, implementation: str | Non
         any_key_BHT1 = jnp.broadcast_to(jnp.any(mask, axis=-1, keepdims=True),
                                         (batch, heads, q_len, 1))
         out_BHTK = jnp.where(any_key_BHT1, out_BHTK, jnp.zeros((), out_BHTK.dtype))
-    chex.assert_shape(out_BHTK, (batch, heads, q_len, head_dim))
     return out_BHTK
 
 
 class MultiHeadAttention(nn.Module):
-    """Multi-head attention (§3.2.2), head axes explicit in the weights.
-
-    Parameters: ``query``/``key``/``value`` kernels ``[D, H, K]`` with biases ``[H, K]``,
-    ``out`` kernel ``[H, K, D]`` with bias ``[D]``. The attention weights are sown
-    into the ``"intermediates"`` collection as ``attention_weights`` ``[B, H, T, S]``
-    when that collection is mutable (``apply(..., mutable=["intermediates"])``) and
-    ``config.attention_backend == "reference"`` (the fused and Pallas backends return no
-    weights).
-    Logical axes: kernels ``(embed, heads, kv)`` / ``(heads, kv, embed)``.
+    """Multi-head attention (§3.2.2), head axes explicit in the weights: ``query``/``key``/
+    ``value`` kernels ``[D, H, K]`` (``embed, heads, kv``) with biases ``[H, K]``, ``out``
+    kernel ``[H, K, D]`` with bias ``[D]``. The reference backend sows the weights
+    ``[B, H, T, S]`` as ``intermediates/attention_weights`` when that collection is mutable.
     """
 
     config: TransformerConfig
@@ -184,18 +132,12 @@ class MultiHeadAttention(nn.Module):
 
     def project_query(self, x_BTD):
         """Queries ``[B, H, T, K]`` from ``[B, T, D]``."""
-        q = self._project(x_BTD, self.query_kernel, self.query_bias)
-        chex.assert_shape(q, (x_BTD.shape[0], self.config.num_heads, x_BTD.shape[1],
-                              self.config.head_dim))
-        return q
+        return self._project(x_BTD, self.query_kernel, self.query_bias)
 
     def project_key_value(self, x_BSD):
         """Keys and values ``[B, H, S, K]`` from ``[B, S, D]`` (cacheable per source)."""
-        k = self._project(x_BSD, self.key_kernel, self.key_bias)
-        v = self._project(x_BSD, self.value_kernel, self.value_bias)
-        expected = (x_BSD.shape[0], self.config.num_heads, x_BSD.shape[1], self.config.head_dim)
-        chex.assert_shape([k, v], expected)
-        return k, v
+        return (self._project(x_BSD, self.key_kernel, self.key_bias),
+                self._project(x_BSD, self.value_kernel, self.value_bias))
 
     def attend(self, q_BHTK, k_BHSK, v_BHSK, mask, deterministic: bool):
         """Attention of projected heads, then the output projection → ``[B, T, D]``.
@@ -224,16 +166,11 @@ class MultiHeadAttention(nn.Module):
                                                    implementation=implementation)
         out_BTD = weight_einsum("BHTK,HKD->BTD", out_BHTK, self.out_kernel, c)
         out_BTD = out_BTD + self.out_bias.astype(c.compute_dtype)[None, None, :]
-        out_BTD = constrain(out_BTD, ("batch", "length", "embed"))
-        chex.assert_shape(out_BTD, (q_BHTK.shape[0], q_BHTK.shape[2], c.d_model))
-        return out_BTD
+        return constrain(out_BTD, ("batch", "length", "embed"))
 
     def __call__(self, x_BTD, context_BSD, mask, deterministic: bool = True):
-        """Attends from ``x_BTD`` (queries) to ``context_BSD`` (keys/values).
-
-        Self-attention passes the same array twice; cross-attention passes the
-        encoder output as ``context_BSD``. Returns ``[B, T, D]``.
-        """
+        """Attends from ``x_BTD`` (queries) to ``context_BSD`` (keys/values: ``x_BTD`` again
+        for self-attention, the encoder output for cross-attention) → ``[B, T, D]``."""
         q = self.project_query(x_BTD)
         k, v = self.project_key_value(context_BSD)
         return self.attend(q, k, v, mask, deterministic)

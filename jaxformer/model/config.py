@@ -1,23 +1,33 @@
-"""Model configuration: one small frozen dataclass, validated on construction.
+"""Model configuration: one small frozen dataclass, checked once on construction.
 
-Training and run settings live apart, in :mod:`jaxformer.train_config`; modes such
-as ``dtype`` are changed with :func:`dataclasses.replace`, never by mutation.
+Training and run settings live apart, in :mod:`jaxformer.run.config`; modes such as
+``dtype`` are changed with :meth:`TransformerConfig.replace`, never by mutation.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import numbers
+import typing
 from typing import Any, Literal
 
 import jax.numpy as jnp
 import numpy as np
 
 NormPosition = Literal["post", "pre"]
-ACTIVATIONS = ("relu", "swish", "gelu")
-POSITIONAL_LAYOUTS = ("interleaved", "split")
-_FLOAT_DTYPES = ("float32", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("reference", "xla", "cudnn", "pallas")
+FloatDtype = Literal["float32", "bfloat16", "float16"]
+Activation = Literal["relu", "swish", "gelu"]
+PositionalLayout = Literal["interleaved", "split"]
+AttentionBackend = Literal["reference", "xla", "cudnn", "pallas"]
+_FLOAT_DTYPES = typing.get_args(FloatDtype)
+ATTENTION_BACKENDS = typing.get_args(AttentionBackend)
+# The ranges of the numeric fields (NaN is in none of them).
+_RANGES = {**{name: ("a positive int", lambda v: v > 0) for name in (
+               "src_vocab_size", "tgt_vocab_size", "d_model", "num_heads", "d_ff", "num_encoder_layers",
+               "num_decoder_layers", "max_len")},
+           "dropout_rate": ("in [0, 1)", lambda v: 0 <= v < 1),
+           "attention_dropout_rate": ("in [0, 1)", lambda v: 0 <= v < 1),
+           "layer_norm_epsilon": ("in (0, 1)", lambda v: 0 < v < 1)}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -25,59 +35,36 @@ class TransformerConfig:
     """Hyper-parameters of the encoder-decoder Transformer (Vaswani et al. 2017, §3).
 
     Attributes:
-      src_vocab_size: number of source token ids V_src; ids must lie in [0, V_src).
-      tgt_vocab_size: number of target token ids V; the logits have V entries.
-      d_model: model width D (§3.1); must be divisible by ``num_heads``.
-      num_heads: attention heads H (§3.2.2); per-head width K = D / H.
-      d_ff: hidden width F of the position-wise feed-forward network (§3.3).
-      num_encoder_layers: N encoder layers.
-      num_decoder_layers: N decoder layers.
-      dropout_rate: residual and embedding dropout P_drop (§5.4), in [0, 1).
-      attention_dropout_rate: dropout on attention weights (tensor2tensor; not in
-        the paper), in [0, 1).
-      max_len: longest source or target sequence, the rows of the positional table.
-      pad_id: the padding id; padding masks are built from it, never from a literal 0.
-      share_embeddings: one table for source, target and the output projection
-        (§3.4); requires ``src_vocab_size == tgt_vocab_size``.
-      norm_position: ``"post"`` = LayerNorm(x + Sublayer(x)) as in the paper (§3.1);
-        ``"pre"`` = x + Sublayer(LayerNorm(x)) with a final LayerNorm per stack.
-      dtype: compute dtype name (``"float32"``, ``"bfloat16"``, ``"float16"``).
-        Softmax and the loss always run in float32.
-      param_dtype: parameter dtype name (float32 by default).
-      matmul_dtype: operand dtype of the weight matmuls (projections, feed-forward,
-        logits), summed and returned in ``dtype`` (:mod:`jaxformer.model.matmul`);
-        ``None`` = ``dtype``. ``"bfloat16"`` is a decoding speed option on bfloat16
-        matmul hardware (the translate tool's ``--matmul-dtype``).
-      attention_backend: ``"reference"`` (the vmapped core of
-        :func:`jaxformer.scaled_dot_product_attention`, which can sow attention
-        weights), or :func:`jax.nn.dot_product_attention` with ``"xla"`` (any device)
-        or ``"cudnn"`` (flash attention on NVIDIA GPUs; bfloat16/float16 only), or
-        ``"pallas"`` (Pallas's TPU splash-attention kernel, :mod:`jaxformer.model.splash`;
-        interpret mode on CPU, not on GPU; cached decoding steps use ``"xla"``). The
-        fused backends return no weights and need ``attention_dropout_rate == 0``.
-      remat: recompute each encoder/decoder layer's activations in the backward pass
-        (``nn.remat``): less memory, about one extra forward pass of compute.
-      scan_layers: run each stack's layers as one ``nn.scan`` over parameters stacked
-        on a leading ``layers`` axis ``[N, ...]`` (MaxText's ``scan_layers``, T5X's
-        ``scalable_t5``): one compiled layer body, so compile time and program size
-        stop growing with depth. Numerically the unrolled model; checkpoints convert
-        either way (:mod:`jaxformer.model.scan`). Cached decoding runs the unrolled
-        layers on the same parameters (:func:`jaxformer.model.scan.unrolled`).
-      activation: the FFN non-linearity: ``"relu"`` (paper, Eq. 2), or, departing
-        from it for imported models, ``"swish"`` (SiLU, Marian/OPUS-MT) or ``"gelu"``
-        (exact erf form, as Hugging Face's ``"gelu"``).
-      positional_layout: ``"interleaved"`` (paper §3.5: sin on even, cos on odd
-        dimensions) or ``"split"`` (Marian: all sines in the first D/2 dimensions,
-        then all cosines, as Hugging Face's ``MarianSinusoidalPositionalEmbedding``).
-      final_logits_bias: a learned bias ``[V]`` on the *tied* output projection
-        (Marian's ``final_logits_bias``); departs from the paper, whose tied
-        projection has none. The untied projection always has its bias.
-      layer_norm_epsilon: LayerNorm ε; 1e-6 is this library's historical value,
-        Marian (PyTorch ``nn.LayerNorm``) uses 1e-5.
+      src_vocab_size, tgt_vocab_size: V_src and V; ids lie in [0, V_src), logits have V.
+      d_model: width D (§3.1), a multiple of ``num_heads`` H (§3.2.2); K = D / H.
+      d_ff: hidden width F of the feed-forward network (§3.3).
+      num_encoder_layers, num_decoder_layers: N of each stack.
+      dropout_rate: residual and embedding dropout (§5.4); attention_dropout_rate: on the
+        attention weights (tensor2tensor, not the paper); both in [0, 1).
+      max_len: longest source or target sequence (the positional table's rows).
+      pad_id: the padding id, in [0, min(V_src, V)); masks are built from it.
+      share_embeddings: one table for source, target and output projection (§3.4);
+        needs one vocabulary size.
+      norm_position: ``"post"`` = LayerNorm(x + Sublayer(x)) (paper, §3.1); ``"pre"`` =
+        x + Sublayer(LayerNorm(x)) with a final LayerNorm per stack.
+      dtype, param_dtype: compute and parameter dtype names (softmax and loss: float32).
+      matmul_dtype: operand dtype of the weight matmuls, summed in ``dtype``
+        (:mod:`jaxformer.model.matmul`); ``None`` = ``dtype``.
+      attention_backend: ``"reference"`` (the vmapped core; can sow weights),
+        :func:`jax.nn.dot_product_attention` as ``"xla"`` or ``"cudnn"`` (NVIDIA, 16-bit),
+        or ``"pallas"`` (TPU splash kernel; cached steps use ``"xla"``). The fused
+        backends need ``attention_dropout_rate == 0``.
+      remat: recompute each layer's activations in the backward pass (``nn.remat``).
+      scan_layers: each stack as one ``nn.scan`` over parameters stacked on a leading
+        ``layers`` axis: compile time stops growing with depth (:mod:`jaxformer.model.scan`).
+      activation: FFN non-linearity: ``"relu"`` (Eq. 2), ``"swish"`` (Marian), ``"gelu"`` (erf).
+      positional_layout: ``"interleaved"`` (§3.5) or ``"split"`` (Marian: sines, then
+        cosines; needs an even d_model).
+      final_logits_bias: a bias ``[V]`` on the tied output projection (Marian's).
+      layer_norm_epsilon: LayerNorm ε in (0, 1); Marian (PyTorch) uses 1e-5.
 
     Raises:
-      ValueError: on any inconsistent or out-of-range field; the message names the
-        field(s), their values and the fix.
+      ValueError: one message listing every bad field, its value and the fix.
     """
 
     src_vocab_size: int
@@ -93,78 +80,56 @@ class TransformerConfig:
     pad_id: int = 0
     share_embeddings: bool = False
     norm_position: NormPosition = "post"
-    dtype: str = "float32"
-    param_dtype: str = "float32"
-    matmul_dtype: str | None = None
-    attention_backend: str = "reference"
+    dtype: FloatDtype = "float32"
+    param_dtype: FloatDtype = "float32"
+    matmul_dtype: FloatDtype | None = None
+    attention_backend: AttentionBackend = "reference"
     remat: bool = False
     scan_layers: bool = False
-    activation: str = "relu"
-    positional_layout: str = "interleaved"
+    activation: Activation = "relu"
+    positional_layout: PositionalLayout = "interleaved"
     final_logits_bias: bool = False
     layer_norm_epsilon: float = 1e-6
 
     def __post_init__(self):
-        positive = ("src_vocab_size", "tgt_vocab_size", "d_model", "num_heads", "d_ff",
-                    "num_encoder_layers", "num_decoder_layers", "max_len")
-        for name in (*positive, "pad_id"):   # NumPy integers are kept as Python ints
-            value = getattr(self, name)
-            if not isinstance(value, numbers.Integral) or isinstance(value, bool) \
-                    or (value <= 0 and name != "pad_id"):
-                raise ValueError(f"TransformerConfig.{name} must be "
-                                 f"{'an' if name == 'pad_id' else 'a positive'} int, got {value!r}.")
-            object.__setattr__(self, name, int(value))
-        for name in ("share_embeddings", "remat", "scan_layers", "final_logits_bias"):
-            value = getattr(self, name)
-            if not isinstance(value, (bool, np.bool_)):   # "no" or 1 would silently mean True
-                raise ValueError(f"TransformerConfig.{name} must be True or False, got {value!r}.")
-            object.__setattr__(self, name, bool(value))
-        if self.d_model % self.num_heads:
-            raise ValueError(
-                f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}: "
-                f"each head gets d_model / num_heads dimensions; choose d_model as a "
-                f"multiple of num_heads (e.g. d_model="
-                f"{self.num_heads * max(1, round(self.d_model / self.num_heads))}).")
-        for name in ("dropout_rate", "attention_dropout_rate"):
-            rate = getattr(self, name)
-            if isinstance(rate, bool) or not isinstance(rate, numbers.Real) or not 0.0 <= rate < 1.0:
-                raise ValueError(f"TransformerConfig.{name} must be in [0, 1), got {rate!r}.")
-            object.__setattr__(self, name, float(rate))
-        if self.norm_position not in ("post", "pre"):
-            raise ValueError(f"norm_position must be 'post' (paper) or 'pre', got {self.norm_position!r}.")
-        for name in ("dtype", "param_dtype"):
-            if getattr(self, name) not in _FLOAT_DTYPES:
-                raise ValueError(f"TransformerConfig.{name} must be one of {_FLOAT_DTYPES}, "
-                                 f"got {getattr(self, name)!r}.")
-        if self.matmul_dtype is not None and self.matmul_dtype not in _FLOAT_DTYPES:
-            raise ValueError(f"TransformerConfig.matmul_dtype must be None (= dtype) or one of "
-                             f"{_FLOAT_DTYPES}, got {self.matmul_dtype!r}.")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
-                             f"got {self.attention_backend!r}.")
-        if self.attention_backend != "reference" and self.attention_dropout_rate > 0.0:
-            raise ValueError(
-                f"attention_backend={self.attention_backend!r} (a fused kernel) has no "
-                f"attention dropout, but attention_dropout_rate={self.attention_dropout_rate}; "
-                f"use attention_backend='reference' or attention_dropout_rate=0.")
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}.")
-        if self.positional_layout not in POSITIONAL_LAYOUTS:
-            raise ValueError(f"positional_layout must be one of {POSITIONAL_LAYOUTS}, "
-                             f"got {self.positional_layout!r}.")
-        if self.positional_layout == "split" and self.d_model % 2:
-            raise ValueError(f"positional_layout='split' needs an even d_model, got {self.d_model}.")
-        if not (isinstance(self.layer_norm_epsilon, float) and 0.0 < self.layer_norm_epsilon < 1.0):
-            raise ValueError(f"layer_norm_epsilon must be a float in (0, 1), "
-                             f"got {self.layer_norm_epsilon!r}.")
-        if self.share_embeddings and self.src_vocab_size != self.tgt_vocab_size:
-            raise ValueError(
-                f"share_embeddings=True needs one joint vocabulary, but src_vocab_size="
-                f"{self.src_vocab_size} != tgt_vocab_size={self.tgt_vocab_size}; "
-                f"use a joint tokenizer or set share_embeddings=False.")
-        largest = min(self.src_vocab_size, self.tgt_vocab_size)
-        if not 0 <= self.pad_id < largest:
-            raise ValueError(f"pad_id={self.pad_id} must be a valid id in [0, {largest}).")
+        problems = [p for name, hint in typing.get_type_hints(type(self)).items()
+                    if (p := self._store(name, hint))]
+        c = self
+        relations = () if problems else (
+            (c.d_model % c.num_heads, f"d_model={c.d_model} is not divisible by num_heads={c.num_heads}: "
+             f"each head gets d_model / num_heads dimensions (e.g. d_model="
+             f"{c.num_heads * max(1, round(c.d_model / c.num_heads))})"),
+            (c.attention_backend != "reference" and c.attention_dropout_rate > 0,
+             f"attention_backend={c.attention_backend!r} (a fused kernel) has no attention dropout, but "
+             f"attention_dropout_rate={c.attention_dropout_rate}; use attention_backend='reference' or "
+             f"attention_dropout_rate=0"),
+            (c.positional_layout == "split" and c.d_model % 2,
+             f"positional_layout='split' needs an even d_model, got {c.d_model}"),
+            (c.share_embeddings and c.src_vocab_size != c.tgt_vocab_size,
+             f"share_embeddings=True needs one joint vocabulary, but src_vocab_size={c.src_vocab_size} != "
+             f"tgt_vocab_size={c.tgt_vocab_size}; use a joint tokenizer or share_embeddings=False"),
+            (not 0 <= c.pad_id < min(c.src_vocab_size, c.tgt_vocab_size),
+             f"pad_id={c.pad_id} must be a valid id in [0, {min(c.src_vocab_size, c.tgt_vocab_size)})"))
+        problems += [message for bad, message in relations if bad]
+        if problems:
+            raise ValueError("TransformerConfig: " + "; ".join(problems) + ".")
+
+    def _store(self, name: str, hint: Any) -> str | None:
+        """Stores field ``name`` as a plain Python value (NumPy scalars too); what is wrong
+        with it, or ``None``. A bool is not a number and a string not a bool (``"no"``
+        would silently mean True)."""
+        value = getattr(self, name)
+        if hint not in (int, float, bool):
+            choices = _choices(hint)
+            return None if value in choices else f"{name} must be one of {choices}, got {value!r}"
+        is_bool = isinstance(value, (bool, np.bool_))
+        typed = is_bool if hint is bool else not is_bool and isinstance(
+            value, numbers.Integral if hint is int else numbers.Real)
+        wanted, within = _RANGES.get(name, ({bool: "True or False", int: "an int"}.get(hint), None))
+        if typed and (within is None or within(hint(value))):
+            object.__setattr__(self, name, hint(value))
+            return None
+        return f"{name} must be {wanted}, got {value!r}"
 
     @property
     def head_dim(self) -> int:
@@ -185,28 +150,37 @@ class TransformerConfig:
 
     @classmethod
     def from_dict(cls, fields: dict[str, Any]) -> TransformerConfig:
-        """Inverse of :meth:`to_dict`; unknown keys raise ``ValueError``."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(fields) - known
+        """Inverse of :meth:`to_dict` (fields left out take their defaults).
+
+        Raises:
+          ValueError: unknown keys, or a bad field.
+        """
+        unknown = set(fields) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
-            raise ValueError(f"Unknown TransformerConfig fields {sorted(unknown)}; known: {sorted(known)}.")
+            raise ValueError(f"Unknown TransformerConfig fields {sorted(unknown)}; known: "
+                             f"{sorted(f.name for f in dataclasses.fields(cls))}.")
         return cls(**fields)
 
     def replace(self, **changes) -> TransformerConfig:
-        """A copy with ``changes`` applied (validated again)."""
+        """A copy with ``changes`` applied (checked again)."""
         return dataclasses.replace(self, **changes)
 
 
-# Presets. ``base``/``big`` follow the paper's Table 3; vocab sizes are filled in
-# from the tokenizer by :func:`preset`.
+def _choices(hint: Any) -> tuple:
+    """The values a ``Literal`` (or ``Literal | None``) field allows."""
+    args = typing.get_args(hint)
+    return args if typing.get_origin(hint) is Literal else typing.get_args(args[0]) + (None,)
+
+
+# Presets. ``base``/``big`` follow the paper's Table 3; vocab sizes come from the
+# tokenizer (:func:`preset`).
 PRESETS: dict[str, dict[str, Any]] = {
-    # Tests: small enough to compile and run in milliseconds.
+    # Tests: compiles and runs in milliseconds.
     "tiny": dict(d_model=32, num_heads=4, d_ff=64, num_encoder_layers=2,
                  num_decoder_layers=2, dropout_rate=0.0, max_len=64),
-    # CPU default training, tuned for minutes on a 2-core machine (README, "Tuning").
-    # Departs from the paper on purpose: pre-norm learns faster at a high learning
-    # rate in a few hundred steps, and dropout only slows a run that sees each
-    # sentence two or three times.
+    # CPU default training, minutes on a 2-core machine. Departs from the paper on
+    # purpose: pre-norm learns faster at a high learning rate in a few hundred steps,
+    # and dropout only slows a run that sees each sentence two or three times.
     "small": dict(d_model=128, num_heads=4, d_ff=512, num_encoder_layers=3,
                   num_decoder_layers=3, dropout_rate=0.0, max_len=128, share_embeddings=True,
                   norm_position="pre"),
@@ -221,20 +195,13 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 def preset(name: str, *, src_vocab_size: int, tgt_vocab_size: int | None = None,
            **overrides) -> TransformerConfig:
-    """Builds a named preset (``tiny``, ``small``, ``base``, ``big``).
-
-    Args:
-      name: preset name.
-      src_vocab_size: source vocabulary size (the tokenizer's).
-      tgt_vocab_size: target vocabulary size; defaults to ``src_vocab_size``.
-      **overrides: any :class:`TransformerConfig` field.
+    """The named preset (``tiny``, ``small``, ``base``, ``big``) with the vocabulary sizes
+    (``tgt_vocab_size`` defaults to ``src_vocab_size``) and any field ``overrides``.
 
     Raises:
-      ValueError: unknown preset name or invalid field.
+      ValueError: an unknown preset name or a bad field.
     """
     if name not in PRESETS:
         raise ValueError(f"Unknown preset {name!r}; choose one of {sorted(PRESETS)}.")
-    fields = dict(PRESETS[name])
-    fields.update(overrides)
-    return TransformerConfig(src_vocab_size=src_vocab_size,
-                             tgt_vocab_size=tgt_vocab_size or src_vocab_size, **fields)
+    return TransformerConfig(**{**PRESETS[name], **overrides}, src_vocab_size=src_vocab_size,
+                             tgt_vocab_size=tgt_vocab_size or src_vocab_size)

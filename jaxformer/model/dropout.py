@@ -1,10 +1,7 @@
-"""Dropout (§5.4, "Residual Dropout") with half the random-number work.
-
-``jax.random.bernoulli`` draws one 32-bit threefry word per element; on a CPU that
-was ~7% of the benchmark train step (``benchmarks/train_step.py``, dropout 0.1 on
-11M activations per step). Here each 32-bit word gives two 16-bit uniforms. The keep
-probability is rounded to a multiple of 2^-16 (off by at most 7.6e-6) and kept values
-are divided by that exact probability, so the expectation is unchanged.
+"""Dropout (§5.4, "Residual Dropout") with half ``jax.random.bernoulli``'s random-number
+work: each 32-bit word gives two 16-bit uniforms. The keep probability is rounded to a
+multiple of 2^-16 (off by at most 7.6e-6) and kept values are divided by exactly it,
+so the expectation is unchanged.
 """
 
 from __future__ import annotations
@@ -20,22 +17,9 @@ _LEVELS = 1 << 16
 
 
 def keep_mask(rng: chex.PRNGKey, rate: float, shape: tuple[int, ...]) -> tuple[jax.Array, float]:
-    """A Bernoulli keep mask: each element kept with probability ``1 - rate``.
-
-    Args:
-      rng: a PRNG key.
-      rate: drop probability in [0, 1).
-      shape: the mask's shape.
-
-    Returns:
-      ``(keep bool [shape], keep_probability)``; the probability is ``1 - rate``
-      rounded to a multiple of 2^-16 (what the mask really uses).
-
-    Raises:
-      ValueError: ``rate`` outside [0, 1).
-    """
-    if not 0.0 <= rate < 1.0:
-        raise ValueError(f"dropout rate must be in [0, 1), got {rate}.")
+    """A Bernoulli mask ``keep bool [shape]``, each element kept with probability
+    ``1 - rate`` (``rate`` in [0, 1)), and that probability as the mask uses it:
+    rounded to a multiple of 2^-16."""
     threshold = round(rate * _LEVELS)
     size = math.prod(shape)
     words = jax.random.bits(rng, ((size + 1) // 2,), jnp.uint32)

@@ -15,7 +15,7 @@ import numpy as np
 from jaxformer.model.attention import MultiHeadAttention
 from jaxformer.model.config import TransformerConfig
 from jaxformer.model.dropout import Dropout
-from jaxformer.model.matmul import dense_dot_general, weight_einsum
+from jaxformer.model.matmul import dense_dot_general
 from jaxformer.model.sharding import constrain
 
 
@@ -34,37 +34,24 @@ def layer_norm(config: TransformerConfig, name: str | None = None) -> nn.LayerNo
 
 
 def sinusoidal_positional_encoding(max_len: int, d_model: int, layout: str = "interleaved") -> np.ndarray:
-    """The positional table of §3.5, a constant (not a parameter).
-
-    ``layout="interleaved"`` (paper): PE(pos, 2i) = sin(pos / 10000^(2i/d_model)),
-    PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model)). ``layout="split"`` (Marian; Hugging
-    Face ``MarianSinusoidalPositionalEmbedding.create_weight``): the same angles, the
-    sines in dimensions ``[0, D/2)`` and the cosines in ``[D/2, D)``.
-
-    Returns:
-      float32 NumPy array ``[1, max_len, D]``.
-
-    Raises:
-      ValueError: an unknown layout, or ``"split"`` with an odd ``d_model``.
-    """
+    """The positional table of §3.5, a constant float32 NumPy array ``[1, max_len, D]``.
+    ``"interleaved"`` (paper): PE(pos, 2i) = sin(pos / 10000^(2i/D)), PE(pos, 2i+1) = cos(…).
+    ``"split"`` (Marian, Hugging Face's ``MarianSinusoidalPositionalEmbedding``): the sines
+    in dimensions ``[0, D/2)``, the cosines in ``[D/2, D)``."""
     position = np.arange(max_len, dtype=np.float64)[:, None]
-    two_i = np.arange(0, d_model, 2, dtype=np.float64)
-    angle = position / np.power(10000.0, two_i / d_model)
-    table = np.zeros((max_len, d_model), dtype=np.float64)
-    if layout == "interleaved":
-        table[:, 0::2] = np.sin(angle)
-        table[:, 1::2] = np.cos(angle[:, : d_model // 2])
-    elif layout == "split" and d_model % 2 == 0:
-        table[:, : d_model // 2] = np.sin(angle)
-        table[:, d_model // 2:] = np.cos(angle)
-    else:
-        raise ValueError(f"positional layout {layout!r} with d_model={d_model}: use 'interleaved', "
-                         f"or 'split' with an even d_model.")
+    angle = position / np.power(10000.0, np.arange(0, d_model, 2, dtype=np.float64) / d_model)
+    sin, cos = np.sin(angle), np.cos(angle[:, : d_model // 2])
+    if layout == "split":
+        table = np.concatenate([sin, cos], axis=1)
+    else:   # interleaved
+        table = np.zeros((max_len, d_model), dtype=np.float64)
+        table[:, 0::2], table[:, 1::2] = sin, cos
     return table[None].astype(np.float32)
 
 
 class Embedding(nn.Module):
-    """Token embedding scaled by √d_model (§3.4); ``attend`` is the tied projection."""
+    """Token embedding scaled by √d_model (§3.4); with shared embeddings its table, transposed,
+    is the output projection too (:meth:`jaxformer.Transformer.output_projection_weights`)."""
 
     vocab_size: int
     config: TransformerConfig
@@ -83,29 +70,13 @@ class Embedding(nn.Module):
             x = x.astype(c.matmul_dtype)
         x = x.astype(c.compute_dtype)
         x = x * jnp.asarray(np.sqrt(c.d_model), c.compute_dtype)
-        chex.assert_shape(x, ids_BL.shape + (c.d_model,))
         return constrain(x, ("batch", "length", "embed"))
-
-    def attend(self, x_BLD):
-        """Logits with the shared table as output projection: ``[B, L, V]``."""
-        c = self.config
-        logits = weight_einsum("BLD,VD->BLV", x_BLD, self.embedding, c)
-        chex.assert_shape(logits, x_BLD.shape[:2] + (self.vocab_size,))
-        return constrain(logits, ("batch", "length", "vocab"))
-
-    def projection_weights(self):
-        """The tied output projection as ``(kernel [D, V], None)`` in the compute dtype (no bias)."""
-        return self.embedding.astype(self.config.compute_dtype).T, None
 
 
 class OutputProjection(nn.Module):
-    """The final linear layer to the vocabulary (Figure 1, "Linear"): ``x W + b``.
-
-    Parameters ``kernel [D, V]`` (LeCun normal) and ``bias [V]``; logical axes
-    ``(embed, vocab)``. Used when embeddings are not shared; :meth:`weights` exposes
-    both so a loss can fuse the projection (see
-    :func:`jaxformer.train.losses.projected_cross_entropy`).
-    """
+    """The parameters of the final linear layer to the vocabulary (Figure 1, "Linear") when
+    embeddings are not shared: ``kernel [D, V]`` (LeCun normal) and ``bias [V]``, applied by
+    :meth:`jaxformer.Transformer.output_projection_weights`' caller."""
 
     vocab_size: int
     config: TransformerConfig
@@ -122,14 +93,6 @@ class OutputProjection(nn.Module):
         dtype = self.config.compute_dtype
         return self.kernel.astype(dtype), self.bias.astype(dtype)
 
-    def __call__(self, x_BLD):
-        """``[B, L, D]`` → logits ``[B, L, V]`` in the compute dtype."""
-        c = self.config
-        logits = weight_einsum("BLD,DV->BLV", x_BLD, self.kernel, c)
-        logits = logits + self.bias.astype(c.compute_dtype)[None, None, :]
-        chex.assert_shape(logits, x_BLD.shape[:2] + (self.vocab_size,))
-        return constrain(logits, ("batch", "length", "vocab"))
-
 
 class PositionalEncoding(nn.Module):
     """Adds the sinusoidal table and applies embedding dropout (§3.5, §5.4)."""
@@ -138,17 +101,13 @@ class PositionalEncoding(nn.Module):
 
     def setup(self):
         c = self.config
-        # [1, max_len, D]
-        self.table = sinusoidal_positional_encoding(c.max_len, c.d_model, c.positional_layout)
+        self.table = sinusoidal_positional_encoding(c.max_len, c.d_model, c.positional_layout)  # [1, N, D]
         self.dropout = Dropout(c.dropout_rate)
 
     def __call__(self, x_BLD, deterministic: bool, offset=0, positions_BL=None):
-        """Adds PE rows ``offset .. offset+L-1``; ``offset`` may be traced (decoding).
-
-        ``positions_BL`` (int ``[B, L]``, packed rows) gives each position's row instead.
-        """
+        """Adds PE rows ``offset .. offset+L-1`` (``offset`` may be traced: decoding), or with
+        packed rows the rows ``positions_BL`` (int ``[B, L]``)."""
         length = x_BLD.shape[1]
-        chex.assert_shape(self.table, (1, self.config.max_len, self.config.d_model))
         pe_1LD = jnp.asarray(self.table)
         if positions_BL is not None:
             chex.assert_shape(positions_BL, x_BLD.shape[:2])
@@ -156,14 +115,8 @@ class PositionalEncoding(nn.Module):
         elif isinstance(offset, int) and offset == 0:
             pe_1LD = pe_1LD[:, :length]
         else:
-            pe_1LD = _dynamic_rows(pe_1LD, offset, length)
-        chex.assert_shape(pe_1LD, (None, length, self.config.d_model))
-        x = x_BLD + pe_1LD.astype(x_BLD.dtype)
-        return self.dropout(x, deterministic=deterministic)
-
-
-def _dynamic_rows(table_1ND, offset, length):
-    return jax.lax.dynamic_slice_in_dim(table_1ND, offset, length, axis=1)
+            pe_1LD = jax.lax.dynamic_slice_in_dim(pe_1LD, offset, length, axis=1)
+        return self.dropout(x_BLD + pe_1LD.astype(x_BLD.dtype), deterministic=deterministic)
 
 
 _ACTIVATIONS = {"relu": nn.relu, "swish": nn.swish,
@@ -186,23 +139,15 @@ class PositionwiseFeedForward(nn.Module):
                       bias_init=_partitioned(zeros, "mlp"), **dense)
         hidden_BLF = _ACTIVATIONS[c.activation](w1(x_BLD))
         hidden_BLF = constrain(hidden_BLF, ("batch", "length", "mlp"))
-        chex.assert_shape(hidden_BLF, x_BLD.shape[:2] + (c.d_ff,))
-        out_BLD = nn.Dense(c.d_model, name="w2", kernel_init=_partitioned(xavier, "mlp", "embed"),
-                           bias_init=_partitioned(zeros, "embed"), **dense)(hidden_BLF)
-        chex.assert_shape(out_BLD, x_BLD.shape)
-        return out_BLD
+        return nn.Dense(c.d_model, name="w2", kernel_init=_partitioned(xavier, "mlp", "embed"),
+                        bias_init=_partitioned(zeros, "embed"), **dense)(hidden_BLF)
 
 
 class AddNorm(nn.Module):
-    """Residual connection and LayerNorm around one sub-layer (§3.1, §5.4).
-
-    ``norm_position="post"`` (paper): ``LayerNorm(x + Dropout(Sublayer(x)))``.
-    ``norm_position="pre"``: ``x + Dropout(Sublayer(LayerNorm(x)))``; departs from the
-    paper for stabler deep training. Use as::
-
-        y = add_norm.sublayer_input(x)
-        x = add_norm(x, sublayer(y), deterministic)
-    """
+    """Residual connection and LayerNorm around one sub-layer (§3.1, §5.4): ``"post"``
+    (paper) ``LayerNorm(x + Dropout(Sublayer(x)))``, ``"pre"`` (stabler deep training)
+    ``x + Dropout(Sublayer(LayerNorm(x)))``. Use as
+    ``x = add_norm(x, sublayer(add_norm.sublayer_input(x)), deterministic)``."""
 
     config: TransformerConfig
 
@@ -232,20 +177,12 @@ class EncoderLayer(nn.Module):
         self.feed_forward_norm = AddNorm(self.config)
 
     def __call__(self, x_BSD, src_mask, deterministic: bool):
-        """One encoder layer.
-
-        Args:
-          x_BSD: the previous layer's output (or the embedded source) ``[B, S, D]`` in
-            the compute dtype.
-          src_mask: an :class:`jaxformer.model.masks.AttentionMask` (or a bool array) whose
-            dense form broadcasts to ``[B, H, S, S]``; **True = may attend**. The
-            source padding mask ``[B, 1, 1, S]``, or ``[B, 1, S, S]`` with packed rows
-            (padding & same segment). A query with no key to attend to gets zeros.
-          deterministic: ``True`` turns dropout off (evaluation, decoding).
-
-        Returns:
-          ``[B, S, D]`` in the compute dtype.
-        """
+        """One encoder layer: the previous layer's output (or the embedded source)
+        ``[B, S, D]`` → ``[B, S, D]``, compute dtype. ``src_mask``: an
+        :class:`~jaxformer.model.masks.AttentionMask` (or bool array) whose dense form
+        broadcasts to ``[B, H, S, S]``, **True = may attend**: source padding ``[B, 1, 1, S]``
+        (``[B, 1, S, S]`` packed); a query with no key gets zeros. ``deterministic``:
+        dropout off."""
         y = self.attention_norm.sublayer_input(x_BSD)
         x_BSD = self.attention_norm(x_BSD, self.self_attention(y, y, src_mask, deterministic),
                                     deterministic)
@@ -267,23 +204,12 @@ class DecoderLayer(nn.Module):
         self.feed_forward_norm = AddNorm(self.config)
 
     def __call__(self, x_BTD, encoder_output_BSD, tgt_mask, src_mask, deterministic: bool):
-        """One decoder layer, teacher-forced over the whole target.
-
-        Args:
-          x_BTD: the previous layer's output (or the embedded, already shifted target)
-            ``[B, T, D]``.
-          encoder_output_BSD: the encoder's output ``[B, S, D]``.
-          tgt_mask: an ``AttentionMask`` (or a bool array) whose dense form broadcasts to
-            ``[B, H, T, T]``; **True = may attend**: causal
-            and target padding combined, ``[B, 1, T, T]`` (:func:`create_decoder_mask`).
-          src_mask: an ``AttentionMask`` (or a bool array) whose dense form broadcasts to
-            ``[B, H, T, S]``; **True = may attend**: the
-            source padding mask ``[B, 1, 1, S]`` (``[B, 1, T, S]`` with packed rows).
-          deterministic: ``True`` turns dropout off.
-
-        Returns:
-          ``[B, T, D]`` in the compute dtype.
-        """
+        """One decoder layer, teacher-forced: the previous layer's output (or the embedded,
+        shifted target) ``[B, T, D]`` and ``encoder_output_BSD [B, S, D]`` → ``[B, T, D]``.
+        Masks (``AttentionMask`` or bool arrays, **True = may attend**): ``tgt_mask``
+        broadcasts to ``[B, H, T, T]`` (causal & target padding, :func:`create_decoder_mask`),
+        ``src_mask`` to ``[B, H, T, S]`` (source padding ``[B, 1, 1, S]``, ``[B, 1, T, S]``
+        packed)."""
         y = self.self_attention_norm.sublayer_input(x_BTD)
         x_BTD = self.self_attention_norm(
             x_BTD, self.self_attention(y, y, tgt_mask, deterministic), deterministic)
@@ -304,17 +230,9 @@ class DecoderLayer(nn.Module):
         return self.cross_attention.project_key_value(encoder_output_BSD)
 
     def step(self, x_B1D, cache, index, src_mask):
-        """One decoding step with an explicit cache (see :class:`jaxformer.model.transformer.LayerCache`).
-
-        Args:
-          x_B1D: the embedded current token ``[B, 1, D]``.
-          cache: this layer's :class:`LayerCache`.
-          index: int32 scalar, the position of the current token.
-          src_mask: bool ``[B, 1, 1, S]``.
-
-        Returns:
-          ``(y [B, 1, D], updated LayerCache)``.
-        """
+        """One decoding step of the embedded token ``x_B1D [B, 1, D]`` at position ``index``
+        (int32 scalar) with this layer's :class:`~jaxformer.model.transformer.LayerCache`
+        and ``src_mask`` bool ``[B, 1, 1, S]`` → ``(y [B, 1, D], updated LayerCache)``."""
         y = self.self_attention_norm.sublayer_input(x_B1D)
         q = self.self_attention.project_query(y)
         k_new, v_new = self.self_attention.project_key_value(y)

@@ -1,14 +1,10 @@
-"""Attention masks: the one mask convention of jaxformer.
+"""Attention masks: boolean, ``True`` = "may attend", broadcasting against the scores
+``[B, H, Tq, Tk]``; the padding id comes from the tokenizer or config, never a literal 0.
 
-Convention: masks are boolean and ``True`` means "may attend". They broadcast
-against attention scores ``[B, H, Tq, Tk]``. Special ids come from the tokenizer or
-the config (``pad_id``), never a literal 0.
-
-The model's masks travel through the layers as an :class:`AttentionMask`: the dense
-bool mask (what the reference and ``jax.nn.dot_product_attention`` backends read) and
-the same mask as segment ids plus a causal flag (what the splash-attention kernel
-reads, :mod:`jaxformer.model.splash`). Every mask the model builds is "key is not
-padding AND same segment (AND causal)", which segment ids express exactly.
+The model's masks travel as an :class:`AttentionMask`: the dense mask (the reference and
+``jax.nn.dot_product_attention`` backends) and the same mask as segment ids and a causal
+flag (the splash kernel, :mod:`jaxformer.model.splash`). Every mask the model builds is
+"key not padding AND same segment (AND causal)", which segment ids express exactly.
 """
 
 from __future__ import annotations
@@ -19,90 +15,34 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxformer.model.validation import check_rank_2
-
-# The kv segment id of a key no query may attend to (padding): no query carries it.
-# Segment ids are non-negative in practice (collate_packed numbers segments 1, 2, …
-# and padding 0); any id above int32's minimum works.
+# The kv segment id of padding keys, which no query carries (segments are numbered 1, 2, …).
 PADDING_SEGMENT = np.iinfo(np.int32).min
 
 
-def _check_pad_id(pad_id) -> None:
-    """Raises ``TypeError`` unless ``pad_id`` is an integer: a Python or NumPy int, or a
-    0-d integer array (a traced one included)."""
-    dtype = getattr(pad_id, "dtype", None)
-    is_int_array = (dtype is not None and getattr(pad_id, "ndim", None) == 0
-                    and jnp.issubdtype(dtype, jnp.integer))
-    if isinstance(pad_id, bool) or not (isinstance(pad_id, (int, np.integer)) or is_int_array):
-        raise TypeError(f"pad_id must be an integer token id, got {pad_id!r} ({type(pad_id).__name__}); "
-                        f"take it from the tokenizer or TransformerConfig.pad_id.")
-
-
 def create_padding_mask(tokens: chex.Array, pad_id: int) -> chex.Array:
-    """Key-padding mask: which key positions hold real tokens.
-
-    Args:
-      tokens: integer ids ``[B, L]``.
-      pad_id: the padding id (from the tokenizer / ``TransformerConfig.pad_id``).
-
-    Returns:
-      bool ``[B, 1, 1, L]``, ``True`` where ``tokens != pad_id``.
-
-    Raises:
-      ValueError: ``tokens`` is not an array of rank 2. TypeError: ``pad_id`` is not an int.
-    """
-    check_rank_2(tokens, name="tokens")
-    _check_pad_id(pad_id)
-    mask = (tokens != pad_id)[:, None, None, :]
-    chex.assert_shape(mask, (tokens.shape[0], 1, 1, tokens.shape[1]))
-    return mask
+    """Key-padding mask of integer ids ``tokens [B, L]`` and the int ``pad_id`` (from the
+    tokenizer or ``TransformerConfig.pad_id``): bool ``[B, 1, 1, L]``, True where
+    ``tokens != pad_id``."""
+    chex.assert_rank(tokens, 2)
+    return (tokens != pad_id)[:, None, None, :]
 
 
 def create_causal_mask(length: int) -> chex.Array:
-    """Look-ahead mask of the decoder's self-attention (§3.2.3).
-
-    Args:
-      length: target length T.
-
-    Returns:
-      bool ``[T, T]``, lower triangular: query t may attend to keys 0..t.
-
-    Raises:
-      ValueError: ``length`` is not a non-negative Python or NumPy integer.
-    """
-    if isinstance(length, bool) or not isinstance(length, (int, np.integer)) or length < 0:
-        raise ValueError(f"length must be a non-negative integer (the target length T), got {length!r}; "
-                         f"for a batch of targets use create_decoder_mask(tgt, pad_id).")
-    mask = jnp.tril(jnp.ones((length, length), dtype=jnp.bool_))
-    chex.assert_shape(mask, (length, length))
-    return mask
+    """Look-ahead mask of the decoder's self-attention (§3.2.3) for ``length`` T (an int
+    ≥ 0): bool ``[T, T]``, lower triangular (query t may attend to keys 0..t)."""
+    return jnp.tril(jnp.ones((length, length), dtype=jnp.bool_))
 
 
 def create_decoder_mask(tgt: chex.Array, pad_id: int) -> chex.Array:
-    """Decoder self-attention mask: causal AND target key padding.
+    """Decoder self-attention mask of the shifted target ids ``tgt [B, T]``: causal AND
+    target key padding, bool ``[B, 1, T, T]``.
 
-    Position 0 holds the decoder start token and is never treated as padding, even
-    when its id is ``pad_id``: Marian (and Hugging Face's ``shift_tokens_right``)
-    starts decoding with the pad id. Targets are padded on the right, so no other
-    position is affected.
-
-    Args:
-      tgt: target ids ``[B, T]`` (the shifted decoder input, start token first).
-      pad_id: the padding id.
-
-    Returns:
-      bool ``[B, 1, T, T]``.
-
-    Raises:
-      ValueError: ``tgt`` is not an array of rank 2. TypeError: ``pad_id`` is not an int.
+    Position 0 holds the decoder start token and is never padding, even when its id is
+    ``pad_id``: Marian (and Hugging Face's ``shift_tokens_right``) starts decoding with
+    the pad id. Targets are padded on the right, so no other position is affected.
     """
-    check_rank_2(tgt, name="tgt")
-    _check_pad_id(pad_id)
-    batch, length = tgt.shape
-    keys_B11T = _decoder_keys(tgt, pad_id)[:, None, None, :]
-    mask = create_causal_mask(length)[None, None] & keys_B11T
-    chex.assert_shape(mask, (batch, 1, length, length))
-    return mask
+    chex.assert_rank(tgt, 2)
+    return create_causal_mask(tgt.shape[1])[None, None] & _decoder_keys(tgt, pad_id)[:, None, None, :]
 
 
 def _decoder_keys(tgt: chex.Array, pad_id: int) -> chex.Array:
@@ -113,19 +53,11 @@ def _decoder_keys(tgt: chex.Array, pad_id: int) -> chex.Array:
 
 
 def create_segment_mask(query_segments: chex.Array, key_segments: chex.Array) -> chex.Array:
-    """Packed rows: a query may attend only to keys of its own segment (sentence).
-
-    Args:
-      query_segments: int ``[B, Tq]``, the segment number of each query position.
-      key_segments: int ``[B, Tk]``.
-
-    Returns:
-      bool ``[B, 1, Tq, Tk]``; combine with the padding or decoder mask by ``&``.
-    """
+    """Packed rows: a query may attend only to keys of its own segment (sentence). The
+    segment numbers of the queries int ``[B, Tq]`` and keys ``[B, Tk]`` → bool
+    ``[B, 1, Tq, Tk]``, to combine with the padding or decoder mask by ``&``."""
     chex.assert_rank([query_segments, key_segments], 2)
-    mask = query_segments[:, None, :, None] == key_segments[:, None, None, :]
-    chex.assert_shape(mask, (query_segments.shape[0], 1, query_segments.shape[1], key_segments.shape[1]))
-    return mask
+    return query_segments[:, None, :, None] == key_segments[:, None, None, :]
 
 
 def segment_positions(segments: chex.Array) -> chex.Array:
@@ -146,17 +78,10 @@ def segment_positions(segments: chex.Array) -> chex.Array:
 class AttentionMask:
     """One attention mask in both forms the backends read; a pytree (``causal`` static).
 
-    Attributes:
-      dense: bool, broadcastable to ``[B, 1, Tq, Tk]``, True = may attend: exactly the
-        mask the model always built (``[B, 1, 1, S]`` padding, ``[B, 1, T, T]`` decoder,
-        ``[B, 1, Tq, Tk]`` with packed rows).
-      q_segments: int32 ``[B, Tq]``, each query's segment (1 everywhere when unpacked).
-      kv_segments: int32 ``[B, Tk]``, each key's segment, :data:`PADDING_SEGMENT` where
-        the key is padding.
-      causal: static; query t may attend only to keys ``<= t`` (self-attention, Tq = Tk).
-
-    ``dense == dense_from_segments(q_segments, kv_segments, causal)`` after broadcasting
-    (``tests/test_pallas_attention.py`` checks it for padded and packed batches).
+    ``dense``: bool broadcastable to ``[B, 1, Tq, Tk]``, True = may attend; equal after
+    broadcasting to ``dense_from_segments(q_segments, kv_segments, causal)``: int32
+    ``[B, Tq]`` and ``[B, Tk]`` segments (1 when unpacked; padding keys
+    :data:`PADDING_SEGMENT`), ``causal``: query t attends only to keys ``<= t``.
     """
 
     dense: jax.Array
@@ -188,17 +113,9 @@ def _segments(keys_valid_BL, query_len, q_segments=None, kv_segments=None):
 
 
 def encoder_mask(src: chex.Array, pad_id: int, src_segments: chex.Array | None = None) -> AttentionMask:
-    """The encoder self-attention mask: source key padding (& same segment when packed).
-
-    Args:
-      src: source ids ``[B, S]``.
-      pad_id: the padding id.
-      src_segments: int ``[B, S]`` for packed rows, or ``None``.
-
-    Returns:
-      an :class:`AttentionMask` whose ``dense`` is ``[B, 1, 1, S]`` (``[B, 1, S, S]``
-      packed).
-    """
+    """The encoder self-attention mask of source ids ``src [B, S]``: key padding (& same
+    segment with packed rows' ``src_segments`` int ``[B, S]``), an :class:`AttentionMask`
+    whose ``dense`` is ``[B, 1, 1, S]`` (``[B, 1, S, S]`` packed)."""
     dense = create_padding_mask(src, pad_id)
     if src_segments is not None:
         dense = dense & create_segment_mask(src_segments, src_segments)
@@ -208,21 +125,11 @@ def encoder_mask(src: chex.Array, pad_id: int, src_segments: chex.Array | None =
 
 def decoder_masks(src: chex.Array, tgt: chex.Array, pad_id: int, src_segments: chex.Array | None = None,
                   tgt_segments: chex.Array | None = None) -> tuple[AttentionMask, AttentionMask]:
-    """The decoder's masks: ``(self-attention, cross-attention)``.
-
-    Self-attention: causal & target key padding (:func:`create_decoder_mask`), & same
-    segment when packed. Cross-attention: source key padding, & target segment j sees
-    only source segment j when packed.
-
-    Args:
-      src: source ids ``[B, S]``; tgt: shifted target ids ``[B, T]``.
-      pad_id: the padding id.
-      src_segments, tgt_segments: int ``[B, S]`` / ``[B, T]`` for packed rows (both or
-        neither), or ``None``.
-
-    Returns:
-      ``(tgt_mask, src_mask)``: dense ``[B, 1, T, T]`` and ``[B, 1, 1, S]``
-      (``[B, 1, T, S]`` packed).
+    """The decoder's masks ``(tgt_mask, src_mask)`` of source ids ``[B, S]`` and shifted
+    target ids ``[B, T]`` (packed rows: both segment arrays, int ``[B, S]``/``[B, T]``).
+    Self-attention: causal & target key padding (:func:`create_decoder_mask`) & same
+    segment, dense ``[B, 1, T, T]``. Cross-attention: source key padding & target
+    segment j sees only source segment j, dense ``[B, 1, 1, S]`` (``[B, 1, T, S]`` packed).
     """
     tgt_dense = create_decoder_mask(tgt, pad_id)
     src_dense = create_padding_mask(src, pad_id)

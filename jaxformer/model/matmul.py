@@ -1,25 +1,13 @@
 """The weight matmuls in a narrower operand dtype: ``config.matmul_dtype``.
 
-Every matmul of activations with a weight matrix (the Q/K/V and output projections,
-the feed-forward layers, the logits) goes through :func:`weight_einsum` or
-:func:`dense_dot_general`. With ``matmul_dtype=None`` they compute in the model's
-``dtype`` as before. With ``matmul_dtype="bfloat16"`` both operands are rounded to
-bfloat16 and the products are summed and returned in ``dtype`` (float32 accumulation,
-``preferred_element_type``); LayerNorm, softmax, residuals and the attention core keep
-``dtype``. That is what bfloat16 matmul units compute (TPU MXU passes at default
-precision, Intel AMX, NVIDIA tensor cores) and what CTranslate2's ``compute_type`` and
-Marian's ``--gemm-type`` choose for decoding. On a 2-core Sapphire Rapids VM (AMX), XLA
-ran a ``[128, 128] × [128, 8000]`` matmul with bfloat16 operands 3-4.6× faster than in
-float32; whole decoding gains less, as the attention core, the beam reorder and the
-elementwise work stay in float32 (``benchmarks/decode.py --matmul-dtype bfloat16``).
-The training loss's fused output projection
-(:func:`jaxformer.train.losses.projected_cross_entropy`) keeps ``dtype``.
-
-Weights already stored in ``matmul_dtype`` are used as they are (the translator casts
-a run's float32 matrices once when it loads them, :func:`cast_matmul_weights`), so a
-decoding step casts only its activations. The embedding lookup rounds its rows to
-``matmul_dtype`` too, so the model computes the same with float32 parameters as with
-cast ones.
+Every matmul of activations with a weight matrix goes through :func:`weight_einsum` or
+:func:`dense_dot_general`: in ``dtype``, or with ``"bfloat16"`` operands summed and
+returned in ``dtype`` (what bfloat16 matmul units compute, and CTranslate2's
+``compute_type`` and Marian's ``--gemm-type`` choose for decoding; timings in
+``benchmarks/README.md``). LayerNorm, softmax, residuals, the attention core and the
+fused training loss keep ``dtype``. Weights stored in ``matmul_dtype``
+(:func:`cast_matmul_weights`, once per run) are used as they are; the embedding lookup
+rounds its rows too, so float32 and cast parameters compute the same.
 """
 
 from __future__ import annotations
@@ -33,17 +21,9 @@ from jaxformer.model.config import TransformerConfig
 
 
 def weight_einsum(subscripts: str, x, kernel, config: TransformerConfig):
-    """``jnp.einsum(subscripts, x, kernel)`` with operands in ``config.matmul_dtype``.
-
-    Args:
-      subscripts: the einsum of one activation array and one weight array.
-      x: activations, any float dtype.
-      kernel: the weight (any float dtype; float32 parameters or ones already cast).
-
-    Returns:
-      The product in ``config.compute_dtype`` (accumulated in it when the operands
-      are narrower).
-    """
+    """``jnp.einsum(subscripts, x, kernel)`` of activations ``x`` and a weight ``kernel``
+    (any float dtypes) with operands in ``config.matmul_dtype``; the product in (and
+    summed in) ``config.compute_dtype``."""
     compute = config.compute_dtype
     if config.matmul_dtype is None:
         return jnp.einsum(subscripts, x.astype(compute), kernel.astype(compute))
@@ -68,10 +48,6 @@ def dense_dot_general(config: TransformerConfig):
     return dot_general
 
 
-def _is_matmul_weight(name: str) -> bool:
-    return name == "embedding" or name.endswith("kernel")
-
-
 def cast_matmul_weights(params, config: TransformerConfig):
     """``params`` with the weight matrices (``*kernel``, ``embedding``) in
     ``config.matmul_dtype``, once, so the decoding steps do not cast them again;
@@ -82,7 +58,7 @@ def cast_matmul_weights(params, config: TransformerConfig):
     operand = jnp.dtype(config.matmul_dtype)
 
     def cast(path, x):
-        name = getattr(path[-1], "key", "")
-        return x.astype(operand) if _is_matmul_weight(str(name)) else x
+        name = str(getattr(path[-1], "key", ""))
+        return x.astype(operand) if name == "embedding" or name.endswith("kernel") else x
 
     return jax.tree_util.tree_map_with_path(cast, params)

@@ -1,18 +1,11 @@
 """Scanned and unrolled layer stacks: one model's parameters in two layouts.
 
-Unrolled (the default), each stack holds ``layer_0 … layer_{N-1}``, one subtree per
-layer. With ``TransformerConfig.scan_layers`` the stack runs as one ``nn.scan`` and
-holds a single subtree ``layers`` whose every leaf has a leading axis of N layers
-(logical name ``layers``; MaxText's ``scan_layers``, T5X's ``scalable_t5``). Layer
-``i`` of the unrolled tree is row ``i`` of the scanned one, so the conversion is
-exact both ways: :func:`stack_layers`, :func:`unstack_layers`.
-
-They convert any tree whose dicts hold the stacks: ``{"params": …}`` variables, a bare
-parameter tree, a train state (parameters and Adam moments alike), or its abstract
-form (``jax.ShapeDtypeStruct`` leaves keep their sharding, the ``layers`` axis
-replicated). Checkpoints of either layout restore into the other
-(:mod:`jaxformer.run.checkpoints`), and cached decoding runs the unrolled layers on
-a scanned model's parameters (:func:`unrolled`).
+Unrolled, each stack holds ``layer_0 … layer_{N-1}``; with ``scan_layers`` one subtree
+``layers`` whose leaves have a leading axis of N layers, row ``i`` being layer ``i``.
+:func:`stack_layers` and :func:`unstack_layers` convert exactly any tree whose dicts
+hold the stacks (variables, a train state, its abstract form with shardings), so
+checkpoints restore into either layout and cached decoding runs the unrolled layers
+on a scanned model's parameters (:func:`unrolled`).
 """
 
 from __future__ import annotations
@@ -63,12 +56,8 @@ def _stack_dict(tree: dict, parent: str | None) -> dict:
     layer_keys = [k for k in tree if isinstance(k, str) and _LAYER.fullmatch(k)]
     out = {k: _stack_dict(v, k) if isinstance(v, dict) else v
            for k, v in tree.items() if k not in layer_keys}
-    if parent in _STACKS and layer_keys:
-        count = len(layer_keys)
-        if sorted(int(_LAYER.fullmatch(k).group(1)) for k in layer_keys) != list(range(count)):
-            raise ValueError(f"{parent}: layers {sorted(layer_keys)} are not layer_0 … layer_{count - 1}; "
-                             f"cannot stack them.")
-        layers = [tree[f"layer_{i}"] for i in range(count)]
+    if parent in _STACKS and layer_keys:   # layer_0 … layer_{N-1}; a gap is a KeyError
+        layers = [tree[f"layer_{i}"] for i in range(len(layer_keys))]
         out[SCANNED] = jax.tree_util.tree_map(lambda *xs: _stack_leaves(list(xs)), *layers, is_leaf=_is_leaf)
     return out
 
@@ -96,16 +85,10 @@ def _map_dicts(fn, tree: Any) -> Any:
 
 def stack_layers(tree: Any) -> Any:
     """The scanned layout of ``tree``: in every ``encoder``/``decoder`` dict the subtrees
-    ``layer_0 … layer_{N-1}`` become one ``layers`` subtree with leaves ``[N, ...]``.
-
-    Leaves may be arrays (stacked with ``jnp.stack``; works under ``jit``),
-    ``jax.ShapeDtypeStruct`` (a leading unsharded axis is added to the sharding) or
-    ``nn.Partitioned`` boxes (the logical name ``layers`` is prepended). A tree already
-    scanned is returned as it is.
-
-    Raises:
-      ValueError: a stack's layer names are not ``layer_0`` … ``layer_{N-1}``.
-    """
+    ``layer_0 … layer_{N-1}`` become one ``layers`` subtree with leaves ``[N, ...]``:
+    arrays (``jnp.stack``; works under ``jit``), ``jax.ShapeDtypeStruct`` (a leading
+    unsharded axis) or ``nn.Partitioned`` boxes (``layers`` prepended to the names).
+    A tree already scanned is returned as it is."""
     return _map_dicts(_stack_dict, tree)
 
 
@@ -135,20 +118,11 @@ def to_layout(tree: Any, scanned: bool) -> Any:
 
 
 def unrolled(model: nn.Module, variables: Any) -> tuple[nn.Module, Any]:
-    """The same model with unrolled layers, and its variables in that layout.
-
-    Cached decoding (``Transformer.init_cache`` / ``decode_step``) keeps one cache per
-    layer and runs the layers one by one; a model trained with ``scan_layers`` decodes
-    through this view of its own parameters (the decoders of :mod:`jaxformer.decode`
-    call it). Under ``jit`` the conversion is a slice per leaf.
-
-    Args:
-      model: a ``jaxformer.Transformer``.
-      variables: ``{"params": …}`` (boxed or plain) or a bare parameter tree.
-
-    Returns:
-      ``(model, variables)``, unchanged when the model is not scanned.
-    """
+    """``(model, variables)`` with unrolled layers (unchanged when ``model``, a
+    ``Transformer``, is not scanned; ``variables``: ``{"params": …}`` or bare parameters).
+    Cached decoding keeps one cache per layer and runs the layers one by one, so a model
+    trained with ``scan_layers`` decodes through this view of its own parameters (the
+    decoders of :mod:`jaxformer.decode` call it); under ``jit`` a slice per leaf."""
     if not model.config.scan_layers:
         return model, variables
     return type(model)(model.config.replace(scan_layers=False)), unstack_layers(variables)

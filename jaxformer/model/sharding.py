@@ -1,15 +1,11 @@
 """Meshes, the one logical-axis rules table, and the shardings of state and batches.
 
 One code path serves a laptop, one GPU and a multi-host slice: ``jax.jit`` with
-``NamedSharding`` over a ``Mesh`` with axes ``("data", "fsdp", "model")``. Parameters carry
-logical axis names at their initializers (``nn.with_logical_partitioning``);
-:data:`LOGICAL_AXIS_RULES` maps those names onto mesh axes. Activations are
-constrained with :func:`constrain` where the layout matters; that is a no-op unless a
-mesh is active (:func:`under_mesh`), so eager and unsharded code is untouched.
-
-Logical names (shape letters of the glossary in brackets): ``batch`` [B], ``length``
-[S or T], ``embed`` [D], ``heads`` [H], ``kv`` [K], ``mlp`` [F], ``vocab`` [V], and
-``layers`` [N], the stacking axis of scanned layers (``TransformerConfig.scan_layers``).
+``NamedSharding`` over a ``Mesh`` ``("data", "fsdp", "model")``. Parameters carry logical
+axis names (``nn.with_logical_partitioning``) that :data:`LOGICAL_AXIS_RULES` maps onto
+mesh axes; :func:`constrain` lays out activations, a no-op unless a mesh is active
+(:func:`under_mesh`). Logical names: ``batch`` [B], ``length`` [S or T], ``embed`` [D],
+``heads`` [H], ``kv`` [K], ``mlp`` [F], ``vocab`` [V], ``layers`` [N] (scanned stacks).
 """
 
 from __future__ import annotations
@@ -53,82 +49,66 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 
 
 def parse_mesh_axes(spec: str | None) -> dict[str, int]:
-    """The axis sizes that ``spec`` (``"data=4,model=2"``) names, in its order, checked
-    for syntax only (no device count needed: a run's settings are checked when built).
+    """The axis sizes ``spec`` (``"data=4,model=2"``) names, checked for syntax only (no
+    device count needed: a run's settings check it when built).
 
     Raises:
       ValueError: bad syntax, an unknown or repeated axis name, or a size below 1.
     """
     sizes: dict[str, int] = {}
-    for part in (spec or "").replace(" ", "").split(","):
-        if not part:
-            continue
+    for part in filter(None, (spec or "").replace(" ", "").split(",")):
         name, eq, value = part.partition("=")
-        if not eq or not value.isdigit():
-            raise ValueError(f"Bad --mesh {spec!r}: expected comma-separated axis=size pairs, "
-                             f"e.g. 'data=4,model=2'; got {part!r}.")
-        if name not in MESH_AXES:
-            raise ValueError(f"Bad --mesh {spec!r}: unknown axis {name!r}; the axes are {MESH_AXES}.")
-        if name in sizes:
-            raise ValueError(f"Bad --mesh {spec!r}: axis {name!r} given twice.")
-        if int(value) < 1:
-            raise ValueError(f"Bad --mesh {spec!r}: axis {name!r} must have size >= 1.")
+        problem = ("expected comma-separated axis=size pairs, e.g. 'data=4,model=2'; got " + repr(part)
+                   if not eq or not value.isdigit() else
+                   f"unknown axis {name!r}; the axes are {MESH_AXES}" if name not in MESH_AXES else
+                   f"axis {name!r} given twice" if name in sizes else
+                   f"axis {name!r} must have size >= 1" if int(value) < 1 else None)
+        if problem:
+            raise ValueError(f"Bad --mesh {spec!r}: {problem}.")
         sizes[name] = int(value)
     return sizes
 
 
 def parse_mesh(spec: str | None, num_devices: int) -> dict[str, int]:
-    """Parses ``"data=4,model=2"`` or ``"data=2,fsdp=4"`` into mesh axis sizes.
-
-    An empty or ``None`` spec puts every device on ``data``. An axis left out gets
-    size 1, except ``data``, which takes the devices the other axes leave (so
-    ``"model=2"`` on 8 devices means ``data=4,fsdp=1,model=2``).
+    """Mesh axis sizes of ``"data=4,model=2"``: an axis left out gets size 1, except
+    ``data``, which takes the devices the others leave (``"model=2"`` on 8 devices is
+    ``data=4,fsdp=1,model=2``; ``None``: all on ``data``).
 
     Raises:
-      ValueError: bad syntax, an unknown or repeated axis name, a size below 1, or
-        sizes whose product is not ``num_devices``.
+      ValueError: as :func:`parse_mesh_axes`, or sizes whose product is not ``num_devices``.
     """
-    sizes = parse_mesh_axes(spec)
-    sizes.setdefault("model", 1)
-    sizes.setdefault("fsdp", 1)
-    if "data" not in sizes:
-        sizes["data"] = max(1, num_devices // (sizes["model"] * sizes["fsdp"]))
-    product = math.prod(sizes.values())
-    if product != num_devices:
+    sizes = {"model": 1, "fsdp": 1, **parse_mesh_axes(spec)}
+    sizes.setdefault("data", max(1, num_devices // (sizes["model"] * sizes["fsdp"])))
+    if math.prod(sizes.values()) != num_devices:
         raise ValueError(f"--mesh {spec!r} gives {' × '.join(f'{a}={sizes[a]}' for a in MESH_AXES)} = "
-                         f"{product} devices, but there are {num_devices}; the product of the axis "
-                         f"sizes must equal the device count.")
+                         f"{math.prod(sizes.values())} devices, but there are {num_devices}; the product "
+                         f"of the axis sizes must equal the device count.")
     return {axis: sizes[axis] for axis in MESH_AXES}
 
 
 def first_devices(count: int | None) -> list[jax.Device] | None:
-    """The first ``count`` devices of a single-process run (``--devices``, like Marian's
-    ``--devices`` or fairseq's ``--distributed-world-size``); ``None`` = all of them.
+    """The first ``count`` devices of a single-process run (``--devices``); ``None`` = all.
 
     Raises:
-      ValueError: ``count`` in a multi-process run (each process trains on all of its
-        devices), or more devices than there are.
+      ValueError: ``count`` in a multi-process run, or more devices than there are.
     """
     if count is None:
         return None
-    if jax.process_count() > 1:
-        raise ValueError(f"--devices {count}: a multi-process run uses every device of every process; "
-                         f"leave --devices out (or set CUDA_VISIBLE_DEVICES / TPU topology per process).")
     devices = jax.devices()
-    if not 1 <= count <= len(devices):
-        raise ValueError(f"--devices {count}: this process has {len(devices)} {devices[0].platform} "
-                         f"device(s); choose 1 to {len(devices)}, or leave it out to use them all.")
+    if jax.process_count() > 1 or not 1 <= count <= len(devices):
+        raise ValueError(f"--devices {count}: " + (
+            "a multi-process run uses every device of every process; leave --devices out (or set "
+            "CUDA_VISIBLE_DEVICES / TPU topology per process)." if jax.process_count() > 1 else
+            f"this process has {len(devices)} {devices[0].platform} device(s); choose 1 to "
+            f"{len(devices)}, or leave it out to use them all."))
     return devices[:count]
 
 
 def check_mesh_divides(mesh: Mesh, config: Any, *, loaded_from: str | None = None) -> None:
     """Refuses a mesh whose ``fsdp`` axis does not divide ``d_model`` or whose ``model`` axis
-    does not divide ``num_heads`` and ``d_ff``: known from the flags alone, so a run can
-    say so before it prepares data (the vocabulary's split is checked with the parameters).
-
-    ``loaded_from``: the run a fine-tune (``--init-from``) takes ``config`` from. Its
-    vocabulary sizes are known too and checked here, and the fix named is another mesh:
-    no flag changes a loaded architecture.
+    does not divide ``num_heads`` and ``d_ff``, before a run prepares data (the vocabulary:
+    :func:`tree_shardings`). ``loaded_from``: the run a fine-tune takes ``config`` from;
+    its vocabulary sizes are checked too and the fix is another mesh.
 
     Raises:
       ValueError: naming each size that does not divide and the fix.
@@ -141,37 +121,28 @@ def check_mesh_divides(mesh: Mesh, config: Any, *, loaded_from: str | None = Non
                   ("tgt_vocab_size", config.tgt_vocab_size, "model", model)]
     problems = [f"{name} {size} is not a multiple of the mesh's {axis} axis ({ways})"
                 for name, size, axis, ways in sizes if size % ways]
-    if not problems:
-        return
-    named = "--mesh " + ", ".join(f"{a}={n}" for a, n in mesh.shape.items()) + ": " + "; ".join(problems)
-    if loaded_from is not None:
-        raise ValueError(f"{named}. These are the sizes of the run --init-from {loaded_from} loads, which "
-                         f"a fine-tune keeps: choose a mesh whose 'fsdp' size divides its d_model and "
-                         f"whose 'model' size divides its num_heads, d_ff and vocabulary sizes.")
-    raise ValueError(f"{named}. Choose a mesh whose 'fsdp' size divides d_model and whose 'model' size "
-                     f"divides num_heads and d_ff, or other model sizes.")
+    if problems:
+        named = "--mesh " + ", ".join(f"{a}={n}" for a, n in mesh.shape.items()) + ": " + "; ".join(problems)
+        raise ValueError(named + (
+            f". These are the sizes of the run --init-from {loaded_from} loads, which a fine-tune keeps: "
+            f"choose a mesh whose 'fsdp' size divides its d_model and whose 'model' size divides its "
+            f"num_heads, d_ff and vocabulary sizes." if loaded_from is not None else
+            ". Choose a mesh whose 'fsdp' size divides d_model and whose 'model' size divides num_heads "
+            "and d_ff, or other model sizes."))
 
 
 def batch_shards(mesh: Mesh) -> int:
-    """How many ways batch rows are split: the ``data`` × ``fsdp`` axis sizes."""
+    """How many ways batch rows are split: ``data`` × ``fsdp``."""
     return math.prod(mesh.shape.get(axis, 1) for axis in BATCH_AXES)
 
 
 def make_mesh(spec: str | None = None, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A ``Mesh(('data', 'fsdp', 'model'))`` over ``devices`` (default: all, every process).
-
-    Args:
-      spec: ``"data=4,model=2"`` (see :func:`parse_mesh`); ``None`` = all on ``data``.
-      devices: the devices to use; default ``jax.devices()``.
-
-    Raises:
-      ValueError: see :func:`parse_mesh`.
-    """
+    """A ``Mesh(('data', 'fsdp', 'model'))`` of ``spec`` (:func:`parse_mesh`, which raises)
+    over ``devices`` (default: ``jax.devices()``, every process's)."""
     devices = list(jax.devices() if devices is None else devices)
     sizes = parse_mesh(spec, len(devices))
-    shape = tuple(sizes[a] for a in MESH_AXES)
-    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
-                         devices=devices)
+    return jax.make_mesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES,
+                         axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
 
 
 def logical_to_mesh_spec(logical_names: Sequence[str | None]) -> PartitionSpec:
@@ -180,21 +151,14 @@ def logical_to_mesh_spec(logical_names: Sequence[str | None]) -> PartitionSpec:
 
 
 def constrain(x: jax.Array, logical_names: Sequence[str | None]) -> jax.Array:
-    """Sharding constraint by logical names; a no-op unless a mesh is active.
-
-    Args:
-      x: an activation whose rank equals ``len(logical_names)``.
-      logical_names: one logical name (or ``None``) per dimension of ``x``.
-    """
+    """``x`` constrained by one logical name (or ``None``) per dimension; a no-op unless
+    a mesh is active."""
     return nn.with_logical_constraint(x, tuple(logical_names), rules=LOGICAL_AXIS_RULES)
 
 
 def under_mesh(fn: Callable, mesh: Mesh) -> Callable:
-    """``fn`` called (and so traced) with ``mesh`` active, so :func:`constrain` applies.
-
-    A jitted ``fn`` keeps its ahead-of-time path: ``wrapper.lower(*abstract_args)``
-    lowers it under the mesh too (``jax.ShapeDtypeStruct`` arguments with shardings;
-    what the compile tool, :mod:`jaxformer.aot`, compiles for a TPU topology)."""
+    """``fn`` called (and so traced) with ``mesh`` active, so :func:`constrain` applies; a
+    jitted ``fn``'s ``lower`` runs under the mesh too (what :mod:`jaxformer.aot` compiles)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -215,52 +179,34 @@ def _path_name(path) -> str:
 
 
 def tree_shardings(boxed_tree: Any, mesh: Mesh) -> Any:
-    """``NamedSharding`` for every leaf of a tree that may hold logically boxed leaves.
-
-    Leaves boxed by ``nn.with_logical_partitioning`` (parameters, and the optimizer
-    moments that ``optax`` builds from them) are sharded by the rules table; any
-    other array leaf (step counters) is replicated.
-
-    Args:
-      boxed_tree: e.g. ``jax.eval_shape`` of a train-state initializer that did not
-        unbox its parameters.
-      mesh: the mesh.
-
-    Returns:
-      a tree with the structure of ``nn.unbox(boxed_tree)`` and ``NamedSharding`` leaves.
+    """``NamedSharding`` on ``mesh`` for every leaf of ``boxed_tree`` (e.g. the abstract train
+    state, parameters still boxed), in the structure of ``nn.unbox(boxed_tree)``: boxed
+    leaves (parameters, Adam moments) by the rules table, others replicated.
 
     Raises:
-      ValueError: a partition spec names more dimensions than its array has, or a
-        sharded dimension is not divisible by its mesh axis (naming the parameter).
+      ValueError: a sharded dimension is not divisible by its mesh axes (naming the
+        parameter and the fix).
     """
-    specs = nn.get_partition_spec(boxed_tree)
-    mesh_specs = nn.logical_to_mesh(specs, LOGICAL_AXIS_RULES)
-    values = nn.unbox(boxed_tree)
+    mesh_specs = nn.logical_to_mesh(nn.get_partition_spec(boxed_tree), LOGICAL_AXIS_RULES)
     is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
-    flat_specs, treedef = jax.tree_util.tree_flatten(mesh_specs, is_leaf=is_spec)
-    flat_values = treedef.flatten_up_to(values)
-    paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(mesh_specs, is_leaf=is_spec)[0]]
-    for path, spec, value in zip(paths, flat_specs, flat_values):
+    flat, treedef = jax.tree_util.tree_flatten_with_path(mesh_specs, is_leaf=is_spec)
+    for (path, spec), value in zip(flat, treedef.flatten_up_to(nn.unbox(boxed_tree))):
         check_divisible(_path_name(path), value.shape, spec, mesh)
-    return jax.tree_util.tree_unflatten(treedef, [NamedSharding(mesh, s) for s in flat_specs])
+    return jax.tree_util.tree_unflatten(treedef, [NamedSharding(mesh, spec) for _, spec in flat])
 
 
 def check_divisible(name: str, shape: Sequence[int], spec: PartitionSpec, mesh: Mesh) -> None:
-    """Raises ``ValueError`` unless ``spec`` fits ``shape`` on ``mesh`` (rank and divisibility)."""
-    if len(spec) > len(shape):
-        raise ValueError(f"{name}: partition spec {spec} has {len(spec)} entries but the array "
-                         f"has shape {tuple(shape)}.")
+    """Raises ``ValueError`` unless each dimension of ``shape`` divides by the mesh axes
+    ``spec`` splits it over (``spec`` has at most ``len(shape)`` entries)."""
     for dim, axes in zip(shape, spec):
-        if axes is None:
-            continue
-        axes = (axes,) if isinstance(axes, str) else tuple(axes)
-        size = math.prod(mesh.shape[a] for a in axes)
+        size = math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes or ()))
         if dim % size:
             raise ValueError(
                 f"{name} has shape {tuple(shape)}: a dimension of {dim} is split over mesh axis "
-                f"{'×'.join(axes)} of size {size}, which does not divide it. Choose a mesh whose "
-                f"'model' size divides num_heads, d_ff and the vocabulary size (e.g. --vocab-size "
-                f"a multiple of it) and whose 'fsdp' size divides d_model, or smaller axes.")
+                f"{'×'.join((axes,) if isinstance(axes, str) else axes)} of size {size}, which does not "
+                f"divide it. Choose a mesh whose 'model' size divides num_heads, d_ff and the vocabulary "
+                f"size (e.g. --vocab-size a multiple of it) and whose 'fsdp' size divides d_model, or "
+                f"smaller axes.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,9 +218,8 @@ class Layout:
 
     @classmethod
     def for_params(cls, mesh: Mesh, boxed_params: Any) -> Layout:
-        """The layout of parameters alone (decoding without a train state): the rules
-        table's shardings of ``boxed_params`` (e.g. ``jax.eval_shape`` of ``model.init``'s
-        ``"params"``, still boxed) on ``mesh``."""
+        """The layout of parameters alone (decoding): the shardings of ``boxed_params``
+        (``jax.eval_shape`` of ``model.init``'s ``"params"``, still boxed) on ``mesh``."""
         return cls(mesh=mesh, state=types.SimpleNamespace(params=tree_shardings(boxed_params, mesh)))
 
     @property
@@ -297,56 +242,30 @@ class Layout:
 
 
 def shard_batch(batch: Mapping[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
-    """Places this process's rows of a batch as global arrays split over ``data``.
-
-    On a mesh of this process's devices alone the local batch is the whole batch. On a
-    mesh over several processes, each passes only its own contiguous block of rows (see
-    ``process_index`` in :func:`jaxformer.data.batching.train_dataset`) and the global
-    batch has as many times more rows as the mesh has processes (:func:`mesh_processes`).
-
-    Args:
-      batch: name → int array ``[b, L]`` of this process's rows.
-      sharding: the batch sharding (:attr:`Layout.batch`).
-
-    Raises:
-      ValueError: the global row count is not divisible by the ``data`` × ``fsdp`` axes.
-    """
-    data_size = batch_shards(sharding.mesh)
+    """This process's rows (name → int ``[b, L]``) as global arrays of the batch
+    ``sharding`` (:attr:`Layout.batch`). Over several processes each passes its own
+    contiguous block of rows and the global batch has as many times more rows as the
+    mesh has processes (:func:`mesh_processes`). The global row count divides by the
+    ``data`` × ``fsdp`` axes (the batching code sizes batches so; else JAX's
+    ``IndivisibleError``)."""
     processes, _ = mesh_processes(sharding.mesh)
-    out = {}
-    for name, local in batch.items():
-        local = np.asarray(local)
-        global_shape = (local.shape[0] * processes,) + local.shape[1:]
-        if global_shape[0] % data_size:
-            raise ValueError(f"batch {name!r} has {global_shape[0]} rows, not divisible by the mesh's "
-                             f"data × fsdp axes ({data_size}); make the batch size a multiple of it.")
-        out[name] = jax.make_array_from_process_local_data(sharding, local, global_shape)
-    return out
+    return {name: jax.make_array_from_process_local_data(
+                sharding, np.asarray(local), (len(local) * processes,) + np.shape(local)[1:])
+            for name, local in batch.items()}
 
 
 def mesh_processes(mesh: Mesh) -> tuple[int, int]:
-    """``(count, position)``: how many processes own devices of ``mesh``, and where this
-    process stands among them (by process index). A mesh of ``jax.local_devices()`` is
-    ``(1, 0)`` in any run, so each process of a cluster can work on its own mesh (bulk
-    translation); a training mesh over every device is ``(process_count, process_index)``.
-
-    Raises:
-      ValueError: this process owns no device of ``mesh``.
-    """
+    """``(count, position)``: how many processes own devices of ``mesh`` (this one among
+    them), and where this process stands among them: ``(1, 0)`` for a mesh of
+    ``jax.local_devices()``, ``(process_count, process_index)`` for a training mesh."""
     owners = sorted({d.process_index for d in mesh.devices.flat})
-    if jax.process_index() not in owners:
-        raise ValueError(f"process {jax.process_index()} owns no device of this mesh (its devices "
-                         f"belong to processes {owners}); build the mesh from devices it includes.")
     return len(owners), owners.index(jax.process_index())
 
 
 def process_barrier(name: str, timeout_s: float = 24 * 3600) -> None:
-    """Waits until every process of the cluster reaches the barrier ``name`` (each name
-    once per run); returns at once in a single-process run.
-
-    The coordination service's barrier, as JAX's own array serialization uses it: no
-    device computation, so a process may wait for hours while the others finish their
-    share (a collective would hit gloo's timeout), and a process that died fails it.
+    """Waits until every process reaches the barrier ``name`` (once per run): the
+    coordination service's, as JAX's array serialization uses (no device work, so hours
+    of waiting do not hit gloo's timeout). Returns at once in a single-process run.
 
     Raises:
       jax.errors.JaxRuntimeError: ``timeout_s`` passed, or a process left the cluster.
@@ -359,8 +278,7 @@ def process_barrier(name: str, timeout_s: float = 24 * 3600) -> None:
 
 
 def to_host(tree: Any) -> Any:
-    """NumPy copies of a tree of arrays, gathered from every process when sharded across
-    them (arrays this process holds whole are copied without any exchange)."""
+    """NumPy copies of a tree of arrays, gathered from every process when sharded across them."""
     leaves = jax.tree_util.tree_leaves(tree)
     if jax.process_count() == 1 or all(getattr(x, "is_fully_addressable", True) for x in leaves):
         return jax.device_get(tree)
@@ -370,27 +288,17 @@ def to_host(tree: Any) -> Any:
 
 
 def abstract_state(state: Any) -> Any:
-    """``ShapeDtypeStruct`` tree of ``state`` that keeps each array's sharding.
-
-    Use it (not ``jax.eval_shape``, which drops shardings) as an orbax restore target,
-    so a checkpoint saved on one mesh restores onto this one.
-    """
+    """``ShapeDtypeStruct`` tree of ``state`` that keeps each array's sharding (unlike
+    ``jax.eval_shape``): an orbax restore target onto this mesh."""
     return jax.tree_util.tree_map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
 
 
 def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
                            process_id: int | None = None, auto: bool = False) -> bool:
-    """Starts ``jax.distributed`` for a multi-process run; call before any other JAX use.
-
-    Explicit arguments win; ``auto=True`` without them lets JAX detect the cluster
-    (TPU pods, SLURM, Open MPI, Kubernetes, or ``JAX_COORDINATOR_ADDRESS`` plus
-    the cluster's process count and id). On CPU the cross-process collectives are
-    gloo's.
-
-    Returns:
-      whether ``jax.distributed.initialize`` was called.
-    """
+    """Starts ``jax.distributed`` for a multi-process run (before any other JAX use);
+    whether it did. Explicit arguments win; ``auto=True`` lets JAX detect the cluster
+    (TPU pods, SLURM, Open MPI, Kubernetes, ``JAX_COORDINATOR_ADDRESS``)."""
     if coordinator_address is None and num_processes is None and process_id is None and not auto:
         return False
     jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,

@@ -1,20 +1,12 @@
 """Splash attention, Pallas's TPU flash-attention kernel: ``attention_backend="pallas"``.
 
-Wraps :mod:`jax.experimental.pallas.ops.tpu.splash_attention` (``make_splash_mha``,
-``SegmentIds``, ``CausalMask``/``FullMask``, ``BlockSizes``) the way MaxText's
-``attention_op`` does: the kernel runs per example (``jax.vmap`` over the batch) on
-``[H, L, K]`` heads, never builds the ``[T, S]`` scores in HBM, and skips the blocks a
-causal mask rules out. Masks arrive as segment ids (:class:`jaxformer.model.masks.AttentionMask`):
-a query attends to the keys of its own segment (and, causal, not after it); padding
-keys carry :data:`~jaxformer.model.masks.PADDING_SEGMENT`, which no query has.
-
-Where it runs: TPU (Mosaic) natively; on CPU only in Pallas's interpret mode (slow:
-tests); not on GPU (its kernels are TPU's). Under a mesh a ``pallas_call`` cannot be
-split by XLA's SPMD partitioner, so the kernel runs in ``jax.shard_map`` over the batch
-and head axes of the rules table (:mod:`jaxformer.model.sharding`).
-
-Shapes: B batch, H heads, T query length, S key length, K head width; Tp/Sp the
-lengths padded to the kernel's block.
+Wraps :mod:`jax.experimental.pallas.ops.tpu.splash_attention` as MaxText's
+``attention_op`` does: per example (``jax.vmap``) on ``[H, L, K]`` heads, never building
+the ``[T, S]`` scores in HBM, skipping the blocks a causal mask rules out. Masks arrive
+as segment ids (:class:`jaxformer.model.masks.AttentionMask`). Runs natively on TPU, on
+CPU in Pallas's interpret mode (slow: tests), not on GPU. Under a mesh it runs in
+``jax.shard_map`` over the rules table's batch and head axes (XLA's SPMD partitioner
+cannot split a ``pallas_call``). Shapes: B batch, H heads, T queries, S keys, K head width.
 """
 
 from __future__ import annotations
@@ -50,11 +42,8 @@ def _target_platform() -> str:
 
 
 def _interpret_mode(interpret: bool | None) -> bool:
-    """``interpret`` resolved: ``None`` = native on TPU, interpret mode on CPU.
-
-    Raises:
-      ValueError: ``None`` on a GPU (splash is a TPU kernel), naming the backends to use.
-    """
+    """``interpret`` resolved: ``None`` = native on TPU, interpret mode on CPU; on a GPU
+    (splash is a TPU kernel) a ``ValueError`` naming the backends to use."""
     if interpret is not None:
         return interpret
     platform = _target_platform()
@@ -67,11 +56,8 @@ def _interpret_mode(interpret: bool | None) -> bool:
 
 def _kernel(heads: int, q_len: int, kv_len: int, causal: bool, interpret: bool):
     """The splash kernel for ``[heads, q_len, K]`` queries and ``[heads, kv_len, K]`` keys
-    (lengths already padded to their blocks); forward and backward blocks alike.
-
-    Built anew in every trace (it holds arrays, which must not outlive one); the block
-    analysis of the mask behind it is cached by the splash library itself.
-    """
+    (lengths padded to their blocks). Built anew in every trace (it holds arrays, which
+    must not outlive one); the splash library caches the mask's block analysis."""
     _, block_q = padded_length(q_len)
     _, block_kv = padded_length(kv_len)
     blocks = splash.BlockSizes(block_q=block_q, block_kv=block_kv, block_kv_compute=block_kv,
@@ -117,40 +103,27 @@ def _run_kernel(q_BHTK, k_BHSK, v_BHSK, q_segments_BT, kv_segments_BS, causal: b
 
 def splash_dot_product_attention(q_BHTK, k_BHSK, v_BHSK, q_segments_BT, kv_segments_BS, *,
                                  causal: bool, interpret: bool | None = None):
-    """softmax(QKᵀ/√K + M)V by the splash kernel, M given by segment ids.
+    """softmax(QKᵀ/√K + M)V ``[B, H, T, K]`` (``v``'s dtype) by the splash kernel, of
+    queries ``[B, H, T, K]`` and keys/values ``[B, H, S, K]`` (float32 or bfloat16, any K),
+    the mask M given by segment ids int ``[B, T]``/``[B, S]``.
 
-    Query t of row b may attend to key s iff ``q_segments[b, t] == kv_segments[b, s]``
-    (and ``s <= t`` if ``causal``): :func:`jaxformer.model.masks.dense_from_segments`.
-    A query with no such key gets a zero output (the kernel alone would give the mean
-    of ``v``), forward and backward. Scores and softmax run in float32 inside the
-    kernel. Lengths need not be multiples of the block: q/k/v and the ids are padded
-    (padded keys get :data:`~jaxformer.model.masks.PADDING_SEGMENT`) and the output
-    sliced back. No dropout, no weights. Differentiable (the kernel's own backward).
-
-    Args:
-      q_BHTK: queries ``[B, H, T, K]`` (float32 or bfloat16; any K).
-      k_BHSK, v_BHSK: keys and values ``[B, H, S, K]``, the dtype of ``q``.
-      q_segments_BT: int ``[B, T]``; kv_segments_BS: int ``[B, S]``.
-      causal: self-attention look-ahead mask (requires T = S).
-      interpret: Pallas interpret mode. ``None``: native on TPU (including the compile
-        tool's compile-only TPU devices, read from the active mesh), interpret mode on
-        CPU (correct but slow: for tests), ``ValueError`` on GPU.
-
-    Returns:
-      outputs ``[B, H, T, K]`` in ``v``'s dtype.
+    Query t attends to key s iff their segments are equal (and ``s <= t`` if ``causal``,
+    T = S): :func:`jaxformer.model.masks.dense_from_segments`; a query with no key gets
+    zeros, forward and backward. Softmax in float32; lengths padded to the block and the
+    output sliced back; no dropout, no weights. ``interpret``: Pallas interpret mode,
+    ``None`` = native on TPU (compile-only devices too, read from the active mesh),
+    interpret mode on CPU (slow: tests).
 
     Raises:
-      ValueError: ``interpret=None`` on a GPU (use ``"cudnn"`` or ``"xla"``), or a
-        causal mask with T ≠ S.
+      ValueError: ``interpret=None`` on a GPU (use ``"cudnn"`` or ``"xla"``).
     """
     batch, heads, q_len, head_dim = q_BHTK.shape
     kv_len = k_BHSK.shape[2]
     chex.assert_shape([k_BHSK, v_BHSK], (batch, heads, kv_len, head_dim))
     chex.assert_shape(q_segments_BT, (batch, q_len))
     chex.assert_shape(kv_segments_BS, (batch, kv_len))
-    if causal and q_len != kv_len:
-        raise ValueError(f"causal splash attention needs as many queries as keys, got T={q_len}, "
-                         f"S={kv_len}.")
+    if causal:
+        chex.assert_equal(q_len, kv_len)
     interpret = _interpret_mode(interpret)
     q_segments_BT = q_segments_BT.astype(jnp.int32)
     kv_segments_BS = kv_segments_BS.astype(jnp.int32)
@@ -173,6 +146,4 @@ def splash_dot_product_attention(q_BHTK, k_BHSK, v_BHSK, q_segments_BT, kv_segme
     # XLA fuses the comparison into the reduction; no [B, T, S] array is built.
     any_key_B1T1 = jnp.any(dense_from_segments(q_segments_BT, kv_segments_BS, causal), axis=-1,
                            keepdims=True)
-    out_BHTK = jnp.where(any_key_B1T1, out_BHTK, jnp.zeros((), out_BHTK.dtype))
-    chex.assert_shape(out_BHTK, (batch, heads, q_len, head_dim))
-    return out_BHTK
+    return jnp.where(any_key_B1T1, out_BHTK, jnp.zeros((), out_BHTK.dtype))

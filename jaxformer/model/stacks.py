@@ -30,14 +30,11 @@ class ScannedDecoderLayer(DecoderLayer):
 
 def layer_stack(layer_cls, scanned_cls, config: TransformerConfig, num_layers: int, num_args: int):
     """The layers of one stack: a list of ``layer_cls`` named ``layer_0 … layer_{N-1}``, or
-    with ``config.scan_layers`` one ``nn.scan`` of ``scanned_cls`` named ``layers``.
-
-    Scanned, every parameter gets a leading axis of N layers (logical name ``layers``,
-    replicated by the rules table) and the body is compiled once (MaxText's
-    ``scan_layers``; flax ``nn.scan``); per-layer dropout keys are split from the
-    call's, and sown attention weights stack on the same axis. ``remat`` wraps the body
-    in both forms (``deterministic``, the last of ``num_args`` arguments, is static).
-    Every argument but the first (the carry) is the same for every layer.
+    with ``config.scan_layers`` one ``nn.scan`` of ``scanned_cls`` named ``layers``, every
+    parameter with a leading axis of N layers (logical name ``layers``), per-layer dropout
+    keys split from the call's and sown weights stacked. ``remat`` wraps the body's
+    ``__call__`` (training) in both forms; ``deterministic``, the last of ``num_args``
+    arguments, is static. Every argument but the carry is the same for every layer.
     """
     remat = functools.partial(nn.remat, static_argnums=(num_args,)) if config.remat else (lambda c: c)
     if not config.scan_layers:
@@ -77,25 +74,18 @@ class Encoder(nn.Module):
         **True = may attend** (see :meth:`EncoderLayer.__call__`). Pre-norm adds a final
         LayerNorm."""
         x_BSD = run_stack(self.layers, self.config.scan_layers, x_BSD, src_mask, deterministic)
-        if self.config.norm_position == "pre":
-            x_BSD = self.final_norm(x_BSD)
-        return x_BSD
+        return self.final_norm(x_BSD) if self.config.norm_position == "pre" else x_BSD
 
 
 class Decoder(nn.Module):
-    """N decoder layers, chained (each fed the previous layer's output); unrolled, or
-    one ``nn.scan`` with ``config.scan_layers`` (teacher-forced only: cached decoding
-    runs the unrolled layers, :func:`jaxformer.model.scan.unrolled`).
-
-    The seed tutorial's decoder loop feeds every layer the same input; that is a bug
-    we do not copy.
-    """
+    """N decoder layers, each fed the previous layer's output; unrolled, or one
+    ``nn.scan`` with ``config.scan_layers`` (teacher-forced only: cached decoding runs
+    the unrolled layers, :func:`jaxformer.model.scan.unrolled`)."""
 
     config: TransformerConfig
 
     def setup(self):
         c = self.config
-        # remat wraps __call__ only (training); `step` (decoding) runs as is.
         self.layers = layer_stack(DecoderLayer, ScannedDecoderLayer, c, c.num_decoder_layers, num_args=5)
         if c.norm_position == "pre":
             self.final_norm = layer_norm(c)

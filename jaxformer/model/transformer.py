@@ -1,10 +1,7 @@
 """The encoder-decoder Transformer (Vaswani et al. 2017, Figure 1).
 
-Glossary of shapes: B batch, S source length, T target length, D d_model,
-H heads, K = D / H, F d_ff, V target vocabulary size, M cache length
-(the longest target a decode may produce).
-
-Used through pure ``init``/``apply``::
+Glossary of shapes: B batch, S source length, T target length, D d_model, H heads,
+K = D / H, F d_ff, V target vocabulary, M cache length. Used through ``init``/``apply``::
 
     model = Transformer(config)
     variables = model.init(jax.random.key(0), src_BS, tgt_BT)
@@ -25,20 +22,17 @@ from flax import struct
 from jaxformer.model.config import TransformerConfig
 from jaxformer.model.layers import Embedding, OutputProjection, PositionalEncoding
 from jaxformer.model.masks import create_padding_mask, decoder_masks, encoder_mask, segment_positions
+from jaxformer.model.matmul import weight_einsum
+from jaxformer.model.sharding import constrain
 from jaxformer.model.stacks import Decoder, Encoder
-from jaxformer.model.validation import check_count, check_same_batch, check_token_ids
+from jaxformer.model.validation import check_count, token_id_problem
 
 
 @struct.dataclass
 class LayerCache:
-    """Decoding cache of one decoder layer; a plain pytree.
-
-    Attributes:
-      self_k, self_v: self-attention keys/values of past positions ``[B, H, M, K]``
-        (rows at and beyond the current index are not yet written).
-      cross_k, cross_v: cross-attention keys/values ``[B, H, S, K]``, computed once
-        per source sentence.
-    """
+    """Decoding cache of one decoder layer, a plain pytree: self-attention ``self_k``,
+    ``self_v [B, H, M, K]`` of past positions (rows from the current index on not yet
+    written) and cross-attention ``cross_k``, ``cross_v [B, H, S, K]`` (once per source)."""
 
     self_k: jax.Array
     self_v: jax.Array
@@ -48,29 +42,17 @@ class LayerCache:
 
 @struct.dataclass
 class DecodeCache:
-    """The whole decoding state a ``tokens_to_logits`` callback threads through.
-
-    Attributes:
-      layers: one :class:`LayerCache` per decoder layer.
-      src_mask: bool ``[B, 1, 1, S]`` padding mask of the source.
-      index: int32 scalar, number of target tokens fed so far (the next position).
-
-    Every array leaf except ``index`` has the batch on axis 0, so beam search can
-    tile or gather the cache with one ``tree_map``.
-    """
+    """The decoding state a ``tokens_to_logits`` callback threads through: one
+    :class:`LayerCache` per decoder ``layers``, the source's bool ``src_mask [B, 1, 1, S]``
+    and ``index`` (int32, tokens fed so far). Every leaf but ``index`` has the batch first."""
 
     layers: tuple[LayerCache, ...]
     src_mask: jax.Array
     index: jax.Array
 
     def map_beam_state(self, fn) -> DecodeCache:
-        """Applies ``fn`` to the leaves that differ between the beams of one sentence.
-
-        Those are the self-attention keys/values. The source side (cross-attention
-        K/V, ``src_mask``) is the same for every beam of a sentence and ``index`` is
-        shared, so beam search reorders only the self-attention K/V (half of the
-        cache at equal source and target lengths).
-        """
+        """Applies ``fn`` to the leaves that differ between the beams of one sentence: the
+        self-attention K/V (the source side and ``index`` are the same for every beam)."""
         return self.replace(layers=tuple(layer.replace(self_k=fn(layer.self_k), self_v=fn(layer.self_v))
                                          for layer in self.layers))
 
@@ -82,21 +64,13 @@ class DecodeCache:
         """The cache for ``length`` target positions (≥ the current M): the self-attention
         K/V padded with zeros on the position axis (positions past ``index`` are never read)."""
         current = self.layers[0].self_k.shape[2]
-        if length < current:
-            raise ValueError(f"with_length({length}): the cache already holds {current} positions.")
         return self.map_beam_state(lambda x: jnp.pad(x, [(0, 0), (0, 0), (0, length - current), (0, 0)]))
 
 
 class Transformer(nn.Module):
-    """Encoder-decoder Transformer; ``__call__`` = ``decode(encode(src), src, tgt)``.
-
-    Attributes:
-      config: a :class:`TransformerConfig`.
-
-    Inputs are validated at the entry points (:mod:`jaxformer.model.validation`): rank,
-    integer dtype, length ``<= max_len`` and matching batch sizes always; the id range
-    ``[0, vocab)`` when the arrays are concrete (outside ``jit``).
-    """
+    """Encoder-decoder Transformer of ``config``; ``__call__`` = ``decode(encode(src), src, tgt)``.
+    The public methods check their ids once (:meth:`_check`): rank, integer dtype, length
+    ``<= max_len``, batch sizes; the range ``[0, vocab)`` on concrete arrays."""
 
     config: TransformerConfig
 
@@ -116,82 +90,87 @@ class Transformer(nn.Module):
                 "final_logits_bias", nn.with_logical_partitioning(nn.initializers.zeros_init(), ("vocab",)),
                 (c.tgt_vocab_size,), c.parameter_dtype)
 
+    def _check(self, deterministic, src, tgt=None, src_segments=None, tgt_segments=None):
+        """The entry check of ``src`` ids (or, given ``tgt``, its ids, both batch sizes and
+        packed segments) and a bool ``deterministic`` ("no" would mean True).
+
+        Raises:
+          ValueError: one message naming every problem and its fix.
+        """
+        c = self.config
+        if tgt is None:
+            problems = [token_id_problem(src, name="src", vocab_size=c.src_vocab_size, max_len=c.max_len)]
+        else:
+            problems = [token_id_problem(tgt, name="tgt", vocab_size=c.tgt_vocab_size, max_len=c.max_len)]
+            if not problems[0] and src.shape[0] != tgt.shape[0]:
+                problems.append(f"src and tgt must have the same batch size, got src {src.shape} and "
+                                f"tgt {tgt.shape}")
+            if (src_segments is None) != (tgt_segments is None):
+                problems.append("packed decoding needs both src_segments and tgt_segments, or neither")
+        if not isinstance(deterministic, (bool, jnp.bool_)):
+            problems.append(f"deterministic must be True or False, got {deterministic!r}")
+        problems = [p for p in problems if p]
+        if problems:
+            raise ValueError("; ".join(problems) + ".")
+
     # ------------------------------------------------------------------ encoder
     def encode(self, src, *, deterministic: bool = True, src_segments=None):
-        """Source ids ``[B, S]`` int → ``encoder_output [B, S, D]``.
-
-        ``src_segments`` (int ``[B, S]``, packed rows; see :func:`jaxformer.data.batching.collate_packed`):
-        each position attends only within its segment, positions restart per segment.
+        """Source ids ``[B, S]`` int → ``encoder_output [B, S, D]``. Packed rows' ``src_segments``
+        (int ``[B, S]``): each position attends only within its segment, positions restart.
 
         Raises:
           ValueError: bad rank/dtype, ``S > max_len``, or ids out of range.
         """
         c = self.config
-        check_token_ids(src, name="src", vocab_size=c.src_vocab_size, max_len=c.max_len)
-        batch, src_len = src.shape
+        self._check(deterministic, src)
         positions = None
         if src_segments is not None:
             chex.assert_shape(src_segments, src.shape)
             positions = segment_positions(src_segments)
         src_mask = encoder_mask(src, c.pad_id, src_segments)
         src_x = self.positional_encoding(self.src_embedding(src), deterministic, positions_BL=positions)
-        chex.assert_shape(src_x, (batch, src_len, c.d_model))
         encoder_output = self.encoder(src_x, src_mask, deterministic)
-        chex.assert_shape(encoder_output, (batch, src_len, c.d_model))
+        chex.assert_shape(encoder_output, src.shape + (c.d_model,))
         return encoder_output
 
     # ------------------------------------------------------------------ decoder
     def _logits(self, decoder_output_BLD):
-        c = self.config
-        if c.share_embeddings:
-            logits = self.tgt_embedding.attend(decoder_output_BLD)
-            if c.final_logits_bias:
-                logits = logits + self.final_logits_bias.astype(logits.dtype)[None, None, :]
-        else:
-            logits = self.output_projection(decoder_output_BLD)
-        chex.assert_shape(logits, decoder_output_BLD.shape[:2] + (c.tgt_vocab_size,))
-        return logits
+        kernel_DV, bias_V = self.output_projection_weights()
+        logits = weight_einsum("BLD,DV->BLV", decoder_output_BLD, kernel_DV, self.config)
+        if bias_V is not None:
+            logits = logits + bias_V[None, None, :]
+        return constrain(logits, ("batch", "length", "vocab"))
 
     def output_projection_weights(self):
-        """The final linear layer as ``(kernel [D, V], bias [V] or None)``, compute dtype.
-
-        ``logits = decoder_output @ kernel (+ bias)``. With shared embeddings the kernel
-        is the embedding table transposed and the bias is ``final_logits_bias`` if the
-        config has one, else ``None``.
-        """
+        """The final linear layer as ``(kernel [D, V], bias [V] or None)`` in the compute
+        dtype; shared embeddings: the table transposed and ``final_logits_bias`` or None."""
         c = self.config
         if c.share_embeddings:
-            kernel_DV, _ = self.tgt_embedding.projection_weights()
             bias_V = self.final_logits_bias.astype(c.compute_dtype) if c.final_logits_bias else None
-            return kernel_DV, bias_V
+            return self.tgt_embedding.embedding.astype(c.compute_dtype).T, bias_V
         return self.output_projection.weights()
 
     def decode(self, encoder_output, src, tgt, *, deterministic: bool = True, src_segments=None,
                tgt_segments=None):
-        """Teacher-forced decoder: ``encoder_output [B,S,D]``, src ids ``[B,S]``
-        (for the padding mask), target input ids ``[B,T]`` → ``logits [B,T,V]``.
+        """Teacher-forced decoder: ``encoder_output [B,S,D]``, its src ids ``[B,S]`` (for the
+        padding mask) and the shifted target input ids ``tgt [B,T]`` (``bos y1 y2 …``) →
+        ``logits [B,T,V]``. Packed rows give ``src_segments [B,S]`` and ``tgt_segments
+        [B,T]``: target segment j attends only to itself (causally) and source segment j.
 
-        ``tgt`` is the already shifted decoder input (``bos y1 y2 …``). Packed rows
-        give both ``src_segments [B,S]`` and ``tgt_segments [B,T]``: target segment j
-        attends only to itself (causally) and to source segment j.
+        Raises:
+          ValueError: bad ``tgt`` ids (as :meth:`encode`'s), batch sizes that differ, or
+            one segment array without the other.
         """
-        decoder_output = self.decoder_output(encoder_output, src, tgt, deterministic=deterministic,
-                                             src_segments=src_segments, tgt_segments=tgt_segments)
-        logits = self._logits(decoder_output)
-        chex.assert_shape(logits, tgt.shape + (self.config.tgt_vocab_size,))
-        return logits
+        return self._logits(self.decoder_output(encoder_output, src, tgt, deterministic=deterministic,
+                                                src_segments=src_segments, tgt_segments=tgt_segments))
 
     def decoder_output(self, encoder_output, src, tgt, *, deterministic: bool = True,
                        src_segments=None, tgt_segments=None):
         """:meth:`decode` without the final projection: ``[B, T, D]`` (arguments as there)."""
         c = self.config
-        check_token_ids(tgt, name="tgt", vocab_size=c.tgt_vocab_size, max_len=c.max_len)
-        check_same_batch(src, tgt)
-        batch, tgt_len = tgt.shape
-        chex.assert_shape(encoder_output, (batch, src.shape[1], c.d_model))
+        self._check(deterministic, src, tgt, src_segments, tgt_segments)
+        chex.assert_shape(encoder_output, src.shape + (c.d_model,))
         positions = None
-        if (src_segments is None) != (tgt_segments is None):
-            raise ValueError("Packed decoding needs both src_segments and tgt_segments, or neither.")
         if tgt_segments is not None:
             chex.assert_shape(src_segments, src.shape)
             chex.assert_shape(tgt_segments, tgt.shape)
@@ -199,68 +178,40 @@ class Transformer(nn.Module):
         # [B,1,T,T] and [B,1,1,S] ([B,1,T,S] packed), with their segment-id forms
         tgt_mask, src_mask = decoder_masks(src, tgt, c.pad_id, src_segments, tgt_segments)
         tgt_x = self.positional_encoding(self.tgt_embedding(tgt), deterministic, positions_BL=positions)
-        chex.assert_shape(tgt_x, (batch, tgt_len, c.d_model))
         decoder_output = self.decoder(tgt_x, encoder_output, tgt_mask, src_mask, deterministic)
-        chex.assert_shape(decoder_output, (batch, tgt_len, c.d_model))
+        chex.assert_shape(decoder_output, tgt.shape + (c.d_model,))
         return decoder_output
 
     def __call__(self, src, tgt, *, deterministic: bool = True, src_segments=None, tgt_segments=None):
-        """``src [B,S]``, shifted target input ``tgt [B,T]`` → ``logits [B,T,V]``.
-
-        Training mode: ``deterministic=False`` with a ``"dropout"`` rng in ``apply``.
-        Packed rows (several sentence pairs per row): pass ``src_segments`` and
-        ``tgt_segments`` (see :meth:`decode`); each pair then gets exactly the logits
-        it would get alone.
-        """
-        encoder_output = self._checked_encode(src, tgt, deterministic, src_segments)
+        """``src [B,S]``, shifted target input ``tgt [B,T]`` → ``logits [B,T,V]``; training:
+        ``deterministic=False`` with a ``"dropout"`` rng. Packed rows (segments as in
+        :meth:`decode`) get exactly the logits each pair gets alone. Raises as
+        :meth:`encode` and :meth:`decode`."""
+        encoder_output = self.encode(src, deterministic=deterministic, src_segments=src_segments)
         return self.decode(encoder_output, src, tgt, deterministic=deterministic,
                            src_segments=src_segments, tgt_segments=tgt_segments)
 
-    def _checked_encode(self, src, tgt, deterministic, src_segments):
-        """Validates both id arrays, then ``encode(src)``."""
-        c = self.config
-        if not isinstance(deterministic, (bool, jnp.bool_)):   # "no" would silently mean True
-            raise ValueError(f"deterministic must be True or False, got {deterministic!r}.")
-        check_token_ids(src, name="src", vocab_size=c.src_vocab_size, max_len=c.max_len)
-        check_token_ids(tgt, name="tgt", vocab_size=c.tgt_vocab_size, max_len=c.max_len)
-        check_same_batch(src, tgt)
-        return self.encode(src, deterministic=deterministic, src_segments=src_segments)
-
     def features(self, src, tgt, *, deterministic: bool = True, src_segments=None, tgt_segments=None):
-        """``__call__`` stopped before the logits, for losses that fuse the projection.
-
-        Returns:
-          ``(decoder_output [B,T,D], kernel [D,V], bias [V] or None)`` with
-          ``logits = decoder_output @ kernel (+ bias)``; see
-          :func:`jaxformer.train.losses.projected_cross_entropy`, which never builds the
-          ``[B,T,V]`` logits in the backward pass.
-        """
-        encoder_output = self._checked_encode(src, tgt, deterministic, src_segments)
+        """``__call__`` stopped before the logits, for losses that fuse the projection
+        (:func:`jaxformer.train.losses.projected_cross_entropy`): ``(decoder_output [B,T,D],
+        kernel [D,V], bias [V] or None)`` with ``logits = decoder_output @ kernel (+ bias)``."""
+        encoder_output = self.encode(src, deterministic=deterministic, src_segments=src_segments)
         decoder_output = self.decoder_output(encoder_output, src, tgt, deterministic=deterministic,
                                              src_segments=src_segments, tgt_segments=tgt_segments)
         return (decoder_output, *self.output_projection_weights())
 
     # --------------------------------------------------------- cached decoding
     def init_cache(self, encoder_output, src, max_decode_len: int) -> DecodeCache:
-        """Builds the decoding cache for ``max_decode_len`` target positions.
-
-        Args:
-          encoder_output: ``[B, S, D]`` from :meth:`encode`.
-          src: source ids ``[B, S]`` (for the padding mask).
-          max_decode_len: M, the number of target positions the cache holds
-            (including the BOS position); at most ``max_len``.
-
-        Returns:
-          a :class:`DecodeCache` with zeroed self-attention K/V ``[B, H, M, K]``, the
-          cross-attention K/V ``[B, H, S, K]`` of every layer, and ``index = 0``.
+        """The decoding cache of ``encoder_output [B, S, D]`` and its source ids ``src [B, S]``
+        for M = ``max_decode_len`` target positions (BOS included; at most ``max_len``):
+        zeroed self-attention K/V ``[B, H, M, K]``, every layer's cross-attention K/V
+        ``[B, H, S, K]``, ``index = 0``.
 
         Raises:
           ValueError: ``max_decode_len`` not an integer in ``[1, max_len]``.
         """
         c = self.config
-        max_decode_len = check_count("max_decode_len", max_decode_len)   # 4.0 or True: named here
-        if not max_decode_len <= c.max_len:
-            raise ValueError(f"max_decode_len={max_decode_len} must be in [1, max_len={c.max_len}].")
+        max_decode_len = check_count("max_decode_len", max_decode_len, maximum=c.max_len)
         batch, src_len = src.shape
         chex.assert_shape(encoder_output, (batch, src_len, c.d_model))
         zeros = jnp.zeros((batch, c.num_heads, max_decode_len, c.head_dim), c.compute_dtype)
@@ -270,30 +221,27 @@ class Transformer(nn.Module):
                            index=jnp.zeros((), jnp.int32))
 
     def decode_step(self, ids_B1, cache: DecodeCache):
-        """One incremental decoding step: ``tokens_to_logits(ids, cache)``.
-
-        Args:
-          ids_B1: the current target token ``[B, 1]`` (BOS at the first step).
-          cache: :class:`DecodeCache` from :meth:`init_cache` or the previous step.
-
-        Returns:
-          ``(logits [B, V] float, cache advanced by one position)``. Equal to the
-          teacher-forced :meth:`decode` logits at that position.
+        """One incremental decoding step, ``tokens_to_logits(ids, cache)``: the current token
+        ``ids_B1 [B, 1]`` (BOS first) and the cache of :meth:`init_cache` or the previous
+        step → ``(logits [B, V], cache advanced by one position)``, the teacher-forced
+        :meth:`decode` logits at that position.
 
         Raises:
-          ValueError: concrete ``ids_B1`` outside ``[0, V)`` (an id ≥ V gives NaN logits,
-            −1 wraps to the last row); traced ids are checked by the jitted decoders. A
-            concrete ``cache.index`` at the cache's length (its write would be clamped
-            into the last position: wrong logits, silently).
+          ValueError: concrete ``ids_B1`` outside ``[0, V)`` (the jitted decoders check traced
+            ones), or a concrete ``cache.index`` at the cache's length (its write would be
+            clamped into the last position: wrong logits, silently).
         """
         chex.assert_shape(ids_B1, (cache.src_mask.shape[0], 1))
         # Concrete ids are range-checked here; inside jit the decoders check on the host.
-        check_token_ids(ids_B1, name="ids_B1", vocab_size=self.config.tgt_vocab_size)
+        problem = token_id_problem(ids_B1, name="ids_B1", vocab_size=self.config.tgt_vocab_size)
         room = cache.layers[0].self_k.shape[-2] if cache.layers else None
-        if room is not None and not isinstance(cache.index, jax.core.Tracer) and int(cache.index) >= room:
-            raise ValueError(f"decode_step: the cache holds {room} positions and all are used (index "
-                             f"{int(cache.index)}); make it with init_cache(..., max_decode_len) large "
-                             f"enough for every step.")
+        if not problem and room is not None and not isinstance(cache.index, jax.core.Tracer) \
+                and int(cache.index) >= room:
+            problem = (f"decode_step: the cache holds {room} positions and all are used (index "
+                       f"{int(cache.index)}); make it with init_cache(..., max_decode_len) large "
+                       f"enough for every step")
+        if problem:
+            raise ValueError(problem + ".")
         x_B1D = self.positional_encoding(self.tgt_embedding(ids_B1), True, offset=cache.index)
         y_B1D, layers = self.decoder.step(x_B1D, cache.layers, cache.index, cache.src_mask)
         logits_B1V = self._logits(y_B1D)

@@ -1,17 +1,9 @@
-"""Host-side checks of token-id inputs at the public entry points.
+"""Checks of what library callers hand to the public entry points, run once there.
 
-JAX clamps or wraps out-of-range gather indices silently, so an id outside
-``[0, vocab)`` would otherwise give a wrong answer without an error. The checks
-here run in two places:
-
-* Always (at trace time, no cost at run time): rank, integer dtype, length
-  ``<= max_len``, matching batch sizes.
-* Scalar arguments (:func:`check_count`, :func:`check_real`): sizes that must be
-  integers and numbers that must be finite, before they become static arguments.
-* Only on concrete arrays (eager ``model.apply``, or on the host before a jitted
-  step): the value range. Inside ``jax.jit`` values are unknown, so jaxformer's own
-  jitted loops (training, evaluation, translation) call :func:`check_token_ids` on
-  the host batch before dispatch.
+JAX clamps or wraps out-of-range gather indices silently, so ids are checked: shape,
+dtype and length at trace time, the range on concrete arrays (eager ``apply``, or the
+host batch before a jitted step). :func:`check_count` and :func:`check_real` check the
+scalars that become static arguments.
 """
 
 from __future__ import annotations
@@ -24,74 +16,50 @@ import jax
 import numpy as np
 
 
-def _is_traced(x) -> bool:
-    return isinstance(x, jax.core.Tracer)
-
-
-def check_rank_2(tokens, *, name: str) -> tuple[int, int]:
-    """The shape ``(B, L)`` of an id array; the mask helpers and :func:`check_token_ids`
-    share this check.
-
-    Raises:
-      ValueError: ``tokens`` is not an array (a list: convert it) or not of rank 2 (one
-        sentence: add a batch axis).
-    """
+def token_id_problem(tokens, *, name: str, vocab_size: int, max_len: int | None = None) -> str | None:
+    """What is wrong with ``tokens`` as a batch of ids ``[B, L]`` (see :func:`check_token_ids`),
+    or ``None``."""
     shape = getattr(tokens, "shape", None)
     if shape is None:
-        raise ValueError(f"{name} must be an array of integer token ids [batch, length], got a "
-                         f"{type(tokens).__name__}; convert it with jnp.asarray({name}, jnp.int32).")
+        return (f"{name} must be an array of integer token ids [batch, length], got a "
+                f"{type(tokens).__name__}; convert it with jnp.asarray({name}, jnp.int32)")
     if len(shape) != 2:
-        raise ValueError(f"{name} must be integer token ids of rank 2 [batch, length], "
-                         f"got shape {tuple(shape)}. Add a batch axis with {name}[None] for one sentence.")
-    return tuple(shape)
+        return (f"{name} must be integer token ids of rank 2 [batch, length], got shape {tuple(shape)}; "
+                f"add a batch axis with {name}[None] for one sentence")
+    if not np.issubdtype(np.dtype(tokens.dtype), np.integer):
+        return (f"{name} must hold integer token ids, got dtype {tokens.dtype}; convert with "
+                f"{name}.astype(jnp.int32) only if the values are ids")
+    if max_len is not None and shape[1] > max_len:
+        return (f"{name} has length {shape[1]} > max_len={max_len}: truncate the sequence or build "
+                f"the model with a larger max_len")
+    if isinstance(tokens, jax.core.Tracer) or tokens.size == 0:
+        return None
+    values = np.asarray(tokens)
+    bad = values[(values < 0) | (values >= vocab_size)]
+    if bad.size:
+        return (f"{name} holds token ids outside [0, {vocab_size}): e.g. {bad[:5].tolist()} (min "
+                f"{values.min()}, max {values.max()}); check that the tokenizer and the model config "
+                f"use the same vocabulary")
+    return None
 
 
 def check_token_ids(tokens, *, name: str, vocab_size: int, max_len: int | None = None) -> None:
-    """Validates a batch of token ids ``[B, L]``.
-
-    Args:
-      tokens: integer array ``[B, L]`` (NumPy, JAX, or a tracer).
-      name: argument name used in the error message (``"src"``, ``"tgt"``).
-      vocab_size: ids must lie in ``[0, vocab_size)``.
-      max_len: if given, ``L`` must be at most this.
+    """Checks a batch of token ids ``[B, L]`` (NumPy, JAX, or a tracer) named ``name`` in
+    the message: ids in ``[0, vocab_size)`` (concrete arrays), ``L <= max_len`` if given.
 
     Raises:
-      ValueError: wrong rank, float dtype, too long, or (for concrete arrays) an id
-        out of range; the message names the argument and the fix.
+      ValueError: not an array, wrong rank, float dtype, too long, or an id out of
+        range; the message names the argument and the fix.
     """
-    shape = check_rank_2(tokens, name=name)
-    if not np.issubdtype(np.dtype(tokens.dtype), np.integer):
-        raise ValueError(f"{name} must hold integer token ids, got dtype {tokens.dtype}; "
-                         f"convert with {name}.astype(jnp.int32) only if the values are ids.")
-    if max_len is not None and shape[1] > max_len:
-        raise ValueError(f"{name} has length {shape[1]} > max_len={max_len}: truncate the "
-                         f"sequence or build the model with a larger max_len.")
-    if _is_traced(tokens) or tokens.size == 0:
-        return
-    values = np.asarray(tokens)
-    low, high = int(values.min()), int(values.max())
-    if low < 0 or high >= vocab_size:
-        bad = values[(values < 0) | (values >= vocab_size)]
-        raise ValueError(f"{name} holds token ids outside [0, {vocab_size}): e.g. {bad[:5].tolist()} "
-                         f"(min {low}, max {high}). Check that the tokenizer and the model config "
-                         f"use the same vocabulary.")
-
-
-def check_same_batch(src, tgt) -> None:
-    """Raises ``ValueError`` when ``src`` and ``tgt`` differ in batch size."""
-    if src.shape[0] != tgt.shape[0]:
-        raise ValueError(f"src and tgt must have the same batch size, got src {src.shape} "
-                         f"and tgt {tgt.shape}.")
+    problem = token_id_problem(tokens, name=name, vocab_size=vocab_size, max_len=max_len)
+    if problem:
+        raise ValueError(problem + ".")
 
 
 def check_special_ids(*, pad_id: int, bos_id: int, eos_id: int, unk_id: int | None = None,
                       source: str = "the tokenizer") -> None:
-    """Refuses special ids that collide with the padding id.
-
-    Padding is masked out of attention and of the loss, so an eos (or bos/unk) that
-    shares the pad id is never learnt and eos can never be generated; decoding then
-    runs to the length limit. Sentencepiece allows such models (``--pad_id`` defaults
-    to −1 = off, and some exports set pad = eos).
+    """Refuses special ids that collide with the padding id, which is masked out of the
+    loss (an eos sharing it is never learnt; sentencepiece allows such models).
 
     Raises:
       ValueError: pad equals eos, bos or unk; the message names them and the fix.
@@ -106,10 +74,9 @@ def check_special_ids(*, pad_id: int, bos_id: int, eos_id: int, unk_id: int | No
 
 
 class DataPositionError(ValueError):
-    """A checkpoint's data position cannot be continued: readable, but not the streaming
-    pipeline's (a checkpoint of a jaxformer from before streamed data, or a damaged or
-    edited file), or saved by processes whose positions cannot be joined
-    (:mod:`jaxformer.run.positions`)."""
+    """A checkpoint's data position cannot be continued: not the streaming pipeline's
+    (an old, damaged or edited file), or saved by processes whose positions cannot be
+    joined (:mod:`jaxformer.run.positions`)."""
 
 
 def _scalar(value: Any) -> Any:
@@ -123,37 +90,35 @@ def _scalar(value: Any) -> Any:
 
 
 def check_count(name: str, value: Any, *, minimum: int = 1, maximum: int | None = None) -> int:
-    """``value`` as an ``int`` in ``[minimum, maximum]`` (a Python or NumPy integer, or a
-    0-d integer array; a ``bool`` or a float such as ``2.0`` is refused: a size that is
-    not an integer is a mistake, and would otherwise fail inside ``jit`` with a shape error).
+    """``value`` (a Python or NumPy integer or a 0-d integer array; not a ``bool`` nor a
+    float such as ``2.0``, which would fail inside ``jit``) as an ``int`` in ``[minimum, maximum]``.
 
     Raises:
       ValueError: naming ``name``, the value and the fix.
     """
     value = _scalar(value)
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be an integer, got {value!r} ({type(value).__name__}); "
-                         f"pass e.g. {name}={max(minimum, 1)}.")
-    if value < minimum:
-        raise ValueError(f"{name} must be at least {minimum}, got {value}.")
-    if maximum is not None and value > maximum:
-        raise ValueError(f"{name} must be at most {maximum}, got {value}.")
-    return int(value)
+        problem = f"an integer, got {value!r} ({type(value).__name__}); pass e.g. {name}={max(minimum, 1)}"
+    elif value < minimum or (maximum is not None and value > maximum):
+        problem = f"at least {minimum}, got {value}" if value < minimum else f"at most {maximum}, got {value}"
+    else:
+        return int(value)
+    raise ValueError(f"{name} must be {problem}.")
 
 
 def check_real(name: str, value: Any, *, minimum: float | None = None, above: float | None = None) -> float:
-    """``value`` as a finite ``float`` (≥ ``minimum`` / > ``above`` when given; a 0-d
-    array is taken as its scalar); NaN and infinities are refused, as they compare False
-    with every bound.
+    """``value`` (a number or a 0-d array) as a finite ``float``, ≥ ``minimum`` / > ``above``.
 
     Raises:
       ValueError: naming ``name`` and the value.
     """
     value = _scalar(value)
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}.")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be at least {minimum}, got {value}.")
-    if above is not None and not value > above:
-        raise ValueError(f"{name} must be greater than {above}, got {value}.")
-    return float(value)
+        problem = f"a finite number, got {value!r}"
+    elif minimum is not None and value < minimum:
+        problem = f"at least {minimum}, got {value}"
+    elif above is not None and not value > above:
+        problem = f"greater than {above}, got {value}"
+    else:
+        return float(value)
+    raise ValueError(f"{name} must be {problem}.")

@@ -1,19 +1,12 @@
-"""Orbax checkpoints of a run: the train state, the data iterator, and the best params.
+"""Orbax checkpoints of a run: ``checkpoints/<step>/{state,data}`` (the last N train states
+and data positions), ``best/<step>/params`` (the best dev BLEU's), ``averaged/<step>/params``.
+Everything is data (arrays, JSON); no pickle.
 
-Layout under ``<workdir>``: ``checkpoints/<step>/{state,data}`` keeps the last N
-steps (train state + grain iterator state); ``best/<step>/params`` keeps the
-parameters with the best dev BLEU. Everything is data (arrays, JSON); no pickle.
-
-Crash safety comes from orbax: a step is written under a temporary name and renamed
-into place only when complete, so a process killed mid-save (even by SIGKILL)
-leaves at most a ``<step>.orbax-checkpoint-tmp*`` folder, which is ignored and
-cleaned up on the next start. A step that is complete but unreadable (a corrupted
-or truncated file) is reported, moved to ``<workdir>/corrupt/`` and the previous
-step is used (:meth:`RunCheckpoints.restore_latest`).
-
-A checkpoint saved with unrolled layers restores into a model with scanned layers
-and back (``TransformerConfig.scan_layers``): it is read in the layout it was saved in
-and converted (:mod:`jaxformer.model.scan`), then placed with the target's shardings.
+Orbax writes a step under a temporary name and renames it when complete, so a process
+killed mid-save leaves at most a ``<step>.orbax-checkpoint-tmp*`` folder, ignored and
+cleaned up on the next start. A complete but unreadable step is reported, moved to
+``corrupt/`` and the previous one used (:meth:`RunCheckpoints.restore_latest`). Parameters
+saved with unrolled layers restore into scanned ones and back (:mod:`jaxformer.model.scan`).
 """
 
 from __future__ import annotations
@@ -51,13 +44,9 @@ def _first_line(error: BaseException) -> str:
 
 
 def _ignore_stray_read_callbacks() -> None:
-    """When a restore fails, tensorstore still completes the other reads it had in
-    flight and calls back into orbax's event loop, which is closed by then; each call
-    would print a "RuntimeError: Event loop is closed" traceback, and each of orbax's
-    read coroutines that failed after the restore gave up prints its own ("Exception
-    ignored in: <coroutine ... _read_array_index_and_device_put>"). Those (and only those)
-    are dropped; every other unraisable exception reaches the previous hook. Installed
-    before restores that may meet an unreadable checkpoint."""
+    """Drops the unraisable exceptions of a failed restore, and only those: tensorstore's
+    reads still in flight call back into orbax's closed event loop ("Event loop is
+    closed") and orbax's failed read coroutines print their own traceback."""
     previous = sys.unraisablehook
     if getattr(previous, "_jaxformer_filter", False):
         return
@@ -80,25 +69,16 @@ def _stderr(message: str) -> None:
 
 
 class _CheckpointManager(ocp.CheckpointManager):
-    """An orbax ``CheckpointManager`` that leaves JAX's preemption sync point alone.
-
-    The trainer owns the multi-process preemption protocol
-    (:class:`jaxformer.train.preemption.PreemptionGuard` asks
-    ``multihost_utils.reached_preemption_sync_point`` once per step). Orbax would also
-    report the step of each save to it, from ``save`` and from its background
-    finalize thread, which by then lags the training loop: a stale step reported
-    there can make the processes pick different stop steps and wait on each other
-    forever. The trainer saves explicitly when preempted, so orbax needs no signal.
-    """
+    """An orbax ``CheckpointManager`` that leaves JAX's preemption sync point to the trainer
+    (:class:`jaxformer.train.preemption.PreemptionGuard`): orbax's finalize thread would
+    report stale steps to it, and processes could then pick different stop steps."""
 
     def reached_preemption(self, step: int) -> bool:
         return False
 
     def close(self) -> None:
-        """Waits for the removal of leftover temporary checkpoints, then closes. Orbax starts
-        it in a thread when the manager opens and only a save waits for it: a manager
-        closed before any save (a setup that fails its data checks) would leave that
-        thread running into interpreter shutdown, and a traceback at exit."""
+        """Waits for orbax's removal of leftover temporary checkpoints (a thread only a save
+        waits for; at interpreter shutdown it prints a traceback), then closes."""
         await_cleanup = getattr(self, "_maybe_await_cleanup_tmp_directory", None)   # orbax 0.12
         if await_cleanup is not None:
             await_cleanup()
@@ -109,12 +89,8 @@ class RunCheckpoints:
     """The two checkpoint managers of a run directory."""
 
     def __init__(self, workdir: str | Path, keep: int = 3, read_only: bool = False):
-        """Opens (creates unless ``read_only``) ``workdir/checkpoints`` and ``workdir/best``.
-
-        The trainer cleans up half-written steps left by a killed process; a reader
-        (``read_only=True``, e.g. the translate CLI beside a running trainer) never
-        touches the folders.
-        """
+        """Opens (creates unless ``read_only``) ``workdir/checkpoints`` and ``workdir/best``; a
+        reader (``read_only``: the translate CLI beside a running trainer) never touches them."""
         self.workdir = workdir = Path(workdir).absolute()
         self.saved_best_step: int | None = None   # the best step save_best wrote, if any
         # (Not orbax's own read_only option: it logs warnings on every open.)
@@ -140,16 +116,12 @@ class RunCheckpoints:
 
     def restore(self, step: int, abstract_state: Any, data_iterator: Any,
                 report: Callable[[str], None] = _stderr, same_rows: bool = True) -> Any:
-        """Restores the state into ``abstract_state``'s structure and the iterator in place.
-
-        A step saved by another number of processes continues from the one position
-        they all saved (:mod:`jaxformer.run.positions`) when ``same_rows`` (the caller
-        checked that the batches keep their rows); ``report`` says so.
+        """Restores the state into ``abstract_state``'s structure and the iterator in place; a
+        step of another process count continues from their one position when ``same_rows``
+        (:mod:`jaxformer.run.positions`).
 
         Raises:
-          DataPositionError: the step's data positions cannot be continued: not a
-            position, or saved by another number of processes whose files are missing
-            or disagree, or without ``same_rows``.
+          DataPositionError: the step's data positions cannot be continued.
         """
         import grain
 
@@ -173,13 +145,8 @@ class RunCheckpoints:
     def restore_latest(self, abstract_state: Any, data_iterator: Any,
                        report: Callable[[str], None] = _stderr, same_rows: bool = True
                        ) -> tuple[Any, int] | None:
-        """Restores the newest readable step; unreadable newer steps are set aside.
-
-        Each step, newest first, is restored into ``abstract_state``'s structure (and
-        the iterator's position). A step that fails to read is reported; once an
-        older step restores, the unreadable newer ones are moved to
-        ``<workdir>/corrupt/<step>-<time>`` (kept, never deleted) so training can
-        write those steps again. ``same_rows``: as :meth:`restore`.
+        """Restores the newest readable step (as :meth:`restore`); unreadable newer ones are
+        reported and, once an older one restores, moved to ``corrupt/<step>-<time>``.
 
         Returns:
           ``(state, step)``, or ``None`` when the run has no checkpoint yet.
@@ -239,60 +206,8 @@ class RunCheckpoints:
     def best_bleu(self) -> float | None:
         """Dev BLEU of the best checkpoint, as recorded with it (``None`` if none)."""
         step = self.best.best_step()
-        if step is None:
-            return None
-        metrics = self.best.metrics(step)
-        return None if not metrics else float(metrics["bleu"])
-
-    def restore_params(self, abstract_params: Any, report: Callable[[str], None] = _stderr
-                       ) -> tuple[Any, int, str]:
-        """Parameters to translate with: the best by dev BLEU, else the newest readable
-        training checkpoint's (an unreadable one is reported and skipped).
-
-        Only the parameters are read (a partial restore), so the optimizer the run
-        used does not matter.
-
-        Args:
-          abstract_params: the parameters' structure (``jax.eval_shape`` of them).
-
-        Returns:
-          ``(params, step, "best" | "latest")``.
-
-        Raises:
-          FileNotFoundError: the run directory has no checkpoint.
-          CheckpointError: it has checkpoints, but none is readable.
-          CheckpointMismatchError: a checkpoint holds other parameters than the model's.
-        """
-        _ignore_stray_read_callbacks()
-        step = self.best.best_step()
-        if step is not None:
-            try:
-                return self._best_params(step, abstract_params), step, "best"
-            except CheckpointMismatchError:
-                raise   # not a damaged file: the config is not the checkpoint's
-            except Exception as error:  # fall back to the training checkpoints
-                report(f"best checkpoint step {step} is unreadable ({_first_line(error)}); "
-                       f"using the latest training checkpoint")
-        failures = []
-        for step in sorted(self.latest.all_steps(), reverse=True):
-            try:
-                return self.params_at(step, abstract_params), step, "latest"
-            except CheckpointMismatchError:
-                raise
-            except Exception as error:
-                failures.append(f"step {step}: {_first_line(error)}")
-                report(f"checkpoint step {step} is unreadable ({failures[-1]})")
-        if failures:
-            raise CheckpointError(f"No readable checkpoint in {self.workdir} ({'; '.join(failures)}).")
-        raise FileNotFoundError(f"No checkpoint in {self.workdir} (best/ and checkpoints/ hold no "
-                                f"step); train it first.")
-
-    def _best_params(self, step: int, abstract_params: Any) -> Any:
-        saved = saved_params(self.best.directory / str(step) / "params", None)
-        check_params_match(saved, scan.to_layout(abstract_params, bool(scan.layout_of(saved))),
-                           f"best checkpoint step {step}")
-        return in_layout(saved, abstract_params, lambda target: self.best.restore(
-            step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target))).params)
+        metrics = None if step is None else self.best.metrics(step)
+        return float(metrics["bleu"]) if metrics else None
 
     def steps(self) -> list[int]:
         """The training checkpoints on disk, oldest first."""
@@ -300,25 +215,42 @@ class RunCheckpoints:
 
     def params_at(self, step: int, abstract_params: Any) -> Any:
         """Only the parameters of training checkpoint ``step`` (a partial restore: the
-        optimizer state is not read)."""
-        # A checkpointer of its own: this process's manager may already have bound the
-        # "state" item to the (whole-state) StandardCheckpointHandler by saving it.
-        path = self.latest.directory / str(step) / "state"
-        saved = saved_params(path, "params")
+        optimizer state is not read).
+
+        Raises:
+          CheckpointMismatchError: they are not ``abstract_params``' names and shapes.
+        """
+        saved = self._saved("step", step)
         check_params_match(saved, scan.to_layout(abstract_params, bool(scan.layout_of(saved))),
                            f"checkpoint step {step}")
+        return self._restore("step", step, saved, abstract_params)
+
+    def _item(self, kind: str, step: int) -> tuple[Path, str | None]:
+        """Where checkpoint ``kind`` (best, averaged, else a training step) keeps its parameters:
+        the item folder, and their key in it (``None``: the whole item)."""
+        if kind in ("best", "averaged"):
+            return self.workdir / kind / str(step) / "params", None
+        return self.latest.directory / str(step) / "state", "params"
+
+    def _saved(self, kind: str, step: int) -> Any:
+        return saved_params(*self._item(kind, step))
+
+    def _restore(self, kind: str, step: int, saved: Any, abstract_params: Any) -> Any:
+        """The parameters, read in the layer layout they were saved in (``saved``: their
+        metadata) and laid out as ``abstract_params``."""
+        path, key = self._item(kind, step)
 
         def restore(params):
-            target = {"params": params}
+            target = params if key is None else {key: params}
             with ocp.PyTreeCheckpointer() as checkpointer:
-                return checkpointer.restore(path, args=ocp.args.PyTreeRestore(
-                    item=target, partial_restore=True,
-                    restore_args=ocp.checkpoint_utils.construct_restore_args(target)))["params"]
+                out = checkpointer.restore(path, args=ocp.args.PyTreeRestore(
+                    item=target, partial_restore=key is not None,
+                    restore_args=ocp.checkpoint_utils.construct_restore_args(target)))
+            return out if key is None else out[key]
 
         return in_layout(saved, abstract_params, restore)
 
     def _averaged(self) -> ocp.CheckpointManager:
-        # Opened on use: most runs never write one, and a reader must not create the folder.
         return _CheckpointManager(self.workdir / "averaged", item_names=("params",),
                                   options=ocp.CheckpointManagerOptions(max_to_keep=1,
                                                                        enable_async_checkpointing=False))
@@ -326,7 +258,7 @@ class RunCheckpoints:
     def save_averaged(self, step: int, params: Any, info: dict[str, Any]) -> None:
         """Saves averaged parameters as ``averaged/<step>`` (the newest averaged step)
         with ``info`` (JSON: the averaged steps, the dev BLEU) as its metrics."""
-        manager = self._averaged()
+        manager = self._averaged()   # opened on use: most runs never write one
         try:
             for old in manager.all_steps():
                 manager.delete(old)
@@ -336,43 +268,59 @@ class RunCheckpoints:
         finally:
             manager.close()
 
-    def restore_params_from(self, which: str | int, abstract_params: Any,
-                            report: Callable[[str], None] = _stderr) -> tuple[Any, int, str]:
-        """Parameters of one named checkpoint: ``"auto"`` (:meth:`restore_params`: best,
-        else latest), ``"best"``, ``"latest"``, ``"averaged"`` or a training step.
+    def restore_params(self, abstract_params: Any, which: str | int = "auto",
+                       report: Callable[[str], None] = _stderr) -> tuple[Any, int, str]:
+        """The parameters of one checkpoint, only they read (the run's optimizer does not
+        matter): ``which`` is ``"auto"`` (the best by dev BLEU, else the newest readable
+        training checkpoint; an unreadable one is reported and the next tried), ``"best"``,
+        ``"latest"``, ``"averaged"`` or a training step.
+
+        Args:
+          abstract_params: the parameters' structure (``jax.eval_shape`` of them).
 
         Returns:
-          ``(params, step, kind)``.
+          ``(params, step, kind)``, kind one of best, latest, averaged, step.
 
         Raises:
-          FileNotFoundError: that checkpoint does not exist; the message lists what does.
+          FileNotFoundError: no such checkpoint; the message lists what the run has.
+          CheckpointError: there is one, but it (or, for ``"auto"``, none) is readable.
+          CheckpointMismatchError: a checkpoint holds other parameters than the model's.
         """
-        if which == "auto":
-            return self.restore_params(abstract_params, report)
-        steps = self.steps()
-        available = (f"training steps {steps}" if steps else "no training checkpoints") + (
-            ", best" if self.best.best_step() is not None else "") + (
-            ", averaged" if (self.workdir / "averaged").is_dir() else "")
-        if which == "best" and self.best.best_step() is not None:
-            step = self.best.best_step()
-            return self._best_params(step, abstract_params), step, "best"
-        if which == "latest" and steps:
-            return self.params_at(steps[-1], abstract_params), steps[-1], "latest"
-        if which == "averaged" and (self.workdir / "averaged").is_dir():
-            manager = self._averaged()
+        _ignore_stray_read_callbacks()
+        steps, best = self.steps(), self.best.best_step()
+        averaged = sorted(int(p.name) for p in (self.workdir / "averaged").glob("*") if p.name.isdigit())
+        candidates = {"auto": [("best", best)] * (best is not None) + [("latest", s) for s in steps[::-1]],
+                      "best": [("best", best)] * (best is not None),
+                      "latest": [("latest", s) for s in steps[-1:]],
+                      "averaged": [("averaged", s) for s in averaged[-1:]]}.get(
+            which, [("step", which)] * (which in steps))
+        failures, mismatch = [], None
+        for kind, step in candidates:
+            name = f"{'best checkpoint' if kind == 'best' else 'checkpoint'} step {step}"
             try:
-                step = manager.latest_step()
-                if step is not None:
-                    saved = saved_params(manager.directory / str(step) / "params", None)
-                    params = in_layout(saved, abstract_params, lambda target: manager.restore(
-                        step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target))).params)
-                    return params, step, "averaged"
-            finally:
-                manager.close()
-        if isinstance(which, int) and which in steps:
-            return self.params_at(which, abstract_params), which, "step"
-        what = f"checkpoint of step {which}" if isinstance(which, int) else f"{which!r} checkpoint"
-        raise FileNotFoundError(f"No {what} in {self.workdir}; it has {available}.")
+                saved = self._saved(kind, step)
+                check_params_match(saved, scan.to_layout(abstract_params, bool(scan.layout_of(saved))), name)
+                return self._restore(kind, step, saved, abstract_params), step, kind
+            except Exception as error:  # any failure to read means this checkpoint is unusable
+                if isinstance(error, CheckpointMismatchError):   # not damage: the config is not the run's
+                    mismatch = error
+                    break
+                failures.append(f"step {step}: {_first_line(error)}")
+                fallback = kind == "best" and which == "auto"
+                report(f"{name} is unreadable ({_first_line(error)})"
+                       + ("; using the latest training checkpoint" if fallback else ""))
+        what = ("checkpoint" if which == "auto" else f"checkpoint of step {which}" if isinstance(which, int)
+                else f"{which!r} checkpoint")
+        available = (f"training steps {steps}" if steps else "no training checkpoints") + (
+            ", best" if best is not None else "") + (", averaged" if averaged else "")
+        raise mismatch or (
+            CheckpointError(f"No readable {what} in {self.workdir} ({'; '.join(failures)}).") if failures
+            else FileNotFoundError(f"No {what} in {self.workdir}; it has {available}."))
+
+    def restore_params_from(self, which: str | int, abstract_params: Any,
+                            report: Callable[[str], None] = _stderr) -> tuple[Any, int, str]:
+        """:meth:`restore_params` of checkpoint ``which``."""
+        return self.restore_params(abstract_params, which, report)
 
     def wait(self) -> None:
         self.latest.wait_until_finished()

@@ -1,200 +1,326 @@
-"""The run (training) configuration and its command line, both from one typed dataclass."""
+"""The run configuration: five frozen sections under :class:`TrainConfig`, the one schema
+of ``jaxformer-train``'s flags, its ``--config`` files, a run's ``config.json`` and their checks.
+
+Each field is one flag named after it (``batch_tokens`` is ``--batch-tokens``); the names
+are unique across the sections, so flags, files and records stay flat. A field's comment
+is its ``--help`` (tyro reads it), its type is its check: ``Literal`` choices, an
+``annotated_types`` bound (``Ge``, ``Gt``, ``Interval``) for its range, and
+:func:`check_fields` holds every section to them. Cross-field rules are in
+:meth:`TrainConfig.__post_init__`; model fields left ``None`` come from the preset
+(:data:`jaxformer.model.config.PRESETS`) or, fine-tuning, from the loaded run.
+"""
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
-import functools
 import json
 import math
-import numbers
+import operator
 import types
 import typing
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
+
+import tyro
+from annotated_types import Ge, Gt, Interval
+from sacrebleu.metrics.bleu import BLEU
+
+from jaxformer.model.config import _FLOAT_DTYPES, ATTENTION_BACKENDS, PRESETS
 
 PAIRS = ("en-de", "en-fr", "en-zh")   # the shipped corpora (jaxformer/corpora/), --pair
 SCHEDULES = ("inverse_sqrt", "wsd")   # --lr-schedule (jaxformer.train.optimizer.make_schedule)
+Finite = Interval(gt=-math.inf, lt=math.inf)
+Positive = Interval(gt=0, lt=math.inf)
+Flag = tyro.conf.DisallowNone   # a bool | None field: --flag / --no-flag, None = left to the model
+
+
+def shown(words: str):
+    """The help's default in words (``(default: the preset's)``) while the default is ``None``."""
+    return tyro.conf.arg(help_behavior_hint=lambda label: f"(default: {words if label == 'None' else label})")
+
+
+_BOUNDS = {"gt": (operator.gt, ">"), "ge": (operator.ge, "at least"), "lt": (operator.lt, "<"),
+           "le": (operator.le, "at most")}
+_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+
+
+CHECKING = contextvars.ContextVar("CHECKING", default=True)   # off while tyro builds a config
+
+
+def check_fields(section) -> None:
+    """Holds each field of a section to its declared type (an int is a float, a bool is no
+    int), ``Literal`` choices and ``annotated_types`` bounds.
+
+    Raises:
+      ValueError: one message naming every wrong field as its flag and what it must be.
+    """
+    if not CHECKING.get():
+        return
+    problems = []
+    for name, hint in typing.get_type_hints(type(section), include_extras=True).items():
+        value = getattr(section, name)
+        base, *marks = typing.get_args(hint) if typing.get_origin(hint) is Annotated else (hint,)
+        union = typing.get_origin(base) in (typing.Union, types.UnionType)
+        options = typing.get_args(base) if union else (base,)
+        kinds = [k for k in options if k is not type(None)]
+        need = None
+        if value is None and len(kinds) < len(options):   # None: left to the default's owner
+            continue
+        if typing.get_origin(kinds[0]) is Literal:
+            choices = typing.get_args(kinds[0])
+            need = None if value in choices else f"one of {', '.join(map(str, choices))}"
+        elif isinstance(value, bool) != (kinds[0] is bool) or not isinstance(
+                value, (int, float) if kinds[0] is float else typing.get_origin(kinds[0]) or kinds[0]):
+            need = _NAMES.get(kinds[0], str(kinds[0]))
+        else:
+            bounds = [(op, getattr(m, op)) for m in marks for op in _BOUNDS
+                      if getattr(m, op, None) is not None]
+            if not all(_BOUNDS[op][0](value, bound) for op, bound in bounds):
+                need = "a positive finite number" if bounds == [("gt", 0), ("lt", math.inf)] else \
+                    " and ".join("finite" if math.isinf(bound) else f"{_BOUNDS[op][1]} {bound}"
+                                 for op, bound in bounds if not (math.isinf(bound) and op == "gt"))
+        if need:
+            problems.append(f"--{name.replace('_', '-')} must be {need}, got {value!r}")
+    if problems:
+        raise ValueError("; ".join(problems) + ".")
+
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class TrainConfig:
-    """Everything about a run that is not the architecture.
+class ModelOverrides:
+    """The architecture: a preset, and single fields that override it."""
 
-    Model fields left ``None`` come from the preset (:data:`jaxformer.model.config.PRESETS`).
-    """
-
-    # Where and what.
-    workdir: str | None = None         # default: derived from the data (runs/en-de, runs/<file>, ...)
-    pair: str = "en-de"
-    train_file: str | None = None      # source<TAB>target lines (.tsv or .tsv.gz)
-    src_file: str | None = None        # or two aligned text files
-    tgt_file: str | None = None
-    dev_file: str | None = None        # optional explicit dev/test TSV files
-    test_file: str | None = None
-    init_from: str | None = None       # fine-tune: architecture, tokenizer and weights of this run
-    # Model.
-    preset: str = "small"
-    d_model: int | None = None
-    num_heads: int | None = None
-    d_ff: int | None = None
-    num_layers: int | None = None      # encoder and decoder layers alike
-    dropout_rate: float | None = None
-    max_len: int | None = None
-    norm_position: str | None = None
-    dtype: str | None = None          # compute dtype; bfloat16 on GPU/TPU (params stay float32)
-    attention_backend: str | None = None   # reference | xla | cudnn (jax.nn.dot_product_attention)
-    remat: bool | None = None          # recompute layer activations in the backward pass
-    scan_layers: bool | None = None    # each stack's layers as one nn.scan (compile time flat in depth)
-    vocab_size: int = 8000
-    max_train_len: int | None = None  # drop (and count) longer training pairs; default max_len
-    # Optimisation (§5.3, §5.4).
-    batch_tokens: int = 2048           # padded tokens per batch (rows × bucket length)
-    pack: bool = True                  # pack pairs into rows of max_train_len (one compile,
-                                       # ~8% padding); --no-pack = length buckets (~35%)
-    max_steps: int = 100_000
-    max_minutes: float | None = None   # wall-clock budget of the training loop
-    warmup_steps: int = 4000
-    lr_schedule: str = "inverse_sqrt"  # the paper's (§5.3), or wsd: warm-up, stable, decay to 0
-    decay_fraction: float = 0.2        # wsd: the last fraction of --max-steps decays linearly
-    lr_scale: float = 1.0
-    label_smoothing: float = 0.1
-    grad_clip: float | None = None
-    grad_accum_steps: int = 1          # micro-batches per update (batch_tokens is per update)
-    # Scaling out (README, "Scaling out").
-    mesh: str | None = None            # e.g. "data=4,model=2" or "fsdp=8"; default: every device on data
-    devices: int | None = None         # single-process runs: train on the first N devices only
-    distributed: bool = False          # jax.distributed.initialize() with cluster auto-detection
-    coordinator_address: str | None = None   # host:port of process 0 (multi-process runs)
-    num_processes: int | None = None
-    process_id: int | None = None
-    seed: int = 0
-    # Evaluation, logging, checkpoints.
-    eval_every: int = 1000
-    dev_bleu_sentences: int = 300      # dev sentences decoded at each periodic eval
-    eval_batch_size: int = 64
-    beam_size: int = 4                 # dev/test BLEU decoding; 1 = greedy
-    alpha: float = 0.6                 # GNMT length penalty (§6.1)
-    no_repeat_ngram_size: int = 0      # decoding: ban repeating an n-gram (0 = off; fairseq's flag)
-    repetition_penalty: float = 1.0    # decoding: CTRL's penalty on generated tokens (1 = off)
-    log_every: int = 50
-    checkpoint_every: int = 1000
-    keep_checkpoints: int = 3
-    num_samples: int = 5               # dev sentences written to samples.txt per eval
-    progress: bool = True
-    # Data preparation (jaxformer.data.prepare) and streaming (jaxformer.data.streaming).
-    max_length_ratio: float = 9.0      # drop pairs whose id counts differ more (Moses clean-corpus-n)
-    bt_file: str | None = None         # back-translated pairs (TSV), tagged (jaxformer.data.back_translation)
-    bt_ratio: float | None = None      # synthetic pairs per real training pair; default: each once
-    data_workers: int | None = None    # grain worker processes collating batches; default: 0 on
-                                       # CPU (they would share its cores), 2 on GPU/TPU
-    # Scoring, early stopping, checkpoint averaging (issue 14).
-    tgt_lang: str | None = None        # target language code for scoring; default: the corpus's
-    sacrebleu_tokenize: str | None = None   # default: chosen by sacrebleu from the target language
-    patience: int | None = None        # stop after this many evaluations without a better dev BLEU
-    average_last: int | None = None    # average the last N checkpoints' params at the end (§6.1)
+    preset: Literal[tuple(PRESETS)] = "small"   # model size; the model flags below override single fields
+    d_model: Annotated[int | None, Ge(1), shown("the preset's")] = None   # model width D
+    num_heads: Annotated[int | None, Ge(1), shown("the preset's")] = None   # heads H; divides --d-model
+    d_ff: Annotated[int | None, Ge(1), shown("the preset's")] = None   # feed-forward hidden width F
+    num_layers: Annotated[int | None, Ge(1), shown("the preset's")] = None   # encoder and decoder layers each
+    dropout_rate: Annotated[float | None, shown("the preset's")] = None   # residual and embedding dropout
+    max_len: Annotated[int | None, Ge(1), shown("the preset's")] = None   # longest sequence in tokens
+    # post = the paper's LayerNorm after the residual, pre = before
+    norm_position: Annotated[Literal["post", "pre"] | None, shown("the preset's")] = None
+    # compute dtype; parameters stay float32
+    dtype: Annotated[Literal[_FLOAT_DTYPES] | None, shown("float32")] = None
+    # reference (can return weights), xla (any device), cudnn (NVIDIA GPUs), pallas (TPU splash)
+    attention_backend: Annotated[Literal[ATTENTION_BACKENDS] | None, shown("the preset's")] = None
+    remat: Annotated[bool | None, Flag] = None   # recompute activations in the backward pass
+    # each stack's layers as one scanned body: compile time stops growing with depth
+    scan_layers: Annotated[bool | None, Flag] = None
 
     def __post_init__(self):
-        """Rejects values that would crash later or silently do something else.
+        check_fields(self)
 
-        Raises:
-          ValueError: naming the flag and what it needs (a value of the wrong type too,
-            e.g. ``max_steps="20"``, which would fail later as a comparison of str and int).
-        """
-        wrong = _wrong_types(self)
-        if wrong:
-            raise ValueError("; ".join(wrong) + ".")
-        at_least_one = ("vocab_size", "batch_tokens", "max_steps", "warmup_steps", "grad_accum_steps",
-                        "eval_every", "dev_bleu_sentences", "eval_batch_size", "beam_size", "log_every",
-                        "checkpoint_every", "keep_checkpoints")
-        problems = [f"--{n.replace('_', '-')} must be at least 1, got {getattr(self, n)}"
-                    for n in at_least_one if getattr(self, n) < 1]
-        for name in ("max_minutes", "lr_scale", "grad_clip"):
-            value = getattr(self, name)
-            if value is not None and not (value > 0 and math.isfinite(value)):
-                problems.append(f"--{name.replace('_', '-')} must be a positive finite number, got {value}")
-        if not 0.0 < self.decay_fraction <= 1.0:
-            problems.append(f"--decay-fraction must be in (0, 1], got {self.decay_fraction}")
-        if not 0.0 <= self.label_smoothing < 1.0:
-            problems.append(f"--label-smoothing must be in [0, 1), got {self.label_smoothing}")
-        if self.devices is not None and self.devices < 1:
-            problems.append(f"--devices must be at least 1, got {self.devices}")
-        if self.no_repeat_ngram_size < 0:
-            problems.append(f"--no-repeat-ngram-size must be at least 0 (0 = off), "
-                            f"got {self.no_repeat_ngram_size}")
-        if not self.repetition_penalty > 0:
-            problems.append(f"--repetition-penalty must be positive (1 = off), got {self.repetition_penalty}")
-        if self.num_samples < 0:
-            problems.append(f"--num-samples must be at least 0, got {self.num_samples}")
-        if self.patience is not None and self.patience < 1:
-            problems.append(f"--patience must be at least 1, got {self.patience}")
-        if self.average_last is not None and not 2 <= self.average_last <= self.keep_checkpoints:
-            problems.append(f"--average-last must be in [2, --keep-checkpoints={self.keep_checkpoints}] "
-                            f"(only kept checkpoints can be averaged), got {self.average_last}")
-        for name in ("d_model", "num_heads", "d_ff", "num_layers", "max_len"):   # named as the flag
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                problems.append(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        if self.max_train_len is not None and self.max_train_len < 2:
-            problems.append(f"--max-train-len must be at least 2, got {self.max_train_len}")
-        if self.data_workers is not None and self.data_workers < 0:
-            problems.append(f"--data-workers must be at least 0, got {self.data_workers}")
-        if self.bt_ratio is not None and not (0 < self.bt_ratio < float("inf") and self.bt_file):
-            problems.append(f"--bt-ratio needs --bt-file and a positive finite value, got {self.bt_ratio}")
-        if not 0 <= self.seed < 2**32:   # numpy's and JAX's seeds; larger ones overflow deep inside
-            problems.append(f"--seed must be in [0, 2**32), got {self.seed}")
-        if not math.isfinite(self.alpha):
-            problems.append(f"--alpha must be a finite number, got {self.alpha}")
-        if self.workdir is not None and not str(self.workdir).strip():   # "" would be the current folder
-            problems.append("--workdir must name a folder, got an empty value (an unset variable?)")
-        if not self.max_length_ratio >= 1:
-            problems.append(f"--max-length-ratio must be at least 1, got {self.max_length_ratio}")
-        for name, allowed in _choices().items():   # None: the preset's (or sacrebleu's) choice
-            if getattr(self, name) is not None and getattr(self, name) not in allowed:
-                problems.append(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}, "
-                                f"got {getattr(self, name)!r}")
-        if self.mesh is not None:
-            from jaxformer.model.sharding import parse_mesh_axes
-
-            try:
-                parse_mesh_axes(self.mesh)
-            except ValueError as e:
-                problems.append(str(e).rstrip("."))
-        if problems:
-            raise ValueError("; ".join(problems) + ".")
-        if self.workdir is None:   # one run directory per data set: --pair en-fr never resumes en-de
-            object.__setattr__(self, "workdir", default_workdir(self))
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def row_length(self, max_len: int) -> int:
-        """Positions of a training row: ``--max-train-len``, never past the model's ``max_len``."""
-        return min(self.max_train_len or max_len, max_len)
-
-    def model_overrides(self) -> dict[str, Any]:
-        """The model fields set on the command line."""
-        names = ("d_model", "num_heads", "d_ff", "dropout_rate", "max_len", "norm_position", "dtype",
-                 "attention_backend", "remat", "scan_layers")
-        out = {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+    def overrides(self) -> dict[str, Any]:
+        """The :class:`~jaxformer.model.config.TransformerConfig` fields set here."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+               if f.name not in ("preset", "num_layers") and getattr(self, f.name) is not None}
         if self.num_layers is not None:
             out.update(num_encoder_layers=self.num_layers, num_decoder_layers=self.num_layers)
         return out
 
 
-def default_workdir(cfg: TrainConfig) -> str:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """The corpus and its tokenizer (all that jaxformer-prepare needs)."""
+
+    pair: Literal[PAIRS] = "en-de"   # shipped corpus, when no --train-file/--src-file is given
+    train_file: str | None = None   # your corpus: source<TAB>target lines (.tsv or .tsv.gz)
+    src_file: str | None = None   # your corpus as two aligned text files: the source side
+    tgt_file: str | None = None   # your corpus as two aligned text files: the target side
+    dev_file: str | None = None   # explicit dev set (TSV) instead of a split of the corpus
+    test_file: str | None = None   # explicit test set (TSV) instead of a split of the corpus
+    vocab_size: Annotated[int, Ge(1)] = 8000   # sentencepiece vocabulary, shared by source and target
+    # prepare: drop pairs whose token counts differ by more than this factor (Moses clean-corpus-n)
+    max_length_ratio: Annotated[float, Ge(1)] = 9.0
+    bt_file: str | None = None   # back-translated pairs (TSV), their sources tagged <BT>
+    # synthetic pairs per real training pair (needs --bt-file)
+    bt_ratio: Annotated[float | None, shown("each --bt-file pair once")] = None
+
+    def __post_init__(self):
+        check_fields(self)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    """Training batches, optimisation (§5.3, §5.4), the budget and when training stops."""
+
+    # drop (and count) longer training pairs, in tokens
+    max_train_len: Annotated[int | None, Ge(2), shown("--max-len")] = None
+    pack: bool = True   # pack pairs into rows of --max-train-len; --no-pack: length buckets
+    # grain worker processes collating batches
+    data_workers: Annotated[int | None, Ge(0), shown("0 on CPU, 2 on GPU/TPU")] = None
+    batch_tokens: Annotated[int, Ge(1)] = 2048   # padded tokens per update (rows x row length)
+    grad_accum_steps: Annotated[int, Ge(1)] = 1   # micro-batches per update
+    max_steps: Annotated[int, Ge(1)] = 100_000   # stop after this many updates
+    max_minutes: Annotated[float | None, Positive] = None   # stop after this many minutes of wall time
+    warmup_steps: Annotated[int, Ge(1)] = 4000   # linear learning-rate warm-up steps
+    # inverse_sqrt = the paper's (§5.3); wsd = warm-up, peak held, linear decay to 0 at --max-steps
+    lr_schedule: Literal[SCHEDULES] = "inverse_sqrt"
+    decay_fraction: Annotated[float, Interval(gt=0, le=1)] = 0.2   # wsd: the last fraction that decays
+    lr_scale: Annotated[float, Positive] = 1.0   # multiplies the paper's learning-rate schedule
+    label_smoothing: Annotated[float, Interval(ge=0, lt=1)] = 0.1   # label smoothing epsilon (§5.4)
+    grad_clip: Annotated[float | None, Positive, shown("no clipping")] = None   # global gradient norm
+    eval_every: Annotated[int, Ge(1)] = 1000   # evaluate dev loss and BLEU every this many steps
+    # stop after this many evaluations without a better dev BLEU
+    patience: Annotated[int | None, Ge(1), shown("never")] = None
+    # at the end, average the last N checkpoints (§6.1); kept if its dev BLEU is better
+    average_last: int | None = None
+
+    def __post_init__(self):
+        check_fields(self)
+
+    def row_length(self, max_len: int) -> int:
+        """Positions of a training row: ``--max-train-len``, never past the model's ``max_len``."""
+        return min(self.max_train_len or max_len, max_len)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecodeConfig:
+    """How evaluation decodes and scores the dev and test sets."""
+
+    beam_size: Annotated[int, Ge(1)] = 4   # beam width for dev/test BLEU; 1 = greedy
+    alpha: Annotated[float, Finite] = 0.6   # GNMT length-penalty exponent (§6.1)
+    no_repeat_ngram_size: Annotated[int, Ge(0)] = 0   # never repeat an n-gram of this size (0 = off)
+    # divide the scores of generated tokens by this (1 = off; CTRL, HF generate)
+    repetition_penalty: Annotated[float, Gt(0)] = 1.0
+    eval_batch_size: Annotated[int, Ge(1)] = 64   # sentences per decoding batch in evaluation
+    dev_bleu_sentences: Annotated[int, Ge(1)] = 300   # dev sentences decoded for BLEU per evaluation
+    num_samples: Annotated[int, Ge(0)] = 5   # dev translations written to samples.txt per evaluation
+    # target language code that picks the BLEU tokenizer
+    tgt_lang: Annotated[str | None, shown("the corpus's")] = None
+    # sacrebleu tokenizer for BLEU
+    sacrebleu_tokenize: Annotated[Literal[tuple(BLEU.TOKENIZERS)] | None, shown("by target language")] = None
+
+    def __post_init__(self):
+        check_fields(self)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """Where the run lives, the devices it uses, its seed, logs and checkpoints."""
+
+    # run directory: checkpoints, logs, results; an existing run is resumed
+    workdir: Annotated[str | None, shown("runs/<pair or corpus file name>")] = None
+    # fine-tune: start from this run's weights, architecture and tokenizer (fresh optimizer)
+    init_from: str | None = None
+    # device mesh over data, fsdp and model, e.g. data=4,model=2
+    mesh: Annotated[str | None, shown("every device on data")] = None
+    devices: Annotated[int | None, Ge(1), shown("all")] = None   # single-process runs: the first N devices
+    distributed: bool = False   # jax.distributed.initialize() with cluster auto-detection
+    coordinator_address: str | None = None   # host:port of process 0 in a multi-process run
+    num_processes: Annotated[int | None, Ge(1)] = None   # number of processes in a multi-process run
+    process_id: Annotated[int | None, Ge(0)] = None   # this process's index in a multi-process run
+    seed: Annotated[int, Interval(ge=0, lt=2**32)] = 0   # root random seed (init, dropout, data order)
+    log_every: Annotated[int, Ge(1)] = 50   # log loss, tokens/s and learning rate every this many steps
+    checkpoint_every: Annotated[int, Ge(1)] = 1000   # save a checkpoint every this many steps
+    keep_checkpoints: Annotated[int, Ge(1)] = 3   # training checkpoints kept (the newest)
+    progress: bool = True   # a progress bar; --no-progress prints one line per --log-every steps
+
+    def __post_init__(self):
+        check_fields(self)
+
+
+SECTIONS = {"model": ModelOverrides, "data": DataConfig, "train": OptimConfig, "decode": DecodeConfig,
+            "run": RunConfig}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Everything about a run: ``cfg.model``, ``cfg.data``, ``cfg.train``, ``cfg.decode``, ``cfg.run``.
+
+    Build one from flat setting names with :meth:`flat`; :meth:`to_dict` is the flat record
+    a run's ``config.json`` keeps.
+
+    Raises:
+      ValueError: naming each flag whose value breaks its type, choices or range, or a
+        rule between fields, and what it needs.
+    """
+
+    model: ModelOverrides = ModelOverrides()
+    data: DataConfig = DataConfig()
+    train: OptimConfig = OptimConfig()
+    decode: DecodeConfig = DecodeConfig()
+    run: RunConfig = RunConfig()
+
+    def __post_init__(self):
+        if not CHECKING.get():
+            return
+        problems = []
+        average, keep = self.train.average_last, self.run.keep_checkpoints
+        if average is not None and not 2 <= average <= keep:
+            problems.append(f"--average-last must be in [2, --keep-checkpoints={keep}] (only kept "
+                            f"checkpoints can be averaged), got {average}")
+        ratio = self.data.bt_ratio
+        if ratio is not None and not (0 < ratio < math.inf and self.data.bt_file):
+            problems.append(f"--bt-ratio needs --bt-file and a positive finite value, got {ratio}")
+        if self.run.workdir is not None and not self.run.workdir.strip():   # "" would be the current folder
+            problems.append("--workdir must name a folder, got an empty value (an unset variable?)")
+        if self.run.mesh is not None:
+            from jaxformer.model.sharding import parse_mesh_axes
+
+            try:
+                parse_mesh_axes(self.run.mesh)
+            except ValueError as e:
+                problems.append(str(e).rstrip("."))
+        if problems:
+            raise ValueError("; ".join(problems) + ".")
+
+    @classmethod
+    def flat(cls, **settings: Any) -> TrainConfig:
+        """A config from flat setting names (``TrainConfig.flat(preset="tiny", max_steps=10)``),
+        as flags, ``--config`` files and ``config.json`` name them.
+
+        Raises:
+          ValueError: an unknown name, or a value the schema refuses.
+        """
+        unknown = set(settings) - set(SECTION_OF)
+        if unknown:
+            raise ValueError(f"unknown setting(s) {', '.join(map(repr, sorted(unknown)))}; settings are "
+                             f"the flag names without dashes, e.g. batch_tokens (see --help)")
+        parts: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+        for name, value in settings.items():
+            parts[SECTION_OF[name]][name] = value
+        return cls(**{name: SECTIONS[name](**fields) for name, fields in parts.items()})
+
+    @property
+    def workdir(self) -> str:
+        """``--workdir``, or one derived from the data (:func:`default_workdir`)."""
+        return self.run.workdir or default_workdir(self.data)
+
+    def settings(self) -> dict[str, Any]:
+        """Every setting by its flat name, as given (``workdir`` ``None`` when derived)."""
+        return {name: value for part in SECTIONS
+                for name, value in dataclasses.asdict(getattr(self, part)).items()}
+
+    def to_dict(self) -> dict[str, Any]:
+        """The flat record of ``config.json``'s ``"train"``: every setting, the workdir resolved."""
+        return {**self.settings(), "workdir": self.workdir}
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        """A copy with some flat settings changed (``cfg.replace(max_steps=5)``)."""
+        return TrainConfig.flat(**{**self.settings(), **changes})
+
+
+SECTION_OF = {f.name: part for part, kind in SECTIONS.items() for f in dataclasses.fields(kind)}
+
+
+def default_workdir(data: DataConfig) -> str:
     """``runs/<pair>`` for a shipped corpus, ``runs/<file name>`` for a user's corpus
     (``runs/train.en-de`` for ``train.en`` + ``train.de``)."""
     def stem(path: str) -> str:
         name = Path(path).name.removesuffix(".gz")
         return name.removesuffix(".tsv") if name.endswith(".tsv") else name
 
-    if cfg.train_file:
-        return f"runs/{stem(cfg.train_file)}"
-    if cfg.src_file and cfg.tgt_file:
-        src, tgt = stem(cfg.src_file), stem(cfg.tgt_file)
+    if data.train_file:
+        return f"runs/{stem(data.train_file)}"
+    if data.src_file and data.tgt_file:
+        src, tgt = stem(data.src_file), stem(data.tgt_file)
         src_base, _, src_ext = src.rpartition(".")
         tgt_base, _, tgt_ext = tgt.rpartition(".")
         return f"runs/{src_base}.{src_ext}-{tgt_ext}" if src_base and src_base == tgt_base else \
             f"runs/{src}-{tgt}"
-    return f"runs/{cfg.pair}"
+    return f"runs/{data.pair}"
 
 
 # The defaults of `python train.py`: a CPU run of under 10 minutes at 150 GFLOP/s (README,
@@ -206,48 +332,8 @@ DEFAULT_CPU_RUN = dict(max_steps=1000, lr_schedule="wsd", warmup_steps=150, lr_s
                        checkpoint_every=200,   # a SIGKILL loses at most ~1.5 minutes
                        repetition_penalty=1.4)
 
-
-def _choices() -> dict[str, tuple[str, ...]]:
-    """The fixed sets of values, read from their owners (no copy to drift)."""
-    from sacrebleu.metrics.bleu import BLEU
-
-    from jaxformer.model.config import _FLOAT_DTYPES, ATTENTION_BACKENDS, PRESETS
-
-    return {"pair": PAIRS, "preset": tuple(PRESETS), "norm_position": ("post", "pre"),
-            "dtype": _FLOAT_DTYPES, "attention_backend": ATTENTION_BACKENDS, "lr_schedule": SCHEDULES,
-            "sacrebleu_tokenize": tuple(BLEU.TOKENIZERS)}
-
-
-@functools.cache
-def _field_types() -> dict[str, tuple[type, bool]]:
-    """Each :class:`TrainConfig` field's type and whether ``None`` is allowed."""
-    hints = typing.get_type_hints(TrainConfig)
-    return {name: (_base_type(tp), type(None) in typing.get_args(tp)) for name, tp in hints.items()}
-
-
-def _wrong_types(cfg: TrainConfig) -> list[str]:
-    """The fields of ``cfg`` whose value is not of the field's type (an int is a float;
-    a bool is not an int)."""
-    numbers_of = {int: numbers.Integral, float: numbers.Real}
-    wrong = []
-    for name, (kind, optional) in _field_types().items():
-        value = getattr(cfg, name)
-        if value is None and optional:
-            continue
-        ok = isinstance(value, numbers_of.get(kind, kind)) and (kind is bool or not isinstance(value, bool))
-        if not ok:
-            wrong.append(f"{name} must be {kind.__name__}{' or None' if optional else ''}, got {value!r}")
-    return wrong
-
-
-def _base_type(tp) -> type:
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return args[0]
-    return tp
-
-
 def save_json(path: Path, payload: dict[str, Any]) -> None:
+    """Writes ``payload`` as JSON atomically (a temporary file renamed over ``path``)."""
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
     tmp.replace(path)

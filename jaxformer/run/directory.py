@@ -1,24 +1,14 @@
-"""The run directory: one object owns the name of every file a run writes.
+"""The run directory: one object (:class:`RunDir`) owns the name of every file a run writes;
+``--fresh``, resume, the writers and the readers ask it for a path. Layout::
 
-``--fresh``, resume, the writers and the readers (translate, benchmarks) ask
-:class:`RunDir` for a path, never build one from a literal. Layout::
-
-  config.json       model + run settings + tokenizer record (+ train_history)
-  tokenizer/        the sentencepiece model
-  prepared/         the corpus as token ids + manifest.json, the data's fingerprint
-                    (jaxformer.data.prepare; reused on every resume)
-  checkpoints/      orbax: the last N train states with the data iterator position
-  best/             orbax: the parameters with the best dev BLEU
-  averaged/         the mean of the last N checkpoints' parameters (--average-last), if better
-  corrupt/          unreadable checkpoints moved aside (never deleted)
-  metrics.jsonl     one JSON record per logged step (and metrics.redone.jsonl)
-  tensorboard/      TensorBoard events
-  plots/            loss, learning-rate and dev-BLEU curves
-  samples.txt       dev sources, references and hypotheses at each evaluation
-  results.json      final test scores (BLEU, chrF and their sacrebleu signatures)
-  test.src test.ref test.hyp   the test sources, references and translations, one per line
-  train.log         everything the run printed, with times
-  jax_cache/        JAX's persistent compilation cache (jaxformer-train's and the translate tool's)
+  config.json         model + run settings + tokenizer record (+ train_history)
+  tokenizer/ prepared/   the sentencepiece model; the corpus as token ids + its fingerprint
+  checkpoints/ best/ averaged/   orbax: last N train states + data positions; best dev
+                      BLEU's parameters; the mean of the last N (--average-last), if better
+  corrupt/            unreadable checkpoints moved aside (never deleted)
+  metrics.jsonl tensorboard/ plots/   per logged step (metrics.redone.jsonl: set aside)
+  samples.txt results.json test.src test.ref test.hyp   dev samples; test scores and text
+  train.log jax_cache/   everything printed, with times; JAX's compilation cache
 """
 
 from __future__ import annotations
@@ -38,6 +28,10 @@ from jaxformer.model.config import TransformerConfig
 from jaxformer.run.logs import is_main_process, log
 
 
+def _file(name: str) -> property:
+    return property(lambda self: self.root / name, doc=f"``{name}`` in the run directory.")
+
+
 @dataclasses.dataclass(frozen=True)
 class RunDir:
     """The files of one run directory (see the module docstring for the layout)."""
@@ -51,98 +45,27 @@ class RunDir:
     NAMES = ("checkpoints", "best", "averaged", "corrupt", "config.json", "tokenizer", "prepared",
              "metrics.jsonl", "metrics.redone.jsonl", "tensorboard", "plots", "samples.txt",
              "results.json", "test.src", "test.ref", "test.hyp", "train.log")
-
-    @property
-    def config(self) -> Path:
-        return self.root / "config.json"
-
-    @property
-    def tokenizer_dir(self) -> Path:
-        return self.root / "tokenizer"
-
-    @property
-    def prepared(self) -> Path:
-        return self.root / "prepared"
-
-    @property
-    def checkpoints(self) -> Path:
-        return self.root / "checkpoints"
-
-    @property
-    def best(self) -> Path:
-        return self.root / "best"
-
-    @property
-    def corrupt(self) -> Path:
-        return self.root / "corrupt"
-
-    @property
-    def metrics(self) -> Path:
-        return self.root / "metrics.jsonl"
-
-    @property
-    def metrics_redone(self) -> Path:
-        return self.root / "metrics.redone.jsonl"
-
-    @property
-    def tensorboard(self) -> Path:
-        return self.root / "tensorboard"
-
-    @property
-    def plots(self) -> Path:
-        return self.root / "plots"
-
-    @property
-    def samples(self) -> Path:
-        return self.root / "samples.txt"
-
-    @property
-    def results(self) -> Path:
-        return self.root / "results.json"
-
-    @property
-    def test_src(self) -> Path:
-        return self.root / "test.src"
-
-    @property
-    def test_ref(self) -> Path:
-        return self.root / "test.ref"
-
-    @property
-    def test_hyp(self) -> Path:
-        return self.root / "test.hyp"
-
-    @property
-    def averaged(self) -> Path:
-        return self.root / "averaged"
-
-    @property
-    def log(self) -> Path:
-        return self.root / "train.log"
-
-    @property
-    def jax_cache(self) -> Path:
-        return self.root / "jax_cache"
+    config, tokenizer_dir, prepared = _file("config.json"), _file("tokenizer"), _file("prepared")
+    checkpoints, best, averaged = _file("checkpoints"), _file("best"), _file("averaged")
+    corrupt = _file("corrupt")
+    metrics, metrics_redone = _file("metrics.jsonl"), _file("metrics.redone.jsonl")
+    tensorboard, plots, samples = _file("tensorboard"), _file("plots"), _file("samples.txt")
+    results, log, jax_cache = _file("results.json"), _file("train.log"), _file("jax_cache")
+    test_src, test_ref, test_hyp = _file("test.src"), _file("test.ref"), _file("test.hyp")
 
     def create(self, fresh: bool = False) -> Path | None:
-        """Creates the directory (a clear error if impossible); ``fresh`` moves the previous
-        run's files into ``old-<time>/`` (nothing is deleted).
-
-        Returns:
-          that ``old-<time>/`` folder, or ``None`` when nothing was moved (or this is not
-          process 0, which alone moves files).
+        """Creates the directory; ``fresh`` moves the previous run's files into ``old-<time>/``
+        (process 0; nothing is deleted) and returns that folder, else ``None``.
 
         Raises:
           OSError: the directory cannot be created or written; the message names it.
         """
-        if self.root.is_file():
-            raise OSError(f"--workdir {str(self.root)!r} is a file, not a folder: choose another --workdir.")
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             probe_writable(self.root)
         except OSError as e:
-            raise OSError(f"Cannot write the run directory {str(self.root)!r}: {e}. "
-                          f"Choose a writable --workdir.") from e
+            why = "is a file, not a folder" if self.root.is_file() else f"cannot be written: {e}"
+            raise OSError(f"--workdir {str(self.root)!r} {why}: choose another --workdir.") from e
         if fresh and is_main_process():
             present = [n for n in self.NAMES if (self.root / n).exists()]
             if present:
@@ -154,11 +77,9 @@ class RunDir:
         return None
 
     def remove_if_made_and_unprepared(self, made: Path | None) -> None:
-        """After a failed start: removes :attr:`root` when this start made it (``made``, the
-        topmost missing folder :func:`topmost_missing` found before), then each parent it
-        made up to ``made`` that is still empty (another run may have made its own folder
-        there meanwhile). Kept when its data was prepared or its tokenizer trained, which
-        the next attempt reuses. Process 0 only; ``None`` (the folder was there) changes nothing."""
+        """After a failed start: removes :attr:`root` and the parents it made up to ``made``
+        (:func:`topmost_missing` before; ``None``: nothing) that are still empty, unless its
+        data was prepared or its tokenizer trained (the next attempt reuses them). Process 0."""
         if made is None or not self.root.exists() or not is_main_process():
             return
         if (self.prepared / "manifest.json").exists() or (self.tokenizer_dir / "spm.model").exists():
@@ -179,12 +100,17 @@ class RunDir:
         rows = (json.loads(line) for line in self.metrics.read_text().splitlines() if line.strip())
         return max((row["step"] for row in rows if "dev/bleu" in row), default=-1)
 
+    def has_checkpoint(self, or_best: bool = False) -> bool:
+        """Whether ``checkpoints/`` (or, ``or_best``, ``best/``) holds a complete step: a
+        folder orbax named by its number (a half-written one has a temporary name)."""
+        folders = (self.checkpoints, self.best) if or_best else (self.checkpoints,)
+        return any(p.name.isdigit() and p.is_dir() for folder in folders for p in folder.glob("*"))
+
     def read_config(self) -> dict[str, Any] | None:
         """The saved run record (``config.json``), or ``None`` if there is none yet.
 
         Raises:
-          ValueError: it is not a JSON object, or it is a Hugging Face model's (as
-            :meth:`read_run_record`), so a run never writes over it.
+          ValueError: as :meth:`read_run_record`, so a run never writes over such a file.
         """
         return _read_record(self.config, need_model=False) if self.config.exists() else None
 
@@ -195,19 +121,15 @@ class RunDir:
         Raises:
           FileNotFoundError: no ``config.json`` (not a run directory).
           ValueError: unreadable JSON (a damaged file; the message names it), a Hugging
-            Face model folder (the message says how to convert it), or no ``"model"``.
+            Face model folder (the message says how to convert it), no ``"model"``, or a
+            section of the wrong JSON type.
         """
-        if not self.config.is_file():
-            raise FileNotFoundError(f"{self.config} not found: is {str(self.root)!r} a jaxformer run "
-                                    f"directory? Train one with `jaxformer-train --workdir ...`, or convert "
-                                    f"a Hugging Face model with `jaxformer-convert --from-hf`.")
         return _read_record(self.config, need_model=True)
 
 
 def set_aside_metrics_after(run_dir: RunDir, step: int) -> None:
-    """On resume, moves ``metrics.jsonl`` rows after the restored ``step`` (written by a
-    run that stopped before its next checkpoint; those steps are about to be redone) to
-    ``metrics.redone.jsonl``, so the curves never show a step twice."""
+    """On resume, moves ``metrics.jsonl`` rows after the restored ``step`` (about to be redone)
+    to ``metrics.redone.jsonl``, so the curves never show a step twice."""
     if not run_dir.metrics.exists():
         return
     lines = [line for line in run_dir.metrics.read_text().splitlines() if line.strip()]
@@ -242,25 +164,41 @@ def check_resume_compatible(saved: dict[str, Any], model_config: TransformerConf
 
 
 def _read_record(path: Path, need_model: bool) -> dict[str, Any]:
-    try:
-        record = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not readable JSON ({e}): the run record is damaged. Put back "
-                         f"the file the run wrote (train.log also logs its model and run config), "
-                         f"or, to train there anew, start over with jaxformer-train --fresh.") from e
+    """``config.json`` read and checked: the one reader of run records (see the callers)."""
+    error, record = FileNotFoundError, None
+    if not path.is_file():
+        problem = (f"{path} not found: is {str(path.parent)!r} a jaxformer run directory? Train one with "
+                   f"`jaxformer-train --workdir ...`, or convert a Hugging Face model with "
+                   f"`jaxformer-convert --from-hf`.")
+    else:
+        error = ValueError
+        try:
+            record = json.loads(path.read_text(encoding="utf-8"))
+            problem = _record_problem(path, record, need_model)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            problem = (f"{path} is not readable JSON ({e}): the run record is damaged. Put back the file "
+                       f"the run wrote (train.log also logs its model and run config), or, to train there "
+                       f"anew, start over with jaxformer-train --fresh.")
+    if problem:
+        raise error(problem)
+    return record
+
+
+def _record_problem(path: Path, record: Any, need_model: bool) -> str | None:
+    """What is wrong with a parsed run record, or ``None``."""
     if isinstance(record, dict) and "model_type" in record and "model" not in record:
-        raise ValueError(f"{path.parent} holds a Hugging Face model ({record['model_type']!r}), not a "
-                         f"jaxformer run: convert it with `jaxformer-convert --from-hf {path.parent} "
-                         f"--workdir RUN` and use RUN.")
+        return (f"{path.parent} holds a Hugging Face model ({record['model_type']!r}), not a jaxformer "
+                f"run: convert it with `jaxformer-convert --from-hf {path.parent} --workdir RUN` and use "
+                f"RUN.")
     if not isinstance(record, dict) or (need_model and not isinstance(record.get("model"), dict)):
-        raise ValueError(f"{path} is not a jaxformer run record (a JSON object with a \"model\" "
-                         f"section, written by jaxformer-train or jaxformer-convert).")
+        return (f"{path} is not a jaxformer run record (a JSON object with a \"model\" section, written "
+                f"by jaxformer-train or jaxformer-convert).")
     for key, kind in _RECORD_SECTIONS.items():
         if key in record and not isinstance(record[key], kind):
-            raise ValueError(f"{path}: its {key!r} section is {json.dumps(record[key])[:40]}, not a JSON "
-                             f"{_JSON_NAMES[kind]}: the run record was edited or damaged. Put back the "
-                             f"file the run wrote (train.log also logs its model and run config).")
-    return record
+            return (f"{path}: its {key!r} section is {json.dumps(record[key])[:40]}, not a JSON "
+                    f"{_JSON_NAMES[kind]}: the run record was edited or damaged. Put back the file the "
+                    f"run wrote (train.log also logs its model and run config).")
+    return None
 
 
 # The sections a run record (written by jaxformer-train or jaxformer-convert) may hold and
@@ -272,8 +210,7 @@ _JSON_NAMES = {dict: "object", list: "array", str: "string"}
 
 
 def probe_writable(folder: str | os.PathLike) -> None:
-    """Makes and removes a uniquely named file in ``folder`` (so processes probing one
-    folder at once never meet, and no file of the user's is opened).
+    """Makes and removes a uniquely named file in ``folder`` (no file of the user's is opened).
 
     Raises:
       OSError: no file can be made there (read-only, missing, not a folder).
@@ -306,34 +243,31 @@ def resume_record(saved: dict[str, Any] | None, run_record: dict[str, Any], resu
     return {**run_record, "train_history": history} if history else run_record
 
 
-def enable_compilation_cache(run_dir: RunDir) -> bool:
-    """JAX's persistent compilation cache in ``run_dir/jax_cache`` (every program, however
-    quick to compile). Must run before the first compile; returns ``False`` (and the
-    caller goes on without it) when the run directory is not writable."""
-    try:
-        run_dir.jax_cache.mkdir(exist_ok=True)
-    except OSError:
-        return False
-    if not os.access(run_dir.jax_cache, os.W_OK):
-        return False
-    _cache_every_program_in(run_dir.jax_cache)
-    return True
+def enable_compilation_cache(run_dir: RunDir, make: bool = True) -> bool:
+    """JAX's persistent compilation cache in ``run_dir/jax_cache``, for every program however
+    quick to compile. Must run before the first compile; returns whether it is used.
 
-
-def _cache_every_program_in(path: Path) -> None:
-    """JAX's persistent compilation cache in ``path``, for every program however quick."""
-    jax.config.update("jax_compilation_cache_dir", str(path))
+    ``make`` (the translate tool): the folder is made now, and a run directory that is not
+    writable goes without the cache. ``make=False`` (a training run): JAX makes it at the
+    first compile, after setup's checks (a run that fails them changes no file), and a
+    cache folder chosen already (``JAX_COMPILATION_CACHE_DIR``, the JAX config) is kept.
+    """
+    if make:
+        try:
+            run_dir.jax_cache.mkdir(exist_ok=True)
+        except OSError:
+            return False
+        if not os.access(run_dir.jax_cache, os.W_OK):
+            return False
+    elif jax.config.jax_compilation_cache_dir:
+        return False
+    jax.config.update("jax_compilation_cache_dir", str(run_dir.jax_cache))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    return True
 
 
 def keep_compilation_cache(run_dir: RunDir) -> bool:
-    """JAX's persistent compilation cache in ``run_dir/jax_cache`` for a training run, so a
-    resumed run compiles nothing it compiled before. JAX creates the folder at the first
-    compile, after setup's checks (a run that fails them changes no file). A cache folder
-    chosen already (``JAX_COMPILATION_CACHE_DIR``, or the JAX config) is left as it is.
-    Must run before the first compile; returns whether the run directory's cache is used."""
-    if jax.config.jax_compilation_cache_dir:
-        return False
-    _cache_every_program_in(run_dir.jax_cache)
-    return True
+    """:func:`enable_compilation_cache` for a training run (``make=False``): a resumed run
+    compiles nothing it compiled before."""
+    return enable_compilation_cache(run_dir, make=False)

@@ -1,11 +1,6 @@
-"""Run messages through Python :mod:`logging`: the console, ``train.log`` and progress.
-
-Every module logs to a child of the ``"jaxformer"`` logger. :func:`console_logging`
-prints INFO and above above the progress bar (``tqdm.write``, so the bar is not torn);
-:class:`RunLog` copies everything (DEBUG and above, with times) to the run's
-``train.log``. In a multi-process run only process 0 speaks and writes the file.
-:class:`Progress` is the training progress: a bar whose total follows the time budget
-when ``--max-minutes`` bounds the run, or one line per logging window.
+"""Run messages through Python :mod:`logging` on the ``"jaxformer"`` logger: the console
+(:func:`console_logging`, above the progress bar), ``train.log`` (:class:`RunLog`, with
+times) and the training progress (:class:`Progress`). Only process 0 speaks and writes.
 """
 
 from __future__ import annotations
@@ -27,13 +22,8 @@ def is_main_process() -> bool:
 
 
 def log(message: str, level: int = logging.INFO) -> None:
-    """Logs ``message`` on the ``jaxformer`` logger (kept for modules that log one line)."""
+    """Logs ``message`` on the ``jaxformer`` logger."""
     logger.log(level, message)
-
-
-class _MainProcessOnly(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return is_main_process()
 
 
 class _TqdmHandler(logging.StreamHandler):
@@ -41,7 +31,7 @@ class _TqdmHandler(logging.StreamHandler):
 
     def __init__(self):
         super().__init__()
-        self.addFilter(_MainProcessOnly())
+        self.addFilter(lambda record: is_main_process())
 
     def emit(self, record: logging.LogRecord) -> None:
         from tqdm import tqdm
@@ -54,13 +44,9 @@ class _TqdmHandler(logging.StreamHandler):
 
 def console_logging(level: int = logging.INFO) -> None:
     """Prints ``jaxformer`` records of ``level`` and above on stdout (process 0 only): what
-    the command-line programs call first. The library itself never configures logging,
-    so an application that imports it keeps receiving its records through the root
-    logger.
-
-    Idempotent; an application that configured its own handlers on ``"jaxformer"`` is
-    left alone. The records stop propagating to the root logger, where grain and orbax
-    (through absl) install a stderr handler of their own: each line prints once.
+    the commands call first (the library configures no logging). Idempotent; handlers an
+    application set on ``"jaxformer"`` are left alone. The records stop propagating to
+    the root logger, where grain and orbax (through absl) print them a second time.
     """
     if logger.handlers:
         return
@@ -72,17 +58,12 @@ def console_logging(level: int = logging.INFO) -> None:
 
 
 class RunLog:
-    """``train.log`` in the run directory: every ``jaxformer`` record (DEBUG and above).
+    """``train.log`` in the run directory: every ``jaxformer`` record (DEBUG and above),
+    appended across resumes, process 0 only (decided at :meth:`open`).
 
-    Records are buffered from ``__enter__`` until :meth:`open` (called once the run
-    directory exists and ``--fresh`` has moved the previous run's log aside), so the
-    data report and everything else printed before that is in the file too. An error
-    that ends the run after that is written to the file (only: the command line prints
-    it); one during setup writes no ``train.log`` (and :func:`jaxformer.train.trainer.train`
-    removes a run directory it made, unless its data or tokenizer was prepared, kept for the
-    next attempt).
-    Process 0 only (decided at :meth:`open`, after ``jax.distributed.initialize``);
-    appends across resumed runs.
+    Records are buffered from ``__enter__`` until :meth:`open` (once ``--fresh`` has moved
+    the previous log aside), so everything printed before is in the file too. An error
+    that ends the run after that is written to it; one during setup writes no file.
     """
 
     def __init__(self, path: Path):
@@ -115,8 +96,6 @@ class RunLog:
         logger.addHandler(self.file)
 
     def __exit__(self, kind, error, traceback) -> None:
-        # Not opened = setup failed: no train.log is written (a run without a readable
-        # checkpoint changes no file); the command line prints the error.
         logger.removeHandler(self.buffer)
         self.buffer.buffer.clear()
         if self.file is not None:
@@ -128,12 +107,9 @@ class RunLog:
 
 
 class Progress:
-    """Training progress: a tqdm bar, or (``enabled=False``) one log line per window.
-
-    With a time budget (``deadline``, a ``time.perf_counter()`` value) the bar counts
-    seconds of the budget, so its total and ETA are the budget's, not ``--max-steps``'s;
-    the step is in the postfix. Without one, it counts steps up to ``max_steps``.
-    """
+    """Training progress: a tqdm bar, or (``enabled=False``) one log line per window. With a
+    time budget (``deadline``, a ``time.perf_counter()`` value) the bar counts its seconds
+    (its total and ETA are the budget's), else steps up to ``max_steps``."""
 
     def __init__(self, *, enabled: bool, step: int, max_steps: int, t_start: float,
                  deadline: float | None, file=None):
@@ -173,8 +149,7 @@ class Progress:
             self.bar.update(1)
 
     def window(self, step: int, loss: float, tokens_per_s: float, lr: float) -> None:
-        """One logging window: the bar's postfix, and a line (printed with ``--no-progress``,
-        always in ``train.log``)."""
+        """One logging window: the bar's postfix, and a line (printed with ``--no-progress``)."""
         left = self.time_left()
         line = (f"step {step} | loss {loss:.3f} | {tokens_per_s:,.0f} tok/s | lr {lr:.2e}"
                 + ("" if left is None else f" | {left / 60:.1f} min left"))

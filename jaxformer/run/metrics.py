@@ -14,13 +14,9 @@ from jaxformer.run.logs import is_main_process
 
 
 class ImportBlock(importlib.abc.MetaPathFinder):
-    """Makes ``import NAME`` fail in the threads that are inside :meth:`blocked`, and
-    nowhere else: another thread that imports ``NAME`` meanwhile gets the real module
-    (a ``None`` in ``sys.modules`` would fail it, and taking that entry out again would
-    drop a module it had just put there). Installed once in ``sys.meta_path``, ahead of
-    the path finders; a module already imported is returned from ``sys.modules`` before
-    any finder is asked, so it is never blocked.
-    """
+    """Makes ``import NAME`` fail in the threads inside :meth:`blocked`, and nowhere else
+    (a ``None`` in ``sys.modules`` would fail other threads too). A finder ahead of the
+    path finders; a module already imported is never blocked."""
 
     def __init__(self, name: str):
         self.name = name
@@ -48,15 +44,10 @@ _NO_TORCH = ImportBlock("torch")
 
 
 def _summary_writer() -> type:
-    """tensorboardX's ``SummaryWriter``, imported without PyTorch.
-
-    tensorboardX imports ``torch`` whenever it is installed (``tensorboardX/writer.py``),
-    only to accept torch tensors, which a JAX run never passes. On a 2-core machine at
-    ~66 GFLOP/s that import took 2.5 s of every run's start and 230 MB of memory, against
-    0.4 s and 48 MB without it. While tensorboardX loads, ``import torch`` fails in this
-    thread (:class:`ImportBlock`), so it takes its own no-torch path; a torch the process
-    has already imported is used, and other threads import torch as usual.
-    """
+    """tensorboardX's ``SummaryWriter``, imported without PyTorch: tensorboardX imports
+    ``torch`` whenever installed, only to accept torch tensors (2.5 s and 230 MB of a run's
+    start on 2 cores, against 0.4 s and 48 MB). ``import torch`` fails in this thread while
+    it loads (:class:`ImportBlock`); a torch already imported is used."""
     if "tensorboardX" not in sys.modules:
         with _NO_TORCH.blocked():
             import tensorboardX  # noqa: F401
@@ -87,12 +78,8 @@ class MetricsLog:
 
 
 def write_plots(run_dir: RunDir) -> None:
-    """``plots/loss.png``, ``plots/lr.png`` and ``plots/bleu.png`` from ``metrics.jsonl``.
-
-    Drawn on matplotlib ``Figure`` objects, not ``pyplot``: a run inside a notebook or
-    another program keeps that program's backend and figures (``matplotlib.use`` would
-    switch them for the whole process), and the start skips pyplot's import.
-    """
+    """``plots/loss.png``, ``plots/lr.png`` and ``plots/bleu.png`` from ``metrics.jsonl``, on
+    matplotlib ``Figure`` objects, not ``pyplot``: an application's backend and figures stay."""
     from matplotlib.figure import Figure
 
     rows = [json.loads(line) for line in run_dir.metrics.read_text().splitlines() if line]

@@ -34,25 +34,3 @@ def skip_absent_tpu() -> bool:
         return False   # a GPU plugin (CUDA, ROCm) is installed: JAX picks the platform
     jax.config.update("jax_platforms", "cpu")
     return True
-
-
-def matmul_flop_rate(n: int = 2048, repeats: int = 3) -> float:
-    """The machine's speed as the README quotes it: FLOP/s of a jitted float32 ``N×N`` by
-    ``N×N`` ``jnp.dot`` (2·N³ FLOPs) on the default device, the median of ``repeats``
-    timed calls after one untimed one. About half a second on a 2-core CPU."""
-    import statistics
-    import time
-
-    import jax
-    import jax.numpy as jnp
-
-    a = jnp.full((n, n), 0.5, jnp.float32)   # the values do not change a float32 matmul's speed
-    b = jnp.full((n, n), 0.25, jnp.float32)
-    dot = jax.jit(jnp.dot)
-    dot(a, b).block_until_ready()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        dot(a, b).block_until_ready()
-        times.append(time.perf_counter() - start)
-    return 2 * n ** 3 / statistics.median(times)

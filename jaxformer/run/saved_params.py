@@ -1,8 +1,5 @@
-"""What a checkpoint's parameters are: their tree of names and shapes as orbax recorded
-it, checked against a model's, and read in the layer layout they were saved in
-(:mod:`jaxformer.model.scan`) before conversion to the model's. Used by
-:mod:`jaxformer.run.checkpoints` for every parameter restore.
-"""
+"""A checkpoint's parameters as orbax recorded them (names and shapes), checked against a
+model's and read in the layer layout they were saved in (:mod:`jaxformer.model.scan`)."""
 
 from __future__ import annotations
 
@@ -22,12 +19,9 @@ class CheckpointMismatchError(ValueError):
 
 
 def check_params_match(saved: Any, abstract_params: Any, where: str) -> None:
-    """Raises :class:`CheckpointMismatchError` unless the saved parameter tree (orbax
-    metadata, or arrays) has exactly the names and shapes of ``abstract_params``.
-
-    A partial restore would otherwise read a subset of a larger checkpoint without a
-    word (a model of fewer layers translating at exit 0); the message names the fields.
-    """
+    """Raises :class:`CheckpointMismatchError` unless the saved tree (orbax metadata, or
+    arrays) has exactly the names and shapes of ``abstract_params`` (a partial restore
+    would read a subset of a larger checkpoint without a word)."""
     def shapes(tree):
         return {jax.tree_util.keystr(path): tuple(leaf.shape)
                 for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
@@ -48,11 +42,8 @@ def check_params_match(saved: Any, abstract_params: Any, where: str) -> None:
 
 
 def saved_params(path: Path, key: str | None) -> Any:
-    """The parameter tree (names and shapes) stored at ``path``, from orbax's metadata.
-
-    Read by the item's handler: a ``Checkpointer`` would also look for a step-level
-    ``_CHECKPOINT_METADATA`` inside the item folder, and warn on every read that it is not
-    there (it is one folder up)."""
+    """The tree of names and shapes stored at ``path`` (under ``key``), from orbax's metadata,
+    read by the item's handler (a ``Checkpointer`` warns that step metadata is not there)."""
     handler = ocp.PyTreeCheckpointHandler()
     try:
         tree = handler.metadata(path).tree
@@ -62,11 +53,8 @@ def saved_params(path: Path, key: str | None) -> Any:
 
 
 def in_layout(saved: Any, abstract: Any, restore: Callable[[Any], Any]) -> Any:
-    """``restore(target)`` into ``abstract``, reading a checkpoint saved with the other layer
-    layout (scanned or unrolled, :mod:`jaxformer.model.scan`) in its own layout first.
-
-    ``saved`` is the checkpoint's tree of names and shapes (orbax metadata).
-    """
+    """``restore(target)`` into ``abstract``; a checkpoint ``saved`` (its metadata) with the other
+    layer layout (scanned or unrolled) is read in its own layout first, then converted."""
     saved_scanned, want_scanned = scan.layout_of(saved), scan.layout_of(abstract)
     if saved_scanned is None or want_scanned is None or saved_scanned == want_scanned:
         return restore(abstract)

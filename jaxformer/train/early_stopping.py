@@ -10,24 +10,13 @@ import math
 
 @dataclasses.dataclass
 class EarlyStopping:
-    """Counts evaluations since the best dev score.
-
-    Attributes:
-      patience: evaluations without improvement that stop the run; ``None`` = never stop.
-      best: the best score seen (``-inf`` before the first).
-      since_best: evaluations since ``best`` was set.
-
-    A resumed run starts counting again from the best score recorded with the best
-    checkpoint (``best``), so a restart never stops a run early by itself.
-    """
+    """Counts evaluations since the best dev score ``best`` (``-inf`` before the first; a
+    resumed run starts from its best checkpoint's). ``patience``: evaluations without a
+    better score that stop the run (at least 1, ``--patience`` checks it); ``None``: never."""
 
     patience: int | None
     best: float = -math.inf
     since_best: int = 0
-
-    def __post_init__(self):
-        if self.patience is not None and self.patience < 1:
-            raise ValueError(f"patience must be at least 1 evaluation, got {self.patience}")
 
     def update(self, score: float) -> bool:
         """Records one evaluation's score; returns ``True`` when the run should stop."""

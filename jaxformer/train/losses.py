@@ -17,48 +17,34 @@ from jaxformer.model.sharding import constrain
 
 
 def label_smoothed_cross_entropy(logits_BTV, targets_BT, weights_BT, smoothing: float):
-    """Label-smoothed cross entropy (§5.4) from logits, without a one-hot tensor.
-
-    The smoothed target puts ``1 - smoothing`` on the reference token and spreads
-    ``smoothing`` evenly over the other V-1 tokens. The entropy of that target is
-    subtracted, so a perfect prediction of the smoothed target has loss 0. Positions
-    with weight 0 (padding) contribute nothing to the loss or to its smoothing term.
+    """Label-smoothed cross entropy (§5.4) from logits, without a one-hot tensor: the target
+    puts ``1 - smoothing`` on the reference and spreads ``smoothing`` over the other V-1
+    tokens; its entropy is subtracted (a perfect prediction has loss 0). Weight-0
+    positions (padding) contribute nothing.
 
     Args:
       logits_BTV: logits, any float dtype (computed in float32).
       targets_BT: int reference ids.
       weights_BT: float weights (1 real token, 0 pad).
-      smoothing: ε_ls in [0, 1).
+      smoothing: ε_ls in [0, 1) (``--label-smoothing`` checks it).
 
     Returns:
       ``(loss_sum, nll_sum)`` float32 scalars: weighted sums of the smoothed loss and
       of the plain negative log-likelihood.
-
-    Raises:
-      ValueError: ``smoothing`` outside [0, 1).
     """
     chex.assert_rank(logits_BTV, 3)
     chex.assert_shape([targets_BT, weights_BT], logits_BTV.shape[:2])
     confidence, low, normalizer = _smoothing_constants(smoothing, logits_BTV.shape[-1])
     log_probs = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
     nll_BT = -jnp.take_along_axis(log_probs, targets_BT[..., None], axis=-1)[..., 0]
-    if smoothing > 0.0:
-        sum_others_BT = -jnp.sum(log_probs, axis=-1) - nll_BT
-        loss_BT = confidence * nll_BT + low * sum_others_BT - normalizer
-    else:
-        loss_BT = nll_BT
+    sum_others_BT = -jnp.sum(log_probs, axis=-1) - nll_BT   # low = normalizer = 0 without smoothing
+    loss_BT = confidence * nll_BT + low * sum_others_BT - normalizer
     return jnp.sum(loss_BT * weights_BT), jnp.sum(nll_BT * weights_BT)
 
 
 def _smoothing_constants(smoothing: float, vocab: int):
-    """(confidence, low, normalizer) of the smoothed target distribution.
-
-    The normalizer is that distribution's entropy, so a perfect prediction has loss 0.
-    Raises ValueError for ``smoothing`` outside [0, 1).
-    """
-    if not 0.0 <= smoothing < 1.0:
-        raise ValueError(f"smoothing must be in [0, 1) (the share of probability spread over "
-                         f"the other tokens), got {smoothing}.")
+    """(confidence, low, normalizer) of the smoothed target distribution, ``smoothing`` in
+    [0, 1). The normalizer is that distribution's entropy, so a perfect prediction has loss 0."""
     confidence, low = 1.0 - smoothing, smoothing / (vocab - 1)
     if not smoothing:
         return confidence, low, 0.0
@@ -147,16 +133,12 @@ _projected_cross_entropy.defvjp(_projected_cross_entropy_fwd, _projected_cross_e
 
 def projected_cross_entropy(decoder_output_BTD, kernel_DV, bias_V, targets_BT, weights_BT,
                             smoothing: float):
-    """:func:`label_smoothed_cross_entropy` of ``decoder_output @ kernel + bias``, fused.
-
-    The same values and gradients as projecting to logits and calling
-    :func:`label_smoothed_cross_entropy`, with less memory traffic: a custom VJP
-    sends the softmax through the projection's two backward matmuls during the
-    forward pass, so the backward pass never re-reads or transposes the ``[B·T, V]``
-    logits (the largest tensor of a training step). The one-hot and uniform parts of
-    the gradient are a gather, a scatter-add and a row sum. Gradients are exact for
-    ``loss_sum`` and ``nll_sum`` (any cotangents) and for ``weights``; ``correct`` is
-    flat in the logits.
+    """:func:`label_smoothed_cross_entropy` of ``decoder_output @ kernel + bias``, fused: the
+    same values and gradients with less memory traffic. A custom VJP sends the softmax
+    through the projection's two backward matmuls during the forward pass, so the
+    backward pass never re-reads the ``[B·T, V]`` logits; the one-hot and uniform parts
+    of the gradient are a gather, a scatter-add and a row sum. ``correct`` is flat in
+    the logits.
 
     Args:
       decoder_output_BTD: ``[B, T, D]``, any float dtype (the matmuls run in it,
@@ -165,16 +147,12 @@ def projected_cross_entropy(decoder_output_BTD, kernel_DV, bias_V, targets_BT, w
       bias_V: ``[V]`` or ``None``.
       targets_BT: int reference ids in ``[0, V)``.
       weights_BT: float weights (1 real token, 0 pad).
-      smoothing: ε_ls in [0, 1) (§5.4), a Python float.
+      smoothing: ε_ls in [0, 1) (§5.4), a Python float (``--label-smoothing`` checks it).
 
     Returns:
       ``(loss_sum, nll_sum, correct)`` float32 scalars: weighted sums of the smoothed
       loss, of the plain NLL, and of positions whose reference has the largest logit.
-
-    Raises:
-      ValueError: ``smoothing`` outside [0, 1).
     """
-    _smoothing_constants(smoothing, kernel_DV.shape[-1])      # validates smoothing
     batch, length, d_model = decoder_output_BTD.shape
     chex.assert_shape(kernel_DV, (d_model, None))
     chex.assert_shape([targets_BT, weights_BT], (batch, length))

@@ -26,24 +26,16 @@ class Preempted(Exception):
 
 
 class PreemptionGuard:
-    """Turns SIGTERM and SIGINT into a stop that the training loop checks between steps.
+    """Turns SIGTERM (a preemptible machine's notice) and SIGINT (Ctrl-C) into a stop the
+    loop checks between steps: the step finishes, the trainer checkpoints and stops. A
+    second SIGINT ends the process at once (status 130, one line, no save; orbax's steps
+    are atomic). Outside the main thread the guard does nothing.
 
-    A preemptible machine sends SIGTERM some seconds before it is taken away; Ctrl-C
-    sends SIGINT. Either lets the current step finish, then the trainer writes a
-    checkpoint and stops. A second SIGINT ends the process at once with status 130 and
-    one line (no traceback, no save); the last complete checkpoint is still there,
-    since orbax writes steps atomically. Outside the main thread (where Python cannot
-    install handlers) the guard does nothing.
-
-    With several processes (``multi_process=True``) all of them must stop at the same
-    step, or the ones still training wait forever in a collective. SIGTERM is then left
-    to JAX's preemption service (installed by ``jax.distributed.initialize``), which
-    spreads the notice and picks the step (``multihost_utils.reached_preemption_sync_point``,
-    asked once per step); a SIGINT is passed on to it as a SIGTERM, so the run stops
-    as preempted (exit 143). The stop comes at the agreed step, about a second and a
-    few steps after the signal; a signal that arrives after the loop (final
-    evaluation) is only recorded by JAX and the run finishes. If JAX's preemption
-    service is turned off (``jax_enable_preemption_service``), signals are not caught.
+    With several processes (``multi_process``) all must stop at the same step, or the
+    others wait forever in a collective: JAX's preemption service (from
+    ``jax.distributed.initialize``) spreads SIGTERM and picks the step
+    (``multihost_utils.reached_preemption_sync_point``); a SIGINT is passed on to it as a
+    SIGTERM. Without that service signals are not caught.
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -68,14 +60,9 @@ class PreemptionGuard:
             self.received = signum
 
     def stop_requested(self) -> bool:
-        """Whether to stop before the next step; call it once per step.
-
-        With several processes every one must call it once per step, from the same
-        first step on; they all get ``True`` at the same step. The ids given to JAX's
-        sync point are this launch's check count, not the training step: a notice that
-        arrives before the first check (during a resumed run's start-up) is set to id
-        1, which a step count that starts at the restored step would never meet.
-        """
+        """Whether to stop before the next step; every process calls it once per step and all
+        get ``True`` at the same one. JAX's sync point is asked with this launch's check
+        count, not the step: a notice during a resumed run's start-up is set to id 1."""
         if self.multi_process and self.received is None:
             from jax.experimental import multihost_utils
 

@@ -1,10 +1,6 @@
-"""The evaluation side of a training run: periodic dev evaluation (which keeps the
-best parameters and feeds early stopping), checkpoint averaging, and the final test.
-
-Scores are sacrebleu's BLEU and chrF; each number is reported with its signature
-(``results.json``, ``train.log``) so that it can be compared and reproduced, and the
-test sources, references and translations are written beside them (``test.src``,
-``test.ref``, ``test.hyp``) for external scorers (the sacrebleu command line, COMET).
+"""A training run's evaluations: periodic dev evaluation (keeps the best parameters, feeds
+early stopping), checkpoint averaging, and the final test. Scores are sacrebleu's BLEU and
+chrF with their signatures; ``test.src/ref/hyp`` are written for external scorers.
 """
 
 from __future__ import annotations
@@ -15,8 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxformer.decode.penalties import Penalties
-from jaxformer.model import sharding as sharding_lib
+from jaxformer.decode.strategies import strategy_for
 from jaxformer.run.config import save_json
 from jaxformer.run.logs import is_main_process, log
 from jaxformer.run.metrics import write_plots
@@ -29,19 +24,20 @@ DEGENERATE_WARNING = 0.02   # warn when more test hypotheses than this loop on a
 def _translate(run: Run, params: Any, sources: list[str]) -> list[str]:
     """Dev/test decoding with the run's beam, length penalty and repetition rules."""
     cfg = run.cfg
-    return run.evaluator.translate(params, sources, beam_size=cfg.beam_size, alpha=cfg.alpha,
-                                   penalties=Penalties(cfg.no_repeat_ngram_size, cfg.repetition_penalty))
+    strategy = strategy_for(cfg.decode.beam_size, cfg.decode.alpha, no_repeat_ngram_size=cfg.decode.no_repeat_ngram_size,
+                            repetition_penalty=cfg.decode.repetition_penalty)
+    return [n_best[0][0] for n_best in run.evaluator.decode(params, sources, strategy)]
 
 
-def evaluate(run: Run, step: int, keep_best: bool = True) -> float:
-    """Dev loss, BLEU and chrF (on ``--dev-bleu-sentences``) with samples; keeps the best
-    parameters by dev BLEU unless ``keep_best`` is false (updates were skipped as
-    non-finite since the last clean logging window: the parameters may be ruined, as
-    for a checkpoint). Returns the BLEU."""
-    cfg, t0 = run.cfg, time.perf_counter()
-    dev_subset = run.data.splits["dev"][: cfg.dev_bleu_sentences]
-    dev_loss = run.evaluator.loss(run.state.params, run.data.dev_examples, run.eval_step)
-    hyps = _translate(run, run.state.params, [p[0] for p in dev_subset])
+def evaluate(run: Run, loop: LoopState, keep_best: bool = True) -> float:
+    """Dev loss, BLEU and chrF (on ``--dev-bleu-sentences``) of the loop's parameters, with
+    samples; keeps them as the best by dev BLEU unless ``keep_best`` is false (updates were
+    skipped as non-finite since the last clean logging window: the parameters may be
+    ruined, as for a checkpoint). Returns the BLEU."""
+    cfg, step, params, t0 = run.cfg, loop.step, loop.state.params, time.perf_counter()
+    dev_subset = run.data.splits["dev"][: cfg.decode.dev_bleu_sentences]
+    dev_loss = run.evaluator.loss(params, run.data.dev_examples, run.programs.eval_step)
+    hyps = _translate(run, params, [p[0] for p in dev_subset])
     scores = run.evaluator.scores(hyps, [p[1] for p in dev_subset])
     bleu = scores["bleu"]
     run.metrics_log.write(step, {"dev/loss": dev_loss["loss"], "dev/ppl": dev_loss["ppl"],
@@ -50,51 +46,45 @@ def evaluate(run: Run, step: int, keep_best: bool = True) -> float:
     if is_main_process():
         with run.run_dir.samples.open("a") as f:
             f.write(f"== step {step} dev BLEU {bleu:.2f}\n")
-            for (src, ref), hyp in list(zip(dev_subset, hyps))[: cfg.num_samples]:
+            for (src, ref), hyp in list(zip(dev_subset, hyps))[: cfg.decode.num_samples]:
                 f.write(f"SRC: {src}\nREF: {ref}\nHYP: {hyp}\n\n")
-    if bleu > run.best_bleu and not keep_best:
+    if bleu > loop.best_bleu and not keep_best:
         log(f"step {step}: not keeping these parameters as the best, updates were skipped as "
             f"non-finite since the last clean logging window")
-    elif bleu > run.best_bleu:
-        run.best_bleu = bleu
-        run.checkpoints.save_best(step, run.state.params, bleu)
+    elif bleu > loop.best_bleu:
+        loop.best_bleu = bleu
+        run.checkpoints.save_best(step, params, bleu)
     log(f"step {step}: dev loss {dev_loss['loss']:.3f} ppl {dev_loss['ppl']:.1f} "
         f"BLEU {bleu:.2f} chrF {scores['chrf']:.2f} ({len(dev_subset)} sentences, "
         f"{time.perf_counter() - t0:.0f}s)")
     return bleu
 
 
-def average_and_compare(run: Run, abstract_params: Any, step: int) -> tuple[dict[str, Any] | None, Any]:
-    """``--average-last N``: averages the newest N checkpoints, scores the average on the
-    dev sentences of the periodic evaluations, and saves it (``averaged/``) if its BLEU
-    beats the best checkpoint's.
-
-    Returns:
-      ``(report, params)``: the report for ``results.json`` (``None`` when the run has
-      too few checkpoints, which is logged) and the averaged parameters.
-    """
-    cfg = run.cfg
+def average_and_compare(run: Run, loop: LoopState, abstract_params: Any) -> tuple[dict[str, Any] | None, Any]:
+    """``--average-last N``: the mean of the newest N checkpoints, scored on the periodic
+    evaluations' dev sentences and saved (``averaged/``) if it beats the best checkpoint.
+    Returns ``(report for results.json, params)``; ``(None, None)`` with too few checkpoints."""
+    cfg, step = run.cfg, loop.step
     have = len(run.checkpoints.steps())
-    if have < cfg.average_last:   # a run stopped early: not worth losing the final test over
-        log(f"checkpoint averaging skipped: --average-last {cfg.average_last} but the run has "
+    if have < cfg.train.average_last:   # a run stopped early: not worth losing the final test over
+        log(f"checkpoint averaging skipped: --average-last {cfg.train.average_last} but the run has "
             f"{have} checkpoint(s)")
         return None, None
-    params, steps = average_last_checkpoints(run.checkpoints, abstract_params, cfg.average_last)
-    dev_subset = run.data.splits["dev"][: cfg.dev_bleu_sentences]
+    params, steps = average_last_checkpoints(run.checkpoints, abstract_params, cfg.train.average_last)
+    dev_subset = run.data.splits["dev"][: cfg.decode.dev_bleu_sentences]
     hyps = _translate(run, params, [p[0] for p in dev_subset])
     bleu = run.evaluator.score(hyps, [p[1] for p in dev_subset])
-    kept = bleu > run.best_bleu
+    kept = bleu > loop.best_bleu
     if kept:
         run.checkpoints.save_averaged(step, params, {"bleu": bleu, "steps": steps})
-    digits = 2 if round(bleu, 2) != round(run.best_bleu, 2) else 4   # a win never shown as a tie
-    log(f"average of checkpoints {steps}: dev BLEU {bleu:.{digits}f} vs best {run.best_bleu:.{digits}f}: "
+    digits = 2 if round(bleu, 2) != round(loop.best_bleu, 2) else 4   # a win never shown as a tie
+    log(f"average of checkpoints {steps}: dev BLEU {bleu:.{digits}f} vs best {loop.best_bleu:.{digits}f}: "
         + ("kept (averaged/), used for the test" if kept else "not kept"))
     return {"steps": steps, "dev_bleu": bleu, "kept": kept}, params
 
 
 def _last_evaluated_step(run: Run) -> int:
-    """The latest step with a recorded dev evaluation, as process 0 (which writes the
-    records) reads it, the same in every process (evaluation is a collective)."""
+    """The latest step with a recorded dev evaluation, process 0's in every process."""
     step = run.run_dir.last_evaluated_step() if is_main_process() else -1
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
@@ -104,18 +94,12 @@ def _last_evaluated_step(run: Run) -> int:
 
 
 def _decoding_name(cfg) -> str:
-    name = "greedy" if cfg.beam_size == 1 else f"beam {cfg.beam_size}, alpha {cfg.alpha}"
-    if cfg.no_repeat_ngram_size:
-        name += f", no repeated {cfg.no_repeat_ngram_size}-grams"
-    if cfg.repetition_penalty != 1.0:
-        name += f", repetition penalty {cfg.repetition_penalty:g}"
+    name = "greedy" if cfg.decode.beam_size == 1 else f"beam {cfg.decode.beam_size}, alpha {cfg.decode.alpha}"
+    if cfg.decode.no_repeat_ngram_size:
+        name += f", no repeated {cfg.decode.no_repeat_ngram_size}-grams"
+    if cfg.decode.repetition_penalty != 1.0:
+        name += f", repetition penalty {cfg.decode.repetition_penalty:g}"
     return name
-
-
-def _step_budget(cfg, loop: LoopState) -> dict[str, Any]:
-    """How much of ``--max-steps`` was trained, and what stopped it."""
-    return {"done": loop.step, "max_steps": cfg.max_steps, "fraction_done": loop.step / cfg.max_steps,
-            "cut_by_max_minutes": loop.stopped_by == "max_minutes"}
 
 
 def _report_degenerate(degenerate: dict[str, Any], hyps: list[str], cfg) -> None:
@@ -128,31 +112,31 @@ def _report_degenerate(degenerate: dict[str, Any], hyps: list[str], cfg) -> None
         log(text)
         return
     example = hyps[degenerate["examples"][0]]
-    rules = [rule for rule, unused in (("--repetition-penalty 1.4", cfg.repetition_penalty == 1.0),
-                                       ("--no-repeat-ngram-size 4", cfg.no_repeat_ngram_size == 0)) if unused]
+    rules = [rule for rule, unused in (("--repetition-penalty 1.4", cfg.decode.repetition_penalty == 1.0),
+                                       ("--no-repeat-ngram-size 4", cfg.decode.no_repeat_ngram_size == 0)) if unused]
     fix = "train longer" + (f", or decode with {' or '.join(rules)}" if rules else "")
     log(f"WARNING: {text}, e.g. {example[:120]!r}. The model is undertrained or decoding loops: {fix}.")
 
 
 def final_test(run: Run, loop: LoopState) -> dict[str, Any]:
-    """A last dev evaluation (unless the last step had one), checkpoint averaging if
-    asked, then test BLEU and chrF with the best parameters (the average if it won);
-    writes ``results.json``, ``test.src/ref/hyp`` and the plots."""
+    """A last dev evaluation (unless the last step had one), checkpoint averaging if asked,
+    then test BLEU and chrF with the best parameters (the average if it won); writes
+    ``results.json``, ``test.src/ref/hyp`` and the plots, and closes the run."""
     cfg, step = run.cfg, loop.step
     if _last_evaluated_step(run) != step:   # a finished run started again is not evaluated twice
-        evaluate(run, step, keep_best=loop.skips_pending() == 0)
+        evaluate(run, loop, keep_best=loop.skips_pending() == 0)
     run.checkpoints.wait()
-    log(f"training stopped at step {step} ({loop.stopped_by}); best dev BLEU {run.best_bleu:.2f}")
-    abstract_params = sharding_lib.abstract_state(run.state).params
+    log(f"training stopped at step {step} ({loop.stopped_by}); best dev BLEU {loop.best_bleu:.2f}")
+    abstract_params = run.programs.abstract_state.params
     if run.checkpoints.saved_best_step == step == run.checkpoints.best_step():
         # This run saved the best from the parameters in memory at this step: not read back.
         # (A best of this step from an earlier run is read: a retrained step may differ.)
-        params, best_step, kind = run.state.params, step, "best"
+        params, best_step, kind = loop.state.params, step, "best"
     else:
         params, best_step, kind = run.checkpoints.restore_params(abstract_params, report=log)
     averaged = None
-    if cfg.average_last:
-        averaged, averaged_params = average_and_compare(run, abstract_params, step)
+    if cfg.train.average_last:
+        averaged, averaged_params = average_and_compare(run, loop, abstract_params)
         if averaged is not None and averaged["kept"]:
             params, best_step, kind = averaged_params, step, "averaged"
     t0 = time.perf_counter()
@@ -164,11 +148,12 @@ def final_test(run: Run, loop: LoopState) -> dict[str, Any]:
     results = {"test_bleu": scores["bleu"], "sacrebleu_signature": scores["bleu_signature"],
                "test_chrf": scores["chrf"], "chrf_signature": scores["chrf_signature"],
                "best_step": best_step, "checkpoint": kind, "decoding": decoding,
-               "best_dev_bleu": run.best_bleu, "final_step": step, "stopped_by": loop.stopped_by,
-               "test_sentences": len(refs), "num_params": int(run.num_params),
-               "degenerate": run.evaluator.degenerate(hyps), "steps": _step_budget(cfg, loop),
-               "matmul_gflops": run.matmul_flop_rate / 1e9,
-               "wall_minutes": (time.perf_counter() - run.t_start) / 60}
+               "best_dev_bleu": loop.best_bleu, "final_step": step, "stopped_by": loop.stopped_by,
+               "test_sentences": len(refs), "num_params": run.programs.num_params,
+               "degenerate": run.evaluator.degenerate(hyps),
+               "steps": {"done": step, "max_steps": cfg.train.max_steps, "fraction_done": step / cfg.train.max_steps,
+                         "cut_by_max_minutes": loop.stopped_by == "max_minutes"},
+               "wall_minutes": (time.perf_counter() - run.plan.t_start) / 60}
     if averaged is not None:
         results["averaged"] = averaged
     if is_main_process():
@@ -181,10 +166,10 @@ def final_test(run: Run, loop: LoopState) -> dict[str, Any]:
     log(f"  BLEU {scores['bleu_signature']}\n  chrF {scores['chrf_signature']}")
     _report_degenerate(results["degenerate"], hyps, cfg)
     if loop.stopped_by == "max_minutes":
-        log(f"note: --max-minutes {cfg.max_minutes:g} stopped training at step {step} of --max-steps "
-            f"{cfg.max_steps} ({results['steps']['fraction_done']:.0%} of the step budget)"
+        log(f"note: --max-minutes {cfg.train.max_minutes:g} stopped training at step {step} of --max-steps "
+            f"{cfg.train.max_steps} ({results['steps']['fraction_done']:.0%} of the step budget)"
             + ("; the learning rate had not decayed to zero (--lr-schedule wsd), so this is not "
-               "the run's result" if cfg.lr_schedule == "wsd" else "")
+               "the run's result" if cfg.train.lr_schedule == "wsd" else "")
             + ". Run the same command again (without the limit, or a longer one) to train the rest.")
     run.close()
     if is_main_process():

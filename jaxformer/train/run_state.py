@@ -1,29 +1,27 @@
-"""What a training run holds between its phases (:mod:`jaxformer.train.trainer` builds it,
-:mod:`jaxformer.train.run_eval` evaluates with it): the run's parts (:class:`Run`), its
-data (:class:`TrainData`) and the host loop's state (:class:`LoopState`).
+"""What a training run holds between its phases, in three parts: the decided
+:class:`~jaxformer.train.plan.RunPlan`, the :class:`Run` that setup opened on it (programs,
+data, writers; closed once, by its exit stack) and the host loop's :class:`LoopState`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 import jax
-import optax
 
 from jaxformer.data.batching import Examples
 from jaxformer.data.corpus import Pair
 from jaxformer.data.streaming import BatchStream
 from jaxformer.data.tokenizer import Tokenizer
 from jaxformer.decode.evaluation import Evaluator
-from jaxformer.model import sharding as sharding_lib
-from jaxformer.model.transformer import Transformer
 from jaxformer.run.checkpoints import RunCheckpoints
 from jaxformer.run.config import TrainConfig
 from jaxformer.run.directory import RunDir
 from jaxformer.run.metrics import MetricsLog
 from jaxformer.train.early_stopping import EarlyStopping
+from jaxformer.train.plan import RunPlan
 from jaxformer.train.programs import RunPrograms
 from jaxformer.train.step import TrainState
 
@@ -42,63 +40,46 @@ class TrainData:
     dev_examples: Examples
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Run:
-    """Everything :func:`setup` builds and the later phases use."""
+    """What :func:`jaxformer.train.run_setup.setup` opened for a plan; :meth:`close` (or
+    ``with run.closer``) waits for pending saves and closes the writers and data workers."""
 
-    cfg: TrainConfig
-    run_dir: RunDir
+    plan: RunPlan
+    programs: RunPrograms
     data: TrainData
     tokenizer: Tokenizer
-    programs: RunPrograms   # model, schedule, layout and jitted programs (kept across runs)
-    state: TrainState
     checkpoints: RunCheckpoints
     evaluator: Evaluator
     metrics_log: MetricsLog
-    dropout_key: jax.Array
-    num_params: int
-    best_bleu: float   # -1 before the first evaluation
-    t_start: float
-    matmul_flop_rate: float = 0.0   # FLOP/s of a float32 2048³ matmul at the start (README's speed)
-    closed: bool = False
-    early_stopping: EarlyStopping | None = None   # set from --patience in train_loop
+    dropout_key: jax.Array   # the run's root key; step s drops out with fold_in(key, s)
+    closer: contextlib.ExitStack
 
     @property
-    def model(self) -> Transformer:
-        return self.programs.model
+    def cfg(self) -> TrainConfig:
+        return self.plan.cfg
 
     @property
-    def schedule(self) -> optax.Schedule:
-        return self.programs.schedule
-
-    @property
-    def layout(self) -> sharding_lib.Layout:
-        return self.programs.layout
-
-    @property
-    def eval_step(self) -> Callable:
-        """The jitted teacher-forced dev-loss step (sums)."""
-        return self.programs.eval_step
+    def run_dir(self) -> RunDir:
+        return self.plan.run_dir
 
     def close(self) -> None:
-        """Waits for pending checkpoint saves and closes the writers (idempotent)."""
-        if not self.closed:
-            self.closed = True
-            self.checkpoints.wait()
-            self.checkpoints.close()
-            self.metrics_log.close()
-            self.data.iterator.close()   # stops the data worker processes, if any
+        """Waits for pending checkpoint saves and closes everything opened (idempotent)."""
+        self.closer.close()
 
 
 @dataclasses.dataclass
 class LoopState:
-    """The host loop's state between steps."""
+    """The host loop's state between steps: the train state and what the loop counts."""
 
     step: int
+    state: TrainState
+    best_bleu: float = -1.0   # dev BLEU of the best checkpoint; -1 before the first evaluation
     totals: dict[str, Any] | None = None   # device sums since the last logged step
     last_log_time: float = 0.0
     recent_skips: float = 0.0   # updates skipped as non-finite in the last logged window
     stopped_by: str = "max_steps"
+    early_stopping: EarlyStopping = dataclasses.field(default_factory=lambda: EarlyStopping(None))
 
     def skips_pending(self) -> float:
         """Updates skipped as non-finite since the last clean logging window: their

@@ -30,10 +30,8 @@ class TrainState(train_state.TrainState):
 
 def create_train_state(model: Transformer, rng: chex.PRNGKey, tx: optax.GradientTransformation,
                        example_shape: tuple[int, int] = (1, 8)) -> TrainState:
-    """Initialises parameters (float32 unless the config says otherwise) and Adam state.
-
-    The state holds plain arrays: the logical-axis boxes of ``model.init`` are removed.
-    """
+    """Initialises parameters (float32 unless the config says otherwise) and Adam state, as
+    plain arrays (the logical-axis boxes of ``model.init`` removed)."""
     return nn.unbox(jax.jit(functools.partial(_boxed_train_state, model, tx, example_shape))(rng))
 
 
@@ -48,18 +46,12 @@ def _boxed_train_state(model, tx, example_shape, rng):
 def create_sharded_train_state(model: Transformer, rng: chex.PRNGKey, tx: optax.GradientTransformation,
                                mesh: jax.sharding.Mesh, example_shape: tuple[int, int] = (1, 8)
                                ) -> tuple[TrainState, Layout]:
-    """Like :func:`create_train_state`, but each array is created directly in its shard.
-
-    Parameters and Adam moments are sharded by their logical axis names through
-    :data:`jaxformer.model.sharding.LOGICAL_AXIS_RULES`; counters are replicated. The same
-    key gives the same values on every mesh.
+    """:func:`create_train_state` with each array created directly in its shard: parameters
+    and Adam moments by their logical axis names (:data:`jaxformer.model.sharding.LOGICAL_AXIS_RULES`),
+    counters replicated. The same key gives the same values on every mesh.
 
     Returns:
       ``(state, layout)``: the state of plain arrays, and its :class:`Layout`.
-
-    Raises:
-      ValueError: a sharded dimension (heads, d_ff, vocabulary) is not divisible by
-        the ``model`` axis.
     """
     init, layout, _ = jit_sharded_init(model, tx, mesh, example_shape)
     return init(rng), layout
@@ -68,16 +60,12 @@ def create_sharded_train_state(model: Transformer, rng: chex.PRNGKey, tx: optax.
 def jit_sharded_init(model: Transformer, tx: optax.GradientTransformation, mesh: jax.sharding.Mesh,
                      example_shape: tuple[int, int] = (1, 8)
                      ) -> tuple[Callable[[chex.PRNGKey], TrainState], Layout, Any]:
-    """:func:`create_sharded_train_state` in parts: ``(init, layout, abstract_state)``, where
-    the jitted ``init(rng)`` creates the train state directly in ``layout``'s shards and
-    ``abstract_state`` is its shapes, dtypes and shardings (:func:`abstract_train_state`):
-    the restore target of a resumed run, which then never computes an initial state.
-
-    Raises:
-      ValueError: as :func:`create_sharded_train_state`.
-    """
+    """:func:`create_sharded_train_state` in parts: ``(init, layout, abstract_state)``: the
+    jitted ``init(rng)`` and the state's shapes, dtypes and shardings
+    (:func:`abstract_train_state`), a resumed run's restore target."""
     boxed_state = functools.partial(_boxed_train_state, model, tx, example_shape)
     abstract, layout = abstract_train_state(model, tx, mesh, example_shape)
+
     def init_train_state(rng):
         return nn.unbox(boxed_state(rng))
 
@@ -87,15 +75,9 @@ def jit_sharded_init(model: Transformer, tx: optax.GradientTransformation, mesh:
 
 def jit_state_from_params(model: Transformer, tx: optax.GradientTransformation, layout: Layout
                           ) -> Callable[[Any], TrainState]:
-    """Jitted ``start(params) -> TrainState``: a new train state around given parameters
-    (step 0, fresh optimizer state: Adam's moments at zero, as
-    :func:`create_sharded_train_state` makes them), laid out as ``layout``.
-
-    A fine-tune (``--init-from``) starts with it: the loaded parameters are donated and
-    become the state's. Before, a fine-tune computed a whole initial state (``model.init``
-    traced, compiled and run) and then replaced its parameters, holding one copy of the
-    parameters more than training needs while it started.
-    """
+    """Jitted ``start(params) -> TrainState``: step 0 and Adam's moments at zero around
+    given parameters, which are donated (a fine-tune's start: no initial parameters are
+    computed beside the loaded ones), laid out as ``layout``."""
     def start(params):
         state = TrainState.create(apply_fn=model.apply, params=params, tx=tx)
         return state.replace(step=jnp.zeros((), jnp.int32))   # as _boxed_train_state's
@@ -105,14 +87,13 @@ def jit_state_from_params(model: Transformer, tx: optax.GradientTransformation, 
 
 def abstract_train_state(model: Transformer, tx: optax.GradientTransformation, mesh: jax.sharding.Mesh,
                          example_shape: tuple[int, int] = (1, 8)) -> tuple[Any, Layout]:
-    """The train state's shapes, dtypes and shardings on ``mesh``, without computing it.
-
-    Returns:
-      ``(abstract_state, layout)``: a tree of ``jax.ShapeDtypeStruct`` with shardings
-      (an orbax restore target) and the :class:`Layout`.
+    """The train state's shapes, dtypes and shardings on ``mesh``, without computing it:
+    ``(abstract_state, layout)``, a tree of ``jax.ShapeDtypeStruct`` with shardings (an
+    orbax restore target) and the :class:`Layout`.
 
     Raises:
-      ValueError: as :func:`create_sharded_train_state`.
+      ValueError: a sharded dimension (heads, d_ff, vocabulary) is not divisible by the
+        ``model`` axis (:func:`jaxformer.model.sharding.tree_shardings`).
     """
     boxed = jax.eval_shape(functools.partial(_boxed_train_state, model, tx, example_shape),
                            jax.random.key(0))
@@ -151,12 +132,11 @@ def _accumulated_grads(params, batch, rng, *, model: Transformer, smoothing: flo
     Micro-batch ``i`` takes rows ``i, i + steps, i + 2·steps, …`` (so every data shard
     contributes to each) and dropout key ``fold_in(rng, i)``. Gradients of the loss
     *sums* are added up and divided by the whole batch's token count: exactly the
-    gradient of the full batch, whatever the padding of each micro-batch.
+    gradient of the full batch, whatever the padding of each micro-batch. The rows are a
+    multiple of ``steps`` (the batcher rounds them so).
     """
     rows = batch["src"].shape[0]
-    if rows % steps:
-        raise ValueError(f"A batch of {rows} rows does not split into grad_accum_steps={steps} "
-                         f"micro-batches; make the rows a multiple of it.")
+    chex.assert_equal(rows % steps, 0)
 
     def split(x_BL):   # [B, L] → [steps, B/steps, L]; micro-batch i = rows i::steps
         micro = jnp.swapaxes(x_BL.reshape((rows // steps, steps) + x_BL.shape[1:]), 0, 1)

@@ -1,14 +1,14 @@
 """The main job: train a translator, evaluate BLEU, checkpoint, resume.
 
-:func:`train` reads as its three phases: :func:`setup` (mesh, run directory, data,
-tokenizer, model, restored state; :mod:`jaxformer.train.run_setup`), :func:`train_loop`
+:func:`train` reads as its three phases: :func:`setup` (the run plan, then its directory,
+data, tokenizer, programs and train state; :mod:`jaxformer.train.run_setup`), :func:`train_loop`
 (steps, logging, evaluation, checkpoints, preemption) and :func:`final_test`.
 ``train.py`` is a thin entry point; everything here is importable and tested.
 """
 
 from __future__ import annotations
 
-import math
+import contextlib
 import signal
 import time
 from pathlib import Path
@@ -21,7 +21,6 @@ from jaxformer.model.validation import check_token_ids
 from jaxformer.run.config import TrainConfig
 from jaxformer.run.directory import RunDir, topmost_missing
 from jaxformer.run.logs import Progress, RunLog, log
-from jaxformer.train.early_stopping import EarlyStopping
 from jaxformer.train.preemption import Preempted, PreemptionGuard, past_deadline
 from jaxformer.train.run_eval import evaluate, final_test
 from jaxformer.train.run_setup import setup
@@ -32,42 +31,34 @@ __all__ = ["Preempted", "TrainingDiverged", "train", "setup", "train_loop", "eva
 
 
 def train(cfg: TrainConfig, *, fresh: bool = False) -> dict[str, Any]:
-    """Trains, evaluates and checkpoints one run; resumes if the workdir has a checkpoint.
-
-    Resume is exact: the checkpoint holds the step, parameters, optimizer state and
-    the data iterator's position, and dropout keys are ``fold_in(seed key, step)``,
-    so N steps in one go equal N/2 + N/2 across a restart, bit for bit on CPU.
+    """Trains, evaluates and checkpoints one run; resumes if the workdir has a checkpoint,
+    exactly (the checkpoint holds the state and the data position, dropout keys are
+    ``fold_in(seed key, step)``: N steps equal N/2 + N/2, bit for bit on CPU).
 
     Returns:
       the final results (also written to ``workdir/results.json``).
 
     Raises:
-      ValueError / FileNotFoundError / OSError: bad corpus, bad paths, or an
-        incompatible checkpoint; all before any compile. A run directory this call
-        made is removed again, unless its data was prepared or its tokenizer trained
-        (the next attempt reuses them).
+      ValueError / FileNotFoundError / OSError: bad corpus, paths or checkpoints, before any
+        compile; a run directory this call made is removed unless its data was prepared.
       CheckpointError: checkpoints exist but none is readable (nothing is changed).
       Preempted: SIGTERM/SIGINT; the current step was checkpointed first.
-      TrainingDiverged: a whole logging window of non-finite updates (all skipped),
-        or a run that ends with skipped updates and no checkpoint at all; the last
-        checkpoint is intact.
+      TrainingDiverged: a whole logging window of non-finite updates, or skipped updates
+        and no checkpoint at all; the last checkpoint is intact.
     """
     run_dir, made = RunDir(cfg.workdir), topmost_missing(Path(cfg.workdir))
     with RunLog(run_dir.log) as run_log:   # train.log: everything printed
-        try:
-            run = setup(cfg, fresh=fresh)
-        except Exception:   # a folder this call made, holding no prepared data, is removed
-            run_dir.remove_if_made_and_unprepared(made)
-            raise
+        with contextlib.ExitStack() as undo:   # a failed setup removes a folder this call made (no data)
+            undo.callback(run_dir.remove_if_made_and_unprepared, made)
+            run, loop = setup(cfg, fresh=fresh)
+            undo.pop_all()
         run_log.open()   # after --fresh moved the previous run's log aside
-        try:
-            return final_test(run, train_loop(run))
-        finally:   # also on Preempted / TrainingDiverged: pending saves finish, files are closed
-            run.close()
+        with run.closer:   # also on Preempted / TrainingDiverged: pending saves finish, files close
+            return final_test(run, train_loop(run, loop))
 
 
 # ---------------------------------------------------------------------- the loop
-def train_loop(run: Run) -> LoopState:
+def train_loop(run: Run, loop: LoopState) -> LoopState:
     """Steps until ``--max-steps``, ``--max-minutes`` or a signal; logs every ``--log-every``
     steps (the one host sync), evaluates every ``--eval-every`` and checkpoints every
     ``--checkpoint-every`` steps and at the end.
@@ -77,19 +68,17 @@ def train_loop(run: Run) -> LoopState:
       TrainingDiverged: a whole logging window of non-finite updates, or skipped
         updates at the end of a run that has no checkpoint to fall back on.
     """
-    cfg, c = run.cfg, run.model.config
-    loop = LoopState(step=int(run.state.step), last_log_time=time.perf_counter())
-    deadline = None if cfg.max_minutes is None else run.t_start + 60 * cfg.max_minutes
-    train_step = run.programs.train_step
-    run.early_stopping = EarlyStopping(cfg.patience, best=run.best_bleu if run.best_bleu >= 0 else -math.inf)
-    progress = Progress(enabled=cfg.progress, step=loop.step, max_steps=cfg.max_steps, t_start=run.t_start,
-                        deadline=deadline)
+    cfg, c = run.cfg, run.programs.model.config
+    loop.last_log_time = time.perf_counter()
+    deadline = None if cfg.train.max_minutes is None else run.plan.t_start + 60 * cfg.train.max_minutes
+    progress = Progress(enabled=cfg.run.progress, step=loop.step, max_steps=cfg.train.max_steps,
+                        t_start=run.plan.t_start, deadline=deadline)
     with PreemptionGuard(multi_process=jax.process_count() > 1) as guard, progress:
-        while loop.step < cfg.max_steps:
+        while loop.step < cfg.train.max_steps:
             if guard.stop_requested():
                 loop.stopped_by = signal.Signals(guard.received).name
                 break
-            if deadline is not None and past_deadline(deadline, loop.step, cfg.log_every):
+            if deadline is not None and past_deadline(deadline, loop.step, cfg.run.log_every):
                 loop.stopped_by = "max_minutes"
                 break
             batch = next(run.data.iterator)
@@ -97,30 +86,38 @@ def train_loop(run: Run) -> LoopState:
             for name, vocab in (("src", c.src_vocab_size), ("tgt_in", c.tgt_vocab_size),
                                 ("tgt_out", c.tgt_vocab_size)):
                 check_token_ids(batch[name], name=name, vocab_size=vocab, max_len=c.max_len)
-            run.state, metrics = train_step(run.state, sharding_lib.shard_batch(batch, run.layout.batch),
-                                            run.dropout_key)
+            loop.state, metrics = run.programs.train_step(
+                loop.state, sharding_lib.shard_batch(batch, run.programs.layout.batch), run.dropout_key)
             loop.totals = add_metrics(loop.totals, metrics)
             loop.step += 1
             progress.step(loop.step)
-            if loop.step % cfg.log_every == 0:
+            if loop.step % cfg.run.log_every == 0:
                 _log_window(run, loop, progress)
-            if loop.step % cfg.checkpoint_every == 0:
+            if loop.step % cfg.run.checkpoint_every == 0:
                 _save_if_healthy(run, loop)
-            if loop.step % cfg.eval_every == 0 and _evaluate_and_stop_early(run, loop):
+            if loop.step % cfg.train.eval_every == 0 and _evaluate_and_stop_early(run, loop):
                 loop.stopped_by = "early_stopping"
-                log(f"early stopping: no better dev BLEU in {cfg.patience} evaluations "
-                    f"(best {run.early_stopping.best:.2f})")
+                log(f"early stopping: no better dev BLEU in {cfg.train.patience} evaluations "
+                    f"(best {loop.early_stopping.best:.2f})")
                 break
     refused = run.checkpoints.latest_step() != loop.step and not _save_if_healthy(run, loop)
     run.checkpoints.wait()
     if guard.received is not None:
         _stop_preempted(run, loop, guard.received)
-    if refused and run.checkpoints.latest_step() is None and run.checkpoints.best_step() is None:
-        raise TrainingDiverged(f"Training diverged: updates up to step {loop.step} were skipped as "
-                               f"non-finite and no checkpoint was written, so there are no parameters to "
-                               f"test. Lower --lr-scale, set --grad-clip or use --dtype float32, then run "
-                               f"again (--fresh).")
+    nothing_saved = run.checkpoints.latest_step() is None and run.checkpoints.best_step() is None
+    _stop_if_diverged(refused and nothing_saved and (
+        f"Training diverged: updates up to step {loop.step} were skipped as non-finite and no "
+        f"checkpoint was written, so there are no parameters to test. {_FIX} (--fresh)."))
     return loop
+
+
+_FIX = "Lower --lr-scale, set --grad-clip or use --dtype float32, then run again"
+
+
+def _stop_if_diverged(message: str | None) -> None:
+    """Raises :class:`TrainingDiverged` with ``message``, if there is one."""
+    if message:
+        raise TrainingDiverged(message)
 
 
 def _log_window(run: Run, loop: LoopState, progress: Progress) -> None:
@@ -133,9 +130,7 @@ def _log_window(run: Run, loop: LoopState, progress: Progress) -> None:
       TrainingDiverged: every update of the window was skipped as non-finite.
     """
     values = jax.device_get(loop.totals)
-    diverged = _finite_report(values, loop.step, run.checkpoints.latest_step())
-    if diverged:
-        raise TrainingDiverged(diverged)
+    _stop_if_diverged(_finite_report(values, loop.step, run.checkpoints.latest_step()))
     loop.recent_skips = float(values["skipped"])
     tokens = max(float(values["tokens"]), 1.0)
     applied = max(float(values["steps"] - values["skipped"]), 1.0)
@@ -146,7 +141,7 @@ def _log_window(run: Run, loop: LoopState, progress: Progress) -> None:
               "train/grad_norm": float(values["grad_norm"]) / applied,
               "train/skipped": float(values["skipped"]),
               "train/steps": int(values["steps"]),
-              "train/lr": float(run.schedule(loop.step - 1)),
+              "train/lr": float(run.programs.schedule(loop.step - 1)),
               "train/tokens_per_s": tokens / max(now - loop.last_log_time, 1e-9)}
     run.metrics_log.write(loop.step, record)
     loop.totals, loop.last_log_time = None, now
@@ -158,7 +153,7 @@ def _save_if_healthy(run: Run, loop: LoopState) -> bool:
     run about to diverge can have applied a finite but ruinous update just before, and
     the rotation (keep N) would then push the last good checkpoint out."""
     if loop.skips_pending() == 0:
-        run.checkpoints.save(loop.step, run.state, run.data.iterator)
+        run.checkpoints.save(loop.step, loop.state, run.data.iterator)
         return True
     log(f"step {loop.step}: not checkpointing, updates were skipped as non-finite since the last "
         f"clean logging window; step {run.checkpoints.latest_step()} stays the newest checkpoint")
@@ -169,8 +164,8 @@ def _evaluate_and_stop_early(run: Run, loop: LoopState) -> bool:
     """Evaluates; whether early stopping ends the run. After skipped updates the score
     neither becomes the best nor counts for early stopping (the parameters may be ruined)."""
     healthy = loop.skips_pending() == 0
-    bleu = evaluate(run, loop.step, keep_best=healthy)
-    return healthy and run.early_stopping.update(bleu)
+    bleu = evaluate(run, loop, keep_best=healthy)
+    return healthy and loop.early_stopping.update(bleu)
 
 
 def _stop_preempted(run: Run, loop: LoopState, signum: int) -> None:
@@ -197,5 +192,5 @@ def _finite_report(values: dict[str, Any], step: int, last_checkpoint: int | Non
     where = (f"the last checkpoint (step {last_checkpoint}) is intact" if last_checkpoint is not None
              else "no checkpoint was written")
     return (f"Training diverged: all {window} updates up to step {step} had a non-finite loss or "
-            f"gradient norm and were skipped; {where}. Lower --lr-scale, set --grad-clip or use "
-            f"--dtype float32, then run again to resume from the last checkpoint (or --fresh).")
+            f"gradient norm and were skipped; {where}. {_FIX} to resume from the last checkpoint "
+            f"(or --fresh).")

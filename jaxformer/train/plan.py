@@ -1,0 +1,106 @@
+"""A training run's start, decided once (:func:`plan_run`, before anything is written):
+fresh, resumed or a fine-tune, mesh, platform, data pipeline shape. Later phases read the
+:class:`RunPlan` and never decide again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any, Literal
+
+import jax
+
+from jaxformer.data.corpus import target_language_of
+from jaxformer.decode.evaluation import make_bleu
+from jaxformer.interop import pretrained
+from jaxformer.model import sharding as sharding_lib
+from jaxformer.model.config import TransformerConfig, preset
+from jaxformer.run.config import TrainConfig
+from jaxformer.run.directory import RunDir
+from jaxformer.run.logs import log
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+    """What a run's start decided (:func:`plan_run`).
+
+    Attributes:
+      cfg: the run's settings, with the ``--init-from`` it was started with (a fine-tune
+        resumed without the flag still takes its architecture and tokenizer from there).
+      start: ``"resume"`` (``checkpoints/`` holds a step: the newest readable one is
+        restored), ``"fine-tune"`` (no step yet; the weights of ``cfg.run.init_from``) or
+        ``"fresh"`` (no step yet; initialised from ``cfg.run.seed``).
+      run_dir: the run directory.
+      saved: the run's ``config.json`` record when resuming (what the resume is checked
+        against), else ``None``.
+      mesh: the device mesh (``--mesh`` over ``--devices``).
+      platform: JAX's backend (``cpu``, ``gpu``, ``tpu``).
+      data_workers: grain processes collating batches (``--data-workers``; default 0 on
+        the CPU, whose cores the step needs, else 2).
+      row_multiple: every batch's rows are a multiple of it (data axis ×
+        ``--grad-accum-steps``, and the process count).
+      t_start: ``time.perf_counter()`` at the start (wall time, ``--max-minutes``).
+    """
+
+    cfg: TrainConfig
+    start: Literal["fresh", "resume", "fine-tune"]
+    run_dir: RunDir
+    saved: dict[str, Any] | None
+    mesh: jax.sharding.Mesh
+    platform: str
+    data_workers: int
+    row_multiple: int
+    t_start: float
+
+    @property
+    def resuming(self) -> bool:
+        return self.start == "resume"
+
+
+def plan_run(cfg: TrainConfig, fresh: bool = False) -> RunPlan:
+    """Decides the start from ``cfg``, ``fresh`` and the run directory, and checks what needs
+    no data: BLEU's tokenizer starts, the mesh fits the devices and splits the model's
+    widths, a fine-tune's run has a checkpoint.
+
+    Raises:
+      ValueError / FileNotFoundError / OSError: naming the flag and the fix.
+    """
+    t_start = time.perf_counter()
+    make_bleu(cfg.decode.tgt_lang or target_language_of(cfg), cfg.decode.sacrebleu_tokenize)
+    sharding_lib.initialize_distributed(cfg.run.coordinator_address, cfg.run.num_processes, cfg.run.process_id,
+                                        auto=cfg.run.distributed)
+    mesh = sharding_lib.make_mesh(cfg.run.mesh, sharding_lib.first_devices(cfg.run.devices))
+    run_dir = RunDir(cfg.workdir)
+    saved = None if fresh else run_dir.read_config()
+    cfg = cfg if fresh else pretrained.with_saved_init_from(cfg, run_dir)
+    resuming = not fresh and run_dir.has_checkpoint()
+    start = "resume" if resuming else "fine-tune" if cfg.run.init_from else "fresh"
+    if cfg.run.init_from:
+        pretrained.check_fine_tune(cfg, run_dir, fresh=fresh, starting=start == "fine-tune")
+    sharding_lib.check_mesh_divides(mesh, _architecture(cfg, saved if resuming else None),
+                                    loaded_from=cfg.run.init_from)
+    if cfg.run.devices is not None:
+        log(f"using {cfg.run.devices} of {len(jax.devices())} devices (--devices)")
+    if cfg.train.warmup_steps >= cfg.train.max_steps:   # legal (short test runs), but rarely what is meant
+        log(f"note: --warmup-steps {cfg.train.warmup_steps} >= --max-steps {cfg.train.max_steps}: the learning rate "
+            f"rises for the whole run and never reaches its peak or decays; lower --warmup-steps "
+            f"(e.g. {max(1, cfg.train.max_steps // 10)}) for a full schedule")
+    platform = jax.default_backend()
+    return RunPlan(cfg=cfg, start=start, run_dir=run_dir, saved=saved if resuming else None, mesh=mesh,
+                   platform=platform, t_start=t_start,
+                   data_workers=cfg.train.data_workers if cfg.train.data_workers is not None else (
+                       0 if platform == "cpu" else 2),
+                   row_multiple=math.lcm(sharding_lib.batch_shards(mesh) * cfg.train.grad_accum_steps,
+                                         jax.process_count()))
+
+
+def _architecture(cfg: TrainConfig, saved: dict[str, Any] | None) -> TransformerConfig:
+    """The widths the mesh must split, known before the data: a resumed run's own record's,
+    a fine-tune's loaded run's, else the preset's with the flags."""
+    if saved is not None and "model" in saved:
+        return TransformerConfig.from_dict(saved["model"])
+    if cfg.run.init_from:
+        return pretrained.model_config(pretrained.read_run(cfg.run.init_from), cfg.model.overrides())
+    return preset(cfg.model.preset, src_vocab_size=cfg.data.vocab_size, **cfg.model.overrides())
