@@ -46,8 +46,9 @@ def _load(path: Path, fix: str, required: Sequence[str] = ()):
     except (RuntimeError, ValueError, LookupError, TypeError, AttributeError,
             *(() if is_vocab else (OSError,))) as e:
         what = "readable JSON (piece → id)" if is_vocab else "a readable sentencepiece model"
-        raise ValueError(f"{path} is not {what}{' with ' + ', '.join(required) if required else ''} "
-                         f"({type(e).__name__}: {e}); {fix}") from e
+        raise ValueError(f"{str(path)!r} is unreadable: it is not {what}"
+                         f"{' with ' + ', '.join(required) if required else ''} ({type(e).__name__}: {e}); "
+                         f"{fix}") from e
 
 
 class Tokenizer:

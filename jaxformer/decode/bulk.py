@@ -24,8 +24,6 @@ from jaxformer.data import lines as lines_lib
 from jaxformer.data.lines import line_numbers  # noqa: F401  (the tools' name for it)
 from jaxformer.data.prepared import file_digest
 
-MANIFEST = "manifest.json"
-
 BulkInputError = lines_lib.TextError   # the input cannot be read as lines of UTF-8 text
 
 
@@ -70,7 +68,7 @@ class BulkJob:
         self.output = Path(output)
         self.parts = self.output.with_name(self.output.name + ".parts")
         self.record = record
-        manifest = self.parts / MANIFEST
+        manifest = self.parts / "manifest.json"
         if manifest.exists():
             saved = json.loads(manifest.read_text())
             differing = sorted(k for k in set(saved) | set(record) if saved.get(k) != record.get(k))
