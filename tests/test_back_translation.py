@@ -11,7 +11,7 @@ import pytest
 
 from jaxformer.data import back_translation, corpus, streaming
 from jaxformer.data import run_data as rundata
-from jaxformer.data.run_data import DataSpec
+from jaxformer.data.prepare import DataSpec
 from jaxformer.data.tokenizer import BT_TAG, Tokenizer
 from jaxformer.run.config import TrainConfig
 from jaxformer.run.directory import RunDir

@@ -17,7 +17,7 @@ import pytest
 from jaxformer.data import batching, corpus, prepare, streaming
 from jaxformer.data import run_data as rundata
 from jaxformer.data.prepared import PreparedCorpus, PreparedDataError
-from jaxformer.data.run_data import DataSpec
+from jaxformer.data.prepare import DataSpec
 from jaxformer.data.tokenizer import Tokenizer
 from jaxformer.run.checkpoints import RunCheckpoints
 from jaxformer.run.config import TrainConfig

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -17,9 +17,6 @@ from jaxformer.data.corpus import DataReport, Pair, PairFiles, describe_file
 from jaxformer.data.lines import chunks
 from jaxformer.data.tokenizer import BT_TAG, TextTokenizer, Tokenizer
 from jaxformer.run.logs import log
-
-if TYPE_CHECKING:
-    from jaxformer.data.run_data import DataSpec
 
 Encoder = Callable[[TextTokenizer, list[Pair]], tuple[list[list[int]], list[list[int]]]]
 
@@ -100,20 +97,20 @@ class BackTranslationMix:
         self.position = int(state["pairs"])
 
 
-def append(spec: DataSpec, tokenizer: TextTokenizer, writer: Any, real_pairs: int, seed: int,
+def append(path: str, ratio: float | None, tokenizer: TextTokenizer, writer: Any, real_pairs: int, seed: int,
            encode: Encoder) -> dict[str, Any]:
-    """Appends ``spec.bt_file``'s :class:`BackTranslationMix`, encoded, sources tagged, through
+    """Appends ``path``'s :class:`BackTranslationMix`, encoded, sources tagged, through
     ``writer`` (a :class:`jaxformer.data.prepare.IdWriter`) a chunk at a time; returns the
     manifest's counts (``read``, ``chosen``, ``kept``, ``ratio``, ``tag_id``). Raises
     ValueError: see :func:`tag_id` and :class:`BackTranslationMix`."""
     tag = tag_id(tokenizer)
-    mix = BackTranslationMix(spec.bt_file, spec.bt_ratio, real_pairs, seed)
+    mix = BackTranslationMix(path, ratio, real_pairs, seed)
     kept = 0
     for chunk in chunks(mix.records(), CHUNK_PAIRS):
         src, tgt = encode(tokenizer, chunk)
         kept += writer.write([[tag, *ids] for ids in src], tgt)
-    log(f"prepare: back-translation: {mix.report.summary(spec.bt_file)}; {mix.chosen} synthetic pairs "
+    log(f"prepare: back-translation: {mix.report.summary(path)}; {mix.chosen} synthetic pairs "
         f"chosen for {real_pairs} real ones (ratio {mix.chosen / max(real_pairs, 1):.2f}), {kept} kept "
         f"after the length filters, sources tagged {BT_TAG} (id {tag})")
-    return {"read": mix.report.kept, "chosen": mix.chosen, "kept": kept, "ratio": spec.bt_ratio,
+    return {"read": mix.report.kept, "chosen": mix.chosen, "kept": kept, "ratio": ratio,
             "tag_id": tag}

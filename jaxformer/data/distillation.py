@@ -17,7 +17,8 @@ from pathlib import Path
 
 from jaxformer.data.corpus import Splitter
 from jaxformer.data.prepared import read_manifest
-from jaxformer.data.run_data import DataSpec, fingerprint_differences, same_data
+from jaxformer.data.prepare import DataSpec
+from jaxformer.data.run_data import fingerprint_differences, same_data
 from jaxformer.run.config import TrainConfig
 from jaxformer.run.directory import RunDir
 from jaxformer.run.train_flags import load_config_file

@@ -1,5 +1,6 @@
-"""Prepare once: a corpus streamed into token ids on disk (``jaxformer-prepare``, or
-``train.py`` when the run has none), read twice, never whole: (1) count the usable pairs
+"""Prepare once: the data of a run (:class:`DataSpec`: its corpus and every setting that
+changes the ids) streamed into token ids on disk (``jaxformer-prepare``, or ``train.py``
+when the run has none), the corpus read twice, never whole: (1) count the usable pairs
 and keep a reservoir sample, on which sentencepiece is trained (unless the run has a
 tokenizer); (2) split by the hash of the source (:class:`jaxformer.data.corpus.Splitter`),
 encode the training pairs in chunks on all cores, filter them
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import itertools
 import json
 import os
@@ -28,18 +30,78 @@ import numpy as np
 
 from jaxformer.data import back_translation, corpus
 from jaxformer.data.batching import length_filter
-from jaxformer.data.corpus import DataReport, Pair, Splitter
+from jaxformer.data.corpus import DataReport, Pair, PairFiles, Splitter, describe_file
 from jaxformer.data.lines import chunks
 from jaxformer.data.prepared import FORMAT_VERSION, file_digest, tokenizer_digest
 from jaxformer.data.tokenizer import BT_TAG, TextTokenizer, Tokenizer
 from jaxformer.run.logs import log
 
 if TYPE_CHECKING:
-    from jaxformer.data.run_data import DataSpec
+    from jaxformer.run.config import TrainConfig
 
 SAMPLE_PAIRS = 100_000      # tokenizer sample: 200k sentences, sentencepiece's input_sentence_size
 CHUNK_PAIRS = 20_000        # pairs encoded per sentencepiece call
 PENDING_TOKENIZER = "spm.model.new"   # a new tokenizer, in prepared/ until it is moved in
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSpec:
+    """The corpus (``corpus_files``: one TSV file, or source and target files when
+    ``aligned``) and the settings that change the ids; ``bt_file``: synthetic pairs added
+    to training, tagged, ``bt_ratio`` per real one (:mod:`jaxformer.data.back_translation`)."""
+
+    corpus_files: tuple[str, ...]
+    aligned: bool = False
+    dev_file: str | None = None
+    test_file: str | None = None
+    vocab_size: int = 4000
+    max_tokens: int = 1024
+    max_length_ratio: float = 9.0
+    name: str = ""
+    bt_file: str | None = None
+    bt_ratio: float | None = None       # None = each synthetic pair once
+
+    @classmethod
+    def from_config(cls, cfg: TrainConfig) -> DataSpec:
+        """The data a run's flags name (``--train-file``, ``--src-file``/``--tgt-file`` or ``--pair``).
+        Raises ValueError: conflicting corpus flags."""
+        d = cfg.data
+        if (d.train_file and (d.src_file or d.tgt_file)) or bool(d.src_file) != bool(d.tgt_file):
+            raise ValueError("Give either --train-file or --src-file with --tgt-file, not both; "
+                             "--src-file and --tgt-file go together.")
+        common = dict(dev_file=d.dev_file, test_file=d.test_file, vocab_size=d.vocab_size,
+                      max_length_ratio=d.max_length_ratio, bt_file=d.bt_file, bt_ratio=d.bt_ratio)
+        if d.train_file:
+            return cls((d.train_file,), name=d.train_file, **common)
+        if d.src_file:
+            return cls((d.src_file, d.tgt_file), aligned=True, name=f"{d.src_file} + {d.tgt_file}", **common)
+        return cls((str(corpus.builtin_corpus_path(d.pair)),),
+                   name=f"shipped {d.pair} corpus (LibreOffice help, MPL-2.0)", **common)
+
+    def source(self, report: DataReport | None = None) -> PairFiles:
+        """The corpus as a data source (its pairs counted in ``report``)."""
+        return PairFiles(self.corpus_files, report or DataReport())
+
+    def explicit_splits(self) -> dict[str, str]:
+        """The held-out splits given as files (``--dev-file``, ``--test-file``)."""
+        return {name: path for name, path in (("dev", self.dev_file), ("test", self.test_file)) if path}
+
+    def fingerprint(self) -> dict[str, Any]:
+        """Every input file's :func:`jaxformer.data.corpus.describe_file` and the settings that change
+        the ids: what ``prepared/manifest.json`` and the run record keep (its keys and values never
+        change, so old runs still resume). Raises FileNotFoundError: an input file is missing;
+        ValueError: one is a folder, pipe or device."""
+        def describe(path: str | None) -> dict[str, Any] | None:
+            return None if path is None else describe_file(path)
+
+        fingerprint = {"format_version": FORMAT_VERSION, "corpus": self.source().fingerprint(),
+                       "aligned": self.aligned, "dev_file": describe(self.dev_file),
+                       "test_file": describe(self.test_file), "vocab_size": self.vocab_size,
+                       "max_tokens": self.max_tokens, "max_length_ratio": self.max_length_ratio}
+        if self.bt_file:   # only then: runs without synthetic data keep their fingerprints
+            mix = back_translation.BackTranslationMix(self.bt_file, self.bt_ratio, 0)
+            fingerprint["back_translation"] = mix.fingerprint()
+        return fingerprint
 
 
 def prepare(spec: DataSpec, directory: str | os.PathLike, tokenizer_file: str | os.PathLike,
@@ -190,8 +252,8 @@ def _write_splits(spec: DataSpec, splitter: Splitter, tokenizer: TextTokenizer, 
                     pending = pool.submit(encode_pairs, tokenizer, train)
             if pending is not None:
                 real += writer.write(*pending.result())
-        synthetic = (back_translation.append(spec, tokenizer, writer, real, seed, encode_pairs)
-                     if spec.bt_file else None)
+        synthetic = (back_translation.append(spec.bt_file, spec.bt_ratio, tokenizer, writer, real, seed,
+                                             encode_pairs) if spec.bt_file else None)
     finally:
         lengths = writer.close()
     np.save(out / "train-lengths.npy", lengths.astype(np.int32))

@@ -1,87 +1,23 @@
-"""What the data of a run is (:class:`DataSpec`: its corpus and the settings that change the
-ids) and whether it is reused, prepared or refused: every start compares its fingerprint
-with the one ``prepared/manifest.json`` records; equal, the prepared data is reused;
-different in a run with checkpoints, an error naming what differs and the fix; different
-before any checkpoint, prepared again.
+"""Whether a run's data (:class:`jaxformer.data.prepare.DataSpec`) is reused, prepared or
+refused: every start compares its fingerprint with the one ``prepared/manifest.json``
+records; equal, the prepared data is reused; different in a run with checkpoints, an error
+naming what differs and the fix; different before any checkpoint, prepared again.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from jaxformer.data import corpus
-from jaxformer.data.back_translation import BackTranslationMix
-from jaxformer.data.corpus import DataReport, PairFiles, describe_file
-from jaxformer.data.prepare import finish_tokenizer_move, prepare
-from jaxformer.data.prepared import FORMAT_VERSION, PreparedCorpus, read_manifest, tokenizer_digest
+from jaxformer.data.prepare import DataSpec, finish_tokenizer_move, prepare
+from jaxformer.data.prepared import PreparedCorpus, read_manifest, tokenizer_digest
 from jaxformer.run.logs import log
 
 if TYPE_CHECKING:
     from jaxformer.data.tokenizer import TextTokenizer
     from jaxformer.run.config import TrainConfig
     from jaxformer.run.directory import RunDir
-
-
-@dataclasses.dataclass(frozen=True)
-class DataSpec:
-    """The corpus (``corpus_files``: one TSV file, or source and target files when
-    ``aligned``) and the settings that change the ids; ``bt_file``: synthetic pairs added
-    to training, tagged, ``bt_ratio`` per real one (:mod:`jaxformer.data.back_translation`)."""
-
-    corpus_files: tuple[str, ...]
-    aligned: bool = False
-    dev_file: str | None = None
-    test_file: str | None = None
-    vocab_size: int = 4000
-    max_tokens: int = 1024
-    max_length_ratio: float = 9.0
-    name: str = ""
-    bt_file: str | None = None
-    bt_ratio: float | None = None       # None = each synthetic pair once
-
-    @classmethod
-    def from_config(cls, cfg: TrainConfig) -> DataSpec:
-        """The data a run's flags name (``--train-file``, ``--src-file``/``--tgt-file`` or ``--pair``).
-        Raises ValueError: conflicting corpus flags."""
-        d = cfg.data
-        if (d.train_file and (d.src_file or d.tgt_file)) or bool(d.src_file) != bool(d.tgt_file):
-            raise ValueError("Give either --train-file or --src-file with --tgt-file, not both; "
-                             "--src-file and --tgt-file go together.")
-        common = dict(dev_file=d.dev_file, test_file=d.test_file, vocab_size=d.vocab_size,
-                      max_length_ratio=d.max_length_ratio, bt_file=d.bt_file, bt_ratio=d.bt_ratio)
-        if d.train_file:
-            return cls((d.train_file,), name=d.train_file, **common)
-        if d.src_file:
-            return cls((d.src_file, d.tgt_file), aligned=True, name=f"{d.src_file} + {d.tgt_file}", **common)
-        return cls((str(corpus.builtin_corpus_path(d.pair)),),
-                   name=f"shipped {d.pair} corpus (LibreOffice help, MPL-2.0)", **common)
-
-    def source(self, report: DataReport | None = None) -> PairFiles:
-        """The corpus as a data source (its pairs counted in ``report``)."""
-        return PairFiles(self.corpus_files, report or DataReport())
-
-    def explicit_splits(self) -> dict[str, str]:
-        """The held-out splits given as files (``--dev-file``, ``--test-file``)."""
-        return {name: path for name, path in (("dev", self.dev_file), ("test", self.test_file)) if path}
-
-    def fingerprint(self) -> dict[str, Any]:
-        """Every input file's :func:`jaxformer.data.corpus.describe_file` and the settings that change
-        the ids: what ``prepared/manifest.json`` and the run record keep (its keys and values never
-        change, so old runs still resume). Raises FileNotFoundError: an input file is missing;
-        ValueError: one is a folder, pipe or device."""
-        def describe(path: str | None) -> dict[str, Any] | None:
-            return None if path is None else describe_file(path)
-
-        fingerprint = {"format_version": FORMAT_VERSION, "corpus": self.source().fingerprint(),
-                       "aligned": self.aligned, "dev_file": describe(self.dev_file),
-                       "test_file": describe(self.test_file), "vocab_size": self.vocab_size,
-                       "max_tokens": self.max_tokens, "max_length_ratio": self.max_length_ratio}
-        if self.bt_file:   # only then: runs without synthetic data keep their fingerprints
-            fingerprint["back_translation"] = BackTranslationMix(self.bt_file, self.bt_ratio, 0).fingerprint()
-        return fingerprint
 
 
 def fingerprint_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
