@@ -5,7 +5,7 @@
     python benchmarks/corpus.py --count-only     # padding fractions over one epoch, no training
 
 What ``python train.py`` does, minus evaluation: the shipped en-de corpus, its hashed
-train split, a joint sentencepiece vocabulary of 4000 trained on that split (cached in
+train split, a joint sentencepiece vocabulary (--vocab-size) trained on that split (cached in
 the system temp dir), pairs longer than 64 tokens dropped, 2048-token batches, the
 ``small`` preset, Adam with label smoothing 0.1, the jitted and donated train step, a
 host-side id check before each step (as in ``jaxformer.train.trainer.train``).
@@ -15,7 +15,11 @@ Two batchings, back to back in one process:
 * ``bucket``: length buckets 16/32/48/64 (``bucket_boundaries(64)``), one compile per
   bucket; every row holds one pair padded to its bucket;
 * ``pack``: whole pairs packed into rows of 64 source and 64 target positions with
-  segment ids (``pack_batches``), one compile.
+  segment ids (``pack_plan``), one compile.
+
+The data are held in memory (read, split by ``corpus.Splitter``, ``tokenize_pairs``) and
+batched by the package's own pipeline (``streaming.stream_dataset`` over the whole
+corpus as one block), so "epoch" is exactly the plan the timed steps walk through.
 
 Padding fraction = pad positions / processed positions (rows × length), for the source
 side, the target side and both together; "epoch" counts every batch of one epoch,
@@ -28,7 +32,6 @@ second (target alone in brackets: the tokens the loss is computed on).
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -36,7 +39,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxformer.data import batching
+from jaxformer.data import batching, corpus, streaming
+from jaxformer.data.tokenizer import Tokenizer
 from jaxformer.model.config import preset
 from jaxformer.model.transformer import Transformer
 from jaxformer.model.validation import check_token_ids
@@ -44,48 +48,74 @@ from jaxformer.run.config import DEFAULT_CPU_RUN, TrainConfig
 from jaxformer.train.optimizer import make_optimizer, transformer_schedule
 from jaxformer.train.step import create_train_state, jit_train_step
 
-# The in-memory data path (read, split, tokenize and batch the whole corpus) left the package
-# for tests/reference_data.py; this benchmark of its two batchings uses it from there.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-import reference_data  # noqa: E402
+
+def default_settings(**overrides) -> dict:
+    """The default CPU run's flat settings (as ``config.json``'s ``"train"`` keeps them)."""
+    return TrainConfig.flat(**{**DEFAULT_CPU_RUN, **overrides}).to_dict()
 
 
-def prepare(cfg: TrainConfig):
-    """Train examples and tokenizer exactly as the default run builds them."""
-    splits, _ = reference_data.load_splits(cfg)
-    cache = Path(tempfile.gettempdir()) / f"jaxformer-bench-{cfg.data.pair}-{cfg.data.vocab_size}"
-    tokenizer = reference_data.load_or_train_tokenizer(cache, splits["train"], cfg.data.vocab_size)
-    examples = batching.tokenize_pairs(splits["train"], tokenizer, cfg.train.max_train_len)
+def in_memory(settings: dict, tokenizer_dir: Path, max_ratio: float | None = None):
+    """The run's data held in memory: the corpus split by the hash of its source
+    (``corpus.Splitter``, explicit dev/test files not supported), a sentencepiece model
+    trained on the train split (loaded from ``tokenizer_dir`` if there), and the train split
+    tokenized, pairs longer than ``max_train_len`` dropped. Returns ``(splits, examples,
+    tokenizer)``."""
+    path = settings["train_file"] or corpus.builtin_corpus_path(settings["pair"])
+    pairs, _ = corpus.read_tsv(path)
+    splitter, splits = corpus.Splitter.for_size(len(pairs)), {"train": [], "dev": [], "test": []}
+    for pair in pairs:
+        splits[splitter(pair[0])].append(pair)
+    model = Path(tokenizer_dir) / "spm.model"
+    tokenizer = Tokenizer(model) if model.exists() else Tokenizer.train(
+        [s for pair in splits["train"] for s in pair], tokenizer_dir, vocab_size=settings["vocab_size"])
+    examples = batching.tokenize_pairs(splits["train"], tokenizer, settings["max_train_len"],
+                                       max_ratio=max_ratio)
+    return splits, examples, tokenizer
+
+
+def in_memory_stream(examples, tokenizer, settings: dict, pack: bool, row_multiple: int = 1):
+    """The package's pipeline over examples in memory, the whole corpus planned as one block."""
+    return streaming.BatchStream(lambda start: streaming.stream_dataset(
+        examples, max_len=settings["max_train_len"], batch_tokens=settings["batch_tokens"],
+        boundaries=batching.bucket_boundaries(settings["max_train_len"]), seed=settings["seed"],
+        pad_id=tokenizer.pad_id, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id,
+        row_multiple=row_multiple, pack=pack, block_pairs=len(examples), start=start))
+
+
+def prepare(cfg: dict):
+    """Train examples and tokenizer as the default run builds them."""
+    cache = Path(tempfile.gettempdir()) / f"jaxformer-bench-{cfg['pair']}-{cfg['vocab_size']}"
+    _, examples, tokenizer = in_memory(cfg, cache)
     return examples, tokenizer
 
 
-def epoch_batches(examples, cfg: TrainConfig, pack: bool):
-    boundaries = batching.bucket_boundaries(cfg.train.max_train_len)
-    if pack:
-        return batching.pack_batches(examples, cfg.train.batch_tokens, boundaries[-1], cfg.run.seed,
-                                     jax.local_device_count())
-    return batching.bucket_batches(examples, cfg.train.batch_tokens, boundaries, cfg.run.seed, jax.local_device_count())
+def epoch_batches(examples, cfg: dict, pack: bool):
+    """The first epoch's plan of :func:`in_memory_stream` (one block: the whole corpus)."""
+    plans = streaming.process_plans(examples, max_len=cfg["max_train_len"], batch_tokens=cfg["batch_tokens"],
+                                    boundaries=batching.bucket_boundaries(cfg["max_train_len"]),
+                                    seed=cfg["seed"], row_multiple=jax.local_device_count(), pack=pack,
+                                    block_pairs=len(examples))
+    iterator, batches = iter(plans), []
+    while iterator.get_state()["epoch"] == 0:
+        length, indices, _ = next(iterator)
+        batches.append((length, indices))
+    return batches
 
 
 def fractions_line(fractions):
     return f"source {fractions['src']:.1%}, target {fractions['tgt']:.1%}, both {fractions['both']:.1%}"
 
 
-def run(examples, tokenizer, cfg: TrainConfig, pack: bool, steps: int) -> dict:
+def run(examples, tokenizer, cfg: dict, pack: bool, steps: int) -> dict:
     batches = epoch_batches(examples, cfg, pack)
     shapes = sorted({(length, len(idx)) for length, idx in batches})
-    config = preset(cfg.model.preset, src_vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id)
+    config = preset(cfg["preset"], src_vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id)
     model = Transformer(config)
-    state = create_train_state(model, jax.random.key(cfg.run.seed),
-                               make_optimizer(transformer_schedule(config.d_model, cfg.train.warmup_steps,
-                                                                   cfg.train.lr_scale)))
-    step_fn = jit_train_step(model, cfg.train.label_smoothing)
-    dataset = reference_data.train_dataset(examples, batch_tokens=cfg.train.batch_tokens,
-                                     boundaries=batching.bucket_boundaries(cfg.train.max_train_len),
-                                     seed=cfg.run.seed, pad_id=tokenizer.pad_id, bos_id=tokenizer.bos_id,
-                                     eos_id=tokenizer.eos_id, row_multiple=jax.local_device_count(),
-                                     pack=pack)
-    iterator = iter(dataset)
+    state = create_train_state(model, jax.random.key(cfg["seed"]),
+                               make_optimizer(transformer_schedule(config.d_model, cfg["warmup_steps"],
+                                                                   cfg["lr_scale"])))
+    step_fn = jit_train_step(model, cfg["label_smoothing"])
+    iterator = in_memory_stream(examples, tokenizer, cfg, pack, row_multiple=jax.local_device_count())
     rng = jax.random.key(1)
     # Compile every shape first: one real batch of each (the dataset's own collate).
     build = batching.collate_packed if pack else batching.collate
@@ -130,13 +160,14 @@ def main():
     args = parser.parse_args()
     if args.quick:
         args.steps = 8
-    cfg = TrainConfig.flat(**DEFAULT_CPU_RUN)
+    cfg = default_settings()
     start = time.perf_counter()
     examples, tokenizer = prepare(cfg)
-    print(f"config: shipped {cfg.data.pair} train split, {len(examples)} pairs <= {cfg.train.max_train_len} tokens, "
-          f"sentencepiece {tokenizer.vocab_size}, batch_tokens {cfg.train.batch_tokens}, preset {cfg.model.preset}, "
-          f"buckets {batching.bucket_boundaries(cfg.train.max_train_len)}, {jax.local_device_count()} device(s), "
-          f"{args.steps} timed steps ({time.perf_counter() - start:.1f}s to prepare)", flush=True)
+    print(f"config: shipped {cfg['pair']} train split, {len(examples)} pairs <= {cfg['max_train_len']} "
+          f"tokens, sentencepiece {tokenizer.vocab_size}, batch_tokens {cfg['batch_tokens']}, preset "
+          f"{cfg['preset']}, buckets {batching.bucket_boundaries(cfg['max_train_len'])}, "
+          f"{jax.local_device_count()} device(s), {args.steps} timed steps "
+          f"({time.perf_counter() - start:.1f}s to prepare)", flush=True)
     modes = {"bucket": [False], "pack": [True], "both": [False, True]}[args.batching]
     results = {}
     for pack in modes:

@@ -16,22 +16,22 @@ anew) into ``--out``; then, each in a fresh process whose peak RSS is read from
   a checkpoint that the resume restores: seconds to the first step and peak RSS. Both
   compile through the run directory's persistent cache, as ``train.py`` does (the first
   run fills it); ``resume_uncached`` resumes once more without it;
-* ``old in-memory`` (sizes up to ``--old-up-to``): what the trainer did before,
-  read + split + sentencepiece + tokenize + pack the whole corpus, to the first batch.
+* ``in-memory`` (sizes up to ``--old-up-to``): the whole corpus in memory instead, read
+  + split + sentencepiece + tokenize + plan it all as one block, to the first batch
+  (``in_memory`` of benchmarks/corpus.py, batched by ``streaming.stream_dataset``).
 
 Then, on the shipped corpus with the default run's settings (``small`` preset,
-2048-token batches of 64-token packed rows): padding over one epoch (streamed
-block plans and the old whole-corpus plan) and steps/s of ``--steps`` steps fed by
-each pipeline with the same compiled step: streamed and collated in this process (the
-CPU default), streamed from 2 grain worker processes (``--data-workers 2``, the GPU/TPU
-default) and the old in-memory pipeline. Run it alone on the machine: anything
-running beside it makes the timings worthless.
+2048-token batches of 64-token packed rows): padding over one epoch (streamed block
+plans and the whole-corpus plan) and steps/s of ``--steps`` steps fed by each pipeline
+with the same compiled step: streamed and collated in this process (the CPU default),
+streamed from 2 grain worker processes (``--data-workers 2``, the GPU/TPU default) and
+in memory. Run it alone on the machine: anything running beside it makes the timings
+worthless.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import resource
@@ -80,12 +80,12 @@ def measured(args: list[str]) -> dict:
             **(json.loads(lines[-1]) if lines else {})}
 
 
-def _cfg(args: argparse.Namespace):
+def _cfg(args: argparse.Namespace, **overrides):
     from jaxformer.run.config import DEFAULT_CPU_RUN, TrainConfig
 
     data = {"train_file": args.train_file} if args.train_file else {}
     return TrainConfig.flat(**{**DEFAULT_CPU_RUN, **data, "workdir": args.workdir, "progress": False,
-                          "max_train_len": args.max_train_len, "checkpoint_every": 10**9})
+                                "max_train_len": args.max_train_len, "checkpoint_every": 10**9, **overrides})
 
 
 def startup(args: argparse.Namespace) -> None:
@@ -113,29 +113,14 @@ def startup(args: argparse.Namespace) -> None:
     print(json.dumps({"to_first_step_s": seconds, "step": int(run.state.step)}))
 
 
-def _reference_data():
-    """tests/reference_data.py: the in-memory path that left the package, the old path here."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    import reference_data
-
-    return reference_data
-
-
 def old_path(args: argparse.Namespace) -> None:
-    """(child) The in-memory path the trainer had: read, split, train the tokenizer, tokenize,
-    pack the whole corpus, to the first batch."""
-    from jaxformer.data import batching
+    """(child) The whole corpus in memory: read, split, train the tokenizer, tokenize, plan it
+    all as one block, to the first batch."""
+    from corpus import in_memory, in_memory_stream
 
-    reference_data = _reference_data()
-    start, cfg = time.perf_counter(), _cfg(args)
-    splits, _ = reference_data.load_splits(cfg)
-    tokenizer = reference_data.load_or_train_tokenizer(Path(args.workdir), splits["train"], cfg.data.vocab_size)
-    examples = batching.tokenize_pairs(splits["train"], tokenizer, cfg.train.max_train_len)
-    dataset = reference_data.train_dataset(examples, batch_tokens=cfg.train.batch_tokens,
-                                     boundaries=batching.bucket_boundaries(cfg.train.max_train_len), seed=0,
-                                     pad_id=tokenizer.pad_id, bos_id=tokenizer.bos_id,
-                                     eos_id=tokenizer.eos_id, pack=True)
-    next(iter(dataset))
+    start, settings = time.perf_counter(), _cfg(args).to_dict()
+    _, examples, tokenizer = in_memory(settings, Path(args.workdir) / "tokenizer")
+    next(in_memory_stream(examples, tokenizer, settings, pack=True))
     print(json.dumps({"to_first_batch_s": time.perf_counter() - start}))
 
 
@@ -143,6 +128,7 @@ def shipped(args: argparse.Namespace) -> None:
     """(child) Padding over one epoch and steps/s of both pipelines on the shipped corpus."""
     import jax
     import numpy as np
+    from corpus import epoch_batches, in_memory, in_memory_stream
 
     from jaxformer.data import batching
     from jaxformer.data.prepared import PreparedCorpus
@@ -164,20 +150,17 @@ def shipped(args: argparse.Namespace) -> None:
         used = ids[ids >= 0]
         real += int(corpus_.src_lengths[used].sum() + corpus_.tgt_lengths[used].sum() + used.size)
         processed += 2 * length * len(ids)
-    reference_data = _reference_data()
-    splits, _ = reference_data.load_splits(cfg)
-    examples = batching.tokenize_pairs(splits["train"], tok, cfg.train.max_train_len,
-                                       max_ratio=cfg.data.max_length_ratio)
-    old_batches = batching.pack_batches(examples, cfg.train.batch_tokens, bounds[-1], 0)
-    old = reference_data.train_dataset(examples, batch_tokens=cfg.train.batch_tokens, boundaries=bounds, seed=0,
-                                 pad_id=tok.pad_id, bos_id=tok.bos_id, eos_id=tok.eos_id, pack=True)
+    settings = cfg.to_dict()
+    _, examples, _ = in_memory(settings, run.run_dir.tokenizer_dir, max_ratio=cfg.data.max_length_ratio)
+    old = in_memory_stream(examples, tok, settings, pack=True)
     step = jit_train_step(run.model, cfg.train.label_smoothing, layout=run.layout)
+    whole_plan = epoch_batches(examples, settings, True)
     result = {"padding_streamed": 1 - real / processed,
-              "padding_old": batching.padding_fraction(examples, old_batches)["both"]}
-    workers = build_train_data(cfg.replace(data_workers=2), corpus_, run.data.target_language,
+              "padding_old": batching.padding_fraction(examples, whole_plan)["both"]}
+    workers = build_train_data(_cfg(args, data_workers=2), corpus_, run.data.target_language,
                                tok, run.model.config, row_multiple=1).iterator   # the same batches
     state = run.state   # donated by each step: one state carried through all turns
-    turns = (("streamed", run.data.iterator), ("streamed_2_workers", workers), ("old", iter(old))) * 2
+    turns = (("streamed", run.data.iterator), ("streamed_2_workers", workers), ("old", old)) * 2
     for name, iterator in turns:   # in turns, so drift hits every pipeline alike
         state, m = step(state, sharding_lib.shard_batch(next(iterator), run.layout.batch), run.dropout_key)
         jax.block_until_ready(m)   # compiled (once) and warm

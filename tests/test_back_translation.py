@@ -11,7 +11,7 @@ import pytest
 
 from jaxformer.data import back_translation, corpus, streaming
 from jaxformer.data import run_data as rundata
-from jaxformer.data.spec import DataSpec
+from jaxformer.data.prepare import DataSpec
 from jaxformer.data.tokenizer import BT_TAG, Tokenizer
 from jaxformer.run.config import TrainConfig
 from jaxformer.run.directory import RunDir
@@ -105,7 +105,7 @@ def test_a_gzip_bt_file_of_any_name_is_read_and_a_ratio_that_chooses_nothing_is_
         tmp_path, short_corpus, bt_file):
     gzipped = tmp_path / "bt-no-suffix"   # gzip by its magic number, not its name
     gzipped.write_bytes(gzip.compress(bt_file.read_bytes()))
-    assert len(list(corpus.iter_tsv(gzipped, corpus.DataReport()))) == 150
+    assert len(corpus.read_tsv(gzipped)[0]) == 150
     run = RunDir(tmp_path / "run")
     run.create()
     with pytest.raises(ValueError, match="chooses no synthetic pair"):

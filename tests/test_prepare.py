@@ -17,7 +17,7 @@ import pytest
 from jaxformer.data import batching, corpus, prepare, streaming
 from jaxformer.data import run_data as rundata
 from jaxformer.data.prepared import PreparedCorpus, PreparedDataError
-from jaxformer.data.spec import DataSpec
+from jaxformer.data.prepare import DataSpec
 from jaxformer.data.tokenizer import Tokenizer
 from jaxformer.run.checkpoints import RunCheckpoints
 from jaxformer.run.config import TrainConfig
@@ -228,7 +228,7 @@ def test_a_vocabulary_sentencepiece_cannot_reach_and_a_utf16_corpus_are_clear_er
                          + "Hello.\tHallo.\n".encode(encoding))
         assert path.read_bytes()[:2] in (b"\xff\xfe", b"\xfe\xff")
         with pytest.raises(ValueError, match="is UTF-16.*iconv -f UTF-16 -t UTF-8"):
-            list(corpus.iter_tsv(path, corpus.DataReport()))
+            corpus.read_tsv(path)
 
 
 def test_a_corpus_from_a_pipe_is_refused_not_read_as_empty(tmp_path):

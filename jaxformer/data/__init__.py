@@ -1,9 +1,6 @@
-"""The data wing: from corpus files to training batches.
-
-``lines`` (the one reader of text files), ``corpus`` (pair files, the hashed split),
-``tokenizer`` (sentencepiece, Marian), ``prepare`` (stream a corpus into ids on disk
-once), ``prepared`` (that format), ``streaming`` and ``batching`` (packing, buckets, the
-grain pipeline), ``back_translation`` (the synthetic mix), ``sources`` (the protocol
-they follow), ``spec`` and ``run_data`` (what a run's data is, its fingerprint,
-prepared when missing). Imports the ``model`` and ``run`` wings only.
+"""The data wing, corpus files to training batches: ``lines`` (the text reader), ``corpus``
+(pair files, the hashed split), ``tokenizer``, ``prepare``/``prepared`` (ids on disk),
+``batching`` and ``streaming`` (plans, collation, the grain pipeline), ``back_translation``,
+``distillation``, ``sources`` (the protocol), ``run_data`` (a run's data, its fingerprint,
+reused or prepared). Imports the ``model`` and ``run`` wings only.
 """

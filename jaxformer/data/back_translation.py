@@ -1,42 +1,22 @@
-"""Tagged back-translation: synthetic pairs beside the real ones (``--bt-file``).
-
-Back-translation (Sennrich et al. 2016, "Improving Neural Machine Translation Models
-with Monolingual Data") trains on pairs whose source is a machine translation of real
-target-language text; tagged back-translation (Caswell et al. 2019) marks those
-sources with a tag so the model tells them from real ones. Here the synthetic pairs
-come as a TSV file (synthetic source, real target), e.g. made by bulk translation::
-
-    jaxformer-translate --workdir runs/de-en --input mono.de --output mono.bt.en
-    paste mono.bt.en mono.de > bt.tsv
-    python train.py --train-file real.tsv --bt-file bt.tsv --bt-ratio 1
-
-Each synthetic source gets the tag :data:`BT_TAG` as its first id: a reserved piece
-(a sentencepiece control symbol) of the run's tokenizer, so no real text ever
-encodes to it and decoding drops it. Synthetic pairs go to training only (never to
-dev or test), through the same length filters as the real ones, appended to the
-prepared id files; the per-epoch shuffle of :mod:`jaxformer.data.streaming` mixes them.
-
-``--bt-ratio R`` sets how many synthetic pairs there are per real training pair: the
-synthetic pairs are sampled without replacement when there are more than ``R`` × the
-real count, and repeated (whole copies, then a sample for the rest) when fewer; no
-ratio takes each once. The choice is seeded and the file, ratio and tag are in the
-data's fingerprint, so a run never continues on other synthetic data.
+"""Tagged back-translation (Sennrich et al. 2016; Caswell et al. 2019): ``--bt-file`` pairs of
+a machine-translated source and a real target (e.g. ``paste`` of bulk translation's output and
+input) join training, each source starting with the id of :data:`BT_TAG` (a control piece no
+text encodes to), through the real pairs' length filters; ``--bt-ratio R`` takes R per real
+pair (whole copies, then a seeded sample without replacement), no ratio each once.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from jaxformer.data.corpus import DataReport, Pair, PairFiles, describe_file
+from jaxformer.data.lines import chunks
 from jaxformer.data.tokenizer import BT_TAG, TextTokenizer, Tokenizer
 from jaxformer.run.logs import log
-
-if TYPE_CHECKING:
-    from jaxformer.data.spec import DataSpec
 
 Encoder = Callable[[TextTokenizer, list[Pair]], tuple[list[list[int]], list[list[int]]]]
 
@@ -45,13 +25,8 @@ MAX_REPEATS = 100   # copies of one synthetic pair --bt-ratio may ask for
 
 
 def tag_id(tokenizer: TextTokenizer) -> int:
-    """The id of :data:`BT_TAG` in ``tokenizer``: a reserved piece (a sentencepiece control
-    symbol), never produced by encoding text, dropped when decoding.
-
-    Raises:
-      ValueError: the tokenizer has no reserved tag: one trained without ``--bt-file``,
-        or an imported (Marian) vocabulary, which has none.
-    """
+    """The id of :data:`BT_TAG`, a control piece of ``tokenizer``. Raises ValueError: the tokenizer
+    has none (trained without ``--bt-file``, or Marian's)."""
     sp = tokenizer.sp if isinstance(tokenizer, Tokenizer) else None
     piece_id = sp.piece_to_id(BT_TAG) if sp is not None else None
     if sp is None or piece_id == tokenizer.unk_id or not sp.is_control(piece_id):
@@ -64,10 +39,8 @@ def tag_id(tokenizer: TextTokenizer) -> int:
 
 
 def multiplicities(available: int, wanted: int, seed: int) -> np.ndarray:
-    """How many times each of ``available`` synthetic pairs is used so that ``wanted``
-    are used in all: ``wanted // available`` whole copies of each, plus one more for a
-    sample of ``wanted % available`` of them without replacement (numpy's seeded
-    generator). Returns uint32 ``[available]`` summing to ``wanted``."""
+    """uint32 ``[available]`` uses of each pair, summing to ``wanted``: ``wanted // available``
+    each, plus one for a seeded sample of ``wanted % available`` without replacement."""
     rng = np.random.default_rng(seed)
     counts = np.full(available, wanted // available, np.uint32)
     counts[rng.choice(available, wanted % available, replace=False)] += 1
@@ -76,13 +49,12 @@ def multiplicities(available: int, wanted: int, seed: int) -> np.ndarray:
 
 @dataclasses.dataclass
 class BackTranslationMix:
-    """A data source (:class:`jaxformer.data.sources.DataSource`) of the synthetic pairs
-    of ``path`` chosen for ``real_pairs`` real ones at ``ratio`` (see the module
-    docstring), in file order; the position counts the pairs given.
+    """The synthetic pairs of ``path`` chosen for ``real_pairs`` real ones at ``ratio``, in file
+    order, as a data source (:class:`jaxformer.data.sources.DataSource`; the position counts
+    the pairs given).
 
     Raises (from :meth:`records`, before the first pair):
-      ValueError: the file has no usable pair, or the ratio chooses none or more than
-        ``MAX_REPEATS`` copies of each.
+      ValueError: no usable pair, or a ratio that chooses none or over ``MAX_REPEATS`` copies.
     """
 
     path: str
@@ -115,7 +87,7 @@ class BackTranslationMix:
                     yield pair
 
     def fingerprint(self) -> dict[str, Any]:
-        """The file, the ratio and the tag: the ``back_translation`` entry of the data's fingerprint."""
+        """The file, the ratio and the tag (the data fingerprint's ``back_translation``)."""
         return {"file": describe_file(self.path), "ratio": self.ratio, "tag": BT_TAG}
 
     def get_state(self) -> dict[str, int]:
@@ -125,36 +97,20 @@ class BackTranslationMix:
         self.position = int(state["pairs"])
 
 
-def append(spec: DataSpec, tokenizer: TextTokenizer, writer: Any, real_pairs: int, seed: int,
+def append(path: str, ratio: float | None, tokenizer: TextTokenizer, writer: Any, real_pairs: int, seed: int,
            encode: Encoder) -> dict[str, Any]:
-    """Encodes the :class:`BackTranslationMix` of ``spec.bt_file`` with ``encode``
-    (:func:`jaxformer.data.prepare.encode_pairs`), tags their sources and appends them
-    through ``writer`` (a :class:`jaxformer.data.prepare.IdWriter`, which applies the
-    length filters), a chunk at a time.
-
-    Returns:
-      counts for the manifest: ``read`` (usable pairs in the file), ``chosen`` (after
-      the ratio), ``kept`` (after the length filters), ``ratio``, ``tag_id``.
-
-    Raises:
-      ValueError: the tokenizer has no tag (:func:`tag_id`), or see :class:`BackTranslationMix`.
-    """
+    """Appends ``path``'s :class:`BackTranslationMix`, encoded, sources tagged, through
+    ``writer`` (a :class:`jaxformer.data.prepare.IdWriter`) a chunk at a time; returns the
+    manifest's counts (``read``, ``chosen``, ``kept``, ``ratio``, ``tag_id``). Raises
+    ValueError: see :func:`tag_id` and :class:`BackTranslationMix`."""
     tag = tag_id(tokenizer)
-    mix = BackTranslationMix(spec.bt_file, spec.bt_ratio, real_pairs, seed)
-    kept, chunk = 0, []
-
-    def flush() -> int:
+    mix = BackTranslationMix(path, ratio, real_pairs, seed)
+    kept = 0
+    for chunk in chunks(mix.records(), CHUNK_PAIRS):
         src, tgt = encode(tokenizer, chunk)
-        return writer.write([[tag, *ids] for ids in src], tgt)
-
-    for pair in mix.records():   # memory: one chunk at most
-        chunk.append(pair)
-        if len(chunk) >= CHUNK_PAIRS:
-            kept, chunk = kept + flush(), []
-    if chunk:
-        kept += flush()
-    available, wanted = mix.report.kept, mix.chosen
-    log(f"prepare: back-translation: {mix.report.summary(spec.bt_file)}; {wanted} synthetic pairs "
-        f"chosen for {real_pairs} real ones (ratio {wanted / max(real_pairs, 1):.2f}), {kept} kept after "
-        f"the length filters, sources tagged {BT_TAG} (id {tag})")
-    return {"read": available, "chosen": wanted, "kept": kept, "ratio": spec.bt_ratio, "tag_id": tag}
+        kept += writer.write([[tag, *ids] for ids in src], tgt)
+    log(f"prepare: back-translation: {mix.report.summary(path)}; {mix.chosen} synthetic pairs "
+        f"chosen for {real_pairs} real ones (ratio {mix.chosen / max(real_pairs, 1):.2f}), {kept} kept "
+        f"after the length filters, sources tagged {BT_TAG} (id {tag})")
+    return {"read": mix.report.kept, "chosen": mix.chosen, "kept": kept, "ratio": ratio,
+            "tag_id": tag}

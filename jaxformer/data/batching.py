@@ -1,9 +1,7 @@
-"""Batching: tokenized pairs → fixed-shape padded or packed batches → a grain pipeline.
-
-Teacher forcing is explicit here (``tgt_in`` = bos y1 … yn, ``tgt_out`` = y1 … yn eos),
-never inside the decoder. Few shapes mean few compiles: length buckets
-(:func:`bucket_plan`) or one packed shape (:func:`pack_plan`), planned on lengths alone
-by :mod:`jaxformer.data.streaming`.
+"""Tokenized pairs to fixed-shape batches: length filters, batch plans (length buckets or
+packed rows, planned on lengths alone) and collation. Teacher forcing is explicit here
+(``tgt_in`` = bos y1 … yn, ``tgt_out`` = y1 … yn eos), never inside the decoder. The
+streaming pipeline that runs the plans is :mod:`jaxformer.data.streaming`.
 """
 
 from __future__ import annotations
@@ -12,17 +10,20 @@ import collections
 import dataclasses
 import functools
 from collections.abc import Sequence
+from typing import Any
+
 import numpy as np
 
 from jaxformer.data.corpus import DataReport, Pair
-from jaxformer.data.tokenizer import Tokenizer
+from jaxformer.data.tokenizer import TextTokenizer
+
+Plan = list[tuple[int, np.ndarray]]   # batches as (row length, indices; -1 = empty)
 
 
 @dataclasses.dataclass(frozen=True)
 class Examples:
-    """Tokenized pairs in memory: ragged id lists, without bos/eos. Indexed and measured as
-    a :class:`jaxformer.data.prepared.PreparedCorpus` is, so the streaming pipeline
-    (:func:`jaxformer.data.streaming.stream_dataset`) batches either."""
+    """Tokenized pairs in memory (ragged id lists, no bos/eos) with int64 ``[N]`` ``src_lengths``
+    / ``tgt_lengths``, as a :class:`jaxformer.data.prepared.PreparedCorpus`, so either is batched."""
 
     src: list[list[int]]
     tgt: list[list[int]]
@@ -32,75 +33,72 @@ class Examples:
 
     @functools.cached_property
     def src_lengths(self) -> np.ndarray:
-        """``[N]`` int64: source ids per pair."""
         return np.array([len(s) for s in self.src], np.int64)
 
     @functools.cached_property
     def tgt_lengths(self) -> np.ndarray:
-        """``[N]`` int64: target ids per pair (no bos/eos)."""
         return np.array([len(t) for t in self.tgt], np.int64)
 
 
-def tokenize_pairs(pairs: Sequence[Pair], tokenizer: Tokenizer, max_len: int,
-                   report: DataReport | None = None, max_ratio: float | None = None) -> Examples:
-    """Encodes pairs; drops (and counts) those that do not fit ``max_len``.
+def length_filter(src_len: np.ndarray, tgt_len: np.ndarray, max_src: int, max_tgt: int,
+                  max_ratio: float | None = None) -> tuple[np.ndarray, dict[str, int]]:
+    """Which pairs to keep (bool ``[N]``) and the counts dropped by reason: first a length ratio
+    above ``max_ratio`` either way (Moses ``clean-corpus-n``), then a source longer than
+    ``max_src`` or a target longer than ``max_tgt`` ids."""
+    src, tgt = np.asarray(src_len), np.asarray(tgt_len)
+    ratio_bad = (np.zeros(src.shape, bool) if max_ratio is None else
+                 (src > max_ratio * tgt) | (tgt > max_ratio * src))
+    long_bad = ~ratio_bad & ((src > max_src) | (tgt > max_tgt))
+    reasons = {} if max_ratio is None else {f"length ratio above {max_ratio:g}": int(ratio_bad.sum())}
+    return ~(ratio_bad | long_bad), {**reasons, f"longer than {max_src} tokens": int(long_bad.sum())}
 
-    A pair fits when the source has at most ``max_len`` ids and the target plus one
-    (bos for the decoder input, eos for the output) at most ``max_len``. With
-    ``max_ratio``, a pair whose id counts differ by more than that factor is dropped
-    first (Moses clean-corpus-n; the filter :mod:`jaxformer.data.prepare` applies).
-    """
-    src = tokenizer.encode_source([p[0] for p in pairs])
-    tgt = tokenizer.encode_target([p[1] for p in pairs])
-    keep_src, keep_tgt = [], []
-    for s, t in zip(src, tgt):
-        if max_ratio is not None and (len(s) > max_ratio * len(t) or len(t) > max_ratio * len(s)):
-            reason = f"length ratio above {max_ratio:g}"
-        elif len(s) > max_len or len(t) + 1 > max_len:
-            reason = f"longer than {max_len} tokens"
-        else:
-            keep_src.append(s)
-            keep_tgt.append(t)
-            continue
-        if report is not None:
-            report.skip(reason)
+
+def kept_records(corpus: Any, max_len: int, max_ratio: float | None = None,
+                 report: DataReport | None = None) -> tuple[np.ndarray, int]:
+    """int64 ``[M]``: the records of ``corpus`` (:class:`Examples` or a prepared corpus) that fit
+    ``max_len`` (source ids, target ids + 1) and ``max_ratio``; and the number dropped (by
+    reason in ``report``). Raises ValueError: none fits."""
+    keep, dropped = length_filter(corpus.src_lengths, corpus.tgt_lengths, max_len, max_len - 1, max_ratio)
+    records = np.flatnonzero(keep)
     if report is not None:
-        report.kept = len(keep_src)
-    if not keep_src:
-        raise ValueError(f"Every pair is longer than max_len={max_len} tokens; raise --max-len.")
-    return Examples(keep_src, keep_tgt)
+        report.skipped.update({reason: n for reason, n in dropped.items() if n})
+        report.kept = records.size
+    if records.size == 0:
+        raise ValueError(f"No pair fits max_len={max_len} tokens (dropped: {dropped}); raise --max-len or "
+                         f"--max-train-len.")
+    return records, int(len(keep) - records.size)
+
+
+def tokenize_pairs(pairs: Sequence[Pair], tokenizer: TextTokenizer, max_len: int,
+                   report: DataReport | None = None, max_ratio: float | None = None) -> Examples:
+    """``pairs`` encoded, less those :func:`kept_records` drops (counted in ``report``). Raises
+    ValueError: no pair fits."""
+    examples = Examples(tokenizer.encode_source([p[0] for p in pairs]),
+                        tokenizer.encode_target([p[1] for p in pairs]))
+    records, _ = kept_records(examples, max_len, max_ratio, report)
+    return Examples([examples.src[i] for i in records], [examples.tgt[i] for i in records])
 
 
 def bucket_boundaries(max_len: int, step: int = 16) -> tuple[int, ...]:
-    """Padded lengths: multiples of ``step`` up to 64, then ×1.5 steps up to ``max_len``.
-
-    Few buckets mean few compiles (each costs seconds on a CPU) at the price of
-    some padding; ``max_len`` is always the last boundary.
-    """
+    """Padded lengths: multiples of ``step`` up to 64, then ×1.5 steps, ``max_len`` last (few
+    buckets: few compiles, some padding)."""
     bounds = [b for b in range(step, min(64, max_len) + 1, step)] or [max_len]
-    while bounds[-1] < max_len:
-        # at least one step more: ×1.5 rounded down to a step can stay put (32 → 48 → 32)
+    while bounds[-1] < max_len:   # at least one step more: ×1.5 rounded down can stay put
         bounds.append(min(max_len, max(bounds[-1] + step, int(bounds[-1] * 1.5) // step * step)))
     return tuple(bounds)
 
 
 def rows_per_batch(batch_tokens: int, length: int, row_multiple: int = 1) -> int:
-    """Rows of a batch of ``length``-token rows: ``batch_tokens // length``, rounded down to
-    a multiple of ``row_multiple`` (at least one multiple). With the seed, these counts
-    decide the whole batch plan: two settings that give the same counts give the same
-    batches, whatever the device count."""
+    """Rows of a batch of ``length``-token rows: ``batch_tokens // length`` rounded down to a
+    multiple of ``row_multiple`` (at least one multiple). With the seed, these counts decide
+    the whole batch plan, whatever the device count."""
     return max(row_multiple, batch_tokens // length // row_multiple * row_multiple)
 
 
 def check_batch_rows(batch_tokens: int, row_length: int, row_multiple: int) -> str | None:
-    """Rows of a full-length batch: ``batch_tokens // row_length``, rounded down to a multiple
-    of ``row_multiple`` (data axis × grad-accumulation steps × processes), as
-    :func:`rows_per_batch` does. Too small a budget is an error; a rounded one returns a
-    note to report, so the batch is never silently another size.
-
-    Raises:
-      ValueError: fewer rows than ``row_multiple``, naming the ``--batch-tokens`` that fits.
-    """
+    """Checks that a full-length batch has at least ``row_multiple`` rows (data axis ×
+    grad-accumulation steps × processes); returns a note when :func:`rows_per_batch` rounds.
+    Raises ValueError: fewer rows, naming the ``--batch-tokens`` that fits."""
     rows = batch_tokens // row_length
     if rows < row_multiple:
         raise ValueError(f"--batch-tokens {batch_tokens} gives {rows} row(s) of {row_length} tokens, but "
@@ -114,23 +112,12 @@ def check_batch_rows(batch_tokens: int, row_length: int, row_multiple: int) -> s
     return None
 
 
-def _lengths(src_len: np.ndarray, tgt_len: np.ndarray) -> np.ndarray:
-    return np.maximum(src_len, tgt_len)
-
-
 def bucket_plan(src_len: np.ndarray, tgt_len: np.ndarray, rng: np.random.Generator, *, batch_tokens: int,
-                boundaries: Sequence[int], row_multiple: int = 1) -> list[tuple[int, np.ndarray]]:
-    """Groups pairs into fixed-shape batches by padded length.
-
-    ``src_len``/``tgt_len`` ``[N]`` are the source ids and the target ids + 1 of each pair
-    (each at most ``boundaries[-1]``). Each pair goes to the smallest bucket ``L`` that
-    holds both; a bucket's batches all have :func:`rows_per_batch` rows, so the step
-    compiles once per bucket. A bucket's last batch is filled with index -1 (all-pad rows).
-
-    Returns:
-      a list of ``(L, indices [rows])`` (positions in the lengths), in a random order.
-    """
-    bucket_of = np.searchsorted(np.asarray(boundaries), _lengths(src_len, tgt_len))
+                boundaries: Sequence[int], row_multiple: int = 1) -> Plan:
+    """Length buckets: ``[N]`` pairs of ``src_len`` source ids and ``tgt_len`` target ids + 1
+    (≤ ``boundaries[-1]``), each in the smallest boundary ``L`` that holds it. Returns ``(L,
+    indices [rows])`` batches (:func:`rows_per_batch` rows, -1 = empty) in a random order."""
+    bucket_of = np.searchsorted(np.asarray(boundaries), np.maximum(src_len, tgt_len))
     batches = []
     for b, length in enumerate(boundaries):
         members = np.flatnonzero(bucket_of == b)
@@ -145,26 +132,16 @@ def bucket_plan(src_len: np.ndarray, tgt_len: np.ndarray, rng: np.random.Generat
 
 
 def pack_plan(src_len: np.ndarray, tgt_len: np.ndarray, rng: np.random.Generator, *, batch_tokens: int,
-              length: int, row_multiple: int = 1) -> list[tuple[int, np.ndarray]]:
-    """Packs several sentence pairs into each row of one shape (sequence packing).
-
-    ``src_len``/``tgt_len`` ``[N]`` are the source ids and the target ids + 1 of each pair,
-    each at most ``length`` (the callers keep only pairs that fit). Every row has
-    ``length`` source and ``length`` target positions and holds whole pairs,
-    concatenated on both sides (pair j of a row is segment j + 1, see
-    :func:`collate_packed`). Rows are filled best-fit over a random order of the pairs
-    sorted longest first, so only a few per cent of the positions stay padding and the
-    train step compiles once; a batch has :func:`rows_per_batch` rows, the last filled
-    with empty rows.
-
-    Returns:
-      a list of ``(length, indices [rows, P])`` in a random order: row r holds the pairs
-      ``indices[r]`` that are ``>= 0``, in order (P = the most pairs of any row).
-    """
+              length: int, row_multiple: int = 1) -> Plan:
+    """Sequence packing: ``[N]`` pairs of ``src_len`` source ids and ``tgt_len`` target ids + 1
+    (each ≤ ``length``) concatenated into rows of ``length`` positions a side, best-fit over
+    a random order sorted longest first; :func:`rows_per_batch` rows a batch. Returns
+    ``(length, indices [rows, P])`` batches in a random order, row r holding the pairs
+    ``indices[r] >= 0`` (segments 1, 2, … of :func:`collate_packed`)."""
     order = rng.permutation(len(src_len))
-    order = order[np.argsort(-_lengths(src_len, tgt_len)[order], kind="stable")]
-    # Open rows grouped by their free space (source, target): best fit = the fitting
-    # group with the least free space left, found on a (length+1)² table.
+    order = order[np.argsort(-np.maximum(src_len, tgt_len)[order], kind="stable")]
+    # Open rows grouped by free space (source, target); best fit = the fitting group with the
+    # least space left, found on a (length+1)² table.
     open_rows: dict[tuple[int, int], list[int]] = collections.defaultdict(list)
     count = np.zeros((length + 1, length + 1), np.int64)
     waste = np.add.outer(np.arange(length + 1), np.arange(length + 1))
@@ -193,9 +170,8 @@ def pack_plan(src_len: np.ndarray, tgt_len: np.ndarray, rng: np.random.Generator
     return [(length, table[start:start + per_batch]) for start in range(0, len(table), per_batch)]
 
 
-def padding_fraction(corpus, batches: Sequence[tuple[int, np.ndarray]]) -> dict[str, float]:
-    """Pad positions / processed positions of ``batches`` (bucketed or packed) of ``corpus``
-    (:class:`Examples` or a prepared corpus), per side and both."""
+def padding_fraction(corpus: Any, batches: Plan) -> dict[str, float]:
+    """Pad positions / processed positions of a plan over ``corpus``, per side and both."""
     src_len, tgt_len = corpus.src_lengths, corpus.tgt_lengths + 1
     processed = sum(length * len(idx) for length, idx in batches)
     real_src = sum(int(src_len[idx[idx >= 0]].sum()) for _, idx in batches)
@@ -204,16 +180,11 @@ def padding_fraction(corpus, batches: Sequence[tuple[int, np.ndarray]]) -> dict[
             "both": 1 - (real_src + real_tgt) / (2 * processed)}
 
 
-def collate_packed(examples: Examples, length: int, indices: np.ndarray, *, pad_id: int, bos_id: int,
+def collate_packed(examples: Any, length: int, indices: np.ndarray, *, pad_id: int, bos_id: int,
                    eos_id: int) -> dict[str, np.ndarray]:
-    """Builds one packed batch from :func:`pack_plan` rows of ``examples`` (:class:`Examples`
-    or a prepared corpus: ``examples.src[i]`` the ids of pair ``i``).
-
-    Returns:
-      the :func:`collate` arrays plus ``src_segments`` / ``tgt_segments`` ``[rows, L]``
-      int32: 1, 2, … for the pairs of a row in order (a pair's source and target have
-      the same number), 0 on padding. The model builds its masks and positions from them.
-    """
+    """One packed batch of :func:`pack_plan` rows ``indices [rows, P]`` of ``examples``:
+    :func:`collate`'s arrays plus int32 ``[rows, L]`` ``src_segments`` / ``tgt_segments``, 1,
+    2, … for the pairs of a row (both sides alike), 0 on padding."""
     rows = len(indices)
     out = {name: np.full((rows, length), pad_id, np.int32) for name in ("src", "tgt_in", "tgt_out")}
     out.update({name: np.zeros((rows, length), np.int32) for name in ("src_segments", "tgt_segments")})
@@ -230,23 +201,10 @@ def collate_packed(examples: Examples, length: int, indices: np.ndarray, *, pad_
     return out
 
 
-def collate(examples: Examples, length: int, indices: np.ndarray, *, pad_id: int, bos_id: int,
+def collate(examples: Any, length: int, indices: np.ndarray, *, pad_id: int, bos_id: int,
             eos_id: int) -> dict[str, np.ndarray]:
-    """Builds one padded batch; teacher forcing is explicit here.
-
-    Returns:
-      ``src [b, L]``, ``tgt_in [b, L]`` (bos y1 … yn), ``tgt_out [b, L]`` (y1 … yn eos),
-      all int32; index -1 gives an all-pad row.
-    """
-    rows = len(indices)
-    src = np.full((rows, length), pad_id, np.int32)
-    tgt_in = np.full((rows, length), pad_id, np.int32)
-    tgt_out = np.full((rows, length), pad_id, np.int32)
-    for r, i in enumerate(indices):
-        if i < 0:
-            continue
-        s, t = examples.src[i], examples.tgt[i]
-        src[r, : len(s)] = s
-        tgt_in[r, : len(t) + 1] = [bos_id, *t]
-        tgt_out[r, : len(t) + 1] = [*t, eos_id]
-    return {"src": src, "tgt_in": tgt_in, "tgt_out": tgt_out}
+    """One padded batch, a pair a row (index -1: an all-pad row): int32 ``[rows, L]`` ``src``,
+    ``tgt_in`` (bos y1 … yn) and ``tgt_out`` (y1 … yn eos)."""
+    batch = collate_packed(examples, length, np.asarray(indices)[:, None], pad_id=pad_id, bos_id=bos_id,
+                           eos_id=eos_id)
+    return {name: batch[name] for name in ("src", "tgt_in", "tgt_out")}

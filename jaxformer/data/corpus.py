@@ -1,9 +1,6 @@
-"""Parallel corpora as a data source: one TSV file or two line-aligned files (plain or
-``.gz``), read by :mod:`jaxformer.data.lines`, and the deterministic train/dev/test split.
-
-Malformed lines never stop a run: they are skipped and counted in a :class:`DataReport`
-printed at start. The split hashes the source sentence, so a sentence lands in the same
-split on every run and every host.
+"""Parallel corpora as a data source (one TSV file or two line-aligned files, plain or
+gzip, read by :mod:`jaxformer.data.lines`) and the train/dev/test split by the hash of
+the source. Malformed lines are skipped and counted in a :class:`DataReport`, never fatal.
 """
 
 from __future__ import annotations
@@ -30,14 +27,11 @@ Pair = tuple[str, str]
 
 @dataclasses.dataclass
 class DataReport:
-    """Counts of what was read, skipped (by reason) and kept; printed at start."""
+    """Lines read, pairs kept, and pairs skipped by reason; printed at start."""
 
     read: int = 0
     kept: int = 0
     skipped: collections.Counter = dataclasses.field(default_factory=collections.Counter)
-
-    def skip(self, reason: str) -> None:
-        self.skipped[reason] += 1
 
     def summary(self, name: str) -> str:
         parts = ", ".join(f"{n} {r}" for r, n in sorted(self.skipped.items())) or "none"
@@ -45,13 +39,8 @@ class DataReport:
 
 
 def describe_file(path: str | os.PathLike) -> dict[str, Any]:
-    """A corpus file's fingerprint: its resolved path, size and SHA-256.
-
-    Raises:
-      FileNotFoundError: the file is missing; ValueError: it is a folder, a pipe or a
-        device (a corpus is read more than once: its fingerprint, the tokenizer's sample,
-        the splits).
-    """
+    """A corpus file's fingerprint: resolved path, size and SHA-256. Raises FileNotFoundError:
+    missing. ValueError: a folder, a pipe or a device (a corpus is read more than once)."""
     p = Path(path)
     if not p.is_file():
         problem = ("does not exist; check the path" if not p.exists() else
@@ -63,53 +52,47 @@ def describe_file(path: str | os.PathLike) -> dict[str, Any]:
     return {"path": str(p.resolve()), "size": p.stat().st_size, "sha256": file_digest(p)}
 
 
-def _cleaned(src: str | None, tgt: str | None, report: DataReport) -> Pair | None:
-    """The whitespace-normalised pair, or ``None`` (counted) for a side not UTF-8 or empty."""
+def _cleaned(src: str | None, tgt: str | None) -> Pair | str:
+    """The whitespace-normalised pair, or why it is skipped."""
     if src is None or tgt is None:
-        report.skip("invalid UTF-8")
-        return None
+        return "invalid UTF-8"
     src, tgt = " ".join(src.split()), " ".join(tgt.split())
-    if not src or not tgt:
-        report.skip("empty side")
-        return None
-    return src, tgt
+    return (src, tgt) if src and tgt else "empty side"
 
 
-def _tsv_pairs(path: str | os.PathLike, report: DataReport) -> Iterator[Pair | None]:
+def _tsv_pairs(path: str) -> Iterator[Pair | str]:
     for line in read_lines(path, errors="skip"):
-        report.read += 1
-        if line is not None and not line.strip():
-            report.skip("blank line")
-        elif line is not None and "\r" in line and line.count("\t") > 1:   # \r line endings: one line
-            report.skip("carriage return inside the line (\\r line endings? convert them to \\n)")
-        elif line is not None and line.count("\t") != 1:
-            report.skip("no tab" if "\t" not in line else "more than one tab")
+        if line is None:
+            yield "invalid UTF-8"
+        elif not line.strip():
+            yield "blank line"
+        elif "\r" in line and line.count("\t") > 1:   # a file of \r line endings reads as one line
+            yield "carriage return inside the line (\\r line endings? convert them to \\n)"
+        elif line.count("\t") != 1:
+            yield "no tab" if "\t" not in line else "more than one tab"
         else:
-            yield _cleaned(*(line.split("\t") if line is not None else (None, None)), report)
+            yield _cleaned(*line.split("\t"))
 
 
-def _aligned_pairs(src_path: str | os.PathLike, tgt_path: str | os.PathLike,
-                   report: DataReport) -> Iterator[Pair | None]:
-    sentinel = object()
-    pairs = itertools.zip_longest(read_lines(src_path, "skip"), read_lines(tgt_path, "skip"), fillvalue=sentinel)
-    for src, tgt in pairs:
-        if src is sentinel or tgt is sentinel:
-            longer = src_path if tgt is sentinel else tgt_path
-            raise ValueError(f"{src_path} and {tgt_path} have different numbers of lines ({longer} has "
-                             f"more); aligned files need one sentence per line each.")
-        report.read += 1
-        yield _cleaned(src, tgt, report)
+def _aligned_pairs(src_path: str, tgt_path: str) -> Iterator[Pair | str]:
+    end = object()
+    for src, tgt in itertools.zip_longest(read_lines(src_path, "skip"), read_lines(tgt_path, "skip"),
+                                          fillvalue=end):
+        if src is end or tgt is end:
+            raise ValueError(f"{src_path} and {tgt_path} have different numbers of lines "
+                             f"({src_path if tgt is end else tgt_path} has more); aligned files need "
+                             f"one sentence per line each.")
+        yield _cleaned(src, tgt)
 
 
 @dataclasses.dataclass
 class PairFiles:
-    """A data source of sentence pairs (:class:`jaxformer.data.sources.DataSource`): one
-    TSV file of ``source<TAB>target`` lines, or two line-aligned files (source, target).
+    """Sentence pairs as a data source (:class:`jaxformer.data.sources.DataSource`): one TSV
+    file of ``source<TAB>target`` lines, or two line-aligned files (source, target).
 
-    Malformed lines are skipped and counted in ``report``, never fatal: no tab, more
-    than one tab, an empty side, invalid UTF-8, a blank line, a carriage return inside
-    a line of several tabs (a file with ``\\r`` line endings). ``report.read`` counts
-    every line. The position is the number of usable pairs already given.
+    Skipped and counted in ``report`` (``report.read`` counts every line): no tab, more
+    than one tab, an empty side, invalid UTF-8, a blank line, a ``\\r`` inside a line of
+    several tabs. The position is the number of usable pairs given.
     """
 
     paths: tuple[str, ...]
@@ -117,28 +100,28 @@ class PairFiles:
     position: int = 0
 
     def records(self) -> Iterator[Pair]:
-        """The usable pairs from the position on, streamed (one line in memory at a time).
-
-        Raises:
-          FileNotFoundError / PermissionError: a path is missing or unreadable.
-          ValueError: no usable pair at all; aligned files of different lengths.
-          jaxformer.data.lines.TextError: a UTF-16 file, a truncated or corrupt ``.gz``.
-        """
+        """The usable pairs from the position on, streamed. Raises OSError: a missing or unreadable
+        path. ValueError: no usable pair; aligned files of different lengths.
+        jaxformer.data.lines.TextError: UTF-16, a corrupt ``.gz``."""
         paths = [str(p) for p in self.paths]
-        read = _aligned_pairs(*paths, self.report) if len(paths) == 2 else _tsv_pairs(paths[0], self.report)
-        for index, pair in enumerate(p for p in read if p is not None):
-            self.report.kept = index + 1
-            if index >= self.position:
-                self.position = index + 1
+        kept = 0
+        for pair in _aligned_pairs(*paths) if len(paths) == 2 else _tsv_pairs(paths[0]):
+            self.report.read += 1
+            if isinstance(pair, str):
+                self.report.skipped[pair] += 1
+                continue
+            kept = self.report.kept = kept + 1
+            if kept > self.position:
+                self.position = kept
                 yield pair
-        if not self.report.kept:
+        if not kept:
             expected = ("one UTF-8 sentence per line in each file" if len(paths) == 2 else
                         "UTF-8 lines 'source<TAB>target'")
             raise ValueError(f"No usable sentence pair in {' / '.join(map(repr, paths))} "
                              f"({self.report.summary('it')}). Expected {expected}.")
 
     def fingerprint(self) -> list[dict[str, Any]]:
-        """Each file's path, size and SHA-256 (:func:`describe_file`)."""
+        """Each file's :func:`describe_file`."""
         return [describe_file(p) for p in self.paths]
 
     def get_state(self) -> dict[str, int]:
@@ -148,31 +131,22 @@ class PairFiles:
         self.position = int(state["pairs"])
 
 
-def iter_tsv(path: str | os.PathLike, report: DataReport) -> Iterator[Pair]:
-    """Streams the usable pairs of a TSV file (:class:`PairFiles`), counted in ``report``."""
-    return PairFiles((str(path),), report).records()
-
-
 def read_tsv(path: str | os.PathLike, report: DataReport | None = None) -> tuple[list[Pair], DataReport]:
     """All usable pairs of a TSV file (:class:`PairFiles`) in memory, and their report."""
-    report = report or DataReport()
-    return list(iter_tsv(path, report)), report
+    source = PairFiles((str(path),), report or DataReport())
+    return list(source.records()), source.report
 
 
 def builtin_corpus_path(pair: str) -> Path:
-    """Path of a corpus shipped with the package (``en-de``, ``en-fr``, ``en-zh``; the
-    config schema checks the name)."""
+    """The corpus shipped for ``pair`` (``en-de``, ``en-fr``, ``en-zh``)."""
     return Path(str(importlib.resources.files("jaxformer") / "corpora" / f"{pair}.tsv.gz"))
 
 
 @dataclasses.dataclass(frozen=True)
 class Splitter:
-    """Where a pair goes: ``"train"``, ``"dev"`` or ``"test"``, by the hash of its source.
-
-    ``dev_frac``/``test_frac`` are the shares of the unit interval given to dev and
-    test; a split named in ``merged_into_train`` (one replaced by an explicit file)
-    goes to train. The same source always lands in the same split, on every run and
-    every host.
+    """A pair's split, ``"train"``, ``"dev"`` or ``"test"``, by the SHA-256 of its source: the
+    same on every run and host. ``dev_frac``/``test_frac``: the shares of [0, 1) for dev
+    and test; a split in ``merged_into_train`` (replaced by an explicit file) goes to train.
     """
 
     dev_frac: float
@@ -182,8 +156,7 @@ class Splitter:
     @classmethod
     def for_size(cls, n: int, dev_size: int = 1000, test_size: int = 1000,
                  merged_into_train: tuple[str, ...] = ()) -> Splitter:
-        """The split of an ``n``-pair corpus (``n`` ≥ 1) with expected dev/test sizes
-        (each at most 25%); :func:`check_splits_nonempty` judges the result."""
+        """The split of ``n`` ≥ 1 pairs with these expected dev/test sizes (each ≤ 25%)."""
         return cls(min(dev_size / n, 0.25), min(test_size / n, 0.25), merged_into_train)
 
     def __call__(self, source: str) -> str:
@@ -192,13 +165,16 @@ class Splitter:
         return "train" if name in self.merged_into_train else name
 
 
-def check_splits_nonempty(sizes: dict[str, int], n: int) -> None:
-    """Raises ``ValueError`` naming the first empty split of an ``n``-pair corpus."""
+def check_splits_nonempty(sizes: dict[str, int], n: int, dropped: dict[str, int] | None = None) -> None:
+    """Raises ``ValueError`` naming the first empty split of an ``n``-pair corpus (``dropped``:
+    the training pairs the length filters dropped, by reason)."""
     empty = [name for name, size in sizes.items() if not size]
     if empty:
-        raise ValueError(f"The {empty[0]} split is empty ({n} pairs in all; a pair's split is chosen by "
-                         f"the hash of its source, so repeated sources share one); give a larger "
-                         f"corpus or explicit --dev-file/--test-file.")
+        filters = (f", of which the length filters dropped {dropped} (raise --max-length-ratio or check "
+                   f"the corpus)" if empty[0] == "train" and any((dropped or {}).values()) else "")
+        raise ValueError(f"The {empty[0]} split is empty ({n} pairs in all{filters}; a pair's split is "
+                         f"chosen by the hash of its source, so repeated sources share one); give a "
+                         f"larger corpus or explicit --dev-file/--test-file.")
 
 
 def target_language_of(cfg: TrainConfig) -> str:

@@ -1,22 +1,13 @@
 """Sequence-level knowledge distillation (Kim & Rush 2016): a student trained on its
-teacher's beam-search translations of the teacher's own training sources.
-
-The recipe (README, "Distillation"), every step a normal command::
+teacher's beam-search translations of the teacher's own training sources::
 
     jaxformer-prepare --workdir runs/en-de --write-train-sources train.en
     jaxformer-translate --workdir runs/en-de --input train.en --output train.distilled.de --beam-size 4
     paste train.en train.distilled.de > distilled.tsv
     python train.py --workdir runs/en-de-student --train-file distilled.tsv \\
-        --dev-file runs/en-de/prepared/dev.tsv --test-file runs/en-de/prepared/test.tsv \\
-        --d-model 64 --d-ff 256
+        --dev-file runs/en-de/prepared/dev.tsv --test-file runs/en-de/prepared/test.tsv
 
-:func:`write_training_sources` gives the first step: the sources of exactly the pairs
-the teacher trained on. The teacher's dev and test pairs are split off its corpus by
-the hash of their source (:class:`jaxformer.data.corpus.Splitter`); translating the
-whole corpus would put the teacher's output for its dev and test sources into the
-student's training data, and the student's own split of ``distilled.tsv`` would score
-it against teacher output instead of references. So the student takes the teacher's
-dev and test files (real references) and trains on the training split alone.
+Only the training split's sources: the student is scored on the teacher's references.
 """
 
 from __future__ import annotations
@@ -24,20 +15,18 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from jaxformer.data.corpus import DataReport, Splitter
+from jaxformer.data.corpus import Splitter
 from jaxformer.data.prepared import read_manifest
+from jaxformer.data.prepare import DataSpec
 from jaxformer.data.run_data import fingerprint_differences, same_data
-from jaxformer.data.spec import DataSpec
 from jaxformer.run.config import TrainConfig
 from jaxformer.run.directory import RunDir
 from jaxformer.run.train_flags import load_config_file
 
 
 def _output_problem(output: Path, tmp: Path, spec: DataSpec, run_dir: RunDir) -> str | None:
-    """What is wrong with ``output`` as the file to write, or ``None``: a folder, in a folder
-    that does not exist, one of the run's corpus files (the recipe's own input, which
-    writing would cut to its training sources), one of the run directory's records, or
-    not writable (``tmp``, its temporary name, is created to find out)."""
+    """What is wrong with ``output`` as the file to write, or ``None``: a folder or in none, one
+    of the run's corpus files or records, or not writable (``tmp`` is created to find out)."""
     inputs = [Path(p) for p in (*spec.corpus_files, spec.dev_file, spec.test_file, spec.bt_file) if p]
     same = [p for p in inputs if p.absolute().resolve() == output.absolute().resolve()
             or (p.exists() and output.exists() and os.path.samefile(p, output))]
@@ -56,20 +45,11 @@ def _output_problem(output: Path, tmp: Path, spec: DataSpec, run_dir: RunDir) ->
 
 
 def write_training_sources(workdir: str | os.PathLike, output: str | os.PathLike) -> int:
-    """Writes the source side of a run's training split, one sentence per line, in corpus
-    order (back-translated pairs of ``--bt-file`` are not part of it), streaming.
-
-    The corpus is read again from the run's flags (``config.json``) and split as
-    preparing split it; the corpus files must be the ones the run was prepared from.
-
-    Returns:
-      the number of lines written (the training split before the length filters).
-
-    Raises:
-      FileNotFoundError: no run (``config.json``) or no prepared data at ``workdir``.
-      ValueError: the corpus files changed since the run was prepared (named), or
-        ``output`` cannot be the file to write (:func:`_output_problem`).
-    """
+    """Writes the sources of a run's training split (before the length filters; no ``--bt-file``
+    pairs), one a line, in corpus order, streamed from the corpus its ``config.json`` names,
+    split as preparing split it. Returns the number of lines. Raises FileNotFoundError: no run
+    (``config.json``) or no prepared data at ``workdir``. ValueError: the corpus changed since
+    it was prepared, or ``output`` cannot be written."""
     run_dir = RunDir(Path(workdir))
     manifest = read_manifest(run_dir.prepared)
     if not run_dir.config.exists() or manifest is None:
@@ -92,12 +72,11 @@ def write_training_sources(workdir: str | os.PathLike, output: str | os.PathLike
                              f"({'; '.join(fingerprint_differences(saved, now))}); its training split "
                              f"cannot be reproduced. Restore the files it was trained on." if changed else
                              f"--write-train-sources {str(output)!r} {problem}.")
-        n = sum(1 for _ in spec.read(DataReport()))
-        explicit = tuple(name for name, path in (("dev", spec.dev_file), ("test", spec.test_file)) if path)
-        splitter = Splitter.for_size(n, merged_into_train=explicit)
+        n = sum(1 for _ in spec.source().records())
+        splitter = Splitter.for_size(n, merged_into_train=tuple(spec.explicit_splits()))
         written = 0
         with open(tmp, "w", encoding="utf-8") as out:
-            for source, _ in spec.read(DataReport()):
+            for source, _ in spec.source().records():
                 if splitter(source) == "train":
                     out.write(source + "\n")
                     written += 1

@@ -1,16 +1,11 @@
-"""The one reader of text lines for every file a user hands us: corpora, bulk-translation
-input and the translate tool's input (a file, or stdin read whole or as it arrives).
+"""The one reader of text lines (corpora, bulk-translation input, the translate tool's input).
 
-The rules, in one place: a file or stream that starts with gzip's magic number is gzip,
-whatever its name; lines end at ``\\n`` only (a bare ``\\r`` stays inside its line:
-splitting there would shift every later line off its partner), and one ``\\r`` before
-the ``\\n`` is dropped (a Windows line end); a UTF-8 byte-order mark at the start is
-dropped; the last line needs no newline. A UTF-16 file (by its byte-order mark) and a
-truncated or corrupt gzip stream are a :class:`TextError` naming the file and the fix.
-A line that is not UTF-8 is, by ``errors``: ``"strict"`` a :class:`NotUtf8` naming its
-line number, ``"replace"`` decoded with U+FFFD, ``"skip"`` given as ``None``; with the
-latter two its 1-based number is appended to ``bad`` (any other of Python's codec error
-handlers, e.g. ``"surrogateescape"``, works as ``"replace"`` does).
+gzip by its magic number; a line ends at ``\\n`` only (a bare ``\\r`` stays in it), one
+``\\r`` before it and a UTF-8 byte-order mark at the start are dropped; the last line needs
+no newline. UTF-16 and a truncated or corrupt gzip are a :class:`TextError`. A line not
+UTF-8 is, by ``errors``: ``"strict"`` a :class:`NotUtf8`, ``"replace"`` (or another codec
+handler) decoded with U+FFFD, ``"skip"`` ``None``; the latter two append its 1-based
+number to ``bad``.
 """
 
 from __future__ import annotations
@@ -18,15 +13,15 @@ from __future__ import annotations
 import contextlib
 import gzip
 import io
+import itertools
 import os
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import BinaryIO, Literal
+from typing import BinaryIO, Literal, TypeVar
 
 Errors = Literal["strict", "replace", "skip"] | str
-_UTF8_BOM = b"\xef\xbb\xbf"
-_UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")   # little- and big-endian (UTF-32 LE starts like UTF-16 LE)
+T = TypeVar("T")
 
 
 class TextError(ValueError):
@@ -48,9 +43,15 @@ def line_numbers(numbers) -> str:
     return ", ".join(map(str, list(numbers)[:10])) + (", ..." if len(numbers) > 10 else "")
 
 
+def chunks(items: Iterable[T], size: int) -> Iterator[list[T]]:
+    """``items`` as lists of ``size`` (the last one may be shorter)."""
+    items = iter(items)
+    while chunk := list(itertools.islice(items, size)):
+        yield chunk
+
+
 class LineSplitter:
-    """Bytes in, in chunks of any size, text lines out, by the module's rules: for
-    streams read as they arrive (:meth:`feed` each chunk, ``final=True`` at the end)."""
+    """Bytes in, in chunks of any size (:meth:`feed`, ``final=True`` at the end), lines out."""
 
     def __init__(self, where: str, errors: Errors = "strict", bad: list[int] | None = None):
         self.where, self.errors = where, errors
@@ -59,8 +60,8 @@ class LineSplitter:
         self._pending = b""
 
     def feed(self, data: bytes, final: bool = False) -> Iterator[str | None]:
-        """The lines ``data`` completes, decoded lazily: under ``"strict"`` the lines before a
-        bad one are given before :class:`NotUtf8` is raised."""
+        """The lines ``data`` completes, decoded lazily (under ``"strict"`` the lines before
+        a bad one come out before :class:`NotUtf8`)."""
         *complete, self._pending = (self._pending + data).split(b"\n")
         if final and self._pending:
             complete, self._pending = complete + [self._pending], b""
@@ -69,11 +70,11 @@ class LineSplitter:
     def _decode(self, raw: bytes) -> str | None:
         self.number += 1
         if self.number == 1:
-            if raw.startswith(_UTF16_BOMS):   # its ASCII lines would pass as UTF-8, NUL-interleaved
+            if raw.startswith((b"\xff\xfe", b"\xfe\xff")):   # ASCII in UTF-16 passes as UTF-8 with NULs
                 raise TextError(f"{self.where} is UTF-16 (it starts with a UTF-16 byte-order mark); "
                                 f"convert it to UTF-8, e.g. iconv -f UTF-16 -t UTF-8 (zcat it first if "
                                 f"it is gzipped).")
-            raw = raw.removeprefix(_UTF8_BOM)
+            raw = raw.removeprefix(b"\xef\xbb\xbf")
         raw = raw.removesuffix(b"\r")
         try:
             return raw.decode("utf-8")
@@ -86,14 +87,9 @@ class LineSplitter:
 
 def read_lines(source: str | os.PathLike | BinaryIO, errors: Errors = "strict",
                bad: list[int] | None = None, where: str | None = None) -> Iterator[str | None]:
-    """The lines of a file (a path) or a binary stream (e.g. ``sys.stdin.buffer``), read
-    1 MiB at a time, by the module's rules.
-
-    Raises:
-      FileNotFoundError / PermissionError / IsADirectoryError: from opening ``source``.
-      TextError: a UTF-16 file, or a truncated or corrupt gzip stream.
-      NotUtf8: a line that is not UTF-8, with ``errors="strict"``.
-    """
+    """The lines of a path or a binary stream (e.g. ``sys.stdin.buffer``), read 1 MiB at a time.
+    Raises OSError: from opening ``source``. TextError: UTF-16, or a truncated or corrupt gzip.
+    NotUtf8: a line that is not UTF-8, with ``errors="strict"``."""
     is_path = isinstance(source, (str, os.PathLike))
     where = where or (repr(str(source)) if is_path else "stdin")
     splitter = LineSplitter(where, errors, bad)

@@ -1,27 +1,21 @@
-"""Prepare once: stream a corpus into token ids on disk (``jaxformer-prepare``, or
-``train.py`` when the run has no prepared data). The corpus is read twice as a stream,
-never whole:
-
-1. count the usable pairs (the split fractions depend on the count) and keep a bounded
-   reservoir sample, on which sentencepiece is trained (unless the run has a tokenizer);
-2. split every pair by the hash of its source (:class:`jaxformer.data.corpus.Splitter`),
-   encode the training pairs in chunks on all cores, filter them and append their ids
-   to ``train-src.bin`` / ``train-tgt.bin`` (layout: :mod:`jaxformer.data.prepared`).
-
-Filters, each counted: an empty side (when reading), more than ``max_tokens`` ids on a
-side, a source/target length ratio above ``max_length_ratio`` either way (Moses
-``clean-corpus-n.perl``, default 9, here on sentencepiece ids). ``--max-train-len`` is
-applied when training, from the stored lengths.
-
-Everything, a new tokenizer included, is written beside the run's files and renamed into
-place when complete (the tokenizer then moves out of the new ``prepared/``, at once or,
-after a kill, at the next start): a prepare that fails or is killed leaves the run's
-tokenizer and data as they were. The same inputs and settings again do nothing.
+"""Prepare once: the data of a run (:class:`DataSpec`: its corpus and every setting that
+changes the ids) streamed into token ids on disk (``jaxformer-prepare``, or ``train.py``
+when the run has none), the corpus read twice, never whole: (1) count the usable pairs
+and keep a reservoir sample, on which sentencepiece is trained (unless the run has a
+tokenizer); (2) split by the hash of the source (:class:`jaxformer.data.corpus.Splitter`),
+encode the training pairs in chunks on all cores, filter them
+(:func:`jaxformer.data.batching.length_filter` with ``max_tokens`` and
+``max_length_ratio``) and append their ids (:mod:`jaxformer.data.prepared`), then the
+back-translated pairs. Everything, a new tokenizer included, is written beside the run's
+files and renamed into place when complete, so a failed or killed prepare leaves the run
+as it was.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
+import dataclasses
 import itertools
 import json
 import os
@@ -35,47 +29,94 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from jaxformer.data import back_translation, corpus
-from jaxformer.data.corpus import DataReport, Pair, Splitter
+from jaxformer.data.batching import length_filter
+from jaxformer.data.corpus import DataReport, Pair, PairFiles, Splitter, describe_file
+from jaxformer.data.lines import chunks
 from jaxformer.data.prepared import FORMAT_VERSION, file_digest, tokenizer_digest
 from jaxformer.data.tokenizer import BT_TAG, TextTokenizer, Tokenizer
 from jaxformer.run.logs import log
 
 if TYPE_CHECKING:
-    from jaxformer.data.spec import DataSpec
+    from jaxformer.run.config import TrainConfig
 
 SAMPLE_PAIRS = 100_000      # tokenizer sample: 200k sentences, sentencepiece's input_sentence_size
 CHUNK_PAIRS = 20_000        # pairs encoded per sentencepiece call
 PENDING_TOKENIZER = "spm.model.new"   # a new tokenizer, in prepared/ until it is moved in
 
 
+@dataclasses.dataclass(frozen=True)
+class DataSpec:
+    """The corpus (``corpus_files``: one TSV file, or source and target files when
+    ``aligned``) and the settings that change the ids; ``bt_file``: synthetic pairs added
+    to training, tagged, ``bt_ratio`` per real one (:mod:`jaxformer.data.back_translation`)."""
+
+    corpus_files: tuple[str, ...]
+    aligned: bool = False
+    dev_file: str | None = None
+    test_file: str | None = None
+    vocab_size: int = 4000
+    max_tokens: int = 1024
+    max_length_ratio: float = 9.0
+    name: str = ""
+    bt_file: str | None = None
+    bt_ratio: float | None = None       # None = each synthetic pair once
+
+    @classmethod
+    def from_config(cls, cfg: TrainConfig) -> DataSpec:
+        """The data a run's flags name (``--train-file``, ``--src-file``/``--tgt-file`` or ``--pair``).
+        Raises ValueError: conflicting corpus flags."""
+        d = cfg.data
+        if (d.train_file and (d.src_file or d.tgt_file)) or bool(d.src_file) != bool(d.tgt_file):
+            raise ValueError("Give either --train-file or --src-file with --tgt-file, not both; "
+                             "--src-file and --tgt-file go together.")
+        common = dict(dev_file=d.dev_file, test_file=d.test_file, vocab_size=d.vocab_size,
+                      max_length_ratio=d.max_length_ratio, bt_file=d.bt_file, bt_ratio=d.bt_ratio)
+        if d.train_file:
+            return cls((d.train_file,), name=d.train_file, **common)
+        if d.src_file:
+            return cls((d.src_file, d.tgt_file), aligned=True, name=f"{d.src_file} + {d.tgt_file}", **common)
+        return cls((str(corpus.builtin_corpus_path(d.pair)),),
+                   name=f"shipped {d.pair} corpus (LibreOffice help, MPL-2.0)", **common)
+
+    def source(self, report: DataReport | None = None) -> PairFiles:
+        """The corpus as a data source (its pairs counted in ``report``)."""
+        return PairFiles(self.corpus_files, report or DataReport())
+
+    def explicit_splits(self) -> dict[str, str]:
+        """The held-out splits given as files (``--dev-file``, ``--test-file``)."""
+        return {name: path for name, path in (("dev", self.dev_file), ("test", self.test_file)) if path}
+
+    def fingerprint(self) -> dict[str, Any]:
+        """Every input file's :func:`jaxformer.data.corpus.describe_file` and the settings that change
+        the ids: what ``prepared/manifest.json`` and the run record keep (its keys and values never
+        change, so old runs still resume). Raises FileNotFoundError: an input file is missing;
+        ValueError: one is a folder, pipe or device."""
+        def describe(path: str | None) -> dict[str, Any] | None:
+            return None if path is None else describe_file(path)
+
+        fingerprint = {"format_version": FORMAT_VERSION, "corpus": self.source().fingerprint(),
+                       "aligned": self.aligned, "dev_file": describe(self.dev_file),
+                       "test_file": describe(self.test_file), "vocab_size": self.vocab_size,
+                       "max_tokens": self.max_tokens, "max_length_ratio": self.max_length_ratio}
+        if self.bt_file:   # only then: runs without synthetic data keep their fingerprints
+            mix = back_translation.BackTranslationMix(self.bt_file, self.bt_ratio, 0)
+            fingerprint["back_translation"] = mix.fingerprint()
+        return fingerprint
+
+
 def prepare(spec: DataSpec, directory: str | os.PathLike, tokenizer_file: str | os.PathLike,
             *, retrain_tokenizer: bool = False, seed: int = 0,
             tokenizer: TextTokenizer | None = None) -> dict[str, Any]:
-    """Prepares ``spec``'s corpus into ``directory`` (see the module docstring).
-
-    Args:
-      spec: the corpus and settings.
-      directory: the prepared directory to write (replaced when complete).
-      tokenizer_file: the sentencepiece model: trained on the sample and written here
-        if missing (or ``retrain_tokenizer``), else used as it is.
-      seed: the reservoir sample's seed.
-      tokenizer: encode with this tokenizer (e.g. the Marian tokenizer of an
-        ``--init-from`` run, whose files are ``tokenizer_file``, a folder) instead of
-        the sentencepiece model at ``tokenizer_file``; nothing is trained.
-
-    Returns:
-      the manifest (also written to ``directory/manifest.json``).
-
-    Raises:
-      ValueError: no usable pair, an empty split, or every pair filtered out.
-      FileNotFoundError / PermissionError: a missing or unreadable input.
-    """
+    """Prepares ``spec``'s corpus into ``directory`` and returns the manifest written there.
+    ``tokenizer_file``: the sentencepiece model, trained on the sample if missing or
+    ``retrain_tokenizer``; ``tokenizer``: encode with this one instead (e.g. an ``--init-from``
+    run's, in ``tokenizer_file``); ``seed``: the sample's and the mix's. Raises ValueError: no
+    usable pair, or an empty split. OSError: an unreadable input."""
     start = time.perf_counter()
     directory, tokenizer_file = Path(directory), Path(tokenizer_file)
     fingerprint = spec.fingerprint()
-    report = DataReport()
-    n, sample = _count_and_sample(spec.read(report), SAMPLE_PAIRS, seed)   # raises if none is usable
-    splitter = Splitter.for_size(n, merged_into_train=tuple(_explicit_splits(spec)))
+    n, sample = _count_and_sample(spec.source().records(), SAMPLE_PAIRS, seed)
+    splitter = Splitter.for_size(n, merged_into_train=tuple(spec.explicit_splits()))
     log(f"prepare: read {spec.name}: {n} pairs in {time.perf_counter() - start:.0f}s")
     for stale in directory.parent.glob(f"{directory.name}.partial-*"):   # left by a killed prepare
         shutil.rmtree(stale, ignore_errors=True)
@@ -92,8 +133,9 @@ def prepare(spec: DataSpec, directory: str | os.PathLike, tokenizer_file: str | 
         del sample
         tmp.mkdir(parents=True)
         sha256 = tokenizer_digest(tokenizer_file if trained is None else new_tokenizer / "spm.model")
-        manifest = _write_prepared(spec, splitter, tokenizer, tmp, n, seed, fingerprint, sha256)
-        manifest["seconds"] = round(time.perf_counter() - start, 1)
+        manifest = {"format_version": FORMAT_VERSION, "fingerprint": fingerprint, "name": spec.name,
+                    **_write_splits(spec, splitter, tokenizer, tmp, n, seed, sha256),
+                    "seconds": round(time.perf_counter() - start, 1)}
         if trained is not None:   # travels with the data: the rename below commits both
             shutil.move(new_tokenizer / "spm.model", tmp / PENDING_TOKENIZER)
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
@@ -104,23 +146,18 @@ def prepare(spec: DataSpec, directory: str | os.PathLike, tokenizer_file: str | 
         for partial in (tmp, new_tokenizer):
             shutil.rmtree(partial, ignore_errors=True)
     finish_tokenizer_move(directory, tokenizer_file)
-    log(f"prepare: {spec.name} → {directory}: {json.dumps(manifest['counts'])} in {manifest['seconds']:.0f}s")
+    log(f"prepare: {spec.name} → {directory}: {json.dumps(manifest['counts'])} in "
+        f"{manifest['seconds']:.0f}s")
     return manifest
 
 
 def finish_tokenizer_move(directory: Path, tokenizer_file: Path) -> None:
-    """Moves the tokenizer a completed prepare left in ``directory`` (with the data it
-    encoded) to ``tokenizer_file``: at the end of :func:`prepare`, and at the next start
-    when a prepare was killed between committing its data and this move."""
+    """Moves the tokenizer a completed prepare left in ``directory`` to ``tokenizer_file`` (at
+    the end of :func:`prepare`, or at the next start after a kill between the two)."""
     pending = Path(directory) / PENDING_TOKENIZER
     if pending.exists():
         Path(tokenizer_file).parent.mkdir(parents=True, exist_ok=True)
         shutil.move(pending, tokenizer_file)   # a rename on one filesystem
-
-
-def _explicit_splits(spec: DataSpec) -> dict[str, str]:
-    """The held-out splits given as files (``--dev-file``, ``--test-file``)."""
-    return {name: path for name, path in (("dev", spec.dev_file), ("test", spec.test_file)) if path}
 
 
 def _train_tokenizer(spec: DataSpec, sample: list[Pair], splitter: Splitter, n: int,
@@ -137,79 +174,23 @@ def _train_tokenizer(spec: DataSpec, sample: list[Pair], splitter: Splitter, n: 
     return tokenizer
 
 
-def _write_prepared(spec: DataSpec, splitter: Splitter, tokenizer: TextTokenizer, tmp: Path, n: int,
-                    seed: int, fingerprint: dict[str, Any], tokenizer_sha256: str) -> dict[str, Any]:
-    """Writes the splits' files into ``tmp``; the manifest describing them (without
-    ``seconds``, and not yet written)."""
-    read_report = DataReport()
-    counts, histogram = _write_splits(spec, splitter, tokenizer, tmp, read_report, seed)
-    read_report.kept = n
-    log(read_report.summary(spec.name))
-    for name, path in _explicit_splits(spec).items():
-        pairs, rep = corpus.read_tsv(path)
-        log(rep.summary(f"{name} file {path}"))
-        _write_tsv(tmp / f"{name}.tsv", pairs)
-        counts[name] = len(pairs)
-    corpus.check_splits_nonempty({k: counts[k] for k in ("train", "dev", "test")}, n)
-    dtype = "uint16" if _largest_vocab(tokenizer) <= 1 << 16 else "int32"
-    return {"format_version": FORMAT_VERSION, "fingerprint": fingerprint, "name": spec.name,
-            "tokenizer": {"sha256": tokenizer_sha256, "vocab_size": _largest_vocab(tokenizer)},
-            "dtype": dtype, "read": dict(read_report.skipped, lines=read_report.read),
-            "counts": counts, "length_histogram": histogram,
-            "files": {f.name: {"size": f.stat().st_size, "sha256": file_digest(f)}
-                      for f in sorted(tmp.iterdir())}}
-
-
 def _count_and_sample(pairs: Iterator[Pair], size: int, seed: int) -> tuple[int, list[Pair]]:
-    """Counts the pairs and keeps a uniform sample of ``size`` of them (reservoir sampling,
-    Vitter's algorithm R). With at most ``size`` pairs the sample is all of them, in order,
-    so a small corpus gets exactly the tokenizer the in-memory path trains."""
+    """The number of pairs and a uniform sample of ``size`` of them (reservoir sampling,
+    Vitter's algorithm R); all of them, in order, when there are at most ``size``."""
     rng = random.Random(seed)
     sample: list[Pair] = []
     n = 0
     for n, pair in enumerate(pairs, start=1):
         if n <= size:
             sample.append(pair)
-        else:
-            j = rng.randrange(n)
-            if j < size:
-                sample[j] = pair
+        elif (j := rng.randrange(n)) < size:
+            sample[j] = pair
     return n, sample
 
 
-def _chunks(pairs: Iterator[Pair], size: int) -> Iterator[list[Pair]]:
-    while chunk := list(itertools.islice(pairs, size)):
-        yield chunk
-
-
-def keep_mask(src_lengths: np.ndarray, tgt_lengths: np.ndarray, max_tokens: int,
-              max_ratio: float) -> tuple[np.ndarray, dict[str, int]]:
-    """Which pairs pass the length-ratio and the length filter, and the counts dropped.
-
-    The ratio test comes first (Moses clean-corpus-n: ``len_src / len_tgt > ratio`` or
-    ``len_tgt / len_src > ratio`` drops the pair); then a side longer than
-    ``max_tokens`` ids drops it. Both sides count ids without bos/eos.
-
-    Args:
-      src_lengths / tgt_lengths: ``[N]`` integer lengths (every length ≥ 1).
-
-    Returns:
-      ``(mask [N] bool, {reason: count})``.
-    """
-    src, tgt = np.asarray(src_lengths), np.asarray(tgt_lengths)
-    ratio_bad = (src > max_ratio * tgt) | (tgt > max_ratio * src)
-    long_bad = ~ratio_bad & ((src > max_tokens) | (tgt > max_tokens))
-    return ~(ratio_bad | long_bad), {f"length ratio above {max_ratio:g}": int(ratio_bad.sum()),
-                                     f"longer than {max_tokens} tokens": int(long_bad.sum())}
-
-
-def _largest_vocab(tokenizer: TextTokenizer) -> int:
-    return max(tokenizer.src_vocab_size, tokenizer.tgt_vocab_size)
-
-
 def encode_pairs(tokenizer: TextTokenizer, pairs: list[Pair]) -> tuple[list[list[int]], list[list[int]]]:
-    """Source and target ids of ``pairs`` (no bos/eos), on all cores for sentencepiece
-    (which releases the GIL), by the tokenizer's own source/target rules otherwise (Marian)."""
+    """Source and target ids of ``pairs`` (no bos/eos): sentencepiece on all cores (it releases
+    the GIL), another tokenizer by its own source/target rules (Marian)."""
     if not isinstance(tokenizer, Tokenizer):
         return tokenizer.encode_source([p[0] for p in pairs]), tokenizer.encode_target([p[1] for p in pairs])
     threads = os.cpu_count() or 1
@@ -218,22 +199,22 @@ def encode_pairs(tokenizer: TextTokenizer, pairs: list[Pair]) -> tuple[list[list
 
 
 class IdWriter:
-    """Appends encoded training pairs to ``train-src.bin``/``train-tgt.bin`` after the
-    length filters (:func:`keep_mask`), keeping their lengths and the drop counts."""
+    """Appends encoded training pairs to ``train-src.bin``/``train-tgt.bin`` after the length
+    filters, keeping their lengths and the counts dropped."""
 
     def __init__(self, out: Path, spec: DataSpec, dtype: np.dtype):
         self.spec, self.dtype = spec, dtype
         self.files = ((out / "train-src.bin").open("wb"), (out / "train-tgt.bin").open("wb"))
-        self.dropped: dict[str, int] = {}
+        self.dropped: collections.Counter = collections.Counter()   # by reason
         self.lengths: list[np.ndarray] = []
 
     def write(self, src: list[list[int]], tgt: list[list[int]]) -> int:
         """Filters and appends one chunk; returns how many pairs were kept."""
         src_len = np.fromiter(map(len, src), np.int64, len(src))
         tgt_len = np.fromiter(map(len, tgt), np.int64, len(tgt))
-        keep, reasons = keep_mask(src_len, tgt_len, self.spec.max_tokens, self.spec.max_length_ratio)
-        for reason, count in reasons.items():
-            self.dropped[reason] = self.dropped.get(reason, 0) + count
+        keep, reasons = length_filter(src_len, tgt_len, self.spec.max_tokens, self.spec.max_tokens,
+                                      self.spec.max_length_ratio)
+        self.dropped.update(reasons)
         kept = np.flatnonzero(keep)
         for f, ids, side_len in zip(self.files, (src, tgt), (src_len, tgt_len)):
             rows = ids if len(kept) == len(ids) else [ids[i] for i in kept]
@@ -249,20 +230,18 @@ class IdWriter:
         return np.concatenate(self.lengths) if self.lengths else np.zeros((0, 2), np.int64)
 
 
-def _write_splits(spec: DataSpec, splitter: Splitter, tokenizer: TextTokenizer, out: Path,
-                  report: DataReport, seed: int = 0) -> tuple[dict[str, Any], dict[str, list[int]]]:
-    """Second pass: dev/test pairs to TSV, training pairs encoded, filtered and appended to
-    the id files, then the back-translated pairs (:mod:`jaxformer.data.back_translation`).
-    Returns the counts and the length histogram (ids per side, bins of 8)."""
-    dtype = np.uint16 if _largest_vocab(tokenizer) <= 1 << 16 else np.int32
+def _write_splits(spec: DataSpec, splitter: Splitter, tokenizer: TextTokenizer, out: Path, n: int,
+                  seed: int, tokenizer_sha256: str) -> dict[str, Any]:
+    """The second pass into ``out``: dev/test pairs to TSV, training pairs encoded, filtered and
+    appended, then the back-translated ones. Returns the manifest's entries about them."""
+    vocab = max(tokenizer.src_vocab_size, tokenizer.tgt_vocab_size)
+    dtype = "uint16" if vocab <= 1 << 16 else "int32"
     held: dict[str, list[Pair]] = {"dev": [], "test": []}
-    writer = IdWriter(out, spec, dtype)
-    # Chunk k is encoded in a thread (sentencepiece releases the GIL) while this thread
-    # reads and splits chunk k + 1; chunks are written in order.
-    try:
+    report, writer = DataReport(), IdWriter(out, spec, np.dtype(dtype))
+    try:   # chunk k is encoded in a thread while this one reads and splits chunk k + 1
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             pending, real = None, 0
-            for chunk in _chunks(spec.read(report), CHUNK_PAIRS):
+            for chunk in chunks(spec.source(report).records(), CHUNK_PAIRS):
                 train = []
                 for pair in chunk:
                     name = splitter(pair[0])
@@ -273,25 +252,31 @@ def _write_splits(spec: DataSpec, splitter: Splitter, tokenizer: TextTokenizer, 
                     pending = pool.submit(encode_pairs, tokenizer, train)
             if pending is not None:
                 real += writer.write(*pending.result())
-        synthetic = (back_translation.append(spec, tokenizer, writer, real, seed, encode_pairs)
-                     if spec.bt_file else None)
+        synthetic = (back_translation.append(spec.bt_file, spec.bt_ratio, tokenizer, writer, real, seed,
+                                             encode_pairs) if spec.bt_file else None)
     finally:
-        all_lengths = writer.close()
-    if not len(all_lengths):
-        raise ValueError(f"Every training pair of {spec.name} was filtered out ({writer.dropped}); "
-                         f"raise --max-length-ratio or check the corpus.")
-    np.save(out / "train-lengths.npy", all_lengths.astype(np.int32))
+        lengths = writer.close()
+    np.save(out / "train-lengths.npy", lengths.astype(np.int32))
+    report.kept = n
+    log(report.summary(spec.name))
+    for name, path in spec.explicit_splits().items():
+        held[name], explicit = corpus.read_tsv(path)
+        log(explicit.summary(f"{name} file {path}"))
     for name, pairs in held.items():
         _write_tsv(out / f"{name}.tsv", pairs)
-    bins = np.arange(0, spec.max_tokens + 8, 8)
-    histogram = {"bin_edges": bins.tolist(),
-                 "src": np.histogram(all_lengths[:, 0], bins)[0].tolist(),
-                 "tgt": np.histogram(all_lengths[:, 1], bins)[0].tolist()}
-    counts = {"train": len(all_lengths), "dev": len(held["dev"]), "test": len(held["test"]),
+    counts = {"train": len(lengths), "dev": len(held["dev"]), "test": len(held["test"]),
               "train_dropped": writer.dropped}
     if synthetic is not None:
         counts["back_translation"] = synthetic
-    return counts, histogram
+    corpus.check_splits_nonempty({k: counts[k] for k in ("train", "dev", "test")}, n, dict(writer.dropped))
+    bins = np.arange(0, spec.max_tokens + 8, 8)
+    return {"tokenizer": {"sha256": tokenizer_sha256, "vocab_size": vocab}, "dtype": dtype,
+            "read": dict(report.skipped, lines=report.read), "counts": counts,
+            "length_histogram": {"bin_edges": bins.tolist(),
+                                 **{side: np.histogram(lengths[:, i], bins)[0].tolist()
+                                    for i, side in enumerate(("src", "tgt"))}},
+            "files": {f.name: {"size": f.stat().st_size, "sha256": file_digest(f)}
+                      for f in sorted(out.iterdir())}}
 
 
 def _write_tsv(path: Path, pairs: list[Pair]) -> None:

@@ -1,19 +1,11 @@
-"""Reading prepared training data: token ids on disk, memory-mapped, checked before use.
-
-Written by :mod:`jaxformer.data.prepare`. A prepared directory holds::
-
-  manifest.json     inputs' fingerprint, tokenizer, filters, counts, length histogram,
-                    and the size and SHA-256 of every file below
-  train-src.bin     source token ids of every kept training pair, concatenated
-  train-tgt.bin     target token ids (no bos/eos), concatenated
-  train-lengths.npy [N, 2] ids per pair (source, target); offsets are their cumsum
-  dev.tsv test.tsv  the held-out pairs as text (evaluation decodes and scores text)
-
-Why flat ``.bin`` files and not ArrayRecord: a record here is a few dozen small
-integers, read whole; a memory map gives random access with no per-record
-decoding or per-record framing, and the page cache, not the process, holds the
-data (measured in benchmarks/README.md, "data at scale"). Only the lengths and the
-offsets (32 bytes a pair) live in process memory.
+"""Prepared training data (written by :mod:`jaxformer.data.prepare`): token ids on disk,
+memory-mapped, checked before use. A prepared directory holds ``manifest.json`` (inputs'
+fingerprint, tokenizer, filters, counts, length histogram, each file's size and SHA-256),
+``train-src.bin`` / ``train-tgt.bin`` (every kept training pair's ids, no bos/eos,
+concatenated, dtype in the manifest), ``train-lengths.npy`` (int32 ``[N, 2]`` ids per pair;
+offsets are their cumsum) and ``dev.tsv`` / ``test.tsv`` (held-out text). Flat files, not
+ArrayRecord: a record is a few dozen integers read whole, which a memory map reads with no
+per-record framing, the page cache holding the data (benchmarks/README.md, "data at scale").
 """
 
 from __future__ import annotations
@@ -27,25 +19,21 @@ from typing import Any
 import numpy as np
 
 FORMAT_VERSION = 1
-FILES = ("train-src.bin", "train-tgt.bin", "train-lengths.npy", "dev.tsv", "test.tsv")
 
 
 class PreparedDataError(ValueError):
     """A prepared file is missing, truncated or corrupt; the message names it and the fix."""
 
 
-def file_digest(path: Path, chunk_bytes: int = 1 << 22) -> str:
-    """SHA-256 of a file, read in 4 MiB chunks (through the page cache, not into memory)."""
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(chunk_bytes):
-            digest.update(chunk)
-    return digest.hexdigest()
+def file_digest(path: str | Path) -> str:
+    """SHA-256 (hex) of a file, streamed."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def tokenizer_digest(path: Path) -> str:
-    """SHA-256 of a tokenizer: of its model file, or of a tokenizer folder (Marian's
-    ``source.spm``, ``target.spm``, ``vocab.json``, …) as its files' names and digests."""
+def tokenizer_digest(path: str | Path) -> str:
+    """SHA-256 of a tokenizer model file, or of a tokenizer folder (Marian's) as its files'
+    relative names and digests."""
     path = Path(path)
     if path.is_file():
         return file_digest(path)
@@ -55,21 +43,17 @@ def tokenizer_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
-def read_manifest(directory: Path) -> dict[str, Any] | None:
-    """``manifest.json`` of a prepared directory, or ``None`` if there is none (or it is not JSON)."""
-    path = Path(directory) / "manifest.json"
-    if not path.exists():
-        return None
+def read_manifest(directory: str | Path) -> dict[str, Any] | None:
+    """A prepared directory's ``manifest.json``, or ``None`` if missing or not JSON."""
     try:
-        return json.loads(path.read_text())
+        return json.loads((Path(directory) / "manifest.json").read_text())
     except (OSError, ValueError):
         return None
 
 
 def _problem(directory: Path, manifest: dict[str, Any] | None, check_hashes: bool) -> tuple[str, str] | None:
-    """The first bad file of a prepared directory and what is wrong with it, or ``None``:
-    the manifest missing or of another format version, a listed file missing, of another
-    size than recorded or (with ``check_hashes``) of another SHA-256."""
+    """The first bad file and what is wrong with it, or ``None``: no manifest or another format
+    version, a listed file missing, of another size or (``check_hashes``) another SHA-256."""
     if manifest is None or manifest.get("format_version") != FORMAT_VERSION:
         return "manifest.json", ("is missing or unreadable" if manifest is None else
                                  f"has format version {manifest.get('format_version')!r}, this jaxformer "
@@ -88,66 +72,46 @@ def _problem(directory: Path, manifest: dict[str, Any] | None, check_hashes: boo
 
 @dataclasses.dataclass
 class PreparedCorpus:
-    """The training pairs of a prepared directory as token-id arrays, read on demand.
-
-    Attributes:
-      src_lengths / tgt_lengths: ``[N]`` int64, ids per pair (no bos/eos).
-      manifest: the parsed ``manifest.json``.
-
-    ``corpus.src[i]`` / ``corpus.tgt[i]`` are the ids of pair ``i`` (``[len]`` int32),
-    sliced from the memory maps; nothing else is read.
-    """
+    """The training pairs of a prepared directory, read on demand: ``src_lengths`` /
+    ``tgt_lengths`` int64 ``[N]`` (ids per pair, no bos/eos); ``src[i]`` / ``tgt[i]`` the ids
+    of pair ``i`` (int32, sliced from the memory maps); ``manifest`` the parsed manifest."""
 
     directory: Path
     manifest: dict[str, Any]
     src_lengths: np.ndarray
     tgt_lengths: np.ndarray
-    _src_ids: np.ndarray
-    _tgt_ids: np.ndarray
-    _src_offsets: np.ndarray
-    _tgt_offsets: np.ndarray
+    src: _Side
+    tgt: _Side
 
     @classmethod
     def open(cls, directory: str | Path, check_hashes: bool = True) -> PreparedCorpus:
-        """Opens and checks a prepared directory (sizes always, SHA-256 with ``check_hashes``).
-
-        Raises:
-          PreparedDataError: no manifest, another format version, or a bad file (the first
-            named, with the fix).
-        """
+        """Opens a prepared directory, checking sizes, the lengths against the ids, and (with
+        ``check_hashes``) every SHA-256. Raises PreparedDataError: naming the first bad file and the
+        fix."""
         directory = Path(directory)
         manifest = read_manifest(directory)
         problem = _problem(directory, manifest, check_hashes)
         if problem is None:   # the files are whole: the lengths must add up to the ids
             lengths = np.load(directory / "train-lengths.npy", allow_pickle=False).astype(np.int64)
             dtype = np.dtype(manifest["dtype"])
-            ids = [np.memmap(directory / f"train-{side}.bin", dtype=dtype, mode="r") for side in ("src", "tgt")]
-            offsets = [np.concatenate([[0], np.cumsum(lengths[:, side])]) for side in (0, 1)]
-            problem = next(((f"train-{side}.bin", f"holds {i.size} ids but train-lengths.npy adds up to {o[-1]}")
-                            for side, i, o in zip(("src", "tgt"), ids, offsets) if o[-1] != i.size), None)
+            sides = [_Side(np.memmap(directory / f"train-{side}.bin", dtype=dtype, mode="r"),
+                           np.concatenate([[0], np.cumsum(lengths[:, column])]))
+                     for column, side in enumerate(("src", "tgt"))]
+            problem = next(((f"train-{name}.bin", f"holds {s.ids.size} ids but train-lengths.npy adds up to "
+                             f"{s.offsets[-1]}") for name, s in zip(("src", "tgt"), sides)
+                            if s.offsets[-1] != s.ids.size), None)
         if problem is not None:
             raise PreparedDataError(
                 f"Prepared data file {str(directory / problem[0])!r} {problem[1]}. Delete {str(directory)!r} "
                 f"and run jaxformer-prepare (or train.py, which prepares it) again with the same data flags.")
-        src_ids, tgt_ids = ids
-        return cls(directory, manifest, lengths[:, 0].copy(), lengths[:, 1].copy(), src_ids, tgt_ids,
-                   offsets[0], offsets[1])
+        return cls(directory, manifest, lengths[:, 0].copy(), lengths[:, 1].copy(), *sides)
 
     def __reduce__(self):
-        # Pickled for a grain worker process: it maps the files itself (sizes checked, the
-        # hashes were checked here). Pickling the memory maps would copy every id.
+        # For a grain worker: it maps the files itself (pickled maps would copy every id).
         return PreparedCorpus.open, (self.directory, False)
 
     def __len__(self) -> int:
         return len(self.src_lengths)
-
-    @property
-    def src(self) -> _Side:
-        return _Side(self._src_ids, self._src_offsets)
-
-    @property
-    def tgt(self) -> _Side:
-        return _Side(self._tgt_ids, self._tgt_offsets)
 
     def held_out(self, name: str) -> list[tuple[str, str]]:
         """The ``"dev"`` or ``"test"`` pairs as text."""
@@ -157,7 +121,7 @@ class PreparedCorpus:
 
 @dataclasses.dataclass(frozen=True)
 class _Side:
-    """One side's ids, indexable by pair: ``side[i]`` → ``[len_i]`` int32."""
+    """One side's ids by pair: ``side[i]`` → int32 ``[len_i]``."""
 
     ids: np.ndarray
     offsets: np.ndarray

@@ -1,12 +1,7 @@
-"""Which data a run belongs to: the data's description, its fingerprint, and the
-decision to reuse, prepare or refuse.
-
-A run directory's ``prepared/manifest.json`` records the fingerprint of the data the
-run was prepared from (:meth:`DataSpec.fingerprint`: every input file's path, size
-and SHA-256, and the settings that change the ids). On every start the fingerprint
-of the flags' data is compared with it: equal, the prepared data is reused; different
-in a run that has checkpoints, it is an error naming what differs and the fix;
-different before any checkpoint, the data is prepared again.
+"""Whether a run's data (:class:`jaxformer.data.prepare.DataSpec`) is reused, prepared or
+refused: every start compares its fingerprint with the one ``prepared/manifest.json``
+records; equal, the prepared data is reused; different in a run with checkpoints, an error
+naming what differs and the fix; different before any checkpoint, prepared again.
 """
 
 from __future__ import annotations
@@ -15,13 +10,8 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from jaxformer.data.prepare import finish_tokenizer_move, prepare
-from jaxformer.data.prepared import (
-    PreparedCorpus,
-    read_manifest,
-    tokenizer_digest,
-)
-from jaxformer.data.spec import DataSpec
+from jaxformer.data.prepare import DataSpec, finish_tokenizer_move, prepare
+from jaxformer.data.prepared import PreparedCorpus, read_manifest, tokenizer_digest
 from jaxformer.run.logs import log
 
 if TYPE_CHECKING:
@@ -31,7 +21,7 @@ if TYPE_CHECKING:
 
 
 def fingerprint_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
-    """Human-readable differences between two :meth:`DataSpec.fingerprint` s (empty if equal)."""
+    """The differences between two fingerprints, one line each (none if equal)."""
     def brief(value):
         if isinstance(value, list):
             return [brief(v) for v in value]
@@ -55,8 +45,7 @@ def fingerprint_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[
 
 
 def same_data(saved: dict[str, Any], now: dict[str, Any]) -> bool:
-    """Whether two fingerprints describe the same data: equal but for the files' paths (a
-    moved repository or corpus is the same data when its bytes are)."""
+    """Whether two fingerprints are equal but for the files' paths (a moved corpus is the same data)."""
     def content(value):
         if isinstance(value, dict):
             return {k: content(v) for k, v in value.items() if k != "path"}
@@ -70,21 +59,11 @@ def same_data(saved: dict[str, Any], now: dict[str, Any]) -> bool:
 def check_prepared(spec: DataSpec, directory: Path, tokenizer_file: Path, *,
                    has_checkpoints: bool, recorded: dict[str, Any] | None = None
                    ) -> tuple[dict[str, Any], str]:
-    """What :func:`ensure_prepared` must do: ``"reuse"``, ``"encode"`` (same data, another
-    tokenizer), ``"prepare"`` (no prepared data yet) or ``"retrain"`` (the data changed
-    and the run has no checkpoints: prepare it and train a new tokenizer).
-
-    ``recorded``: the fingerprint the run record (``config.json``, ``"data"``) keeps,
-    what a run with checkpoints is checked against when ``prepared/`` is gone (deleted
-    to save space, or damaged).
-
-    Returns:
-      ``(the inputs' fingerprint, action)``.
-
-    Raises:
-      ValueError: the run has checkpoints of other data, or of data neither ``prepared/``
-        nor the run record describes; the message names what differs and the fix.
-    """
+    """``(the inputs' fingerprint, action)``: ``"reuse"``, ``"encode"`` (same data, another
+    tokenizer), ``"prepare"`` (none yet, or ``prepared/`` gone from a run whose record says the
+    same data) or ``"retrain"`` (the data changed and there are no checkpoints). ``recorded``:
+    the run record's fingerprint (``config.json``'s ``"data"``). Raises ValueError: checkpoints
+    of other data, or of data nothing describes; names the fix."""
     fingerprint = spec.fingerprint()
     manifest = read_manifest(directory)
     if manifest is not None and same_data(manifest.get("fingerprint", {}), fingerprint):
@@ -98,12 +77,12 @@ def check_prepared(spec: DataSpec, directory: Path, tokenizer_file: Path, *,
         fresh = "--fresh of train.py / jaxformer-train moves the old run aside"
         raise ValueError(
             f"The run directory {str(directory.parent)!r} holds checkpoints, but neither "
-            f"{directory / 'manifest.json'} (missing or unreadable) nor its config.json (from before "
-            f"jaxformer recorded it there) says which data they were trained on, so a resume could "
-            f"continue on other data. Put back its prepared/ folder; or, if these flags name the data "
-            f"it was started with (config.json's \"train\" and train.log list them), move its "
-            f"checkpoints/ aside, run jaxformer-prepare with them, and move checkpoints/ back; or start "
-            f"this run over on the flags' data ({fresh})." if trained_on is None else
+            f"{directory / 'manifest.json'} (missing or unreadable) nor its config.json says which data "
+            f"they were trained on. "
+            f"Put back its prepared/ folder; or, if these flags name its data (config.json's \"train\" "
+            f"and train.log list them), move its checkpoints/ aside, run jaxformer-prepare with them, "
+            f"and move checkpoints/ back; or start this run over on the flags' data ({fresh})."
+            if trained_on is None else
             f"The run directory {str(directory.parent)!r} holds a run trained on other data "
             f"({'; '.join(fingerprint_differences(trained_on, fingerprint))}). Resume with the data flags "
             f"it was started with, choose another --workdir for the new data, or start this run over on "
@@ -113,10 +92,9 @@ def check_prepared(spec: DataSpec, directory: Path, tokenizer_file: Path, *,
 
 def _copy_back(previous: Path | None, fingerprint: dict[str, Any], directory: Path,
                tokenizer_file: Path) -> bool:
-    """Copies the prepared data and tokenizer that ``--fresh`` moved to ``previous`` back
-    when they were made from the same inputs and settings (what preparing again would
-    write: the tokenizer sample and the encoding are deterministic) and the run's
-    tokenizer, if it already has one, is the one they were encoded with."""
+    """Copies back the prepared data and tokenizer ``--fresh`` moved to ``previous`` when they
+    were made from the same inputs and settings (preparing is deterministic) and with the
+    run's tokenizer, if it has one; returns whether it did."""
     if previous is None:
         return False
     old_prepared = previous / directory.name
@@ -131,10 +109,7 @@ def _copy_back(previous: Path | None, fingerprint: dict[str, Any], directory: Pa
         return False
     if not tokenizer_file.exists():
         tokenizer_file.parent.mkdir(parents=True, exist_ok=True)
-        if old_tokenizer.is_dir():
-            shutil.copytree(old_tokenizer, tokenizer_file)
-        else:
-            shutil.copy2(old_tokenizer, tokenizer_file)
+        (shutil.copytree if old_tokenizer.is_dir() else shutil.copy2)(old_tokenizer, tokenizer_file)
     shutil.copytree(old_prepared, directory, dirs_exist_ok=True)
     return True
 
@@ -142,14 +117,9 @@ def _copy_back(previous: Path | None, fingerprint: dict[str, Any], directory: Pa
 def ensure_prepared(spec: DataSpec, directory: Path, tokenizer_file: Path, *, has_checkpoints: bool,
                     seed: int = 0, write: bool = True, tokenizer: TextTokenizer | None = None,
                     previous: Path | None = None, recorded: dict[str, Any] | None = None) -> None:
-    """Makes ``directory`` hold ``spec``'s prepared data: reused when its manifest matches,
-    copied back from ``previous`` (the folder ``--fresh`` moved the last run to) when that
-    was prepared from the same inputs and settings, else prepared (again) — see
-    :func:`check_prepared`. With ``write=False`` (the other processes of a multi-process
-    run) only the check runs, so every process raises the same error.
-
-    Raises:
-      ValueError: the run has checkpoints of other data (see :func:`check_prepared`).
+    """Makes ``directory`` hold ``spec``'s prepared data: reused, copied back from ``previous``
+    (:func:`_copy_back`) or prepared (:func:`check_prepared`). ``write=False`` (a multi-process
+    run's other processes): only the check, so every process raises the same error.
     """
     if write:   # a prepare killed after committing its data: its tokenizer moves in now
         finish_tokenizer_move(directory, tokenizer_file)
@@ -157,12 +127,10 @@ def ensure_prepared(spec: DataSpec, directory: Path, tokenizer_file: Path, *, ha
                                          recorded=recorded)
     if action == "reuse":
         log(f"prepared data: reusing {directory}")
-        return
-    if write and action != "encode" and _copy_back(previous, fingerprint, directory, tokenizer_file):
+    elif write and action != "encode" and _copy_back(previous, fingerprint, directory, tokenizer_file):
         log(f"prepared data: the same inputs and settings as the run --fresh moved to {previous}; "
             f"copied its prepared data and tokenizer back instead of preparing again")
-        return
-    if write:
+    elif write:
         if action == "encode":
             log(f"prepared data: {tokenizer_file} is not the tokenizer {directory} was encoded with; "
                 f"encoding again")
@@ -173,17 +141,11 @@ def ensure_prepared(spec: DataSpec, directory: Path, tokenizer_file: Path, *, ha
 def prepare_run_data(cfg: TrainConfig, run_dir: RunDir, *, has_checkpoints: bool,
                      tokenizer: TextTokenizer | None = None, previous: Path | None = None
                      ) -> PreparedCorpus:
-    """The prepared data of a run directory (``prepared/``, ``tokenizer/spm.model``),
-    prepared first if missing or stale. In a multi-process run process 0 prepares and the
-    others wait for it. ``tokenizer``: encode with this one (fine-tuning: the ``--init-from``
-    run's, copied into ``tokenizer/``) instead of training or reading ``spm.model``.
-    ``previous``: the folder ``--fresh`` just moved the run's files to (its prepared data
-    is copied back when it matches; see :func:`ensure_prepared`).
-
-    Raises:
-      ValueError: bad corpus flags, an unusable corpus, or checkpoints of other data.
-      PreparedDataError: a prepared file is truncated or corrupt.
-    """
+    """A run directory's prepared data, prepared first (by process 0) if missing or stale.
+    ``tokenizer``: encode with this one (the ``--init-from`` run's) instead of ``spm.model``;
+    ``previous``: the folder ``--fresh`` moved the run's files to. Raises ValueError: bad corpus
+    flags or corpus, or checkpoints of other data. PreparedDataError: a prepared file is
+    truncated or corrupt."""
     import jax
 
     spec = DataSpec.from_config(cfg)

@@ -1,9 +1,7 @@
-"""The one small protocol every data source follows (:class:`DataSource`): the text
-pairs of :class:`jaxformer.data.corpus.PairFiles` (a TSV file or two aligned files) and
-:class:`jaxformer.data.back_translation.BackTranslationMix`, which ``prepare`` reads, and
-the batches of :class:`jaxformer.data.streaming.BatchStream` (the prepared shards), which
-the trainer iterates and checkpoints. A new source is one class with the four methods;
-``tests/test_data.py`` walks each through them.
+"""The protocol every data source follows: :class:`jaxformer.data.corpus.PairFiles` (a TSV
+file or two aligned files) and :class:`jaxformer.data.back_translation.BackTranslationMix`
+give text pairs to ``prepare``; :class:`jaxformer.data.streaming.BatchStream` gives the
+prepared shards' batches to the trainer. ``tests/test_data.py`` walks each through it.
 """
 
 from __future__ import annotations
@@ -16,12 +14,10 @@ from typing import Any, Protocol, runtime_checkable
 class DataSource(Protocol):
     """A resumable, fingerprinted stream of records.
 
-    ``records()`` gives the records from the current position on and advances it;
-    ``fingerprint()`` is a JSON value that changes whenever the records would (a run
-    never continues on other data: the trainer records it and compares it on resume);
-    ``get_state()`` is the position as a JSON dict of integers, saved with every
-    checkpoint, and ``set_state(state)`` restores it, so the records that follow are
-    those that followed when it was saved.
+    ``records()``: the records from the position on (advancing it). ``fingerprint()``: a
+    JSON value that changes whenever the records would (the trainer compares it on
+    resume). ``get_state()``: the position as a JSON dict of ints, saved with every
+    checkpoint; after ``set_state(state)`` the records are those that followed it.
     """
 
     def records(self) -> Iterator[Any]: ...

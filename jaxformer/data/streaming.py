@@ -1,29 +1,24 @@
-"""Streaming a corpus into batches: constant memory, exact resume.
+"""Prepared data streamed into batches: constant memory, exact resume.
 
-The pipeline (a grain ``IterDataset``): per-epoch shuffled record order → blocks of
-``block_pairs`` records → the batch plan of each block (pack whole pairs best-fit, or
-length buckets) → this process's rows, collated from the memory-mapped ids. Only
-per-pair integers live in memory (about 60 bytes a pair), never the token ids. The
-position is three integers (epoch, block, batch), saved with every checkpoint;
-restoring it re-plans one block, so resume is exact and cheap.
-
-:class:`BatchStream` is what training iterates, the prepared shards as a data source
-(:mod:`jaxformer.data.sources`): the pipeline in this process, or in ``workers`` grain
-worker processes (worker ``i`` of ``n`` collates batches ``i, i + n, …``; grain
-interleaves them back in order). Each batch carries the position after it, so the saved
-position is that of the last batch the trainer took, and a run may resume with another
-``--data-workers``.
-
-Why our packer and not ``grain.experimental.BestFitPackIterDataset``: grain's emits all
-its bins whenever one pair fits none of them and works pair by pair in Python; on the
-shipped en-de corpus it left 8.8-10.6% padding at about 1 ms a pair, where
-best-fit-decreasing over a block (:func:`jaxformer.data.batching.pack_plan`) leaves less
-at a fraction of the cost (benchmarks/README.md, "data at scale").
+A grain ``IterDataset``: a per-epoch shuffled record order, cut into blocks of
+``block_pairs``, each block planned (:func:`jaxformer.data.batching.pack_plan` or
+``bucket_plan``), this process's rows collated from the memory-mapped ids. Only per-pair
+integers live in memory; the position is (epoch, block, batch), and restoring it re-plans
+one block. Not ``grain.experimental.BestFitPackIterDataset``: it flushes all its bins
+whenever a pair fits none, pair by pair in Python (8.8-10.6% padding at ~1 ms a pair on
+the shipped en-de); best-fit-decreasing over a block pads less, faster
+(benchmarks/README.md, "data at scale").
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
+import os
+import signal
+import threading
+import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -31,10 +26,10 @@ import grain
 import numpy as np
 
 from jaxformer.data import batching
+from jaxformer.data.batching import Plan, kept_records  # noqa: F401  (kept_records: re-exported)
 from jaxformer.data.prepared import PreparedCorpus
 from jaxformer.model.validation import DataPositionError
 
-Plan = list[tuple[int, np.ndarray]]
 Planner = Callable[[np.ndarray, np.ndarray, np.random.Generator], Plan]
 Position = dict[str, int]   # {"epoch", "block", "batch"}: the next batch to emit
 START: Position = {"epoch": 0, "block": 0, "batch": 0}
@@ -42,15 +37,9 @@ POSITION_KEY = "stream_position"   # a batch's int64 [3] (epoch, block, batch) a
 
 
 def check_position(state: Any) -> Position:
-    """``state`` as a :data:`Position`, or a clear error: where a saved position enters.
-
-    Raises:
-      DataPositionError: ``state`` is not ``{"epoch", "block", "batch"}`` of non-negative
-        integers. Two diagnoses: grain's ``{"next_index": …}`` is the data position of a
-        checkpoint written by a jaxformer from before prepared, streamed data
-        (2026-11-30), whose batches cannot be reproduced exactly; anything else is a
-        damaged or edited file.
-    """
+    """``state`` as a :data:`Position` (where a saved position enters). Raises DataPositionError:
+    not ``{"epoch", "block", "batch"}`` of non-negative ints: grain's ``{"next_index": …}`` (an
+    older jaxformer's in-memory pipeline) or a damaged file."""
     if (isinstance(state, dict) and set(state) == set(START)
             and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in state.values())):
         return {k: int(state[k]) for k in START}
@@ -65,25 +54,12 @@ def check_position(state: Any) -> Position:
 
 
 class BlockPlanDataset(grain.IterDataset):
-    """Endless ``(length, indices)`` batch plans over a corpus, block by block.
+    """Endless ``(length, indices, position after the batch)`` plans, block by block.
 
-    Epoch ``e`` visits every record once, in the order
-    ``default_rng([seed, e]).permutation(N)``; it is cut into blocks of
-    ``block_pairs`` records and ``planner(src_len, tgt_len, rng)`` turns each block
-    into batches (indices into the records; -1 = an empty row slot). No batch spans
-    two blocks, so a block's last batch may carry empty rows (counted as padding).
-
-    Args:
-      src_lengths: ``[N]`` source ids of each record (N ≥ 1).
-      tgt_lengths: ``[N]`` target ids + 1 of each record (the bos/eos position).
-      planner: e.g. ``functools.partial(batching.pack_plan, batch_tokens=…, length=…)``.
-      block_pairs: records planned together (≥ 1); more = less padding, longer plans.
-      seed: the shuffle and the planner's seed.
-      start: the position of the first batch (:data:`START`: the beginning).
-
-    Elements are ``(length, indices, position after this batch)``. grain's worker
-    processes slice the dataset in place (:meth:`set_slice`): worker ``i`` of ``n``
-    emits only the ``i``-th, ``(i + n)``-th, … batch from ``start``.
+    Epoch ``e`` visits the records in ``default_rng([seed, e]).permutation(N)`` order, cut
+    into blocks of ``block_pairs``; ``planner(src_len, tgt_len, default_rng([seed, e,
+    block]))`` plans each block (indices into the records, -1 = empty). No batch spans two
+    blocks. ``src_lengths`` / ``tgt_lengths``: ``[N]`` source ids / target ids + 1 (N ≥ 1).
     """
 
     def __init__(self, src_lengths: np.ndarray, tgt_lengths: np.ndarray, *, planner: Planner,
@@ -95,8 +71,7 @@ class BlockPlanDataset(grain.IterDataset):
         self.slice = (0, 1)   # (offset, step) of the batches this copy emits
 
     def set_slice(self, sl: slice, sequential_slice: bool = False) -> None:
-        """Emit only batches ``sl.start, sl.start + sl.step, …`` (grain's worker sharding:
-        interleaved, open-ended slices; ``sequential_slice`` is not supported)."""
+        """Emit only batches ``sl.start, sl.start + sl.step, …`` (grain's worker sharding)."""
         self.slice = (sl.start or 0, sl.step or 1)
 
     def __iter__(self) -> _BlockPlanIterator:
@@ -104,13 +79,9 @@ class BlockPlanDataset(grain.IterDataset):
         iterator.set_state(self.start)
         return iterator
 
-    def blocks_per_epoch(self) -> int:
-        return -(-len(self.src_lengths) // self.block_pairs)
-
 
 class _BlockPlanIterator(grain.DatasetIterator):
-    """Iterator of :class:`BlockPlanDataset`; state ``{"epoch", "block", "batch"}`` = the
-    next batch to emit."""
+    """Iterator of :class:`BlockPlanDataset`; its state is the next batch's position."""
 
     def __init__(self, dataset: BlockPlanDataset):
         super().__init__()
@@ -121,23 +92,18 @@ class _BlockPlanIterator(grain.DatasetIterator):
         self._seen = 0   # batches passed since the last set_state (for the slice)
 
     def __next__(self) -> tuple[int, np.ndarray, Position]:
-        offset, step = self._ds.slice
-        while True:
-            length, indices = self._next_plan()
-            self._seen += 1
-            if (self._seen - 1) % step == offset:
-                return length, indices, self.get_state()
-
-    def _next_plan(self) -> tuple[int, np.ndarray]:
+        ds, (offset, step) = self._ds, self._ds.slice
         while True:
             if self._plan is None:
                 self._plan = self._plan_block()
-            if self._batch < len(self._plan):
-                self._batch += 1
-                return self._plan[self._batch - 1]
-            self._plan, self._batch, self._block = None, 0, self._block + 1
-            if self._block == self._ds.blocks_per_epoch():
-                self._epoch, self._block, self._order = self._epoch + 1, 0, None
+            if self._batch == len(self._plan):
+                self._plan, self._batch, self._block = None, 0, self._block + 1
+                if self._block * ds.block_pairs >= len(ds.src_lengths):
+                    self._epoch, self._block, self._order = self._epoch + 1, 0, None
+                continue
+            self._batch, self._seen = self._batch + 1, self._seen + 1
+            if (self._seen - 1) % step == offset:
+                return *self._plan[self._batch - 1], self.get_state()
 
     def _plan_block(self) -> Plan:
         ds = self._ds
@@ -149,49 +115,25 @@ class _BlockPlanIterator(grain.DatasetIterator):
         plan = ds.planner(ds.src_lengths[records], ds.tgt_lengths[records], rng)
         return [(length, np.where(idx >= 0, records[np.maximum(idx, 0)], -1)) for length, idx in plan]
 
-    def get_state(self) -> dict[str, Any]:
+    def get_state(self) -> Position:
         return {"epoch": self._epoch, "block": self._block, "batch": self._batch}
 
-    def set_state(self, state: dict[str, Any]) -> None:
-        """``state``: a :data:`Position` (checked where it enters, :meth:`BatchStream.set_state`)."""
+    def set_state(self, state: Position) -> None:
+        """``state``: a :data:`Position` (checked by :meth:`BatchStream.set_state`)."""
         if state["epoch"] != self._epoch:
             self._order = None
         self._epoch, self._block, self._batch = state["epoch"], state["block"], state["batch"]
         self._plan, self._seen = None, 0
 
 
-def kept_records(corpus: PreparedCorpus, max_len: int) -> tuple[np.ndarray, int]:
-    """Records that fit ``max_len`` (source ids ≤ max_len, target ids + 1 ≤ max_len).
-
-    Returns:
-      ``(record ids [M] int64, number dropped as longer)``.
-
-    Raises:
-      ValueError: no record fits.
-    """
-    fits = (corpus.src_lengths <= max_len) & (corpus.tgt_lengths + 1 <= max_len)
-    records = np.flatnonzero(fits)
-    if records.size == 0:
-        raise ValueError(f"Every training pair is longer than max_len={max_len} tokens; raise --max-len "
-                         f"or --max-train-len.")
-    return records, int(len(fits) - records.size)
-
-
 def process_plans(corpus: PreparedCorpus, *, max_len: int, batch_tokens: int,
                   boundaries: tuple[int, ...], seed: int, row_multiple: int = 1, process_index: int = 0,
                   process_count: int = 1, pack: bool = True, block_pairs: int = 8192,
                   start: Position = START) -> grain.IterDataset:
-    """This process's share of every global batch from ``start`` on: ``(length, record ids,
-    position after the batch)`` with ids ``[rows / process_count, P]`` when packing
-    (``[rows / process_count]`` when bucketing; -1 = empty). Every process plans the same
-    global batches and takes its own contiguous block of rows; only those records are
-    ever read (by :func:`stream_dataset`).
-
-    ``row_multiple`` is a multiple of ``process_count`` (the trainer's lcm).
-
-    Raises:
-      ValueError: no pair fits (:func:`kept_records`).
-    """
+    """This process's contiguous rows of every global batch from ``start`` on: ``(length, record
+    ids [rows / process_count, P] packed or [rows / process_count] bucketed (-1 = empty),
+    position after)``; ``row_multiple`` is a multiple of ``process_count``. Raises ValueError:
+    no pair fits (:func:`jaxformer.data.batching.kept_records`)."""
     records, _ = kept_records(corpus, max_len)
     planner = (functools.partial(batching.pack_plan, length=boundaries[-1]) if pack else
                functools.partial(batching.bucket_plan, boundaries=boundaries))
@@ -210,19 +152,10 @@ def process_plans(corpus: PreparedCorpus, *, max_len: int, batch_tokens: int,
 
 def stream_dataset(corpus: PreparedCorpus, *, pad_id: int, bos_id: int, eos_id: int, pack: bool = True,
                    **plan_options: Any) -> grain.IterDataset:
-    """An endless, deterministic, checkpointable grain pipeline of batches from prepared data.
-
-    The batches equal :func:`jaxformer.data.batching.train_dataset`'s in shape and meaning:
-    packed rows of ``boundaries[-1]`` with segment ids (``pack``), else length buckets;
-    this process's rows only (:func:`process_plans`, which takes ``plan_options``:
-    ``max_len``, ``batch_tokens``, ``boundaries``, ``seed``, ``row_multiple``,
-    ``process_index``, ``process_count``, ``block_pairs``, ``start``). Each batch also
-    holds :data:`POSITION_KEY`: int64 ``[3]``, the (epoch, block, batch) after it, which
-    :class:`BatchStream` takes out.
-
-    Raises:
-      ValueError: see :func:`process_plans`.
-    """
+    """An endless, deterministic grain pipeline of this process's batches of ``corpus`` (a prepared
+    corpus or :class:`jaxformer.data.batching.Examples`), planned by :func:`process_plans`; each
+    holds :data:`POSITION_KEY` (int64 ``[3]``, the position after it). Raises ValueError: no
+    pair fits."""
     build = batching.collate_packed if pack else batching.collate
 
     def collate(item: tuple[int, np.ndarray, Position]) -> dict[str, np.ndarray]:
@@ -235,36 +168,22 @@ def stream_dataset(corpus: PreparedCorpus, *, pad_id: int, bos_id: int, eos_id: 
 
 
 class BatchStream(grain.DatasetIterator):
-    """The training batches, collated here or in grain worker processes; resumable: the
-    prepared shards as a data source (:class:`jaxformer.data.sources.DataSource`), what
-    the trainer iterates and checkpoints.
+    """The training batches as a data source (:class:`jaxformer.data.sources.DataSource`).
 
-    Args:
-      build: ``build(start) -> grain.IterDataset`` of batches that carry their position
-        (:func:`stream_dataset` with its options bound).
-      fingerprint: the data's fingerprint (the prepared manifest's), returned by
-        :meth:`fingerprint`.
-      workers: 0 = collate in this process, between train steps (with JAX's async
-        dispatch the device is still busy with the previous step); ``n`` = in ``n`` grain
-        worker processes (``mp_prefetch``), so the host loop only takes finished batches.
-      buffer: batches each worker prepares ahead (≥ 1).
-
-    ``get_state()`` is the position after the last batch returned (never the workers'
-    lookahead), so a checkpoint resumes exactly, with any ``workers``. ``set_state``
-    restarts the pipeline (and its workers) there. Workers start on the first batch,
-    or on :meth:`start_prefetch` (grain's checkpoint restore calls it), and stop on
-    :meth:`close`.
-
-    Raises:
-      DataPositionError: from ``set_state``, for a state that is not a position
-        (:func:`check_position`).
+    ``build(start)``: a ``grain.IterDataset`` of batches carrying their position
+    (:func:`stream_dataset` bound); ``workers``: 0 = collate in this process (between
+    train steps, while the device runs), ``n`` = in ``n`` grain processes, each ``buffer``
+    batches ahead (worker ``i`` collates batches ``i, i + n, …``). ``get_state()`` is the
+    position after the last batch returned, never the workers' lookahead, so a checkpoint
+    resumes exactly with any ``workers``. Workers start on the first batch or
+    :meth:`start_prefetch` and stop on :meth:`close`. ``set_state`` raises DataPositionError
+    (:func:`check_position`).
     """
 
     def __init__(self, build: Callable[[Position], grain.IterDataset], workers: int = 0, buffer: int = 2,
                  fingerprint: dict[str, Any] | None = None):
         super().__init__()
-        self._fingerprint = fingerprint
-        self._build, self._workers, self._buffer = build, workers, buffer
+        self._build, self._workers, self._buffer, self._fingerprint = build, workers, buffer, fingerprint
         self._position: Position = dict(START)
         self._batches: Any = None   # the running pipeline's iterator, started on demand
         if workers:
@@ -284,11 +203,9 @@ class BatchStream(grain.DatasetIterator):
 
     def __next__(self) -> dict[str, np.ndarray]:
         self.start_prefetch()
-        # From workers the arrays live in shared memory until dropped: plain copies (a few
-        # hundred KB a batch) release it at once, whatever the caller keeps.
+        # Workers' arrays live in shared memory until dropped: copies release it at once.
         batch = {name: np.array(value) for name, value in next(self._batches).items()}
-        epoch, block, index = (int(v) for v in batch.pop(POSITION_KEY))
-        self._position = {"epoch": epoch, "block": block, "batch": index}
+        self._position = dict(zip(START, map(int, batch.pop(POSITION_KEY))))
         return batch
 
     def records(self) -> BatchStream:
@@ -303,39 +220,20 @@ class BatchStream(grain.DatasetIterator):
 
     def set_state(self, state: Any) -> None:
         position = check_position(state)
-        self._stop()
+        self.close()
         self._position = position
 
-    def _stop(self) -> None:
+    def close(self) -> None:
+        """Stops the pipeline and its workers; using the stream again restarts it."""
         if self._batches is not None:
             self._batches.close()
             self._batches = None
 
-    def close(self) -> None:
-        """Stops the worker processes (if any); the stream may be restarted by using it."""
-        self._stop()
-
-
-def prepared_stream(corpus: PreparedCorpus, *, workers: int = 0, **options: Any) -> BatchStream:
-    """The training batches of a prepared corpus as a :class:`BatchStream` (its fingerprint
-    the manifest's): :func:`stream_dataset` with ``options`` (``pad_id``, ``bos_id``,
-    ``eos_id``, ``pack`` and :func:`process_plans`'s), in ``workers`` processes."""
-    return BatchStream(lambda start: stream_dataset(corpus, **options, start=start), workers=workers,
-                       fingerprint=corpus.manifest["fingerprint"])
-
 
 def _worker_init(index: int, count: int, poll_s: float = 1.0) -> None:
-    """In each worker process: Ctrl-C and SIGTERM are the trainer's to handle (a terminal's
-    Ctrl-C, ``kill -- -PGID`` or a scheduler signal the whole process group; a worker killed
-    by it would fail the trainer's next batch instead of letting it checkpoint), and a
-    worker whose trainer died (SIGKILL, OOM) exits instead of waiting forever. Workers
-    collate with NumPy; should anything in one touch JAX, it gets the CPU backend, never
-    the GPU/TPU whose memory the trainer owns."""
-    import os
-    import signal
-    import threading
-    import time
-
+    """In each worker: SIGINT and SIGTERM (sent to the whole process group) are left to the
+    trainer, which checkpoints; a worker whose trainer died exits; JAX, if touched, gets the
+    CPU, never the trainer's accelerator."""
     os.environ["JAX_PLATFORMS"] = "cpu"
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -350,20 +248,14 @@ def _worker_init(index: int, count: int, poll_s: float = 1.0) -> None:
 
 
 def _close_at_exit(stream: BatchStream) -> None:
-    """Stops the workers at interpreter exit even if the stream was never closed: they ignore
-    SIGTERM, which is how multiprocessing's own exit hook would stop them (registered
-    later, this hook runs first)."""
-    import atexit
-    import weakref
-
+    """Stops the workers at exit even if the stream was never closed (they ignore the SIGTERM
+    of multiprocessing's own exit hook, which runs after this one)."""
     ref = weakref.ref(stream)
     atexit.register(lambda: ref() is not None and ref().close())
 
 
 def _absl_flags_parsed() -> None:
-    """grain 0.2.18's worker start reads an absl flag, which raises in a program that never
-    parsed absl flags (google/grain#1355, fixed after that release): mark them parsed,
-    keeping every default. A program that parsed its flags is left alone."""
+    """grain 0.2.18's workers read an absl flag, which raises unless parsed (google/grain#1355)."""
     from absl import flags
 
     if not flags.FLAGS.is_parsed():

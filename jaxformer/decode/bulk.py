@@ -1,22 +1,17 @@
 """Bulk translation of a file of any size: streamed, resumable, one line out per line in.
 
-``jaxformer-translate --input FILE --output FILE`` (:func:`translate_file`) reads the
-input (by :mod:`jaxformer.data.lines`) in chunks of ``chunk_lines`` lines, decodes each
-in batches sorted by length inside the chunk, and writes it to ``OUTPUT.parts/<chunk>.txt``
-by rename (a chunk file exists whole or not at all); the chunks are then joined into
-``OUTPUT`` (by rename). A run killed at any point and started again decodes only the
-missing chunks, with the same batches, so the output is the same byte for byte.
-``OUTPUT.parts/manifest.json`` records what the output depends on (the input's SHA-256
-and size, the checkpoint, the decoding settings, chunk and batch sizes); a resume whose
-input or settings differ is refused with the differences named. A first pass counts the
-lines, hashes the file and finds lines that are not UTF-8 (``errors="strict"`` refuses
-them by line number before anything is decoded; ``"replace"`` decodes them with U+FFFD).
+:func:`translate_file` decodes the input (read by :mod:`jaxformer.data.lines`) in chunks
+of ``chunk_lines`` lines, each written whole to ``OUTPUT.parts/<chunk>.txt``, then joins
+them into ``OUTPUT`` by rename. Started again after a kill, it decodes only the missing
+chunks, so the output is the same byte for byte; ``OUTPUT.parts/manifest.json`` records
+what it depends on (input hash and size, model, settings), and a resume with others is
+refused, naming them.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-import hashlib
 import json
 import os
 import shutil
@@ -27,8 +22,7 @@ from typing import Any
 
 from jaxformer.data import lines as lines_lib
 from jaxformer.data.lines import line_numbers  # noqa: F401  (the tools' name for it)
-
-MANIFEST = "manifest.json"
+from jaxformer.data.prepared import file_digest
 
 BulkInputError = lines_lib.TextError   # the input cannot be read as lines of UTF-8 text
 
@@ -39,8 +33,8 @@ class BulkResumeError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class InputInfo:
-    """What one pass over the input found: its SHA-256 (of the bytes on disk), size in
-    bytes, number of lines, and the 1-based numbers of lines that are not UTF-8."""
+    """The input's SHA-256 (of the bytes on disk), size in bytes, line count, and the 1-based
+    numbers of the lines that are not UTF-8."""
 
     sha256: str
     size: int
@@ -49,56 +43,32 @@ class InputInfo:
 
 
 def split_lines(stream) -> Iterator[bytes]:
-    """The lines of a binary stream by :mod:`jaxformer.data.lines`' rules, as bytes (for the
-    translate tool until it reads with :func:`jaxformer.data.lines.read_lines` itself)."""
-    for line in lines_lib.read_lines(stream, errors="surrogateescape"):
-        yield line.encode("utf-8", errors="surrogateescape")
+    """The lines of a binary stream by :mod:`jaxformer.data.lines`' rules, as bytes."""
+    return (line.encode(errors="surrogateescape") for line in lines_lib.read_lines(stream, "surrogateescape"))
 
 
 def scan_input(path: str | Path) -> InputInfo:
-    """One streaming pass: hash, size, line count and the lines that are not UTF-8.
-
-    Raises:
-      BulkInputError: a truncated or corrupt gzip file.
-    """
-    path = Path(path)
-    digest = hashlib.sha256()
-    with open(path, "rb") as stream:
-        while block := stream.read(1 << 20):
-            digest.update(block)
+    """The input's :class:`InputInfo`, streamed. Raises BulkInputError: UTF-16, or a truncated or
+    corrupt gzip file."""
     bad: list[int] = []
     count = sum(1 for _ in lines_lib.read_lines(path, errors="skip", bad=bad))
-    return InputInfo(sha256=digest.hexdigest(), size=path.stat().st_size, lines=count, bad_lines=tuple(bad))
+    return InputInfo(file_digest(path), Path(path).stat().st_size, count, tuple(bad))
 
 
 def read_chunks(path: str | Path, chunk_lines: int, errors: str = "strict") -> Iterator[list[str]]:
     """The input's lines as text, ``chunk_lines`` at a time (the last chunk may be shorter)."""
-    chunk: list[str] = []
-    for line in lines_lib.read_lines(Path(path), errors=errors):
-        chunk.append(line)
-        if len(chunk) == chunk_lines:
-            yield chunk
-            chunk = []
-    if chunk:
-        yield chunk
+    return lines_lib.chunks(lines_lib.read_lines(Path(path), errors=errors), chunk_lines)
 
 
 class BulkJob:
-    """The parts folder of one output file: its manifest and finished chunks."""
+    """``<output>.parts/``: the manifest (``record``, all the output depends on) and the finished
+    chunks. Raises BulkResumeError: the folder holds another input's or other settings' chunks."""
 
     def __init__(self, output: str | Path, record: dict[str, Any]):
-        """
-        Args:
-          output: the output file; parts go to ``<output>.parts/``.
-          record: everything the output depends on (JSON-serialisable).
-
-        Raises:
-          BulkResumeError: the folder holds another input's or other settings' chunks.
-        """
         self.output = Path(output)
         self.parts = self.output.with_name(self.output.name + ".parts")
         self.record = record
-        manifest = self.parts / MANIFEST
+        manifest = self.parts / "manifest.json"
         if manifest.exists():
             saved = json.loads(manifest.read_text())
             differing = sorted(k for k in set(saved) | set(record) if saved.get(k) != record.get(k))
@@ -119,8 +89,7 @@ class BulkJob:
         return self.chunk_path(index).exists()
 
     def write(self, index: int, text: str, counts: dict[str, int]) -> None:
-        """Writes chunk ``index`` whole (temporary name, fsync, rename), its counts first:
-        a chunk's text exists only once its counts do."""
+        """Writes chunk ``index`` whole (temporary name, fsync, rename), its counts first."""
         _write_atomically(self.chunk_path(index).with_suffix(".json"), json.dumps(counts))
         _write_atomically(self.chunk_path(index), text)
 
@@ -152,37 +121,29 @@ def _write_atomically(path: Path, text: str) -> None:
 
 @dataclasses.dataclass
 class BulkReport:
-    """Counts and rates of one call of :func:`translate_file`: over the whole cluster's
-    work in process 0's report, over its own share in another process's (rates over the
-    chunks this call decoded)."""
+    """Counts and rates of one :func:`translate_file` call: the whole cluster's in process 0,
+    its own share in another. ``decoded`` counts the lines of the chunks this call decoded
+    and, of those, ``empty``, ``long`` (over max_len), ``replaced`` (not UTF-8) and their
+    source ``tokens``."""
 
-    lines: int = 0              # input lines
+    lines: int = 0
     chunks: int = 0
     resumed_chunks: int = 0     # found finished, not decoded again
-    decoded_lines: int = 0      # lines of the chunks decoded by this call
-    empty_lines: int = 0        # of those, empty (an empty output line)
-    long_lines: int = 0         # of those, longer than max_len tokens (handled as asked)
-    replaced_lines: int = 0     # of those, with bytes that were not UTF-8 (errors="replace")
-    source_tokens: int = 0      # of the decoded lines
+    decoded: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     seconds: float = 0.0
     processes: int = 1
 
     def add(self, lines: int, counts: dict[str, int]) -> None:
         """Counts one decoded chunk of ``lines`` lines."""
-        self.decoded_lines += lines
-        self.empty_lines += counts.get("empty", 0)
-        self.long_lines += counts.get("long", 0)
-        self.source_tokens += counts.get("tokens", 0)
-        self.replaced_lines += counts.get("replaced", 0)
+        self.decoded.update(counts, lines=lines)
 
     def summary(self) -> str:
-        rate = self.decoded_lines / self.seconds if self.seconds else 0.0
-        tokens = self.source_tokens / self.seconds if self.seconds else 0.0
+        d, per_s = self.decoded, 1 / self.seconds if self.seconds else 0.0
         by = f" by {self.processes} processes" if self.processes > 1 else ""
         return (f"{self.lines:,} lines in {self.chunks} chunk(s), {self.resumed_chunks} found finished; "
-                f"decoded {self.decoded_lines:,} lines ({self.empty_lines:,} empty, {self.long_lines:,} "
-                f"longer than max_len, {self.replaced_lines:,} with bytes not UTF-8 replaced){by} in "
-                f"{self.seconds:.1f} s: {rate:,.1f} sentences/s, {tokens:,.0f} source tokens/s")
+                f"decoded {d['lines']:,} lines ({d['empty']:,} empty, {d['long']:,} longer than max_len, "
+                f"{d['replaced']:,} with bytes not UTF-8 replaced){by} in {self.seconds:.1f} s: "
+                f"{d['lines'] * per_s:,.1f} sentences/s, {d['tokens'] * per_s:,.0f} source tokens/s")
 
 
 ChunkTranslator = Callable[[list[str], int, int], tuple[str, dict[str, int]]]
@@ -193,40 +154,26 @@ def translate_file(translate_chunk: ChunkTranslator, input_path: str | Path, out
                    progress: bool | None = None, info: InputInfo | None = None,
                    process_index: int = 0, process_count: int = 1,
                    barrier: Callable[[str], None] | None = None) -> BulkReport:
-    """Translates ``input_path`` into ``output``, chunk by chunk, resuming a killed run.
-
-    Several processes (``jax.distributed``) share the work: each calls this with its
-    ``process_index`` and decodes the chunks whose index is ``process_index`` modulo
-    ``process_count``, into the same parts folder (a filesystem all of them see, as for
-    checkpoints); process 0 joins the chunks in input order once ``barrier`` says every
-    process is done. A chunk's output does not depend on who decoded it, so any number
-    of processes, or a resume with another number, gives the same file.
+    """Translates ``input_path`` (text or gzip, a sentence a line) into ``output``, chunk by
+    chunk, resuming a killed run. Each process of a cluster decodes the chunks whose index
+    is ``process_index`` modulo ``process_count`` into the shared parts folder; process 0
+    joins them once ``barrier`` (:func:`jaxformer.model.sharding.process_barrier`) says all
+    are done. Any process count gives the same file.
 
     Args:
-      translate_chunk: ``(lines, first_line_index, chunk_index) -> (text, counts)``: the
-        output text of one chunk (one line per input line, or n per line for n-best
-        lists, each ending in ``\\n``) and its counts (``empty``, ``long``, ``tokens``).
-        It must depend only on its arguments, so a resumed run repeats it exactly.
-      input_path: plain text or gzip, one sentence per line.
-      output: the output file.
-      record: the settings the output depends on, kept in the manifest (the input's
-        hash, size, ``chunk_lines`` and ``errors`` are added here).
-      chunk_lines: lines per chunk (the resume granularity and the sorting window).
+      translate_chunk: ``(lines, first_line_index, chunk_index) -> (text, counts)``: a
+        chunk's output lines and counts (``empty``, ``long``, ``tokens``), a function of its
+        arguments only.
+      record: what the output depends on, for the manifest (input hash and size,
+        ``chunk_lines`` and ``errors`` are added).
       errors: ``"strict"`` (lines that are not UTF-8 refuse the input) or ``"replace"``.
-      progress: a tqdm bar on stderr (lines/s, ETA); ``None`` = when stderr is a terminal.
+      progress: a tqdm bar; ``None`` = when stderr is a terminal.
       info: the input's :func:`scan_input`, if already made.
-      process_index, process_count: this process's share of the chunks (0 ≤ index < count).
-      barrier: ``barrier(name)`` returns when every process has called it
-        (:func:`jaxformer.model.sharding.process_barrier`); needed when
-        ``process_count > 1``.
-
-    Returns:
-      a :class:`BulkReport`: the whole file's in process 0, this process's share in others.
 
     Raises:
-      BulkInputError: lines that are not UTF-8 in strict mode (their numbers named), a
-        UTF-16 file, a corrupt gzip (:mod:`jaxformer.data.lines`), ``chunk_lines < 1``.
-      BulkResumeError: the output's parts folder belongs to other inputs or settings.
+      BulkInputError: ``chunk_lines < 1``, lines not UTF-8 under ``"strict"`` (named), or
+        an unreadable input (:mod:`jaxformer.data.lines`).
+      BulkResumeError: the parts folder belongs to other inputs or settings.
     """
     if chunk_lines < 1:   # the library's entry (the tool's flag is checked by its schema)
         raise BulkInputError(f"chunk_lines must be at least 1, got {chunk_lines}.")
@@ -262,8 +209,7 @@ def translate_file(translate_chunk: ChunkTranslator, input_path: str | Path, out
 def _decode_share(translate_chunk: ChunkTranslator, input_path: str | Path, job: BulkJob,
                   report: BulkReport, info: InputInfo, finished: set[int], *, chunk_lines: int,
                   errors: str, progress: bool | None, process_index: int, process_count: int) -> None:
-    """:func:`translate_file`'s loop: this process's chunks that are not ``finished`` are
-    decoded, written to ``job`` and counted in ``report``, under a tqdm bar."""
+    """Decodes this process's unfinished chunks into ``job``, counted in ``report``."""
     from tqdm import tqdm
 
     mine = range(process_index, report.chunks, process_count)
