@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 from jaxformer.data import lines as lines_lib
-from jaxformer.data.lines import line_numbers  # noqa: F401  (the tools' name for it)
 from jaxformer.data.prepared import file_digest
 
 BulkInputError = lines_lib.TextError   # the input cannot be read as lines of UTF-8 text
@@ -40,11 +39,6 @@ class InputInfo:
     size: int
     lines: int
     bad_lines: tuple[int, ...]
-
-
-def split_lines(stream) -> Iterator[bytes]:
-    """The lines of a binary stream by :mod:`jaxformer.data.lines`' rules, as bytes."""
-    return (line.encode(errors="surrogateescape") for line in lines_lib.read_lines(stream, "surrogateescape"))
 
 
 def scan_input(path: str | Path) -> InputInfo:
