@@ -1,6 +1,4 @@
-"""Early stopping on dev BLEU (``--patience N``), as fairseq's ``--patience`` and
-OpenNMT's ``-early_stopping``: stop after N evaluations in a row without a better score.
-"""
+"""Early stopping on dev BLEU (``--patience N``, as fairseq's ``--patience``)."""
 
 from __future__ import annotations
 
@@ -10,9 +8,8 @@ import math
 
 @dataclasses.dataclass
 class EarlyStopping:
-    """Counts evaluations since the best dev score ``best`` (``-inf`` before the first; a
-    resumed run starts from its best checkpoint's). ``patience``: evaluations without a
-    better score that stop the run (at least 1, ``--patience`` checks it); ``None``: never."""
+    """Counts evaluations since the best score ``best`` (a resume starts from its best
+    checkpoint's); ``patience`` of them in a row stop the run (``None``: never)."""
 
     patience: int | None
     best: float = -math.inf

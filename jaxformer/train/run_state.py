@@ -1,7 +1,5 @@
-"""What a training run holds between its phases, in three parts: the decided
-:class:`~jaxformer.train.plan.RunPlan`, the :class:`Run` that setup opened on it (programs,
-data, writers; closed once, by its exit stack) and the host loop's :class:`LoopState`.
-"""
+"""What a training run holds between its phases: the :class:`Run` setup opened on its plan
+(closed once, by its exit stack) and the host loop's :class:`LoopState`."""
 
 from __future__ import annotations
 
@@ -42,8 +40,7 @@ class TrainData:
 
 @dataclasses.dataclass(frozen=True)
 class Run:
-    """What :func:`jaxformer.train.run_setup.setup` opened for a plan; :meth:`close` (or
-    ``with run.closer``) waits for pending saves and closes the writers and data workers."""
+    """What :func:`jaxformer.train.run_setup.setup` opened for a plan."""
 
     plan: RunPlan
     programs: RunPrograms
@@ -82,8 +79,7 @@ class LoopState:
     early_stopping: EarlyStopping = dataclasses.field(default_factory=lambda: EarlyStopping(None))
 
     def skips_pending(self) -> float:
-        """Updates skipped as non-finite since the last clean logging window: their
-        parameters may be ruined, so they are neither checkpointed nor kept as the best.
-        A host sync (reads the device sums): called only before a save or an evaluation."""
+        """Updates skipped as non-finite since the last clean window (their parameters are neither
+        checkpointed nor kept as the best); a host sync."""
         pending = 0.0 if self.totals is None else float(jax.device_get(self.totals["skipped"]))
         return self.recent_skips + pending
