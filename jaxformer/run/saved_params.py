@@ -14,14 +14,12 @@ from jaxformer.model import scan
 
 
 class CheckpointMismatchError(ValueError):
-    """A checkpoint's parameters are not the model's: other names or shapes (the run's
-    ``config.json`` was edited, or belongs to another run)."""
+    """A checkpoint's parameters have other names or shapes than the model's."""
 
 
 def check_params_match(saved: Any, abstract_params: Any, where: str) -> None:
-    """Raises :class:`CheckpointMismatchError` unless the saved tree (orbax metadata, or
-    arrays) has exactly the names and shapes of ``abstract_params`` (a partial restore
-    would read a subset of a larger checkpoint without a word)."""
+    """Raises :class:`CheckpointMismatchError` unless ``saved`` (metadata or arrays) has exactly
+    ``abstract_params``' names and shapes (a partial restore would read a subset silently)."""
     def shapes(tree):
         return {jax.tree_util.keystr(path): tuple(leaf.shape)
                 for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
@@ -42,8 +40,7 @@ def check_params_match(saved: Any, abstract_params: Any, where: str) -> None:
 
 
 def saved_params(path: Path, key: str | None) -> Any:
-    """The tree of names and shapes stored at ``path`` (under ``key``), from orbax's metadata,
-    read by the item's handler (a ``Checkpointer`` warns that step metadata is not there)."""
+    """The names and shapes stored at ``path`` (under ``key``), from orbax's item metadata."""
     handler = ocp.PyTreeCheckpointHandler()
     try:
         tree = handler.metadata(path).tree
@@ -53,8 +50,8 @@ def saved_params(path: Path, key: str | None) -> Any:
 
 
 def in_layout(saved: Any, abstract: Any, restore: Callable[[Any], Any]) -> Any:
-    """``restore(target)`` into ``abstract``; a checkpoint ``saved`` (its metadata) with the other
-    layer layout (scanned or unrolled) is read in its own layout first, then converted."""
+    """``restore(target)`` into ``abstract``; a ``saved`` of the other layer layout (scanned or
+    unrolled) is read in its own first, then converted."""
     saved_scanned, want_scanned = scan.layout_of(saved), scan.layout_of(abstract)
     if saved_scanned is None or want_scanned is None or saved_scanned == want_scanned:
         return restore(abstract)
