@@ -20,16 +20,58 @@ import orbax.checkpoint as ocp
 from jaxformer.model import scan
 from jaxformer.model.validation import DataPositionError
 from jaxformer.run.positions import position_for_other_process_count
-from jaxformer.run.saved_params import (  # noqa: F401  (CheckpointMismatchError: re-exported)
-    CheckpointMismatchError,
-    check_params_match,
-    in_layout,
-    saved_params,
-)
 
 
 class CheckpointError(OSError):
     """No checkpoint of the run directory can be read."""
+
+
+class CheckpointMismatchError(ValueError):
+    """A checkpoint's parameters have other names or shapes than the model's."""
+
+
+def check_params_match(saved: Any, abstract_params: Any, where: str) -> None:
+    """Raises :class:`CheckpointMismatchError` unless ``saved`` (metadata or arrays) has exactly
+    ``abstract_params``' names and shapes (a partial restore would read a subset silently)."""
+    def shapes(tree):
+        return {jax.tree_util.keystr(path): tuple(leaf.shape)
+                for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+    have, want = shapes(saved), shapes(abstract_params)
+    missing, extra = sorted(want.keys() - have.keys()), sorted(have.keys() - want.keys())
+    reshaped = sorted(f"{k}: saved {have[k]} vs model {want[k]}" for k in want.keys() & have.keys()
+                      if have[k] != want[k])
+    if missing or extra or reshaped:
+        def brief(items):
+            return ", ".join(items[:4]) + (f" and {len(items) - 4} more" if len(items) > 4 else "")
+        parts = ([f"missing from the checkpoint: {brief(missing)}"] if missing else []) + (
+            [f"not in the model: {brief(extra)}"] if extra else []) + (
+            [f"other shapes: {brief(reshaped)}"] if reshaped else [])
+        raise CheckpointMismatchError(
+            f"{where} does not hold this model's parameters ({'; '.join(parts)}). Does config.json "
+            f"still describe the run that saved it? Restore the run's own config.json.")
+
+
+def saved_params(path: Path, key: str | None) -> Any:
+    """The names and shapes stored at ``path`` (under ``key``), from orbax's item metadata."""
+    handler = ocp.PyTreeCheckpointHandler()
+    try:
+        tree = handler.metadata(path).tree
+    finally:
+        handler.close()
+    return tree[key] if key is not None else tree
+
+
+def in_layout(saved: Any, abstract: Any, restore: Callable[[Any], Any]) -> Any:
+    """``restore(target)`` into ``abstract``; a ``saved`` of the other layer layout (scanned or
+    unrolled) is read in its own first, then converted."""
+    saved_scanned, want_scanned = scan.layout_of(saved), scan.layout_of(abstract)
+    if saved_scanned is None or want_scanned is None or saved_scanned == want_scanned:
+        return restore(abstract)
+    target = scan.to_layout(abstract, saved_scanned)
+    restored = restore(target)
+    shardings = jax.tree_util.tree_map(lambda x: x.sharding, abstract)
+    return jax.jit(lambda tree: scan.to_layout(tree, want_scanned), out_shardings=shardings)(restored)
 
 
 def _first_line(error: BaseException) -> str:
@@ -195,12 +237,8 @@ class RunCheckpoints:
         return sorted(self.latest.all_steps())
 
     def params_at(self, step: int, abstract_params: Any) -> Any:
-        """Only the parameters of training checkpoint ``step``. Raises
-        ``CheckpointMismatchError`` when they are not ``abstract_params``' names and shapes."""
-        saved = self._saved("step", step)
-        check_params_match(saved, scan.to_layout(abstract_params, bool(scan.layout_of(saved))),
-                           f"checkpoint step {step}")
-        return self._restore("step", step, saved, abstract_params)
+        """Only the parameters of training checkpoint ``step``; raises as :meth:`restore_params`."""
+        return self.restore_params(abstract_params, step)[0]
 
     def _item(self, kind: str, step: int) -> tuple[Path, str | None]:
         """``(item folder, key)`` of checkpoint ``kind``'s parameters (key ``None``: the whole item)."""
