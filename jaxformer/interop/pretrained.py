@@ -30,16 +30,9 @@ def read_run(init_from: str | Path) -> dict[str, Any]:
 
 
 def model_config(record: dict[str, Any], overrides: dict[str, Any]) -> TransformerConfig:
-    """The run's architecture with the fine-tuning ``overrides`` (``TUNABLE_FIELDS`` only).
-    Raises ``ValueError`` naming the flags of an override that would change the architecture."""
+    """The run's architecture with the fine-tuning ``overrides`` in ``TUNABLE_FIELDS`` (the others
+    :func:`check_fine_tune` refused)."""
     config = TransformerConfig.from_dict(record["model"])
-    fixed = sorted(k for k, v in overrides.items() if k not in TUNABLE_FIELDS and getattr(config, k) != v)
-    if fixed:
-        flags = ", ".join("--" + k.replace("_", "-").replace("num-encoder-layers", "num-layers")
-                          for k in fixed if k != "num_decoder_layers")
-        tunable = ", ".join("--" + f.replace("_", "-") for f in TUNABLE_FIELDS)
-        raise ValueError(f"--init-from takes the architecture from the run it loads; drop {flags} "
-                         f"(only {tunable} may change).")
     return config.replace(**{k: v for k, v in overrides.items() if k in TUNABLE_FIELDS})
 
 
@@ -52,10 +45,12 @@ def copy_tokenizer(init_from: str | Path, record: dict[str, Any], target: Path) 
         shutil.copytree(Path(init_from) / folder, target, dirs_exist_ok=True)
 
 
-def check_fine_tune(cfg: TrainConfig, run_dir: RunDir, *, fresh: bool, starting: bool) -> None:
+def check_fine_tune(cfg: TrainConfig, run_dir: RunDir, *, fresh: bool, starting: bool,
+                    saved: dict[str, Any] | None = None) -> None:
     """Refuses, before anything is written, a fine-tune with ``--fresh`` into the loaded run
-    itself, a ``preset`` or ``vocab_size`` off their defaults (the loaded run's are kept), and,
-    ``starting`` (no checkpoint of its own yet), a loaded run without a checkpoint.
+    itself, a ``preset`` or ``vocab_size`` off their defaults (the loaded run's are kept), a
+    model flag that would change the architecture (of ``saved``, a resume's record, else the
+    loaded run's), and, ``starting`` (no checkpoint of its own yet), a loaded run without one.
 
     Raises:
       ValueError: naming the flags and the fix; FileNotFoundError: no checkpoint, or not a run.
@@ -63,8 +58,7 @@ def check_fine_tune(cfg: TrainConfig, run_dir: RunDir, *, fresh: bool, starting:
     defaults, settings = TrainConfig().settings(), cfg.settings()
     ignored = [name for name in ("preset", "vocab_size") if settings[name] != defaults[name]]
     error, problem = ValueError, None
-    if starting:   # a Hugging Face folder or a damaged record: that diagnosis first
-        read_run(cfg.run.init_from)
+    record = saved if saved and "model" in saved else read_run(cfg.run.init_from)   # damage first
     if starting and not RunDir(cfg.run.init_from).has_checkpoint(or_best=True):
         error, problem = FileNotFoundError, (
             f"--init-from {str(cfg.run.init_from)!r} has no checkpoint (its best/ and checkpoints/ "
@@ -78,6 +72,13 @@ def check_fine_tune(cfg: TrainConfig, run_dir: RunDir, *, fresh: bool, starting:
         problem = (f"this run fine-tunes {str(cfg.run.init_from)!r} (init_from), whose architecture and "
                    f"tokenizer it keeps, so {named} would do nothing: leave "
                    f"{'them' if len(ignored) > 1 else 'it'} at the default.")
+    elif fixed := sorted(k for k, v in cfg.model.overrides().items() if k not in TUNABLE_FIELDS
+                         and getattr(TransformerConfig.from_dict(record["model"]), k) != v):
+        flags = ", ".join("--" + k.replace("_", "-").replace("num-encoder-layers", "num-layers")
+                          for k in fixed if k != "num_decoder_layers")
+        tunable = ", ".join("--" + f.replace("_", "-") for f in TUNABLE_FIELDS)
+        problem = (f"--init-from takes the architecture from the run it loads; drop {flags} "
+                   f"(only {tunable} may change).")
     if problem:
         raise error(problem)
 

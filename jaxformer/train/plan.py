@@ -56,7 +56,8 @@ def plan_run(cfg: TrainConfig, fresh: bool = False) -> RunPlan:
     resuming = not fresh and run_dir.has_checkpoint()
     start = "resume" if resuming else "fine-tune" if cfg.run.init_from else "fresh"
     if cfg.run.init_from:
-        pretrained.check_fine_tune(cfg, run_dir, fresh=fresh, starting=start == "fine-tune")
+        pretrained.check_fine_tune(cfg, run_dir, fresh=fresh, starting=start == "fine-tune",
+                                   saved=saved if resuming else None)
     sharding_lib.check_mesh_divides(mesh, _architecture(cfg, saved if resuming else None),
                                     loaded_from=cfg.run.init_from)
     if cfg.run.devices is not None:
