@@ -7,6 +7,7 @@ and scanned layers restore into each other (:mod:`jaxformer.model.scan`).
 
 from __future__ import annotations
 
+import functools
 import shutil
 import sys
 import time
@@ -98,6 +99,16 @@ def _ignore_stray_read_callbacks() -> None:
 
     hook._jaxformer_filter = True
     sys.unraisablehook = hook
+
+
+def _read_params(path: Path, key: str | None, params: Any) -> Any:
+    """Parameters shaped as ``params`` from the item at ``path`` (under ``key``: a partial restore)."""
+    target = params if key is None else {key: params}
+    with ocp.PyTreeCheckpointer() as checkpointer:
+        out = checkpointer.restore(path, args=ocp.args.PyTreeRestore(
+            item=target, partial_restore=key is not None,
+            restore_args=ocp.checkpoint_utils.construct_restore_args(target)))
+    return out if key is None else out[key]
 
 
 def _stderr(message: str) -> None:
@@ -240,29 +251,6 @@ class RunCheckpoints:
         """Only the parameters of training checkpoint ``step``; raises as :meth:`restore_params`."""
         return self.restore_params(abstract_params, step)[0]
 
-    def _item(self, kind: str, step: int) -> tuple[Path, str | None]:
-        """``(item folder, key)`` of checkpoint ``kind``'s parameters (key ``None``: the whole item)."""
-        if kind in ("best", "averaged"):
-            return self.workdir / kind / str(step) / "params", None
-        return self.latest.directory / str(step) / "state", "params"
-
-    def _saved(self, kind: str, step: int) -> Any:
-        return saved_params(*self._item(kind, step))
-
-    def _restore(self, kind: str, step: int, saved: Any, abstract_params: Any) -> Any:
-        """The parameters, read in their saved layer layout and laid out as ``abstract_params``."""
-        path, key = self._item(kind, step)
-
-        def restore(params):
-            target = params if key is None else {key: params}
-            with ocp.PyTreeCheckpointer() as checkpointer:
-                out = checkpointer.restore(path, args=ocp.args.PyTreeRestore(
-                    item=target, partial_restore=key is not None,
-                    restore_args=ocp.checkpoint_utils.construct_restore_args(target)))
-            return out if key is None else out[key]
-
-        return in_layout(saved, abstract_params, restore)
-
     def save_averaged(self, step: int, params: Any, info: dict[str, Any]) -> None:
         """Saves averaged parameters as the only ``averaged/<step>``, ``info`` (JSON) its metrics."""
         manager = _CheckpointManager(self.workdir / "averaged", item_names=("params",),
@@ -299,10 +287,12 @@ class RunCheckpoints:
         failures, mismatch = [], None
         for kind, step in candidates:
             name = f"{'best checkpoint' if kind == 'best' else 'checkpoint'} step {step}"
+            path, key = ((self.workdir / kind / str(step) / "params", None) if kind in ("best", "averaged")
+                         else (self.latest.directory / str(step) / "state", "params"))
             try:
-                saved = self._saved(kind, step)
+                saved = saved_params(path, key)
                 check_params_match(saved, scan.to_layout(abstract_params, bool(scan.layout_of(saved))), name)
-                return self._restore(kind, step, saved, abstract_params), step, kind
+                return in_layout(saved, abstract_params, functools.partial(_read_params, path, key)), step, kind
             except Exception as error:  # any failure to read: this checkpoint is unusable
                 if isinstance(error, CheckpointMismatchError):   # not damage: another run's config
                     mismatch = error

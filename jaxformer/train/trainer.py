@@ -114,18 +114,25 @@ def _log_window(run: Run, loop: LoopState, progress: Progress) -> str | None:
     it; ``train/steps`` counts the steps averaged (fewer in a resumed run's first window).
     Returns the divergence message when every update of the window was skipped."""
     values = jax.device_get(loop.totals)
-    if diverged := _finite_report(values, loop.step, run.checkpoints.latest_step()):
-        return diverged
-    loop.recent_skips = float(values["skipped"])
+    skipped, window = int(values["skipped"]), int(values["steps"])
+    if skipped == window:
+        last = run.checkpoints.latest_step()
+        where = "no checkpoint was written" if last is None else f"the last checkpoint (step {last}) is intact"
+        return (f"Training diverged: all {window} updates up to step {loop.step} had a non-finite loss or "
+                f"gradient norm and were skipped; {where}. {_FIX} to resume from the last checkpoint "
+                f"(or --fresh).")
+    if skipped:
+        log(f"step {loop.step}: skipped {skipped} of the last {window} updates (non-finite loss or "
+            f"gradient norm); parameters were left unchanged for those steps")
+    loop.recent_skips = float(skipped)
     tokens = max(float(values["tokens"]), 1.0)
-    applied = max(float(values["steps"] - values["skipped"]), 1.0)
+    applied = max(window - skipped, 1)
     now = time.perf_counter()
     record = {"train/loss": float(values["loss_sum"]) / tokens,
               "train/nll": float(values["nll_sum"]) / tokens,
               "train/accuracy": float(values["correct"]) / tokens,
               "train/grad_norm": float(values["grad_norm"]) / applied,
-              "train/skipped": float(values["skipped"]),
-              "train/steps": int(values["steps"]),
+              "train/skipped": float(skipped), "train/steps": window,
               "train/lr": float(run.programs.schedule(loop.step - 1)),
               "train/tokens_per_s": tokens / max(now - loop.last_log_time, 1e-9)}
     run.metrics_log.write(loop.step, record)
@@ -162,19 +169,3 @@ def _stop_preempted(run: Run, loop: LoopState, signum: int) -> None:
                f"{run.run_dir.checkpoints}. Run the same command again to resume from there.")
     log(message)
     raise Preempted(signum, loop.step, message)
-
-
-def _finite_report(values: dict[str, Any], step: int, last_checkpoint: int | None) -> str | None:
-    """Logs skipped non-finite updates; the divergence message when the whole window was skipped."""
-    skipped, window = int(values["skipped"]), int(values["steps"])
-    if skipped == 0:
-        return None
-    if skipped < window:
-        log(f"step {step}: skipped {skipped} of the last {window} updates (non-finite loss or "
-            f"gradient norm); parameters were left unchanged for those steps")
-        return None
-    where = (f"the last checkpoint (step {last_checkpoint}) is intact" if last_checkpoint is not None
-             else "no checkpoint was written")
-    return (f"Training diverged: all {window} updates up to step {step} had a non-finite loss or "
-            f"gradient norm and were skipped; {where}. {_FIX} to resume from the last checkpoint "
-            f"(or --fresh).")
