@@ -105,15 +105,10 @@ class Progress:
         from tqdm import tqdm
 
         self.enabled, self.deadline, self.t_start = enabled, deadline, t_start
-        if deadline is not None:
-            budget = max(deadline - t_start, 1.0)
-            self.bar = tqdm(total=round(budget), initial=0, disable=not enabled, dynamic_ncols=True,
-                            desc="train", unit="s", file=file,
-                            bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f}s "
-                                       "[{elapsed}<{remaining}{postfix}]")
-        else:
-            self.bar = tqdm(total=max_steps, initial=step, disable=not enabled, dynamic_ncols=True,
-                            desc="train", unit="step", file=file)
+        counts = dict(total=max_steps, initial=step, unit="step") if deadline is None else dict(
+            total=round(max(deadline - t_start, 1.0)), initial=0, unit="s",
+            bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f}s [{elapsed}<{remaining}{postfix}]")
+        self.bar = tqdm(disable=not enabled, dynamic_ncols=True, desc="train", file=file, **counts)
 
     def __enter__(self) -> Progress:
         return self
@@ -121,11 +116,9 @@ class Progress:
     def __exit__(self, *exc) -> None:
         self.bar.close()
 
-    def time_left(self, now: float | None = None) -> float | None:
+    def time_left(self) -> float | None:
         """Seconds left of the budget (``None`` without one)."""
-        if self.deadline is None:
-            return None
-        return max(0.0, self.deadline - (time.perf_counter() if now is None else now))
+        return None if self.deadline is None else max(0.0, self.deadline - time.perf_counter())
 
     def step(self, step: int) -> None:
         """After each update: the bar advances (to the elapsed seconds under a budget)."""

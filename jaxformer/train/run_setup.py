@@ -26,10 +26,9 @@ from jaxformer.run.config import TrainConfig, save_json
 from jaxformer.run.directory import check_resume_compatible, resume_record, set_aside_metrics_after
 from jaxformer.run.logs import is_main_process, log
 from jaxformer.run.metrics import MetricsLog
-from jaxformer.train.early_stopping import EarlyStopping
 from jaxformer.train.plan import RunPlan, plan_run
 from jaxformer.train.programs import RunPrograms, run_programs
-from jaxformer.train.run_state import LoopState, Run, TrainData
+from jaxformer.train.run_state import EarlyStopping, LoopState, Run, TrainData
 from jaxformer.train.step import TrainState
 
 __all__ = ["setup", "build_train_data"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -18,7 +19,6 @@ from jaxformer.run.checkpoints import RunCheckpoints
 from jaxformer.run.config import TrainConfig
 from jaxformer.run.directory import RunDir
 from jaxformer.run.metrics import MetricsLog
-from jaxformer.train.early_stopping import EarlyStopping
 from jaxformer.train.plan import RunPlan
 from jaxformer.train.programs import RunPrograms
 from jaxformer.train.step import TrainState
@@ -63,6 +63,24 @@ class Run:
     def close(self) -> None:
         """Waits for pending checkpoint saves and closes everything opened (idempotent)."""
         self.closer.close()
+
+
+@dataclasses.dataclass
+class EarlyStopping:
+    """Early stopping on dev BLEU (``--patience``, as fairseq's): counts evaluations since the best score ``best`` (a resume starts from its best
+    checkpoint's); ``patience`` of them in a row stop the run (``None``: never)."""
+
+    patience: int | None
+    best: float = -math.inf
+    since_best: int = 0
+
+    def update(self, score: float) -> bool:
+        """Records one evaluation's score; returns ``True`` when the run should stop."""
+        if score > self.best:
+            self.best, self.since_best = score, 0
+        else:
+            self.since_best += 1
+        return self.patience is not None and self.since_best >= self.patience
 
 
 @dataclasses.dataclass
