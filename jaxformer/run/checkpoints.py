@@ -124,9 +124,7 @@ class _CheckpointManager(ocp.CheckpointManager):
 
     def close(self) -> None:
         """Waits for orbax's removal of leftover temporary folders (else a traceback at exit), closes."""
-        await_cleanup = getattr(self, "_maybe_await_cleanup_tmp_directory", None)   # orbax 0.12
-        if await_cleanup is not None:
-            await_cleanup()
+        getattr(self, "_maybe_await_cleanup_tmp_directory", lambda: None)()   # orbax >= 0.12
         super().close()
 
 

@@ -255,10 +255,8 @@ class TrainConfig:
         unknown = set(settings) - set(SECTION_OF)
         _refuse([f"unknown setting(s) {', '.join(map(repr, sorted(unknown)))}; settings are the flag "
                  f"names without dashes, e.g. batch_tokens (see --help)"] if unknown else [])
-        parts: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
-        for name, value in settings.items():
-            parts[SECTION_OF[name]][name] = value
-        return cls(**{name: SECTIONS[name](**fields) for name, fields in parts.items()})
+        return cls(**{part: kind(**{k: v for k, v in settings.items() if SECTION_OF[k] == part})
+                      for part, kind in SECTIONS.items()})
 
     @property
     def workdir(self) -> str:

@@ -51,15 +51,14 @@ def plan_run(cfg: TrainConfig, fresh: bool = False) -> RunPlan:
                                         auto=cfg.run.distributed)
     mesh = sharding_lib.make_mesh(cfg.run.mesh, sharding_lib.first_devices(cfg.run.devices))
     run_dir = RunDir(cfg.workdir)
-    saved = None if fresh else run_dir.read_config()
+    saved = None if fresh else run_dir.read_config()   # a damaged record is refused, never overwritten
     cfg = cfg if fresh else pretrained.with_saved_init_from(cfg, run_dir)
     resuming = not fresh and run_dir.has_checkpoint()
+    saved = saved if resuming else None
     start = "resume" if resuming else "fine-tune" if cfg.run.init_from else "fresh"
     if cfg.run.init_from:
-        pretrained.check_fine_tune(cfg, run_dir, fresh=fresh, starting=start == "fine-tune",
-                                   saved=saved if resuming else None)
-    sharding_lib.check_mesh_divides(mesh, _architecture(cfg, saved if resuming else None),
-                                    loaded_from=cfg.run.init_from)
+        pretrained.check_fine_tune(cfg, run_dir, fresh=fresh, starting=start == "fine-tune", saved=saved)
+    sharding_lib.check_mesh_divides(mesh, _architecture(cfg, saved), loaded_from=cfg.run.init_from)
     if cfg.run.devices is not None:
         log(f"using {cfg.run.devices} of {len(jax.devices())} devices (--devices)")
     if cfg.train.warmup_steps >= cfg.train.max_steps:   # legal (short test runs), but rarely what is meant
@@ -67,7 +66,7 @@ def plan_run(cfg: TrainConfig, fresh: bool = False) -> RunPlan:
             f"rises for the whole run and never reaches its peak or decays; lower --warmup-steps "
             f"(e.g. {max(1, cfg.train.max_steps // 10)}) for a full schedule")
     platform = jax.default_backend()
-    return RunPlan(cfg=cfg, start=start, run_dir=run_dir, saved=saved if resuming else None, mesh=mesh,
+    return RunPlan(cfg=cfg, start=start, run_dir=run_dir, saved=saved, mesh=mesh,
                    platform=platform, t_start=t_start,
                    data_workers=cfg.train.data_workers if cfg.train.data_workers is not None else (
                        0 if platform == "cpu" else 2),
