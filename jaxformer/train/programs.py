@@ -26,7 +26,6 @@ class RunPrograms:
 
     model: Transformer
     schedule: optax.Schedule   # the learning rate by update count
-    tx: optax.GradientTransformation
     layout: Layout   # the mesh and the train state's shardings
     init: Callable[[jax.Array], TrainState]   # each array created in its shard
     start_from: Callable[[Any], TrainState]   # a fine-tune's start around donated params
@@ -47,7 +46,7 @@ def run_programs(cfg: TrainConfig, model_config: TransformerConfig, mesh: jax.sh
                              total_steps=cfg.train.max_steps, decay_fraction=cfg.train.decay_fraction, scale=cfg.train.lr_scale)
     tx = make_optimizer(schedule, cfg.train.grad_clip)
     init, layout, abstract_state = jit_sharded_init(model, tx, mesh)
-    return RunPrograms(model=model, schedule=schedule, tx=tx, layout=layout, init=init,
+    return RunPrograms(model=model, schedule=schedule, layout=layout, init=init,
                        start_from=jit_state_from_params(model, tx, layout), abstract_state=abstract_state,
                        train_step=jit_train_step(model, cfg.train.label_smoothing, layout=layout,
                                                  grad_accum_steps=cfg.train.grad_accum_steps),

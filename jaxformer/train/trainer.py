@@ -49,7 +49,6 @@ def train(cfg: TrainConfig, *, fresh: bool = False) -> dict[str, Any]:
             return final_test(run, train_loop(run, loop))
 
 
-# ---------------------------------------------------------------------- the loop
 def train_loop(run: Run, loop: LoopState) -> LoopState:
     """Steps until ``--max-steps``, ``--max-minutes`` or a signal; logs every ``--log-every``
     steps (the one host sync), evaluates every ``--eval-every`` and checkpoints every
