@@ -1,6 +1,5 @@
 """End to end: train.py on a slice of the shipped corpus, then resume (issue: the main job)."""
 
-import dataclasses
 import json
 import shutil
 
@@ -50,7 +49,7 @@ def test_train_checkpoints_and_resumes(tmp_path, trained_run, corpus_slice, caps
     capsys.readouterr()
     # The second half runs its layers under nn.scan (issue #19): the unrolled checkpoint of
     # step 30 converts on restore; evaluation decodes through the unrolled view.
-    second = train(dataclasses.replace(_config(workdir, corpus_slice, 60), scan_layers=True))
+    second = train(_config(workdir, corpus_slice, 60).replace(scan_layers=True))
     out = capsys.readouterr().out
     assert "resumed" in out and "at step 30" in out
     assert second["final_step"] == 60
@@ -130,7 +129,7 @@ def test_translate_cli_uses_the_run(tmp_path, trained_run, capsys):
             "--workdir", str(workdir), "--attention-png", str(tmp_path / "heatmap"), "x"],
         "a.xyz' needs a file type": ["--workdir", str(workdir), "--attention-png", str(tmp_path / "a.xyz"),
                                      "x"],
-        "--temperature > 0": ["--workdir", str(workdir), "--sample", "--temperature", "0", "x"],
+        "--temperature must be a positive finite number": ["--workdir", str(workdir), "--sample", "--temperature", "0", "x"],
     }
     for message, argv in bad_calls.items():
         with pytest.raises(SystemExit) as exit_info:
