@@ -24,7 +24,7 @@ from jaxformer.decode.decoding import beam_translate, decode, greedy_translate, 
 from jaxformer.decode.strategies import Greedy
 from jaxformer.decode.evaluation import Evaluator, make_bleu
 from jaxformer.model.attention import fused_dot_product_attention, scaled_dot_product_attention
-from jaxformer.train.early_stopping import EarlyStopping
+from jaxformer.train.run_state import EarlyStopping
 
 V = 13
 

@@ -1,9 +1,5 @@
-"""Fine-tuning from another run (``train.py --init-from RUN``): its architecture,
-tokenizer and parameters; a fresh optimizer and step.
-
-``RUN`` is any jaxformer run directory: one the trainer wrote, or one
-``jaxformer-convert --from-hf`` wrote from an OPUS-MT model.
-"""
+"""Fine-tuning from another run (``--init-from RUN``, from the trainer or ``jaxformer-convert
+--from-hf``): its architecture, tokenizer and parameters; a fresh optimizer and step."""
 
 from __future__ import annotations
 
@@ -25,43 +21,23 @@ TUNABLE_FIELDS = ("dropout_rate", "dtype", "attention_backend", "remat", "scan_l
 
 
 def read_run(init_from: str | Path) -> dict[str, Any]:
-    """The ``config.json`` record of run ``init_from``.
-
-    Raises:
-      FileNotFoundError: not a run directory.
-      ValueError: a Hugging Face folder or a damaged record
-        (:meth:`jaxformer.run.directory.RunDir.read_run_record`).
-    """
-    path = Path(init_from) / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"--init-from {str(init_from)!r}: {path} not found; pass a run directory "
-                                f"(from train.py or jaxformer-convert --from-hf).")
+    """The ``config.json`` record of run ``init_from``. Raises ``FileNotFoundError`` (not a run
+    directory) or ``ValueError`` (a Hugging Face folder, a damaged record), naming the flag."""
     try:
         return RunDir(init_from).read_run_record()
-    except ValueError as e:
-        raise ValueError(f"--init-from {str(init_from)!r}: {e}") from e
+    except (FileNotFoundError, ValueError) as e:
+        raise type(e)(f"--init-from {str(init_from)!r}: {e}") from e
 
 
 def model_config(record: dict[str, Any], overrides: dict[str, Any]) -> TransformerConfig:
-    """The run's architecture with the fine-tuning ``overrides`` (``TUNABLE_FIELDS`` only).
-
-    Raises:
-      ValueError: an override would change the architecture; names the flags.
-    """
+    """The run's architecture with the fine-tuning ``overrides`` in ``TUNABLE_FIELDS`` (the others
+    :func:`check_fine_tune` refused)."""
     config = TransformerConfig.from_dict(record["model"])
-    fixed = sorted(k for k, v in overrides.items() if k not in TUNABLE_FIELDS and getattr(config, k) != v)
-    if fixed:
-        flags = ", ".join("--" + k.replace("_", "-").replace("num-encoder-layers", "num-layers")
-                          for k in fixed if k != "num_decoder_layers")
-        tunable = ", ".join("--" + f.replace("_", "-") for f in TUNABLE_FIELDS)
-        raise ValueError(f"--init-from takes the architecture from the run it loads; drop {flags} "
-                         f"(only {tunable} may change).")
     return config.replace(**{k: v for k, v in overrides.items() if k in TUNABLE_FIELDS})
 
 
 def copy_tokenizer(init_from: str | Path, record: dict[str, Any], target: Path) -> None:
-    """Copies the run's tokenizer folder to ``target`` (the new run's ``tokenizer/``,
-    unless there), so the new run's ``config.json`` can name it with the same record."""
+    """Copies the run's tokenizer folder to ``target`` (this run's ``tokenizer/``) unless there."""
     info = record.get("tokenizer", {})
     folder = info["dir"] if "dir" in info else str(Path(info.get("file", "tokenizer/spm.model")).parent)
     if not (target.exists() and any(target.iterdir())):
@@ -69,41 +45,46 @@ def copy_tokenizer(init_from: str | Path, record: dict[str, Any], target: Path) 
         shutil.copytree(Path(init_from) / folder, target, dirs_exist_ok=True)
 
 
-def check_fine_tune(cfg: TrainConfig, run_dir: RunDir, *, fresh: bool, starting: bool) -> None:
-    """Refuses a fine-tune of ``cfg.run.init_from`` before anything is written: ``--fresh`` into
-    that very run (which would move the weights to load aside), a ``preset`` or
-    ``vocab_size`` away from their defaults (the loaded run's are kept: they would do
-    nothing), and, ``starting`` (no checkpoint of its own yet), a run without a checkpoint.
+def check_fine_tune(cfg: TrainConfig, run_dir: RunDir, *, fresh: bool, starting: bool,
+                    saved: dict[str, Any] | None = None) -> None:
+    """Refuses, before anything is written, a fine-tune with ``--fresh`` into the loaded run
+    itself, a ``preset`` or ``vocab_size`` off their defaults (the loaded run's are kept), a
+    model flag that would change the architecture (of ``saved``, a resume's record, else the
+    loaded run's), and, ``starting`` (no checkpoint of its own yet), a loaded run without one.
 
     Raises:
-      ValueError: naming the flags and the fix; FileNotFoundError: no checkpoint, or not a
-        run (as :func:`read_run`).
+      ValueError: naming the flags and the fix; FileNotFoundError: no checkpoint, or not a run.
     """
-    defaults = TrainConfig().settings()
-    ignored = [name for name in ("preset", "vocab_size") if cfg.settings().get(name) != defaults[name]]
-    problem = None
-    if starting:   # a Hugging Face folder or a damaged record: that diagnosis first
-        read_run(cfg.run.init_from)
-        if not RunDir(cfg.run.init_from).has_checkpoint(or_best=True):
-            raise FileNotFoundError(f"--init-from {str(cfg.run.init_from)!r} has no checkpoint (its best/ and "
-                                    f"checkpoints/ hold no step): train it first, or start from a run that "
-                                    f"has one.")
-    if ignored:
-        named = " and ".join(f"{name}={cfg.settings().get(name)!r}" for name in ignored)
-        problem = (f"this run fine-tunes {str(cfg.run.init_from)!r} (init_from), whose architecture and "
-                   f"tokenizer it keeps, so {named} would do nothing: leave "
-                   f"{'them' if len(ignored) > 1 else 'it'} at the default.")
-    if fresh and Path(cfg.run.init_from).resolve() == run_dir.root.resolve():
+    defaults, settings = TrainConfig().settings(), cfg.settings()
+    ignored = [name for name in ("preset", "vocab_size") if settings[name] != defaults[name]]
+    error, problem = ValueError, None
+    record = saved if saved and "model" in saved else read_run(cfg.run.init_from)   # damage first
+    if starting and not RunDir(cfg.run.init_from).has_checkpoint(or_best=True):
+        error, problem = FileNotFoundError, (
+            f"--init-from {str(cfg.run.init_from)!r} has no checkpoint (its best/ and checkpoints/ "
+            f"hold no step): train it first, or start from a run that has one.")
+    elif fresh and Path(cfg.run.init_from).resolve() == run_dir.root.resolve():
         problem = (f"--init-from {str(cfg.run.init_from)!r} is this run's own --workdir, whose files "
                    f"--fresh would move aside before loading them: fine-tune into another "
                    f"--workdir (nothing was moved).")
+    elif ignored:
+        named = " and ".join(f"{name}={settings[name]!r}" for name in ignored)
+        problem = (f"this run fine-tunes {str(cfg.run.init_from)!r} (init_from), whose architecture and "
+                   f"tokenizer it keeps, so {named} would do nothing: leave "
+                   f"{'them' if len(ignored) > 1 else 'it'} at the default.")
+    elif fixed := sorted(k for k, v in cfg.model.overrides().items() if k not in TUNABLE_FIELDS
+                         and getattr(TransformerConfig.from_dict(record["model"]), k) != v):
+        flags = ", ".join("--" + k.replace("_", "-").replace("num-encoder-layers", "num-layers")
+                          for k in fixed if k != "num_decoder_layers")
+        tunable = ", ".join("--" + f.replace("_", "-") for f in TUNABLE_FIELDS)
+        problem = (f"--init-from takes the architecture from the run it loads; drop {flags} "
+                   f"(only {tunable} may change).")
     if problem:
-        raise ValueError(problem)
+        raise error(problem)
 
 
 def load_params(init_from: str | Path, abstract_params: Any) -> Any:
-    """The run's parameters (its best checkpoint, else its latest), laid out as
-    ``abstract_params`` (``jax.ShapeDtypeStruct`` leaves with shardings)."""
+    """The run's best (else latest) parameters, laid out as ``abstract_params``."""
     checkpoints = RunCheckpoints(init_from, read_only=True)
     try:
         params, _, _ = checkpoints.restore_params(abstract_params)
@@ -114,22 +95,9 @@ def load_params(init_from: str | Path, abstract_params: Any) -> Any:
 
 def tokenizer_and_model_config(cfg: TrainConfig, run_dir: RunDir, *,
                                own_record: dict[str, Any] | None = None):
-    """The tokenizer and architecture of ``--init-from RUN`` (its tokenizer folder copied
-    into this run's ``tokenizer/``; the prepared data is encoded with it).
-
-    ``own_record`` (a resume: this run's ``config.json`` record, with its ``"model"`` and
-    ``"tokenizer"``): it and this run's ``tokenizer/`` give both, so a fine-tune resumes
-    without ``RUN``, which may have been moved or deleted since (or the run copied to
-    another machine).
-
-    Returns:
-      ``(tokenizer, model_config, the config.json record they come from)``.
-
-    Raises:
-      FileNotFoundError: ``RUN`` is not a run directory.
-      ValueError: a model flag would change the architecture, or ``RUN`` is a Hugging
-        Face folder or its ``config.json`` is damaged (:func:`read_run`).
-    """
+    """``(tokenizer, model_config, record)`` of ``--init-from RUN``, its tokenizer folder copied
+    into this run's ``tokenizer/``. ``own_record`` (a resume's ``config.json``) gives both
+    without ``RUN``, which may be gone since. Raises as :func:`read_run` and :func:`model_config`."""
     resumed = own_record is not None and "model" in own_record and "tokenizer" in own_record
     record = own_record if resumed else read_run(cfg.run.init_from)
     config = model_config(record, cfg.model.overrides())
@@ -144,9 +112,7 @@ def tokenizer_and_model_config(cfg: TrainConfig, run_dir: RunDir, *,
 
 
 def with_saved_init_from(cfg: TrainConfig, run_dir: RunDir) -> TrainConfig:
-    """``cfg`` with the ``--init-from`` its run directory was started with, when resuming
-    without the flag: the architecture and tokenizer still come from that run (a
-    sentencepiece model would otherwise be trained into the copied tokenizer folder)."""
+    """``cfg`` with the ``--init-from`` its run directory was started with, when resumed without it."""
     saved = run_dir.read_config() or {}
     init_from = saved.get("train", {}).get("init_from")
     if cfg.run.init_from or not init_from:

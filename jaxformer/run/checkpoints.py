@@ -1,16 +1,13 @@
-"""Orbax checkpoints of a run: ``checkpoints/<step>/{state,data}`` (the last N train states
-and data positions), ``best/<step>/params`` (the best dev BLEU's), ``averaged/<step>/params``.
-Everything is data (arrays, JSON); no pickle.
-
-Orbax writes a step under a temporary name and renames it when complete, so a process
-killed mid-save leaves at most a ``<step>.orbax-checkpoint-tmp*`` folder, ignored and
-cleaned up on the next start. A complete but unreadable step is reported, moved to
-``corrupt/`` and the previous one used (:meth:`RunCheckpoints.restore_latest`). Parameters
-saved with unrolled layers restore into scanned ones and back (:mod:`jaxformer.model.scan`).
+"""Orbax checkpoints of a run: ``checkpoints/<step>/{state,data}`` (the last N train states and
+data positions), ``best/<step>/params`` (the best dev BLEU's), ``averaged/<step>/params``; no
+pickle. Orbax renames a step into place when complete (a killed save leaves a temporary
+folder, cleaned up on the next start); an unreadable step is moved to ``corrupt/``. Unrolled
+and scanned layers restore into each other (:mod:`jaxformer.model.scan`).
 """
 
 from __future__ import annotations
 
+import functools
 import shutil
 import sys
 import time
@@ -24,16 +21,58 @@ import orbax.checkpoint as ocp
 from jaxformer.model import scan
 from jaxformer.model.validation import DataPositionError
 from jaxformer.run.positions import position_for_other_process_count
-from jaxformer.run.saved_params import (  # noqa: F401  (CheckpointMismatchError: re-exported)
-    CheckpointMismatchError,
-    check_params_match,
-    in_layout,
-    saved_params,
-)
 
 
 class CheckpointError(OSError):
     """No checkpoint of the run directory can be read."""
+
+
+class CheckpointMismatchError(ValueError):
+    """A checkpoint's parameters have other names or shapes than the model's."""
+
+
+def check_params_match(saved: Any, abstract_params: Any, where: str) -> None:
+    """Raises :class:`CheckpointMismatchError` unless ``saved`` (metadata or arrays) has exactly
+    ``abstract_params``' names and shapes (a partial restore would read a subset silently)."""
+    def shapes(tree):
+        return {jax.tree_util.keystr(path): tuple(leaf.shape)
+                for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+    have, want = shapes(saved), shapes(abstract_params)
+    missing, extra = sorted(want.keys() - have.keys()), sorted(have.keys() - want.keys())
+    reshaped = sorted(f"{k}: saved {have[k]} vs model {want[k]}" for k in want.keys() & have.keys()
+                      if have[k] != want[k])
+    if missing or extra or reshaped:
+        def brief(items):
+            return ", ".join(items[:4]) + (f" and {len(items) - 4} more" if len(items) > 4 else "")
+        parts = ([f"missing from the checkpoint: {brief(missing)}"] if missing else []) + (
+            [f"not in the model: {brief(extra)}"] if extra else []) + (
+            [f"other shapes: {brief(reshaped)}"] if reshaped else [])
+        raise CheckpointMismatchError(
+            f"{where} does not hold this model's parameters ({'; '.join(parts)}). Does config.json "
+            f"still describe the run that saved it? Restore the run's own config.json.")
+
+
+def saved_params(path: Path, key: str | None) -> Any:
+    """The names and shapes stored at ``path`` (under ``key``), from orbax's item metadata."""
+    handler = ocp.PyTreeCheckpointHandler()
+    try:
+        tree = handler.metadata(path).tree
+    finally:
+        handler.close()
+    return tree[key] if key is not None else tree
+
+
+def in_layout(saved: Any, abstract: Any, restore: Callable[[Any], Any]) -> Any:
+    """``restore(target)`` into ``abstract``; a ``saved`` of the other layer layout (scanned or
+    unrolled) is read in its own first, then converted."""
+    saved_scanned, want_scanned = scan.layout_of(saved), scan.layout_of(abstract)
+    if saved_scanned is None or want_scanned is None or saved_scanned == want_scanned:
+        return restore(abstract)
+    target = scan.to_layout(abstract, saved_scanned)
+    restored = restore(target)
+    shardings = jax.tree_util.tree_map(lambda x: x.sharding, abstract)
+    return jax.jit(lambda tree: scan.to_layout(tree, want_scanned), out_shardings=shardings)(restored)
 
 
 def _first_line(error: BaseException) -> str:
@@ -44,9 +83,8 @@ def _first_line(error: BaseException) -> str:
 
 
 def _ignore_stray_read_callbacks() -> None:
-    """Drops the unraisable exceptions of a failed restore, and only those: tensorstore's
-    reads still in flight call back into orbax's closed event loop ("Event loop is
-    closed") and orbax's failed read coroutines print their own traceback."""
+    """Drops only a failed restore's unraisable exceptions: tensorstore reads in flight calling
+    orbax's closed event loop, and orbax's failed read coroutines."""
     previous = sys.unraisablehook
     if getattr(previous, "_jaxformer_filter", False):
         return
@@ -55,7 +93,6 @@ def _ignore_stray_read_callbacks() -> None:
         error, source = unraisable.exc_value, unraisable.object
         closed_loop = (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
                        and source is None)
-        # orbax's read coroutines that failed after the restore had already given up
         orbax_read = "orbax" in getattr(getattr(source, "cr_code", None), "co_filename", "")
         if not (closed_loop or orbax_read):
             previous(unraisable)
@@ -64,36 +101,41 @@ def _ignore_stray_read_callbacks() -> None:
     sys.unraisablehook = hook
 
 
+def _read_params(path: Path, key: str | None, params: Any) -> Any:
+    """Parameters shaped as ``params`` from the item at ``path`` (under ``key``: a partial restore)."""
+    target = params if key is None else {key: params}
+    with ocp.PyTreeCheckpointer() as checkpointer:
+        out = checkpointer.restore(path, args=ocp.args.PyTreeRestore(
+            item=target, partial_restore=key is not None,
+            restore_args=ocp.checkpoint_utils.construct_restore_args(target)))
+    return out if key is None else out[key]
+
+
 def _stderr(message: str) -> None:
     print(message, file=sys.stderr)
 
 
 class _CheckpointManager(ocp.CheckpointManager):
-    """An orbax ``CheckpointManager`` that leaves JAX's preemption sync point to the trainer
-    (:class:`jaxformer.train.preemption.PreemptionGuard`): orbax's finalize thread would
-    report stale steps to it, and processes could then pick different stop steps."""
+    """An orbax ``CheckpointManager`` that leaves JAX's preemption sync point to the trainer's
+    ``PreemptionGuard`` (orbax's finalize thread would report stale steps to it)."""
 
     def reached_preemption(self, step: int) -> bool:
         return False
 
     def close(self) -> None:
-        """Waits for orbax's removal of leftover temporary checkpoints (a thread only a save
-        waits for; at interpreter shutdown it prints a traceback), then closes."""
-        await_cleanup = getattr(self, "_maybe_await_cleanup_tmp_directory", None)   # orbax 0.12
-        if await_cleanup is not None:
-            await_cleanup()
+        """Waits for orbax's removal of leftover temporary folders (else a traceback at exit), closes."""
+        getattr(self, "_maybe_await_cleanup_tmp_directory", lambda: None)()   # orbax >= 0.12
         super().close()
 
 
 class RunCheckpoints:
-    """The two checkpoint managers of a run directory."""
+    """The checkpoint managers of a run directory: ``checkpoints/`` and ``best/``, created unless
+    ``read_only`` (a reader beside a running trainer never touches them; orbax's own
+    read_only option warns on every open)."""
 
     def __init__(self, workdir: str | Path, keep: int = 3, read_only: bool = False):
-        """Opens (creates unless ``read_only``) ``workdir/checkpoints`` and ``workdir/best``; a
-        reader (``read_only``: the translate CLI beside a running trainer) never touches them."""
         self.workdir = workdir = Path(workdir).absolute()
         self.saved_best_step: int | None = None   # the best step save_best wrote, if any
-        # (Not orbax's own read_only option: it logs warnings on every open.)
         common = dict(create=not read_only, cleanup_tmp_directories=not read_only)
         self.latest = _CheckpointManager(
             workdir / "checkpoints", item_names=("state", "data"),
@@ -104,11 +146,12 @@ class RunCheckpoints:
                                                  best_mode="max", **common))
 
     def latest_step(self) -> int | None:
+        """The newest training checkpoint's step."""
         return self.latest.latest_step()
 
     def save(self, step: int, state: Any, data_iterator: Any) -> None:
         """Saves state and the data iterator's position (async; atomic on finalize)."""
-        import grain  # here, not at the top: translating (params only) never loads grain
+        import grain  # translating (params only) never loads grain
 
         self.latest.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state),
@@ -116,13 +159,9 @@ class RunCheckpoints:
 
     def restore(self, step: int, abstract_state: Any, data_iterator: Any,
                 report: Callable[[str], None] = _stderr, same_rows: bool = True) -> Any:
-        """Restores the state into ``abstract_state``'s structure and the iterator in place; a
-        step of another process count continues from their one position when ``same_rows``
-        (:mod:`jaxformer.run.positions`).
-
-        Raises:
-          DataPositionError: the step's data positions cannot be continued.
-        """
+        """Restores the state into ``abstract_state`` and the iterator in place (a step of another
+        process count continues when ``same_rows``). Raises ``DataPositionError`` when the
+        step's data positions cannot be continued."""
         import grain
 
         other = position_for_other_process_count(self.latest.directory / str(step) / "data", same_rows)
@@ -145,16 +184,9 @@ class RunCheckpoints:
     def restore_latest(self, abstract_state: Any, data_iterator: Any,
                        report: Callable[[str], None] = _stderr, same_rows: bool = True
                        ) -> tuple[Any, int] | None:
-        """Restores the newest readable step (as :meth:`restore`); unreadable newer ones are
-        reported and, once an older one restores, moved to ``corrupt/<step>-<time>``.
-
-        Returns:
-          ``(state, step)``, or ``None`` when the run has no checkpoint yet.
-
-        Raises:
-          CheckpointError: checkpoints exist but none is readable; nothing is moved
-            or overwritten.
-        """
+        """``(state, step)`` of the newest readable step (``None``: no checkpoint yet); unreadable
+        newer ones are reported and, once an older one restores, moved to ``corrupt/``.
+        Raises ``CheckpointError`` (none readable) or ``DataPositionError``, changing nothing."""
         steps = sorted(self.latest.all_steps(), reverse=True)
         _ignore_stray_read_callbacks()   # before the first read: a failing one can fire them at once
         failures: list[tuple[int, str]] = []
@@ -164,7 +196,7 @@ class RunCheckpoints:
             except DataPositionError as error:   # readable, but another pipeline's: refuse, move nothing
                 raise DataPositionError(f"Checkpoint step {step} in {self.latest.directory}: {error} "
                                         f"Nothing was changed.") from error
-            except Exception as error:  # any failure to read means this step is unusable
+            except Exception as error:  # any failure to read: this step is unusable
                 failures.append((step, _first_line(error)))
                 report(f"checkpoint step {step} is unreadable ({failures[-1][1]}); "
                        f"trying an older one")
@@ -191,16 +223,16 @@ class RunCheckpoints:
         shutil.move(str(path), str(target))
 
     def save_best(self, step: int, params: Any, bleu: float) -> None:
-        """Saves ``params`` as the best of step ``step`` (async); a step that already has
-        one (re-evaluated after a resume) keeps it. :attr:`saved_best_step` names the
-        step this object saved, so a caller knows when ``params`` are the best on disk."""
-        if step in self.best.all_steps():   # re-evaluating a step after a resume
+        """Saves ``params`` as step ``step``'s best (async; a step that has one keeps it) and
+        records it in :attr:`saved_best_step`."""
+        if step in self.best.all_steps():
             return
         self.best.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params)),
                        metrics={"bleu": float(bleu)})
         self.saved_best_step = step
 
     def best_step(self) -> int | None:
+        """The best checkpoint's step."""
         return self.best.best_step()
 
     def best_bleu(self) -> float | None:
@@ -214,51 +246,14 @@ class RunCheckpoints:
         return sorted(self.latest.all_steps())
 
     def params_at(self, step: int, abstract_params: Any) -> Any:
-        """Only the parameters of training checkpoint ``step`` (a partial restore: the
-        optimizer state is not read).
-
-        Raises:
-          CheckpointMismatchError: they are not ``abstract_params``' names and shapes.
-        """
-        saved = self._saved("step", step)
-        check_params_match(saved, scan.to_layout(abstract_params, bool(scan.layout_of(saved))),
-                           f"checkpoint step {step}")
-        return self._restore("step", step, saved, abstract_params)
-
-    def _item(self, kind: str, step: int) -> tuple[Path, str | None]:
-        """Where checkpoint ``kind`` (best, averaged, else a training step) keeps its parameters:
-        the item folder, and their key in it (``None``: the whole item)."""
-        if kind in ("best", "averaged"):
-            return self.workdir / kind / str(step) / "params", None
-        return self.latest.directory / str(step) / "state", "params"
-
-    def _saved(self, kind: str, step: int) -> Any:
-        return saved_params(*self._item(kind, step))
-
-    def _restore(self, kind: str, step: int, saved: Any, abstract_params: Any) -> Any:
-        """The parameters, read in the layer layout they were saved in (``saved``: their
-        metadata) and laid out as ``abstract_params``."""
-        path, key = self._item(kind, step)
-
-        def restore(params):
-            target = params if key is None else {key: params}
-            with ocp.PyTreeCheckpointer() as checkpointer:
-                out = checkpointer.restore(path, args=ocp.args.PyTreeRestore(
-                    item=target, partial_restore=key is not None,
-                    restore_args=ocp.checkpoint_utils.construct_restore_args(target)))
-            return out if key is None else out[key]
-
-        return in_layout(saved, abstract_params, restore)
-
-    def _averaged(self) -> ocp.CheckpointManager:
-        return _CheckpointManager(self.workdir / "averaged", item_names=("params",),
-                                  options=ocp.CheckpointManagerOptions(max_to_keep=1,
-                                                                       enable_async_checkpointing=False))
+        """Only the parameters of training checkpoint ``step``; raises as :meth:`restore_params`."""
+        return self.restore_params(abstract_params, step)[0]
 
     def save_averaged(self, step: int, params: Any, info: dict[str, Any]) -> None:
-        """Saves averaged parameters as ``averaged/<step>`` (the newest averaged step)
-        with ``info`` (JSON: the averaged steps, the dev BLEU) as its metrics."""
-        manager = self._averaged()   # opened on use: most runs never write one
+        """Saves averaged parameters as the only ``averaged/<step>``, ``info`` (JSON) its metrics."""
+        manager = _CheckpointManager(self.workdir / "averaged", item_names=("params",),
+                                     options=ocp.CheckpointManagerOptions(max_to_keep=1,
+                                                                          enable_async_checkpointing=False))
         try:
             for old in manager.all_steps():
                 manager.delete(old)
@@ -270,16 +265,9 @@ class RunCheckpoints:
 
     def restore_params(self, abstract_params: Any, which: str | int = "auto",
                        report: Callable[[str], None] = _stderr) -> tuple[Any, int, str]:
-        """The parameters of one checkpoint, only they read (the run's optimizer does not
-        matter): ``which`` is ``"auto"`` (the best by dev BLEU, else the newest readable
-        training checkpoint; an unreadable one is reported and the next tried), ``"best"``,
-        ``"latest"``, ``"averaged"`` or a training step.
-
-        Args:
-          abstract_params: the parameters' structure (``jax.eval_shape`` of them).
-
-        Returns:
-          ``(params, step, kind)``, kind one of best, latest, averaged, step.
+        """``(params, step, kind)`` of one checkpoint, only its parameters read into
+        ``abstract_params``: ``which`` is ``"auto"`` (the best, else the newest readable training
+        checkpoint), ``"best"``, ``"latest"``, ``"averaged"`` or a training step.
 
         Raises:
           FileNotFoundError: no such checkpoint; the message lists what the run has.
@@ -297,12 +285,14 @@ class RunCheckpoints:
         failures, mismatch = [], None
         for kind, step in candidates:
             name = f"{'best checkpoint' if kind == 'best' else 'checkpoint'} step {step}"
+            path, key = ((self.workdir / kind / str(step) / "params", None) if kind in ("best", "averaged")
+                         else (self.latest.directory / str(step) / "state", "params"))
             try:
-                saved = self._saved(kind, step)
+                saved = saved_params(path, key)
                 check_params_match(saved, scan.to_layout(abstract_params, bool(scan.layout_of(saved))), name)
-                return self._restore(kind, step, saved, abstract_params), step, kind
-            except Exception as error:  # any failure to read means this checkpoint is unusable
-                if isinstance(error, CheckpointMismatchError):   # not damage: the config is not the run's
+                return in_layout(saved, abstract_params, functools.partial(_read_params, path, key)), step, kind
+            except Exception as error:  # any failure to read: this checkpoint is unusable
+                if isinstance(error, CheckpointMismatchError):   # not damage: another run's config
                     mismatch = error
                     break
                 failures.append(f"step {step}: {_first_line(error)}")
@@ -323,10 +313,12 @@ class RunCheckpoints:
         return self.restore_params(abstract_params, which, report)
 
     def wait(self) -> None:
+        """Waits for pending saves."""
         self.latest.wait_until_finished()
         self.best.wait_until_finished()
 
     def close(self) -> None:
+        """Closes the managers."""
         self.latest.close()
         self.best.close()
 

@@ -1,13 +1,10 @@
-"""The run configuration: five frozen sections under :class:`TrainConfig`, the one schema
-of ``jaxformer-train``'s flags, its ``--config`` files, a run's ``config.json`` and their checks.
+"""The run configuration: five frozen sections under :class:`TrainConfig`, the one schema of
+``jaxformer-train``'s flags, ``--config`` files and a run's ``config.json``.
 
-Each field is one flag named after it (``batch_tokens`` is ``--batch-tokens``); the names
-are unique across the sections, so flags, files and records stay flat. A field's comment
-is its ``--help`` (tyro reads it), its type is its check: ``Literal`` choices, an
-``annotated_types`` bound (``Ge``, ``Gt``, ``Interval``) for its range, and
-:func:`check_fields` holds every section to them. Cross-field rules are in
-:meth:`TrainConfig.__post_init__`; model fields left ``None`` come from the preset
-(:data:`jaxformer.model.config.PRESETS`) or, fine-tuning, from the loaded run.
+A field is the flag of its name (``batch_tokens``: ``--batch-tokens``; names are unique across
+sections, so flags and records stay flat), its comment is its ``--help`` (tyro reads it), its
+type its check (``Literal`` choices, ``annotated_types`` bounds; :func:`check_fields`).
+Model fields left ``None`` come from the preset or, fine-tuning, from the loaded run.
 """
 
 from __future__ import annotations
@@ -36,7 +33,7 @@ Flag = tyro.conf.DisallowNone   # a bool | None field: --flag / --no-flag, None 
 
 
 def shown(words: str):
-    """The help's default in words (``(default: the preset's)``) while the default is ``None``."""
+    """The help's default in words while the default is ``None``."""
     return tyro.conf.arg(help_behavior_hint=lambda label: f"(default: {words if label == 'None' else label})")
 
 
@@ -48,13 +45,15 @@ _NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or 
 CHECKING = contextvars.ContextVar("CHECKING", default=True)   # off while tyro builds a config
 
 
-def check_fields(section) -> None:
-    """Holds each field of a section to its declared type (an int is a float, a bool is no
-    int), ``Literal`` choices and ``annotated_types`` bounds.
+def _refuse(problems: list[str]) -> None:
+    """Raises ``ValueError`` with every problem in one message, if there are any."""
+    if problems:
+        raise ValueError("; ".join(problems) + ".")
 
-    Raises:
-      ValueError: one message naming every wrong field as its flag and what it must be.
-    """
+
+def check_fields(section) -> None:
+    """Holds each field to its type (an int is a float, a bool is no int), ``Literal`` choices
+    and ``annotated_types`` bounds. Raises ``ValueError`` naming every wrong flag."""
     if not CHECKING.get():
         return
     problems = []
@@ -82,13 +81,18 @@ def check_fields(section) -> None:
                                  for op, bound in bounds if not (math.isinf(bound) and op == "gt"))
         if need:
             problems.append(f"--{name.replace('_', '-')} must be {need}, got {value!r}")
-    if problems:
-        raise ValueError("; ".join(problems) + ".")
+    _refuse(problems)
 
+
+class _Section:
+    """A config section: its fields are checked (:func:`check_fields`) when it is made."""
+
+    def __post_init__(self):
+        check_fields(self)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ModelOverrides:
+class ModelOverrides(_Section):
     """The architecture: a preset, and single fields that override it."""
 
     preset: Literal[tuple(PRESETS)] = "small"   # model size; the model flags below override single fields
@@ -108,9 +112,6 @@ class ModelOverrides:
     # each stack's layers as one scanned body: compile time stops growing with depth
     scan_layers: Annotated[bool | None, Flag] = None
 
-    def __post_init__(self):
-        check_fields(self)
-
     def overrides(self) -> dict[str, Any]:
         """The :class:`~jaxformer.model.config.TransformerConfig` fields set here."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
@@ -121,7 +122,7 @@ class ModelOverrides:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DataConfig:
+class DataConfig(_Section):
     """The corpus and its tokenizer (all that jaxformer-prepare needs)."""
 
     pair: Literal[PAIRS] = "en-de"   # shipped corpus, when no --train-file/--src-file is given
@@ -137,12 +138,9 @@ class DataConfig:
     # synthetic pairs per real training pair (needs --bt-file)
     bt_ratio: Annotated[float | None, shown("each --bt-file pair once")] = None
 
-    def __post_init__(self):
-        check_fields(self)
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class OptimConfig:
+class OptimConfig(_Section):
     """Training batches, optimisation (§5.3, §5.4), the budget and when training stops."""
 
     # drop (and count) longer training pairs, in tokens
@@ -167,16 +165,13 @@ class OptimConfig:
     # at the end, average the last N checkpoints (§6.1); kept if its dev BLEU is better
     average_last: int | None = None
 
-    def __post_init__(self):
-        check_fields(self)
-
     def row_length(self, max_len: int) -> int:
         """Positions of a training row: ``--max-train-len``, never past the model's ``max_len``."""
         return min(self.max_train_len or max_len, max_len)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DecodeConfig:
+class DecodeConfig(_Section):
     """How evaluation decodes and scores the dev and test sets."""
 
     beam_size: Annotated[int, Ge(1)] = 4   # beam width for dev/test BLEU; 1 = greedy
@@ -192,12 +187,9 @@ class DecodeConfig:
     # sacrebleu tokenizer for BLEU
     sacrebleu_tokenize: Annotated[Literal[tuple(BLEU.TOKENIZERS)] | None, shown("by target language")] = None
 
-    def __post_init__(self):
-        check_fields(self)
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class RunConfig:
+class RunConfig(_Section):
     """Where the run lives, the devices it uses, its seed, logs and checkpoints."""
 
     # run directory: checkpoints, logs, results; an existing run is resumed
@@ -217,9 +209,6 @@ class RunConfig:
     keep_checkpoints: Annotated[int, Ge(1)] = 3   # training checkpoints kept (the newest)
     progress: bool = True   # a progress bar; --no-progress prints one line per --log-every steps
 
-    def __post_init__(self):
-        check_fields(self)
-
 
 SECTIONS = {"model": ModelOverrides, "data": DataConfig, "train": OptimConfig, "decode": DecodeConfig,
             "run": RunConfig}
@@ -227,15 +216,9 @@ SECTIONS = {"model": ModelOverrides, "data": DataConfig, "train": OptimConfig, "
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    """Everything about a run: ``cfg.model``, ``cfg.data``, ``cfg.train``, ``cfg.decode``, ``cfg.run``.
-
-    Build one from flat setting names with :meth:`flat`; :meth:`to_dict` is the flat record
-    a run's ``config.json`` keeps.
-
-    Raises:
-      ValueError: naming each flag whose value breaks its type, choices or range, or a
-        rule between fields, and what it needs.
-    """
+    """Everything about a run, in sections; :meth:`flat` builds one from flat setting names,
+    :meth:`to_dict` is ``config.json``'s flat record. Raises ``ValueError`` naming each flag
+    that breaks its type, choices, range or a rule between fields."""
 
     model: ModelOverrides = ModelOverrides()
     data: DataConfig = DataConfig()
@@ -263,25 +246,17 @@ class TrainConfig:
                 parse_mesh_axes(self.run.mesh)
             except ValueError as e:
                 problems.append(str(e).rstrip("."))
-        if problems:
-            raise ValueError("; ".join(problems) + ".")
+        _refuse(problems)
 
     @classmethod
     def flat(cls, **settings: Any) -> TrainConfig:
-        """A config from flat setting names (``TrainConfig.flat(preset="tiny", max_steps=10)``),
-        as flags, ``--config`` files and ``config.json`` name them.
-
-        Raises:
-          ValueError: an unknown name, or a value the schema refuses.
-        """
+        """A config from flat setting names (``TrainConfig.flat(preset="tiny", max_steps=10)``).
+        Raises ``ValueError`` on an unknown name or a value the schema refuses."""
         unknown = set(settings) - set(SECTION_OF)
-        if unknown:
-            raise ValueError(f"unknown setting(s) {', '.join(map(repr, sorted(unknown)))}; settings are "
-                             f"the flag names without dashes, e.g. batch_tokens (see --help)")
-        parts: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
-        for name, value in settings.items():
-            parts[SECTION_OF[name]][name] = value
-        return cls(**{name: SECTIONS[name](**fields) for name, fields in parts.items()})
+        _refuse([f"unknown setting(s) {', '.join(map(repr, sorted(unknown)))}; settings are the flag "
+                 f"names without dashes, e.g. batch_tokens (see --help)"] if unknown else [])
+        return cls(**{part: kind(**{k: v for k, v in settings.items() if SECTION_OF[k] == part})
+                      for part, kind in SECTIONS.items()})
 
     @property
     def workdir(self) -> str:
@@ -306,8 +281,8 @@ SECTION_OF = {f.name: part for part, kind in SECTIONS.items() for f in dataclass
 
 
 def default_workdir(data: DataConfig) -> str:
-    """``runs/<pair>`` for a shipped corpus, ``runs/<file name>`` for a user's corpus
-    (``runs/train.en-de`` for ``train.en`` + ``train.de``)."""
+    """``runs/<pair>``, or ``runs/<file name>`` for a user's corpus (``train.en`` + ``train.de``:
+    ``runs/train.en-de``)."""
     def stem(path: str) -> str:
         name = Path(path).name.removesuffix(".gz")
         return name.removesuffix(".tsv") if name.endswith(".tsv") else name
@@ -323,14 +298,12 @@ def default_workdir(data: DataConfig) -> str:
     return f"runs/{data.pair}"
 
 
-# The defaults of `python train.py`: a CPU run of under 10 minutes at 150 GFLOP/s (README,
-# "What the default run reaches"), chosen by the sweep of benchmarks/default_run.py: a fixed
-# step budget whose learning rate decays to zero at its end, so the result does not depend
-# on the machine's speed, and a mild repetition penalty in evaluation against looping.
+# `python train.py`'s defaults (benchmarks/default_run.py's sweep): a CPU run of minutes on a
+# fixed step budget whose learning rate decays to zero, and a mild repetition penalty.
 DEFAULT_CPU_RUN = dict(max_steps=1000, lr_schedule="wsd", warmup_steps=150, lr_scale=0.5,
                        max_train_len=64, eval_every=500, dev_bleu_sentences=200,
-                       checkpoint_every=200,   # a SIGKILL loses at most ~1.5 minutes
-                       repetition_penalty=1.4)
+                       checkpoint_every=200, repetition_penalty=1.4)
+
 
 def save_json(path: Path, payload: dict[str, Any]) -> None:
     """Writes ``payload`` as JSON atomically (a temporary file renamed over ``path``)."""

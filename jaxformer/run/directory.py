@@ -1,5 +1,4 @@
-"""The run directory: one object (:class:`RunDir`) owns the name of every file a run writes;
-``--fresh``, resume, the writers and the readers ask it for a path. Layout::
+"""The run directory: :class:`RunDir` owns the name of every file a run writes. Layout::
 
   config.json         model + run settings + tokenizer record (+ train_history)
   tokenizer/ prepared/   the sentencepiece model; the corpus as token ids + its fingerprint
@@ -29,12 +28,13 @@ from jaxformer.run.logs import is_main_process, log
 
 
 def _file(name: str) -> property:
+    """A property: ``name`` in the run directory."""
     return property(lambda self: self.root / name, doc=f"``{name}`` in the run directory.")
 
 
 @dataclasses.dataclass(frozen=True)
 class RunDir:
-    """The files of one run directory (see the module docstring for the layout)."""
+    """The files of one run directory."""
 
     root: Path
 
@@ -55,11 +55,7 @@ class RunDir:
 
     def create(self, fresh: bool = False) -> Path | None:
         """Creates the directory; ``fresh`` moves the previous run's files into ``old-<time>/``
-        (process 0; nothing is deleted) and returns that folder, else ``None``.
-
-        Raises:
-          OSError: the directory cannot be created or written; the message names it.
-        """
+        (process 0) and returns it, else ``None``. Raises ``OSError`` naming an unwritable one."""
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             probe_writable(self.root)
@@ -77,9 +73,8 @@ class RunDir:
         return None
 
     def remove_if_made_and_unprepared(self, made: Path | None) -> None:
-        """After a failed start: removes :attr:`root` and the parents it made up to ``made``
-        (:func:`topmost_missing` before; ``None``: nothing) that are still empty, unless its
-        data was prepared or its tokenizer trained (the next attempt reuses them). Process 0."""
+        """After a failed start (process 0): removes :attr:`root` and its empty parents up to
+        ``made`` (:func:`topmost_missing`), unless its data or tokenizer was prepared (reused next)."""
         if made is None or not self.root.exists() or not is_main_process():
             return
         if (self.prepared / "manifest.json").exists() or (self.tokenizer_dir / "spm.model").exists():
@@ -101,35 +96,23 @@ class RunDir:
         return max((row["step"] for row in rows if "dev/bleu" in row), default=-1)
 
     def has_checkpoint(self, or_best: bool = False) -> bool:
-        """Whether ``checkpoints/`` (or, ``or_best``, ``best/``) holds a complete step: a
-        folder orbax named by its number (a half-written one has a temporary name)."""
+        """Whether ``checkpoints/`` (or, ``or_best``, ``best/``) holds a complete (numbered) step."""
         folders = (self.checkpoints, self.best) if or_best else (self.checkpoints,)
         return any(p.name.isdigit() and p.is_dir() for folder in folders for p in folder.glob("*"))
 
     def read_config(self) -> dict[str, Any] | None:
-        """The saved run record (``config.json``), or ``None`` if there is none yet.
-
-        Raises:
-          ValueError: as :meth:`read_run_record`, so a run never writes over such a file.
-        """
+        """``config.json``'s record, or ``None`` if there is none; raises as :meth:`read_run_record`."""
         return _read_record(self.config, need_model=False) if self.config.exists() else None
 
     def read_run_record(self) -> dict[str, Any]:
-        """The record of a run to translate with, export or fine-tune from: ``config.json``
-        with its ``"model"`` section.
-
-        Raises:
-          FileNotFoundError: no ``config.json`` (not a run directory).
-          ValueError: unreadable JSON (a damaged file; the message names it), a Hugging
-            Face model folder (the message says how to convert it), no ``"model"``, or a
-            section of the wrong JSON type.
-        """
+        """``config.json`` with its ``"model"`` section. Raises ``FileNotFoundError`` (not a run
+        directory) or ``ValueError`` (damaged JSON, a Hugging Face folder, no ``"model"``, a
+        section of the wrong JSON type), naming the fix."""
         return _read_record(self.config, need_model=True)
 
 
 def set_aside_metrics_after(run_dir: RunDir, step: int) -> None:
-    """On resume, moves ``metrics.jsonl`` rows after the restored ``step`` (about to be redone)
-    to ``metrics.redone.jsonl``, so the curves never show a step twice."""
+    """On resume, moves ``metrics.jsonl`` rows after ``step`` (to be redone) to ``metrics.redone.jsonl``."""
     if not run_dir.metrics.exists():
         return
     lines = [line for line in run_dir.metrics.read_text().splitlines() if line.strip()]
@@ -143,17 +126,13 @@ def set_aside_metrics_after(run_dir: RunDir, step: int) -> None:
 def check_resume_compatible(saved: dict[str, Any], model_config: TransformerConfig) -> None:
     """Raises ``ValueError`` naming every architecture field that differs from the saved run."""
     saved_model = saved.get("model", {})
-    # How the weights are computed (attention kernel, remat, matmul dtype, scanned layers: their
-    # checkpoints convert, jaxformer.model.scan) may change between runs;
-    # a field missing from an older run's record has its default.
+    # How the weights are computed may change; a field missing from an older record has its default.
     defaults = {f.name: f.default for f in dataclasses.fields(TransformerConfig)}
     changeable = ("attention_backend", "remat", "scan_layers", "matmul_dtype")
     differing = {k: (saved_model.get(k, defaults[k]), v) for k, v in model_config.to_dict().items()
                  if k not in changeable and saved_model.get(k, defaults[k]) != v}
     if differing:
         fields = ", ".join(f"{k}: saved {a!r} vs now {b!r}" for k, (a, b) in sorted(differing.items()))
-        # Dropout and the compute dtype change the training, not the weights' shapes: a resume
-        # continues the run exactly, a fine-tune (--init-from) trains on with new ones.
         training_only = {"dropout_rate", "dtype"}
         what = "another architecture" if set(differing) - training_only else "other model settings"
         tune = (" To train on with another --dropout-rate or --dtype, fine-tune from this run: "
@@ -164,7 +143,7 @@ def check_resume_compatible(saved: dict[str, Any], model_config: TransformerConf
 
 
 def _read_record(path: Path, need_model: bool) -> dict[str, Any]:
-    """``config.json`` read and checked: the one reader of run records (see the callers)."""
+    """``config.json`` read and checked: the one reader of run records."""
     error, record = FileNotFoundError, None
     if not path.is_file():
         problem = (f"{path} not found: is {str(path.parent)!r} a jaxformer run directory? Train one with "
@@ -201,27 +180,20 @@ def _record_problem(path: Path, record: Any, need_model: bool) -> str | None:
     return None
 
 
-# The sections a run record (written by jaxformer-train or jaxformer-convert) may hold and
-# their JSON types: an edited record with ``"train": null`` would otherwise fail far
-# from the file, as an AttributeError.
+# A run record's sections and their JSON types (``"train": null`` would fail far from the file).
 _RECORD_SECTIONS = {"model": dict, "train": dict, "tokenizer": dict, "generation": dict,
                     "batch_rows": dict, "data": dict, "train_history": list, "target_language": str}
 _JSON_NAMES = {dict: "object", list: "array", str: "string"}
 
 
 def probe_writable(folder: str | os.PathLike) -> None:
-    """Makes and removes a uniquely named file in ``folder`` (no file of the user's is opened).
-
-    Raises:
-      OSError: no file can be made there (read-only, missing, not a folder).
-    """
+    """Makes and removes a uniquely named file in ``folder``; ``OSError`` if none can be made."""
     with tempfile.NamedTemporaryFile(dir=folder, prefix=".jaxformer-probe-"):
         pass
 
 
 def topmost_missing(path: Path) -> Path | None:
-    """The topmost folder of ``path`` (itself or an ancestor) that does not exist yet:
-    what creating ``path`` makes and a failed start may remove again; ``None`` if it exists."""
+    """The topmost missing folder of ``path`` (itself or an ancestor); ``None`` if it exists."""
     path = Path(path).absolute()
     try:
         return next((d for d in reversed([path, *path.parents]) if not d.exists()), None)
@@ -230,8 +202,7 @@ def topmost_missing(path: Path) -> Path | None:
 
 
 def resume_record(saved: dict[str, Any] | None, run_record: dict[str, Any], resumed: bool) -> dict[str, Any]:
-    """The run record to write: on resume, earlier run settings are kept in a history
-    and changes are reported (the architecture was checked before)."""
+    """The run record to write: on resume, earlier settings kept in a history, changes logged."""
     if not (resumed and saved):
         return run_record
     changed = {k: (saved.get("train", {}).get(k), v) for k, v in run_record["train"].items()
@@ -244,14 +215,9 @@ def resume_record(saved: dict[str, Any] | None, run_record: dict[str, Any], resu
 
 
 def enable_compilation_cache(run_dir: RunDir, make: bool = True) -> bool:
-    """JAX's persistent compilation cache in ``run_dir/jax_cache``, for every program however
-    quick to compile. Must run before the first compile; returns whether it is used.
-
-    ``make`` (the translate tool): the folder is made now, and a run directory that is not
-    writable goes without the cache. ``make=False`` (a training run): JAX makes it at the
-    first compile, after setup's checks (a run that fails them changes no file), and a
-    cache folder chosen already (``JAX_COMPILATION_CACHE_DIR``, the JAX config) is kept.
-    """
+    """JAX's persistent compilation cache in ``run_dir/jax_cache`` for every program, before the
+    first compile; returns whether it is used. ``make``: made now (unwritable: no cache);
+    else JAX makes it at the first compile and a cache folder chosen already is kept."""
     if make:
         try:
             run_dir.jax_cache.mkdir(exist_ok=True)
@@ -268,6 +234,5 @@ def enable_compilation_cache(run_dir: RunDir, make: bool = True) -> bool:
 
 
 def keep_compilation_cache(run_dir: RunDir) -> bool:
-    """:func:`enable_compilation_cache` for a training run (``make=False``): a resumed run
-    compiles nothing it compiled before."""
+    """:func:`enable_compilation_cache` for a training run (``make=False``)."""
     return enable_compilation_cache(run_dir, make=False)

@@ -1,7 +1,5 @@
-"""Run messages through Python :mod:`logging` on the ``"jaxformer"`` logger: the console
-(:func:`console_logging`, above the progress bar), ``train.log`` (:class:`RunLog`, with
-times) and the training progress (:class:`Progress`). Only process 0 speaks and writes.
-"""
+"""Run messages on the ``"jaxformer"`` :mod:`logging` logger: the console (above the progress
+bar), ``train.log`` (:class:`RunLog`) and the training :class:`Progress`; process 0 only."""
 
 from __future__ import annotations
 
@@ -17,7 +15,7 @@ logger = logging.getLogger(LOGGER_NAME)
 
 
 def is_main_process() -> bool:
-    """Process 0 writes the run's logs and records; every process writes checkpoints."""
+    """Whether this is process 0, which writes the run's logs and records."""
     return jax.process_index() == 0
 
 
@@ -43,11 +41,8 @@ class _TqdmHandler(logging.StreamHandler):
 
 
 def console_logging(level: int = logging.INFO) -> None:
-    """Prints ``jaxformer`` records of ``level`` and above on stdout (process 0 only): what
-    the commands call first (the library configures no logging). Idempotent; handlers an
-    application set on ``"jaxformer"`` are left alone. The records stop propagating to
-    the root logger, where grain and orbax (through absl) print them a second time.
-    """
+    """Prints ``jaxformer`` records of ``level`` and up on stdout (process 0), unless the logger
+    has handlers; they stop propagating to the root logger (where absl prints them again)."""
     if logger.handlers:
         return
     handler = _TqdmHandler()
@@ -58,13 +53,9 @@ def console_logging(level: int = logging.INFO) -> None:
 
 
 class RunLog:
-    """``train.log`` in the run directory: every ``jaxformer`` record (DEBUG and above),
-    appended across resumes, process 0 only (decided at :meth:`open`).
-
-    Records are buffered from ``__enter__`` until :meth:`open` (once ``--fresh`` has moved
-    the previous log aside), so everything printed before is in the file too. An error
-    that ends the run after that is written to it; one during setup writes no file.
-    """
+    """``train.log``: every ``jaxformer`` record, appended across resumes (process 0). Records
+    are buffered from ``__enter__`` to :meth:`open` (after ``--fresh`` moved the old log); an
+    error that ends the run after that is written, one during setup writes no file."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -73,14 +64,13 @@ class RunLog:
         self.file: logging.FileHandler | None = None
 
     def __enter__(self) -> RunLog:
-        # No JAX call here: jax.distributed.initialize() must come before any (setup does it).
+        # No JAX call here: jax.distributed.initialize() comes first (in setup).
         logger.setLevel(logging.DEBUG)
         logger.addHandler(self.buffer)
         return self
 
     def open(self) -> None:
-        """Opens ``train.log`` (append) and writes the buffered records into it (process 0;
-        the other processes drop their buffer)."""
+        """Opens ``train.log`` and writes the buffered records (other processes drop them)."""
         if self.file is not None:
             return
         if not is_main_process():
@@ -107,24 +97,18 @@ class RunLog:
 
 
 class Progress:
-    """Training progress: a tqdm bar, or (``enabled=False``) one log line per window. With a
-    time budget (``deadline``, a ``time.perf_counter()`` value) the bar counts its seconds
-    (its total and ETA are the budget's), else steps up to ``max_steps``."""
+    """Training progress: a tqdm bar, or (``enabled=False``) one log line per window. The bar
+    counts the seconds of a budget (``deadline``, ``time.perf_counter()``), else the steps."""
 
     def __init__(self, *, enabled: bool, step: int, max_steps: int, t_start: float,
                  deadline: float | None, file=None):
         from tqdm import tqdm
 
         self.enabled, self.deadline, self.t_start = enabled, deadline, t_start
-        if deadline is not None:
-            budget = max(deadline - t_start, 1.0)
-            self.bar = tqdm(total=round(budget), initial=0, disable=not enabled, dynamic_ncols=True,
-                            desc="train", unit="s", file=file,
-                            bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f}s "
-                                       "[{elapsed}<{remaining}{postfix}]")
-        else:
-            self.bar = tqdm(total=max_steps, initial=step, disable=not enabled, dynamic_ncols=True,
-                            desc="train", unit="step", file=file)
+        counts = dict(total=max_steps, initial=step, unit="step") if deadline is None else dict(
+            total=round(max(deadline - t_start, 1.0)), initial=0, unit="s",
+            bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f}s [{elapsed}<{remaining}{postfix}]")
+        self.bar = tqdm(disable=not enabled, dynamic_ncols=True, desc="train", file=file, **counts)
 
     def __enter__(self) -> Progress:
         return self
@@ -132,11 +116,9 @@ class Progress:
     def __exit__(self, *exc) -> None:
         self.bar.close()
 
-    def time_left(self, now: float | None = None) -> float | None:
+    def time_left(self) -> float | None:
         """Seconds left of the budget (``None`` without one)."""
-        if self.deadline is None:
-            return None
-        return max(0.0, self.deadline - (time.perf_counter() if now is None else now))
+        return None if self.deadline is None else max(0.0, self.deadline - time.perf_counter())
 
     def step(self, step: int) -> None:
         """After each update: the bar advances (to the elapsed seconds under a budget)."""

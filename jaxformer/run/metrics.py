@@ -14,9 +14,8 @@ from jaxformer.run.logs import is_main_process
 
 
 class ImportBlock(importlib.abc.MetaPathFinder):
-    """Makes ``import NAME`` fail in the threads inside :meth:`blocked`, and nowhere else
-    (a ``None`` in ``sys.modules`` would fail other threads too). A finder ahead of the
-    path finders; a module already imported is never blocked."""
+    """A finder that makes ``import NAME`` fail in the threads inside :meth:`blocked` only (a
+    ``None`` in ``sys.modules`` would fail other threads too)."""
 
     def __init__(self, name: str):
         self.name = name
@@ -44,10 +43,8 @@ _NO_TORCH = ImportBlock("torch")
 
 
 def _summary_writer() -> type:
-    """tensorboardX's ``SummaryWriter``, imported without PyTorch: tensorboardX imports
-    ``torch`` whenever installed, only to accept torch tensors (2.5 s and 230 MB of a run's
-    start on 2 cores, against 0.4 s and 48 MB). ``import torch`` fails in this thread while
-    it loads (:class:`ImportBlock`); a torch already imported is used."""
+    """tensorboardX's ``SummaryWriter`` imported without PyTorch, which it loads whenever
+    installed only to accept torch tensors (seconds and 200 MB of a run's start)."""
     if "tensorboardX" not in sys.modules:
         with _NO_TORCH.blocked():
             import tensorboardX  # noqa: F401
@@ -78,18 +75,14 @@ class MetricsLog:
 
 
 def write_plots(run_dir: RunDir) -> None:
-    """``plots/loss.png``, ``plots/lr.png`` and ``plots/bleu.png`` from ``metrics.jsonl``, on
-    matplotlib ``Figure`` objects, not ``pyplot``: an application's backend and figures stay."""
+    """``plots/{loss,lr,bleu}.png`` from ``metrics.jsonl`` (``Figure`` objects: ``pyplot`` untouched)."""
     from matplotlib.figure import Figure
 
     rows = [json.loads(line) for line in run_dir.metrics.read_text().splitlines() if line]
     plots = run_dir.plots
     plots.mkdir(exist_ok=True)
-    series = {
-        "loss": [("train", "train/loss"), ("dev", "dev/loss")],
-        "lr": [("learning rate", "train/lr")],
-        "bleu": [("dev BLEU", "dev/bleu")],
-    }
+    series = {"loss": [("train", "train/loss"), ("dev", "dev/loss")], "lr": [("learning rate", "train/lr")],
+              "bleu": [("dev BLEU", "dev/bleu")]}
     for name, curves in series.items():
         fig = Figure(figsize=(6, 4))
         ax = fig.subplots()

@@ -1,11 +1,5 @@
-"""Which JAX platform a command runs on, when the user did not say (``JAX_PLATFORMS``).
-
-With ``libtpu`` installed (the ``tpu`` extra, for ``jaxformer-compile``) JAX tries the
-TPU backend first on any machine: on a CPU host libtpu then queries a metadata server,
-warns about the accelerator type and workers, and takes ``/tmp/libtpu_lockfile``
-before JAX falls back to the CPU. ``import jaxformer`` calls :func:`skip_absent_tpu`
-(and the commands that run a model again), so a CPU host never starts the TPU backend.
-"""
+"""The CPU for JAX when libtpu is installed but no TPU attached (JAX would try the TPU backend
+first: a metadata query, warnings and ``/tmp/libtpu_lockfile``); ``import jaxformer`` calls it."""
 
 from __future__ import annotations
 
@@ -15,15 +9,13 @@ import os
 
 
 def tpu_attached() -> bool:
-    """Whether this machine shows TPU chips: ``/dev/accel*`` (v2-v5e) or ``/dev/vfio/N``
-    (v5p, v6e), the device nodes libtpu opens."""
+    """Whether TPU device nodes are there: ``/dev/accel*`` (v2-v5e) or ``/dev/vfio/N`` (v5p, v6e)."""
     return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
 
 
 def skip_absent_tpu() -> bool:
-    """Runs JAX on the CPU when libtpu is installed but no TPU is attached, no GPU plugin
-    is installed and ``JAX_PLATFORMS`` is unset. Must run before the first JAX
-    computation; returns whether it chose the CPU."""
+    """Chooses the CPU when libtpu is installed, no TPU attached, no GPU plugin installed and
+    ``JAX_PLATFORMS`` unset; before JAX's first computation. Returns whether it did."""
     import jax
 
     if os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms or tpu_attached():

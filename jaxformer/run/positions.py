@@ -1,11 +1,6 @@
-"""The training data's position in a checkpoint step, continued on another number of processes.
-
-Each process saves ``data/process_<i>-of-<n>.json`` (grain's handler). The positions are
-global (every process plans the same batches and takes its rows,
-:func:`jaxformer.data.streaming.process_plans`), so all ``n`` files hold the same
-``{"epoch", "block", "batch"}``, and a run saved by ``n`` processes continues exactly on
-``m`` while its batches keep their rows (the trainer checks ``batch_rows`` first).
-"""
+"""A checkpoint's data position continued on another number of processes: each of ``n``
+saves ``data/process_<i>-of-<n>.json``, all the same global position, so ``m`` processes
+continue it exactly while the batches keep their rows (the trainer checks ``batch_rows``)."""
 
 from __future__ import annotations
 
@@ -23,14 +18,10 @@ _NAME = re.compile(r"process_(\d+)-of-(\d+)\.json")
 
 def position_for_other_process_count(data_dir: Path, same_rows: bool = True
                                      ) -> tuple[dict[str, Any], int] | None:
-    """The position a step saved with another number of processes than this run's, and that
-    number; ``None`` when this number saved it (grain restores it) or there are no such files.
-    ``same_rows``: the caller checked that the batches keep their rows.
-
-    Raises:
-      DataPositionError: files of several counts, another count without ``same_rows``, a
-        missing process's file, or positions that disagree; the message names the fix.
-    """
+    """``(position, count)`` saved by another process count than this run's; ``None`` when this
+    count saved it (grain restores it) or there are none. ``same_rows``: the batches keep
+    their rows. Raises ``DataPositionError`` naming the fix (several counts, another count
+    without ``same_rows``, a process's file missing, positions that disagree)."""
     saved: dict[int, set[int]] = {}
     for path in data_dir.glob("process_*-of-*.json"):
         if match := _NAME.fullmatch(path.name):

@@ -19,13 +19,8 @@ from jaxformer.run.config import CHECKING, SECTION_OF, SECTIONS, TrainConfig
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainArgs:
-    """A parsed training command line.
-
-    ``chosen``: the settings the user chose rather than left at their defaults: the
-    flags given and the keys of a ``--config`` settings file (and ``"config"`` itself).
-    A run's replayed ``config.json`` records every setting of that run, chosen then, not
-    now: none of its keys count.
-    """
+    """A parsed training command line. ``chosen``: the settings given as flags or ``--config``
+    file keys (not a replayed ``config.json``'s, which records every setting)."""
 
     cfg: TrainConfig
     # JSON or YAML file of settings (flag names with _ or -); flags given override it.
@@ -38,9 +33,8 @@ class TrainArgs:
 
 def parse_train_args(argv: list[str] | None = None, defaults: dict[str, Any] | None = None,
                      description: str = "", prog: str | None = None) -> TrainArgs:
-    """Parses a training command line: ``--config FILE`` values replace ``defaults`` (flat
-    setting names, e.g. :data:`~jaxformer.run.config.DEFAULT_CPU_RUN`), then the flags
-    given override both. Exits with status 2 and a message naming the flag on bad input."""
+    """Parses a training command line: ``--config FILE`` values replace ``defaults`` (flat names),
+    the flags given override both. Exits with status 2 and a message naming the flag on bad input."""
     argv = sys.argv[1:] if argv is None else list(argv)
     prog = prog or Path(sys.argv[0]).name
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
@@ -72,33 +66,30 @@ def parse_train_args(argv: list[str] | None = None, defaults: dict[str, Any] | N
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
-    """The flat settings of a JSON or YAML file (``batch_tokens: 4096`` or ``batch-tokens``),
-    or of a run's ``config.json`` (its ``"train"`` record).
-
-    Raises:
-      ValueError: unreadable file, not a mapping, a key given twice or an unknown key;
-        the message names the key and the fix.
-    """
+    """The flat settings of a JSON or YAML file, or of a run's ``config.json`` (its ``"train"``).
+    Raises ``ValueError`` naming the key and the fix (unreadable, not a mapping, a key twice)."""
     return read_settings(path)[0]
 
 
 def read_settings(path: str | Path) -> tuple[dict[str, Any], bool]:
     """:func:`load_config_file`, and whether the file was a run's ``config.json`` (a replay)."""
-    path, data, problem = Path(path), None, None
+    path, data, problem, twice = Path(path), None, None, []
     if path.suffix.lower() not in (".json", ".yaml", ".yml"):
         problem = "only JSON (.json) and YAML (.yaml, .yml) files are read; write the settings as YAML, " \
                   "e.g. 'batch_tokens: 4096'"
     else:
         try:   # utf-8-sig: a byte-order mark (as some editors write) is dropped
             text = path.read_text(encoding="utf-8-sig")
-            data = json.loads(text, object_pairs_hook=_unique) if path.suffix == ".json" else \
-                yaml.load(text, Loader=_UniqueKeyLoader)
+            data = json.loads(text, object_pairs_hook=lambda pairs: _unique(pairs, twice)) \
+                if path.suffix == ".json" else yaml.load(text, Loader=_loader(twice))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, yaml.YAMLError) as e:
             problem = f"cannot be read: {e}"
     replay = isinstance(data, dict) and isinstance(data.get("train"), dict) and "model" in data
     data = data["train"] if replay else data
     names = [str(key).replace("-", "_") for key in data] if isinstance(data, dict) else []
-    if problem is None and not isinstance(data, dict):
+    if problem is None and twice:
+        problem = f"{', '.join(map(repr, sorted(set(twice))))} given twice; keep one"
+    elif problem is None and not isinstance(data, dict):
         problem = f"must hold a mapping of setting: value, got {type(data).__name__}"
     elif problem is None and len(set(names)) < len(names):   # max_steps and max-steps: which one wins?
         problem = f"{sorted({n for n in names if names.count(n) > 1})} given twice (as _ and -); keep one"
@@ -113,7 +104,7 @@ def read_settings(path: str | Path) -> tuple[dict[str, Any], bool]:
 
 
 def _number(text: str) -> Any:
-    """``text`` as an int or a float where it is one, else unchanged (the schema names it)."""
+    """``text`` as an int or a float where it is one, else unchanged."""
     for kind in (int, float):
         try:
             return kind(text)
@@ -122,18 +113,18 @@ def _number(text: str) -> Any:
     return text
 
 
-def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """``json.loads``'s ``object_pairs_hook``: a key given twice is an error, not the last one."""
+def _unique(pairs: list[tuple[str, Any]], twice: list) -> dict[str, Any]:
+    """A mapping of ``pairs``; keys given twice are added to ``twice`` (JSON and PyYAML keep the last)."""
     keys = [key for key, _ in pairs]
-    twice = sorted({key for key in keys if keys.count(key) > 1})
-    if twice:
-        raise ValueError(f"{', '.join(map(repr, twice))} given twice; keep one")
+    twice += [key for key in keys if keys.count(key) > 1]
     return dict(pairs)
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """A loader whose mappings refuse a key given twice (PyYAML keeps the last)."""
+def _loader(twice: list) -> type:
+    """A safe YAML loader whose mappings report keys given twice into ``twice``."""
+    class Loader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            return _unique([(self.construct_object(k, deep=deep), self.construct_object(v, deep=deep))
+                            for k, v in node.value], twice)
 
-    def construct_mapping(self, node, deep=False):
-        return _unique([(self.construct_object(k, deep=deep), self.construct_object(v, deep=deep))
-                        for k, v in node.value])
+    return Loader

@@ -1,8 +1,5 @@
-"""Label-smoothed cross entropy (§5.4): from logits, and fused with the output projection
-so the ``[B, T, V]`` logits are never stored for the backward pass.
-
-Shapes: B batch, T target length, D ``d_model``, V vocabulary, N = B·T rows.
-"""
+"""Label-smoothed cross entropy (§5.4): from logits, and fused with the output projection so
+the ``[B, T, V]`` logits are never stored for the backward pass. N = B·T rows."""
 
 from __future__ import annotations
 
@@ -17,20 +14,14 @@ from jaxformer.model.sharding import constrain
 
 
 def label_smoothed_cross_entropy(logits_BTV, targets_BT, weights_BT, smoothing: float):
-    """Label-smoothed cross entropy (§5.4) from logits, without a one-hot tensor: the target
-    puts ``1 - smoothing`` on the reference and spreads ``smoothing`` over the other V-1
-    tokens; its entropy is subtracted (a perfect prediction has loss 0). Weight-0
-    positions (padding) contribute nothing.
+    """``(loss_sum, nll_sum)`` float32: weighted sums of the smoothed loss (§5.4: ``1 - smoothing``
+    on the reference, ``smoothing`` spread over the other V-1 tokens, its entropy subtracted so
+    a perfect prediction has loss 0) and of the plain NLL; no one-hot tensor.
 
     Args:
-      logits_BTV: logits, any float dtype (computed in float32).
-      targets_BT: int reference ids.
-      weights_BT: float weights (1 real token, 0 pad).
-      smoothing: ε_ls in [0, 1) (``--label-smoothing`` checks it).
-
-    Returns:
-      ``(loss_sum, nll_sum)`` float32 scalars: weighted sums of the smoothed loss and
-      of the plain negative log-likelihood.
+      logits_BTV: any float dtype (computed in float32).
+      targets_BT: int reference ids; weights_BT: float, 1 real token, 0 pad.
+      smoothing: ε_ls in [0, 1).
     """
     chex.assert_rank(logits_BTV, 3)
     chex.assert_shape([targets_BT, weights_BT], logits_BTV.shape[:2])
@@ -43,8 +34,7 @@ def label_smoothed_cross_entropy(logits_BTV, targets_BT, weights_BT, smoothing: 
 
 
 def _smoothing_constants(smoothing: float, vocab: int):
-    """(confidence, low, normalizer) of the smoothed target distribution, ``smoothing`` in
-    [0, 1). The normalizer is that distribution's entropy, so a perfect prediction has loss 0."""
+    """``(confidence, low, normalizer)`` of the smoothed target; the normalizer is its entropy."""
     confidence, low = 1.0 - smoothing, smoothing / (vocab - 1)
     if not smoothing:
         return confidence, low, 0.0
@@ -86,9 +76,8 @@ def _projected_cross_entropy(x_ND, kernel_DV, bias_V, targets_N, weights_N, smoo
 def _projected_cross_entropy_fwd(x_ND, kernel_DV, bias_V, targets_N, weights_N, smoothing):
     loss_N, nll_N, correct_N, probs_NV = _projected_loss_parts(x_ND, kernel_DV, bias_V, targets_N,
                                                              weights_N, smoothing)
-    # The softmax part of d(loss)/d(logits) goes through the projection here, while
-    # the probabilities are at hand; the backward pass only scales these results and
-    # adds the one-hot and uniform parts (XLA may still schedule these dots late).
+    # The softmax part of d(loss)/d(logits) through the projection, while the probabilities
+    # are at hand; the backward pass scales it and adds the one-hot and uniform parts.
     weighted_f32_NV = probs_NV * weights_N[:, None]
     weighted_NV = weighted_f32_NV.astype(x_ND.dtype)
     dx_ND = jnp.dot(weighted_NV, kernel_DV.T, preferred_element_type=jnp.float32)
@@ -133,25 +122,20 @@ _projected_cross_entropy.defvjp(_projected_cross_entropy_fwd, _projected_cross_e
 
 def projected_cross_entropy(decoder_output_BTD, kernel_DV, bias_V, targets_BT, weights_BT,
                             smoothing: float):
-    """:func:`label_smoothed_cross_entropy` of ``decoder_output @ kernel + bias``, fused: the
-    same values and gradients with less memory traffic. A custom VJP sends the softmax
-    through the projection's two backward matmuls during the forward pass, so the
-    backward pass never re-reads the ``[B·T, V]`` logits; the one-hot and uniform parts
-    of the gradient are a gather, a scatter-add and a row sum. ``correct`` is flat in
-    the logits.
+    """:func:`label_smoothed_cross_entropy` of ``decoder_output @ kernel + bias``, fused: a custom
+    VJP sends the softmax through the projection's backward matmuls in the forward pass, so
+    the ``[N, V]`` logits are never re-read; the one-hot and uniform parts are a gather, a
+    scatter-add and a row sum.
 
     Args:
-      decoder_output_BTD: ``[B, T, D]``, any float dtype (the matmuls run in it,
-        with float32 accumulation).
-      kernel_DV: ``[D, V]`` (e.g. :meth:`jaxformer.Transformer.output_projection_weights`).
-      bias_V: ``[V]`` or ``None``.
-      targets_BT: int reference ids in ``[0, V)``.
-      weights_BT: float weights (1 real token, 0 pad).
-      smoothing: ε_ls in [0, 1) (§5.4), a Python float (``--label-smoothing`` checks it).
+      decoder_output_BTD: any float dtype (the matmuls run in it, float32 accumulation).
+      kernel_DV, bias_V: the output projection (``bias_V`` may be ``None``).
+      targets_BT: int ids in ``[0, V)``; weights_BT: float, 1 real token, 0 pad.
+      smoothing: ε_ls in [0, 1), a Python float.
 
     Returns:
-      ``(loss_sum, nll_sum, correct)`` float32 scalars: weighted sums of the smoothed
-      loss, of the plain NLL, and of positions whose reference has the largest logit.
+      ``(loss_sum, nll_sum, correct)`` float32: weighted sums of the smoothed loss, the NLL and
+      the positions whose reference has the largest logit.
     """
     batch, length, d_model = decoder_output_BTD.shape
     chex.assert_shape(kernel_DV, (d_model, None))

@@ -1,7 +1,5 @@
-"""The paper's optimizer: Adam (β1 = 0.9, β2 = 0.98, ε = 1e-9) and the warm-up/inverse-square-root
-learning rate of §5.3 (Eq. 3), or a warm-up/stable/decay schedule that ends at zero on the
-step budget.
-"""
+"""The paper's optimizer (§5.3): Adam and the warm-up/inverse-square-root learning rate (Eq. 3),
+or a warm-up/stable/decay schedule that ends at zero on the step budget."""
 
 from __future__ import annotations
 
@@ -10,12 +8,8 @@ import optax
 
 
 def transformer_schedule(d_model: int, warmup_steps: int, scale: float = 1.0) -> optax.Schedule:
-    """The paper's learning rate (§5.3, Eq. 3), with optax's 0-based count.
-
-    lr = scale · d_model^-0.5 · min(step^-0.5, step · warmup^-1.5), where
-    ``step = count + 1`` so the first update (count 0) gets a non-zero rate; ``warmup_steps``
-    is at least 1.
-    """
+    """§5.3, Eq. 3: ``scale · d_model^-0.5 · min(step^-0.5, step · warmup^-1.5)``, ``step = count + 1``
+    (optax counts from 0; the first update gets a non-zero rate)."""
 
     def schedule(count):
         step = jnp.asarray(count, jnp.float32) + 1.0
@@ -26,18 +20,10 @@ def transformer_schedule(d_model: int, warmup_steps: int, scale: float = 1.0) ->
 
 def wsd_schedule(d_model: int, warmup_steps: int, total_steps: int, decay_fraction: float,
                  scale: float = 1.0) -> optax.Schedule:
-    """Warm-up, stable, decay: a linear warm-up to the paper's peak rate, that rate held,
-    then a linear decay that reaches zero at ``total_steps``.
-
-    The peak is Eq. 3's value at the end of warm-up, ``scale · d_model^-0.5 · warmup^-0.5``,
-    so ``--lr-scale`` means the same under both schedules. The decay takes the last
-    ``decay_fraction · total_steps`` updates; the last update (count ``total_steps - 1``)
-    gets ``peak / decay_steps``. A fixed budget trained this way ends in a minimum the
-    inverse square root never reaches (Hägele et al. 2024, "Scaling Laws and
-    Compute-Optimal Training Beyond Fixed Training Durations", §3: linear cool-down over
-    the last 20% matches cosine; Hu et al. 2024, MiniCPM, name it WSD). The steps are at
-    least 1 and ``decay_fraction`` is in (0, 1] (``TrainConfig`` checks them).
-    """
+    """Warm-up, stable, decay (Hägele et al. 2024 §3; MiniCPM's WSD): linear warm-up to Eq. 3's
+    peak ``scale · d_model^-0.5 · warmup^-0.5``, held, then linear decay over the last
+    ``decay_fraction · total_steps`` updates, the last (count ``total_steps - 1``) getting
+    ``peak / decay_steps``."""
     peak = scale * d_model ** -0.5 * warmup_steps ** -0.5
     decay_steps = max(1, round(decay_fraction * total_steps))
 
@@ -52,7 +38,7 @@ def wsd_schedule(d_model: int, warmup_steps: int, total_steps: int, decay_fracti
 
 def make_schedule(name: str, *, d_model: int, warmup_steps: int, total_steps: int,
                   decay_fraction: float, scale: float = 1.0) -> optax.Schedule:
-    """The schedule ``--lr-schedule`` names: ``inverse_sqrt`` or ``wsd`` (``run.config.SCHEDULES``)."""
+    """The schedule ``--lr-schedule`` names: ``inverse_sqrt`` or ``wsd``."""
     if name == "wsd":
         return wsd_schedule(d_model, warmup_steps, total_steps, decay_fraction, scale)
     return transformer_schedule(d_model, warmup_steps, scale)

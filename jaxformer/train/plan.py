@@ -1,7 +1,5 @@
-"""A training run's start, decided once (:func:`plan_run`, before anything is written):
-fresh, resumed or a fine-tune, mesh, platform, data pipeline shape. Later phases read the
-:class:`RunPlan` and never decide again.
-"""
+"""A training run's start, decided once before anything is written (:func:`plan_run`); later
+phases read the :class:`RunPlan` and never decide again."""
 
 from __future__ import annotations
 
@@ -24,35 +22,19 @@ from jaxformer.run.logs import log
 
 @dataclasses.dataclass(frozen=True)
 class RunPlan:
-    """What a run's start decided (:func:`plan_run`).
+    """What a run's start decided (:func:`plan_run`)."""
 
-    Attributes:
-      cfg: the run's settings, with the ``--init-from`` it was started with (a fine-tune
-        resumed without the flag still takes its architecture and tokenizer from there).
-      start: ``"resume"`` (``checkpoints/`` holds a step: the newest readable one is
-        restored), ``"fine-tune"`` (no step yet; the weights of ``cfg.run.init_from``) or
-        ``"fresh"`` (no step yet; initialised from ``cfg.run.seed``).
-      run_dir: the run directory.
-      saved: the run's ``config.json`` record when resuming (what the resume is checked
-        against), else ``None``.
-      mesh: the device mesh (``--mesh`` over ``--devices``).
-      platform: JAX's backend (``cpu``, ``gpu``, ``tpu``).
-      data_workers: grain processes collating batches (``--data-workers``; default 0 on
-        the CPU, whose cores the step needs, else 2).
-      row_multiple: every batch's rows are a multiple of it (data axis ×
-        ``--grad-accum-steps``, and the process count).
-      t_start: ``time.perf_counter()`` at the start (wall time, ``--max-minutes``).
-    """
-
-    cfg: TrainConfig
+    cfg: TrainConfig   # with the --init-from the run began with (a resumed fine-tune keeps it)
+    # resume: checkpoints/ holds a step; fine-tune: none yet, cfg.run.init_from's weights;
+    # fresh: none yet, initialised from cfg.run.seed
     start: Literal["fresh", "resume", "fine-tune"]
     run_dir: RunDir
-    saved: dict[str, Any] | None
-    mesh: jax.sharding.Mesh
-    platform: str
-    data_workers: int
-    row_multiple: int
-    t_start: float
+    saved: dict[str, Any] | None   # a resume's config.json record (what it is checked against)
+    mesh: jax.sharding.Mesh   # --mesh over --devices
+    platform: str   # jax.default_backend()
+    data_workers: int   # --data-workers, or 0 on the CPU (the step needs its cores), else 2
+    row_multiple: int   # batch rows divide by it: data axis x --grad-accum-steps, and processes
+    t_start: float   # time.perf_counter() at the start (--max-minutes)
 
     @property
     def resuming(self) -> bool:
@@ -60,27 +42,23 @@ class RunPlan:
 
 
 def plan_run(cfg: TrainConfig, fresh: bool = False) -> RunPlan:
-    """Decides the start from ``cfg``, ``fresh`` and the run directory, and checks what needs
-    no data: BLEU's tokenizer starts, the mesh fits the devices and splits the model's
-    widths, a fine-tune's run has a checkpoint.
-
-    Raises:
-      ValueError / FileNotFoundError / OSError: naming the flag and the fix.
-    """
+    """Decides the start from ``cfg``, ``fresh`` and the run directory, and checks what needs no
+    data (BLEU's tokenizer, the mesh against devices and widths, the fine-tune's source).
+    Raises ``ValueError`` / ``FileNotFoundError`` / ``OSError`` naming the flag and the fix."""
     t_start = time.perf_counter()
     make_bleu(cfg.decode.tgt_lang or target_language_of(cfg), cfg.decode.sacrebleu_tokenize)
     sharding_lib.initialize_distributed(cfg.run.coordinator_address, cfg.run.num_processes, cfg.run.process_id,
                                         auto=cfg.run.distributed)
     mesh = sharding_lib.make_mesh(cfg.run.mesh, sharding_lib.first_devices(cfg.run.devices))
     run_dir = RunDir(cfg.workdir)
-    saved = None if fresh else run_dir.read_config()
+    saved = None if fresh else run_dir.read_config()   # a damaged record is refused, never overwritten
     cfg = cfg if fresh else pretrained.with_saved_init_from(cfg, run_dir)
     resuming = not fresh and run_dir.has_checkpoint()
+    saved = saved if resuming else None
     start = "resume" if resuming else "fine-tune" if cfg.run.init_from else "fresh"
     if cfg.run.init_from:
-        pretrained.check_fine_tune(cfg, run_dir, fresh=fresh, starting=start == "fine-tune")
-    sharding_lib.check_mesh_divides(mesh, _architecture(cfg, saved if resuming else None),
-                                    loaded_from=cfg.run.init_from)
+        pretrained.check_fine_tune(cfg, run_dir, fresh=fresh, starting=start == "fine-tune", saved=saved)
+    sharding_lib.check_mesh_divides(mesh, _architecture(cfg, saved), loaded_from=cfg.run.init_from)
     if cfg.run.devices is not None:
         log(f"using {cfg.run.devices} of {len(jax.devices())} devices (--devices)")
     if cfg.train.warmup_steps >= cfg.train.max_steps:   # legal (short test runs), but rarely what is meant
@@ -88,7 +66,7 @@ def plan_run(cfg: TrainConfig, fresh: bool = False) -> RunPlan:
             f"rises for the whole run and never reaches its peak or decays; lower --warmup-steps "
             f"(e.g. {max(1, cfg.train.max_steps // 10)}) for a full schedule")
     platform = jax.default_backend()
-    return RunPlan(cfg=cfg, start=start, run_dir=run_dir, saved=saved if resuming else None, mesh=mesh,
+    return RunPlan(cfg=cfg, start=start, run_dir=run_dir, saved=saved, mesh=mesh,
                    platform=platform, t_start=t_start,
                    data_workers=cfg.train.data_workers if cfg.train.data_workers is not None else (
                        0 if platform == "cpu" else 2),
@@ -97,8 +75,7 @@ def plan_run(cfg: TrainConfig, fresh: bool = False) -> RunPlan:
 
 
 def _architecture(cfg: TrainConfig, saved: dict[str, Any] | None) -> TransformerConfig:
-    """The widths the mesh must split, known before the data: a resumed run's own record's,
-    a fine-tune's loaded run's, else the preset's with the flags."""
+    """The widths the mesh must split: the resumed run's, the fine-tune's source's, or the preset's."""
     if saved is not None and "model" in saved:
         return TransformerConfig.from_dict(saved["model"])
     if cfg.run.init_from:

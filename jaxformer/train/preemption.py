@@ -1,6 +1,5 @@
-"""Stopping without losing work: SIGTERM/SIGINT become a checkpointed stop between
-steps, and the ``--max-minutes`` budget is agreed on by every process.
-"""
+"""Stopping without losing work: SIGTERM/SIGINT become a checkpointed stop between steps; every
+process agrees on the ``--max-minutes`` budget."""
 
 from __future__ import annotations
 
@@ -26,16 +25,12 @@ class Preempted(Exception):
 
 
 class PreemptionGuard:
-    """Turns SIGTERM (a preemptible machine's notice) and SIGINT (Ctrl-C) into a stop the
-    loop checks between steps: the step finishes, the trainer checkpoints and stops. A
-    second SIGINT ends the process at once (status 130, one line, no save; orbax's steps
-    are atomic). Outside the main thread the guard does nothing.
+    """Turns SIGTERM and SIGINT into a stop the loop checks between steps; a second SIGINT ends
+    the process at once (status 130, no save). Does nothing outside the main thread.
 
-    With several processes (``multi_process``) all must stop at the same step, or the
-    others wait forever in a collective: JAX's preemption service (from
-    ``jax.distributed.initialize``) spreads SIGTERM and picks the step
-    (``multihost_utils.reached_preemption_sync_point``); a SIGINT is passed on to it as a
-    SIGTERM. Without that service signals are not caught.
+    With several processes (``multi_process``) all must stop at the same step: JAX's
+    preemption service spreads SIGTERM and picks it (``reached_preemption_sync_point``); a
+    SIGINT is passed on as SIGTERM. Without that service signals are not caught.
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -60,9 +55,8 @@ class PreemptionGuard:
             self.received = signum
 
     def stop_requested(self) -> bool:
-        """Whether to stop before the next step; every process calls it once per step and all
-        get ``True`` at the same one. JAX's sync point is asked with this launch's check
-        count, not the step: a notice during a resumed run's start-up is set to id 1."""
+        """Whether to stop before the next step; every process calls it once per step and all get
+        ``True`` at the same one (JAX's sync point is asked with this launch's check count)."""
         if self.multi_process and self.received is None:
             from jax.experimental import multihost_utils
 
@@ -89,8 +83,8 @@ class PreemptionGuard:
 
 
 def past_deadline(deadline: float, step: int, every: int) -> bool:
-    """Whether the ``--max-minutes`` budget is spent. With several processes the clocks
-    differ, so they agree (any one past it) every ``every`` steps, on the same step."""
+    """Whether the ``--max-minutes`` budget is spent; several processes agree (any one past it)
+    every ``every`` steps."""
     if jax.process_count() == 1:
         return time.perf_counter() > deadline
     if step % every:

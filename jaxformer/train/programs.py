@@ -1,7 +1,5 @@
-"""A run's model, optimizer and jitted programs (:func:`run_programs`). They belong to the
-run: each ``train()`` builds its own and drops them at its end; JAX's persistent cache
-(``RUN/jax_cache``) spares a resume the compiles it made before.
-"""
+"""A run's model, optimizer and jitted programs: each ``train()`` builds its own (JAX's
+persistent cache, ``RUN/jax_cache``, spares a resume its compiles)."""
 
 from __future__ import annotations
 
@@ -23,34 +21,18 @@ from jaxformer.train.step import (TrainState, jit_eval_step, jit_sharded_init, j
 
 @dataclasses.dataclass(frozen=True)
 class RunPrograms:
-    """What a run builds from its settings before it reads a checkpoint.
-
-    Attributes:
-      model: the :class:`Transformer`.
-      schedule: the learning rate by update count (:mod:`jaxformer.train.optimizer`).
-      tx: the optimizer (Adam on ``schedule``, clipped if asked).
-      layout: the mesh and the train state's shardings.
-      init: jitted ``init(rng) -> TrainState``, each array created in its shard.
-      start_from: jitted ``start_from(params) -> TrainState``: step 0 and a fresh
-        optimizer state around given parameters, donated (a fine-tune's start).
-      abstract_state: the train state's ``jax.ShapeDtypeStruct`` tree with shardings: a
-        resumed run restores into it without computing an initial state.
-      train_step: jitted ``(state, batch, rng) -> (state, metrics)``, the state donated.
-      eval_step: jitted ``(params, batch) -> metrics``, teacher-forced loss sums.
-      decoders: the dev/test decoders jitted so far, by their settings; the run's
-        :class:`jaxformer.decode.evaluation.Evaluator` fills it.
-    """
+    """What a run builds from its settings before it reads a checkpoint; nothing is compiled
+    before its first call."""
 
     model: Transformer
-    schedule: optax.Schedule
-    tx: optax.GradientTransformation
-    layout: Layout
-    init: Callable[[jax.Array], TrainState]
-    start_from: Callable[[Any], TrainState]
-    abstract_state: Any
-    train_step: Callable[..., Any]
-    eval_step: Callable[..., Any]
-    decoders: dict[Any, Any]
+    schedule: optax.Schedule   # the learning rate by update count
+    layout: Layout   # the mesh and the train state's shardings
+    init: Callable[[jax.Array], TrainState]   # each array created in its shard
+    start_from: Callable[[Any], TrainState]   # a fine-tune's start around donated params
+    abstract_state: Any   # ShapeDtypeStructs with shardings: the restore target
+    train_step: Callable[..., Any]   # (state, batch, rng) -> (state, metrics), state donated
+    eval_step: Callable[..., Any]   # (params, batch) -> loss sums
+    decoders: dict[Any, Any]   # the dev/test decoders jitted so far (the Evaluator fills it)
 
     @property
     def num_params(self) -> int:
@@ -58,16 +40,13 @@ class RunPrograms:
 
 
 def run_programs(cfg: TrainConfig, model_config: TransformerConfig, mesh: jax.sharding.Mesh) -> RunPrograms:
-    """The programs of ``model_config`` on ``mesh`` with ``cfg``'s schedule (``--lr-schedule``,
-    ``--warmup-steps``, ``--lr-scale``, ``--max-steps``, ``--decay-fraction``),
-    ``--grad-clip``, ``--label-smoothing`` and ``--grad-accum-steps``. Nothing is compiled
-    yet: each program compiles at its first call."""
+    """The programs of ``model_config`` on ``mesh`` with ``cfg.train``'s optimisation settings."""
     model = Transformer(model_config)
     schedule = make_schedule(cfg.train.lr_schedule, d_model=model_config.d_model, warmup_steps=cfg.train.warmup_steps,
                              total_steps=cfg.train.max_steps, decay_fraction=cfg.train.decay_fraction, scale=cfg.train.lr_scale)
     tx = make_optimizer(schedule, cfg.train.grad_clip)
     init, layout, abstract_state = jit_sharded_init(model, tx, mesh)
-    return RunPrograms(model=model, schedule=schedule, tx=tx, layout=layout, init=init,
+    return RunPrograms(model=model, schedule=schedule, layout=layout, init=init,
                        start_from=jit_state_from_params(model, tx, layout), abstract_state=abstract_state,
                        train_step=jit_train_step(model, cfg.train.label_smoothing, layout=layout,
                                                  grad_accum_steps=cfg.train.grad_accum_steps),

@@ -1,7 +1,5 @@
-"""A training run's evaluations: periodic dev evaluation (keeps the best parameters, feeds
-early stopping), checkpoint averaging, and the final test. Scores are sacrebleu's BLEU and
-chrF with their signatures; ``test.src/ref/hyp`` are written for external scorers.
-"""
+"""A training run's evaluations: the periodic dev evaluation (keeps the best parameters),
+checkpoint averaging and the final test (sacrebleu's BLEU and chrF; ``test.src/ref/hyp``)."""
 
 from __future__ import annotations
 
@@ -30,10 +28,8 @@ def _translate(run: Run, params: Any, sources: list[str]) -> list[str]:
 
 
 def evaluate(run: Run, loop: LoopState, keep_best: bool = True) -> float:
-    """Dev loss, BLEU and chrF (on ``--dev-bleu-sentences``) of the loop's parameters, with
-    samples; keeps them as the best by dev BLEU unless ``keep_best`` is false (updates were
-    skipped as non-finite since the last clean logging window: the parameters may be
-    ruined, as for a checkpoint). Returns the BLEU."""
+    """Dev loss, BLEU and chrF of the loop's parameters, with samples; keeps them as the best by
+    dev BLEU unless ``keep_best`` is false (skipped updates: they may be ruined). Returns the BLEU."""
     cfg, step, params, t0 = run.cfg, loop.step, loop.state.params, time.perf_counter()
     dev_subset = run.data.splits["dev"][: cfg.decode.dev_bleu_sentences]
     dev_loss = run.evaluator.loss(params, run.data.dev_examples, run.programs.eval_step)
@@ -61,9 +57,8 @@ def evaluate(run: Run, loop: LoopState, keep_best: bool = True) -> float:
 
 
 def average_and_compare(run: Run, loop: LoopState, abstract_params: Any) -> tuple[dict[str, Any] | None, Any]:
-    """``--average-last N``: the mean of the newest N checkpoints, scored on the periodic
-    evaluations' dev sentences and saved (``averaged/``) if it beats the best checkpoint.
-    Returns ``(report for results.json, params)``; ``(None, None)`` with too few checkpoints."""
+    """``--average-last N``: the mean of the newest N checkpoints, saved (``averaged/``) if its dev
+    BLEU beats the best. ``(report, params)``; ``(None, None)`` with too few checkpoints."""
     cfg, step = run.cfg, loop.step
     have = len(run.checkpoints.steps())
     if have < cfg.train.average_last:   # a run stopped early: not worth losing the final test over
@@ -84,7 +79,7 @@ def average_and_compare(run: Run, loop: LoopState, abstract_params: Any) -> tupl
 
 
 def _last_evaluated_step(run: Run) -> int:
-    """The latest step with a recorded dev evaluation, process 0's in every process."""
+    """The latest step with a dev evaluation, process 0's in every process."""
     step = run.run_dir.last_evaluated_step() if is_main_process() else -1
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
@@ -94,6 +89,7 @@ def _last_evaluated_step(run: Run) -> int:
 
 
 def _decoding_name(cfg) -> str:
+    """The evaluation's decoding in words, for ``results.json``."""
     name = "greedy" if cfg.decode.beam_size == 1 else f"beam {cfg.decode.beam_size}, alpha {cfg.decode.alpha}"
     if cfg.decode.no_repeat_ngram_size:
         name += f", no repeated {cfg.decode.no_repeat_ngram_size}-grams"
@@ -103,8 +99,7 @@ def _decoding_name(cfg) -> str:
 
 
 def _report_degenerate(degenerate: dict[str, Any], hyps: list[str], cfg) -> None:
-    """Logs how many test hypotheses loop on an n-gram; warns above 2%, suggesting only the
-    decoding rules the run does not already use."""
+    """Logs how many test hypotheses loop on an n-gram; above 2% warns, naming the unused rules."""
     share = degenerate["fraction"]
     text = (f"{degenerate['count']} of {len(hyps)} test translations ({share:.1%}) repeat an n-gram "
             f"three or more times in a row")
@@ -119,18 +114,15 @@ def _report_degenerate(degenerate: dict[str, Any], hyps: list[str], cfg) -> None
 
 
 def final_test(run: Run, loop: LoopState) -> dict[str, Any]:
-    """A last dev evaluation (unless the last step had one), checkpoint averaging if asked,
-    then test BLEU and chrF with the best parameters (the average if it won); writes
-    ``results.json``, ``test.src/ref/hyp`` and the plots, and closes the run."""
+    """A last dev evaluation (unless the step had one), averaging if asked, then test BLEU and
+    chrF of the best parameters; writes ``results.json``, ``test.*`` and the plots, closes the run."""
     cfg, step = run.cfg, loop.step
     if _last_evaluated_step(run) != step:   # a finished run started again is not evaluated twice
         evaluate(run, loop, keep_best=loop.skips_pending() == 0)
     run.checkpoints.wait()
     log(f"training stopped at step {step} ({loop.stopped_by}); best dev BLEU {loop.best_bleu:.2f}")
     abstract_params = run.programs.abstract_state.params
-    if run.checkpoints.saved_best_step == step == run.checkpoints.best_step():
-        # This run saved the best from the parameters in memory at this step: not read back.
-        # (A best of this step from an earlier run is read: a retrained step may differ.)
+    if run.checkpoints.saved_best_step == step == run.checkpoints.best_step():   # saved now: not read back
         params, best_step, kind = loop.state.params, step, "best"
     else:
         params, best_step, kind = run.checkpoints.restore_params(abstract_params, report=log)

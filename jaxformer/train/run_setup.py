@@ -1,7 +1,5 @@
-"""A run's start, the first of :func:`jaxformer.train.trainer.train`'s phases: the plan
-(:mod:`jaxformer.train.plan`), then the run directory, data, tokenizer, programs, train
-state and ``config.json``. Nothing compiles before the data and the resume are checked.
-"""
+"""A run's start: the plan, then the run directory, data, tokenizer, programs, train state and
+``config.json``. Nothing compiles before the data and the resume are checked."""
 
 from __future__ import annotations
 
@@ -28,19 +26,18 @@ from jaxformer.run.config import TrainConfig, save_json
 from jaxformer.run.directory import check_resume_compatible, resume_record, set_aside_metrics_after
 from jaxformer.run.logs import is_main_process, log
 from jaxformer.run.metrics import MetricsLog
-from jaxformer.train.early_stopping import EarlyStopping
 from jaxformer.train.plan import RunPlan, plan_run
 from jaxformer.train.programs import RunPrograms, run_programs
-from jaxformer.train.run_state import LoopState, Run, TrainData
+from jaxformer.train.run_state import EarlyStopping, LoopState, Run, TrainData
 from jaxformer.train.step import TrainState
 
 __all__ = ["setup", "build_train_data"]
 
 
 def setup(cfg: TrainConfig, *, fresh: bool = False) -> tuple[Run, LoopState]:
-    """Plans the run (:func:`plan_run`), makes its directory (``fresh``: the previous run's
-    files moved aside), prepares data and tokenizer, restores, loads or initialises the
-    train state and writes ``config.json``. Returns ``(run, loop state at the start step)``."""
+    """Plans the run, makes its directory (``fresh``: the previous run's files moved aside),
+    prepares data and tokenizer, restores, loads or initialises the train state and writes
+    ``config.json``. Returns ``(run, loop state at the start step)``."""
     plan = plan_run(cfg, fresh)
     cfg, run_dir = plan.cfg, plan.run_dir
     previous = run_dir.create(fresh)   # --fresh: where the previous run's files went
@@ -85,8 +82,7 @@ def setup(cfg: TrainConfig, *, fresh: bool = False) -> tuple[Run, LoopState]:
 
 def _data_and_model(plan: RunPlan, previous: Path | None
                     ) -> tuple[PreparedCorpus, Tokenizer, TransformerConfig, dict[str, Any] | None]:
-    """The prepared data (reused on every resume), its tokenizer, the architecture and, for a
-    fine-tune, the tokenizer record of the run it loads (whose tokenizer encodes the data)."""
+    """The prepared data, its tokenizer, the architecture and a fine-tune's tokenizer record."""
     cfg, run_dir = plan.cfg, plan.run_dir
     if cfg.run.init_from:
         tokenizer, model_config, record = pretrained.tokenizer_and_model_config(cfg, run_dir,
@@ -103,8 +99,8 @@ def _data_and_model(plan: RunPlan, previous: Path | None
 
 def _start_state(plan: RunPlan, programs: RunPrograms, checkpoints: RunCheckpoints, data: TrainData,
                  init_key: jax.Array) -> tuple[TrainState, int]:
-    """The plan's start state and step: the newest readable checkpoint (restored into the
-    abstract state), a fine-tune's loaded parameters, or a new state from ``init_key``."""
+    """The start state and step: the newest readable checkpoint, a fine-tune's loaded
+    parameters, or a new state from ``init_key``."""
     cfg, abstract = plan.cfg, programs.abstract_state
     if plan.resuming:   # before anything is written: if no checkpoint is readable, nothing changes
         same_rows = plan.saved is not None and "batch_rows" in plan.saved   # rows recorded: checked
@@ -122,8 +118,8 @@ def _start_state(plan: RunPlan, programs: RunPrograms, checkpoints: RunCheckpoin
 def build_train_data(cfg: TrainConfig, prepared: PreparedCorpus, target_language: str,
                      tokenizer: Tokenizer, model_config: TransformerConfig, row_multiple: int,
                      workers: int = 0) -> TrainData:
-    """The endless training pipeline over the prepared data (this process's rows, collated in
-    ``workers`` processes) and the dev/test pairs."""
+    """The endless pipeline of this process's rows (collated in ``workers`` processes) and the
+    dev/test pairs."""
     max_train_len = cfg.train.row_length(model_config.max_len)
     _, too_long = kept_records(prepared, max_train_len)
     log(f"train: {len(prepared)} prepared pairs, {len(prepared) - too_long} used, {too_long} longer "
@@ -151,13 +147,8 @@ def _batch_rows(cfg: TrainConfig, model_config: TransformerConfig, row_multiple:
 
 
 def _check_same_batches(plan: RunPlan, batch_rows: dict[str, int]) -> None:
-    """A resume's batches must be the ones its data position counts through: the same rows
-    per batch and the same order (``--seed``).
-
-    Raises:
-      ValueError: other rows (packing, row length, devices, accumulation, processes) or
-        another seed; the message names the flags to resume with.
-    """
+    """Raises ``ValueError`` naming the flags to resume with when a resume's batches are not the
+    ones its data position counts through (other rows per batch, another ``--seed``)."""
     cfg, before, train = plan.cfg, plan.saved.get("batch_rows"), plan.saved.get("train", {})
     fix = "start a new run (--fresh, or --init-from this one)."
     problem = None
@@ -191,8 +182,8 @@ def _check_same_batches(plan: RunPlan, batch_rows: dict[str, int]) -> None:
 def _write_run_record(plan: RunPlan, model_config: TransformerConfig, tokenizer: Tokenizer,
                       target_language: str, batch_rows: dict[str, int], data: dict[str, Any],
                       tokenizer_record: dict[str, Any] | None = None) -> None:
-    """``config.json``: the architecture, the run settings (their history on resume), the
-    tokenizer's ids (``tokenizer_record``: an --init-from run's) and the data's fingerprint."""
+    """Writes ``config.json``: architecture, settings (their history on resume), tokenizer ids
+    (``tokenizer_record``: an --init-from run's) and the data's fingerprint."""
     cfg, run_dir = plan.cfg, plan.run_dir
     record = {"model": model_config.to_dict(), "train": cfg.to_dict(),
               "tokenizer": tokenizer_record or {

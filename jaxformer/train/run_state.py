@@ -1,12 +1,11 @@
-"""What a training run holds between its phases, in three parts: the decided
-:class:`~jaxformer.train.plan.RunPlan`, the :class:`Run` that setup opened on it (programs,
-data, writers; closed once, by its exit stack) and the host loop's :class:`LoopState`.
-"""
+"""What a training run holds between its phases: the :class:`Run` setup opened on its plan
+(closed once, by its exit stack) and the host loop's :class:`LoopState`."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -20,7 +19,6 @@ from jaxformer.run.checkpoints import RunCheckpoints
 from jaxformer.run.config import TrainConfig
 from jaxformer.run.directory import RunDir
 from jaxformer.run.metrics import MetricsLog
-from jaxformer.train.early_stopping import EarlyStopping
 from jaxformer.train.plan import RunPlan
 from jaxformer.train.programs import RunPrograms
 from jaxformer.train.step import TrainState
@@ -42,8 +40,7 @@ class TrainData:
 
 @dataclasses.dataclass(frozen=True)
 class Run:
-    """What :func:`jaxformer.train.run_setup.setup` opened for a plan; :meth:`close` (or
-    ``with run.closer``) waits for pending saves and closes the writers and data workers."""
+    """What :func:`jaxformer.train.run_setup.setup` opened for a plan."""
 
     plan: RunPlan
     programs: RunPrograms
@@ -69,6 +66,24 @@ class Run:
 
 
 @dataclasses.dataclass
+class EarlyStopping:
+    """Early stopping on dev BLEU (``--patience``, as fairseq's): counts evaluations since the best score ``best`` (a resume starts from its best
+    checkpoint's); ``patience`` of them in a row stop the run (``None``: never)."""
+
+    patience: int | None
+    best: float = -math.inf
+    since_best: int = 0
+
+    def update(self, score: float) -> bool:
+        """Records one evaluation's score; returns ``True`` when the run should stop."""
+        if score > self.best:
+            self.best, self.since_best = score, 0
+        else:
+            self.since_best += 1
+        return self.patience is not None and self.since_best >= self.patience
+
+
+@dataclasses.dataclass
 class LoopState:
     """The host loop's state between steps: the train state and what the loop counts."""
 
@@ -82,8 +97,7 @@ class LoopState:
     early_stopping: EarlyStopping = dataclasses.field(default_factory=lambda: EarlyStopping(None))
 
     def skips_pending(self) -> float:
-        """Updates skipped as non-finite since the last clean logging window: their
-        parameters may be ruined, so they are neither checkpointed nor kept as the best.
-        A host sync (reads the device sums): called only before a save or an evaluation."""
+        """Updates skipped as non-finite since the last clean window (their parameters are neither
+        checkpointed nor kept as the best); a host sync."""
         pending = 0.0 if self.totals is None else float(jax.device_get(self.totals["skipped"]))
         return self.recent_skips + pending

@@ -1,10 +1,6 @@
-"""The main job: train a translator, evaluate BLEU, checkpoint, resume.
-
-:func:`train` reads as its three phases: :func:`setup` (the run plan, then its directory,
-data, tokenizer, programs and train state; :mod:`jaxformer.train.run_setup`), :func:`train_loop`
-(steps, logging, evaluation, checkpoints, preemption) and :func:`final_test`.
-``train.py`` is a thin entry point; everything here is importable and tested.
-"""
+"""The main job: train a translator, evaluate BLEU, checkpoint, resume. :func:`train` reads as
+its phases: :func:`setup` (:mod:`jaxformer.train.run_setup`), :func:`train_loop` and
+:func:`final_test` (:mod:`jaxformer.train.run_eval`)."""
 
 from __future__ import annotations
 
@@ -31,20 +27,16 @@ __all__ = ["Preempted", "TrainingDiverged", "train", "setup", "train_loop", "eva
 
 
 def train(cfg: TrainConfig, *, fresh: bool = False) -> dict[str, Any]:
-    """Trains, evaluates and checkpoints one run; resumes if the workdir has a checkpoint,
-    exactly (the checkpoint holds the state and the data position, dropout keys are
-    ``fold_in(seed key, step)``: N steps equal N/2 + N/2, bit for bit on CPU).
-
-    Returns:
-      the final results (also written to ``workdir/results.json``).
+    """Trains, evaluates and checkpoints one run; a workdir with a checkpoint resumes exactly
+    (state and data position are saved, dropout keys are ``fold_in(key, step)``: N steps equal
+    N/2 + N/2, bit for bit on CPU). Returns the results (also ``results.json``).
 
     Raises:
       ValueError / FileNotFoundError / OSError: bad corpus, paths or checkpoints, before any
-        compile; a run directory this call made is removed unless its data was prepared.
+        compile (a run directory this call made is removed unless its data was prepared).
       CheckpointError: checkpoints exist but none is readable (nothing is changed).
-      Preempted: SIGTERM/SIGINT; the current step was checkpointed first.
-      TrainingDiverged: a whole logging window of non-finite updates, or skipped updates
-        and no checkpoint at all; the last checkpoint is intact.
+      Preempted: SIGTERM/SIGINT, after checkpointing the current step.
+      TrainingDiverged: see :func:`train_loop`.
     """
     run_dir, made = RunDir(cfg.workdir), topmost_missing(Path(cfg.workdir))
     with RunLog(run_dir.log) as run_log:   # train.log: everything printed
@@ -57,7 +49,6 @@ def train(cfg: TrainConfig, *, fresh: bool = False) -> dict[str, Any]:
             return final_test(run, train_loop(run, loop))
 
 
-# ---------------------------------------------------------------------- the loop
 def train_loop(run: Run, loop: LoopState) -> LoopState:
     """Steps until ``--max-steps``, ``--max-minutes`` or a signal; logs every ``--log-every``
     steps (the one host sync), evaluates every ``--eval-every`` and checkpoints every
@@ -65,14 +56,15 @@ def train_loop(run: Run, loop: LoopState) -> LoopState:
 
     Raises:
       Preempted: after checkpointing the step at which the signal was honoured.
-      TrainingDiverged: a whole logging window of non-finite updates, or skipped
-        updates at the end of a run that has no checkpoint to fall back on.
+      TrainingDiverged: a whole logging window of non-finite updates (the last checkpoint is
+        intact), or skipped updates at the end of a run without any checkpoint.
     """
     cfg, c = run.cfg, run.programs.model.config
     loop.last_log_time = time.perf_counter()
     deadline = None if cfg.train.max_minutes is None else run.plan.t_start + 60 * cfg.train.max_minutes
     progress = Progress(enabled=cfg.run.progress, step=loop.step, max_steps=cfg.train.max_steps,
                         t_start=run.plan.t_start, deadline=deadline)
+    diverged = None
     with PreemptionGuard(multi_process=jax.process_count() > 1) as guard, progress:
         while loop.step < cfg.train.max_steps:
             if guard.stop_requested():
@@ -82,7 +74,7 @@ def train_loop(run: Run, loop: LoopState) -> LoopState:
                 loop.stopped_by = "max_minutes"
                 break
             batch = next(run.data.iterator)
-            # Host-side id check before dispatch (jit would clamp bad ids silently); numpy, no sync.
+            # Before dispatch: jit would clamp bad ids silently (numpy, no sync).
             for name, vocab in (("src", c.src_vocab_size), ("tgt_in", c.tgt_vocab_size),
                                 ("tgt_out", c.tgt_vocab_size)):
                 check_token_ids(batch[name], name=name, vocab_size=vocab, max_len=c.max_len)
@@ -91,8 +83,8 @@ def train_loop(run: Run, loop: LoopState) -> LoopState:
             loop.totals = add_metrics(loop.totals, metrics)
             loop.step += 1
             progress.step(loop.step)
-            if loop.step % cfg.run.log_every == 0:
-                _log_window(run, loop, progress)
+            if loop.step % cfg.run.log_every == 0 and (diverged := _log_window(run, loop, progress)):
+                break
             if loop.step % cfg.run.checkpoint_every == 0:
                 _save_if_healthy(run, loop)
             if loop.step % cfg.train.eval_every == 0 and _evaluate_and_stop_early(run, loop):
@@ -100,58 +92,57 @@ def train_loop(run: Run, loop: LoopState) -> LoopState:
                 log(f"early stopping: no better dev BLEU in {cfg.train.patience} evaluations "
                     f"(best {loop.early_stopping.best:.2f})")
                 break
-    refused = run.checkpoints.latest_step() != loop.step and not _save_if_healthy(run, loop)
+    refused = (not diverged and run.checkpoints.latest_step() != loop.step
+               and not _save_if_healthy(run, loop))
     run.checkpoints.wait()
-    if guard.received is not None:
+    if guard.received is not None and not diverged:
         _stop_preempted(run, loop, guard.received)
-    nothing_saved = run.checkpoints.latest_step() is None and run.checkpoints.best_step() is None
-    _stop_if_diverged(refused and nothing_saved and (
-        f"Training diverged: updates up to step {loop.step} were skipped as non-finite and no "
-        f"checkpoint was written, so there are no parameters to test. {_FIX} (--fresh)."))
+    if refused and run.checkpoints.latest_step() is None and run.checkpoints.best_step() is None:
+        diverged = (f"Training diverged: updates up to step {loop.step} were skipped as non-finite and "
+                    f"no checkpoint was written, so there are no parameters to test. {_FIX} (--fresh).")
+    if diverged:
+        raise TrainingDiverged(diverged)
     return loop
 
 
 _FIX = "Lower --lr-scale, set --grad-clip or use --dtype float32, then run again"
 
 
-def _stop_if_diverged(message: str | None) -> None:
-    """Raises :class:`TrainingDiverged` with ``message``, if there is one."""
-    if message:
-        raise TrainingDiverged(message)
-
-
-def _log_window(run: Run, loop: LoopState, progress: Progress) -> None:
-    """Reads the window's sums back (the one host sync every ``--log-every`` steps), writes
-    the metrics record and reports it to the progress bar / log line. ``train/steps`` is
-    the number of steps the record averages: ``--log-every``, except in the first window
-    of a run resumed between two logged steps, which starts at the restored step.
-
-    Raises:
-      TrainingDiverged: every update of the window was skipped as non-finite.
-    """
+def _log_window(run: Run, loop: LoopState, progress: Progress) -> str | None:
+    """Reads the window's sums back (the one host sync), writes the metrics record and shows
+    it; ``train/steps`` counts the steps averaged (fewer in a resumed run's first window).
+    Returns the divergence message when every update of the window was skipped."""
     values = jax.device_get(loop.totals)
-    _stop_if_diverged(_finite_report(values, loop.step, run.checkpoints.latest_step()))
-    loop.recent_skips = float(values["skipped"])
+    skipped, window = int(values["skipped"]), int(values["steps"])
+    if skipped == window:
+        last = run.checkpoints.latest_step()
+        where = "no checkpoint was written" if last is None else f"the last checkpoint (step {last}) is intact"
+        return (f"Training diverged: all {window} updates up to step {loop.step} had a non-finite loss or "
+                f"gradient norm and were skipped; {where}. {_FIX} to resume from the last checkpoint "
+                f"(or --fresh).")
+    if skipped:
+        log(f"step {loop.step}: skipped {skipped} of the last {window} updates (non-finite loss or "
+            f"gradient norm); parameters were left unchanged for those steps")
+    loop.recent_skips = float(skipped)
     tokens = max(float(values["tokens"]), 1.0)
-    applied = max(float(values["steps"] - values["skipped"]), 1.0)
+    applied = max(window - skipped, 1)
     now = time.perf_counter()
     record = {"train/loss": float(values["loss_sum"]) / tokens,
               "train/nll": float(values["nll_sum"]) / tokens,
               "train/accuracy": float(values["correct"]) / tokens,
               "train/grad_norm": float(values["grad_norm"]) / applied,
-              "train/skipped": float(values["skipped"]),
-              "train/steps": int(values["steps"]),
+              "train/skipped": float(skipped), "train/steps": window,
               "train/lr": float(run.programs.schedule(loop.step - 1)),
               "train/tokens_per_s": tokens / max(now - loop.last_log_time, 1e-9)}
     run.metrics_log.write(loop.step, record)
     loop.totals, loop.last_log_time = None, now
     progress.window(loop.step, record["train/loss"], record["train/tokens_per_s"], record["train/lr"])
+    return None
 
 
 def _save_if_healthy(run: Run, loop: LoopState) -> bool:
-    """Checkpoints unless an update was skipped since the last clean logging window: a
-    run about to diverge can have applied a finite but ruinous update just before, and
-    the rotation (keep N) would then push the last good checkpoint out."""
+    """Checkpoints unless an update was skipped since the last clean window (a finite but
+    ruinous update may precede it, and the rotation would push the last good one out)."""
     if loop.skips_pending() == 0:
         run.checkpoints.save(loop.step, loop.state, run.data.iterator)
         return True
@@ -161,8 +152,8 @@ def _save_if_healthy(run: Run, loop: LoopState) -> bool:
 
 
 def _evaluate_and_stop_early(run: Run, loop: LoopState) -> bool:
-    """Evaluates; whether early stopping ends the run. After skipped updates the score
-    neither becomes the best nor counts for early stopping (the parameters may be ruined)."""
+    """Evaluates; whether early stopping ends the run. After skipped updates the score counts
+    for neither (the parameters may be ruined)."""
     healthy = loop.skips_pending() == 0
     bleu = evaluate(run, loop, keep_best=healthy)
     return healthy and loop.early_stopping.update(bleu)
@@ -177,20 +168,3 @@ def _stop_preempted(run: Run, loop: LoopState, signum: int) -> None:
                f"{run.run_dir.checkpoints}. Run the same command again to resume from there.")
     log(message)
     raise Preempted(signum, loop.step, message)
-
-
-def _finite_report(values: dict[str, Any], step: int, last_checkpoint: int | None) -> str | None:
-    """Logs skipped non-finite updates; returns the error message when a whole logging
-    window was skipped (the run cannot make progress), else ``None``."""
-    skipped, window = int(values["skipped"]), int(values["steps"])
-    if skipped == 0:
-        return None
-    if skipped < window:
-        log(f"step {step}: skipped {skipped} of the last {window} updates (non-finite loss or "
-            f"gradient norm); parameters were left unchanged for those steps")
-        return None
-    where = (f"the last checkpoint (step {last_checkpoint}) is intact" if last_checkpoint is not None
-             else "no checkpoint was written")
-    return (f"Training diverged: all {window} updates up to step {step} had a non-finite loss or "
-            f"gradient norm and were skipped; {where}. {_FIX} to resume from the last checkpoint "
-            f"(or --fresh).")
