@@ -444,7 +444,8 @@ def test_a_seed_samples_each_line_the_same_from_a_pipe_a_file_or_in_bulk(run, tm
     piped = capsys.readouterr().out
     translate_main([*sample, "--input", str(source)])
     assert capsys.readouterr().out == piped
-    translate_main([*sample, "--input", str(source), "--output", str(tmp_path / "out.txt"), "--chunk-lines", "2"])
+    translate_main([*sample, "--input", str(source), "--output", str(tmp_path / "out.txt"),
+                    "--chunk-lines", "2"])
     assert (tmp_path / "out.txt").read_text(encoding="utf-8") == piped and len(piped.splitlines()) == 3
 
 _COUNT_COMPILES = """

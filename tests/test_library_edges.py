@@ -21,8 +21,8 @@ import pytest
 
 from jaxformer import Decoder, DecoderLayer, Encoder, EncoderLayer, Transformer, preset
 from jaxformer.decode.decoding import beam_translate, decode, greedy_translate, sample_translate
-from jaxformer.decode.strategies import Greedy
 from jaxformer.decode.evaluation import Evaluator, make_bleu
+from jaxformer.decode.strategies import Greedy
 from jaxformer.model.attention import fused_dot_product_attention, scaled_dot_product_attention
 from jaxformer.train.run_state import EarlyStopping
 

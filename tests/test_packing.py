@@ -34,7 +34,8 @@ def test_pack_batches_covers_every_example_once_with_fixed_shapes():
     examples = batching.Examples(src=[list(range(4, 4 + n)) for n in rng.integers(1, 16, 300)],
                              tgt=[list(range(4, 4 + n)) for n in rng.integers(1, 16, 300)])
     src_len, tgt_len = examples.src_lengths, examples.tgt_lengths + 1
-    plan = functools.partial(batching.pack_plan, src_len, tgt_len, batch_tokens=128, length=16, row_multiple=4)
+    plan = functools.partial(batching.pack_plan, src_len, tgt_len, batch_tokens=128, length=16,
+                             row_multiple=4)
     batches = plan(np.random.default_rng(0))
     assert {(length, idx.shape[0]) for length, idx in batches} == {(16, 8)}
     seen = np.concatenate([idx.ravel() for _, idx in batches])
@@ -122,8 +123,8 @@ def test_packed_train_dataset_compiles_the_train_step_once():
     it = streaming.BatchStream(lambda start: streaming.stream_dataset(
         examples, max_len=16, batch_tokens=64, boundaries=(8, 16), seed=0, pad_id=0, bos_id=2, eos_id=3,
         pack=True, start=start))
-    per_epoch = len(batching.pack_plan(examples.src_lengths, examples.tgt_lengths + 1, np.random.default_rng(0),
-                                       batch_tokens=64, length=16))
+    per_epoch = len(batching.pack_plan(examples.src_lengths, examples.tgt_lengths + 1,
+                                       np.random.default_rng(0), batch_tokens=64, length=16))
     for _ in range(per_epoch + 2):
         state, metrics = step(state, next(it), jax.random.key(1))
     assert step._cache_size() == 1

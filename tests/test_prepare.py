@@ -16,8 +16,8 @@ import pytest
 
 from jaxformer.data import batching, corpus, prepare, streaming
 from jaxformer.data import run_data as rundata
-from jaxformer.data.prepared import PreparedCorpus, PreparedDataError
 from jaxformer.data.prepare import DataSpec
+from jaxformer.data.prepared import PreparedCorpus, PreparedDataError
 from jaxformer.data.tokenizer import Tokenizer
 from jaxformer.run.checkpoints import RunCheckpoints
 from jaxformer.run.config import TrainConfig
@@ -60,8 +60,9 @@ def test_explicit_dev_and_test_files_replace_the_hashed_split(corpus_file, tmp_p
     write(tmp_path / "test.tsv", pairs[6000:6030])
     run = RunDir(tmp_path / "run")
     run.create()
-    prepared = rundata.prepare_run_data(_cfg(corpus_file, run.root, dev_file=str(tmp_path / "dev.tsv"),
-                                             test_file=str(tmp_path / "test.tsv")), run, has_checkpoints=False)
+    cfg = _cfg(corpus_file, run.root, dev_file=str(tmp_path / "dev.tsv"),
+               test_file=str(tmp_path / "test.tsv"))
+    prepared = rundata.prepare_run_data(cfg, run, has_checkpoints=False)
     assert prepared.held_out("dev") == pairs[5000:5040] and prepared.held_out("test") == pairs[6000:6030]
     counts = prepared.manifest["counts"]   # every corpus pair went to training (before the filters)
     assert counts["train"] + sum(counts["train_dropped"].values()) == len(corpus.read_tsv(corpus_file)[0])
@@ -254,7 +255,8 @@ def test_a_corpus_from_a_pipe_is_refused_not_read_as_empty(tmp_path):
 def test_a_corpus_file_that_is_a_folder_is_named(corpus_file, tmp_path):
     """``--dev-file runs`` once ended in "[Errno 21] Is a directory: 'runs'"."""
     for field in ("train_file", "dev_file", "test_file"):
-        spec = DataSpec.from_config(TrainConfig.flat(**{"train_file": str(corpus_file), field: str(tmp_path)}))
+        spec = DataSpec.from_config(
+            TrainConfig.flat(**{"train_file": str(corpus_file), field: str(tmp_path)}))
         with pytest.raises(ValueError, match=f"Corpus file '{tmp_path}' is a folder: name the file"):
             spec.fingerprint()
 

@@ -271,7 +271,8 @@ def test_a_setup_that_fails_after_opening_checkpoints_exits_without_a_traceback(
     closes them: no orbax cleanup traceback at interpreter exit."""
     cfg = _config(tmp_path / "run", files, 4)
     code = (f"from jaxformer.run.config import TrainConfig\nfrom jaxformer.train.trainer import train\n"
-            f"try:\n    train(TrainConfig.flat(**{dict(cfg.to_dict(), dev_file=str(tmp_path / 'nope.tsv'))!r}))\n"
+            "try:\n    train(TrainConfig.flat(**"
+            f"{dict(cfg.to_dict(), dev_file=str(tmp_path / 'nope.tsv'))!r}))\n"
             f"except FileNotFoundError as e:\n    print('refused:', e)\n")
     child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                            env={**os.environ, "JAX_PLATFORMS": "cpu"})

@@ -129,7 +129,8 @@ def test_translate_cli_uses_the_run(tmp_path, trained_run, capsys):
             "--workdir", str(workdir), "--attention-png", str(tmp_path / "heatmap"), "x"],
         "a.xyz' needs a file type": ["--workdir", str(workdir), "--attention-png", str(tmp_path / "a.xyz"),
                                      "x"],
-        "--temperature must be a positive finite number": ["--workdir", str(workdir), "--sample", "--temperature", "0", "x"],
+        "--temperature must be a positive finite number": ["--workdir", str(workdir), "--sample",
+                                                           "--temperature", "0", "x"],
     }
     for message, argv in bad_calls.items():
         with pytest.raises(SystemExit) as exit_info:

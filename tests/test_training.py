@@ -285,7 +285,6 @@ def test_each_run_builds_its_own_programs_from_its_settings():
     objects for every run (nothing kept in the process), built from the settings they
     depend on; the restore target is the init's shapes, dtypes and shardings, and a
     fine-tune's start donates the loaded parameters into a fresh state."""
-    import dataclasses
 
     from jaxformer.model.sharding import abstract_state, first_devices, make_mesh
     from jaxformer.run.config import TrainConfig

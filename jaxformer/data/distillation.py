@@ -16,8 +16,8 @@ import os
 from pathlib import Path
 
 from jaxformer.data.corpus import Splitter
-from jaxformer.data.prepared import read_manifest
 from jaxformer.data.prepare import DataSpec
+from jaxformer.data.prepared import read_manifest
 from jaxformer.data.run_data import fingerprint_differences, same_data
 from jaxformer.run.config import TrainConfig
 from jaxformer.run.directory import RunDir

@@ -35,6 +35,8 @@ def _load(path: Path, fix: str, required: Sequence[str] = ()):
     import sentencepiece as spm
 
     is_vocab = path.suffix == ".json"
+    unreadable = (RuntimeError, ValueError, LookupError, TypeError, AttributeError,
+                  *(() if is_vocab else (OSError,)))
     try:
         if is_vocab:
             vocab = {p: operator.index(i) for p, i in json.loads(path.read_text(encoding="utf-8")).items()}
@@ -43,8 +45,7 @@ def _load(path: Path, fix: str, required: Sequence[str] = ()):
         sp = spm.SentencePieceProcessor(model_file=str(path))
         _ = [sp.id_to_piece(getattr(sp, name)()) for name in required]   # IndexError when unset (-1)
         return sp
-    except (RuntimeError, ValueError, LookupError, TypeError, AttributeError,
-            *(() if is_vocab else (OSError,))) as e:
+    except unreadable as e:
         what = "readable JSON (piece → id)" if is_vocab else "a readable sentencepiece model"
         raise ValueError(f"{str(path)!r} is unreadable: it is not {what}"
                          f"{' with ' + ', '.join(required) if required else ''} ({type(e).__name__}: {e}); "

@@ -290,7 +290,8 @@ class RunCheckpoints:
             try:
                 saved = saved_params(path, key)
                 check_params_match(saved, scan.to_layout(abstract_params, bool(scan.layout_of(saved))), name)
-                return in_layout(saved, abstract_params, functools.partial(_read_params, path, key)), step, kind
+                read = functools.partial(_read_params, path, key)
+                return in_layout(saved, abstract_params, read), step, kind
             except Exception as error:  # any failure to read: this checkpoint is unusable
                 if isinstance(error, CheckpointMismatchError):   # not damage: another run's config
                     mismatch = error

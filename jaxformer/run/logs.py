@@ -107,7 +107,8 @@ class Progress:
         self.enabled, self.deadline, self.t_start = enabled, deadline, t_start
         counts = dict(total=max_steps, initial=step, unit="step") if deadline is None else dict(
             total=round(max(deadline - t_start, 1.0)), initial=0, unit="s",
-            bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f}s [{elapsed}<{remaining}{postfix}]")
+            bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f}s "
+                       "[{elapsed}<{remaining}{postfix}]")
         self.bar = tqdm(disable=not enabled, dynamic_ncols=True, desc="train", file=file, **counts)
 
     def __enter__(self) -> Progress:

@@ -47,8 +47,8 @@ def plan_run(cfg: TrainConfig, fresh: bool = False) -> RunPlan:
     Raises ``ValueError`` / ``FileNotFoundError`` / ``OSError`` naming the flag and the fix."""
     t_start = time.perf_counter()
     make_bleu(cfg.decode.tgt_lang or target_language_of(cfg), cfg.decode.sacrebleu_tokenize)
-    sharding_lib.initialize_distributed(cfg.run.coordinator_address, cfg.run.num_processes, cfg.run.process_id,
-                                        auto=cfg.run.distributed)
+    sharding_lib.initialize_distributed(cfg.run.coordinator_address, cfg.run.num_processes,
+                                        cfg.run.process_id, auto=cfg.run.distributed)
     mesh = sharding_lib.make_mesh(cfg.run.mesh, sharding_lib.first_devices(cfg.run.devices))
     run_dir = RunDir(cfg.workdir)
     saved = None if fresh else run_dir.read_config()   # a damaged record is refused, never overwritten
@@ -62,7 +62,8 @@ def plan_run(cfg: TrainConfig, fresh: bool = False) -> RunPlan:
     if cfg.run.devices is not None:
         log(f"using {cfg.run.devices} of {len(jax.devices())} devices (--devices)")
     if cfg.train.warmup_steps >= cfg.train.max_steps:   # legal (short test runs), but rarely what is meant
-        log(f"note: --warmup-steps {cfg.train.warmup_steps} >= --max-steps {cfg.train.max_steps}: the learning rate "
+        log(f"note: --warmup-steps {cfg.train.warmup_steps} >= --max-steps {cfg.train.max_steps}: "
+            f"the learning rate "
             f"rises for the whole run and never reaches its peak or decays; lower --warmup-steps "
             f"(e.g. {max(1, cfg.train.max_steps // 10)}) for a full schedule")
     platform = jax.default_backend()

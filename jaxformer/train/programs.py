@@ -15,8 +15,13 @@ from jaxformer.model.sharding import Layout
 from jaxformer.model.transformer import Transformer
 from jaxformer.run.config import TrainConfig
 from jaxformer.train.optimizer import make_optimizer, make_schedule
-from jaxformer.train.step import (TrainState, jit_eval_step, jit_sharded_init, jit_state_from_params,
-                                  jit_train_step)
+from jaxformer.train.step import (
+    TrainState,
+    jit_eval_step,
+    jit_sharded_init,
+    jit_state_from_params,
+    jit_train_step,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,8 +47,9 @@ class RunPrograms:
 def run_programs(cfg: TrainConfig, model_config: TransformerConfig, mesh: jax.sharding.Mesh) -> RunPrograms:
     """The programs of ``model_config`` on ``mesh`` with ``cfg.train``'s optimisation settings."""
     model = Transformer(model_config)
-    schedule = make_schedule(cfg.train.lr_schedule, d_model=model_config.d_model, warmup_steps=cfg.train.warmup_steps,
-                             total_steps=cfg.train.max_steps, decay_fraction=cfg.train.decay_fraction, scale=cfg.train.lr_scale)
+    opt = cfg.train
+    schedule = make_schedule(opt.lr_schedule, d_model=model_config.d_model, warmup_steps=opt.warmup_steps,
+                             total_steps=opt.max_steps, decay_fraction=opt.decay_fraction, scale=opt.lr_scale)
     tx = make_optimizer(schedule, cfg.train.grad_clip)
     init, layout, abstract_state = jit_sharded_init(model, tx, mesh)
     return RunPrograms(model=model, schedule=schedule, layout=layout, init=init,

@@ -22,7 +22,8 @@ DEGENERATE_WARNING = 0.02   # warn when more test hypotheses than this loop on a
 def _translate(run: Run, params: Any, sources: list[str]) -> list[str]:
     """Dev/test decoding with the run's beam, length penalty and repetition rules."""
     cfg = run.cfg
-    strategy = strategy_for(cfg.decode.beam_size, cfg.decode.alpha, no_repeat_ngram_size=cfg.decode.no_repeat_ngram_size,
+    strategy = strategy_for(cfg.decode.beam_size, cfg.decode.alpha,
+                            no_repeat_ngram_size=cfg.decode.no_repeat_ngram_size,
                             repetition_penalty=cfg.decode.repetition_penalty)
     return [n_best[0][0] for n_best in run.evaluator.decode(params, sources, strategy)]
 
@@ -107,8 +108,9 @@ def _report_degenerate(degenerate: dict[str, Any], hyps: list[str], cfg) -> None
         log(text)
         return
     example = hyps[degenerate["examples"][0]]
-    rules = [rule for rule, unused in (("--repetition-penalty 1.4", cfg.decode.repetition_penalty == 1.0),
-                                       ("--no-repeat-ngram-size 4", cfg.decode.no_repeat_ngram_size == 0)) if unused]
+    rules = [rule for rule, unused in (
+        ("--repetition-penalty 1.4", cfg.decode.repetition_penalty == 1.0),
+        ("--no-repeat-ngram-size 4", cfg.decode.no_repeat_ngram_size == 0)) if unused]
     fix = "train longer" + (f", or decode with {' or '.join(rules)}" if rules else "")
     log(f"WARNING: {text}, e.g. {example[:120]!r}. The model is undertrained or decoding loops: {fix}.")
 
@@ -143,7 +145,8 @@ def final_test(run: Run, loop: LoopState) -> dict[str, Any]:
                "best_dev_bleu": loop.best_bleu, "final_step": step, "stopped_by": loop.stopped_by,
                "test_sentences": len(refs), "num_params": run.programs.num_params,
                "degenerate": run.evaluator.degenerate(hyps),
-               "steps": {"done": step, "max_steps": cfg.train.max_steps, "fraction_done": step / cfg.train.max_steps,
+               "steps": {"done": step, "max_steps": cfg.train.max_steps,
+                         "fraction_done": step / cfg.train.max_steps,
                          "cut_by_max_minutes": loop.stopped_by == "max_minutes"},
                "wall_minutes": (time.perf_counter() - run.plan.t_start) / 60}
     if averaged is not None:

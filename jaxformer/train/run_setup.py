@@ -59,7 +59,8 @@ def setup(cfg: TrainConfig, *, fresh: bool = False) -> tuple[Run, LoopState]:
                                 workers=plan.data_workers)
         closer.callback(data.iterator.close)   # stops the data worker processes, if any
         programs = run_programs(cfg, model_config, plan.mesh)
-        source = f"the architecture of {cfg.run.init_from}" if cfg.run.init_from else f"preset {cfg.model.preset!r}"
+        source = (f"the architecture of {cfg.run.init_from}" if cfg.run.init_from
+                  else f"preset {cfg.model.preset!r}")
         log(f"model: {programs.num_params / 1e6:.2f}M parameters, {source}")
         init_key, dropout_key = jax.random.split(jax.random.key(cfg.run.seed))
         state, step = _start_state(plan, programs, checkpoints, data, init_key)
@@ -77,7 +78,8 @@ def setup(cfg: TrainConfig, *, fresh: bool = False) -> tuple[Run, LoopState]:
                   closer=closer.pop_all())
     best = checkpoints.best_bleu()   # on resume, the score recorded with the best checkpoint
     return run, LoopState(step=step, state=state, best_bleu=-1.0 if best is None else best,
-                          early_stopping=EarlyStopping(cfg.train.patience, -math.inf if best is None else best))
+                          early_stopping=EarlyStopping(cfg.train.patience,
+                                                       -math.inf if best is None else best))
 
 
 def _data_and_model(plan: RunPlan, previous: Path | None

@@ -67,8 +67,9 @@ class Run:
 
 @dataclasses.dataclass
 class EarlyStopping:
-    """Early stopping on dev BLEU (``--patience``, as fairseq's): counts evaluations since the best score ``best`` (a resume starts from its best
-    checkpoint's); ``patience`` of them in a row stop the run (``None``: never)."""
+    """Early stopping on dev BLEU (``--patience``, as fairseq's): counts evaluations since
+    the best score ``best`` (a resume starts from its best checkpoint's); ``patience`` of
+    them in a row stop the run (``None``: never)."""
 
     patience: int | None
     best: float = -math.inf

@@ -116,7 +116,8 @@ def _log_window(run: Run, loop: LoopState, progress: Progress) -> str | None:
     skipped, window = int(values["skipped"]), int(values["steps"])
     if skipped == window:
         last = run.checkpoints.latest_step()
-        where = "no checkpoint was written" if last is None else f"the last checkpoint (step {last}) is intact"
+        where = ("no checkpoint was written" if last is None
+                 else f"the last checkpoint (step {last}) is intact")
         return (f"Training diverged: all {window} updates up to step {loop.step} had a non-finite loss or "
                 f"gradient norm and were skipped; {where}. {_FIX} to resume from the last checkpoint "
                 f"(or --fresh).")
