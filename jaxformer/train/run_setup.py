@@ -66,7 +66,7 @@ def setup(cfg: TrainConfig, *, fresh: bool = False) -> tuple[Run, LoopState]:
         state, step = _start_state(plan, programs, checkpoints, data, init_key)
         data.iterator.start_prefetch()   # data workers (if any) start now, while the step compiles
         _write_run_record(plan, model_config, tokenizer, target_language, batch_rows,
-                          data=prepared.manifest["fingerprint"], tokenizer_record=tokenizer_record)
+                          data=data.iterator.fingerprint(), tokenizer_record=tokenizer_record)
         metrics_log = MetricsLog(run_dir)
         closer.callback(metrics_log.close)
         evaluator = Evaluator(programs.model, tokenizer, batch_size=cfg.decode.eval_batch_size,
@@ -137,7 +137,8 @@ def build_train_data(cfg: TrainConfig, prepared: PreparedCorpus, target_language
         bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, row_multiple=row_multiple,
         process_index=jax.process_index(), process_count=jax.process_count(), pack=cfg.train.pack)
     return TrainData(splits=splits, target_language=target_language,
-                     iterator=BatchStream(lambda start: build(start=start), workers=workers),
+                     iterator=BatchStream(lambda start: build(start=start), workers=workers,
+                                          fingerprint=prepared.manifest["fingerprint"]),
                      dev_examples=tokenize_pairs(splits["dev"], tokenizer, model_config.max_len))
 
 

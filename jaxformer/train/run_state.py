@@ -34,7 +34,7 @@ class TrainData:
 
     splits: dict[str, list[Pair]]   # "dev", "test"
     target_language: str
-    iterator: BatchStream   # get_state / set_state: the position, saved with each checkpoint
+    iterator: BatchStream   # a DataSource (jaxformer.data.sources): records, fingerprint, position
     dev_examples: Examples
 
 

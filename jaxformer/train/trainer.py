@@ -65,6 +65,7 @@ def train_loop(run: Run, loop: LoopState) -> LoopState:
     progress = Progress(enabled=cfg.run.progress, step=loop.step, max_steps=cfg.train.max_steps,
                         t_start=run.plan.t_start, deadline=deadline)
     diverged = None
+    batches = run.data.iterator.records()   # the data-source protocol (jaxformer.data.sources)
     with PreemptionGuard(multi_process=jax.process_count() > 1) as guard, progress:
         while loop.step < cfg.train.max_steps:
             if guard.stop_requested():
@@ -73,7 +74,7 @@ def train_loop(run: Run, loop: LoopState) -> LoopState:
             if deadline is not None and past_deadline(deadline, loop.step, cfg.run.log_every):
                 loop.stopped_by = "max_minutes"
                 break
-            batch = next(run.data.iterator)
+            batch = next(batches)
             # Before dispatch: jit would clamp bad ids silently (numpy, no sync).
             for name, vocab in (("src", c.src_vocab_size), ("tgt_in", c.tgt_vocab_size),
                                 ("tgt_out", c.tgt_vocab_size)):
