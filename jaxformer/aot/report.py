@@ -55,23 +55,14 @@ def memory(compiled: jax.stages.Compiled) -> dict[str, int]:
     return out
 
 
-def analyse(compiled: jax.stages.Compiled, chip: Chip, tokens_per_step: int,
-            global_cost: dict[str, float] | None = None, devices: int = 1,
-            cost_scale: dict[str, float] | None = None) -> dict[str, Any]:
-    """The report of one compiled program on ``chip``: memory, fits, FLOPs, collectives
-    and the roofline estimate (``tokens_per_step``: target positions of the global batch).
-    ``global_cost`` (an unpartitioned program's cost analysis, divided over ``devices``)
-    stands in where the compiled program has none (XLA:GPU). ``cost_scale`` multiplies
-    FLOPs and bytes: XLA counts a loop body once, so scanned layers pass the unrolled to
-    scanned ratio of the programs lowered for the host (collectives stay counted once)."""
+def analyse(compiled: jax.stages.Compiled, chip: Chip, tokens_per_step: int, cost: dict[str, float],
+            loop_scale: dict[str, float] | None = None) -> dict[str, Any]:
+    """The report of one compiled program on ``chip``: memory, fits, FLOPs, collectives and
+    the roofline estimate. ``tokens_per_step``: target positions of the global batch;
+    ``cost``: per-device ``flops`` and ``bytes accessed``; ``loop_scale``: the factors
+    already applied to them (scanned layers: unrolled / scanned FLOPs of the host's programs;
+    collectives stay counted once)."""
     mem = memory(compiled)
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
-    if not cost and global_cost:
-        cost = {k: float(global_cost.get(k, 0.0)) / devices for k in ("flops", "bytes accessed")}
-    cost = dict(cost or {})
-    for key, factor in (cost_scale or {}).items():
-        cost[key] = float(cost.get(key, 0.0)) * factor
     flops, accessed = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
     comms = collectives(compiled.as_text())
     seconds = {"compute": flops / chip.bf16_flops, "memory": accessed / chip.hbm_bandwidth,
@@ -88,7 +79,7 @@ def analyse(compiled: jax.stages.Compiled, chip: Chip, tokens_per_step: int,
             "tokens_per_s_at_50_mfu": tokens_per_step / at_half_mfu,
             "step_s_estimate": estimate, "tokens_per_s_estimate": tokens_per_step / estimate,
             "estimate_bound_by": "50% MFU" if at_half_mfu >= roofline else max(seconds, key=seconds.get),
-            "mfu_ceiling": seconds["compute"] / roofline, "loop_scale": cost_scale}
+            "mfu_ceiling": seconds["compute"] / roofline, "loop_scale": loop_scale}
 
 
 def out_of_memory(error: BaseException) -> tuple[int, int] | None:

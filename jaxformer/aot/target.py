@@ -62,19 +62,12 @@ def target_devices(spec: SliceSpec, num_slices: int = 1) -> list[jax.Device]:
 
 def target_mesh(devices: list[jax.Device], spec: str | None, num_slices: int = 1) -> Mesh:
     """The run's ``(data, fsdp, model)`` mesh over target ``devices``; over several slices
-    ``data`` spans them (DCN) and ``fsdp``, ``model`` stay inside each (MaxText's
-    ``dcn_data_parallelism``).
-
-    Raises:
-      ValueError: the mesh does not fit the devices, or ``data`` is not a multiple of
-        the slice count.
-    """
-    sizes = parse_mesh(spec, len(devices))
+    ``data`` (a multiple of ``num_slices``) spans them (DCN) and ``fsdp``, ``model`` stay
+    inside each (MaxText's ``dcn_data_parallelism``). Raises ``ValueError`` where the mesh
+    does not fit the devices."""
     if num_slices == 1:
         return make_mesh(spec, devices)
-    if sizes["data"] % num_slices:
-        raise ValueError(f"--mesh data={sizes['data']} must be a multiple of --num-slices {num_slices}: "
-                         f"the data axis spans the slices.")
+    sizes = parse_mesh(spec, len(devices))
     ici = (sizes["data"] // num_slices, sizes["fsdp"], sizes["model"])
     grid = mesh_utils.create_hybrid_device_mesh(ici, (num_slices, 1, 1), devices)
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))

@@ -1,0 +1,181 @@
+"""A run's programs compiled for a target it lacks: the jitted train step
+(:func:`jaxformer.train.step.jit_train_step`) on a packed batch and beam search
+(:func:`jaxformer.decode.decoding.beam_translate`), lowered from ``jax.ShapeDtypeStruct``
+inputs with their shardings (a model too large for this host lowers all the same),
+compiled for the target's devices and reported (:mod:`jaxformer.aot.report`).
+
+Reports are kept in a folder under a key of everything they depend on (sources, library
+and libtpu versions, tracing settings, the target and the program's inputs), as JSON
+behind its SHA-256; one that fails to verify is compiled again.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from jaxformer.aot import report
+from jaxformer.aot.chips import CHIPS, slice_spec
+from jaxformer.aot.target import target_devices, target_mesh
+from jaxformer.data.batching import check_batch_rows, rows_per_batch
+from jaxformer.decode.decoding import beam_translate, jit_decoder
+from jaxformer.decode.exported import ExportCache, _read_verified, _write_atomically
+from jaxformer.model.config import TransformerConfig, preset
+from jaxformer.model.sharding import make_mesh, parse_mesh
+from jaxformer.model.transformer import Transformer
+from jaxformer.train.optimizer import make_optimizer, transformer_schedule
+from jaxformer.train.step import abstract_train_state, jit_train_step
+
+BATCH_KEYS = ("src", "tgt_in", "tgt_out", "src_segments", "tgt_segments")   # a packed batch
+COST_KEYS = ("flops", "bytes accessed")
+
+
+def _abstract_state(config: TransformerConfig, mesh: Mesh) -> tuple[Transformer, Any, Any]:
+    """The model, and its train state and layout on ``mesh`` as ``ShapeDtypeStruct``s."""
+    model, tx = Transformer(config), make_optimizer(transformer_schedule(config.d_model, 4000))
+    return model, *abstract_train_state(model, tx, mesh)
+
+
+def lower_train_step(config: TransformerConfig, mesh: Mesh, rows: int, length: int,
+                     label_smoothing: float = 0.1, grad_accum_steps: int = 1) -> jax.stages.Lowered:
+    """The train step of ``config`` on ``mesh`` for ``rows`` × ``length`` packed rows (segment
+    ids included); ``rows`` divides by the data × fsdp axes × accumulation steps. Raises
+    ``ValueError`` where a sharded parameter dimension does not divide by its mesh axes."""
+    model, state, layout = _abstract_state(config, mesh)
+    step = jit_train_step(model, label_smoothing, layout=layout, grad_accum_steps=grad_accum_steps)
+    batch = {k: jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=layout.batch) for k in BATCH_KEYS}
+    return step.lower(state, batch, jax.ShapeDtypeStruct((), jax.random.key(0).dtype,
+                                                         sharding=layout.replicated))
+
+
+def lower_beam_search(config: TransformerConfig, mesh: Mesh, batch: int, src_len: int, beam_size: int = 4,
+                      max_decode_len: int = 64) -> jax.stages.Lowered:
+    """Beam search on ``mesh`` (parameters laid out as in training, sentences over ``data``)
+    of ``batch`` sources of ``src_len`` ids; ``batch`` divides by the data × fsdp axes."""
+    model, state, layout = _abstract_state(config, mesh)
+    decoder = jit_decoder(beam_translate, model, layout, beam_size=beam_size,
+                          max_decode_len=max_decode_len, bos_id=1, eos_id=2)
+    src = jax.ShapeDtypeStruct((batch, src_len), jnp.int32, sharding=layout.batch)
+    return decoder.lower(state.params, src)
+
+
+LOWER = {"train_step": lower_train_step, "beam_search": lower_beam_search}
+
+
+def default_directory() -> Path:
+    """``$XDG_CACHE_HOME/jaxformer/compile`` (``~/.cache/jaxformer/compile``)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jaxformer" / "compile"
+
+
+def _cache_path(directory: str | Path, **inputs: Any) -> Path:
+    libtpu = next((d.version for d in importlib.metadata.distributions(name="libtpu")), "none")
+    return Path(directory) / f"{ExportCache(directory).key('compile-report', libtpu, inputs)}.json"
+
+
+def _host_cost(name: str, config: TransformerConfig, shape: dict, scanned: bool) -> dict[str, float]:
+    """FLOPs and bytes of the program lowered for one host CPU device (scanned or unrolled layers)."""
+    host = make_mesh(None, jax.devices("cpu")[:1])
+    cost = LOWER[name](config.replace(scan_layers=scanned), host, **shape).cost_analysis()
+    return {k: float(cost.get(k, 0.0)) for k in COST_KEYS}
+
+
+def _compile(name: str, config: TransformerConfig, mesh: Mesh, shape: dict[str, Any], chip: report.Chip,
+             on_gpu: bool, save: str | None) -> dict[str, Any]:
+    """One program's report, or the verdict of a compile XLA:TPU stops as out of memory."""
+    start = time.perf_counter()
+    try:
+        compiled = LOWER[name](config, mesh, **shape).compile()
+    except Exception as e:
+        if (needed := report.out_of_memory(e)) is None:
+            raise
+        return {"fits": False, "needed": needed[0], "hbm": needed[1],
+                "compile_s": time.perf_counter() - start, "verdict": report.does_not_fit(*needed)}
+    compile_s = time.perf_counter() - start
+    cost, scale = compiled.cost_analysis() or {}, None
+    if on_gpu:   # XLA:GPU counts nothing: the unrolled program on one host device does
+        cost = {k: v / mesh.size for k, v in _host_cost(name, config, shape, False).items()}
+    elif name == "train_step" and config.scan_layers:   # XLA counts a loop body once
+        unrolled, scanned = (_host_cost(name, config, shape, s) for s in (False, True))
+        scale = {k: unrolled[k] / scanned[k] if scanned[k] else 1.0 for k in COST_KEYS}
+        cost = {k: float(cost.get(k, 0.0)) * scale[k] for k in COST_KEYS}
+    # beam search: XLA counts its while body (one token per sentence) once
+    tokens = shape["rows"] * shape["length"] if name == "train_step" else shape["batch"]
+    if save:
+        from jax.experimental.serialize_executable import serialize
+
+        Path(save).mkdir(parents=True, exist_ok=True)
+        (Path(save) / f"{name}.xla").write_bytes(serialize(compiled)[0])
+    return {**report.analyse(compiled, chip, tokens, cost, scale), "compile_s": compile_s}
+
+
+def compile_all(cfg: Any, topology: str, num_slices: int = 1, decode_batch: int | None = 64,
+                save: str | None = None, cache_dir: str | Path | None = None,
+                reuse: bool = True) -> dict[str, Any]:
+    """``{"target": …, "train_step": report, "beam_search": report}`` for ``cfg`` (a
+    :class:`jaxformer.run.config.TrainConfig`) on ``num_slices`` of ``topology``; no beam
+    search when ``decode_batch`` is ``None``. Rows are sized as training sizes them (a
+    rounded count is noted on stderr). Reports are read from ``cache_dir`` when ``reuse``
+    (and nothing is ``save``d), and written there.
+
+    Raises:
+      ValueError: an unknown topology, a mesh that does not fit (or whose ``data`` is no
+        multiple of ``num_slices``), an attention kernel for the other platform, too few
+        rows for the data axes, a ``decode_batch`` they do not divide (one message names
+        each of the last four problems).
+      RuntimeError: no compile-only devices (libtpu or the CUDA plugin missing).
+    """
+    spec = slice_spec(topology)
+    chip, on_gpu = CHIPS[spec.chip], spec.chip_config_name == "gpu"
+    config = preset(cfg.model.preset, src_vocab_size=cfg.data.vocab_size, **cfg.model.overrides())
+    devices = spec.chips * num_slices
+    sizes = parse_mesh(cfg.run.mesh, devices)
+    data, length = sizes["data"] * sizes["fsdp"], cfg.train.row_length(config.max_len)
+    problems = []
+    if cfg.model.attention_backend == ("pallas" if on_gpu else "cudnn"):   # each kernel is for one platform
+        problems.append(f"--attention-backend {cfg.model.attention_backend} does not run on {topology}: " + (
+            "pallas is the TPU splash kernel; on a GPU use cudnn or xla" if on_gpu else
+            "cudnn is NVIDIA's fused attention; on TPU use pallas (splash attention) or xla"))
+    if sizes["data"] % num_slices:
+        problems.append(f"--mesh data={sizes['data']} must be a multiple of --num-slices {num_slices}: "
+                        f"the data axis spans the slices")
+    if decode_batch is not None and decode_batch % data:
+        problems.append(f"--decode-batch {decode_batch} does not divide by the mesh's data × fsdp axes "
+                        f"({data}); use a multiple of {data}, e.g. --decode-batch "
+                        f"{-(-decode_batch // data) * data}")
+    if problems:
+        raise ValueError("; ".join(problems) + ".")
+    if note := check_batch_rows(cfg.train.batch_tokens, length, data * cfg.train.grad_accum_steps):
+        print(note, file=sys.stderr)
+    rows = rows_per_batch(cfg.train.batch_tokens, length, data * cfg.train.grad_accum_steps)
+    shapes = {"train_step": dict(rows=rows, length=length, label_smoothing=cfg.train.label_smoothing,
+                                 grad_accum_steps=cfg.train.grad_accum_steps)}
+    if decode_batch is not None:
+        shapes["beam_search"] = dict(batch=decode_batch, src_len=length, beam_size=cfg.decode.beam_size,
+                                     max_decode_len=min(config.max_len, length + 50))
+    out: dict[str, Any] = {"target": {
+        "topology": spec.name, "slice": spec.topology, "num_slices": num_slices, "devices": devices,
+        "chip": chip.name, "mesh": cfg.run.mesh or f"data={devices}", "model": config.to_dict(),
+        "batch": {"rows": rows, "length": length}}}
+    mesh = None
+    for name, shape in shapes.items():
+        path = _cache_path(cache_dir or default_directory(), target=out["target"], program=name, shape=shape)
+        if reuse and not save:
+            try:
+                out[name] = {**json.loads(_read_verified(path)), "cached": True}
+                continue
+            except (OSError, ValueError):   # none yet, or damaged
+                pass
+        if mesh is None:
+            mesh = target_mesh(target_devices(spec, num_slices), cfg.run.mesh, num_slices)
+        out[name] = _compile(name, config, mesh, shape, chip, on_gpu, save)
+        _write_atomically(path, json.dumps(out[name], sort_keys=True).encode())
+    return out
