@@ -1,12 +1,11 @@
-"""A run's programs compiled for a target it lacks: the jitted train step
-(:func:`jaxformer.train.step.jit_train_step`) on a packed batch and beam search
-(:func:`jaxformer.decode.decoding.beam_translate`), lowered from ``jax.ShapeDtypeStruct``
-inputs with their shardings (a model too large for this host lowers all the same),
-compiled for the target's devices and reported (:mod:`jaxformer.aot.report`).
-
-Reports are kept in a folder under a key of everything they depend on (sources, library
-and libtpu versions, tracing settings, the target and the program's inputs), as JSON
-behind its SHA-256; one that fails to verify is compiled again.
+"""A run's programs compiled for a target this host lacks, and reported
+(:mod:`jaxformer.aot.report`): the jitted train step on a packed batch and beam search,
+lowered from ``jax.ShapeDtypeStruct`` inputs with their shardings (a model too large for
+this host lowers all the same) and compiled for compile-only devices:
+``jax.experimental.topologies.get_topology_desc`` asks libtpu (or the CUDA plugin) for a
+slice that is not attached, and no TPU backend starts (as MaxText's ``train_compile.py``).
+Reports are kept as JSON behind its SHA-256 under a key of everything they depend on
+(sources, library and libtpu versions, tracing settings, target, program inputs).
 """
 
 from __future__ import annotations
@@ -21,22 +20,62 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
+from jax.experimental import mesh_utils
+from jax.experimental.serialize_executable import serialize
+from jax.sharding import AxisType, Mesh
 
 from jaxformer.aot import report
-from jaxformer.aot.chips import CHIPS, slice_spec
-from jaxformer.aot.target import target_devices, target_mesh
+from jaxformer.aot.chips import CHIPS, SliceSpec, gpu_target_config, slice_spec
 from jaxformer.data.batching import check_batch_rows, rows_per_batch
 from jaxformer.decode.decoding import beam_translate, jit_decoder
 from jaxformer.decode.exported import ExportCache, _read_verified, _write_atomically
 from jaxformer.model.config import TransformerConfig, preset
-from jaxformer.model.sharding import make_mesh, parse_mesh
+from jaxformer.model.sharding import MESH_AXES, make_mesh, parse_mesh
 from jaxformer.model.transformer import Transformer
 from jaxformer.train.optimizer import make_optimizer, transformer_schedule
 from jaxformer.train.step import abstract_train_state, jit_train_step
 
-BATCH_KEYS = ("src", "tgt_in", "tgt_out", "src_segments", "tgt_segments")   # a packed batch
+DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jaxformer" / "compile"
 COST_KEYS = ("flops", "bytes accessed")
+
+
+def target_devices(spec: SliceSpec, num_slices: int = 1) -> list[jax.Device]:
+    """The compile-only devices of ``num_slices`` slices of ``spec``: TPU chips from libtpu
+    (one device per chip, or per megacore chip on v4/v5p), or hosts of CUDA GPUs from the
+    jax CUDA plugin (no GPU or driver needed: the host's ``ptxas`` compiles).
+    ``RuntimeError``: libtpu or the plugin is missing or refuses the topology."""
+    from jax.experimental.topologies import get_topology_desc
+
+    gpu = spec.chip_config_name == "gpu"
+    if gpu:
+        where = dict(platform="cuda", topology_name="", target_config=gpu_target_config(spec.chip),
+                     topology=f"{num_slices}x1x{spec.chips}")
+    else:   # what libtpu would ask a TPU VM's metadata server for (and wait, and warn)
+        for name, value in (("TPU_SKIP_MDS_QUERY", "1"), ("TPU_ACCELERATOR_TYPE", spec.name),
+                            ("TPU_WORKER_HOSTNAMES", "localhost"),
+                            ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")):   # no chip is touched: no lock file
+            os.environ.setdefault(name, value)
+        where = dict(platform="tpu", topology_name=spec.topology, chip_config_name=spec.chip_config_name,
+                     chips_per_host_bounds=spec.chips_per_host_bounds, num_slices=num_slices)
+    try:
+        return list(get_topology_desc(**where).devices)
+    except (RuntimeError, NotImplementedError) as e:   # not installed, or refusing (JaxRuntimeError)
+        raise RuntimeError(f"No compile-only {'CUDA' if gpu else 'TPU'} devices for {spec.name} "
+                           f"({spec.topology}): {str(e).strip().splitlines()[0]}. Install it, paired with "
+                           f"this jax, with pip install 'jaxformer[{'gpu-aot' if gpu else 'tpu'}]'.") from e
+
+
+def target_mesh(devices: list[jax.Device], spec: str | None, num_slices: int = 1) -> Mesh:
+    """The run's ``(data, fsdp, model)`` mesh over target ``devices``; over several slices
+    ``data`` (a multiple of ``num_slices``) spans them (DCN) and ``fsdp``, ``model`` stay
+    inside each (MaxText's ``dcn_data_parallelism``). Raises ``ValueError`` where the mesh
+    does not fit the devices."""
+    if num_slices == 1:
+        return make_mesh(spec, devices)
+    sizes = parse_mesh(spec, len(devices))
+    ici = (sizes["data"] // num_slices, sizes["fsdp"], sizes["model"])
+    grid = mesh_utils.create_hybrid_device_mesh(ici, (num_slices, 1, 1), devices)
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
 def _abstract_state(config: TransformerConfig, mesh: Mesh) -> tuple[Transformer, Any, Any]:
@@ -47,14 +86,14 @@ def _abstract_state(config: TransformerConfig, mesh: Mesh) -> tuple[Transformer,
 
 def lower_train_step(config: TransformerConfig, mesh: Mesh, rows: int, length: int,
                      label_smoothing: float = 0.1, grad_accum_steps: int = 1) -> jax.stages.Lowered:
-    """The train step of ``config`` on ``mesh`` for ``rows`` × ``length`` packed rows (segment
-    ids included); ``rows`` divides by the data × fsdp axes × accumulation steps. Raises
-    ``ValueError`` where a sharded parameter dimension does not divide by its mesh axes."""
+    """The train step on ``mesh`` for ``rows`` × ``length`` packed rows; ``rows`` divides by the
+    data × fsdp axes × accumulation steps (``ValueError``: a sharded parameter does not)."""
     model, state, layout = _abstract_state(config, mesh)
     step = jit_train_step(model, label_smoothing, layout=layout, grad_accum_steps=grad_accum_steps)
-    batch = {k: jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=layout.batch) for k in BATCH_KEYS}
-    return step.lower(state, batch, jax.ShapeDtypeStruct((), jax.random.key(0).dtype,
-                                                         sharding=layout.replicated))
+    row = jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=layout.batch)
+    batch = dict.fromkeys(("src", "tgt_in", "tgt_out", "src_segments", "tgt_segments"), row)   # packed
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=layout.replicated)
+    return step.lower(state, batch, key)
 
 
 def lower_beam_search(config: TransformerConfig, mesh: Mesh, batch: int, src_len: int, beam_size: int = 4,
@@ -69,11 +108,6 @@ def lower_beam_search(config: TransformerConfig, mesh: Mesh, batch: int, src_len
 
 
 LOWER = {"train_step": lower_train_step, "beam_search": lower_beam_search}
-
-
-def default_directory() -> Path:
-    """``$XDG_CACHE_HOME/jaxformer/compile`` (``~/.cache/jaxformer/compile``)."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jaxformer" / "compile"
 
 
 def _cache_path(directory: str | Path, **inputs: Any) -> Path:
@@ -110,8 +144,6 @@ def _compile(name: str, config: TransformerConfig, mesh: Mesh, shape: dict[str, 
     # beam search: XLA counts its while body (one token per sentence) once
     tokens = shape["rows"] * shape["length"] if name == "train_step" else shape["batch"]
     if save:
-        from jax.experimental.serialize_executable import serialize
-
         Path(save).mkdir(parents=True, exist_ok=True)
         (Path(save) / f"{name}.xla").write_bytes(serialize(compiled)[0])
     return {**report.analyse(compiled, chip, tokens, cost, scale), "compile_s": compile_s}
@@ -121,16 +153,14 @@ def compile_all(cfg: Any, topology: str, num_slices: int = 1, decode_batch: int 
                 save: str | None = None, cache_dir: str | Path | None = None,
                 reuse: bool = True) -> dict[str, Any]:
     """``{"target": …, "train_step": report, "beam_search": report}`` for ``cfg`` (a
-    :class:`jaxformer.run.config.TrainConfig`) on ``num_slices`` of ``topology``; no beam
-    search when ``decode_batch`` is ``None``. Rows are sized as training sizes them (a
-    rounded count is noted on stderr). Reports are read from ``cache_dir`` when ``reuse``
-    (and nothing is ``save``d), and written there.
+    :class:`jaxformer.run.config.TrainConfig`) on ``num_slices`` of ``topology`` (no beam
+    search when ``decode_batch`` is ``None``), rows sized as training sizes them. Reports
+    are read from ``cache_dir`` when ``reuse`` and nothing is ``save``d, and written there.
 
     Raises:
-      ValueError: an unknown topology, a mesh that does not fit (or whose ``data`` is no
-        multiple of ``num_slices``), an attention kernel for the other platform, too few
-        rows for the data axes, a ``decode_batch`` they do not divide (one message names
-        each of the last four problems).
+      ValueError: an unknown topology, a mesh that does not fit, too few rows for it; one
+        message for an attention kernel of the other platform, a ``data`` axis that is no
+        multiple of ``num_slices`` and a ``decode_batch`` the data axes do not divide.
       RuntimeError: no compile-only devices (libtpu or the CUDA plugin missing).
     """
     spec = slice_spec(topology)
@@ -167,7 +197,7 @@ def compile_all(cfg: Any, topology: str, num_slices: int = 1, decode_batch: int 
         "batch": {"rows": rows, "length": length}}}
     mesh = None
     for name, shape in shapes.items():
-        path = _cache_path(cache_dir or default_directory(), target=out["target"], program=name, shape=shape)
+        path = _cache_path(cache_dir or DEFAULT_CACHE, target=out["target"], program=name, shape=shape)
         if reuse and not save:
             try:
                 out[name] = {**json.loads(_read_verified(path)), "cached": True}

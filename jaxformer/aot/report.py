@@ -45,16 +45,6 @@ def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
     return dict(sorted(found.items()))
 
 
-def memory(compiled: jax.stages.Compiled) -> dict[str, int]:
-    """Bytes per device: ``argument``, ``output``, ``alias``, ``temp``, ``code`` and ``peak``."""
-    m = compiled.memory_analysis()
-    out = {"argument": m.argument_size_in_bytes, "output": m.output_size_in_bytes,
-           "alias": m.alias_size_in_bytes, "temp": m.temp_size_in_bytes,
-           "code": m.generated_code_size_in_bytes}
-    out["peak"] = out["argument"] + out["output"] - out["alias"] + out["temp"] + out["code"]
-    return out
-
-
 def analyse(compiled: jax.stages.Compiled, chip: Chip, tokens_per_step: int, cost: dict[str, float],
             loop_scale: dict[str, float] | None = None) -> dict[str, Any]:
     """The report of one compiled program on ``chip``: memory, fits, FLOPs, collectives and
@@ -62,7 +52,10 @@ def analyse(compiled: jax.stages.Compiled, chip: Chip, tokens_per_step: int, cos
     ``cost``: per-device ``flops`` and ``bytes accessed``; ``loop_scale``: the factors
     already applied to them (scanned layers: unrolled / scanned FLOPs of the host's programs;
     collectives stay counted once)."""
-    mem = memory(compiled)
+    m = compiled.memory_analysis()
+    mem = {k: getattr(m, f"{k}_size_in_bytes") for k in ("argument", "output", "alias", "temp")}
+    mem["code"] = m.generated_code_size_in_bytes
+    mem["peak"] = mem["argument"] + mem["output"] - mem["alias"] + mem["temp"] + mem["code"]
     flops, accessed = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
     comms = collectives(compiled.as_text())
     seconds = {"compute": flops / chip.bf16_flops, "memory": accessed / chip.hbm_bandwidth,
@@ -84,24 +77,18 @@ def analyse(compiled: jax.stages.Compiled, chip: Chip, tokens_per_step: int, cos
 
 def out_of_memory(error: BaseException) -> tuple[int, int] | None:
     """``(needed, available)`` bytes from XLA's TPU out-of-memory compile error, else ``None``."""
-    match = next(filter(None, (pattern.search(str(error)) for pattern in _OOM)), None)
-    if not match:
-        return None
-    used, used_unit, total, total_unit = match.groups()
-    return int(float(used) * _UNIT[used_unit.upper()]), int(float(total) * _UNIT[total_unit.upper()])
-
-
-REMEDIES = ("--mesh fsdp=… (parameters and Adam moments split over devices)",
-            "--remat (recompute activations in the backward pass)",
-            "more devices on --mesh model=… (heads, FFN and vocabulary split)",
-            "a smaller --batch-tokens, with --grad-accum-steps to keep the update's size",
-            "--dtype bfloat16")
+    if match := next(filter(None, (pattern.search(str(error)) for pattern in _OOM)), None):
+        used, used_unit, total, total_unit = match.groups()
+        return int(float(used) * _UNIT[used_unit.upper()]), int(float(total) * _UNIT[total_unit.upper()])
+    return None
 
 
 def does_not_fit(needed: int, available: int) -> str:
     """The verdict line for a program that does not fit, with the usual remedies."""
-    return (f"does not fit: needs {needed / GiB:.2f} GiB of {available / GiB:.2f} GiB per chip. Try "
-            + "; ".join(REMEDIES) + ".")
+    return (f"does not fit: needs {needed / GiB:.2f} GiB of {available / GiB:.2f} GiB per chip. Try --mesh "
+            "fsdp=… (parameters and Adam moments split over devices); --remat (recompute activations in the "
+            "backward pass); more devices on --mesh model=… (heads, FFN and vocabulary split); a smaller "
+            "--batch-tokens, with --grad-accum-steps to keep the update's size; --dtype bfloat16.")
 
 
 def format_report(name: str, report: dict[str, Any]) -> str:

@@ -1,10 +1,10 @@
 """Compile a run's programs for a TPU slice or GPU node from this machine: ``jaxformer-compile``.
 
 ``jaxformer-compile --topology v5e-16 --preset base --vocab-size 32000`` compiles the train
-step (and beam search, unless --no-decode) for the target's compile-only devices (TPU:
-pip install 'jaxformer[tpu]') and prints per device the memory (and whether it fits the
-chip), FLOPs, collectives and a roofline estimate of step time, tokens/s and MFU. Reports
-are cached (--cache-dir); --save DIR writes the serialized executables.
+step (and beam search, unless --no-decode) for the target's compile-only devices (TPU: pip
+install 'jaxformer[tpu]') and prints per device the memory, fit, FLOPs, collectives and a
+roofline estimate of step time, tokens/s and MFU. Reports are cached (--cache-dir); --save
+DIR writes the serialized executables.
 
 Exit status: 0 every program fits; 1 one does not; 2 bad flags or no libtpu.
 """
@@ -16,11 +16,11 @@ import json
 import sys
 from typing import Annotated, Any
 
+import jax
 import tyro
 from annotated_types import Ge
 
-from jaxformer.aot.chips import slice_spec
-from jaxformer.aot.programs import compile_all, default_directory
+from jaxformer.aot.programs import DEFAULT_CACHE, compile_all
 from jaxformer.aot.report import format_report
 from jaxformer.cli import fail, unwritable
 from jaxformer.run.config import DEFAULT_CPU_RUN, TrainConfig, check_fields
@@ -37,7 +37,7 @@ class CompileArgs:
     decode_batch: Annotated[int, Ge(1)] = 64   # sentences per beam-search batch
     no_decode: Annotated[bool, tyro.conf.FlagCreatePairsOff] = False   # compile the train step only
     save: str | None = None   # write the serialized executables to this folder
-    cache_dir: str = str(default_directory())   # where compile reports are kept
+    cache_dir: str = str(DEFAULT_CACHE)   # where compile reports are kept
     no_cache: Annotated[bool, tyro.conf.FlagCreatePairsOff] = False   # compile even if a report is cached
     json: Annotated[bool, tyro.conf.FlagCreatePairsOff] = False   # print the reports as one JSON object
     cfg: TrainConfig = TrainConfig.flat(**DEFAULT_CPU_RUN)
@@ -57,8 +57,6 @@ def _print(out: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Parses the command line, compiles, prints; exits with the status documented above."""
-    import jax
-
     # This tool compiles for devices it does not have; the host's CPU stays JAX's platform
     # (and the CUDA plugin registers its compile-only devices without a driver).
     if not jax.config.jax_platforms:
@@ -70,7 +68,6 @@ def main(argv: list[str] | None = None) -> None:
     jax.config.update("jax_enable_compilation_cache", False)
     try:
         check_fields(args)
-        slice_spec(args.topology)   # named before the folders are checked
         for flag, folder in (("--cache-dir", args.cache_dir), ("--save", args.save)):
             if folder and (problem := unwritable(folder)):   # before minutes of compiling
                 fail(PROG, f"{flag} {folder!r} {problem}")
