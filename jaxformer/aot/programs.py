@@ -5,11 +5,11 @@ this host lowers all the same) and compiled for compile-only devices:
 ``jax.experimental.topologies.get_topology_desc`` asks libtpu (or the CUDA plugin) for a
 slice that is not attached, and no TPU backend starts (as MaxText's ``train_compile.py``).
 Reports are kept as JSON behind its SHA-256 under a key of everything they depend on
-(sources, library and libtpu versions, tracing settings, target, program inputs).
-"""
+(sources, library and libtpu versions, tracing settings, target, program inputs)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import json
 import os
@@ -198,12 +198,10 @@ def compile_all(cfg: Any, topology: str, num_slices: int = 1, decode_batch: int 
     mesh = None
     for name, shape in shapes.items():
         path = _cache_path(cache_dir or DEFAULT_CACHE, target=out["target"], program=name, shape=shape)
-        if reuse and not save:
-            try:
+        with contextlib.suppress(OSError, ValueError):   # none yet, or damaged: compiled
+            if reuse and not save:
                 out[name] = {**json.loads(_read_verified(path)), "cached": True}
                 continue
-            except (OSError, ValueError):   # none yet, or damaged
-                pass
         if mesh is None:
             mesh = target_mesh(target_devices(spec, num_slices), cfg.run.mesh, num_slices)
         out[name] = _compile(name, config, mesh, shape, chip, on_gpu, save)

@@ -1,11 +1,10 @@
 """What a compiled program needs of a chip: memory per device (XLA's buffer assignment;
 peak = arguments + outputs - donated alias + temporaries + code, an upper bound), FLOPs
 and bytes (XLA's per-device cost analysis; a ``while`` body counted once), collectives
-(read off the optimized HLO), whether it fits, and a roofline estimate, not a
-measurement: the largest of compute, memory traffic and collective times (result bytes
-/ inter-chip bandwidth, understating a ring all-reduce by up to 2×), as if overlapped.
-``step_s_estimate`` is the slower of that and 50% MFU (``estimate_bound_by`` says which).
-"""
+(read off the optimized HLO), whether it fits, and a roofline estimate, not a measurement:
+the largest of compute, memory traffic and collective times (result bytes / inter-chip
+bandwidth, understating a ring all-reduce by up to 2×), as if overlapped.
+``step_s_estimate`` is the slower of that and 50% MFU (``estimate_bound_by`` says which)."""
 
 from __future__ import annotations
 
@@ -47,11 +46,10 @@ def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
 
 def analyse(compiled: jax.stages.Compiled, chip: Chip, tokens_per_step: int, cost: dict[str, float],
             loop_scale: dict[str, float] | None = None) -> dict[str, Any]:
-    """The report of one compiled program on ``chip``: memory, fits, FLOPs, collectives and
-    the roofline estimate. ``tokens_per_step``: target positions of the global batch;
-    ``cost``: per-device ``flops`` and ``bytes accessed``; ``loop_scale``: the factors
-    already applied to them (scanned layers: unrolled / scanned FLOPs of the host's programs;
-    collectives stay counted once)."""
+    """The report of one compiled program on ``chip``: memory, fit, FLOPs, collectives and the
+    roofline estimate, for ``tokens_per_step`` target positions of the global batch and
+    ``cost``'s per-device ``flops`` and ``bytes accessed`` (``loop_scale``: the factors applied
+    to them for scanned layers, unrolled / scanned; collectives stay counted once)."""
     m = compiled.memory_analysis()
     mem = {k: getattr(m, f"{k}_size_in_bytes") for k in ("argument", "output", "alias", "temp")}
     mem["code"] = m.generated_code_size_in_bytes
