@@ -135,7 +135,7 @@ def _compile(name: str, config: TransformerConfig, mesh: Mesh, shape: dict[str, 
                 "compile_s": time.perf_counter() - start, "verdict": report.does_not_fit(*needed)}
     compile_s = time.perf_counter() - start
     cost, scale = compiled.cost_analysis() or {}, None
-    if on_gpu:   # XLA:GPU counts nothing: the unrolled program on one host device does
+    if on_gpu and not cost:   # XLA:GPU counts nothing: the unrolled program on one host device does
         cost = {k: v / mesh.size for k, v in _host_cost(name, config, shape, False).items()}
     elif name == "train_step" and config.scan_layers:   # XLA counts a loop body once
         unrolled, scanned = (_host_cost(name, config, shape, s) for s in (False, True))
