@@ -111,6 +111,7 @@ LOWER = {"train_step": lower_train_step, "beam_search": lower_beam_search}
 
 
 def _cache_path(directory: str | Path, **inputs: Any) -> Path:
+    """The report file of a compile's ``inputs`` in ``directory``."""
     libtpu = next((d.version for d in importlib.metadata.distributions(name="libtpu")), "none")
     return Path(directory) / f"{ExportCache(directory).key('compile-report', libtpu, inputs)}.json"
 
