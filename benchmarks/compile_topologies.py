@@ -66,7 +66,7 @@ def table_row(row: dict) -> str:
         return (f"| {t['model']['d_model']}/{t['model']['num_encoder_layers']}L | {t['topology']} "
                 f"| {t['mesh']} | {batch} | needs {r['needed'] / 2**30:.1f} GiB | no | | | | | {how} |")
     tokens = t["batch"]["rows"] * t["batch"]["length"]
-    recipe_s = STEPS * r.get("step_s_estimate", max(r["step_s_at_50_mfu"], r["roofline_step_s"]))
+    recipe_s = STEPS * r["step_s_estimate"]
     recipe = f"{recipe_s / 3600:.1f} h" if recipe_s >= 3600 else f"{recipe_s / 60:.0f} min"
     return (f"| {t['model']['d_model']}/{t['model']['num_encoder_layers']}L | {t['topology']} | {t['mesh']} "
             f"| {batch} | {r['memory']['peak'] / 2**30:.2f} of {r['hbm'] / 2**30:.1f} GiB "

@@ -118,6 +118,10 @@ def test_bad_flags_exit_2(capsys, tmp_path):
                             "cudnn is NVIDIA's fused attention; on TPU use pallas"),
                            (["--topology", "h100-8", "--attention-backend", "pallas", *cache],
                             "pallas is the TPU splash kernel; on a GPU use cudnn or xla"),
+                           # the target's refusals, named together before any compile
+                           (["--topology", "v4-8", "--num-slices", "2", "--mesh", "data=1,fsdp=8",
+                             "--attention-backend", "cudnn", *cache],
+                            "or xla; --mesh data=1 must be a multiple of --num-slices 2: the data axis"),
                            (["--topology", "v4-8", "--decode-batch", "3", *cache],
                             "--decode-batch 3 does not divide by the mesh's data × fsdp axes (4)"),
                            (["--topology", "v4-8", "--batch-tokens", "64", *cache],

@@ -1,11 +1,9 @@
 """Accelerator chips and slice names: what the compile tool compiles for and judges against.
-
-:data:`CHIPS` holds each chip's HBM, dense bf16 peak, HBM and inter-chip bandwidth, from
-the vendors' specifications (each row's ``source``). :func:`slice_spec` maps the names
-users rent (``v4-8``, ``v5e-16``, ``h100-8``) to what ``get_topology_desc`` takes, as
-MaxText's ``accelerator_to_spec_map.py`` names them: v4 and v5p names count TensorCores
-(two per chip, one "megacore" device per chip), v5e and v6e names count chips.
-"""
+:data:`CHIPS`: each chip's HBM, dense bf16 peak, HBM and inter-chip bandwidth (vendors'
+figures); :func:`slice_spec` maps the names users rent (``v4-8``, ``v5e-16``, ``h100-8``)
+to what ``get_topology_desc`` takes, as MaxText's ``accelerator_to_spec_map.py`` names
+them: v4 and v5p names count TensorCores (two per chip, one "megacore" device per chip),
+v5e and v6e names count chips."""
 
 from __future__ import annotations
 
@@ -23,29 +21,23 @@ class Chip:
     bf16_flops: float         # dense peak, FLOP/s
     hbm_bandwidth: float      # bytes/s
     ici_bandwidth: float      # bytes/s per chip, bidirectional inter-chip links (NVLink for GPUs)
-    source: str
 
 
-_TPU_DOCS = "Cloud TPU system architecture, cloud.google.com/tpu/docs/"
+# Cloud TPU system architecture (cloud.google.com/tpu/docs/v4, v5e, v5p, v6e: v4's ICI is
+# 2,400 Gbit/s); NVIDIA H100 and H200 SXM datasheets (dense bf16, NVLink 900 GB/s).
 CHIPS: dict[str, Chip] = {
-    "v4": Chip("TPU v4", 32 * GiB, 275e12, 1200e9, 300e9,
-               _TPU_DOCS + "v4: 32 GiB HBM2, 275 TFLOP/s bf16, 1,200 GB/s, ICI 2,400 Gbit/s"),
-    "v5e": Chip("TPU v5e", 16 * GiB, 197e12, 819e9, 400e9,
-                _TPU_DOCS + "v5e: 16 GiB HBM2, 197 TFLOP/s bf16, 819 GB/s, bidirectional ICI 400 GB/s"),
-    "v5p": Chip("TPU v5p", 95 * GiB, 459e12, 2765e9, 1200e9,
-                _TPU_DOCS + "v5p: 95 GiB HBM2e, 459 TFLOP/s bf16, 2,765 GB/s, bidirectional ICI 1,200 GB/s"),
-    "v6e": Chip("TPU v6e (Trillium)", 32 * GiB, 918e12, 1640e9, 800e9,
-                _TPU_DOCS + "v6e: 32 GiB HBM, 918 TFLOP/s bf16, 1,640 GB/s, bidirectional ICI 800 GB/s"),
-    "h100": Chip("NVIDIA H100 SXM", 80 * 10**9, 989e12, 3.35e12, 900e9,
-                 "NVIDIA H100 datasheet: 80 GB HBM3, 989 TFLOP/s dense bf16, 3.35 TB/s, NVLink 900 GB/s"),
-    "h200": Chip("NVIDIA H200 SXM", 141 * 10**9, 989e12, 4.8e12, 900e9,
-                 "NVIDIA H200 datasheet: 141 GB HBM3e, 989 TFLOP/s dense bf16, 4.8 TB/s, NVLink 900 GB/s"),
+    "v4": Chip("TPU v4", 32 * GiB, 275e12, 1200e9, 300e9),
+    "v5e": Chip("TPU v5e", 16 * GiB, 197e12, 819e9, 400e9),
+    "v5p": Chip("TPU v5p", 95 * GiB, 459e12, 2765e9, 1200e9),
+    "v6e": Chip("TPU v6e (Trillium)", 32 * GiB, 918e12, 1640e9, 800e9),
+    "h100": Chip("NVIDIA H100 SXM", 80 * 10**9, 989e12, 3.35e12, 900e9),
+    "h200": Chip("NVIDIA H200 SXM", 141 * 10**9, 989e12, 4.8e12, 900e9),
 }
 
 
 @dataclasses.dataclass(frozen=True)
 class SliceSpec:
-    """A TPU slice as ``get_topology_desc`` takes it."""
+    """A TPU slice or GPU node as ``get_topology_desc`` takes it."""
 
     name: str                  # "v5e-16"
     chip: str                  # a key of CHIPS
@@ -65,7 +57,6 @@ _FAMILIES = {  # name prefix: (chip, topology prefix, config, cores per chip in 
     "v5e": ("v5e", "v5e", "default", 1, _SHAPES_2D),
     "v6e": ("v6e", "v6e", "default", 1, _SHAPES_2D),
 }
-
 
 # GPU nodes: ``h100-8`` = 8 GPUs of one host over NVLink (more hosts: --num-slices).
 GPU_NODES = {"h100": 8, "h200": 8}
@@ -100,11 +91,8 @@ def slice_names() -> list[str]:
 
 
 def slice_spec(name: str) -> SliceSpec:
-    """The topology of a slice name (``v4-8``, ``v5e-16``, ``v5p-128``, ``v6e-8``).
-
-    Raises:
-      ValueError: an unknown name; the message lists the known ones.
-    """
+    """The topology of a slice name (``v4-8``, ``v5e-16``, ``v5p-128``, ``v6e-8``, ``h100-8``);
+    ``ValueError`` for any other, listing the known ones."""
     family, _, size = name.lower().partition("-")
     if family in GPU_NODES and size == str(GPU_NODES[family]):
         return SliceSpec(name.lower(), family, f"1x1x{size}", "gpu", (1, 1, 1), int(size))

@@ -1,11 +1,10 @@
 """What a compiled program needs of a chip: memory per device (XLA's buffer assignment;
 peak = arguments + outputs - donated alias + temporaries + code, an upper bound), FLOPs
 and bytes (XLA's per-device cost analysis; a ``while`` body counted once), collectives
-(read off the optimized HLO), whether it fits, and a roofline estimate, not a
-measurement: the largest of compute, memory traffic and collective times (result bytes
-/ inter-chip bandwidth, understating a ring all-reduce by up to 2×), as if overlapped.
-``step_s_estimate`` is the slower of that and 50% MFU (``estimate_bound_by`` says which).
-"""
+(read off the optimized HLO), whether it fits, and a roofline estimate, not a measurement:
+the largest of compute, memory traffic and collective times (result bytes / inter-chip
+bandwidth, understating a ring all-reduce by up to 2×), as if overlapped.
+``step_s_estimate`` is the slower of that and 50% MFU (``estimate_bound_by`` says which)."""
 
 from __future__ import annotations
 
@@ -45,33 +44,16 @@ def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
     return dict(sorted(found.items()))
 
 
-def memory(compiled: jax.stages.Compiled) -> dict[str, int]:
-    """Bytes per device: ``argument``, ``output``, ``alias``, ``temp``, ``code`` and ``peak``."""
+def analyse(compiled: jax.stages.Compiled, chip: Chip, tokens_per_step: int, cost: dict[str, float],
+            loop_scale: dict[str, float] | None = None) -> dict[str, Any]:
+    """The report of one compiled program on ``chip``: memory, fit, FLOPs, collectives and the
+    roofline estimate, for ``tokens_per_step`` target positions of the global batch and
+    ``cost``'s per-device ``flops`` and ``bytes accessed`` (``loop_scale``: the factors applied
+    to them for scanned layers, unrolled / scanned; collectives stay counted once)."""
     m = compiled.memory_analysis()
-    out = {"argument": m.argument_size_in_bytes, "output": m.output_size_in_bytes,
-           "alias": m.alias_size_in_bytes, "temp": m.temp_size_in_bytes,
-           "code": m.generated_code_size_in_bytes}
-    out["peak"] = out["argument"] + out["output"] - out["alias"] + out["temp"] + out["code"]
-    return out
-
-
-def analyse(compiled: jax.stages.Compiled, chip: Chip, tokens_per_step: int,
-            global_cost: dict[str, float] | None = None, devices: int = 1,
-            cost_scale: dict[str, float] | None = None) -> dict[str, Any]:
-    """The report of one compiled program on ``chip``: memory, fits, FLOPs, collectives
-    and the roofline estimate (``tokens_per_step``: target positions of the global batch).
-    ``global_cost`` (an unpartitioned program's cost analysis, divided over ``devices``)
-    stands in where the compiled program has none (XLA:GPU). ``cost_scale`` multiplies
-    FLOPs and bytes: XLA counts a loop body once, so scanned layers pass the unrolled to
-    scanned ratio of the programs lowered for the host (collectives stay counted once)."""
-    mem = memory(compiled)
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
-    if not cost and global_cost:
-        cost = {k: float(global_cost.get(k, 0.0)) / devices for k in ("flops", "bytes accessed")}
-    cost = dict(cost or {})
-    for key, factor in (cost_scale or {}).items():
-        cost[key] = float(cost.get(key, 0.0)) * factor
+    mem = {k: getattr(m, f"{k}_size_in_bytes") for k in ("argument", "output", "alias", "temp")}
+    mem["code"] = m.generated_code_size_in_bytes
+    mem["peak"] = mem["argument"] + mem["output"] - mem["alias"] + mem["temp"] + mem["code"]
     flops, accessed = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
     comms = collectives(compiled.as_text())
     seconds = {"compute": flops / chip.bf16_flops, "memory": accessed / chip.hbm_bandwidth,
@@ -88,29 +70,23 @@ def analyse(compiled: jax.stages.Compiled, chip: Chip, tokens_per_step: int,
             "tokens_per_s_at_50_mfu": tokens_per_step / at_half_mfu,
             "step_s_estimate": estimate, "tokens_per_s_estimate": tokens_per_step / estimate,
             "estimate_bound_by": "50% MFU" if at_half_mfu >= roofline else max(seconds, key=seconds.get),
-            "mfu_ceiling": seconds["compute"] / roofline, "loop_scale": cost_scale}
+            "mfu_ceiling": seconds["compute"] / roofline, "loop_scale": loop_scale}
 
 
 def out_of_memory(error: BaseException) -> tuple[int, int] | None:
     """``(needed, available)`` bytes from XLA's TPU out-of-memory compile error, else ``None``."""
-    match = next(filter(None, (pattern.search(str(error)) for pattern in _OOM)), None)
-    if not match:
-        return None
-    used, used_unit, total, total_unit = match.groups()
-    return int(float(used) * _UNIT[used_unit.upper()]), int(float(total) * _UNIT[total_unit.upper()])
-
-
-REMEDIES = ("--mesh fsdp=… (parameters and Adam moments split over devices)",
-            "--remat (recompute activations in the backward pass)",
-            "more devices on --mesh model=… (heads, FFN and vocabulary split)",
-            "a smaller --batch-tokens, with --grad-accum-steps to keep the update's size",
-            "--dtype bfloat16")
+    if match := next(filter(None, (pattern.search(str(error)) for pattern in _OOM)), None):
+        used, used_unit, total, total_unit = match.groups()
+        return int(float(used) * _UNIT[used_unit.upper()]), int(float(total) * _UNIT[total_unit.upper()])
+    return None
 
 
 def does_not_fit(needed: int, available: int) -> str:
     """The verdict line for a program that does not fit, with the usual remedies."""
-    return (f"does not fit: needs {needed / GiB:.2f} GiB of {available / GiB:.2f} GiB per chip. Try "
-            + "; ".join(REMEDIES) + ".")
+    return (f"does not fit: needs {needed / GiB:.2f} GiB of {available / GiB:.2f} GiB per chip. Try --mesh "
+            "fsdp=… (parameters and Adam moments split over devices); --remat (recompute activations in the "
+            "backward pass); more devices on --mesh model=… (heads, FFN and vocabulary split); a smaller "
+            "--batch-tokens, with --grad-accum-steps to keep the update's size; --dtype bfloat16.")
 
 
 def format_report(name: str, report: dict[str, Any]) -> str:

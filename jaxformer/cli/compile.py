@@ -1,10 +1,10 @@
 """Compile a run's programs for a TPU slice or GPU node from this machine: ``jaxformer-compile``.
 
 ``jaxformer-compile --topology v5e-16 --preset base --vocab-size 32000`` compiles the train
-step (and beam search, unless --no-decode) for the target's compile-only devices (TPU:
-pip install 'jaxformer[tpu]') and prints per device the memory (and whether it fits the
-chip), FLOPs, collectives and a roofline estimate of step time, tokens/s and MFU. Reports
-are cached (--cache-dir); --save DIR writes the serialized executables.
+step (and beam search, unless --no-decode) for the target's compile-only devices (TPU: pip
+install 'jaxformer[tpu]') and prints per device the memory, fit, FLOPs, collectives and a
+roofline estimate of step time, tokens/s and MFU. Reports are cached (--cache-dir); --save
+DIR writes the serialized executables.
 
 Exit status: 0 every program fits; 1 one does not; 2 bad flags or no libtpu.
 """
@@ -12,19 +12,16 @@ Exit status: 0 every program fits; 1 one does not; 2 bad flags or no libtpu.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import sys
-import time
-from pathlib import Path
 from typing import Annotated, Any
 
+import jax
 import tyro
 from annotated_types import Ge
 
-from jaxformer.aot import report as report_lib
-from jaxformer.aot.cache import ReportCache, default_directory
-from jaxformer.aot.chips import CHIPS, slice_spec
+from jaxformer.aot.programs import DEFAULT_CACHE, compile_all
+from jaxformer.aot.report import format_report
 from jaxformer.cli import fail, unwritable
 from jaxformer.run.config import DEFAULT_CPU_RUN, TrainConfig, check_fields
 
@@ -40,114 +37,10 @@ class CompileArgs:
     decode_batch: Annotated[int, Ge(1)] = 64   # sentences per beam-search batch
     no_decode: Annotated[bool, tyro.conf.FlagCreatePairsOff] = False   # compile the train step only
     save: str | None = None   # write the serialized executables to this folder
-    cache_dir: str = str(default_directory())   # where compile reports are kept
+    cache_dir: str = str(DEFAULT_CACHE)   # where compile reports are kept
     no_cache: Annotated[bool, tyro.conf.FlagCreatePairsOff] = False   # compile even if a report is cached
     json: Annotated[bool, tyro.conf.FlagCreatePairsOff] = False   # print the reports as one JSON object
     cfg: TrainConfig = TrainConfig.flat(**DEFAULT_CPU_RUN)
-
-
-def _compile(name: str, lower, chip, tokens: int, save: str | None, devices: int,
-             host_cost=None, loop_scale=None) -> dict[str, Any]:
-    """One program's report (or the verdict of an out-of-memory compile). ``host_cost``: its
-    FLOPs where the target's compiler counts none (XLA:GPU); ``loop_scale``: how much the
-    compiled cost undercounts (scanned layers)."""
-    start = time.perf_counter()
-    try:
-        compiled = lower().compile()
-    except Exception as e:   # XLA:TPU reports an out-of-memory program at compile time
-        needed = report_lib.out_of_memory(e)
-        if needed is None:
-            raise
-        return {"fits": False, "needed": needed[0], "hbm": needed[1],
-                "compile_s": time.perf_counter() - start, "verdict": report_lib.does_not_fit(*needed)}
-    compile_s = time.perf_counter() - start
-    result = report_lib.analyse(compiled, chip, tokens, host_cost() if host_cost else None, devices,
-                                cost_scale=loop_scale() if loop_scale else None)
-    result["compile_s"] = compile_s
-    if save:
-        from jax.experimental.serialize_executable import serialize
-
-        Path(save).mkdir(parents=True, exist_ok=True)
-        (Path(save) / f"{name}.xla").write_bytes(serialize(compiled)[0])
-    return result
-
-
-def _host_cost(lower, config, shape, scanned: bool) -> dict[str, float]:
-    """Cost analysis of the program lowered for one host CPU device (scanned or unrolled layers)."""
-    import jax
-
-    from jaxformer.model.sharding import make_mesh
-
-    host = make_mesh(None, jax.devices("cpu")[:1])
-    return lower(config.replace(scan_layers=scanned), host, shape).cost_analysis()
-
-
-def compile_all(args: CompileArgs, cfg: TrainConfig) -> dict[str, Any]:
-    """Every program's report, from the cache where it holds one."""
-    from jaxformer.aot.steps import DecodeShape, TrainShape, lower_beam_search, lower_train_step
-    from jaxformer.aot.target import target_devices, target_mesh
-    from jaxformer.data.batching import check_batch_rows, rows_per_batch
-    from jaxformer.model.config import preset
-    from jaxformer.model.sharding import parse_mesh
-
-    spec = slice_spec(args.topology)
-    chip, on_gpu = CHIPS[spec.chip], spec.chip_config_name == "gpu"
-    if cfg.model.attention_backend == ("pallas" if on_gpu else "cudnn"):   # each kernel is for one platform
-        raise ValueError(f"--attention-backend {cfg.model.attention_backend} does not run on {args.topology}: "
-                         + ("pallas is the TPU splash kernel; on a GPU use cudnn or xla" if on_gpu else
-                            "cudnn is NVIDIA's fused attention; on TPU use pallas (splash attention) or xla"))
-    config = preset(cfg.model.preset, src_vocab_size=cfg.data.vocab_size, **cfg.model.overrides())
-    devices_count = spec.chips * args.num_slices
-    sizes = parse_mesh(cfg.run.mesh, devices_count)
-    data = sizes["data"] * sizes["fsdp"]
-    length = cfg.train.row_length(config.max_len)
-    # As training sizes its batches: too few rows is an error, rounded rows are reported;
-    # a decoding batch that the data axes do not divide is named before any compile.
-    if note := check_batch_rows(cfg.train.batch_tokens, length, data * cfg.train.grad_accum_steps):
-        print(note, file=sys.stderr)
-    if not args.no_decode and args.decode_batch % data:
-        raise ValueError(f"--decode-batch {args.decode_batch} does not divide by the mesh's data × fsdp "
-                         f"axes ({data}); use a multiple of {data}, e.g. --decode-batch "
-                         f"{-(-args.decode_batch // data) * data}.")
-    rows = rows_per_batch(cfg.train.batch_tokens, length, data * cfg.train.grad_accum_steps)
-    shapes = {"train_step": TrainShape(rows=rows, length=length, label_smoothing=cfg.train.label_smoothing,
-                                       grad_accum_steps=cfg.train.grad_accum_steps)}
-    if not args.no_decode:
-        shapes["beam_search"] = DecodeShape(batch=args.decode_batch, src_len=length,
-                                            beam_size=cfg.decode.beam_size,
-                                            max_decode_len=min(config.max_len, length + 50))
-    cache = ReportCache(args.cache_dir)
-    header = {"topology": spec.name, "slice": spec.topology, "num_slices": args.num_slices,
-              "devices": devices_count, "chip": chip.name, "mesh": cfg.run.mesh or f"data={devices_count}",
-              "model": config.to_dict(), "batch": {"rows": rows, "length": length}}
-    out: dict[str, Any] = {"target": header}
-    mesh = None
-    for name, shape in shapes.items():
-        key = cache.key(target=header, program=name, shape=repr(shape))
-        cached = None if (args.no_cache or args.save) else cache.get(key)
-        if cached is not None:
-            out[name] = {**cached, "cached": True}
-            continue
-        if mesh is None:
-            mesh = target_mesh(target_devices(spec, args.num_slices), cfg.run.mesh, args.num_slices)
-        lower = {"train_step": lower_train_step, "beam_search": lower_beam_search}[name]
-        # beam search: XLA counts its while body (one token per sentence) once
-        tokens = rows * length if name == "train_step" else shape.batch
-        # XLA:GPU has no cost analysis: the same program (unrolled) lowered for one host
-        # device counts its FLOPs. XLA counts the loop body of scanned layers once: the
-        # compiled program's cost is scaled by unrolled / scanned, both lowered for the host.
-        host = functools.partial(_host_cost, lower, config, shape)
-        host_cost = (lambda host=host: host(scanned=False)) if on_gpu else None
-        loop_scale = None
-        if host_cost is None and name == "train_step" and config.scan_layers:
-            def loop_scale(host=host):
-                unrolled, scanned = host(scanned=False), host(scanned=True)
-                return {k: unrolled.get(k, 0.0) / scanned[k] if scanned.get(k) else 1.0
-                        for k in ("flops", "bytes accessed")}
-        out[name] = _compile(name, functools.partial(lower, config, mesh, shape), chip, tokens, args.save,
-                             mesh.size, host_cost, loop_scale)
-        cache.put(key, out[name])
-    return out
 
 
 def _print(out: dict[str, Any]) -> None:
@@ -159,37 +52,28 @@ def _print(out: dict[str, Any]) -> None:
     for name, result in ((k, r) for k, r in out.items() if k != "target"):
         how = "cached" if result.get("cached") else f"compiled in {result['compile_s']:.1f} s"
         print(f"{name} ({how}): {result['verdict']}" if "verdict" in result
-              else report_lib.format_report(f"{name} ({how})", result))
-
-
-def _check_folders(args: CompileArgs) -> None:
-    """``--cache-dir`` and ``--save`` checked before minutes of compiling; nothing is created."""
-    for flag, folder in (("--cache-dir", args.cache_dir), ("--save", args.save)):
-        if folder and (problem := unwritable(folder)):
-            fail(PROG, f"{flag} {folder!r} {problem}")
+              else format_report(f"{name} ({how})", result))
 
 
 def main(argv: list[str] | None = None) -> None:
     """Parses the command line, compiles, prints; exits with the status documented above."""
-    import jax
-
     # This tool compiles for devices it does not have; the host's CPU stays JAX's platform
     # (and the CUDA plugin registers its compile-only devices without a driver).
     if not jax.config.jax_platforms:
         jax.config.update("jax_platforms", "cpu")
     args = tyro.cli(CompileArgs, args=argv, prog=PROG, description=__doc__,
                     config=(tyro.conf.OmitArgPrefixes,))
-    try:
-        slice_spec(args.topology)
-        check_fields(args)
-    except ValueError as e:
-        fail(PROG, str(e).rstrip("."))
-    _check_folders(args)
     # JAX's persistent cache would store executables that a compile-only client cannot
     # load back (a warning on every later read); the reports are cached instead.
     jax.config.update("jax_enable_compilation_cache", False)
     try:
-        out = compile_all(args, args.cfg)
+        check_fields(args)
+        for flag, folder in (("--cache-dir", args.cache_dir), ("--save", args.save)):
+            if folder and (problem := unwritable(folder)):   # before minutes of compiling
+                fail(PROG, f"{flag} {folder!r} {problem}")
+        out = compile_all(args.cfg, args.topology, args.num_slices,
+                          None if args.no_decode else args.decode_batch, args.save, args.cache_dir,
+                          reuse=not args.no_cache)
     except (ValueError, RuntimeError) as e:   # a mesh that does not fit, no libtpu
         fail(PROG, str(e))
     print(json.dumps(out, indent=2, sort_keys=True, default=float)) if args.json else _print(out)
