@@ -499,7 +499,8 @@ def test_arriving_lines_answers_a_line_before_the_next_is_written():
 def test_arriving_lines_name_a_line_that_is_not_utf8_or_replace_its_bytes():
     """Streamed stdin follows the file rules: a leading byte-order mark dropped, bad bytes
     stop with the line number (strict) or become U+FFFD with the number counted."""
-    from jaxformer.cli.translate import NotUtf8, arriving_lines
+    from jaxformer.cli.translate import arriving_lines
+    from jaxformer.data.lines import NotUtf8
 
     def lines(errors, bad=None):
         read_fd, write_fd = os.pipe()
@@ -514,7 +515,7 @@ def test_arriving_lines_name_a_line_that_is_not_utf8_or_replace_its_bytes():
     with os.fdopen(read_fd) as stream:
         batches = arriving_lines(stream, 8)
         assert next(batches) == ["Hello"]   # the lines before it are answered
-        with pytest.raises(NotUtf8, match="line 2 of stdin is not valid UTF-8"):
+        with pytest.raises(NotUtf8, match=r"of stdin are not valid UTF-8 \(line 2\)"):
             next(batches)
     bad = []
     assert lines("replace", bad) == ["Hello", "Click \ufffd OK.", "ok"] and bad == [2]

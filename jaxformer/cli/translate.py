@@ -43,10 +43,6 @@ def _is_stream(stream) -> bool:   # a terminal or a pipe, not a regular file
         return False
 
 
-class NotUtf8(ValueError):
-    """A line of streamed stdin that is not UTF-8, under ``--input-errors strict``."""
-
-
 def arriving_lines(stream, max_lines: int, errors: str = "strict",
                    bad: list[int] | None = None) -> Iterator[list[str]]:
     """Batches of the lines of ``stream`` (by :mod:`jaxformer.data.lines`' rules) as they
@@ -54,7 +50,7 @@ def arriving_lines(stream, max_lines: int, errors: str = "strict",
     file descriptor (Python's buffer would hide them from ``select``).
 
     Raises:
-      NotUtf8: a line that is not UTF-8 with ``errors="strict"``, once the lines before it
+      lines.NotUtf8: a line that is not UTF-8 with ``errors="strict"``, once the lines before it
         are given; with ``"replace"`` its bad bytes become U+FFFD and its number goes to ``bad``.
       jaxformer.data.lines.TextError: stdin is UTF-16.
     """
@@ -69,7 +65,7 @@ def arriving_lines(stream, max_lines: int, errors: str = "strict",
         try:
             lines.extend(splitter.feed(data, final=eof))
         except lines_lib.NotUtf8 as e:   # the lines before it are answered first
-            failed = NotUtf8(f"line {e.numbers[0]} of stdin is not valid UTF-8")
+            failed = e
         for start in range(0, len(lines), max_lines):
             yield lines[start:start + max_lines]
         if failed is not None:
@@ -174,9 +170,8 @@ def _translate_text(args: TranslateArgs, translator: Translator):
             long_lines += counts["long"]
             first = first or next(((line, hyp) for line, hyp in zip(lines, best) if line.strip()), None)
             done += len(lines)
-    except NotUtf8 as e:   # streamed: the lines before it are translated already
-        fail(PROG, f"{e} (the {done} line(s) before it were translated); fix the input (e.g. iconv -f "
-                   f"LATIN1 -t UTF-8) or pass --input-errors replace")
+    except lines_lib.NotUtf8 as e:   # streamed: the lines before it are translated already
+        fail(PROG, f"{e} (the {done} line(s) before it were translated)")
     except lines_lib.TextError as e:
         fail(PROG, str(e))
     finally:
