@@ -91,12 +91,8 @@ class Transformer(nn.Module):
                 (c.tgt_vocab_size,), c.parameter_dtype)
 
     def _check(self, deterministic, src, tgt=None, src_segments=None, tgt_segments=None):
-        """The entry check of ``src`` ids (or, given ``tgt``, its ids, both batch sizes and
-        packed segments) and a bool ``deterministic`` ("no" would mean True).
-
-        Raises:
-          ValueError: one message naming every problem and its fix.
-        """
+        """The entry check of ``src`` ids (given ``tgt``: its ids, both batch sizes, packed
+        segments) and a bool ``deterministic`` ("no" would mean True); raises as :func:`_refuse`."""
         c = self.config
         if tgt is None:
             problems = [token_id_problem(src, name="src", vocab_size=c.src_vocab_size, max_len=c.max_len)]
@@ -109,9 +105,15 @@ class Transformer(nn.Module):
                 problems.append("packed decoding needs both src_segments and tgt_segments, or neither")
         if not isinstance(deterministic, (bool, jnp.bool_)):
             problems.append(f"deterministic must be True or False, got {deterministic!r}")
-        problems = [p for p in problems if p]
-        if problems:
-            raise ValueError("; ".join(problems) + ".")
+        _refuse(problems)
+
+    def _scan_problem(self, method: str) -> str | None:
+        """Cached decoding runs the decoder layers one by one: not a scanned model's."""
+        if self.config.scan_layers:
+            return (f"{method} runs the unrolled decoder layers, but this model has scan_layers=True; "
+                    f"decode with jaxformer.model.scan.unrolled(model, variables), which gives the same "
+                    f"model and parameters unrolled (the decoders of jaxformer.decode do so themselves)")
+        return None
 
     # ------------------------------------------------------------------ encoder
     def encode(self, src, *, deterministic: bool = True, src_segments=None):
@@ -211,6 +213,7 @@ class Transformer(nn.Module):
           ValueError: ``max_decode_len`` not an integer in ``[1, max_len]``.
         """
         c = self.config
+        _refuse([self._scan_problem("init_cache")])
         max_decode_len = check_count("max_decode_len", max_decode_len, maximum=c.max_len)
         batch, src_len = src.shape
         chex.assert_shape(encoder_output, (batch, src_len, c.d_model))
@@ -233,16 +236,21 @@ class Transformer(nn.Module):
         """
         chex.assert_shape(ids_B1, (cache.src_mask.shape[0], 1))
         # Concrete ids are range-checked here; inside jit the decoders check on the host.
-        problem = token_id_problem(ids_B1, name="ids_B1", vocab_size=self.config.tgt_vocab_size)
-        room = cache.layers[0].self_k.shape[-2] if cache.layers else None
-        if not problem and room is not None and not isinstance(cache.index, jax.core.Tracer) \
-                and int(cache.index) >= room:
-            problem = (f"decode_step: the cache holds {room} positions and all are used (index "
-                       f"{int(cache.index)}); make it with init_cache(..., max_decode_len) large "
-                       f"enough for every step")
-        if problem:
-            raise ValueError(problem + ".")
+        room, index = cache.layers[0].self_k.shape[-2] if cache.layers else None, cache.index
+        full = room is not None and not isinstance(index, jax.core.Tracer) and int(index) >= room
+        _refuse([self._scan_problem("decode_step"),
+                 token_id_problem(ids_B1, name="ids_B1", vocab_size=self.config.tgt_vocab_size),
+                 full and f"decode_step: the cache holds {room} positions and all are used (index "
+                          f"{int(index)}); make it with init_cache(..., max_decode_len) large enough "
+                          f"for every step"])
         x_B1D = self.positional_encoding(self.tgt_embedding(ids_B1), True, offset=cache.index)
         y_B1D, layers = self.decoder.step(x_B1D, cache.layers, cache.index, cache.src_mask)
         logits_B1V = self._logits(y_B1D)
         return logits_B1V[:, 0], cache.replace(layers=layers, index=cache.index + 1)
+
+
+def _refuse(problems) -> None:
+    """Raises ``ValueError`` naming every problem (falsy entries are none) and its fix."""
+    problems = [p for p in problems if p]
+    if problems:
+        raise ValueError("; ".join(problems) + ".")
