@@ -1,9 +1,6 @@
-"""Checks of what library callers hand to the public entry points, run once there.
-
-JAX clamps or wraps out-of-range gather indices silently, so ids are checked: shape,
-dtype and length at trace time, the range on concrete arrays (eager ``apply``, or the
-host batch before a jitted step). :func:`check_count` and :func:`check_real` check the
-scalars that become static arguments.
+"""Checks of what library callers hand to the public entry points, run once there. JAX
+clamps out-of-range gather indices silently, so ids are checked: shape, dtype, length at
+trace time, the range on concrete arrays; scalars that become static arguments too.
 """
 
 from __future__ import annotations
