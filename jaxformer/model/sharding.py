@@ -42,11 +42,8 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 
 
 def parse_mesh_axes(spec: str | None) -> dict[str, int]:
-    """The axis sizes ``spec`` (``"data=4,model=2"``) names, syntax only (no device count).
-
-    Raises:
-      ValueError: bad syntax, an unknown or repeated axis name, or a size below 1.
-    """
+    """The axis sizes ``spec`` (``"data=4,model=2"``) names, syntax only (no device count). Raises
+    ``ValueError``: bad syntax, an unknown or repeated axis name, or a size below 1."""
     sizes: dict[str, int] = {}
     for part in filter(None, (spec or "").replace(" ", "").split(",")):
         name, eq, value = part.partition("=")
@@ -62,13 +59,10 @@ def parse_mesh_axes(spec: str | None) -> dict[str, int]:
 
 
 def parse_mesh(spec: str | None, num_devices: int) -> dict[str, int]:
-    """Mesh axis sizes of ``"data=4,model=2"``: an axis left out gets size 1, except
-    ``data``, which takes the devices the others leave (``"model=2"`` on 8 devices is
-    ``data=4,fsdp=1,model=2``; ``None``: all on ``data``).
-
-    Raises:
-      ValueError: as :func:`parse_mesh_axes`, or sizes whose product is not ``num_devices``.
-    """
+    """Mesh axis sizes of ``"data=4,model=2"``: an axis left out gets size 1, except ``data``, which takes the
+    devices the others leave (``"model=2"`` on 8 devices is ``data=4,fsdp=1,model=2``; ``None``: all on
+    ``data``). Raises ``ValueError``: as :func:`parse_mesh_axes`, or sizes whose product is not
+    ``num_devices``."""
     sizes = {"model": 1, "fsdp": 1, **parse_mesh_axes(spec)}
     sizes.setdefault("data", max(1, num_devices // (sizes["model"] * sizes["fsdp"])))
     if math.prod(sizes.values()) != num_devices:
@@ -79,11 +73,8 @@ def parse_mesh(spec: str | None, num_devices: int) -> dict[str, int]:
 
 
 def first_devices(count: int | None) -> list[jax.Device] | None:
-    """The first ``count`` devices of a single-process run (``--devices``); ``None`` = all.
-
-    Raises:
-      ValueError: ``count`` in a multi-process run, or more devices than there are.
-    """
+    """The first ``count`` devices of a single-process run (``--devices``); ``None`` = all. Raises
+    ``ValueError``: ``count`` in a multi-process run, or more devices than there are."""
     if count is None:
         return None
     devices = jax.devices()
@@ -97,13 +88,9 @@ def first_devices(count: int | None) -> list[jax.Device] | None:
 
 
 def check_mesh_divides(mesh: Mesh, config: Any, *, loaded_from: str | None = None) -> None:
-    """Refuses a mesh whose ``fsdp`` axis does not divide ``d_model`` or whose ``model`` axis
-    does not divide ``num_heads`` and ``d_ff`` (and, given ``loaded_from``, the run a fine-tune
-    loads, the vocabulary sizes), before data is prepared.
-
-    Raises:
-      ValueError: naming each size that does not divide and the fix.
-    """
+    """Refuses a mesh whose ``fsdp`` axis does not divide ``d_model`` or whose ``model`` axis does not divide
+    ``num_heads`` and ``d_ff`` (and, given ``loaded_from``, the run a fine-tune loads, the vocabulary sizes),
+    before data is prepared. Raises ``ValueError``: naming each size that does not divide and the fix."""
     fsdp, model = mesh.shape.get("fsdp", 1), mesh.shape.get("model", 1)
     sizes = [("d_model", config.d_model, "fsdp", fsdp), ("num_heads", config.num_heads, "model", model),
              ("d_ff", config.d_ff, "model", model)]
@@ -168,12 +155,9 @@ def _path_name(path) -> str:
 
 
 def tree_shardings(boxed_tree: Any, mesh: Mesh) -> Any:
-    """``NamedSharding`` on ``mesh`` per leaf of ``boxed_tree`` (e.g. the abstract train state),
-    shaped as ``nn.unbox(boxed_tree)``: boxed leaves by the rules table, others replicated.
-
-    Raises:
-      ValueError: a sharded dimension its mesh axes do not divide (naming the parameter).
-    """
+    """``NamedSharding`` on ``mesh`` per leaf of ``boxed_tree`` (e.g. the abstract train state), shaped as
+    ``nn.unbox(boxed_tree)``: boxed leaves by the rules table, others replicated. Raises ``ValueError``: a
+    sharded dimension its mesh axes do not divide (naming the parameter)."""
     mesh_specs = nn.logical_to_mesh(nn.get_partition_spec(boxed_tree), LOGICAL_AXIS_RULES)
     is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
     flat, treedef = jax.tree_util.tree_flatten_with_path(mesh_specs, is_leaf=is_spec)
@@ -243,12 +227,9 @@ def mesh_processes(mesh: Mesh) -> tuple[int, int]:
 
 
 def process_barrier(name: str, timeout_s: float = 24 * 3600) -> None:
-    """Waits until every process reaches the barrier ``name`` (once per run), the coordination
-    service's as JAX's array serialization uses (no device work: no gloo timeout).
-
-    Raises:
-      jax.errors.JaxRuntimeError: ``timeout_s`` passed, or a process left the cluster.
-    """
+    """Waits until every process reaches the barrier ``name`` (once per run), the coordination service's as
+    JAX's array serialization uses (no device work: no gloo timeout). Raises ``jax.errors.JaxRuntimeError``:
+    ``timeout_s`` passed, or a process left the cluster."""
     if jax.process_count() == 1:
         return
     from jax._src import distributed  # the client JAX's array_serialization waits on

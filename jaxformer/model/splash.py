@@ -95,17 +95,12 @@ def _run_kernel(q_BHTK, k_BHSK, v_BHSK, q_segments_BT, kv_segments_BS, causal: b
 
 def splash_dot_product_attention(q_BHTK, k_BHSK, v_BHSK, q_segments_BT, kv_segments_BS, *,
                                  causal: bool, interpret: bool | None = None):
-    """softmax(QKᵀ/√K + M)V ``[B, H, T, K]`` (``v``'s dtype) by the splash kernel, of
-    queries ``[B, H, T, K]`` and keys/values ``[B, H, S, K]`` (float32 or bfloat16, any K),
-    the mask M given by segment ids int ``[B, T]``/``[B, S]``.
-
-    Query t attends to key s iff :func:`~jaxformer.model.masks.dense_from_segments`; a query
-    with no key gets zeros. Softmax in float32; no dropout, no weights. ``interpret``:
-    Pallas interpret mode, ``None`` = native on TPU, interpreted on CPU.
-
-    Raises:
-      ValueError: ``interpret=None`` on a GPU (use ``"cudnn"`` or ``"xla"``).
-    """
+    """softmax(QKᵀ/√K + M)V ``[B, H, T, K]`` (``v``'s dtype) by the splash kernel: queries
+    ``[B, H, T, K]``, keys/values ``[B, H, S, K]`` (float32 or bfloat16, any K), the mask M as
+    segment ids int ``[B, T]``/``[B, S]`` (:func:`~jaxformer.model.masks.dense_from_segments`);
+    a query with no key gets zeros. Softmax in float32; no dropout, no weights. ``interpret``:
+    Pallas interpret mode, ``None`` = native on TPU, interpreted on CPU. Raises ``ValueError``:
+    ``interpret=None`` on a GPU (use ``"cudnn"`` or ``"xla"``)."""
     batch, heads, q_len, head_dim = q_BHTK.shape
     kv_len = k_BHSK.shape[2]
     chex.assert_shape([k_BHSK, v_BHSK], (batch, heads, kv_len, head_dim))

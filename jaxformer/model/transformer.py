@@ -1,7 +1,5 @@
-"""The encoder-decoder Transformer (Vaswani et al. 2017, Figure 1).
-
-Glossary of shapes: B batch, S source length, T target length, D d_model, H heads,
-K = D / H, F d_ff, V target vocabulary, M cache length. Used through ``init``/``apply``::
+"""The encoder-decoder Transformer (Vaswani et al. 2017, Figure 1). Shapes: B batch, S source
+length, T target length, D d_model, H heads, K = D / H, V target vocabulary, M cache length::
 
     model = Transformer(config)
     variables = model.init(jax.random.key(0), src_BS, tgt_BT)
@@ -148,10 +146,9 @@ class Transformer(nn.Module):
 
     def decode(self, encoder_output, src, tgt, *, deterministic: bool = True, src_segments=None,
                tgt_segments=None):
-        """Teacher-forced decoder: ``encoder_output [B,S,D]``, its src ids ``[B,S]`` (for the
-        padding mask) and the shifted target input ids ``tgt [B,T]`` (``bos y1 y2 …``) →
-        ``logits [B,T,V]``. Packed rows give ``src_segments [B,S]`` and ``tgt_segments
-        [B,T]``: target segment j attends only to itself (causally) and source segment j."""
+        """Teacher-forced: ``encoder_output [B,S,D]``, its ``src [B,S]``, shifted target ids
+        ``tgt [B,T]`` (``bos y1 y2 …``) → ``logits [B,T,V]``. Packed rows: ``src_segments [B,S]``,
+        ``tgt_segments [B,T]``; target segment j attends to itself (causally) and source segment j."""
         return self._logits(self.decoder_output(encoder_output, src, tgt, deterministic=deterministic,
                                                 src_segments=src_segments, tgt_segments=tgt_segments))
 
@@ -182,8 +179,8 @@ class Transformer(nn.Module):
                            src_segments=src_segments, tgt_segments=tgt_segments)
 
     def features(self, src, tgt, *, deterministic: bool = True, src_segments=None, tgt_segments=None):
-        """``__call__`` before the logits, for fused losses: ``(decoder_output [B,T,D], kernel
-        [D,V], bias [V] or None)``, ``logits = decoder_output @ kernel (+ bias)``."""
+        """``__call__`` before the logits, for fused losses: ``(decoder_output [B,T,D],
+        kernel [D,V], bias [V] or None)``, ``logits = decoder_output @ kernel (+ bias)``."""
         encoder_output = self.encode(src, deterministic=deterministic, src_segments=src_segments)
         decoder_output = self.decoder_output(encoder_output, src, tgt, deterministic=deterministic,
                                              src_segments=src_segments, tgt_segments=tgt_segments)
