@@ -1,8 +1,6 @@
-"""Hugging Face Marian (OPUS-MT) folders as jaxformer run directories, and back
-(:func:`import_marian`, :func:`export_marian`; the command :mod:`jaxformer.cli.convert`).
-:func:`config_from_hf` and :func:`config_to_hf` map the configs after transformers'
-``MarianConfig``; the weights go through ``safetensors.numpy`` (no torch), mapped by
-:mod:`jaxformer.interop.marian_weights`.
+"""Hugging Face Marian (OPUS-MT) folders as jaxformer run directories and back (the command
+:mod:`jaxformer.cli.convert`): configs after transformers' ``MarianConfig``, weights through
+``safetensors.numpy`` (no torch) by :mod:`jaxformer.interop.marian_weights`.
 """
 
 from __future__ import annotations
@@ -34,7 +32,6 @@ MARIAN_LAYER_NORM_EPSILON = 1e-5   # torch.nn.LayerNorm's default, fixed in mode
 TOKENIZER_FILES = ("source.spm", "target.spm", "vocab.json", "target_vocab.json", "tokenizer_config.json")
 
 
-# ---------------------------------------------------------------------- configs
 def _config_problems(hf: dict[str, Any]) -> list[str]:
     """What a Hugging Face config asks that jaxformer's Marian model cannot do."""
     if hf.get("model_type") != "marian":
@@ -59,14 +56,9 @@ def _config_problems(hf: dict[str, Any]) -> list[str]:
 
 
 def config_from_hf(hf: dict[str, Any]) -> TransformerConfig:
-    """A :class:`TransformerConfig` equal in function to a Hugging Face ``MarianConfig``
-    (Marian's swish FFN, split positional table, ``final_logits_bias``, LayerNorm ε 1e-5);
-    dropout rates are kept for fine-tuning (``activation_dropout`` has no counterpart).
-
-    Raises:
-      ConversionError: not a Marian config, or options jaxformer lacks (pre-norm, unscaled
-        embeddings, learned positions, unequal stacks, an unknown activation), in one message.
-    """
+    """The :class:`TransformerConfig` computing what a ``MarianConfig`` does (swish FFN, split positions,
+    ``final_logits_bias``, ε 1e-5); dropout rates kept for fine-tuning. Raises ``ConversionError``: not a
+    Marian config, or options jaxformer lacks, in one message."""
     problems = _config_problems(hf)
     if problems:
         raise ConversionError("; ".join(problems) + ".")
@@ -86,11 +78,8 @@ def config_from_hf(hf: dict[str, Any]) -> TransformerConfig:
 
 
 def config_to_hf(config: TransformerConfig, *, eos_id: int, decoder_start_id: int) -> dict[str, Any]:
-    """The ``MarianConfig`` (as a dict) of a post-norm jaxformer model.
-
-    Raises:
-      ConversionError: a pre-norm model (transformers' Marian normalises after each residual).
-    """
+    """The ``MarianConfig`` (as a dict) of a post-norm jaxformer model. Raises ``ConversionError``: a pre-norm
+    model (transformers' Marian normalises after each residual)."""
     c = config
     if c.norm_position != "post":
         raise ConversionError(
@@ -115,15 +104,10 @@ def config_to_hf(config: TransformerConfig, *, eos_id: int, decoder_start_id: in
     }
 
 
-# ---------------------------------------------------------------------- run directories
 def _read_folder(hf_dir: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """The JSON files of a Hugging Face Marian folder, read once: ``(config, generation
-    config over config, tokenizer_config)``; the tokenizer is loaded to name a damaged file now.
-
-    Raises:
-      ConversionError: one message naming every problem (a missing or unreadable file,
-        each unsupported field) and its fix.
-    """
+    """A Marian folder's JSON files ``(config, generation config over it, tokenizer_config)``; the tokenizer
+    is loaded to name a damaged file now. Raises ``ConversionError``: every problem (missing or unreadable
+    files, unsupported fields) and its fix."""
     problems: list[str] = []
 
     def read(name: str) -> dict[str, Any]:
@@ -179,9 +163,8 @@ def _generation_problems(hf: dict[str, Any], gen: dict[str, Any]) -> list[str]:
 
 
 def _generation_defaults(gen: dict[str, Any], pad: int) -> dict[str, Any]:
-    """Decoding defaults from the generation config over config.json: beam size, length
-    limit (with the start token; ``None``: the translate tool's a * source length + b),
-    HF length normalisation, the ids never generated, the repetition rules."""
+    """The run's decoding defaults from the generation config over config.json (``max_length``
+    with the start token, ``None``: the translate tool's)."""
     if gen.get("early_stopping") not in (None, False, True):
         print(f"note: early_stopping={gen['early_stopping']!r} in the generation config; jaxformer "
               f"reproduces generate's default (False) stopping rule", file=sys.stderr)
@@ -197,13 +180,9 @@ def _generation_defaults(gen: dict[str, Any], pad: int) -> dict[str, Any]:
 
 
 def import_marian(hf_dir: str | Path, workdir: str | Path) -> TransformerConfig:
-    """Writes the run directory ``workdir`` from the Hugging Face Marian folder ``hf_dir``:
-    ``config.json`` (model, tokenizer record, generation defaults), ``tokenizer/`` and the
-    parameters as the best checkpoint at step 0 (params only).
-
-    Raises:
-      ConversionError: ``workdir`` holds a run; an unsupported model, missing or damaged files.
-    """
+    """Writes run ``workdir`` from Marian folder ``hf_dir``: ``config.json`` (model, tokenizer, generation
+    defaults), ``tokenizer/``, the parameters as the best checkpoint of step 0. Raises ``ConversionError``:
+    ``workdir`` holds a run; an unsupported model, missing or damaged files."""
     from jaxformer.run.checkpoints import RunCheckpoints
 
     hf_dir, workdir = Path(hf_dir), Path(workdir)
@@ -239,34 +218,23 @@ EXPORT_FILES = ("model.safetensors", "config.json", "generation_config.json", *T
 
 
 def _check_export_folder(workdir: Path, out_dir: Path) -> None:
-    """Refuses an ``--out`` that would write over a run or a model (any file the export
-    writes); other files (a Hub clone's ``README.md``) stay beside the export.
-
-    Raises:
-      ConversionError: naming the folder and the fix.
-    """
+    """Refuses an ``--out`` that is a file or holds a run or a model (other files, such as a Hub
+    clone's ``README.md``, stay beside the export); raises ``ConversionError`` naming the fix."""
     present = [name for name in EXPORT_FILES if (out_dir / name).exists()]
-    if out_dir.exists() and not out_dir.is_dir():
-        problem = "is a file; choose a new folder"
-    elif out_dir.exists() and (out_dir.resolve() == workdir.resolve() or any(
-            (out_dir / name).exists() for name in ("checkpoints", "best", "prepared", "tokenizer"))):
-        problem = "holds a jaxformer run, which the export would overwrite; choose a new folder"
-    elif present:
-        problem = (f"already holds a model ({', '.join(present)}), which the export would overwrite; "
-                   f"remove those files or choose a new folder")
-    else:
-        return
-    raise ConversionError(f"--out {str(out_dir)!r} {problem}.")
+    run = out_dir.exists() and (out_dir.resolve() == workdir.resolve() or any(
+        (out_dir / name).exists() for name in ("checkpoints", "best", "prepared", "tokenizer")))
+    problem = ("is a file; choose a new folder" if out_dir.exists() and not out_dir.is_dir() else
+               "holds a jaxformer run, which the export would overwrite; choose a new folder" if run else
+               f"already holds a model ({', '.join(present)}), which the export would overwrite; remove "
+               f"those files or choose a new folder" if present else None)
+    if problem:
+        raise ConversionError(f"--out {str(out_dir)!r} {problem}.")
 
 
 def export_marian(workdir: str | Path, out_dir: str | Path) -> None:
-    """Writes run ``workdir`` as a Hugging Face ``MarianMTModel`` folder ``out_dir`` (a joint
-    sentencepiece model exports as ``source.spm = target.spm`` with a ``vocab.json`` built
-    from it).
-
-    Raises:
-      ConversionError: a pre-norm run; an ``out_dir`` holding a run or a model.
-    """
+    """Writes run ``workdir`` as a ``MarianMTModel`` folder ``out_dir`` (a joint sentencepiece model as
+    ``source.spm = target.spm`` with a ``vocab.json`` built from it). Raises ``ConversionError``: a pre-norm
+    run; an ``out_dir`` holding a run or a model."""
     from safetensors.numpy import save_file
 
     from jaxformer.decode.translator import Translator

@@ -1,10 +1,7 @@
-"""Marian (Hugging Face ``MarianMTModel``) weights ⇄ jaxformer parameters, in NumPy.
-
-The names mirror transformers' ``models/marian/modeling_marian.py``: ``model.shared``,
-``model.{encoder,decoder}.layers.N.{self_attn,encoder_attn}.{q,k,v,out}_proj``,
-``fc1``/``fc2``, ``*_layer_norm``, ``lm_head``, ``final_logits_bias``. PyTorch
-``nn.Linear`` stores ``weight [out, in]``; our kernels are ``[in, ...]`` with explicit
-head axes. Glossary: D d_model, H heads, K = D / H, F d_ff, V vocabulary.
+"""Marian (``MarianMTModel``) weights ⇄ jaxformer parameters, in NumPy, named after
+transformers' ``models/marian/modeling_marian.py``. PyTorch ``nn.Linear`` stores
+``weight [out, in]``; our kernels are ``[in, ...]`` with head axes. D d_model, H heads,
+K = D / H, V vocabulary.
 """
 
 from __future__ import annotations
@@ -69,14 +66,10 @@ def _first(t: dict[str, np.ndarray], *names: str) -> np.ndarray:
 
 
 def params_from_hf(tensors: dict[str, np.ndarray], config: TransformerConfig) -> dict[str, Any]:
-    """Our parameter tree (float32 NumPy) from a ``MarianMTModel`` state dict. The shared
-    table may be under ``model.shared.weight`` only (transformers v5) or repeated under
-    ``embed_tokens``/``lm_head``; a separate-vocabulary model's ``lm_head`` tied to the
-    decoder table becomes an untied projection initialised from it.
-
-    Raises:
-      ConversionError: tensors missing or of the wrong shape, all named in one message.
-    """
+    """Our parameter tree (float32 NumPy) from a ``MarianMTModel`` state dict (the shared table under
+    ``model.shared.weight`` alone, or repeated; a separate-vocabulary model's tied ``lm_head`` becomes an
+    untied projection initialised from the decoder table). Raises ``ConversionError``: tensors missing or of
+    the wrong shape, all named in one message."""
     t = {k.removeprefix("module."): np.asarray(v, np.float32) for k, v in tensors.items()}
     try:
         params = _params_from_hf(t, config)
@@ -125,13 +118,8 @@ def params_to_hf(params: dict[str, Any], config: TransformerConfig) -> dict[str,
 
 
 def interleaved_to_split(params: dict[str, Any], config: TransformerConfig) -> dict[str, Any]:
-    """The same function with the split positional table: every ``embed`` (D) axis permuted.
-
-    The interleaved table has sin and cos of frequency i at dimensions 2i and 2i+1, the
-    split table at i and D/2 + i. Permuting D in every parameter (the axes named
-    ``embed``) is a symmetry of the Transformer (LayerNorm statistics and dot products
-    over D ignore the order), so the permuted weights with the split table compute
-    exactly what the originals compute with the interleaved one.
+    """The same function for the split positional table: every ``embed`` (D) axis permuted,
+    dimensions 2i, 2i+1 to i, D/2 + i (a symmetry: LayerNorm and dot products ignore D's order).
     """
     D = config.d_model
     perm = np.concatenate([np.arange(0, D, 2), np.arange(1, D, 2)])
@@ -171,11 +159,8 @@ def _shape_problems(params: dict[str, Any], config: TransformerConfig) -> list[s
 
 
 def read_hf_weights(hf_dir: Path) -> dict[str, np.ndarray]:
-    """The state dict of ``hf_dir`` as NumPy: ``model.safetensors`` (or its shards).
-
-    Raises:
-      ConversionError: none there (only a torch pickle: the fix), or a damaged file.
-    """
+    """``hf_dir``'s ``model.safetensors`` (or shards) as NumPy. Raises ``ConversionError``: none there (a
+    torch pickle only: the fix), or a damaged file."""
     from safetensors import SafetensorError
     from safetensors.numpy import load_file
 

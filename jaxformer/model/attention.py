@@ -21,13 +21,8 @@ from jaxformer.model.splash import splash_dot_product_attention
 
 
 def _single_head_attention(q_TK, k_SK, v_SK, mask_TS, keep_TS):
-    """softmax(q kᵀ / √K + M) v for one example and one head.
-
-    Scores and softmax run in float32. A query row whose mask is all False gets zero
-    weights and a zero output (not NaN): masked scores are set to the float32
-    minimum, which keeps the softmax finite, and the weights are then zeroed where
-    the mask is False.
-    """
+    """softmax(q kᵀ / √K + M) v of one example and head, scores in float32; a fully masked
+    query gets zero weights and output (masked scores are float32's minimum, then zeroed)."""
     scale = jnp.asarray(q_TK.shape[-1] ** -0.5, q_TK.dtype)
     scores_TS = jnp.einsum("TK,SK->TS", q_TK * scale, k_SK, preferred_element_type=jnp.float32)
     scores_TS = jnp.where(mask_TS, scores_TS, jnp.finfo(jnp.float32).min)
@@ -37,24 +32,26 @@ def _single_head_attention(q_TK, k_SK, v_SK, mask_TS, keep_TS):
     return out_TK, weights_TS
 
 
-def scaled_dot_product_attention(q, k, v, mask=None, *, dropout_rate: float = 0.0,
-                                 dropout_rng: chex.PRNGKey | None = None):
-    """Attention(Q, K, V) = softmax(QKᵀ/√d_k)V (Eq. 1): a pure function, the one-example,
-    one-head core lifted over heads and batch with :func:`jax.vmap`.
-
-    Queries ``q [B, H, T, K]`` (any float dtype), keys and values ``[B, H, S, K]``, an
-    optional bool ``mask`` broadcastable to ``[B, H, T, S]`` (True = attend; e.g. padding
-    ``[B, 1, 1, S]``, decoder ``[B, 1, T, T]``), dropout on the weights with ``dropout_rng``
-    → ``(outputs [B, H, T, K]`` in ``v.dtype``, pre-dropout ``weights [B, H, T, S]``
-    float32)``; fully masked rows give zeros.
-    """
+def _check_qkv(q, k, v, mask):
+    """Asserts ``q [B, H, T, K]``, ``k``, ``v [B, H, S, K]`` and a bool mask; ``(B, H, T, S)``."""
     chex.assert_rank([q, k, v], 4)
-    batch, heads, q_len, head_dim = q.shape
-    kv_len = k.shape[2]
-    chex.assert_shape([k, v], (batch, heads, kv_len, head_dim))
-    full = (batch, heads, q_len, kv_len)
+    chex.assert_shape([k, v], (*q.shape[:2], k.shape[2], q.shape[3]))
     if mask is not None:
         chex.assert_type(mask, bool)
+    return (*q.shape[:3], k.shape[2])
+
+
+def scaled_dot_product_attention(q, k, v, mask=None, *, dropout_rate: float = 0.0,
+                                 dropout_rng: chex.PRNGKey | None = None):
+    """Attention(Q, K, V) = softmax(QKᵀ/√d_k)V (Eq. 1), the one-head core vmapped over H and B.
+
+    ``q [B, H, T, K]`` (any float dtype), ``k``, ``v [B, H, S, K]``, an optional bool ``mask``
+    broadcasting to ``[B, H, T, S]`` (True = attend), dropout on the weights with ``dropout_rng``
+    → ``(outputs [B, H, T, K]`` in ``v.dtype``, pre-dropout float32 ``weights [B, H, T, S])``;
+    fully masked rows give zeros.
+    """
+    batch, heads, q_len, kv_len = _check_qkv(q, k, v, mask)
+    full = (batch, heads, q_len, kv_len)
     mask = jnp.broadcast_to(True if mask is None else mask, full)
     if dropout_rng is not None and dropout_rate > 0.0:
         keep, keep_probability = keep_mask(dropout_rng, dropout_rate, full)
@@ -67,17 +64,11 @@ def scaled_dot_product_attention(q, k, v, mask=None, *, dropout_rate: float = 0.
 
 
 def fused_dot_product_attention(q, k, v, mask=None, *, implementation: str | None = None):
-    """:func:`scaled_dot_product_attention`'s outputs ``[B, H, T, K]`` (``v.dtype``; no
-    dropout, no weights) by :func:`jax.nn.dot_product_attention`: ``implementation``
-    ``None`` (JAX picks), ``"xla"`` (any device) or ``"cudnn"`` (NVIDIA flash attention,
-    bfloat16/float16). Scores and softmax run in float32 (float16 on CPU: float32
-    throughout, XLA:CPU lacks the mixed dot). A query whose mask row is all False gets
-    zeros (the fused kernels would return the mean of ``v``)."""
-    chex.assert_rank([q, k, v], 4)
-    batch, heads, q_len, head_dim = q.shape
-    chex.assert_shape([k, v], (batch, heads, k.shape[2], head_dim))
-    if mask is not None:
-        chex.assert_type(mask, bool)
+    """:func:`scaled_dot_product_attention`'s outputs ``[B, H, T, K]`` (``v.dtype``; no dropout
+    or weights) by :func:`jax.nn.dot_product_attention`, ``implementation`` ``None`` (JAX
+    picks), ``"xla"`` or ``"cudnn"`` (NVIDIA, 16-bit). Softmax in float32; a fully masked
+    query gets zeros (the fused kernels would return the mean of ``v``)."""
+    batch, heads, q_len, _ = _check_qkv(q, k, v, mask)
     to_BLHK = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731  (the fused API's layout)
     out_dtype = v.dtype
     if q.dtype == jnp.float16 and implementation != "cudnn" and jax.default_backend() == "cpu":
@@ -95,11 +86,9 @@ def fused_dot_product_attention(q, k, v, mask=None, *, implementation: str | Non
 
 
 class MultiHeadAttention(nn.Module):
-    """Multi-head attention (§3.2.2), head axes explicit in the weights: ``query``/``key``/
-    ``value`` kernels ``[D, H, K]`` (``embed, heads, kv``) with biases ``[H, K]``, ``out``
-    kernel ``[H, K, D]`` with bias ``[D]``. The reference backend sows the weights
-    ``[B, H, T, S]`` as ``intermediates/attention_weights`` when that collection is mutable.
-    """
+    """Multi-head attention (§3.2.2), head axes in the weights: ``query``/``key``/``value``
+    kernels ``[D, H, K]`` with biases ``[H, K]``, ``out`` kernel ``[H, K, D]`` with bias ``[D]``.
+    The reference backend sows ``intermediates/attention_weights [B, H, T, S]``."""
 
     config: TransformerConfig
 
@@ -140,12 +129,8 @@ class MultiHeadAttention(nn.Module):
                 self._project(x_BSD, self.value_kernel, self.value_bias))
 
     def attend(self, q_BHTK, k_BHSK, v_BHSK, mask, deterministic: bool):
-        """Attention of projected heads, then the output projection → ``[B, T, D]``.
-
-        ``mask``: an :class:`~jaxformer.model.masks.AttentionMask` (what the model
-        builds for training, encoding and teacher-forced decoding), or a bool array
-        broadcastable to ``[B, H, T, S]`` (the cached decoding step), or ``None``.
-        """
+        """Attention of projected heads, then the output projection → ``[B, T, D]``. ``mask``:
+        an ``AttentionMask``, a bool array broadcasting to ``[B, H, T, S]`` (cached steps) or ``None``."""
         c = self.config
         dense = mask.dense if isinstance(mask, AttentionMask) else mask
         if c.attention_backend == "reference":
@@ -169,8 +154,7 @@ class MultiHeadAttention(nn.Module):
         return constrain(out_BTD, ("batch", "length", "embed"))
 
     def __call__(self, x_BTD, context_BSD, mask, deterministic: bool = True):
-        """Attends from ``x_BTD`` (queries) to ``context_BSD`` (keys/values: ``x_BTD`` again
-        for self-attention, the encoder output for cross-attention) → ``[B, T, D]``."""
+        """Queries from ``x_BTD``, keys/values from ``context_BSD`` → ``[B, T, D]``."""
         q = self.project_query(x_BTD)
         k, v = self.project_key_value(context_BSD)
         return self.attend(q, k, v, mask, deterministic)

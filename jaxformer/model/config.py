@@ -1,8 +1,5 @@
-"""Model configuration: one small frozen dataclass, checked once on construction.
-
-Training and run settings live apart, in :mod:`jaxformer.run.config`; modes such as
-``dtype`` are changed with :meth:`TransformerConfig.replace`, never by mutation.
-"""
+"""The model's configuration: a frozen dataclass checked once on construction (run and
+training settings: :mod:`jaxformer.run.config`)."""
 
 from __future__ import annotations
 
@@ -115,9 +112,8 @@ class TransformerConfig:
             raise ValueError("TransformerConfig: " + "; ".join(problems) + ".")
 
     def _store(self, name: str, hint: Any) -> str | None:
-        """Stores field ``name`` as a plain Python value (NumPy scalars too); what is wrong
-        with it, or ``None``. A bool is not a number and a string not a bool (``"no"``
-        would silently mean True)."""
+        """Stores field ``name`` as a plain Python value; what is wrong with it, or ``None``. A bool
+        is not a number, nor a string a bool (``"no"`` would mean True)."""
         value = getattr(self, name)
         if hint not in (int, float, bool):
             choices = _choices(hint)
@@ -150,11 +146,8 @@ class TransformerConfig:
 
     @classmethod
     def from_dict(cls, fields: dict[str, Any]) -> TransformerConfig:
-        """Inverse of :meth:`to_dict` (fields left out take their defaults).
-
-        Raises:
-          ValueError: unknown keys, or a bad field.
-        """
+        """Inverse of :meth:`to_dict` (fields left out take their defaults). Raises ``ValueError``: unknown
+        keys, or a bad field."""
         unknown = set(fields) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ValueError(f"Unknown TransformerConfig fields {sorted(unknown)}; known: "
@@ -172,22 +165,18 @@ def _choices(hint: Any) -> tuple:
     return args if typing.get_origin(hint) is Literal else typing.get_args(args[0]) + (None,)
 
 
-# Presets. ``base``/``big`` follow the paper's Table 3; vocab sizes come from the
-# tokenizer (:func:`preset`).
+# Presets without vocabulary sizes (the tokenizer's): ``tiny`` for tests; ``small`` for CPU
+# training in minutes (pre-norm learns faster at a high rate in a few hundred steps, and
+# dropout only slows a run that sees each sentence two or three times); ``base`` (~65M
+# parameters with a shared 37k vocabulary) and ``big`` (~213M) are the paper's Table 3.
 PRESETS: dict[str, dict[str, Any]] = {
-    # Tests: compiles and runs in milliseconds.
     "tiny": dict(d_model=32, num_heads=4, d_ff=64, num_encoder_layers=2,
                  num_decoder_layers=2, dropout_rate=0.0, max_len=64),
-    # CPU default training, minutes on a 2-core machine. Departs from the paper on
-    # purpose: pre-norm learns faster at a high learning rate in a few hundred steps,
-    # and dropout only slows a run that sees each sentence two or three times.
     "small": dict(d_model=128, num_heads=4, d_ff=512, num_encoder_layers=3,
                   num_decoder_layers=3, dropout_rate=0.0, max_len=128, share_embeddings=True,
                   norm_position="pre"),
-    # Paper Table 3, "base": ~65M parameters with a shared 37k vocabulary.
     "base": dict(d_model=512, num_heads=8, d_ff=2048, num_encoder_layers=6,
                  num_decoder_layers=6, dropout_rate=0.1, max_len=256, share_embeddings=True),
-    # Paper Table 3, "big": ~213M parameters with a shared 37k vocabulary.
     "big": dict(d_model=1024, num_heads=16, d_ff=4096, num_encoder_layers=6,
                 num_decoder_layers=6, dropout_rate=0.3, max_len=256, share_embeddings=True),
 }
@@ -195,12 +184,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 def preset(name: str, *, src_vocab_size: int, tgt_vocab_size: int | None = None,
            **overrides) -> TransformerConfig:
-    """The named preset (``tiny``, ``small``, ``base``, ``big``) with the vocabulary sizes
-    (``tgt_vocab_size`` defaults to ``src_vocab_size``) and any field ``overrides``.
-
-    Raises:
-      ValueError: an unknown preset name or a bad field.
-    """
+    """Preset ``name`` with the vocabulary sizes (``tgt`` defaults to ``src``) and ``overrides``. Raises
+    ``ValueError``: an unknown preset name or a bad field."""
     if name not in PRESETS:
         raise ValueError(f"Unknown preset {name!r}; choose one of {sorted(PRESETS)}.")
     return TransformerConfig(**{**PRESETS[name], **overrides}, src_vocab_size=src_vocab_size,

@@ -25,8 +25,7 @@ def _partitioned(init, *names):
 
 
 def layer_norm(config: TransformerConfig, name: str | None = None) -> nn.LayerNorm:
-    """LayerNorm over D (statistics in float32), scale and bias on the ``embed`` axis;
-    ε from ``config.layer_norm_epsilon``."""
+    """LayerNorm over D (float32 statistics, ε = ``config.layer_norm_epsilon``)."""
     return nn.LayerNorm(epsilon=config.layer_norm_epsilon, dtype=config.compute_dtype,
                         param_dtype=config.parameter_dtype,
                         scale_init=_partitioned(nn.initializers.ones_init(), "embed"),
@@ -34,10 +33,9 @@ def layer_norm(config: TransformerConfig, name: str | None = None) -> nn.LayerNo
 
 
 def sinusoidal_positional_encoding(max_len: int, d_model: int, layout: str = "interleaved") -> np.ndarray:
-    """The positional table of §3.5, a constant float32 NumPy array ``[1, max_len, D]``.
-    ``"interleaved"`` (paper): PE(pos, 2i) = sin(pos / 10000^(2i/D)), PE(pos, 2i+1) = cos(…).
-    ``"split"`` (Marian, Hugging Face's ``MarianSinusoidalPositionalEmbedding``): the sines
-    in dimensions ``[0, D/2)``, the cosines in ``[D/2, D)``."""
+    """The positional table of §3.5, float32 NumPy ``[1, max_len, D]``: ``"interleaved"``
+    (paper) PE(pos, 2i) = sin(pos / 10000^(2i/D)), PE(pos, 2i+1) = cos(…); ``"split"``
+    (Marian's ``MarianSinusoidalPositionalEmbedding``) sines in ``[0, D/2)``, cosines after."""
     position = np.arange(max_len, dtype=np.float64)[:, None]
     angle = position / np.power(10000.0, np.arange(0, d_model, 2, dtype=np.float64) / d_model)
     sin, cos = np.sin(angle), np.cos(angle[:, : d_model // 2])
@@ -50,8 +48,8 @@ def sinusoidal_positional_encoding(max_len: int, d_model: int, layout: str = "in
 
 
 class Embedding(nn.Module):
-    """Token embedding scaled by √d_model (§3.4); with shared embeddings its table, transposed,
-    is the output projection too (:meth:`jaxformer.Transformer.output_projection_weights`)."""
+    """Token embedding scaled by √d_model (§3.4); shared, its table transposed is the output
+    projection too."""
 
     vocab_size: int
     config: TransformerConfig
@@ -68,15 +66,13 @@ class Embedding(nn.Module):
         x = jnp.take(self.embedding, ids_BL, axis=0)
         if c.matmul_dtype is not None:   # the table's rows as the tied projection sees them
             x = x.astype(c.matmul_dtype)
-        x = x.astype(c.compute_dtype)
-        x = x * jnp.asarray(np.sqrt(c.d_model), c.compute_dtype)
+        x = x.astype(c.compute_dtype) * jnp.asarray(np.sqrt(c.d_model), c.compute_dtype)
         return constrain(x, ("batch", "length", "embed"))
 
 
 class OutputProjection(nn.Module):
-    """The parameters of the final linear layer to the vocabulary (Figure 1, "Linear") when
-    embeddings are not shared: ``kernel [D, V]`` (LeCun normal) and ``bias [V]``, applied by
-    :meth:`jaxformer.Transformer.output_projection_weights`' caller."""
+    """The final linear layer's parameters (Figure 1, "Linear") when embeddings are not
+    shared: ``kernel [D, V]`` (LeCun normal), ``bias [V]``."""
 
     vocab_size: int
     config: TransformerConfig
@@ -105,8 +101,8 @@ class PositionalEncoding(nn.Module):
         self.dropout = Dropout(c.dropout_rate)
 
     def __call__(self, x_BLD, deterministic: bool, offset=0, positions_BL=None):
-        """Adds PE rows ``offset .. offset+L-1`` (``offset`` may be traced: decoding), or with
-        packed rows the rows ``positions_BL`` (int ``[B, L]``)."""
+        """Adds PE rows ``offset .. offset+L-1`` (``offset`` may be traced), or rows ``positions_BL``
+        (int ``[B, L]``, packed rows)."""
         length = x_BLD.shape[1]
         pe_1LD = jnp.asarray(self.table)
         if positions_BL is not None:
@@ -125,8 +121,7 @@ _ACTIVATIONS = {"relu": nn.relu, "swish": nn.swish,
 
 
 class PositionwiseFeedForward(nn.Module):
-    """FFN(x) = act(x W1 + b1) W2 + b2 (§3.3, Eq. 2): act = ReLU in the paper, or
-    ``config.activation`` (swish or gelu, for imported Marian models)."""
+    """FFN(x) = act(x W1 + b1) W2 + b2 (§3.3, Eq. 2), act = ``config.activation`` (paper: ReLU)."""
 
     config: TransformerConfig
 
@@ -144,10 +139,9 @@ class PositionwiseFeedForward(nn.Module):
 
 
 class AddNorm(nn.Module):
-    """Residual connection and LayerNorm around one sub-layer (§3.1, §5.4): ``"post"``
-    (paper) ``LayerNorm(x + Dropout(Sublayer(x)))``, ``"pre"`` (stabler deep training)
-    ``x + Dropout(Sublayer(LayerNorm(x)))``. Use as
-    ``x = add_norm(x, sublayer(add_norm.sublayer_input(x)), deterministic)``."""
+    """Residual and LayerNorm around one sub-layer (§3.1, §5.4): ``"post"`` (paper)
+    ``LayerNorm(x + Dropout(Sublayer(x)))``, ``"pre"`` ``x + Dropout(Sublayer(LayerNorm(x)))``.
+    Use as ``x = add_norm(x, sublayer(add_norm.sublayer_input(x)), deterministic)``."""
 
     config: TransformerConfig
 
@@ -177,12 +171,9 @@ class EncoderLayer(nn.Module):
         self.feed_forward_norm = AddNorm(self.config)
 
     def __call__(self, x_BSD, src_mask, deterministic: bool):
-        """One encoder layer: the previous layer's output (or the embedded source)
-        ``[B, S, D]`` → ``[B, S, D]``, compute dtype. ``src_mask``: an
-        :class:`~jaxformer.model.masks.AttentionMask` (or bool array) whose dense form
-        broadcasts to ``[B, H, S, S]``, **True = may attend**: source padding ``[B, 1, 1, S]``
-        (``[B, 1, S, S]`` packed); a query with no key gets zeros. ``deterministic``:
-        dropout off."""
+        """``x_BSD [B, S, D]`` → ``[B, S, D]``. ``src_mask``: an ``AttentionMask`` (or bool array)
+        broadcasting to ``[B, H, S, S]``, **True = may attend** (padding ``[B, 1, 1, S]``,
+        ``[B, 1, S, S]`` packed); a query with no key gets zeros."""
         y = self.attention_norm.sublayer_input(x_BSD)
         x_BSD = self.attention_norm(x_BSD, self.self_attention(y, y, src_mask, deterministic),
                                     deterministic)
@@ -204,12 +195,9 @@ class DecoderLayer(nn.Module):
         self.feed_forward_norm = AddNorm(self.config)
 
     def __call__(self, x_BTD, encoder_output_BSD, tgt_mask, src_mask, deterministic: bool):
-        """One decoder layer, teacher-forced: the previous layer's output (or the embedded,
-        shifted target) ``[B, T, D]`` and ``encoder_output_BSD [B, S, D]`` → ``[B, T, D]``.
-        Masks (``AttentionMask`` or bool arrays, **True = may attend**): ``tgt_mask``
-        broadcasts to ``[B, H, T, T]`` (causal & target padding, :func:`create_decoder_mask`),
-        ``src_mask`` to ``[B, H, T, S]`` (source padding ``[B, 1, 1, S]``, ``[B, 1, T, S]``
-        packed)."""
+        """Teacher-forced: ``x_BTD [B, T, D]`` and ``encoder_output_BSD [B, S, D]`` → ``[B, T, D]``.
+        Masks (``AttentionMask`` or bool, **True = may attend**): ``tgt_mask`` broadcasting to
+        ``[B, H, T, T]`` (:func:`create_decoder_mask`), ``src_mask`` to ``[B, H, T, S]``."""
         y = self.self_attention_norm.sublayer_input(x_BTD)
         x_BTD = self.self_attention_norm(
             x_BTD, self.self_attention(y, y, tgt_mask, deterministic), deterministic)
@@ -230,18 +218,14 @@ class DecoderLayer(nn.Module):
         return self.cross_attention.project_key_value(encoder_output_BSD)
 
     def step(self, x_B1D, cache, index, src_mask):
-        """One decoding step of the embedded token ``x_B1D [B, 1, D]`` at position ``index``
-        (int32 scalar) with this layer's :class:`~jaxformer.model.transformer.LayerCache`
-        and ``src_mask`` bool ``[B, 1, 1, S]`` → ``(y [B, 1, D], updated LayerCache)``."""
+        """The embedded token ``x_B1D [B, 1, D]`` at position ``index`` (int32), this layer's
+        ``LayerCache`` and bool ``src_mask [B, 1, 1, S]`` → ``(y [B, 1, D], updated LayerCache)``."""
         y = self.self_attention_norm.sublayer_input(x_B1D)
         q = self.self_attention.project_query(y)
-        k_new, v_new = self.self_attention.project_key_value(y)
-        self_k = jax.lax.dynamic_update_slice_in_dim(cache.self_k, k_new.astype(cache.self_k.dtype),
-                                                     index, axis=2)
-        self_v = jax.lax.dynamic_update_slice_in_dim(cache.self_v, v_new.astype(cache.self_v.dtype),
-                                                     index, axis=2)
-        max_len = cache.self_k.shape[2]
-        causal_1_1_1_M = (jnp.arange(max_len) <= index)[None, None, None, :]
+        self_k, self_v = (jax.lax.dynamic_update_slice_in_dim(old, new.astype(old.dtype), index, axis=2)
+                          for old, new in zip((cache.self_k, cache.self_v),
+                                              self.self_attention.project_key_value(y)))
+        causal_1_1_1_M = (jnp.arange(cache.self_k.shape[2]) <= index)[None, None, None, :]
         attended = self.self_attention.attend(q, self_k, self_v, causal_1_1_1_M, True)
         x_B1D = self.self_attention_norm(x_B1D, attended, True)
         x_B1D = self._cross_and_feed_forward(x_B1D, cache.cross_k, cache.cross_v, src_mask, True)

@@ -1,10 +1,8 @@
-"""Attention masks: boolean, ``True`` = "may attend", broadcasting against the scores
+"""Attention masks: bool, ``True`` = "may attend", broadcasting against the scores
 ``[B, H, Tq, Tk]``; the padding id comes from the tokenizer or config, never a literal 0.
 
-The model's masks travel as an :class:`AttentionMask`: the dense mask (the reference and
-``jax.nn.dot_product_attention`` backends) and the same mask as segment ids and a causal
-flag (the splash kernel, :mod:`jaxformer.model.splash`). Every mask the model builds is
-"key not padding AND same segment (AND causal)", which segment ids express exactly.
+The model's masks are "key not padding AND same segment (AND causal)", carried as an
+:class:`AttentionMask`: dense (reference and fused backends) and as segment ids (splash).
 """
 
 from __future__ import annotations
@@ -20,52 +18,40 @@ PADDING_SEGMENT = np.iinfo(np.int32).min
 
 
 def create_padding_mask(tokens: chex.Array, pad_id: int) -> chex.Array:
-    """Key-padding mask of integer ids ``tokens [B, L]`` and the int ``pad_id`` (from the
-    tokenizer or ``TransformerConfig.pad_id``): bool ``[B, 1, 1, L]``, True where
-    ``tokens != pad_id``."""
+    """Key-padding mask of ids ``tokens [B, L]``: bool ``[B, 1, 1, L]``, True where ``!= pad_id``."""
     chex.assert_rank(tokens, 2)
     return (tokens != pad_id)[:, None, None, :]
 
 
 def create_causal_mask(length: int) -> chex.Array:
-    """Look-ahead mask of the decoder's self-attention (§3.2.3) for ``length`` T (an int
-    ≥ 0): bool ``[T, T]``, lower triangular (query t may attend to keys 0..t)."""
+    """Look-ahead mask (§3.2.3): bool ``[T, T]``, lower triangular (query t sees keys 0..t)."""
     return jnp.tril(jnp.ones((length, length), dtype=jnp.bool_))
 
 
 def create_decoder_mask(tgt: chex.Array, pad_id: int) -> chex.Array:
-    """Decoder self-attention mask of the shifted target ids ``tgt [B, T]``: causal AND
-    target key padding, bool ``[B, 1, T, T]``.
-
-    Position 0 holds the decoder start token and is never padding, even when its id is
-    ``pad_id``: Marian (and Hugging Face's ``shift_tokens_right``) starts decoding with
-    the pad id. Targets are padded on the right, so no other position is affected.
-    """
+    """Decoder self-attention mask of shifted target ids ``tgt [B, T]``: causal AND target key
+    padding, bool ``[B, 1, T, T]``. Position 0, the start token, is never padding (Marian
+    starts with the pad id; targets are padded on the right)."""
     chex.assert_rank(tgt, 2)
     return create_causal_mask(tgt.shape[1])[None, None] & _decoder_keys(tgt, pad_id)[:, None, None, :]
 
 
 def _decoder_keys(tgt: chex.Array, pad_id: int) -> chex.Array:
-    """bool ``[B, T]``: the target positions a decoder query may attend to (not padding;
-    position 0, the start token, always; see :func:`create_decoder_mask`)."""
+    """bool ``[B, T]``: target keys not padding, or position 0 (:func:`create_decoder_mask`)."""
     is_start_1T = (jnp.arange(tgt.shape[1]) == 0)[None, :]
     return (tgt != pad_id) | is_start_1T
 
 
 def create_segment_mask(query_segments: chex.Array, key_segments: chex.Array) -> chex.Array:
-    """Packed rows: a query may attend only to keys of its own segment (sentence). The
-    segment numbers of the queries int ``[B, Tq]`` and keys ``[B, Tk]`` → bool
-    ``[B, 1, Tq, Tk]``, to combine with the padding or decoder mask by ``&``."""
+    """Packed rows: query segments int ``[B, Tq]``, key segments ``[B, Tk]`` → bool
+    ``[B, 1, Tq, Tk]``, True where they are equal (combine with ``&``)."""
     chex.assert_rank([query_segments, key_segments], 2)
     return query_segments[:, None, :, None] == key_segments[:, None, None, :]
 
 
 def segment_positions(segments: chex.Array) -> chex.Array:
-    """Positions that restart at 0 where the segment number changes: int32 ``[B, L]``.
-
-    ``[[1, 1, 1, 2, 2, 0]]`` → ``[[0, 1, 2, 0, 1, 0]]`` (padding gets some position;
-    it is masked out everywhere).
-    """
+    """Positions restarting at 0 where the segment changes, int32 ``[B, L]``:
+    ``[[1, 1, 1, 2, 2, 0]]`` → ``[[0, 1, 2, 0, 1, 0]]`` (padding's is masked out)."""
     chex.assert_rank(segments, 2)
     index = jnp.arange(segments.shape[1], dtype=jnp.int32)[None, :]
     starts = jnp.concatenate([jnp.ones_like(segments[:, :1], jnp.bool_),
@@ -76,13 +62,9 @@ def segment_positions(segments: chex.Array) -> chex.Array:
 
 @struct.dataclass
 class AttentionMask:
-    """One attention mask in both forms the backends read; a pytree (``causal`` static).
-
-    ``dense``: bool broadcastable to ``[B, 1, Tq, Tk]``, True = may attend; equal after
-    broadcasting to ``dense_from_segments(q_segments, kv_segments, causal)``: int32
-    ``[B, Tq]`` and ``[B, Tk]`` segments (1 when unpacked; padding keys
-    :data:`PADDING_SEGMENT`), ``causal``: query t attends only to keys ``<= t``.
-    """
+    """One mask in both forms (a pytree, ``causal`` static): ``dense`` bool broadcasting to
+    ``[B, 1, Tq, Tk]`` equals ``dense_from_segments(q_segments, kv_segments, causal)`` of int32
+    ``[B, Tq]``, ``[B, Tk]`` segments (1 unpacked; padding keys :data:`PADDING_SEGMENT`)."""
 
     dense: jax.Array
     q_segments: jax.Array
@@ -91,9 +73,8 @@ class AttentionMask:
 
 
 def dense_from_segments(q_segments: chex.Array, kv_segments: chex.Array, causal: bool) -> chex.Array:
-    """The dense mask that segment ids stand for: bool ``[B, 1, Tq, Tk]``, True where the
-    query's and the key's segments are equal (and, if ``causal``, the key is not after
-    the query). What the splash kernel computes from the same ids."""
+    """The dense mask of segment ids, as the splash kernel reads them: bool ``[B, 1, Tq, Tk]``,
+    same segment (and, if ``causal``, key not after query)."""
     mask = create_segment_mask(q_segments, kv_segments)
     if causal:
         chex.assert_equal(q_segments.shape[1], kv_segments.shape[1])
@@ -102,8 +83,8 @@ def dense_from_segments(q_segments: chex.Array, kv_segments: chex.Array, causal:
 
 
 def _segments(keys_valid_BL, query_len, q_segments=None, kv_segments=None):
-    """``(q_segments [B, Tq], kv_segments [B, L])`` int32: one segment (1) when the rows
-    are not packed; padding keys (``keys_valid`` False) get :data:`PADDING_SEGMENT`."""
+    """``(q_segments [B, Tq], kv_segments [B, L])`` int32 (1 unpacked); invalid keys get
+    :data:`PADDING_SEGMENT`."""
     batch = keys_valid_BL.shape[0]
     if q_segments is None:
         q_segments = jnp.ones((batch, query_len), jnp.int32)
@@ -113,9 +94,8 @@ def _segments(keys_valid_BL, query_len, q_segments=None, kv_segments=None):
 
 
 def encoder_mask(src: chex.Array, pad_id: int, src_segments: chex.Array | None = None) -> AttentionMask:
-    """The encoder self-attention mask of source ids ``src [B, S]``: key padding (& same
-    segment with packed rows' ``src_segments`` int ``[B, S]``), an :class:`AttentionMask`
-    whose ``dense`` is ``[B, 1, 1, S]`` (``[B, 1, S, S]`` packed)."""
+    """Encoder self-attention mask of ``src [B, S]``: key padding (& same ``src_segments``),
+    dense ``[B, 1, 1, S]`` (``[B, 1, S, S]`` packed)."""
     dense = create_padding_mask(src, pad_id)
     if src_segments is not None:
         dense = dense & create_segment_mask(src_segments, src_segments)
@@ -125,12 +105,9 @@ def encoder_mask(src: chex.Array, pad_id: int, src_segments: chex.Array | None =
 
 def decoder_masks(src: chex.Array, tgt: chex.Array, pad_id: int, src_segments: chex.Array | None = None,
                   tgt_segments: chex.Array | None = None) -> tuple[AttentionMask, AttentionMask]:
-    """The decoder's masks ``(tgt_mask, src_mask)`` of source ids ``[B, S]`` and shifted
-    target ids ``[B, T]`` (packed rows: both segment arrays, int ``[B, S]``/``[B, T]``).
-    Self-attention: causal & target key padding (:func:`create_decoder_mask`) & same
-    segment, dense ``[B, 1, T, T]``. Cross-attention: source key padding & target
-    segment j sees only source segment j, dense ``[B, 1, 1, S]`` (``[B, 1, T, S]`` packed).
-    """
+    """The decoder's ``(tgt_mask, src_mask)`` of ``src [B, S]``, shifted ``tgt [B, T]`` (packed:
+    both segment arrays): :func:`create_decoder_mask` & same segment, dense ``[B, 1, T, T]``;
+    source key padding & target segment j sees source segment j, ``[B, 1, 1, S]`` (``[B, 1, T, S]``)."""
     tgt_dense = create_decoder_mask(tgt, pad_id)
     src_dense = create_padding_mask(src, pad_id)
     if tgt_segments is not None:

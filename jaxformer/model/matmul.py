@@ -1,13 +1,7 @@
-"""The weight matmuls in a narrower operand dtype: ``config.matmul_dtype``.
-
-Every matmul of activations with a weight matrix goes through :func:`weight_einsum` or
-:func:`dense_dot_general`: in ``dtype``, or with ``"bfloat16"`` operands summed and
-returned in ``dtype`` (what bfloat16 matmul units compute, and CTranslate2's
-``compute_type`` and Marian's ``--gemm-type`` choose for decoding; timings in
-``benchmarks/README.md``). LayerNorm, softmax, residuals, the attention core and the
-fused training loss keep ``dtype``. Weights stored in ``matmul_dtype``
-(:func:`cast_matmul_weights`, once per run) are used as they are; the embedding lookup
-rounds its rows too, so float32 and cast parameters compute the same.
+"""The weight matmuls in a narrower operand dtype, ``config.matmul_dtype`` (CTranslate2's
+``compute_type``, Marian's ``--gemm-type``): operands in it, summed and returned in ``dtype``.
+LayerNorm, softmax, residuals and the attention core keep ``dtype``; the embedding lookup
+rounds its rows too, so float32 and cast parameters (:func:`cast_matmul_weights`) agree.
 """
 
 from __future__ import annotations
@@ -21,9 +15,7 @@ from jaxformer.model.config import TransformerConfig
 
 
 def weight_einsum(subscripts: str, x, kernel, config: TransformerConfig):
-    """``jnp.einsum(subscripts, x, kernel)`` of activations ``x`` and a weight ``kernel``
-    (any float dtypes) with operands in ``config.matmul_dtype``; the product in (and
-    summed in) ``config.compute_dtype``."""
+    """``jnp.einsum(subscripts, x, kernel)``, operands in ``matmul_dtype``, summed in ``compute_dtype``."""
     compute = config.compute_dtype
     if config.matmul_dtype is None:
         return jnp.einsum(subscripts, x.astype(compute), kernel.astype(compute))
@@ -32,9 +24,7 @@ def weight_einsum(subscripts: str, x, kernel, config: TransformerConfig):
 
 
 def dense_dot_general(config: TransformerConfig):
-    """The ``dot_general`` for :class:`flax.linen.Dense` layers (``dtype=compute_dtype``):
-    :func:`jax.lax.dot_general` with operands in ``config.matmul_dtype`` and the result
-    in the compute dtype; plain ``dot_general`` when ``matmul_dtype`` is ``None``."""
+    """:class:`flax.linen.Dense`'s ``dot_general`` as :func:`weight_einsum` computes."""
     if config.matmul_dtype is None:
         return jax.lax.dot_general
     operand, compute = jnp.dtype(config.matmul_dtype), config.compute_dtype
@@ -49,10 +39,8 @@ def dense_dot_general(config: TransformerConfig):
 
 
 def cast_matmul_weights(params, config: TransformerConfig):
-    """``params`` with the weight matrices (``*kernel``, ``embedding``) in
-    ``config.matmul_dtype``, once, so the decoding steps do not cast them again;
-    biases and LayerNorm parameters keep their dtype. ``params`` unchanged when
-    ``matmul_dtype`` is ``None``."""
+    """``params`` with the weight matrices (``*kernel``, ``embedding``) in ``matmul_dtype`` (if
+    set), once, so decoding steps do not cast them; biases and LayerNorm keep their dtype."""
     if config.matmul_dtype is None:
         return params
     operand = jnp.dtype(config.matmul_dtype)

@@ -1,11 +1,7 @@
-"""Scanned and unrolled layer stacks: one model's parameters in two layouts.
-
-Unrolled, each stack holds ``layer_0 … layer_{N-1}``; with ``scan_layers`` one subtree
-``layers`` whose leaves have a leading axis of N layers, row ``i`` being layer ``i``.
-:func:`stack_layers` and :func:`unstack_layers` convert exactly any tree whose dicts
-hold the stacks (variables, a train state, its abstract form with shardings), so
-checkpoints restore into either layout and cached decoding runs the unrolled layers
-on a scanned model's parameters (:func:`unrolled`).
+"""One model's parameters in two layouts: unrolled stacks hold ``layer_0 … layer_{N-1}``,
+scanned ones a subtree ``layers`` with leaves ``[N, ...]``. The converters take any tree
+holding the stacks (variables, a train state, its abstract form), so checkpoints restore
+into either layout and cached decoding unrolls a scanned model (:func:`unrolled`).
 """
 
 from __future__ import annotations
@@ -84,23 +80,19 @@ def _map_dicts(fn, tree: Any) -> Any:
 
 
 def stack_layers(tree: Any) -> Any:
-    """The scanned layout of ``tree``: in every ``encoder``/``decoder`` dict the subtrees
-    ``layer_0 … layer_{N-1}`` become one ``layers`` subtree with leaves ``[N, ...]``:
-    arrays (``jnp.stack``; works under ``jit``), ``jax.ShapeDtypeStruct`` (a leading
-    unsharded axis) or ``nn.Partitioned`` boxes (``layers`` prepended to the names).
-    A tree already scanned is returned as it is."""
+    """The scanned layout of ``tree`` (as it is if scanned): each ``encoder``/``decoder``'s
+    ``layer_i`` become one ``layers`` subtree of arrays (jit-safe), ``ShapeDtypeStruct`` (an
+    unsharded leading axis) or ``nn.Partitioned`` (``layers`` prepended) leaves ``[N, ...]``."""
     return _map_dicts(_stack_dict, tree)
 
 
 def unstack_layers(tree: Any) -> Any:
-    """The unrolled layout of ``tree``: the inverse of :func:`stack_layers` (row ``i``
-    of every ``layers`` leaf becomes ``layer_i``). A tree already unrolled is returned as it is."""
+    """The unrolled layout of ``tree``, the inverse of :func:`stack_layers` (row ``i`` → ``layer_i``)."""
     return _map_dicts(_unstack_dict, tree)
 
 
 def layout_of(tree: Any) -> bool | None:
-    """``True`` if ``tree``'s stacks are scanned, ``False`` if unrolled, ``None`` if it has
-    no layer stack (e.g. an empty tree). Works on orbax metadata trees too."""
+    """Whether ``tree``'s (or orbax metadata's) stacks are scanned; ``None``: no layer stack."""
     for path, _ in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_leaf)[0]:
         names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
         for parent, child in zip(names, names[1:]):
@@ -118,11 +110,8 @@ def to_layout(tree: Any, scanned: bool) -> Any:
 
 
 def unrolled(model: nn.Module, variables: Any) -> tuple[nn.Module, Any]:
-    """``(model, variables)`` with unrolled layers (unchanged when ``model``, a
-    ``Transformer``, is not scanned; ``variables``: ``{"params": …}`` or bare parameters).
-    Cached decoding keeps one cache per layer and runs the layers one by one, so a model
-    trained with ``scan_layers`` decodes through this view of its own parameters (the
-    decoders of :mod:`jaxformer.decode` call it); under ``jit`` a slice per leaf."""
+    """``(model, variables)`` of a ``Transformer`` with unrolled layers (as they are if not
+    scanned; ``variables``: ``{"params": …}`` or bare), what cached decoding runs."""
     if not model.config.scan_layers:
         return model, variables
     return type(model)(model.config.replace(scan_layers=False)), unstack_layers(variables)

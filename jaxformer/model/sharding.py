@@ -1,11 +1,10 @@
-"""Meshes, the one logical-axis rules table, and the shardings of state and batches.
+"""Meshes ``("data", "fsdp", "model")``, the one logical-axis rules table, the shardings of
+state and batches: one code path for a laptop, a GPU and a multi-host slice.
 
-One code path serves a laptop, one GPU and a multi-host slice: ``jax.jit`` with
-``NamedSharding`` over a ``Mesh`` ``("data", "fsdp", "model")``. Parameters carry logical
-axis names (``nn.with_logical_partitioning``) that :data:`LOGICAL_AXIS_RULES` maps onto
-mesh axes; :func:`constrain` lays out activations, a no-op unless a mesh is active
-(:func:`under_mesh`). Logical names: ``batch`` [B], ``length`` [S or T], ``embed`` [D],
-``heads`` [H], ``kv`` [K], ``mlp`` [F], ``vocab`` [V], ``layers`` [N] (scanned stacks).
+Parameters carry logical axis names that :data:`LOGICAL_AXIS_RULES` maps onto mesh axes;
+:func:`constrain` lays out activations under an active mesh (:func:`under_mesh`). Names:
+``batch`` [B], ``length`` [S or T], ``embed`` [D], ``heads`` [H], ``kv`` [K], ``mlp`` [F],
+``vocab`` [V], ``layers`` [N].
 """
 
 from __future__ import annotations
@@ -25,17 +24,11 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 MESH_AXES = ("data", "fsdp", "model")
 BATCH_AXES = ("data", "fsdp")   # the mesh axes that split batch rows
 
-# The one table: logical axis name → mesh axis (None = replicated).
-# - data parallel over examples: rows split over ``data`` and ``fsdp``;
-# - fully sharded data parallel (ZeRO-3; MaxText's and T5X's ``fsdp`` axis): parameters
-#   and Adam moments split over ``fsdp`` on their ``embed`` dimension, so each chip
-#   holds 1/fsdp of them; XLA all-gathers each weight where a layer uses it and
-#   reduce-scatters its gradient;
-# - tensor parallel (Megatron style) over heads, the FFN hidden width and the vocabulary.
-# A mesh (n, 1, 1) is pure data parallelism, (1, n, 1) pure FSDP, (1, 1, n) pure tensor
-# parallelism. Rules apply in order and a mesh axis is used once per array (flax's
-# ``logical_to_mesh_axes``): an activation ``(batch, length, embed)`` gives ``fsdp`` to
-# its batch, so only parameters (which have no batch axis) are split on ``embed``.
+# Logical axis → mesh axis (None = replicated): batch rows over ``data`` × ``fsdp``;
+# parameters and Adam moments over ``fsdp`` on ``embed`` (ZeRO-3, MaxText's and T5X's
+# ``fsdp``); heads, FFN width and vocabulary over ``model`` (Megatron tensor parallelism).
+# Rules apply in order and a mesh axis serves one dimension per array, so activations
+# ``(batch, length, embed)`` give ``fsdp`` to the batch and only parameters split ``embed``.
 LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("batch", BATCH_AXES),
     ("heads", "model"),
@@ -49,12 +42,8 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 
 
 def parse_mesh_axes(spec: str | None) -> dict[str, int]:
-    """The axis sizes ``spec`` (``"data=4,model=2"``) names, checked for syntax only (no
-    device count needed: a run's settings check it when built).
-
-    Raises:
-      ValueError: bad syntax, an unknown or repeated axis name, or a size below 1.
-    """
+    """The axis sizes ``spec`` (``"data=4,model=2"``) names, syntax only (no device count). Raises
+    ``ValueError``: bad syntax, an unknown or repeated axis name, or a size below 1."""
     sizes: dict[str, int] = {}
     for part in filter(None, (spec or "").replace(" ", "").split(",")):
         name, eq, value = part.partition("=")
@@ -70,13 +59,10 @@ def parse_mesh_axes(spec: str | None) -> dict[str, int]:
 
 
 def parse_mesh(spec: str | None, num_devices: int) -> dict[str, int]:
-    """Mesh axis sizes of ``"data=4,model=2"``: an axis left out gets size 1, except
-    ``data``, which takes the devices the others leave (``"model=2"`` on 8 devices is
-    ``data=4,fsdp=1,model=2``; ``None``: all on ``data``).
-
-    Raises:
-      ValueError: as :func:`parse_mesh_axes`, or sizes whose product is not ``num_devices``.
-    """
+    """Mesh axis sizes of ``"data=4,model=2"``: an axis left out gets size 1, except ``data``, which takes the
+    devices the others leave (``"model=2"`` on 8 devices is ``data=4,fsdp=1,model=2``; ``None``: all on
+    ``data``). Raises ``ValueError``: as :func:`parse_mesh_axes`, or sizes whose product is not
+    ``num_devices``."""
     sizes = {"model": 1, "fsdp": 1, **parse_mesh_axes(spec)}
     sizes.setdefault("data", max(1, num_devices // (sizes["model"] * sizes["fsdp"])))
     if math.prod(sizes.values()) != num_devices:
@@ -87,11 +73,8 @@ def parse_mesh(spec: str | None, num_devices: int) -> dict[str, int]:
 
 
 def first_devices(count: int | None) -> list[jax.Device] | None:
-    """The first ``count`` devices of a single-process run (``--devices``); ``None`` = all.
-
-    Raises:
-      ValueError: ``count`` in a multi-process run, or more devices than there are.
-    """
+    """The first ``count`` devices of a single-process run (``--devices``); ``None`` = all. Raises
+    ``ValueError``: ``count`` in a multi-process run, or more devices than there are."""
     if count is None:
         return None
     devices = jax.devices()
@@ -105,14 +88,9 @@ def first_devices(count: int | None) -> list[jax.Device] | None:
 
 
 def check_mesh_divides(mesh: Mesh, config: Any, *, loaded_from: str | None = None) -> None:
-    """Refuses a mesh whose ``fsdp`` axis does not divide ``d_model`` or whose ``model`` axis
-    does not divide ``num_heads`` and ``d_ff``, before a run prepares data (the vocabulary:
-    :func:`tree_shardings`). ``loaded_from``: the run a fine-tune takes ``config`` from;
-    its vocabulary sizes are checked too and the fix is another mesh.
-
-    Raises:
-      ValueError: naming each size that does not divide and the fix.
-    """
+    """Refuses a mesh whose ``fsdp`` axis does not divide ``d_model`` or whose ``model`` axis does not divide
+    ``num_heads`` and ``d_ff`` (and, given ``loaded_from``, the run a fine-tune loads, the vocabulary sizes),
+    before data is prepared. Raises ``ValueError``: naming each size that does not divide and the fix."""
     fsdp, model = mesh.shape.get("fsdp", 1), mesh.shape.get("model", 1)
     sizes = [("d_model", config.d_model, "fsdp", fsdp), ("num_heads", config.num_heads, "model", model),
              ("d_ff", config.d_ff, "model", model)]
@@ -151,26 +129,24 @@ def logical_to_mesh_spec(logical_names: Sequence[str | None]) -> PartitionSpec:
 
 
 def constrain(x: jax.Array, logical_names: Sequence[str | None]) -> jax.Array:
-    """``x`` constrained by one logical name (or ``None``) per dimension; a no-op unless
-    a mesh is active."""
+    """``x`` laid out by one logical name per dimension; a no-op unless a mesh is active."""
     return nn.with_logical_constraint(x, tuple(logical_names), rules=LOGICAL_AXIS_RULES)
 
 
 def under_mesh(fn: Callable, mesh: Mesh) -> Callable:
-    """``fn`` called (and so traced) with ``mesh`` active, so :func:`constrain` applies; a
-    jitted ``fn``'s ``lower`` runs under the mesh too (what :mod:`jaxformer.aot` compiles)."""
+    """``fn`` called (and traced) with ``mesh`` active, so :func:`constrain` applies; so is a
+    jitted ``fn``'s ``lower`` (what :mod:`jaxformer.aot` compiles)."""
 
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        with jax.set_mesh(mesh):
-            return fn(*args, **kwargs)
-
-    if hasattr(fn, "lower"):
-        def lower(*args, **kwargs):
+    def meshed(f):
+        @functools.wraps(f)
+        def call(*args, **kwargs):
             with jax.set_mesh(mesh):
-                return fn.lower(*args, **kwargs)
+                return f(*args, **kwargs)
+        return call
 
-        wrapper.lower = lower
+    wrapper = meshed(fn)
+    if hasattr(fn, "lower"):
+        wrapper.lower = meshed(fn.lower)
     return wrapper
 
 
@@ -179,14 +155,9 @@ def _path_name(path) -> str:
 
 
 def tree_shardings(boxed_tree: Any, mesh: Mesh) -> Any:
-    """``NamedSharding`` on ``mesh`` for every leaf of ``boxed_tree`` (e.g. the abstract train
-    state, parameters still boxed), in the structure of ``nn.unbox(boxed_tree)``: boxed
-    leaves (parameters, Adam moments) by the rules table, others replicated.
-
-    Raises:
-      ValueError: a sharded dimension is not divisible by its mesh axes (naming the
-        parameter and the fix).
-    """
+    """``NamedSharding`` on ``mesh`` per leaf of ``boxed_tree`` (e.g. the abstract train state), shaped as
+    ``nn.unbox(boxed_tree)``: boxed leaves by the rules table, others replicated. Raises ``ValueError``: a
+    sharded dimension its mesh axes do not divide (naming the parameter)."""
     mesh_specs = nn.logical_to_mesh(nn.get_partition_spec(boxed_tree), LOGICAL_AXIS_RULES)
     is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
     flat, treedef = jax.tree_util.tree_flatten_with_path(mesh_specs, is_leaf=is_spec)
@@ -196,8 +167,7 @@ def tree_shardings(boxed_tree: Any, mesh: Mesh) -> Any:
 
 
 def check_divisible(name: str, shape: Sequence[int], spec: PartitionSpec, mesh: Mesh) -> None:
-    """Raises ``ValueError`` unless each dimension of ``shape`` divides by the mesh axes
-    ``spec`` splits it over (``spec`` has at most ``len(shape)`` entries)."""
+    """Raises ``ValueError`` unless each dimension of ``shape`` divides by its mesh axes in ``spec``."""
     for dim, axes in zip(shape, spec):
         size = math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes or ()))
         if dim % size:
@@ -218,8 +188,7 @@ class Layout:
 
     @classmethod
     def for_params(cls, mesh: Mesh, boxed_params: Any) -> Layout:
-        """The layout of parameters alone (decoding): the shardings of ``boxed_params``
-        (``jax.eval_shape`` of ``model.init``'s ``"params"``, still boxed) on ``mesh``."""
+        """The layout of parameters alone (decoding): ``boxed_params`` (abstract, boxed) on ``mesh``."""
         return cls(mesh=mesh, state=types.SimpleNamespace(params=tree_shardings(boxed_params, mesh)))
 
     @property
@@ -242,12 +211,9 @@ class Layout:
 
 
 def shard_batch(batch: Mapping[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
-    """This process's rows (name → int ``[b, L]``) as global arrays of the batch
-    ``sharding`` (:attr:`Layout.batch`). Over several processes each passes its own
-    contiguous block of rows and the global batch has as many times more rows as the
-    mesh has processes (:func:`mesh_processes`). The global row count divides by the
-    ``data`` × ``fsdp`` axes (the batching code sizes batches so; else JAX's
-    ``IndivisibleError``)."""
+    """This process's rows (name → int ``[b, L]``, a contiguous block) as global arrays of the
+    batch ``sharding`` (:attr:`Layout.batch`), ``b`` × the mesh's processes rows, a multiple of
+    ``data`` × ``fsdp`` (the batching code sizes batches so)."""
     processes, _ = mesh_processes(sharding.mesh)
     return {name: jax.make_array_from_process_local_data(
                 sharding, np.asarray(local), (len(local) * processes,) + np.shape(local)[1:])
@@ -255,21 +221,15 @@ def shard_batch(batch: Mapping[str, np.ndarray], sharding: NamedSharding) -> dic
 
 
 def mesh_processes(mesh: Mesh) -> tuple[int, int]:
-    """``(count, position)``: how many processes own devices of ``mesh`` (this one among
-    them), and where this process stands among them: ``(1, 0)`` for a mesh of
-    ``jax.local_devices()``, ``(process_count, process_index)`` for a training mesh."""
+    """``(count, position)`` of the processes owning devices of ``mesh`` and this one among them."""
     owners = sorted({d.process_index for d in mesh.devices.flat})
     return len(owners), owners.index(jax.process_index())
 
 
 def process_barrier(name: str, timeout_s: float = 24 * 3600) -> None:
-    """Waits until every process reaches the barrier ``name`` (once per run): the
-    coordination service's, as JAX's array serialization uses (no device work, so hours
-    of waiting do not hit gloo's timeout). Returns at once in a single-process run.
-
-    Raises:
-      jax.errors.JaxRuntimeError: ``timeout_s`` passed, or a process left the cluster.
-    """
+    """Waits until every process reaches the barrier ``name`` (once per run), the coordination service's as
+    JAX's array serialization uses (no device work: no gloo timeout). Raises ``jax.errors.JaxRuntimeError``:
+    ``timeout_s`` passed, or a process left the cluster."""
     if jax.process_count() == 1:
         return
     from jax._src import distributed  # the client JAX's array_serialization waits on
@@ -288,17 +248,15 @@ def to_host(tree: Any) -> Any:
 
 
 def abstract_state(state: Any) -> Any:
-    """``ShapeDtypeStruct`` tree of ``state`` that keeps each array's sharding (unlike
-    ``jax.eval_shape``): an orbax restore target onto this mesh."""
+    """``ShapeDtypeStruct`` tree of ``state`` with each array's sharding (an orbax restore target)."""
     return jax.tree_util.tree_map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
 
 
 def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
                            process_id: int | None = None, auto: bool = False) -> bool:
-    """Starts ``jax.distributed`` for a multi-process run (before any other JAX use);
-    whether it did. Explicit arguments win; ``auto=True`` lets JAX detect the cluster
-    (TPU pods, SLURM, Open MPI, Kubernetes, ``JAX_COORDINATOR_ADDRESS``)."""
+    """Starts ``jax.distributed`` (before any other JAX use) given any argument or ``auto``
+    (JAX detects the cluster); whether it did."""
     if coordinator_address is None and num_processes is None and process_id is None and not auto:
         return False
     jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,

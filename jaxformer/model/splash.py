@@ -1,12 +1,8 @@
-"""Splash attention, Pallas's TPU flash-attention kernel: ``attention_backend="pallas"``.
-
-Wraps :mod:`jax.experimental.pallas.ops.tpu.splash_attention` as MaxText's
-``attention_op`` does: per example (``jax.vmap``) on ``[H, L, K]`` heads, never building
-the ``[T, S]`` scores in HBM, skipping the blocks a causal mask rules out. Masks arrive
-as segment ids (:class:`jaxformer.model.masks.AttentionMask`). Runs natively on TPU, on
-CPU in Pallas's interpret mode (slow: tests), not on GPU. Under a mesh it runs in
-``jax.shard_map`` over the rules table's batch and head axes (XLA's SPMD partitioner
-cannot split a ``pallas_call``). Shapes: B batch, H heads, T queries, S keys, K head width.
+"""Splash attention, Pallas's TPU flash-attention kernel (``attention_backend="pallas"``),
+wrapped as MaxText's ``attention_op`` does: per example on ``[H, L, K]`` heads, masks as
+segment ids, no ``[T, S]`` scores in HBM. Native on TPU, interpret mode on CPU (tests), not
+on GPU; under a mesh in ``jax.shard_map`` over the batch and head axes (XLA cannot split a
+``pallas_call``). Shapes: B batch, H heads, T queries, S keys, K head width.
 """
 
 from __future__ import annotations
@@ -34,8 +30,7 @@ def padded_length(length: int) -> tuple[int, int]:
 
 
 def _target_platform() -> str:
-    """The platform the kernel is compiled for: the active mesh's devices (the compile
-    tool's compile-only TPU devices on a CPU host), else JAX's default backend."""
+    """The active mesh's platform (compile-only TPU devices too), else JAX's default backend."""
     mesh = jax.sharding.get_abstract_mesh()
     device = None if mesh.empty else mesh.abstract_device
     return device.platform if device is not None else jax.default_backend()
@@ -55,9 +50,8 @@ def _interpret_mode(interpret: bool | None) -> bool:
 
 
 def _kernel(heads: int, q_len: int, kv_len: int, causal: bool, interpret: bool):
-    """The splash kernel for ``[heads, q_len, K]`` queries and ``[heads, kv_len, K]`` keys
-    (lengths padded to their blocks). Built anew in every trace (it holds arrays, which
-    must not outlive one); the splash library caches the mask's block analysis."""
+    """The splash kernel of ``[heads, q_len, K]`` queries, ``[heads, kv_len, K]`` keys (padded
+    lengths); built per trace (it holds arrays), the library caches the mask analysis."""
     _, block_q = padded_length(q_len)
     _, block_kv = padded_length(kv_len)
     blocks = splash.BlockSizes(block_q=block_q, block_kv=block_kv, block_kv_compute=block_kv,
@@ -70,8 +64,7 @@ def _kernel(heads: int, q_len: int, kv_len: int, causal: bool, interpret: bool):
 
 
 def _fitting(axes, size: int, mesh) -> str | tuple[str, ...] | None:
-    """The mesh axes of one dimension's rule, or ``None`` (replicated) when they do not
-    divide ``size`` (say, a small evaluation batch on a wide data axis)."""
+    """The mesh axes of one dimension's rule, or ``None`` (replicated) if they do not divide ``size``."""
     if axes is None:
         return None
     names = (axes,) if isinstance(axes, str) else tuple(axes)
@@ -79,8 +72,7 @@ def _fitting(axes, size: int, mesh) -> str | tuple[str, ...] | None:
 
 
 def _run_kernel(q_BHTK, k_BHSK, v_BHSK, q_segments_BT, kv_segments_BS, causal: bool, interpret: bool):
-    """The kernel on padded inputs, per example; in ``shard_map`` over batch and heads
-    when a mesh is active (the rules' ``batch`` and ``heads`` axes)."""
+    """The kernel on padded inputs per example; under a mesh in ``shard_map`` over batch and heads."""
 
     def per_shard(q, k, v, q_segments, kv_segments):
         kernel = _kernel(q.shape[1], q.shape[2], k.shape[2], causal, interpret)
@@ -103,20 +95,12 @@ def _run_kernel(q_BHTK, k_BHSK, v_BHSK, q_segments_BT, kv_segments_BS, causal: b
 
 def splash_dot_product_attention(q_BHTK, k_BHSK, v_BHSK, q_segments_BT, kv_segments_BS, *,
                                  causal: bool, interpret: bool | None = None):
-    """softmax(QKᵀ/√K + M)V ``[B, H, T, K]`` (``v``'s dtype) by the splash kernel, of
-    queries ``[B, H, T, K]`` and keys/values ``[B, H, S, K]`` (float32 or bfloat16, any K),
-    the mask M given by segment ids int ``[B, T]``/``[B, S]``.
-
-    Query t attends to key s iff their segments are equal (and ``s <= t`` if ``causal``,
-    T = S): :func:`jaxformer.model.masks.dense_from_segments`; a query with no key gets
-    zeros, forward and backward. Softmax in float32; lengths padded to the block and the
-    output sliced back; no dropout, no weights. ``interpret``: Pallas interpret mode,
-    ``None`` = native on TPU (compile-only devices too, read from the active mesh),
-    interpret mode on CPU (slow: tests).
-
-    Raises:
-      ValueError: ``interpret=None`` on a GPU (use ``"cudnn"`` or ``"xla"``).
-    """
+    """softmax(QKᵀ/√K + M)V ``[B, H, T, K]`` (``v``'s dtype) by the splash kernel: queries
+    ``[B, H, T, K]``, keys/values ``[B, H, S, K]`` (float32 or bfloat16, any K), the mask M as
+    segment ids int ``[B, T]``/``[B, S]`` (:func:`~jaxformer.model.masks.dense_from_segments`);
+    a query with no key gets zeros. Softmax in float32; no dropout, no weights. ``interpret``:
+    Pallas interpret mode, ``None`` = native on TPU, interpreted on CPU. Raises ``ValueError``:
+    ``interpret=None`` on a GPU (use ``"cudnn"`` or ``"xla"``)."""
     batch, heads, q_len, head_dim = q_BHTK.shape
     kv_len = k_BHSK.shape[2]
     chex.assert_shape([k_BHSK, v_BHSK], (batch, heads, kv_len, head_dim))

@@ -1,7 +1,5 @@
-"""The encoder-decoder Transformer (Vaswani et al. 2017, Figure 1).
-
-Glossary of shapes: B batch, S source length, T target length, D d_model, H heads,
-K = D / H, F d_ff, V target vocabulary, M cache length. Used through ``init``/``apply``::
+"""The encoder-decoder Transformer (Vaswani et al. 2017, Figure 1). Shapes: B batch, S source
+length, T target length, D d_model, H heads, K = D / H, V target vocabulary, M cache length::
 
     model = Transformer(config)
     variables = model.init(jax.random.key(0), src_BS, tgt_BT)
@@ -30,9 +28,8 @@ from jaxformer.model.validation import check_count, token_id_problem
 
 @struct.dataclass
 class LayerCache:
-    """Decoding cache of one decoder layer, a plain pytree: self-attention ``self_k``,
-    ``self_v [B, H, M, K]`` of past positions (rows from the current index on not yet
-    written) and cross-attention ``cross_k``, ``cross_v [B, H, S, K]`` (once per source)."""
+    """One decoder layer's cache: self-attention ``self_k``, ``self_v [B, H, M, K]`` (rows
+    from ``index`` on unwritten), cross-attention ``cross_k``, ``cross_v [B, H, S, K]``."""
 
     self_k: jax.Array
     self_v: jax.Array
@@ -42,17 +39,15 @@ class LayerCache:
 
 @struct.dataclass
 class DecodeCache:
-    """The decoding state a ``tokens_to_logits`` callback threads through: one
-    :class:`LayerCache` per decoder ``layers``, the source's bool ``src_mask [B, 1, 1, S]``
-    and ``index`` (int32, tokens fed so far). Every leaf but ``index`` has the batch first."""
+    """The state ``tokens_to_logits`` threads: a :class:`LayerCache` per decoder layer, bool
+    ``src_mask [B, 1, 1, S]``, int32 ``index`` (tokens fed so far); batch first but ``index``."""
 
     layers: tuple[LayerCache, ...]
     src_mask: jax.Array
     index: jax.Array
 
     def map_beam_state(self, fn) -> DecodeCache:
-        """Applies ``fn`` to the leaves that differ between the beams of one sentence: the
-        self-attention K/V (the source side and ``index`` are the same for every beam)."""
+        """``fn`` applied to the leaves beams of one sentence differ in: the self-attention K/V."""
         return self.replace(layers=tuple(layer.replace(self_k=fn(layer.self_k), self_v=fn(layer.self_v))
                                          for layer in self.layers))
 
@@ -61,8 +56,7 @@ class DecodeCache:
         return jax.tree_util.tree_map(lambda x: x if x.ndim == 0 else x[rows], self)
 
     def with_length(self, length: int) -> DecodeCache:
-        """The cache for ``length`` target positions (≥ the current M): the self-attention
-        K/V padded with zeros on the position axis (positions past ``index`` are never read)."""
+        """The cache for ``length`` ≥ M positions: self-attention K/V zero-padded on axis 2."""
         current = self.layers[0].self_k.shape[2]
         return self.map_beam_state(lambda x: jnp.pad(x, [(0, 0), (0, 0), (0, length - current), (0, 0)]))
 
@@ -70,7 +64,11 @@ class DecodeCache:
 class Transformer(nn.Module):
     """Encoder-decoder Transformer of ``config``; ``__call__`` = ``decode(encode(src), src, tgt)``.
     The public methods check their ids once (:meth:`_check`): rank, integer dtype, length
-    ``<= max_len``, batch sizes; the range ``[0, vocab)`` on concrete arrays."""
+    ``<= max_len``, batch sizes; the range ``[0, vocab)`` on concrete arrays.
+
+    Raises:
+      ValueError: from every public method, one message naming each problem and its fix.
+    """
 
     config: TransformerConfig
 
@@ -91,12 +89,8 @@ class Transformer(nn.Module):
                 (c.tgt_vocab_size,), c.parameter_dtype)
 
     def _check(self, deterministic, src, tgt=None, src_segments=None, tgt_segments=None):
-        """The entry check of ``src`` ids (or, given ``tgt``, its ids, both batch sizes and
-        packed segments) and a bool ``deterministic`` ("no" would mean True).
-
-        Raises:
-          ValueError: one message naming every problem and its fix.
-        """
+        """The entry check of ``src`` ids (given ``tgt``: its ids, both batch sizes, packed
+        segments) and a bool ``deterministic`` ("no" would mean True); raises as :func:`_refuse`."""
         c = self.config
         if tgt is None:
             problems = [token_id_problem(src, name="src", vocab_size=c.src_vocab_size, max_len=c.max_len)]
@@ -109,18 +103,19 @@ class Transformer(nn.Module):
                 problems.append("packed decoding needs both src_segments and tgt_segments, or neither")
         if not isinstance(deterministic, (bool, jnp.bool_)):
             problems.append(f"deterministic must be True or False, got {deterministic!r}")
-        problems = [p for p in problems if p]
-        if problems:
-            raise ValueError("; ".join(problems) + ".")
+        _refuse(problems)
 
-    # ------------------------------------------------------------------ encoder
+    def _scan_problem(self, method: str) -> str | None:
+        """Cached decoding runs the decoder layers one by one: not a scanned model's."""
+        if self.config.scan_layers:
+            return (f"{method} runs the unrolled decoder layers, but this model has scan_layers=True; "
+                    f"decode with jaxformer.model.scan.unrolled(model, variables), which gives the same "
+                    f"model and parameters unrolled (the decoders of jaxformer.decode do so themselves)")
+        return None
+
     def encode(self, src, *, deterministic: bool = True, src_segments=None):
         """Source ids ``[B, S]`` int → ``encoder_output [B, S, D]``. Packed rows' ``src_segments``
-        (int ``[B, S]``): each position attends only within its segment, positions restart.
-
-        Raises:
-          ValueError: bad rank/dtype, ``S > max_len``, or ids out of range.
-        """
+        (int ``[B, S]``): each position attends only within its segment, positions restart."""
         c = self.config
         self._check(deterministic, src)
         positions = None
@@ -133,7 +128,6 @@ class Transformer(nn.Module):
         chex.assert_shape(encoder_output, src.shape + (c.d_model,))
         return encoder_output
 
-    # ------------------------------------------------------------------ decoder
     def _logits(self, decoder_output_BLD):
         kernel_DV, bias_V = self.output_projection_weights()
         logits = weight_einsum("BLD,DV->BLV", decoder_output_BLD, kernel_DV, self.config)
@@ -142,8 +136,8 @@ class Transformer(nn.Module):
         return constrain(logits, ("batch", "length", "vocab"))
 
     def output_projection_weights(self):
-        """The final linear layer as ``(kernel [D, V], bias [V] or None)`` in the compute
-        dtype; shared embeddings: the table transposed and ``final_logits_bias`` or None."""
+        """The final linear layer ``(kernel [D, V], bias [V] or None)``, compute dtype (shared:
+        the table transposed and ``final_logits_bias``)."""
         c = self.config
         if c.share_embeddings:
             bias_V = self.final_logits_bias.astype(c.compute_dtype) if c.final_logits_bias else None
@@ -152,15 +146,9 @@ class Transformer(nn.Module):
 
     def decode(self, encoder_output, src, tgt, *, deterministic: bool = True, src_segments=None,
                tgt_segments=None):
-        """Teacher-forced decoder: ``encoder_output [B,S,D]``, its src ids ``[B,S]`` (for the
-        padding mask) and the shifted target input ids ``tgt [B,T]`` (``bos y1 y2 …``) →
-        ``logits [B,T,V]``. Packed rows give ``src_segments [B,S]`` and ``tgt_segments
-        [B,T]``: target segment j attends only to itself (causally) and source segment j.
-
-        Raises:
-          ValueError: bad ``tgt`` ids (as :meth:`encode`'s), batch sizes that differ, or
-            one segment array without the other.
-        """
+        """Teacher-forced: ``encoder_output [B,S,D]``, its ``src [B,S]``, shifted target ids
+        ``tgt [B,T]`` (``bos y1 y2 …``) → ``logits [B,T,V]``. Packed rows: ``src_segments [B,S]``,
+        ``tgt_segments [B,T]``; target segment j attends to itself (causally) and source segment j."""
         return self._logits(self.decoder_output(encoder_output, src, tgt, deterministic=deterministic,
                                                 src_segments=src_segments, tgt_segments=tgt_segments))
 
@@ -184,33 +172,26 @@ class Transformer(nn.Module):
 
     def __call__(self, src, tgt, *, deterministic: bool = True, src_segments=None, tgt_segments=None):
         """``src [B,S]``, shifted target input ``tgt [B,T]`` → ``logits [B,T,V]``; training:
-        ``deterministic=False`` with a ``"dropout"`` rng. Packed rows (segments as in
-        :meth:`decode`) get exactly the logits each pair gets alone. Raises as
-        :meth:`encode` and :meth:`decode`."""
+        ``deterministic=False`` with a ``"dropout"`` rng. Packed rows (as :meth:`decode`) get
+        the logits each pair gets alone."""
         encoder_output = self.encode(src, deterministic=deterministic, src_segments=src_segments)
         return self.decode(encoder_output, src, tgt, deterministic=deterministic,
                            src_segments=src_segments, tgt_segments=tgt_segments)
 
     def features(self, src, tgt, *, deterministic: bool = True, src_segments=None, tgt_segments=None):
-        """``__call__`` stopped before the logits, for losses that fuse the projection
-        (:func:`jaxformer.train.losses.projected_cross_entropy`): ``(decoder_output [B,T,D],
-        kernel [D,V], bias [V] or None)`` with ``logits = decoder_output @ kernel (+ bias)``."""
+        """``__call__`` before the logits, for fused losses: ``(decoder_output [B,T,D],
+        kernel [D,V], bias [V] or None)``, ``logits = decoder_output @ kernel (+ bias)``."""
         encoder_output = self.encode(src, deterministic=deterministic, src_segments=src_segments)
         decoder_output = self.decoder_output(encoder_output, src, tgt, deterministic=deterministic,
                                              src_segments=src_segments, tgt_segments=tgt_segments)
         return (decoder_output, *self.output_projection_weights())
 
-    # --------------------------------------------------------- cached decoding
     def init_cache(self, encoder_output, src, max_decode_len: int) -> DecodeCache:
-        """The decoding cache of ``encoder_output [B, S, D]`` and its source ids ``src [B, S]``
-        for M = ``max_decode_len`` target positions (BOS included; at most ``max_len``):
-        zeroed self-attention K/V ``[B, H, M, K]``, every layer's cross-attention K/V
-        ``[B, H, S, K]``, ``index = 0``.
-
-        Raises:
-          ValueError: ``max_decode_len`` not an integer in ``[1, max_len]``.
-        """
+        """The cache of ``encoder_output [B, S, D]`` and ``src [B, S]`` for M = ``max_decode_len``
+        positions (BOS included; an int in ``[1, max_len]``): zero self-attention K/V
+        ``[B, H, M, K]``, cross-attention K/V ``[B, H, S, K]``, ``index = 0``."""
         c = self.config
+        _refuse([self._scan_problem("init_cache")])
         max_decode_len = check_count("max_decode_len", max_decode_len, maximum=c.max_len)
         batch, src_len = src.shape
         chex.assert_shape(encoder_output, (batch, src_len, c.d_model))
@@ -221,28 +202,27 @@ class Transformer(nn.Module):
                            index=jnp.zeros((), jnp.int32))
 
     def decode_step(self, ids_B1, cache: DecodeCache):
-        """One incremental decoding step, ``tokens_to_logits(ids, cache)``: the current token
-        ``ids_B1 [B, 1]`` (BOS first) and the cache of :meth:`init_cache` or the previous
-        step → ``(logits [B, V], cache advanced by one position)``, the teacher-forced
-        :meth:`decode` logits at that position.
-
-        Raises:
-          ValueError: concrete ``ids_B1`` outside ``[0, V)`` (the jitted decoders check traced
-            ones), or a concrete ``cache.index`` at the cache's length (its write would be
-            clamped into the last position: wrong logits, silently).
-        """
+        """``tokens_to_logits(ids, cache)``: the current token ``ids_B1 [B, 1]`` (BOS first) and
+        the cache of :meth:`init_cache` or the last step → ``(logits [B, V]`` (the teacher-forced
+        :meth:`decode` logits there), the cache one position on). A full cache is refused: its
+        write would be clamped into the last position, silently."""
         chex.assert_shape(ids_B1, (cache.src_mask.shape[0], 1))
         # Concrete ids are range-checked here; inside jit the decoders check on the host.
-        problem = token_id_problem(ids_B1, name="ids_B1", vocab_size=self.config.tgt_vocab_size)
-        room = cache.layers[0].self_k.shape[-2] if cache.layers else None
-        if not problem and room is not None and not isinstance(cache.index, jax.core.Tracer) \
-                and int(cache.index) >= room:
-            problem = (f"decode_step: the cache holds {room} positions and all are used (index "
-                       f"{int(cache.index)}); make it with init_cache(..., max_decode_len) large "
-                       f"enough for every step")
-        if problem:
-            raise ValueError(problem + ".")
+        room, index = cache.layers[0].self_k.shape[-2] if cache.layers else None, cache.index
+        full = room is not None and not isinstance(index, jax.core.Tracer) and int(index) >= room
+        _refuse([self._scan_problem("decode_step"),
+                 token_id_problem(ids_B1, name="ids_B1", vocab_size=self.config.tgt_vocab_size),
+                 full and f"decode_step: the cache holds {room} positions and all are used (index "
+                          f"{int(index)}); make it with init_cache(..., max_decode_len) large enough "
+                          f"for every step"])
         x_B1D = self.positional_encoding(self.tgt_embedding(ids_B1), True, offset=cache.index)
         y_B1D, layers = self.decoder.step(x_B1D, cache.layers, cache.index, cache.src_mask)
         logits_B1V = self._logits(y_B1D)
         return logits_B1V[:, 0], cache.replace(layers=layers, index=cache.index + 1)
+
+
+def _refuse(problems) -> None:
+    """Raises ``ValueError`` naming every problem (falsy entries are none) and its fix."""
+    problems = [p for p in problems if p]
+    if problems:
+        raise ValueError("; ".join(problems) + ".")

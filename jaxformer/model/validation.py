@@ -1,9 +1,6 @@
-"""Checks of what library callers hand to the public entry points, run once there.
-
-JAX clamps or wraps out-of-range gather indices silently, so ids are checked: shape,
-dtype and length at trace time, the range on concrete arrays (eager ``apply``, or the
-host batch before a jitted step). :func:`check_count` and :func:`check_real` check the
-scalars that become static arguments.
+"""Checks of what library callers hand to the public entry points, run once there. JAX
+clamps out-of-range gather indices silently, so ids are checked: shape, dtype, length at
+trace time, the range on concrete arrays; scalars that become static arguments too.
 """
 
 from __future__ import annotations
@@ -44,13 +41,9 @@ def token_id_problem(tokens, *, name: str, vocab_size: int, max_len: int | None 
 
 
 def check_token_ids(tokens, *, name: str, vocab_size: int, max_len: int | None = None) -> None:
-    """Checks a batch of token ids ``[B, L]`` (NumPy, JAX, or a tracer) named ``name`` in
-    the message: ids in ``[0, vocab_size)`` (concrete arrays), ``L <= max_len`` if given.
-
-    Raises:
-      ValueError: not an array, wrong rank, float dtype, too long, or an id out of
-        range; the message names the argument and the fix.
-    """
+    """Checks a batch of token ids ``[B, L]`` (NumPy, JAX, or a tracer) named ``name`` in the message: ids in
+    ``[0, vocab_size)`` (concrete arrays), ``L <= max_len`` if given. Raises ``ValueError``: not an array,
+    wrong rank, float dtype, too long, or an id out of range; the message names the argument and the fix."""
     problem = token_id_problem(tokens, name=name, vocab_size=vocab_size, max_len=max_len)
     if problem:
         raise ValueError(problem + ".")
@@ -58,12 +51,9 @@ def check_token_ids(tokens, *, name: str, vocab_size: int, max_len: int | None =
 
 def check_special_ids(*, pad_id: int, bos_id: int, eos_id: int, unk_id: int | None = None,
                       source: str = "the tokenizer") -> None:
-    """Refuses special ids that collide with the padding id, which is masked out of the
-    loss (an eos sharing it is never learnt; sentencepiece allows such models).
-
-    Raises:
-      ValueError: pad equals eos, bos or unk; the message names them and the fix.
-    """
+    """Refuses special ids that collide with the padding id, which is masked out of the loss (an eos sharing
+    it is never learnt; sentencepiece allows such models). Raises ``ValueError``: pad equals eos, bos or unk;
+    the message names them and the fix."""
     same = [name for name, value in (("eos", eos_id), ("bos", bos_id), ("unk", unk_id))
             if value is not None and value == pad_id]
     if same:
@@ -90,12 +80,9 @@ def _scalar(value: Any) -> Any:
 
 
 def check_count(name: str, value: Any, *, minimum: int = 1, maximum: int | None = None) -> int:
-    """``value`` (a Python or NumPy integer or a 0-d integer array; not a ``bool`` nor a
-    float such as ``2.0``, which would fail inside ``jit``) as an ``int`` in ``[minimum, maximum]``.
-
-    Raises:
-      ValueError: naming ``name``, the value and the fix.
-    """
+    """``value`` (a Python or NumPy integer or a 0-d integer array; not a ``bool`` nor a float such as
+    ``2.0``, which would fail inside ``jit``) as an ``int`` in ``[minimum, maximum]``. Raises ``ValueError``:
+    naming ``name``, the value and the fix."""
     value = _scalar(value)
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         problem = f"an integer, got {value!r} ({type(value).__name__}); pass e.g. {name}={max(minimum, 1)}"
@@ -107,11 +94,8 @@ def check_count(name: str, value: Any, *, minimum: int = 1, maximum: int | None 
 
 
 def check_real(name: str, value: Any, *, minimum: float | None = None, above: float | None = None) -> float:
-    """``value`` (a number or a 0-d array) as a finite ``float``, ≥ ``minimum`` / > ``above``.
-
-    Raises:
-      ValueError: naming ``name`` and the value.
-    """
+    """``value`` (a number or a 0-d array) as a finite ``float``, ≥ ``minimum`` / > ``above``. Raises
+    ``ValueError``: naming ``name`` and the value."""
     value = _scalar(value)
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
         problem = f"a finite number, got {value!r}"
