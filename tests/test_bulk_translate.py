@@ -244,6 +244,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def test_a_job_started_by_an_older_version_is_refused_naming_the_version_not_the_command(tmp_path):
+    """A manifest without a setting later versions record (a sampled job of per-batch keys has
+    no ``sampling_keys``) cannot be finished by this version: the fix says so."""
+    bulk.BulkJob(tmp_path / "out.txt", {"input_sha256": "x", "mode": "sample"})
+    with pytest.raises(bulk.BulkResumeError, match="started by an older jaxformer, whose manifest has no "
+                                                   "sampling_keys: finish it with that version, or delete"):
+        bulk.BulkJob(tmp_path / "out.txt", {"input_sha256": "x", "mode": "sample",
+                                            "sampling_keys": "line index"})
+    with pytest.raises(bulk.BulkResumeError, match="Run the command that started it"):
+        bulk.BulkJob(tmp_path / "out.txt", {"input_sha256": "y", "mode": "sample"})
+
+
 def test_scan_input_counts_hashes_and_finds_bad_lines(tmp_path):
     path = tmp_path / "in.txt"
     path.write_bytes(b"a\n\xff\nlast without newline")

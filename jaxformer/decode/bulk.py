@@ -68,10 +68,13 @@ class BulkJob:
             differing = sorted(k for k in set(saved) | set(record) if saved.get(k) != record.get(k))
             if differing:
                 changes = "; ".join(f"{k}: then {saved.get(k)!r}, now {record.get(k)!r}" for k in differing)
+                unknown = [k for k in differing if k not in saved]   # recorded only by later versions
+                fix = (f"It was started by an older jaxformer, whose manifest has no {', '.join(unknown)}: "
+                       f"finish it with that version" if unknown else
+                       "Run the command that started it to finish it")
                 raise BulkResumeError(
                     f"{self.parts} holds the chunks of an unfinished translation with other inputs or "
-                    f"settings ({changes}). Run the command that started it to finish it, or delete "
-                    f"{self.parts} to start over.")
+                    f"settings ({changes}). {fix}, or delete {self.parts} to start over.")
         else:
             self.parts.mkdir(parents=True, exist_ok=True)
             _write_atomically(manifest, json.dumps(record, indent=1, sort_keys=True))
