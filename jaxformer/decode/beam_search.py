@@ -67,40 +67,26 @@ class Beam:
     def __post_init__(self):
         object.__setattr__(self, "beam_size", check_count("beam_size", self.beam_size))
         object.__setattr__(self, "alpha", check_real("alpha", self.alpha))
-        rules = {"length_normalization": ("'gnmt' or 'hf'", self.length_normalization in ("gnmt", "hf")),
-                 "early_stopping": ("True or False", isinstance(self.early_stopping, (bool, np.bool_)))}
-        wrong = [f"{name} must be {allowed}, got {getattr(self, name)!r}"
-                 for name, (allowed, ok) in rules.items() if not ok]
-        if wrong:
-            raise ValueError("; ".join(wrong) + ".")
+        norm, early = self.length_normalization, self.early_stopping
+        if norm not in ("gnmt", "hf") or not isinstance(early, (bool, np.bool_)):
+            raise ValueError(f"length_normalization must be 'gnmt' or 'hf' (got {norm!r}) and "
+                             f"early_stopping must be True or False (got {early!r}).")
         object.__setattr__(self, "early_stopping", bool(self.early_stopping))
 
-    @property
-    def beams(self) -> int:
-        return self.beam_size
+    beams = property(lambda self: self.beam_size)
 
     def search(self, tokens_to_logits: TokensToLogits, cache: Any, *, batch_size: int, bos_id: int,
                eos_id: int, pad_id: int, max_decode_len: int, max_lengths: jax.Array | None = None,
                keys_B: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-        """``(sequences [B, k, M] int32, scores [B, k] float32)``, best first; ``cache``
-        holds ``B*k`` rows (:func:`tile_beams`)."""
-        state0 = init_beam_state(cache, self, batch_size=batch_size, bos_id=bos_id, pad_id=pad_id,
-                                 length=max_decode_len, max_decode_len=max_decode_len,
-                                 max_lengths=max_lengths)
+        """``(sequences [B, k, M] int32, scores [B, k] float32)``, best first; ``cache`` has ``B*k`` rows."""
+        state = init_beam_state(cache, self, batch_size=batch_size, bos_id=bos_id, pad_id=pad_id,
+                                length=max_decode_len, max_decode_len=max_decode_len, max_lengths=max_lengths)
         state = jax.lax.while_loop(
             lambda state: (state["step"] < max_decode_len) & jnp.any(state["open"]),
             lambda state: beam_step(state, tokens_to_logits, self, bos_id=bos_id, eos_id=eos_id,
                                     pad_id=pad_id),
-            state0)
+            state)
         return beam_output(state, self, pad_id=pad_id)
-
-
-def beam_search(tokens_to_logits: TokensToLogits, cache: Any, *, beam_size: int, alpha: float = 0.6,
-                length_normalization: str = "gnmt", early_stopping: bool = False, processors: tuple = (),
-                **loop) -> tuple[jax.Array, jax.Array]:
-    """``Beam(beam_size, alpha, ...).search(tokens_to_logits, cache, **loop)``."""
-    return Beam(beam_size, alpha, length_normalization, early_stopping, processors).search(
-        tokens_to_logits, cache, **loop)
 
 
 def _flatten_beams(x):
@@ -158,21 +144,6 @@ def tile_beams(tree, beam_size: int):
         lambda x: x if x.ndim == 0 else jnp.repeat(x, beam_size, axis=0), tree)
 
 
-def constrain_log_probs(logp_BNV: jax.Array, at_limit_B: jax.Array, *, eos_id: int, pad_id: int,
-                        bos_id: int, forced_eos_logprob_zero: bool = False) -> jax.Array:
-    """float32 log-probabilities ``[B, k, V]`` with pad and bos (never generated) and, for a
-    sentence at its limit (``at_limit_B``, bool ``[B]``), all but eos at :data:`NEG_INF`;
-    ``forced_eos_logprob_zero``: that eos at 0 (transformers' ``ForcedEOSTokenLogitsProcessor``)."""
-    vocab = logp_BNV.shape[-1]
-    force = at_limit_B[:, None, None] & (jnp.arange(vocab) != eos_id)[None, None, :]
-    never = ((jnp.arange(vocab) == pad_id) | (jnp.arange(vocab) == bos_id))[None, None, :]
-    logp_BNV = jnp.where(force | never, NEG_INF, logp_BNV)
-    if forced_eos_logprob_zero:
-        forced_eos = at_limit_B[:, None, None] & (jnp.arange(vocab) == eos_id)[None, None, :]
-        logp_BNV = jnp.where(forced_eos, 0.0, logp_BNV)
-    return logp_BNV
-
-
 def still_open(state: dict[str, jax.Array], beam: Beam) -> jax.Array:
     """The stopping rule (:class:`Beam`'s): per sentence (bool ``[B]``), can a live beam
     still beat the worst finished hypothesis? ``state``: the loop's
@@ -224,9 +195,14 @@ def beam_step(state: dict[str, Any], tokens_to_logits: TokensToLogits, beam: Bea
         logp_RV = apply_processors(beam.processors, _flatten_beams(logp_BNV),
                                    _flatten_beams(state["live_seqs"]), step)
         logp_BNV = _unflatten_beams(jnp.maximum(logp_RV, NEG_INF), batch_size)
-    logp_BNV = constrain_log_probs(logp_BNV, step + 1 >= state["limit"], eos_id=eos_id, pad_id=pad_id,
-                                   bos_id=bos_id, forced_eos_logprob_zero=hf)
+    # Pad and bos are never generated; at its limit a sentence gets eos only (with "hf" at
+    # log-probability 0: transformers' ForcedEOSTokenLogitsProcessor).
     vocab = logp_BNV.shape[-1]
+    ids_11V, at_limit_B11 = jnp.arange(vocab)[None, None, :], (step + 1 >= state["limit"])[:, None, None]
+    logp_BNV = jnp.where((at_limit_B11 & (ids_11V != eos_id)) | (ids_11V == pad_id) | (ids_11V == bos_id),
+                         NEG_INF, logp_BNV)
+    if hf:
+        logp_BNV = jnp.where(at_limit_B11 & (ids_11V == eos_id), 0.0, logp_BNV)
     candidates = (state["live_logprobs"][:, :, None] + logp_BNV).reshape(batch_size, k * vocab)
     top_logprobs, top_idx = blocked_top_k(candidates, 2 * k)            # [B, 2k]
     top_beam, top_token = top_idx // vocab, (top_idx % vocab).astype(jnp.int32)

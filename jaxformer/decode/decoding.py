@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer.decode.beam_search import (  # noqa: F401  (re-exported: callers import them from here)
-    NEG_INF, TokensToLogits, _gather_beams, beam_search, blocked_top_k, length_penalty, tile_beams)
+    TokensToLogits, _gather_beams, blocked_top_k, tile_beams)
 from jaxformer.decode.strategies import Beam, Greedy, Sample, first_argmax  # noqa: F401
 from jaxformer.model.scan import unrolled
 from jaxformer.model.sharding import under_mesh
@@ -26,25 +26,21 @@ from jaxformer.model.validation import check_count, check_real, check_token_ids
 def decode(model: Transformer, params: Any, src_BS: jax.Array, strategy: Any, *, bos_id: int, eos_id: int,
            max_decode_len: int, len_a: float = 1.0, extra_len: int | None = None,
            rng: jax.Array | None = None, indices_B: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """Encodes ``src [B, S]`` once and decodes it with ``strategy`` (``Greedy``, ``Sample``,
-    ``Beam`` or any class like them: :mod:`jaxformer.decode.strategies`), jitted: one
-    compile per (B, S, strategy, settings).
+    """Encodes ``src [B, S]`` once and decodes it with ``strategy``
+    (:mod:`jaxformer.decode.strategies`), jitted: one compile per (B, S, strategy, settings).
 
     Args:
       bos_id, eos_id: the tokenizer's; an eos outside the vocabulary never stops.
       max_decode_len: M, the most tokens per output (eos included).
-      len_a, extra_len: a sentence also stops after ``len_a`` × its source length +
-        ``extra_len`` tokens (fairseq's ``--max-len-a/b``; §6.1: 1 and 50); ``None``: no such limit.
+      len_a, extra_len: a sentence stops after ``len_a`` × its source length + ``extra_len``
+        tokens (fairseq's ``--max-len-a/b``; §6.1: 1 and 50); ``extra_len=None``: no such limit.
       rng: a sampling strategy's seed key (default ``key(0)``); sentence b draws from
-        ``fold_in(rng, indices_B[b])``, its index in the whole input (int ``[B]`` or
-        ``[B, 1]``, default 0..B-1), whatever its batch.
+        ``fold_in(rng, indices_B[b])``, its index in the whole input (int ``[B]`` or ``[B, 1]``,
+        default 0..B-1), whatever its batch.
 
-    Returns:
-      ``(sequences [B, N, M] int32, scores [B, N] float32)``, best first (N = 1 but for beams).
-
-    Raises:
-      ValueError: (before dispatch) concrete ids outside ``[0, V_src)``, a ``bos_id``
-        outside ``[0, V_tgt)``, a size not an integer or a limit not finite.
+    Returns ``(sequences [B, N, M] int32, scores [B, N] float32)``, best first (N = 1 but for beams).
+    Raises ``ValueError`` (before dispatch) for concrete ids outside ``[0, V_src)``, a ``bos_id``
+    outside ``[0, V_tgt)``, a size not an integer or a limit not finite.
     """
     config = model.config
     if not isinstance(src_BS, jax.Array) or src_BS.is_fully_addressable:
@@ -143,25 +139,22 @@ def uncached_model_callback(model: Transformer, params: Any, src_BS: jax.Array, 
 
 
 # ---------------------------------------------------------------------- the older names
+def _split(cls: type, settings: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """``(cls(the settings that are its fields; penalties as processors), the rest)``."""
+    settings = {("processors" if k == "penalties" else k): v for k, v in settings.items()}
+    fields = {f.name for f in dataclasses.fields(cls)} & settings.keys()
+    return cls(**{k: settings.pop(k) for k in fields}), settings
+
+
 def _older(name: str, cls: type, defaults: dict[str, Any] | None = None, best: bool = True):
-    """The older decoder ``name(model, params, src_BS[, rng], **settings)``: :func:`decode`
-    with a ``cls`` of the settings that are its fields (``penalties``: ``processors``), the
-    rest ``defaults`` or as given; ``best``: the sequences ``[B, M]`` only."""
-    fields = {f.name for f in dataclasses.fields(cls)}
-
-    def split(settings: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-        settings = {**(defaults or {}), **settings}
-        if "penalties" in settings:
-            settings["processors"] = settings.pop("penalties")
-        return (cls(**{k: v for k, v in settings.items() if k in fields}),
-                {k: v for k, v in settings.items() if k not in fields})
-
+    """``name(model, params, src_BS[, rng], **settings)``: :func:`decode` with the ``cls`` of
+    the settings (:func:`_split`; others ``defaults``); ``best``: the sequences ``[B, M]`` only."""
     def decoder(model, params, src_BS, *rng, **settings):
-        strategy, rest = split(settings)
+        strategy, rest = decoder.split(settings)
         out = decode(model, params, src_BS, strategy, rng=rng[0] if rng else None, **rest)
         return out[0][:, 0] if best else out
 
-    decoder.split, decoder.__name__ = split, name
+    decoder.split, decoder.__name__ = lambda settings: _split(cls, {**(defaults or {}), **settings}), name
     return decoder
 
 
@@ -170,6 +163,13 @@ beam_translate = _older("beam_translate", Beam, {"extra_len": 50}, best=False)  
 sample_translate = _older("sample_translate", Sample)   # (model, params, src_BS, rng, ...) -> [B, M]
 
 
-def greedy_search(tokens_to_logits: TokensToLogits, cache: Any, *, forced_eos=False, processors=(), **loop):
-    """``Greedy(forced_eos, processors).search(tokens_to_logits, cache, **loop)``'s ``[B, M]``."""
-    return Greedy(forced_eos, processors).search(tokens_to_logits, cache, **loop)[0][:, 0]
+def greedy_search(tokens_to_logits: TokensToLogits, cache: Any, **settings) -> jax.Array:
+    """``Greedy(**settings).search(tokens_to_logits, cache, **loop)``'s sequences ``[B, M]``."""
+    strategy, loop = _split(Greedy, settings)
+    return strategy.search(tokens_to_logits, cache, **loop)[0][:, 0]
+
+
+def beam_search(tokens_to_logits: TokensToLogits, cache: Any, **settings) -> tuple[jax.Array, jax.Array]:
+    """``Beam(**settings).search(tokens_to_logits, cache, **loop)``: ``([B, k, M], [B, k])``."""
+    strategy, loop = _split(Beam, settings)
+    return strategy.search(tokens_to_logits, cache, **loop)

@@ -1,11 +1,7 @@
 """Evaluation and batched translation of a trained model (:class:`Evaluator`): teacher-forced
-dev loss, decoding in fixed-shape length buckets, and BLEU and chrF (sacrebleu).
-
-BLEU uses sacrebleu's own tokenizer for the target language (``zh`` → ``zh``, ``ja`` →
-``ja-mecab``, ``ko`` → ``ko-mecab``, else ``13a``), as its command line does; without
-MeCab a Japanese or Korean target is refused rather than scored incomparably
-(``--sacrebleu-tokenize char`` is the explicit alternative). The trainer evaluates with
-it; :class:`jaxformer.decode.translator.Translator` translates with it.
+dev loss, decoding in fixed-shape length buckets, BLEU and chrF (sacrebleu). BLEU tokenizes as
+sacrebleu's command line does for the target language (``zh``, ``ja-mecab``, ``ko-mecab``, else
+``13a``); without MeCab a Japanese or Korean target is refused, not scored incomparably.
 """
 
 from __future__ import annotations
@@ -40,22 +36,19 @@ class Evaluator:
                  decoders: dict[Any, Any] | None = None):
         """
         Args:
-          batch_size: the most sentences per decoding batch; a smaller input is padded
-            only to the next power of two (one compile per size).
-          target_language: ISO code (``"de"``, ``"zh"``) choosing sacrebleu's BLEU
-            tokenizer; ``tokenize``: a sacrebleu tokenizer name that overrides it.
-          max_len_a, max_len_b: a translation has at most ``a * L + b`` tokens (fairseq's
-            ``--max-len-a/b``; a ≥ 0, a + b ≥ 1), never more than ``max_len``.
+          batch_size: the most sentences per decoding batch; fewer are padded to the next power of two.
+          target_language: ISO code (``"de"``, ``"zh"``) choosing sacrebleu's BLEU tokenizer;
+            ``tokenize``: a sacrebleu tokenizer name that overrides it.
+          max_len_a, max_len_b: at most ``a * L + b`` tokens (fairseq's ``--max-len-a/b``; a ≥ 0,
+            a + b ≥ 1), never more than ``max_len``.
           scoring: build the BLEU/chrF scorers (the translate tool needs none).
-          exports: serve decoders from these exported programs (:mod:`jaxformer.decode.exported`)
+          exports: serve decoders from exported programs (:mod:`jaxformer.decode.exported`)
             unless sampling with a key or under a layout.
-          staged: run :class:`~jaxformer.decode.strategies.Beam` in stages
-            (:mod:`jaxformer.decode.staged`) without a layout; bulk translation's choice.
-          decoders: the compiled decoders by their settings (default: a new dict), shareable by
-            evaluators of one model, layout, ``exports`` and ``staged`` (``RunPrograms``).
+          staged: run ``Beam`` in stages (:mod:`jaxformer.decode.staged`) without a layout.
+          decoders: the compiled decoders by their settings, shareable by evaluators of one
+            model, layout, ``exports`` and ``staged`` (default: a new dict).
 
-        Raises:
-          ValueError: a tokenizer unknown or without its package (:func:`make_bleu`).
+        Raises ``ValueError`` for a tokenizer unknown or without its package (:func:`make_bleu`).
         """
         self.model, self.tokenizer, self.layout, self.batch_size = model, tokenizer, layout, batch_size
         # Coarse buckets: each is one compile of the decode loop and of the eval step.
@@ -112,12 +105,11 @@ class Evaluator:
 
     def decode(self, params: Any, sources: Sequence[str], strategy: Any, *, rng: jax.Array | None = None,
                indices: Sequence[int] | None = None, length_limits: bool = True) -> list[list]:
-        """Each source's (translation, score) list, best first, in input order: ``sources``
-        (cut to ``max_len`` tokens) decoded with ``strategy`` in length-sorted fixed-shape
-        batches (:func:`jaxformer.decode.decoding.decode`; ``rng`` and ``indices``, each
-        source's index in the whole input, as its ``rng`` and ``indices_B``).
-        ``length_limits``: at most a·L + b tokens, L the source's length (``False``: the
-        batch's limit only, as Hugging Face ``generate``)."""
+        """Each source's (translation, score) list, best first, in input order: ``sources`` (cut
+        to ``max_len`` tokens) decoded with ``strategy`` in length-sorted fixed-shape batches;
+        ``rng``, ``indices`` (each source's index in the whole input): ``decode``'s ``rng``,
+        ``indices_B`` (:mod:`jaxformer.decode.decoding`). ``length_limits``: at most a·L + b
+        tokens, L the source's length (``False``: the batch's limit only, as ``generate``)."""
         c = self.model.config
         ids = [s[: c.max_len] for s in self.tokenizer.encode_source(sources)]
         indices = np.arange(len(ids)) if indices is None else np.asarray(indices)

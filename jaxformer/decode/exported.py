@@ -1,16 +1,12 @@
-"""Decoders and parameter shapes kept in a run directory, so that a later translate
-process neither traces nor compiles.
+"""Exported decoders and parameter shapes kept in a run directory, so a later translate process
+neither traces nor compiles (the persistent compilation cache still traces: about 0.5 s for the
+small preset's beam search, 0.3 s for the model's ``init``).
 
-JAX's persistent compilation cache (``RUN/jax_cache``) saves the compile, but a new
-process still traces the decoder to find its cache key (about 0.5 s for the small
-preset's beam search) and the model's ``init`` for the parameters' shapes (0.3 s).
-Here a decoder is exported (``jax.export``, the lowered StableHLO program) to
-``<key>.jaxexport`` and the parameters' shapes and dtypes to ``<key>.json``; a later
-process reads them in milliseconds. Each key is a SHA-256 of all the entry depends on:
-jaxformer's source files, the jax, jaxlib and flax versions, the JAX settings that
-change a trace, the model config, the decoder's settings and the inputs' shapes and
-dtypes, so a stale entry is never used. Each file starts with its payload's SHA-256;
-one that fails to load or verify is made again.
+A decoder is exported (``jax.export``) to ``<key>.jaxexport``, the parameters' shapes and dtypes
+to ``<key>.json``. A key is a SHA-256 of all an entry depends on (jaxformer's sources, the jax,
+jaxlib and flax versions, the JAX settings that change a trace, the model config, the decoder's
+settings, the inputs' shapes and dtypes), so a stale entry is never used. Each file starts with
+its payload's SHA-256; one that fails to load or verify is made again.
 """
 
 from __future__ import annotations
@@ -87,19 +83,13 @@ class ExportCache:
         """``make()`` (a nested dict of ``jax.ShapeDtypeStruct``: the parameters of a model
         with ``config``), read from this cache when it was made before."""
         path = self.directory / f"{self.key('params', repr(config))}.json"
-        with contextlib.suppress(OSError, ValueError, TypeError, KeyError, AttributeError):   # missing
-            tree: dict[str, Any] = {}
-            for names, shape, dtype in json.loads(_read_verified(path)):
-                node = tree
-                for name in names[:-1]:
-                    node = node.setdefault(name, {})
-                node[names[-1]] = jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype))
-            return tree
+        with contextlib.suppress(OSError, ValueError, TypeError, IndexError):   # missing or damaged
+            return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(tuple(x[0]), np.dtype(x[1])),
+                                          json.loads(_read_verified(path)), is_leaf=lambda x: type(x) is list)
         abstract = make()
-        leaves = [[[k.key for k in names], list(x.shape), str(x.dtype)]
-                  for names, x in jax.tree_util.tree_flatten_with_path(abstract)[0]]
         with contextlib.suppress(OSError):   # an unwritable run directory: made again next time
-            _write_atomically(path, json.dumps(leaves).encode())
+            _write_atomically(path, json.dumps(jax.tree_util.tree_map(
+                lambda x: [list(x.shape), str(x.dtype)], abstract)).encode())
         return abstract
 
     def decoder(self, fn: Callable, name: str, config: Any, **static: Any) -> Callable:

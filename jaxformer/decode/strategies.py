@@ -1,14 +1,10 @@
-"""Decoding strategies: small frozen values that say how the next tokens are chosen.
-
-A strategy checks its settings when made, is hashable (a static argument of the
-jitted decoder) and has ``beams`` (the rows each sentence takes in the cache: 1 or
-the beam width) and ``search(tokens_to_logits, cache, *, batch_size, bos_id, eos_id,
-pad_id, max_decode_len, max_lengths, keys_B)`` → ``(sequences [B, N, M] int32, scores
-[B, N] float32)``, best first, eos then pad after each end. ``tokens_to_logits(ids
-[B*N, 1], cache) -> (logits [B*N, V], cache)`` is the model, ``max_lengths`` (int
-``[B]`` or ``None``) each sentence's most tokens, ``keys_B`` one PRNG key per sentence.
-:func:`jaxformer.decode.decoding.decode` runs any of them; a new one is one such class
-(``tests/test_decoding.py`` defines one), token by token through :func:`autoregress`.
+"""Decoding strategies: frozen, hashable values (static arguments of the jitted decoder) that
+check their settings when made. A strategy has ``beams`` (cache rows per sentence) and
+``search(tokens_to_logits, cache, *, batch_size, bos_id, eos_id, pad_id, max_decode_len,
+max_lengths, keys_B)`` → ``(sequences [B, N, M] int32, scores [B, N] float32)``, best first, eos
+then pad after each end; ``tokens_to_logits(ids [B*N, 1], cache) -> (logits [B*N, V], cache)``
+is the model, ``max_lengths`` (int ``[B]`` or ``None``) each sentence's most tokens, ``keys_B``
+a PRNG key per sentence. A new strategy is one such class (``tests/test_decoding.py`` has one).
 """
 
 from __future__ import annotations
@@ -91,16 +87,10 @@ class Greedy:
 class Sample:
     """Ancestral sampling with temperature, top-k and nucleus (top-p) filtering; scores 0.
     Sentence b's token at step t is drawn with ``fold_in(keys_B[b], t)``, whatever its batch.
-
-    Args:
-      temperature: ≥ 0; logits are divided by it. 0 is :class:`Greedy`.
-      top_k: keep only the k most likely tokens (``None`` = all).
-      top_p: keep the smallest set of tokens whose probability reaches p (``None`` = all).
-      processors: logit processors, before the temperature (transformers' order).
-
-    Raises:
-      ValueError: ``temperature`` not a finite number ≥ 0, ``top_k`` not an integer ≥ 1,
-        ``top_p`` outside (0, 1].
+    ``temperature`` ≥ 0 divides the logits (0 is :class:`Greedy`); ``top_k``, ``top_p``: keep the
+    k most likely tokens, or the fewest whose probability reaches p (``None``: all);
+    ``processors`` apply before the temperature (transformers' order). Raises ``ValueError``
+    for a ``temperature`` not finite ≥ 0, ``top_k`` not an integer ≥ 1, ``top_p`` outside (0, 1].
     """
 
     temperature: float = 1.0

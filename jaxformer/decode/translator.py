@@ -30,34 +30,29 @@ from jaxformer.run.directory import RunDir
 
 
 class Translator:
-    """A trained run ready to translate: its config, tokenizer and parameters.
-
-    Decoding options left ``None`` take :attr:`defaults`: an imported model's generation
-    config, else what the run decoded its dev and test sets with, else beam 4, α 0.6 (§6.1).
+    """A trained run ready to translate: its config, tokenizer and parameters on one device
+    (or a mesh). Decoding options left ``None`` take :attr:`defaults`: an imported model's
+    generation config, else what the run decoded its dev and test sets with, else §6.1's beam 4, α 0.6.
 
     Args:
       workdir: the run directory.
       batch_size: the most sentences per decoding batch.
       checkpoint: ``"auto"`` (best by dev BLEU, else latest), ``"best"``, ``"latest"``,
         ``"averaged"`` or a training step (int).
-      max_len_a, max_len_b: output limit ``a * source length + b`` tokens (eos included).
-        ``None`` (both): an imported model's generation ``max_length`` (``a = 0``,
-        ``b = max_length - 1``: Hugging Face counts the decoder start token), else 1 and 50.
-      exported: keep the parameters' shapes and the exported decoders in
-        ``RUN/jax_cache/exported`` (:mod:`jaxformer.decode.exported`), so a later process
-        traces neither the model nor the decoders. Not with a ``mesh``.
-      mesh: decode data-parallel over this mesh's devices (sentences over ``data`` ×
-        ``fsdp``, parameters laid out as in training); ``None`` = one device.
-      staged: beam search in stages (:mod:`jaxformer.decode.staged`), for bulk
-        translation; one device only (ignored with a ``mesh``).
+      max_len_a, max_len_b: at most ``a * source length + b`` tokens (eos included); ``None``
+        (both): an imported model's ``max_length`` (a = 0, b = max_length - 1: Hugging Face
+        counts the decoder start token), else 1 and 50.
+      exported: keep the parameters' shapes and the exported decoders in ``RUN/jax_cache/exported``
+        (:mod:`jaxformer.decode.exported`). Not with a ``mesh``.
+      mesh: decode data-parallel over it (sentences over ``data`` × ``fsdp``, parameters as in
+        training); ``None`` = one device.
+      staged: beam search in stages (:mod:`jaxformer.decode.staged`); not with a ``mesh``.
       matmul_dtype: the weight matmuls' dtype (:mod:`jaxformer.model.matmul`); ``None``: the run's.
 
     Raises:
-      FileNotFoundError: the run directory lacks ``config.json``, the tokenizer or the
-        checkpoint asked for.
-      ValueError: ``config.json`` is damaged or a Hugging Face model's, ``batch_size`` not
-        an integer ≥ 1, ``max_len_a`` not a finite number ≥ 0, ``max_len_b`` not an
-        integer or a + b < 1 (no output token).
+      FileNotFoundError: no ``config.json``, tokenizer or the checkpoint asked for.
+      ValueError: ``config.json`` damaged or a Hugging Face model's, ``batch_size`` not an
+        integer ≥ 1, ``max_len_a`` not a finite number ≥ 0, ``max_len_b`` not an integer or a + b < 1.
     """
 
     def __init__(self, workdir: str | Path, batch_size: int = 32, checkpoint: str | int = "auto",
@@ -78,23 +73,22 @@ class Translator:
             self.config = self.config.replace(matmul_dtype=matmul_dtype)
         self.tokenizer = load_tokenizer(workdir, record)
         self.model = Transformer(self.config)
-        ids = jnp.ones((1, 8), jnp.int32)
+        ids, layout = jnp.ones((1, 8), jnp.int32), None
+
+        def boxed_shapes():
+            return jax.eval_shape(lambda: self.model.init(jax.random.key(0), ids, ids)["params"])
+
         # Restore onto one device (or this mesh), whatever mesh the run was trained on.
-        one_device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-
-        def params_shapes():
-            return jax.eval_shape(lambda: nn.unbox(self.model.init(jax.random.key(0), ids, ids)["params"]))
-
-        layout = None
         if mesh is not None:
-            boxed = jax.eval_shape(lambda: self.model.init(jax.random.key(0), ids, ids)["params"])
-            layout = Layout.for_params(mesh, boxed)
-            abstract_params = jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(
-                x.shape, x.dtype, sharding=s), nn.unbox(boxed), layout.params)
+            layout = Layout.for_params(mesh, boxed := boxed_shapes())
+            shapes, shardings = nn.unbox(boxed), layout.params
         else:
-            abstract_params = jax.tree_util.tree_map(
-                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one_device),
-                params_shapes() if exports is None else exports.abstract_params(self.config, params_shapes))
+            shapes = (nn.unbox(boxed_shapes()) if exports is None
+                      else exports.abstract_params(self.config, lambda: nn.unbox(boxed_shapes())))
+            one_device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+            shardings = jax.tree_util.tree_map(lambda _: one_device, shapes)
+        abstract_params = jax.tree_util.tree_map(
+            lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), shapes, shardings)
         checkpoints = RunCheckpoints(workdir, read_only=True)
         try:   # parameters only: the optimizer state is never read
             self.params, self.step, self.kind = checkpoints.restore_params_from(checkpoint, abstract_params)
@@ -111,8 +105,8 @@ class Translator:
                                    layout=layout, target_language=record.get("target_language", "xx"),
                                    max_len_a=self.max_len_a, max_len_b=self.max_len_b, exports=exports,
                                    staged=staged)
-        train, fallback = record.get("train", {}), dict(beam_size=4, alpha=0.6, length_normalization="gnmt",
-                                                        early_stopping=False,
+        train = record.get("train", {})
+        fallback = dict(beam_size=4, alpha=0.6, length_normalization="gnmt", early_stopping=False,
                         no_repeat_ngram_size=0, repetition_penalty=1.0)   # §6.1's beam 4 and α 0.6
         self.defaults = {name: generation.get("length_penalty" if name == "alpha" else name,
                                               train.get(name, value)) for name, value in fallback.items()}
@@ -120,18 +114,12 @@ class Translator:
     def decode(self, sentences: list[str], strategy: Any, *, seed: int | None = None,
                indices: list[int] | None = None, length_limits: bool = True) -> list[list[tuple[str, float]]]:
         """(translation, score) lists of ``sentences`` decoded with ``strategy``
-        (:mod:`jaxformer.decode.strategies`), best first, in order; an empty or blank
-        sentence gets one empty pair (score 0), as the command line writes an empty line.
-
-        Args:
-          seed: a sampling strategy's (``None``: 0); sentence i draws from ``fold_in(key(seed),
-            indices[i])``, its index in the whole input (default: in ``sentences``), whatever
-            its batch or input path.
-          length_limits: as :meth:`jaxformer.decode.evaluation.Evaluator.decode`.
-
-        Raises:
-          TypeError: ``sentences`` is one string, not a list of them.
-          ValueError: ``seed`` not an integer in [0, 2**32).
+        (:mod:`jaxformer.decode.strategies`), best first, in order; a blank sentence gets
+        ``[("", 0.0)]``. ``seed`` (``None``: 0): sentence i samples with ``fold_in(key(seed),
+        indices[i])``, its index in the whole input (default: in ``sentences``), whatever its
+        batch or input path; ``length_limits``: as :meth:`~jaxformer.decode.evaluation.Evaluator.decode`.
+        Raises ``TypeError`` unless ``sentences`` is a list of strings, ``ValueError`` for a
+        ``seed`` not an integer in [0, 2**32).
         """
         if isinstance(sentences, str) or not hasattr(sentences, "__len__") \
                 or not all(isinstance(s, str) for s in sentences):   # (a generator would be used up)
@@ -152,11 +140,9 @@ class Translator:
         return out
 
     def n_best(self, sentences: list[str], *, best_only: bool = False, **options) -> list[list]:
-        """``beam_size`` (translation, score) pairs per sentence, best first: :meth:`decode`
-        with a :class:`~jaxformer.decode.strategies.Beam` of ``options`` (``beam_size``,
-        ``alpha``, ``length_normalization``, ``early_stopping``, ``no_repeat_ngram_size``,
-        ``repetition_penalty``; left out or ``None``: the run's :attr:`defaults`); with
-        ``best_only``, :func:`~jaxformer.decode.strategies.strategy_for`'s (beam 1: greedy)."""
+        """``beam_size`` (translation, score) pairs per sentence, best first: :meth:`decode` with
+        the :class:`~jaxformer.decode.strategies.Beam` of ``options`` (:attr:`defaults`' names;
+        left out or ``None``: the default); ``best_only``: beam 1 is greedy (``strategy_for``)."""
         rules = {**self.defaults, **{k: v for k, v in options.items() if v is not None}}
         strategy = strategy_for(**rules)
         if not best_only and not isinstance(strategy, Beam):   # beam 1: its one hypothesis, scored
@@ -172,9 +158,8 @@ class Translator:
     def sample(self, sentences: list[str], *, seed: int = 0, temperature: float = 1.0,
                top_k: int | None = None, top_p: float | None = None, no_repeat_ngram_size: int | None = None,
                repetition_penalty: float | None = None, indices: list[int] | None = None) -> list[str]:
-        """One sampled translation per sentence: :meth:`decode` with a
-        :class:`~jaxformer.decode.strategies.Sample` and, left ``None``, the run's
-        repetition rules (``seed``, ``indices``: as :meth:`decode`)."""
+        """One sampled translation per sentence: :meth:`decode` with a ``Sample`` and, left
+        ``None``, the run's repetition rules (``seed``, ``indices``: as :meth:`decode`)."""
         processors = penalties(
             self.defaults["no_repeat_ngram_size"] if no_repeat_ngram_size is None else no_repeat_ngram_size,
             self.defaults["repetition_penalty"] if repetition_penalty is None else repetition_penalty)
