@@ -14,9 +14,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxformer.decode.beam_search import (  # noqa: F401  (re-exported: callers import them from here)
-    TokensToLogits, _gather_beams, blocked_top_k, tile_beams)
-from jaxformer.decode.strategies import Beam, Greedy, Sample, first_argmax  # noqa: F401
+from jaxformer.decode.beam_search import TokensToLogits, _gather_beams, blocked_top_k, tile_beams  # noqa: F401
+from jaxformer.decode.strategies import Beam, Greedy, Sample, first_argmax  # noqa: F401  (re-exported)
 from jaxformer.model.scan import unrolled
 from jaxformer.model.sharding import under_mesh
 from jaxformer.model.transformer import Transformer

@@ -24,6 +24,7 @@ from jaxformer.decode.beam_search import Beam, beam_output, beam_step, init_beam
 from jaxformer.decode.decoding import _model_callback, decode_step_callback, source_limits
 from jaxformer.model.transformer import DecodeCache, Transformer
 
+
 class StagedBeamSearch:
     """``beam``'s search of ``model`` over batches of sources, stage by stage (the module
     docstring): ``bos_id``, ``eos_id``, ``len_a``, ``extra_len`` as
