@@ -1,7 +1,6 @@
-"""Beam search over a ``tokens_to_logits`` callback, as one ``lax.while_loop``: :class:`Beam`,
-GNMT-normalised (the paper's §6.1 decoding) or as Hugging Face ``generate``, so an imported
-OPUS-MT model reproduces ``generate(num_beams=k)`` token for token. Glossary: B batch, V
-vocabulary, M the longest output; the beam width is k (N in names), so K stays the head width.
+"""Beam search as one ``lax.while_loop`` (:class:`Beam`): GNMT-normalised (paper §6.1) or as
+Hugging Face ``generate`` (an imported OPUS-MT model reproduces it token for token). B batch,
+V vocabulary, M the longest output; the beam width is k (N in names; K is the head width).
 """
 
 from __future__ import annotations
@@ -36,10 +35,9 @@ class Beam:
     """Beam search (paper §6.1: k = 4, α = 0.6): the k best hypotheses per sentence,
     scored log-probability / :func:`length_penalty` (a strategy: :mod:`jaxformer.decode.strategies`).
 
-    Each step extends the live beams, keeps the best 2k candidates, continues the best
-    k that did not end and merges those of the top k that ended (eos; forced at each
-    sentence's limit) into the k finished; pad and bos are never generated. The loop
-    stops when every sentence is *closed* (or at M tokens):
+    Each step keeps the best 2k extensions: the best k that did not end stay live, those of the
+    top k that ended (eos, forced at a sentence's limit) join the k finished. The loop stops
+    when every sentence is *closed* (or at M tokens):
 
     * ``length_normalization="gnmt"``: k finished, and the best live log-probability over
       the largest penalty it could get, lp(its limit), below the worst finished: exact.
@@ -49,13 +47,9 @@ class Beam:
     * ``early_stopping=True`` (either): k finished, the rule of fairseq, CTranslate2 and
       ``generate(early_stopping=True)``; faster, not exact.
 
-    ``processors`` (:mod:`jaxformer.decode.penalties`) apply to each beam's log-probabilities
-    before ranking, as in fairseq and ``generate``; the scores are the penalised ones.
-    Bulk translation runs it in stages (:mod:`jaxformer.decode.staged`).
-
-    Raises:
-      ValueError: ``beam_size`` not an integer ≥ 1, ``alpha`` not finite, another
-        ``length_normalization`` or an ``early_stopping`` not True or False.
+    ``processors`` (:mod:`jaxformer.decode.penalties`) apply to the log-probabilities before
+    ranking, as in fairseq and ``generate``. Raises ``ValueError`` for a ``beam_size`` not an
+    integer ≥ 1, an ``alpha`` not finite, another ``length_normalization`` or ``early_stopping``.
     """
 
     beam_size: int = 4
@@ -98,8 +92,7 @@ def _unflatten_beams(x, batch_size):
 
 
 def _gather_beams(tree, beam_indices_BN, batch_size):
-    """Picks beams ``[B, N]`` from every leaf with a flattened ``[B*k, ...]`` batch axis (of a
-    :class:`~jaxformer.model.transformer.DecodeCache`, only the leaves that differ by beam)."""
+    """Picks beams ``[B, N]`` from each ``[B*k, ...]`` leaf (a ``DecodeCache``'s that differ by beam)."""
     if hasattr(tree, "map_beam_state"):
         return tree.map_beam_state(lambda x: _gather_beams(x, beam_indices_BN, batch_size))
 
@@ -114,14 +107,10 @@ def _gather_beams(tree, beam_indices_BN, batch_size):
 
 
 def blocked_top_k(x: jax.Array, k: int, block: int = 128) -> tuple[jax.Array, jax.Array]:
-    """``jax.lax.top_k(x, k)`` along the last axis, exactly (ties to the lower index), by
-    blocks: ``(values, int32 indices)`` of shape ``x.shape[:-1] + (k,)``, largest first.
-
-    Only the k blocks (of ``block``, padded with -inf) with the largest maxima can hold
-    the top k, so a max per block, a top-k over those and one over ``k · block``
-    candidates replace one over the whole axis: 0.3 ms for beam search's ``[32, 4 · 8000]``
-    where ``lax.top_k`` takes 1.5 ms on a 2-core CPU.
-    """
+    """``jax.lax.top_k(x, k)`` exactly (ties to the lower index): ``(values, int32 indices)``
+    ``x.shape[:-1] + (k,)``. Only the k blocks with the largest maxima can hold the top k, so
+    top-ks over block maxima and ``k · block`` candidates replace one over the whole axis
+    (beam search's ``[32, 4 · 8000]``: 0.3 ms, not 1.5 ms, on a 2-core CPU)."""
     n = x.shape[-1]
     if n <= 4 * block or k > n // block:
         return jax.lax.top_k(x, k)
@@ -145,9 +134,7 @@ def tile_beams(tree, beam_size: int):
 
 
 def still_open(state: dict[str, jax.Array], beam: Beam) -> jax.Array:
-    """The stopping rule (:class:`Beam`'s): per sentence (bool ``[B]``), can a live beam
-    still beat the worst finished hypothesis? ``state``: the loop's
-    (:func:`init_beam_state`), ``step`` tokens generated."""
+    """:class:`Beam`'s stopping rule, bool ``[B]``: can a live beam still beat the worst finished?"""
     all_full = jnp.all(state["finished_flags"], axis=1)
     alpha, length_normalization = beam.alpha, beam.length_normalization
     if beam.early_stopping:   # fairseq, CTranslate2, generate(early_stopping=True): k finished
@@ -163,10 +150,8 @@ def still_open(state: dict[str, jax.Array], beam: Beam) -> jax.Array:
 
 def init_beam_state(cache: Any, beam: Beam, *, batch_size: int, bos_id: int, pad_id: int,
                     length: int, max_decode_len: int, max_lengths: jax.Array | None = None) -> dict[str, Any]:
-    """The loop state before the first step: only beam 0 live (the first step does not
-    pick k copies), nothing finished, every sentence open; token arrays ``[B, k, length]``
-    (``length`` ≤ M), each sentence's ``limit`` min(its ``max_lengths``, M); ``cache``
-    for ``B*k`` rows."""
+    """The state before the first step: beam 0 alone live (no k copies), nothing finished, all
+    open; token arrays ``[B, k, length ≤ M]``, ``limit`` min(``max_lengths``, M); ``B*k`` cache rows."""
     k = beam.beam_size
     live_logprobs0 = jnp.tile(jnp.array([0.0] + [NEG_INF] * (k - 1), jnp.float32), (batch_size, 1))
     return dict(
@@ -184,8 +169,7 @@ def init_beam_state(cache: Any, beam: Beam, *, batch_size: int, bos_id: int, pad
 def beam_step(state: dict[str, Any], tokens_to_logits: TokensToLogits, beam: Beam, *, bos_id: int,
               eos_id: int, pad_id: int) -> dict[str, Any]:
     """One step of :class:`Beam`'s search: extend, rank, merge the finished, re-check each
-    sentence's stopping rule. Works on any number of sentences B (the state's rows) and
-    any token-array length greater than ``state["step"]``."""
+    sentence's stopping rule; any B and any token-array length greater than ``state["step"]``."""
     hf = beam.length_normalization == "hf"
     batch_size, k = state["live_logprobs"].shape
     step = state["step"]
@@ -218,10 +202,8 @@ def beam_step(state: dict[str, Any], tokens_to_logits: TokensToLogits, beam: Bea
     new_last = jnp.take_along_axis(top_token, live_pick, axis=1)
     cache = _gather_beams(cache, jnp.take_along_axis(top_beam, live_pick, axis=1), batch_size)
 
-    # New finished: merge the old ones with the candidates that ended here. As in
-    # fairseq and transformers, only an eos among the top k candidates finishes a
-    # hypothesis, so beam size 1 is exactly greedy decoding; a closed sentence
-    # takes no more.
+    # New finished: the old ones and the candidates that ended here. As in fairseq and transformers
+    # only an eos among the top k finishes (beam 1 is greedy); a closed sentence takes no more.
     ended = is_eos & alive & (jnp.arange(2 * k) < k)[None, :] & state["open"][:, None]
     ended_scores = jnp.where(
         ended, top_logprobs / length_penalty(step + 1, beam.alpha, beam.length_normalization), NEG_INF)
@@ -239,8 +221,7 @@ def beam_step(state: dict[str, Any], tokens_to_logits: TokensToLogits, beam: Bea
 
 
 def beam_output(state: dict[str, Any], beam: Beam, *, pad_id: int) -> tuple[jax.Array, jax.Array]:
-    """``(sequences [B, k, L], scores [B, k])`` of a loop state, best first (a sentence with
-    no finished hypothesis, only when M is tiny, gives its live ones)."""
+    """``(sequences [B, k, L], scores [B, k])``, best first (with none finished: the live ones)."""
     any_finished = jnp.any(state["finished_flags"], axis=1)
     lengths = jnp.sum(state["live_seqs"] != pad_id, axis=2)
     live_scores = state["live_logprobs"] / length_penalty(lengths, beam.alpha, beam.length_normalization)

@@ -1,7 +1,6 @@
 """Decoding a model: :func:`decode` runs a strategy (:mod:`jaxformer.decode.strategies`) over a
-batch of sources, jitted, with an explicit cache. The strategies see the model as a callback
-``tokens_to_logits(ids [B, 1], cache) -> (logits [B, V], cache)`` (``Transformer.decode_step``
-bound to its variables), so a stub whose right answer is known can stand in for it.
+batch of sources, jitted. Strategies see the model as ``tokens_to_logits(ids [B, 1], cache) ->
+(logits [B, V], cache)`` (``Transformer.decode_step`` bound), so a stub can stand in for it.
 """
 
 from __future__ import annotations
@@ -72,12 +71,10 @@ _decode_jit = jax.jit(_decode, static_argnames=("model", "strategy", "bos_id", "
 
 
 def jit_decoder(model: Transformer, strategy: Any, layout: Any = None, **static) -> Callable:
-    """``fn(params, src_BS, indices_B=None, rng=None)``: :func:`decode` with ``model``,
-    ``strategy`` and its settings bound, without the host checks. With a ``layout``
-    (:class:`jaxformer.model.sharding.Layout`) its outputs are split over ``data``, its
-    inputs taken as laid out (parameters as in training, rows over ``data``), traced
-    under the mesh. ``jit_decoder(beam_translate, model, layout, **settings)`` still works.
-    """
+    """``fn(params, src_BS, indices_B=None, rng=None)``: :func:`decode` with its settings bound,
+    without the host checks; with a ``layout`` (:class:`jaxformer.model.sharding.Layout`) traced
+    under its mesh, inputs as laid out and outputs over ``data``. Also ``jit_decoder(beam_translate,
+    model, layout, **settings)``."""
     if isinstance(strategy, Transformer):   # jit_decoder(decoder, model, layout, **settings)
         model, strategy, static = strategy, *model.split(static)
     if layout is None:
@@ -88,8 +85,7 @@ def jit_decoder(model: Transformer, strategy: Any, layout: Any = None, **static)
 
 def _model_callback(model: Transformer, params: Any, src_BS: jax.Array, max_decode_len: int,
                     beam_size: int = 1):
-    """Encodes once: the ``tokens_to_logits`` callback and its cache, tiled over beams (a
-    scanned model through its unrolled view)."""
+    """Encodes once: ``(tokens_to_logits, cache)``, the cache tiled over ``beam_size`` beams."""
     model, variables = unrolled(model, {"params": params})
     encoder_output = model.apply(variables, src_BS, method=Transformer.encode)
     cache = model.apply(variables, encoder_output, src_BS, max_decode_len, method=Transformer.init_cache)
@@ -98,14 +94,9 @@ def _model_callback(model: Transformer, params: Any, src_BS: jax.Array, max_deco
 
 
 def decode_step_callback(model: Transformer, params: Any) -> TokensToLogits:
-    """``tokens_to_logits(ids [B, 1], cache) -> (logits [B, V], cache)``: one
-    :meth:`Transformer.decode_step` (a scanned model through its unrolled view)."""
+    """``tokens_to_logits``: one :meth:`Transformer.decode_step` (a scanned model unrolled)."""
     model, variables = unrolled(model, {"params": params})
-
-    def tokens_to_logits(ids, cache):
-        return model.apply(variables, ids, cache, method=Transformer.decode_step)
-
-    return tokens_to_logits
+    return functools.partial(model.apply, variables, method=Transformer.decode_step)
 
 
 def source_limits(src_BS: jax.Array, *, pad_id: int, len_a: float, extra_len: int | None) -> jax.Array | None:
@@ -118,10 +109,8 @@ def source_limits(src_BS: jax.Array, *, pad_id: int, len_a: float, extra_len: in
 
 def uncached_model_callback(model: Transformer, params: Any, src_BS: jax.Array, max_decode_len: int,
                             beam_size: int = 1):
-    """``(tokens_to_logits, state)`` without a K/V cache, the reference: the state (tiled
-    over ``beam_size`` beams) holds the prefix ``[B(*k), M]``, and every step re-runs the
-    teacher-forced decoder over it (causal masking hides the unwritten positions).
-    Quadratic in M; it checks cached decoding and measures what the cache saves."""
+    """``(tokens_to_logits, state)`` without a K/V cache, the reference (quadratic in M): the
+    state holds the prefix ``[B(*k), M]`` and each step re-runs the teacher-forced decoder."""
     variables = {"params": params}
     state = {"tokens": jnp.full((src_BS.shape[0], max_decode_len), model.config.pad_id, jnp.int32),
              "encoder_output": model.apply(variables, src_BS, method=Transformer.encode),
