@@ -34,22 +34,13 @@ class Evaluator:
                  tokenize: str | None = None, max_len_a: float = 1.0, max_len_b: int = 50,
                  scoring: bool = True, exports: ExportCache | None = None, staged: bool = False,
                  decoders: dict[Any, Any] | None = None):
-        """
-        Args:
-          batch_size: the most sentences per decoding batch; fewer are padded to the next power of two.
-          target_language: ISO code (``"de"``, ``"zh"``) choosing sacrebleu's BLEU tokenizer;
-            ``tokenize``: a sacrebleu tokenizer name that overrides it.
-          max_len_a, max_len_b: at most ``a * L + b`` tokens (fairseq's ``--max-len-a/b``; a ≥ 0,
-            a + b ≥ 1), never more than ``max_len``.
-          scoring: build the BLEU/chrF scorers (the translate tool needs none).
-          exports: serve decoders from exported programs (:mod:`jaxformer.decode.exported`)
-            unless sampling with a key or under a layout.
-          staged: run ``Beam`` in stages (:mod:`jaxformer.decode.staged`) without a layout.
-          decoders: the compiled decoders by their settings, shareable by evaluators of one
-            model, layout, ``exports`` and ``staged`` (default: a new dict).
-
-        Raises ``ValueError`` for a tokenizer unknown or without its package (:func:`make_bleu`).
-        """
+        """``batch_size``: the most sentences per decoding batch (fewer: padded to a power of two);
+        ``target_language`` (ISO code) or ``tokenize`` chooses the BLEU tokenizer (:func:`make_bleu`,
+        its ``ValueError``); at most ``max_len_a`` × L + ``max_len_b`` tokens (fairseq's
+        ``--max-len-a/b``), never ``max_len``; ``scoring``: build the BLEU/chrF scorers; ``exports``:
+        serve unsampled decoders from exported programs without a layout; ``staged``: ``Beam`` in
+        stages (:mod:`jaxformer.decode.staged`) without a layout; ``decoders``: the compiled
+        decoders by settings, shareable by evaluators of one model, layout, exports and staging."""
         self.model, self.tokenizer, self.layout, self.batch_size = model, tokenizer, layout, batch_size
         # Coarse buckets: each is one compile of the decode loop and of the eval step.
         self.boundaries = bucket_boundaries(model.config.max_len, step=32)
@@ -62,9 +53,7 @@ class Evaluator:
             self.bleu, self.chrf = make_bleu(target_language, tokenize), CHRF()
 
     def _decoder(self, strategy: Any, sampled: bool, **static) -> Callable:
-        """``fn(params, src_BS, indices_B, rng)`` for these settings, cached: the staged beam
-        search, an exported decoder (not ``sampled``: ``rng`` is ``None``) or
-        :func:`jaxformer.decode.decoding.jit_decoder`'s."""
+        """``fn(params, src_BS, indices_B, rng)``, cached: staged, exported (``rng`` ``None``) or jitted."""
         key = (strategy, sampled, tuple(sorted(static.items())))
         if key not in self._decoders:
             if self.staged and isinstance(strategy, Beam):
@@ -95,8 +84,7 @@ class Evaluator:
                 yield self.boundaries[b], members[start:start + self.batch_size]
 
     def _rows(self, count: int) -> int:
-        """Rows of a batch of ``count`` sentences: the next power of two (few compiled
-        shapes), at most ``batch_size``, and a multiple of the data shards under a layout."""
+        """Rows for ``count`` sentences: the next power of two ≤ ``batch_size``, times the data shards."""
         rows = min(self.batch_size, 1 << max(count - 1, 0).bit_length())
         if self.layout is not None:
             multiple = self.layout.data_size * sharding_lib.mesh_processes(self.layout.mesh)[0]
@@ -167,12 +155,8 @@ class Evaluator:
                 "examples": found[:3]}
 
     def scores(self, hypotheses: Sequence[str], references: Sequence[str]) -> dict[str, Any]:
-        """Corpus BLEU and chrF with their sacrebleu signatures (to report with the numbers):
-        ``{"bleu", "bleu_signature", "chrf", "chrf_signature"}``.
-
-        Raises:
-          ValueError: the lists differ in length (sacrebleu would drop the extra hypotheses).
-        """
+        """``{"bleu", "bleu_signature", "chrf", "chrf_signature"}``: corpus scores and sacrebleu
+        signatures. ``ValueError`` when the lists differ in length (sacrebleu would drop some)."""
         if len(hypotheses) != len(references):
             raise ValueError(f"{len(hypotheses)} hypotheses but {len(references)} references: scoring "
                              f"needs one reference per hypothesis, in the same order.")
@@ -184,8 +168,8 @@ class Evaluator:
 
 
 def repeats_ngram(tokens: Sequence[str], times: int = 3, max_n: int = 4) -> bool:
-    """Whether an n-gram (n ≤ ``max_n``) with a word (a letter or digit) in it occurs ``times``
-    or more times in a row: ``a , a , a ,`` and ``x x x`` do; ``a b a b`` and ``. . .`` do not."""
+    """Whether an n-gram (n ≤ ``max_n``) with a letter or digit occurs ``times`` in a row
+    (``a , a , a ,`` and ``x x x`` do; ``a b a b`` and ``. . .`` do not)."""
     tokens = list(tokens)
     wordy = [any(c.isalnum() for c in t) for t in tokens]
     for n in range(1, max_n + 1):
@@ -198,9 +182,8 @@ def repeats_ngram(tokens: Sequence[str], times: int = 3, max_n: int = 4) -> bool
 
 
 def make_bleu(target_language: str, tokenize: str | None = None):
-    """sacrebleu's ``BLEU`` for ``target_language`` (its tokenizer choice) or ``tokenize``.
-    Raises ``ValueError`` for an unknown tokenizer or a MeCab one without its package
-    (the message names the install and ``--sacrebleu-tokenize char``)."""
+    """sacrebleu's ``BLEU`` for ``target_language`` (its tokenizer choice) or ``tokenize``;
+    ``ValueError`` for an unknown tokenizer or one that cannot start (naming the install)."""
     from sacrebleu.metrics.bleu import BLEU
 
     try:
@@ -209,8 +192,7 @@ def make_bleu(target_language: str, tokenize: str | None = None):
         chosen = tokenize or BLEU._TOKENIZER_MAP.get(target_language, BLEU.TOKENIZER_DEFAULT)
         extra = {"ja-mecab": "ja", "ko-mecab": "ko"}.get(chosen)
         install = f"pip install 'sacrebleu[{extra}]'" if extra else "install what sacrebleu asks for"
-        reason = ("MeCab is not installed" if extra
-                  else (str(e).strip().splitlines() or [type(e).__name__])[0].strip())
+        reason = "MeCab is not installed" if extra else (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ValueError(
             f"Unknown sacrebleu tokenizer {tokenize!r}; choose one of {sorted(BLEU.TOKENIZERS)}."
             if chosen not in BLEU.TOKENIZERS else

@@ -36,16 +36,9 @@ def source_digest() -> str:
     return digest.hexdigest()
 
 
-def _signature(tree: Any) -> list[Any]:
-    """A pytree's structure and its leaves' shapes and dtypes, as JSON-able values."""
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    return [str(treedef), [[list(np.shape(x)), str(x.dtype)] for x in leaves]]
-
-
 def _write_atomically(path: Path, data: bytes) -> None:
-    """Writes ``data`` to ``path`` after its SHA-256, through a temporary file and a
-    rename (a reader never sees half a file), with the umask's permissions, not 0600
-    (a group-shared run directory serves other users)."""
+    """Writes ``data`` after its SHA-256 to ``path`` by a temporary file and a rename (no half
+    files), with the umask's permissions, not 0600 (a group-shared run serves other users)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.parent / f".{path.name}-{secrets.token_hex(8)}"   # os.open: 0o666 less the umask
     with os.fdopen(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as f:
@@ -93,14 +86,15 @@ class ExportCache:
         return abstract
 
     def decoder(self, fn: Callable, name: str, config: Any, **static: Any) -> Callable:
-        """``fn(*arrays)`` (a decoder, its settings ``static`` bound) served from an exported
-        program: exported on the first call with a new input signature, read from disk in
-        later processes. ``name``, ``config`` (the model's), ``static`` (by their ``repr``)
-        and the inputs' shapes and dtypes make the key."""
+        """``fn(*arrays)`` (its settings ``static`` bound) as an exported program, exported at the
+        first call with a new input signature, read from disk in later processes; ``name``,
+        ``config``, ``static`` (by ``repr``) and the inputs' shapes and dtypes make the key."""
         compiled: dict[str, Callable] = {}
 
         def call(*args):
-            key = self.key("decoder", name, repr(config), sorted(static.items()), _signature(args))
+            key = self.key("decoder", name, repr(config), sorted(static.items()),   # and the inputs' shapes
+                           str(jax.tree_util.tree_structure(args)),
+                           [[list(np.shape(x)), str(x.dtype)] for x in jax.tree_util.tree_leaves(args)])
             if key not in compiled:
                 compiled[key] = jax.jit(self._load_or_export(key, fn, args).call)
             return compiled[key](*args)

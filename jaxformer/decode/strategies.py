@@ -24,10 +24,9 @@ from jaxformer.model.validation import check_count, check_real
 def autoregress(tokens_to_logits: TokensToLogits, cache: Any, pick, *, batch_size: int, bos_id: int,
                 eos_id: int, pad_id: int, max_decode_len: int,
                 max_lengths: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """The token-by-token search (one ``lax.while_loop``): ``(sequences [B, 1, M] int32, scores
-    [B, 1] float32 zeros)``, generated ids, eos then pad. ``pick(logits_BV, step, out_BM,
-    at_limit_B) -> ids_B`` picks each token (``out_BM``: those so far; ``at_limit_B``: the
-    sentence's last); a sentence stops at eos or min(its ``max_lengths``, M) ≥ 1."""
+    """Token by token (one ``lax.while_loop``): ``(sequences [B, 1, M] int32, zero scores [B, 1])``;
+    ``pick(logits_BV, step, out_BM, at_limit_B) -> ids_B`` picks each token given those so far
+    and whether it is the sentence's last; a sentence stops at eos or min(``max_lengths``, M) ≥ 1."""
     limit_B = (jnp.full((batch_size,), max_decode_len, jnp.int32) if max_lengths is None
                else jnp.clip(jnp.asarray(max_lengths, jnp.int32), 1, max_decode_len))
 
@@ -47,9 +46,8 @@ def autoregress(tokens_to_logits: TokensToLogits, cache: Any, pick, *, batch_siz
 
 
 def first_argmax(logits_BV: jax.Array) -> jax.Array:
-    """``jnp.argmax(logits, axis=-1)`` (int32, the first maximal id; a row with a NaN gets
-    the last id) as two plain reductions: XLA's variadic (value, index) reduce is slow on
-    CPU (0.6 ms for ``[32, 8000]``, a tenth of a greedy step)."""
+    """int32 ``jnp.argmax(logits, axis=-1)`` (a NaN row: the last id) by two plain reductions:
+    XLA's variadic reduce is slow on CPU (0.6 ms for ``[32, 8000]``, a tenth of a greedy step)."""
     vocab = logits_BV.shape[-1]
     best_B1 = jnp.max(logits_BV, axis=-1, keepdims=True)
     ids_1V = jnp.arange(vocab, dtype=jnp.int32).reshape((1,) * (logits_BV.ndim - 1) + (vocab,))
@@ -131,12 +129,10 @@ class Sample:
         return autoregress(tokens_to_logits, cache, pick, **loop)
 
 
-def strategy_for(beam_size: int, alpha: float = 0.6, length_normalization: str = "gnmt",
-                 early_stopping: bool = False, no_repeat_ngram_size: int = 0,
-                 repetition_penalty: float = 1.0) -> Greedy | Beam:
-    """The strategy of the decoding flags (every one checked, used or not): :class:`Greedy`
-    for ``beam_size`` 1 (with ``"hf"``, eos forced at the last step, as ``generate``),
-    else :class:`Beam`."""
+def strategy_for(beam_size: int, alpha: float = 0.6, length_normalization: str = "gnmt", early_stopping=False,
+                 no_repeat_ngram_size: int = 0, repetition_penalty: float = 1.0) -> Greedy | Beam:
+    """The decoding flags' strategy (all checked): :class:`Beam`, or for ``beam_size`` 1
+    :class:`Greedy` (with ``"hf"``, eos forced at the last step, as ``generate``)."""
     beam = Beam(beam_size, alpha, length_normalization, early_stopping,
                 penalties(no_repeat_ngram_size, repetition_penalty))
     return Greedy(length_normalization == "hf", beam.processors) if beam.beam_size == 1 else beam

@@ -1,7 +1,5 @@
-"""A trained run as a translator: its config, tokenizer and parameters, restored onto one
-device, with beam search, n-best lists, sampling and cross-attention maps
-(:class:`Translator`). The command line around it: :mod:`jaxformer.cli.translate`.
-"""
+"""A trained run as a :class:`Translator`: beam search, n-best lists, sampling and
+cross-attention maps (the command line around it: :mod:`jaxformer.cli.translate`)."""
 
 from __future__ import annotations
 
@@ -151,8 +149,7 @@ class Translator:
         return self.decode(sentences, strategy, length_limits=rules["length_normalization"] != "hf")
 
     def __call__(self, sentences: list[str], **options) -> list[str]:
-        """Best translations of ``sentences``, in order (options as :meth:`n_best`;
-        ``beam_size=1`` = greedy)."""
+        """Best translations of ``sentences``, in order (options as :meth:`n_best`; beam 1: greedy)."""
         return [n_best[0][0] for n_best in self.n_best(sentences, **options, best_only=True)]
 
     def sample(self, sentences: list[str], *, seed: int = 0, temperature: float = 1.0,
@@ -167,8 +164,7 @@ class Translator:
             sentences, Sample(temperature, top_k, top_p, processors), seed=seed, indices=indices)]
 
     def params_digest(self) -> str:
-        """SHA-256 of the parameters as decoded (every leaf's path, dtype, shape and bytes):
-        what a bulk job records, so its resume refuses a run retrained to the same step."""
+        """SHA-256 of the decoded parameters' paths, dtypes, shapes and bytes (a bulk job's record)."""
         digest = hashlib.sha256()
         for path, leaf in jax.tree_util.tree_leaves_with_path(self.params):
             array = np.ascontiguousarray(leaf)
@@ -200,8 +196,8 @@ class Translator:
 
 
 def save_attention_png(path: str | Path, weights, src_pieces, tgt_pieces, title: str = "") -> None:
-    """Heat map of cross-attention ``weights [T, S]`` (source × target pieces), drawn on a
-    matplotlib ``Figure``, not through ``pyplot``: an application's figures are left alone."""
+    """Heat map of cross-attention ``weights [T, S]`` on a matplotlib ``Figure`` (not ``pyplot``,
+    which would touch an application's figures)."""
     from matplotlib.figure import Figure
 
     height, width = weights.shape
