@@ -151,8 +151,7 @@ class Evaluator:
         """The hypotheses that loop (:func:`repeats_ngram` on the BLEU tokenizer's tokens):
         ``{"count", "fraction", "examples"}``, examples the first three indices."""
         found = [i for i, h in enumerate(hypotheses) if repeats_ngram(self.bleu.tokenizer(h).split())]
-        return {"count": len(found), "fraction": len(found) / max(len(hypotheses), 1),
-                "examples": found[:3]}
+        return {"count": len(found), "fraction": len(found) / max(len(hypotheses), 1), "examples": found[:3]}
 
     def scores(self, hypotheses: Sequence[str], references: Sequence[str]) -> dict[str, Any]:
         """``{"bleu", "bleu_signature", "chrf", "chrf_signature"}``: corpus scores and sacrebleu
@@ -160,11 +159,10 @@ class Evaluator:
         if len(hypotheses) != len(references):
             raise ValueError(f"{len(hypotheses)} hypotheses but {len(references)} references: scoring "
                              f"needs one reference per hypothesis, in the same order.")
-        refs = [list(references)]
-        return {"bleu": float(self.bleu.corpus_score(list(hypotheses), refs).score),
-                "bleu_signature": str(self.bleu.get_signature()),
-                "chrf": float(self.chrf.corpus_score(list(hypotheses), refs).score),
-                "chrf_signature": str(self.chrf.get_signature())}
+        hyps, refs = list(hypotheses), [list(references)]
+        bleu, chrf = self.bleu.corpus_score(hyps, refs), self.chrf.corpus_score(hyps, refs)
+        return {"bleu": float(bleu.score), "bleu_signature": str(self.bleu.get_signature()),
+                "chrf": float(chrf.score), "chrf_signature": str(self.chrf.get_signature())}
 
 
 def repeats_ngram(tokens: Sequence[str], times: int = 3, max_n: int = 4) -> bool:

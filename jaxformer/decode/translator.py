@@ -11,6 +11,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import linen as nn
 
 from jaxformer.data.tokenizer import load_tokenizer
 from jaxformer.decode.evaluation import Evaluator
@@ -28,23 +29,20 @@ from jaxformer.run.directory import RunDir
 
 
 class Translator:
-    """A trained run ready to translate: its config, tokenizer and parameters on one device
-    (or a mesh). Decoding options left ``None`` take :attr:`defaults`: an imported model's
-    generation config, else what the run decoded its dev and test sets with, else §6.1's beam 4, α 0.6.
+    """A trained run (``workdir``) ready to translate: its config, tokenizer and parameters on one
+    device or a ``mesh`` (data-parallel, parameters laid out as in training). Decoding options left
+    ``None`` take :attr:`defaults`: an imported model's generation config, else the run's dev/test
+    decoding, else §6.1's beam 4, α 0.6.
 
     Args:
-      workdir: the run directory.
       batch_size: the most sentences per decoding batch.
       checkpoint: ``"auto"`` (best by dev BLEU, else latest), ``"best"``, ``"latest"``,
         ``"averaged"`` or a training step (int).
       max_len_a, max_len_b: at most ``a * source length + b`` tokens (eos included); ``None``
         (both): an imported model's ``max_length`` (a = 0, b = max_length - 1: Hugging Face
         counts the decoder start token), else 1 and 50.
-      exported: keep the parameters' shapes and the exported decoders in ``RUN/jax_cache/exported``
-        (:mod:`jaxformer.decode.exported`). Not with a ``mesh``.
-      mesh: decode data-parallel over it (sentences over ``data`` × ``fsdp``, parameters as in
-        training); ``None`` = one device.
-      staged: beam search in stages (:mod:`jaxformer.decode.staged`); not with a ``mesh``.
+      exported, staged: keep exported decoders in ``RUN/jax_cache/exported``; beam search in
+        stages (:mod:`jaxformer.decode.exported`, :mod:`~jaxformer.decode.staged`); not with a mesh.
       matmul_dtype: the weight matmuls' dtype (:mod:`jaxformer.model.matmul`); ``None``: the run's.
 
     Raises:
@@ -57,15 +55,12 @@ class Translator:
                  max_len_a: float | None = None, max_len_b: int | None = None, exported: bool = False,
                  mesh: jax.sharding.Mesh | None = None, staged: bool = False,
                  matmul_dtype: str | None = None):
-        from flax import linen as nn
-
         batch_size = check_count("batch_size", batch_size)
         if isinstance(checkpoint, np.integer) or isinstance(checkpoint, str) and checkpoint.isdigit():
             checkpoint = int(checkpoint)   # "20" (as the command line reads it) or a NumPy 20: a step
-        workdir = Path(workdir)
-        exported = exported and mesh is None   # exported decoders are one-device programs
-        exports = ExportCache(RunDir(workdir).jax_cache / "exported") if exported else None
-        record = RunDir(workdir).read_run_record()
+        run_dir = RunDir(workdir)
+        exports = ExportCache(run_dir.jax_cache / "exported") if exported and mesh is None else None
+        record = run_dir.read_run_record()
         self.config = TransformerConfig.from_dict(record["model"])
         if matmul_dtype is not None:
             self.config = self.config.replace(matmul_dtype=matmul_dtype)
