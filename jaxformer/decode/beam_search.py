@@ -23,9 +23,8 @@ NEG_INF = -1.0e9
 
 
 def length_penalty(length, alpha: float, normalization: str = "gnmt"):
-    """The divisor of a finished hypothesis' log-probability: ``"gnmt"``, ((5 + |Y|) / 6)^α
-    (Wu et al. 2016; paper §6.1, α = 0.6); ``"hf"``, |Y|^α (transformers
-    ``generation/utils.py``, ``_update_finished_beams``). |Y| counts eos."""
+    """A finished hypothesis' log-probability divisor (|Y| counts eos): ``"gnmt"`` ((5 + |Y|) / 6)^α
+    (Wu et al. 2016; paper §6.1, α = 0.6), ``"hf"`` |Y|^α (transformers' ``_update_finished_beams``)."""
     length = jnp.asarray(length, jnp.float32)
     return length ** alpha if normalization == "hf" else ((5.0 + length) / 6.0) ** alpha
 
@@ -115,9 +114,7 @@ def blocked_top_k(x: jax.Array, k: int, block: int = 128) -> tuple[jax.Array, ja
     if n <= 4 * block or k > n // block:
         return jax.lax.top_k(x, k)
     padded = -(-n // block) * block
-    if padded != n:
-        pad = [(0, 0)] * (x.ndim - 1) + [(0, padded - n)]
-        x = jnp.pad(x, pad, constant_values=-jnp.inf)
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, padded - n)], constant_values=-jnp.inf)
     blocks = x.reshape(x.shape[:-1] + (padded // block, block))
     _, best_blocks = jax.lax.top_k(jnp.max(blocks, axis=-1), k)
     best_blocks = jnp.sort(best_blocks, axis=-1)
@@ -170,7 +167,6 @@ def beam_step(state: dict[str, Any], tokens_to_logits: TokensToLogits, beam: Bea
               eos_id: int, pad_id: int) -> dict[str, Any]:
     """One step of :class:`Beam`'s search: extend, rank, merge the finished, re-check each
     sentence's stopping rule; any B and any token-array length greater than ``state["step"]``."""
-    hf = beam.length_normalization == "hf"
     batch_size, k = state["live_logprobs"].shape
     step = state["step"]
     logits, cache = tokens_to_logits(_flatten_beams(state["last_ids"])[:, None], state["cache"])
@@ -185,7 +181,7 @@ def beam_step(state: dict[str, Any], tokens_to_logits: TokensToLogits, beam: Bea
     ids_11V, at_limit_B11 = jnp.arange(vocab)[None, None, :], (step + 1 >= state["limit"])[:, None, None]
     logp_BNV = jnp.where((at_limit_B11 & (ids_11V != eos_id)) | (ids_11V == pad_id) | (ids_11V == bos_id),
                          NEG_INF, logp_BNV)
-    if hf:
+    if beam.length_normalization == "hf":
         logp_BNV = jnp.where(at_limit_B11 & (ids_11V == eos_id), 0.0, logp_BNV)
     candidates = (state["live_logprobs"][:, :, None] + logp_BNV).reshape(batch_size, k * vocab)
     top_logprobs, top_idx = blocked_top_k(candidates, 2 * k)            # [B, 2k]

@@ -24,19 +24,13 @@ from jaxformer.model.validation import check_count, check_real, check_token_ids
 def decode(model: Transformer, params: Any, src_BS: jax.Array, strategy: Any, *, bos_id: int, eos_id: int,
            max_decode_len: int, len_a: float = 1.0, extra_len: int | None = None,
            rng: jax.Array | None = None, indices_B: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """Encodes ``src [B, S]`` once and decodes it with ``strategy``
-    (:mod:`jaxformer.decode.strategies`), jitted: one compile per (B, S, strategy, settings).
-
-    Args:
-      bos_id, eos_id: the tokenizer's; an eos outside the vocabulary never stops.
-      max_decode_len: M, the most tokens per output (eos included).
-      len_a, extra_len: a sentence stops after ``len_a`` × its source length + ``extra_len``
-        tokens (fairseq's ``--max-len-a/b``; §6.1: 1 and 50); ``extra_len=None``: no such limit.
-      rng: a sampling strategy's seed key (default ``key(0)``); sentence b draws from
-        ``fold_in(rng, indices_B[b])``, its index in the whole input (int ``[B]`` or ``[B, 1]``,
-        default 0..B-1), whatever its batch.
-
-    Returns ``(sequences [B, N, M] int32, scores [B, N] float32)``, best first (N = 1 but for beams).
+    """``(sequences [B, N, M] int32, scores [B, N] float32)``, best first (N = 1 but for beams):
+    ``src [B, S]`` encoded once and decoded with ``strategy``, jitted (one compile per shape and
+    settings). ``bos_id``, ``eos_id``: the tokenizer's (an eos outside the vocabulary never
+    stops); M = ``max_decode_len`` tokens at most, eos included, and ``len_a`` × the source
+    length + ``extra_len`` (fairseq's ``--max-len-a/b``; §6.1: 1 and 50; ``None``: no such
+    limit). ``rng`` (default ``key(0)``): sentence b samples from ``fold_in(rng, indices_B[b])``,
+    its index in the whole input (int ``[B]`` or ``[B, 1]``, default 0..B-1), whatever its batch.
     Raises ``ValueError`` (before dispatch) for concrete ids outside ``[0, V_src)``, a ``bos_id``
     outside ``[0, V_tgt)``, a size not an integer or a limit not finite.
     """
@@ -135,8 +129,8 @@ def _split(cls: type, settings: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
 
 
 def _older(name: str, cls: type, defaults: dict[str, Any] | None = None, best: bool = True):
-    """``name(model, params, src_BS[, rng], **settings)``: :func:`decode` with the ``cls`` of
-    the settings (:func:`_split`; others ``defaults``); ``best``: the sequences ``[B, M]`` only."""
+    """``name(model, params, src_BS[, rng], **settings)``: :func:`decode` with the ``cls`` of the
+    settings, the rest ``defaults`` or as given; ``best``: the sequences ``[B, M]`` only."""
     def decoder(model, params, src_BS, *rng, **settings):
         strategy, rest = decoder.split(settings)
         out = decode(model, params, src_BS, strategy, rng=rng[0] if rng else None, **rest)

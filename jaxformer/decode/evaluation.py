@@ -124,9 +124,8 @@ class Evaluator:
         return max(1, min(int(self.max_len_a * source_length + self.max_len_b), self.model.config.max_len))
 
     def loss(self, params: Any, examples: Examples, eval_step: Callable) -> dict[str, float]:
-        """Teacher-forced per-token loss, perplexity and accuracy on tokenized pairs, by
-        ``eval_step(params, batch) -> {"loss_sum", "nll_sum", "correct", "tokens"}`` (jitted
-        for this evaluator's layout: :func:`jaxformer.train.step.jit_eval_step`)."""
+        """Teacher-forced per-token loss, perplexity and accuracy on tokenized pairs by ``eval_step(params,
+        batch) -> {"loss_sum", "nll_sum", "correct", "tokens"}``, jitted for this layout."""
         totals = None
         lengths = [max(len(s), len(t) + 1) for s, t in zip(examples.src, examples.tgt)]
         rows = self._rows(self.batch_size)   # a multiple of the data shards under a layout

@@ -1,14 +1,11 @@
-"""Beam search in stages, for bulk decoding: closed sentences leave the batch and the
-self-attention cache grows with the output (fairseq and CTranslate2 drop finished sentences too).
-
-One ``while_loop`` pays for all B·k rows and M cache positions until the batch's last sentence
-closes (en-de, beam 4, batch 32: 51% of the rows' steps were open sentences'). A stage is a
-``while_loop`` of :func:`~jaxformer.decode.beam_search.beam_step` over R sentences and length L
-that returns once at most R/2 are open, or at step L; the host then gathers the open ones into
-R/2 rows (R/4 while at most that many are open) and, past L, pads the arrays to M: at most
-2 × (log2 B + 1) compiled loops per bucket. The output equals
-:func:`~jaxformer.decode.decoding.decode`'s up to float rounding (a near-tie can flip); the
-stages are a pure function of the batch, so a resumed bulk run repeats them.
+"""Beam search in stages, for bulk decoding: closed sentences leave the batch (as in fairseq and
+CTranslate2) and the cache grows with the output, where one ``while_loop`` pays for all B·k rows
+and M positions until the last sentence closes (en-de, beam 4, batch 32: 51% of the rows' steps).
+A stage runs :func:`~jaxformer.decode.beam_search.beam_step` over R sentences and length L until
+at most R/2 are open, or step L; the host then gathers the open ones into R/2 rows (R/4 while at
+most that many are open) and, past L, pads to M: at most 2 × (log2 B + 1) compiled loops per
+bucket. The output is ``decode``'s up to float rounding (a near-tie can flip), and a pure
+function of the batch, so a resumed bulk run repeats it.
 """
 
 from __future__ import annotations
@@ -26,10 +23,8 @@ from jaxformer.model.transformer import DecodeCache, Transformer
 
 
 class StagedBeamSearch:
-    """``beam``'s search of ``model`` over batches of sources, stage by stage (the module
-    docstring): ``bos_id``, ``eos_id``, ``len_a``, ``extra_len`` as
-    :func:`jaxformer.decode.decoding.decode`'s; ``first_length``: the first stage's L (≥ 1).
-    ``stages``: the last call's, ``(rows, length, step at its end)`` each."""
+    """``beam``'s search of ``model`` in stages (settings as ``decode``'s; ``first_length``: the
+    first stage's L ≥ 1); ``stages``: the last call's ``(rows, length, step at its end)``."""
 
     def __init__(self, model: Transformer, beam: Beam, *, bos_id: int, eos_id: int, len_a: float = 1.0,
                  extra_len: int | None = 50, first_length: int = 32):

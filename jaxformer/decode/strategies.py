@@ -64,9 +64,8 @@ def allowed_logits(logits_BV: jax.Array, out_BM: jax.Array, step: jax.Array, pro
 
 @dataclasses.dataclass(frozen=True)
 class Greedy:
-    """The most likely token at each step (the first of a tie); scores 0. ``forced_eos``: a
-    sentence's last allowed token is eos (as Hugging Face's ``forced_eos_token_id``);
-    ``processors``: logit processors applied in order (:mod:`jaxformer.decode.penalties`)."""
+    """The most likely token at each step (the first of a tie); scores 0. ``forced_eos``: eos at a
+    sentence's limit (Hugging Face's ``forced_eos_token_id``); ``processors``: logit processors."""
 
     forced_eos: bool = False
     processors: tuple = ()

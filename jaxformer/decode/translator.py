@@ -106,14 +106,11 @@ class Translator:
 
     def decode(self, sentences: list[str], strategy: Any, *, seed: int | None = None,
                indices: list[int] | None = None, length_limits: bool = True) -> list[list[tuple[str, float]]]:
-        """(translation, score) lists of ``sentences`` decoded with ``strategy``
-        (:mod:`jaxformer.decode.strategies`), best first, in order; a blank sentence gets
-        ``[("", 0.0)]``. ``seed`` (``None``: 0): sentence i samples with ``fold_in(key(seed),
-        indices[i])``, its index in the whole input (default: in ``sentences``), whatever its
-        batch or input path; ``length_limits``: as :meth:`~jaxformer.decode.evaluation.Evaluator.decode`.
-        Raises ``TypeError`` unless ``sentences`` is a list of strings, ``ValueError`` for a
-        ``seed`` not an integer in [0, 2**32).
-        """
+        """(translation, score) lists of ``sentences`` decoded with ``strategy``, best first, in
+        order (a blank one: ``[("", 0.0)]``). Sentence i samples with ``fold_in(key(seed or 0),
+        indices[i])``, its index in the whole input (default: in ``sentences``), on any path;
+        ``length_limits`` as ``Evaluator.decode``'s. ``TypeError`` unless ``sentences`` is a list
+        of strings; ``ValueError`` for a ``seed`` not an integer in [0, 2**32)."""
         if isinstance(sentences, str) or not hasattr(sentences, "__len__") \
                 or not all(isinstance(s, str) for s in sentences):   # (a generator would be used up)
             raise TypeError(f"sentences must be a list of strings, got {type(sentences).__name__}"
