@@ -133,15 +133,14 @@ def tile_beams(tree, beam_size: int):
 def still_open(state: dict[str, jax.Array], beam: Beam) -> jax.Array:
     """:class:`Beam`'s stopping rule, bool ``[B]``: can a live beam still beat the worst finished?"""
     all_full = jnp.all(state["finished_flags"], axis=1)
-    alpha, length_normalization = beam.alpha, beam.length_normalization
     if beam.early_stopping:   # fairseq, CTranslate2, generate(early_stopping=True): k finished
         return state["open"] & ~all_full
     worst_finished = jnp.min(jnp.where(state["finished_flags"], state["finished_scores"], NEG_INF), axis=1)
-    if length_normalization == "hf":   # transformers' heuristic: the live beam as if it ended now
-        best_live = state["live_logprobs"][:, 0] / length_penalty(state["step"], alpha, "hf")
+    if beam.length_normalization == "hf":   # transformers' heuristic: the live beam as if it ended now
+        best_live = state["live_logprobs"][:, 0] / length_penalty(state["step"], beam.alpha, "hf")
         return state["open"] & (best_live > jnp.where(all_full, worst_finished, NEG_INF))
     # Exact: a live log-probability only falls, and its penalty is largest at the sentence's limit.
-    best_live = state["live_logprobs"][:, 0] / length_penalty(state["limit"], alpha, length_normalization)
+    best_live = state["live_logprobs"][:, 0] / length_penalty(state["limit"], beam.alpha, "gnmt")
     return state["open"] & ~(all_full & (worst_finished >= best_live))
 
 

@@ -13,8 +13,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxformer.decode.beam_search import TokensToLogits, _gather_beams, blocked_top_k, tile_beams  # noqa: F401
-from jaxformer.decode.strategies import Beam, Greedy, Sample, first_argmax  # noqa: F401  (re-exported)
+from jaxformer.decode.beam_search import TokensToLogits, tile_beams
+from jaxformer.decode.strategies import Beam, Greedy, Sample
 from jaxformer.model.scan import unrolled
 from jaxformer.model.sharding import under_mesh
 from jaxformer.model.transformer import Transformer
@@ -83,8 +83,8 @@ def _model_callback(model: Transformer, params: Any, src_BS: jax.Array, max_deco
     model, variables = unrolled(model, {"params": params})
     encoder_output = model.apply(variables, src_BS, method=Transformer.encode)
     cache = model.apply(variables, encoder_output, src_BS, max_decode_len, method=Transformer.init_cache)
-    tokens_to_logits = decode_step_callback(model, variables["params"])
-    return tokens_to_logits, (tile_beams(cache, beam_size) if beam_size > 1 else cache)
+    return (decode_step_callback(model, variables["params"]),
+            tile_beams(cache, beam_size) if beam_size > 1 else cache)
 
 
 def decode_step_callback(model: Transformer, params: Any) -> TokensToLogits:

@@ -93,11 +93,10 @@ class Evaluator:
 
     def decode(self, params: Any, sources: Sequence[str], strategy: Any, *, rng: jax.Array | None = None,
                indices: Sequence[int] | None = None, length_limits: bool = True) -> list[list]:
-        """Each source's (translation, score) list, best first, in input order: ``sources`` (cut
-        to ``max_len`` tokens) decoded with ``strategy`` in length-sorted fixed-shape batches;
-        ``rng``, ``indices`` (each source's index in the whole input): ``decode``'s ``rng``,
-        ``indices_B`` (:mod:`jaxformer.decode.decoding`). ``length_limits``: at most a·L + b
-        tokens, L the source's length (``False``: the batch's limit only, as ``generate``)."""
+        """Each source's (translation, score) list, best first, in order: ``sources`` (cut to
+        ``max_len`` tokens) decoded with ``strategy`` in length-sorted fixed-shape batches (``rng``,
+        ``indices``: ``decode``'s ``rng``, ``indices_B``); ``length_limits``: at most a·L + b tokens,
+        L the source's length (``False``: the batch's limit only, as ``generate``)."""
         c = self.model.config
         ids = [s[: c.max_len] for s in self.tokenizer.encode_source(sources)]
         indices = np.arange(len(ids)) if indices is None else np.asarray(indices)
@@ -133,8 +132,7 @@ class Evaluator:
             indices = np.concatenate([members, np.full(rows - members.size, -1)])
             batch = collate(examples, length, indices, pad_id=self.model.config.pad_id,
                                      bos_id=self.tokenizer.bos_id, eos_id=self.tokenizer.eos_id)
-            batch = self._place(batch) if self.layout else batch
-            sums = eval_step(params, batch)
+            sums = eval_step(params, self._place(batch) if self.layout else batch)
             totals = sums if totals is None else jax.tree_util.tree_map(jnp.add, totals, sums)
         totals = jax.device_get(totals)
         tokens = max(float(totals["tokens"]), 1.0)

@@ -43,8 +43,7 @@ class NoRepeatNGram:
         object.__setattr__(self, "size", check_count("no_repeat_ngram_size", self.size))
 
     def __call__(self, scores_RV: jax.Array, seqs_RM: jax.Array, step: jax.Array) -> jax.Array:
-        banned = banned_ngram_mask(seqs_RM, step, self.size, scores_RV.shape[-1])
-        return jnp.where(banned, -jnp.inf, scores_RV)
+        return jnp.where(banned_ngram_mask(seqs_RM, step, self.size, scores_RV.shape[1]), -jnp.inf, scores_RV)
 
 
 def penalties(no_repeat_ngram_size: int = 0, repetition_penalty: float = 1.0) -> tuple:
@@ -77,8 +76,7 @@ def banned_ngram_mask(seqs_RM: jax.Array, step: jax.Array, n: int, vocab: int) -
     if n > length:
         return jnp.zeros((seqs_RM.shape[0], vocab), jnp.bool_)
     windows = length - n + 1                                    # J: n-gram start positions
-    starts = jnp.arange(windows)[None, :]
-    match_RJ = starts + n - 1 < step                            # the n-gram ends before `step`
+    match_RJ = jnp.arange(windows)[None, :] + n - 1 < step      # the n-gram ends before `step`
     for i in range(n - 1):                                      # its prefix equals the suffix
         suffix_R = jax.lax.dynamic_index_in_dim(seqs_RM, jnp.maximum(step - n + 1 + i, 0), axis=1,
                                                 keepdims=True)

@@ -82,13 +82,11 @@ class Greedy:
 
 @dataclasses.dataclass(frozen=True)
 class Sample:
-    """Ancestral sampling with temperature, top-k and nucleus (top-p) filtering; scores 0.
-    Sentence b's token at step t is drawn with ``fold_in(keys_B[b], t)``, whatever its batch.
+    """Ancestral sampling, scores 0; sentence b's token at step t draws with ``fold_in(keys_B[b], t)``.
     ``temperature`` ≥ 0 divides the logits (0 is :class:`Greedy`); ``top_k``, ``top_p``: keep the
-    k most likely tokens, or the fewest whose probability reaches p (``None``: all);
-    ``processors`` apply before the temperature (transformers' order). Raises ``ValueError``
-    for a ``temperature`` not finite ≥ 0, ``top_k`` not an integer ≥ 1, ``top_p`` outside (0, 1].
-    """
+    k most likely tokens, or the fewest whose probability reaches p (``None``: all); ``processors``
+    apply before the temperature (transformers' order). ``ValueError`` for a ``temperature`` not
+    finite ≥ 0, a ``top_k`` not an integer ≥ 1, a ``top_p`` outside (0, 1]."""
 
     temperature: float = 1.0
     top_k: int | None = None

@@ -45,10 +45,9 @@ class Translator:
         stages (:mod:`jaxformer.decode.exported`, :mod:`~jaxformer.decode.staged`); not with a mesh.
       matmul_dtype: the weight matmuls' dtype (:mod:`jaxformer.model.matmul`); ``None``: the run's.
 
-    Raises:
-      FileNotFoundError: no ``config.json``, tokenizer or the checkpoint asked for.
-      ValueError: ``config.json`` damaged or a Hugging Face model's, ``batch_size`` not an
-        integer ≥ 1, ``max_len_a`` not a finite number ≥ 0, ``max_len_b`` not an integer or a + b < 1.
+    Raises ``FileNotFoundError`` without ``config.json``, the tokenizer or the checkpoint asked for;
+    ``ValueError`` for a damaged (or Hugging Face's) ``config.json``, a ``batch_size`` not an integer
+    ≥ 1, a ``max_len_a`` not a finite number ≥ 0, a ``max_len_b`` not an integer, a + b < 1.
     """
 
     def __init__(self, workdir: str | Path, batch_size: int = 32, checkpoint: str | int = "auto",
@@ -94,8 +93,8 @@ class Translator:
         self.max_len_a = check_real("max_len_a", 1.0 if max_len_a is None else max_len_a, minimum=0.0)
         self.max_len_b = check_count("max_len_b", 50 if max_len_b is None else max_len_b,
                                      minimum=math.ceil(1 - self.max_len_a))   # a + b ≥ 1: room for a token
-        self.evaluator = Evaluator(self.model, self.tokenizer, batch_size=batch_size, scoring=False,
-                                   layout=layout, target_language=record.get("target_language", "xx"),
+        self.evaluator = Evaluator(self.model, self.tokenizer, batch_size=batch_size, layout=layout,
+                                   target_language=record.get("target_language", "xx"), scoring=False,
                                    max_len_a=self.max_len_a, max_len_b=self.max_len_b, exports=exports,
                                    staged=staged)
         train = record.get("train", {})
@@ -115,11 +114,9 @@ class Translator:
                 or not all(isinstance(s, str) for s in sentences):   # (a generator would be used up)
             raise TypeError(f"sentences must be a list of strings, got {type(sentences).__name__}"
                             + (": wrap one sentence in a list" if isinstance(sentences, str) else ""))
-        rng = None   # key(0) in the decoder, which can then be an exported one
-        if seed is not None:
-            if not 0 <= check_count("seed", seed, minimum=-(1 << 63)) < 1 << 32:   # what --seed takes
-                raise ValueError(f"seed must be in [0, 2**32), got {seed}.")
-            rng = jax.random.key(int(seed))
+        if seed is not None and not 0 <= check_count("seed", seed, minimum=-(1 << 63)) < 1 << 32:
+            raise ValueError(f"seed must be in [0, 2**32), got {seed}.")   # what --seed takes
+        rng = None if seed is None else jax.random.key(int(seed))   # None: key(0), so an exported decoder
         indices = range(len(sentences)) if indices is None else indices
         todo = [i for i, sentence in enumerate(sentences) if sentence.strip()]
         out = [[("", 0.0)] for _ in sentences]
@@ -136,8 +133,8 @@ class Translator:
         rules = {**self.defaults, **{k: v for k, v in options.items() if v is not None}}
         strategy = strategy_for(**rules)
         if not best_only and not isinstance(strategy, Beam):   # beam 1: its one hypothesis, scored
-            strategy = Beam(1, rules["alpha"], rules["length_normalization"], rules["early_stopping"],
-                            strategy.processors)
+            strategy = Beam(1, *(rules[k] for k in ("alpha", "length_normalization", "early_stopping")),
+                            processors=strategy.processors)
         return self.decode(sentences, strategy, length_limits=rules["length_normalization"] != "hf")
 
     def __call__(self, sentences: list[str], **options) -> list[str]:
