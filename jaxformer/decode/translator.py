@@ -3,6 +3,7 @@ cross-attention maps (the command line around it: :mod:`jaxformer.cli.translate`
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 from pathlib import Path
@@ -60,9 +61,8 @@ class Translator:
         run_dir = RunDir(workdir)
         exports = ExportCache(run_dir.jax_cache / "exported") if exported and mesh is None else None
         record = run_dir.read_run_record()
-        self.config = TransformerConfig.from_dict(record["model"])
-        if matmul_dtype is not None:
-            self.config = self.config.replace(matmul_dtype=matmul_dtype)
+        config = TransformerConfig.from_dict(record["model"])
+        self.config = config if matmul_dtype is None else config.replace(matmul_dtype=matmul_dtype)
         self.tokenizer = load_tokenizer(workdir, record)
         self.model = Transformer(self.config)
         ids, layout = jnp.ones((1, 8), jnp.int32), None
@@ -81,11 +81,8 @@ class Translator:
             shardings = jax.tree_util.tree_map(lambda _: one_device, shapes)
         abstract_params = jax.tree_util.tree_map(
             lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), shapes, shardings)
-        checkpoints = RunCheckpoints(workdir, read_only=True)
-        try:   # parameters only: the optimizer state is never read
+        with contextlib.closing(RunCheckpoints(workdir, read_only=True)) as checkpoints:   # parameters only
             self.params, self.step, self.kind = checkpoints.restore_params_from(checkpoint, abstract_params)
-        finally:
-            checkpoints.close()
         self.params = cast_matmul_weights(self.params, self.config)
         generation = record.get("generation", {})
         if max_len_a is None and max_len_b is None and generation.get("max_length"):
