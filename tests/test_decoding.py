@@ -5,7 +5,6 @@ import dataclasses
 import itertools
 from typing import ClassVar
 
-import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -14,7 +13,8 @@ import pytest
 
 import jaxformer as jf
 from jaxformer.decode import decoding
-from jaxformer.decode.strategies import Beam, Greedy, Sample, autoregress
+from jaxformer.decode.beam_search import _gather_beams, blocked_top_k
+from jaxformer.decode.strategies import Beam, Greedy, Sample, autoregress, first_argmax
 
 PAD, BOS, EOS = 0, 1, 2
 VOCAB = 5          # pad, bos, eos and two real tokens 3, 4
@@ -292,7 +292,7 @@ def test_beam_search_reorders_the_cache_like_recomputing_the_prefix(tiny_model):
     _, cache = decoding._model_callback(model, params, src, 9, 4)
     cache = cache.map_beam_state(lambda x: jax.random.normal(jax.random.key(0), x.shape))   # not zeros
     order = jnp.array([[3, 0, 0, 1]] * 3)
-    moved = decoding._gather_beams(cache, order, 3)
+    moved = _gather_beams(cache, order, 3)
     assert moved.layers[0].cross_k is cache.layers[0].cross_k      # not copied
     rows = (np.arange(3)[:, None] * 4 + np.asarray(order)).reshape(-1)
     np.testing.assert_array_equal(np.asarray(moved.layers[1].self_v),
@@ -302,13 +302,13 @@ def test_beam_search_reorders_the_cache_like_recomputing_the_prefix(tiny_model):
 def test_first_argmax_equals_argmax_ties_included():
     logits = jax.random.normal(jax.random.key(0), (6, 50))
     logits = logits.at[1, [7, 30]].set(9.0).at[2, :].set(0.0).at[3, 49].set(jnp.inf)
-    np.testing.assert_array_equal(np.asarray(decoding.first_argmax(logits)),
+    np.testing.assert_array_equal(np.asarray(first_argmax(logits)),
                                   np.asarray(jnp.argmax(logits, axis=-1)))
-    assert int(decoding.first_argmax(logits)[1]) == 7        # the first of a tie
-    nan_row = decoding.first_argmax(logits.at[0, 5].set(jnp.nan))
+    assert int(first_argmax(logits)[1]) == 7        # the first of a tie
+    nan_row = first_argmax(logits.at[0, 5].set(jnp.nan))
     assert 0 <= int(nan_row[0]) < 50                           # a valid id, never out of range
-    assert decoding.first_argmax(logits[1]).shape == ()        # any rank, like argmax
-    np.testing.assert_array_equal(np.asarray(decoding.first_argmax(logits.reshape(2, 3, 50))),
+    assert first_argmax(logits[1]).shape == ()        # any rank, like argmax
+    np.testing.assert_array_equal(np.asarray(first_argmax(logits.reshape(2, 3, 50))),
                                   np.asarray(jnp.argmax(logits, axis=-1)).reshape(2, 3))
 
 
@@ -320,6 +320,6 @@ def test_blocked_top_k_equals_lax_top_k_ties_and_inf_included(length):
         x = x.at[0, :].set(-jnp.inf).at[1, : length // 2].set(-1e9).at[2, 7].set(jnp.inf)
         for k in (1, 8):
             expected = jax.lax.top_k(x, k)
-            got = decoding.blocked_top_k(x, k)
+            got = blocked_top_k(x, k)
             np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(expected[0]))
             np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(expected[1]))

@@ -1,7 +1,6 @@
-"""Beam search over a ``tokens_to_logits`` callback, as one ``lax.while_loop``: :class:`Beam`,
-GNMT-normalised (the paper's §6.1 decoding) or as Hugging Face ``generate``, so an imported
-OPUS-MT model reproduces ``generate(num_beams=k)`` token for token. Glossary: B batch, V
-vocabulary, M the longest output; the beam width is k (N in names), so K stays the head width.
+"""Beam search as one ``lax.while_loop`` (:class:`Beam`): GNMT-normalised (paper §6.1) or as
+Hugging Face ``generate`` (an imported OPUS-MT model reproduces it token for token). B batch,
+V vocabulary, M the longest output; the beam width is k (N in names; K is the head width).
 """
 
 from __future__ import annotations
@@ -24,9 +23,8 @@ NEG_INF = -1.0e9
 
 
 def length_penalty(length, alpha: float, normalization: str = "gnmt"):
-    """The divisor of a finished hypothesis' log-probability: ``"gnmt"``, ((5 + |Y|) / 6)^α
-    (Wu et al. 2016; paper §6.1, α = 0.6); ``"hf"``, |Y|^α (transformers
-    ``generation/utils.py``, ``_update_finished_beams``). |Y| counts eos."""
+    """A finished hypothesis' log-probability divisor (|Y| counts eos): ``"gnmt"`` ((5 + |Y|) / 6)^α
+    (Wu et al. 2016; paper §6.1, α = 0.6), ``"hf"`` |Y|^α (transformers' ``_update_finished_beams``)."""
     length = jnp.asarray(length, jnp.float32)
     return length ** alpha if normalization == "hf" else ((5.0 + length) / 6.0) ** alpha
 
@@ -36,10 +34,9 @@ class Beam:
     """Beam search (paper §6.1: k = 4, α = 0.6): the k best hypotheses per sentence,
     scored log-probability / :func:`length_penalty` (a strategy: :mod:`jaxformer.decode.strategies`).
 
-    Each step extends the live beams, keeps the best 2k candidates, continues the best
-    k that did not end and merges those of the top k that ended (eos; forced at each
-    sentence's limit) into the k finished; pad and bos are never generated. The loop
-    stops when every sentence is *closed* (or at M tokens):
+    Each step keeps the best 2k extensions: the best k that did not end stay live, those of the
+    top k that ended (eos, forced at a sentence's limit) join the k finished. The loop stops
+    when every sentence is *closed* (or at M tokens):
 
     * ``length_normalization="gnmt"``: k finished, and the best live log-probability over
       the largest penalty it could get, lp(its limit), below the worst finished: exact.
@@ -49,13 +46,9 @@ class Beam:
     * ``early_stopping=True`` (either): k finished, the rule of fairseq, CTranslate2 and
       ``generate(early_stopping=True)``; faster, not exact.
 
-    ``processors`` (:mod:`jaxformer.decode.penalties`) apply to each beam's log-probabilities
-    before ranking, as in fairseq and ``generate``; the scores are the penalised ones.
-    Bulk translation runs it in stages (:mod:`jaxformer.decode.staged`).
-
-    Raises:
-      ValueError: ``beam_size`` not an integer ≥ 1, ``alpha`` not finite, another
-        ``length_normalization`` or an ``early_stopping`` not True or False.
+    ``processors`` (:mod:`jaxformer.decode.penalties`) apply to the log-probabilities before
+    ranking, as in fairseq and ``generate``. Raises ``ValueError`` for a ``beam_size`` not an
+    integer ≥ 1, an ``alpha`` not finite, another ``length_normalization`` or ``early_stopping``.
     """
 
     beam_size: int = 4
@@ -67,40 +60,26 @@ class Beam:
     def __post_init__(self):
         object.__setattr__(self, "beam_size", check_count("beam_size", self.beam_size))
         object.__setattr__(self, "alpha", check_real("alpha", self.alpha))
-        rules = {"length_normalization": ("'gnmt' or 'hf'", self.length_normalization in ("gnmt", "hf")),
-                 "early_stopping": ("True or False", isinstance(self.early_stopping, (bool, np.bool_)))}
-        wrong = [f"{name} must be {allowed}, got {getattr(self, name)!r}"
-                 for name, (allowed, ok) in rules.items() if not ok]
-        if wrong:
-            raise ValueError("; ".join(wrong) + ".")
+        norm, early = self.length_normalization, self.early_stopping
+        if norm not in ("gnmt", "hf") or not isinstance(early, (bool, np.bool_)):
+            raise ValueError(f"length_normalization must be 'gnmt' or 'hf' (got {norm!r}) and "
+                             f"early_stopping must be True or False (got {early!r}).")
         object.__setattr__(self, "early_stopping", bool(self.early_stopping))
 
-    @property
-    def beams(self) -> int:
-        return self.beam_size
+    beams = property(lambda self: self.beam_size)
 
     def search(self, tokens_to_logits: TokensToLogits, cache: Any, *, batch_size: int, bos_id: int,
                eos_id: int, pad_id: int, max_decode_len: int, max_lengths: jax.Array | None = None,
                keys_B: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-        """``(sequences [B, k, M] int32, scores [B, k] float32)``, best first; ``cache``
-        holds ``B*k`` rows (:func:`tile_beams`)."""
-        state0 = init_beam_state(cache, self, batch_size=batch_size, bos_id=bos_id, pad_id=pad_id,
-                                 length=max_decode_len, max_decode_len=max_decode_len,
-                                 max_lengths=max_lengths)
+        """``(sequences [B, k, M] int32, scores [B, k] float32)``, best first; ``cache`` has ``B*k`` rows."""
+        state = init_beam_state(cache, self, batch_size=batch_size, bos_id=bos_id, pad_id=pad_id,
+                                length=max_decode_len, max_decode_len=max_decode_len, max_lengths=max_lengths)
         state = jax.lax.while_loop(
             lambda state: (state["step"] < max_decode_len) & jnp.any(state["open"]),
             lambda state: beam_step(state, tokens_to_logits, self, bos_id=bos_id, eos_id=eos_id,
                                     pad_id=pad_id),
-            state0)
+            state)
         return beam_output(state, self, pad_id=pad_id)
-
-
-def beam_search(tokens_to_logits: TokensToLogits, cache: Any, *, beam_size: int, alpha: float = 0.6,
-                length_normalization: str = "gnmt", early_stopping: bool = False, processors: tuple = (),
-                **loop) -> tuple[jax.Array, jax.Array]:
-    """``Beam(beam_size, alpha, ...).search(tokens_to_logits, cache, **loop)``."""
-    return Beam(beam_size, alpha, length_normalization, early_stopping, processors).search(
-        tokens_to_logits, cache, **loop)
 
 
 def _flatten_beams(x):
@@ -112,8 +91,7 @@ def _unflatten_beams(x, batch_size):
 
 
 def _gather_beams(tree, beam_indices_BN, batch_size):
-    """Picks beams ``[B, N]`` from every leaf with a flattened ``[B*k, ...]`` batch axis (of a
-    :class:`~jaxformer.model.transformer.DecodeCache`, only the leaves that differ by beam)."""
+    """Picks beams ``[B, N]`` from each ``[B*k, ...]`` leaf (a ``DecodeCache``'s that differ by beam)."""
     if hasattr(tree, "map_beam_state"):
         return tree.map_beam_state(lambda x: _gather_beams(x, beam_indices_BN, batch_size))
 
@@ -128,21 +106,15 @@ def _gather_beams(tree, beam_indices_BN, batch_size):
 
 
 def blocked_top_k(x: jax.Array, k: int, block: int = 128) -> tuple[jax.Array, jax.Array]:
-    """``jax.lax.top_k(x, k)`` along the last axis, exactly (ties to the lower index), by
-    blocks: ``(values, int32 indices)`` of shape ``x.shape[:-1] + (k,)``, largest first.
-
-    Only the k blocks (of ``block``, padded with -inf) with the largest maxima can hold
-    the top k, so a max per block, a top-k over those and one over ``k · block``
-    candidates replace one over the whole axis: 0.3 ms for beam search's ``[32, 4 · 8000]``
-    where ``lax.top_k`` takes 1.5 ms on a 2-core CPU.
-    """
+    """``jax.lax.top_k(x, k)`` exactly (ties to the lower index): ``(values, int32 indices)``
+    ``x.shape[:-1] + (k,)``. Only the k blocks with the largest maxima can hold the top k, so
+    top-ks over block maxima and ``k · block`` candidates replace one over the whole axis
+    (beam search's ``[32, 4 · 8000]``: 0.3 ms, not 1.5 ms, on a 2-core CPU)."""
     n = x.shape[-1]
     if n <= 4 * block or k > n // block:
         return jax.lax.top_k(x, k)
     padded = -(-n // block) * block
-    if padded != n:
-        pad = [(0, 0)] * (x.ndim - 1) + [(0, padded - n)]
-        x = jnp.pad(x, pad, constant_values=-jnp.inf)
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, padded - n)], constant_values=-jnp.inf)
     blocks = x.reshape(x.shape[:-1] + (padded // block, block))
     _, best_blocks = jax.lax.top_k(jnp.max(blocks, axis=-1), k)
     best_blocks = jnp.sort(best_blocks, axis=-1)
@@ -158,44 +130,24 @@ def tile_beams(tree, beam_size: int):
         lambda x: x if x.ndim == 0 else jnp.repeat(x, beam_size, axis=0), tree)
 
 
-def constrain_log_probs(logp_BNV: jax.Array, at_limit_B: jax.Array, *, eos_id: int, pad_id: int,
-                        bos_id: int, forced_eos_logprob_zero: bool = False) -> jax.Array:
-    """float32 log-probabilities ``[B, k, V]`` with pad and bos (never generated) and, for a
-    sentence at its limit (``at_limit_B``, bool ``[B]``), all but eos at :data:`NEG_INF`;
-    ``forced_eos_logprob_zero``: that eos at 0 (transformers' ``ForcedEOSTokenLogitsProcessor``)."""
-    vocab = logp_BNV.shape[-1]
-    force = at_limit_B[:, None, None] & (jnp.arange(vocab) != eos_id)[None, None, :]
-    never = ((jnp.arange(vocab) == pad_id) | (jnp.arange(vocab) == bos_id))[None, None, :]
-    logp_BNV = jnp.where(force | never, NEG_INF, logp_BNV)
-    if forced_eos_logprob_zero:
-        forced_eos = at_limit_B[:, None, None] & (jnp.arange(vocab) == eos_id)[None, None, :]
-        logp_BNV = jnp.where(forced_eos, 0.0, logp_BNV)
-    return logp_BNV
-
-
 def still_open(state: dict[str, jax.Array], beam: Beam) -> jax.Array:
-    """The stopping rule (:class:`Beam`'s): per sentence (bool ``[B]``), can a live beam
-    still beat the worst finished hypothesis? ``state``: the loop's
-    (:func:`init_beam_state`), ``step`` tokens generated."""
+    """:class:`Beam`'s stopping rule, bool ``[B]``: can a live beam still beat the worst finished?"""
     all_full = jnp.all(state["finished_flags"], axis=1)
-    alpha, length_normalization = beam.alpha, beam.length_normalization
     if beam.early_stopping:   # fairseq, CTranslate2, generate(early_stopping=True): k finished
         return state["open"] & ~all_full
     worst_finished = jnp.min(jnp.where(state["finished_flags"], state["finished_scores"], NEG_INF), axis=1)
-    if length_normalization == "hf":   # transformers' heuristic: the live beam as if it ended now
-        best_live = state["live_logprobs"][:, 0] / length_penalty(state["step"], alpha, "hf")
+    if beam.length_normalization == "hf":   # transformers' heuristic: the live beam as if it ended now
+        best_live = state["live_logprobs"][:, 0] / length_penalty(state["step"], beam.alpha, "hf")
         return state["open"] & (best_live > jnp.where(all_full, worst_finished, NEG_INF))
     # Exact: a live log-probability only falls, and its penalty is largest at the sentence's limit.
-    best_live = state["live_logprobs"][:, 0] / length_penalty(state["limit"], alpha, length_normalization)
+    best_live = state["live_logprobs"][:, 0] / length_penalty(state["limit"], beam.alpha, "gnmt")
     return state["open"] & ~(all_full & (worst_finished >= best_live))
 
 
 def init_beam_state(cache: Any, beam: Beam, *, batch_size: int, bos_id: int, pad_id: int,
                     length: int, max_decode_len: int, max_lengths: jax.Array | None = None) -> dict[str, Any]:
-    """The loop state before the first step: only beam 0 live (the first step does not
-    pick k copies), nothing finished, every sentence open; token arrays ``[B, k, length]``
-    (``length`` ≤ M), each sentence's ``limit`` min(its ``max_lengths``, M); ``cache``
-    for ``B*k`` rows."""
+    """The state before the first step: beam 0 alone live (no k copies), nothing finished, all
+    open; token arrays ``[B, k, length ≤ M]``, ``limit`` min(``max_lengths``, M); ``B*k`` cache rows."""
     k = beam.beam_size
     live_logprobs0 = jnp.tile(jnp.array([0.0] + [NEG_INF] * (k - 1), jnp.float32), (batch_size, 1))
     return dict(
@@ -213,9 +165,7 @@ def init_beam_state(cache: Any, beam: Beam, *, batch_size: int, bos_id: int, pad
 def beam_step(state: dict[str, Any], tokens_to_logits: TokensToLogits, beam: Beam, *, bos_id: int,
               eos_id: int, pad_id: int) -> dict[str, Any]:
     """One step of :class:`Beam`'s search: extend, rank, merge the finished, re-check each
-    sentence's stopping rule. Works on any number of sentences B (the state's rows) and
-    any token-array length greater than ``state["step"]``."""
-    hf = beam.length_normalization == "hf"
+    sentence's stopping rule; any B and any token-array length greater than ``state["step"]``."""
     batch_size, k = state["live_logprobs"].shape
     step = state["step"]
     logits, cache = tokens_to_logits(_flatten_beams(state["last_ids"])[:, None], state["cache"])
@@ -224,9 +174,14 @@ def beam_step(state: dict[str, Any], tokens_to_logits: TokensToLogits, beam: Bea
         logp_RV = apply_processors(beam.processors, _flatten_beams(logp_BNV),
                                    _flatten_beams(state["live_seqs"]), step)
         logp_BNV = _unflatten_beams(jnp.maximum(logp_RV, NEG_INF), batch_size)
-    logp_BNV = constrain_log_probs(logp_BNV, step + 1 >= state["limit"], eos_id=eos_id, pad_id=pad_id,
-                                   bos_id=bos_id, forced_eos_logprob_zero=hf)
+    # Pad and bos are never generated; at its limit a sentence gets eos only (with "hf" at
+    # log-probability 0: transformers' ForcedEOSTokenLogitsProcessor).
     vocab = logp_BNV.shape[-1]
+    ids_11V, at_limit_B11 = jnp.arange(vocab)[None, None, :], (step + 1 >= state["limit"])[:, None, None]
+    logp_BNV = jnp.where((at_limit_B11 & (ids_11V != eos_id)) | (ids_11V == pad_id) | (ids_11V == bos_id),
+                         NEG_INF, logp_BNV)
+    if beam.length_normalization == "hf":
+        logp_BNV = jnp.where(at_limit_B11 & (ids_11V == eos_id), 0.0, logp_BNV)
     candidates = (state["live_logprobs"][:, :, None] + logp_BNV).reshape(batch_size, k * vocab)
     top_logprobs, top_idx = blocked_top_k(candidates, 2 * k)            # [B, 2k]
     top_beam, top_token = top_idx // vocab, (top_idx % vocab).astype(jnp.int32)
@@ -242,10 +197,8 @@ def beam_step(state: dict[str, Any], tokens_to_logits: TokensToLogits, beam: Bea
     new_last = jnp.take_along_axis(top_token, live_pick, axis=1)
     cache = _gather_beams(cache, jnp.take_along_axis(top_beam, live_pick, axis=1), batch_size)
 
-    # New finished: merge the old ones with the candidates that ended here. As in
-    # fairseq and transformers, only an eos among the top k candidates finishes a
-    # hypothesis, so beam size 1 is exactly greedy decoding; a closed sentence
-    # takes no more.
+    # New finished: the old ones and the candidates that ended here. As in fairseq and transformers
+    # only an eos among the top k finishes (beam 1 is greedy); a closed sentence takes no more.
     ended = is_eos & alive & (jnp.arange(2 * k) < k)[None, :] & state["open"][:, None]
     ended_scores = jnp.where(
         ended, top_logprobs / length_penalty(step + 1, beam.alpha, beam.length_normalization), NEG_INF)
@@ -263,8 +216,7 @@ def beam_step(state: dict[str, Any], tokens_to_logits: TokensToLogits, beam: Bea
 
 
 def beam_output(state: dict[str, Any], beam: Beam, *, pad_id: int) -> tuple[jax.Array, jax.Array]:
-    """``(sequences [B, k, L], scores [B, k])`` of a loop state, best first (a sentence with
-    no finished hypothesis, only when M is tiny, gives its live ones)."""
+    """``(sequences [B, k, L], scores [B, k])``, best first (with none finished: the live ones)."""
     any_finished = jnp.any(state["finished_flags"], axis=1)
     lengths = jnp.sum(state["live_seqs"] != pad_id, axis=2)
     live_scores = state["live_logprobs"] / length_penalty(lengths, beam.alpha, beam.length_normalization)

@@ -1,7 +1,6 @@
 """Decoding a model: :func:`decode` runs a strategy (:mod:`jaxformer.decode.strategies`) over a
-batch of sources, jitted, with an explicit cache. The strategies see the model as a callback
-``tokens_to_logits(ids [B, 1], cache) -> (logits [B, V], cache)`` (``Transformer.decode_step``
-bound to its variables), so a stub whose right answer is known can stand in for it.
+batch of sources, jitted. Strategies see the model as ``tokens_to_logits(ids [B, 1], cache) ->
+(logits [B, V], cache)`` (``Transformer.decode_step`` bound), so a stub can stand in for it.
 """
 
 from __future__ import annotations
@@ -14,9 +13,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxformer.decode.beam_search import (  # noqa: F401  (re-exported: callers import them from here)
-    NEG_INF, TokensToLogits, _gather_beams, beam_search, blocked_top_k, length_penalty, tile_beams)
-from jaxformer.decode.strategies import Beam, Greedy, Sample, first_argmax  # noqa: F401
+from jaxformer.decode.beam_search import TokensToLogits, tile_beams
+from jaxformer.decode.strategies import Beam, Greedy, Sample
 from jaxformer.model.scan import unrolled
 from jaxformer.model.sharding import under_mesh
 from jaxformer.model.transformer import Transformer
@@ -26,25 +24,15 @@ from jaxformer.model.validation import check_count, check_real, check_token_ids
 def decode(model: Transformer, params: Any, src_BS: jax.Array, strategy: Any, *, bos_id: int, eos_id: int,
            max_decode_len: int, len_a: float = 1.0, extra_len: int | None = None,
            rng: jax.Array | None = None, indices_B: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """Encodes ``src [B, S]`` once and decodes it with ``strategy`` (``Greedy``, ``Sample``,
-    ``Beam`` or any class like them: :mod:`jaxformer.decode.strategies`), jitted: one
-    compile per (B, S, strategy, settings).
-
-    Args:
-      bos_id, eos_id: the tokenizer's; an eos outside the vocabulary never stops.
-      max_decode_len: M, the most tokens per output (eos included).
-      len_a, extra_len: a sentence also stops after ``len_a`` × its source length +
-        ``extra_len`` tokens (fairseq's ``--max-len-a/b``; §6.1: 1 and 50); ``None``: no such limit.
-      rng: a sampling strategy's seed key (default ``key(0)``); sentence b draws from
-        ``fold_in(rng, indices_B[b])``, its index in the whole input (int ``[B]`` or
-        ``[B, 1]``, default 0..B-1), whatever its batch.
-
-    Returns:
-      ``(sequences [B, N, M] int32, scores [B, N] float32)``, best first (N = 1 but for beams).
-
-    Raises:
-      ValueError: (before dispatch) concrete ids outside ``[0, V_src)``, a ``bos_id``
-        outside ``[0, V_tgt)``, a size not an integer or a limit not finite.
+    """``(sequences [B, N, M] int32, scores [B, N] float32)``, best first (N = 1 but for beams):
+    ``src [B, S]`` encoded once and decoded with ``strategy``, jitted (one compile per shape and
+    settings). ``bos_id``, ``eos_id``: the tokenizer's (an eos outside the vocabulary never
+    stops); M = ``max_decode_len`` tokens at most, eos included, and ``len_a`` × the source
+    length + ``extra_len`` (fairseq's ``--max-len-a/b``; §6.1: 1 and 50; ``None``: no such
+    limit). ``rng`` (default ``key(0)``): sentence b samples from ``fold_in(rng, indices_B[b])``,
+    its index in the whole input (int ``[B]`` or ``[B, 1]``, default 0..B-1), whatever its batch.
+    Raises ``ValueError`` (before dispatch) for concrete ids outside ``[0, V_src)``, a ``bos_id``
+    outside ``[0, V_tgt)``, a size not an integer or a limit not finite.
     """
     config = model.config
     if not isinstance(src_BS, jax.Array) or src_BS.is_fully_addressable:
@@ -77,12 +65,10 @@ _decode_jit = jax.jit(_decode, static_argnames=("model", "strategy", "bos_id", "
 
 
 def jit_decoder(model: Transformer, strategy: Any, layout: Any = None, **static) -> Callable:
-    """``fn(params, src_BS, indices_B=None, rng=None)``: :func:`decode` with ``model``,
-    ``strategy`` and its settings bound, without the host checks. With a ``layout``
-    (:class:`jaxformer.model.sharding.Layout`) its outputs are split over ``data``, its
-    inputs taken as laid out (parameters as in training, rows over ``data``), traced
-    under the mesh. ``jit_decoder(beam_translate, model, layout, **settings)`` still works.
-    """
+    """``fn(params, src_BS, indices_B=None, rng=None)``: :func:`decode` with its settings bound,
+    without the host checks; with a ``layout`` (:class:`jaxformer.model.sharding.Layout`) traced
+    under its mesh, inputs as laid out and outputs over ``data``. Also ``jit_decoder(beam_translate,
+    model, layout, **settings)``."""
     if isinstance(strategy, Transformer):   # jit_decoder(decoder, model, layout, **settings)
         model, strategy, static = strategy, *model.split(static)
     if layout is None:
@@ -93,24 +79,18 @@ def jit_decoder(model: Transformer, strategy: Any, layout: Any = None, **static)
 
 def _model_callback(model: Transformer, params: Any, src_BS: jax.Array, max_decode_len: int,
                     beam_size: int = 1):
-    """Encodes once: the ``tokens_to_logits`` callback and its cache, tiled over beams (a
-    scanned model through its unrolled view)."""
+    """Encodes once: ``(tokens_to_logits, cache)``, the cache tiled over ``beam_size`` beams."""
     model, variables = unrolled(model, {"params": params})
     encoder_output = model.apply(variables, src_BS, method=Transformer.encode)
     cache = model.apply(variables, encoder_output, src_BS, max_decode_len, method=Transformer.init_cache)
-    tokens_to_logits = decode_step_callback(model, variables["params"])
-    return tokens_to_logits, (tile_beams(cache, beam_size) if beam_size > 1 else cache)
+    return (decode_step_callback(model, variables["params"]),
+            tile_beams(cache, beam_size) if beam_size > 1 else cache)
 
 
 def decode_step_callback(model: Transformer, params: Any) -> TokensToLogits:
-    """``tokens_to_logits(ids [B, 1], cache) -> (logits [B, V], cache)``: one
-    :meth:`Transformer.decode_step` (a scanned model through its unrolled view)."""
+    """``tokens_to_logits``: one :meth:`Transformer.decode_step` (a scanned model unrolled)."""
     model, variables = unrolled(model, {"params": params})
-
-    def tokens_to_logits(ids, cache):
-        return model.apply(variables, ids, cache, method=Transformer.decode_step)
-
-    return tokens_to_logits
+    return functools.partial(model.apply, variables, method=Transformer.decode_step)
 
 
 def source_limits(src_BS: jax.Array, *, pad_id: int, len_a: float, extra_len: int | None) -> jax.Array | None:
@@ -123,10 +103,8 @@ def source_limits(src_BS: jax.Array, *, pad_id: int, len_a: float, extra_len: in
 
 def uncached_model_callback(model: Transformer, params: Any, src_BS: jax.Array, max_decode_len: int,
                             beam_size: int = 1):
-    """``(tokens_to_logits, state)`` without a K/V cache, the reference: the state (tiled
-    over ``beam_size`` beams) holds the prefix ``[B(*k), M]``, and every step re-runs the
-    teacher-forced decoder over it (causal masking hides the unwritten positions).
-    Quadratic in M; it checks cached decoding and measures what the cache saves."""
+    """``(tokens_to_logits, state)`` without a K/V cache, the reference (quadratic in M): the
+    state holds the prefix ``[B(*k), M]`` and each step re-runs the teacher-forced decoder."""
     variables = {"params": params}
     state = {"tokens": jnp.full((src_BS.shape[0], max_decode_len), model.config.pad_id, jnp.int32),
              "encoder_output": model.apply(variables, src_BS, method=Transformer.encode),
@@ -143,25 +121,22 @@ def uncached_model_callback(model: Transformer, params: Any, src_BS: jax.Array, 
 
 
 # ---------------------------------------------------------------------- the older names
+def _split(cls: type, settings: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """``(cls(the settings that are its fields; penalties as processors), the rest)``."""
+    settings = {("processors" if k == "penalties" else k): v for k, v in settings.items()}
+    fields = {f.name for f in dataclasses.fields(cls)} & settings.keys()
+    return cls(**{k: settings.pop(k) for k in fields}), settings
+
+
 def _older(name: str, cls: type, defaults: dict[str, Any] | None = None, best: bool = True):
-    """The older decoder ``name(model, params, src_BS[, rng], **settings)``: :func:`decode`
-    with a ``cls`` of the settings that are its fields (``penalties``: ``processors``), the
-    rest ``defaults`` or as given; ``best``: the sequences ``[B, M]`` only."""
-    fields = {f.name for f in dataclasses.fields(cls)}
-
-    def split(settings: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-        settings = {**(defaults or {}), **settings}
-        if "penalties" in settings:
-            settings["processors"] = settings.pop("penalties")
-        return (cls(**{k: v for k, v in settings.items() if k in fields}),
-                {k: v for k, v in settings.items() if k not in fields})
-
+    """``name(model, params, src_BS[, rng], **settings)``: :func:`decode` with the ``cls`` of the
+    settings, the rest ``defaults`` or as given; ``best``: the sequences ``[B, M]`` only."""
     def decoder(model, params, src_BS, *rng, **settings):
-        strategy, rest = split(settings)
+        strategy, rest = decoder.split(settings)
         out = decode(model, params, src_BS, strategy, rng=rng[0] if rng else None, **rest)
         return out[0][:, 0] if best else out
 
-    decoder.split, decoder.__name__ = split, name
+    decoder.split, decoder.__name__ = lambda settings: _split(cls, {**(defaults or {}), **settings}), name
     return decoder
 
 
@@ -170,6 +145,13 @@ beam_translate = _older("beam_translate", Beam, {"extra_len": 50}, best=False)  
 sample_translate = _older("sample_translate", Sample)   # (model, params, src_BS, rng, ...) -> [B, M]
 
 
-def greedy_search(tokens_to_logits: TokensToLogits, cache: Any, *, forced_eos=False, processors=(), **loop):
-    """``Greedy(forced_eos, processors).search(tokens_to_logits, cache, **loop)``'s ``[B, M]``."""
-    return Greedy(forced_eos, processors).search(tokens_to_logits, cache, **loop)[0][:, 0]
+def greedy_search(tokens_to_logits: TokensToLogits, cache: Any, **settings) -> jax.Array:
+    """``Greedy(**settings).search(tokens_to_logits, cache, **loop)``'s sequences ``[B, M]``."""
+    strategy, loop = _split(Greedy, settings)
+    return strategy.search(tokens_to_logits, cache, **loop)[0][:, 0]
+
+
+def beam_search(tokens_to_logits: TokensToLogits, cache: Any, **settings) -> tuple[jax.Array, jax.Array]:
+    """``Beam(**settings).search(tokens_to_logits, cache, **loop)``: ``([B, k, M], [B, k])``."""
+    strategy, loop = _split(Beam, settings)
+    return strategy.search(tokens_to_logits, cache, **loop)

@@ -1,11 +1,7 @@
 """Evaluation and batched translation of a trained model (:class:`Evaluator`): teacher-forced
-dev loss, decoding in fixed-shape length buckets, and BLEU and chrF (sacrebleu).
-
-BLEU uses sacrebleu's own tokenizer for the target language (``zh`` → ``zh``, ``ja`` →
-``ja-mecab``, ``ko`` → ``ko-mecab``, else ``13a``), as its command line does; without
-MeCab a Japanese or Korean target is refused rather than scored incomparably
-(``--sacrebleu-tokenize char`` is the explicit alternative). The trainer evaluates with
-it; :class:`jaxformer.decode.translator.Translator` translates with it.
+dev loss, decoding in fixed-shape length buckets, BLEU and chrF (sacrebleu). BLEU tokenizes as
+sacrebleu's command line does for the target language (``zh``, ``ja-mecab``, ``ko-mecab``, else
+``13a``); without MeCab a Japanese or Korean target is refused, not scored incomparably.
 """
 
 from __future__ import annotations
@@ -38,25 +34,13 @@ class Evaluator:
                  tokenize: str | None = None, max_len_a: float = 1.0, max_len_b: int = 50,
                  scoring: bool = True, exports: ExportCache | None = None, staged: bool = False,
                  decoders: dict[Any, Any] | None = None):
-        """
-        Args:
-          batch_size: the most sentences per decoding batch; a smaller input is padded
-            only to the next power of two (one compile per size).
-          target_language: ISO code (``"de"``, ``"zh"``) choosing sacrebleu's BLEU
-            tokenizer; ``tokenize``: a sacrebleu tokenizer name that overrides it.
-          max_len_a, max_len_b: a translation has at most ``a * L + b`` tokens (fairseq's
-            ``--max-len-a/b``; a ≥ 0, a + b ≥ 1), never more than ``max_len``.
-          scoring: build the BLEU/chrF scorers (the translate tool needs none).
-          exports: serve decoders from these exported programs (:mod:`jaxformer.decode.exported`)
-            unless sampling with a key or under a layout.
-          staged: run :class:`~jaxformer.decode.strategies.Beam` in stages
-            (:mod:`jaxformer.decode.staged`) without a layout; bulk translation's choice.
-          decoders: the compiled decoders by their settings (default: a new dict), shareable by
-            evaluators of one model, layout, ``exports`` and ``staged`` (``RunPrograms``).
-
-        Raises:
-          ValueError: a tokenizer unknown or without its package (:func:`make_bleu`).
-        """
+        """``batch_size``: the most sentences per decoding batch (fewer: padded to a power of two);
+        ``target_language`` (ISO code) or ``tokenize`` chooses the BLEU tokenizer (:func:`make_bleu`,
+        its ``ValueError``); at most ``max_len_a`` × L + ``max_len_b`` tokens (fairseq's
+        ``--max-len-a/b``), never ``max_len``; ``scoring``: build the BLEU/chrF scorers; ``exports``:
+        serve unsampled decoders from exported programs without a layout; ``staged``: ``Beam`` in
+        stages (:mod:`jaxformer.decode.staged`) without a layout; ``decoders``: the compiled
+        decoders by settings, shareable by evaluators of one model, layout, exports and staging."""
         self.model, self.tokenizer, self.layout, self.batch_size = model, tokenizer, layout, batch_size
         # Coarse buckets: each is one compile of the decode loop and of the eval step.
         self.boundaries = bucket_boundaries(model.config.max_len, step=32)
@@ -69,9 +53,7 @@ class Evaluator:
             self.bleu, self.chrf = make_bleu(target_language, tokenize), CHRF()
 
     def _decoder(self, strategy: Any, sampled: bool, **static) -> Callable:
-        """``fn(params, src_BS, indices_B, rng)`` for these settings, cached: the staged beam
-        search, an exported decoder (not ``sampled``: ``rng`` is ``None``) or
-        :func:`jaxformer.decode.decoding.jit_decoder`'s."""
+        """``fn(params, src_BS, indices_B, rng)``, cached: staged, exported (``rng`` ``None``) or jitted."""
         key = (strategy, sampled, tuple(sorted(static.items())))
         if key not in self._decoders:
             if self.staged and isinstance(strategy, Beam):
@@ -102,8 +84,7 @@ class Evaluator:
                 yield self.boundaries[b], members[start:start + self.batch_size]
 
     def _rows(self, count: int) -> int:
-        """Rows of a batch of ``count`` sentences: the next power of two (few compiled
-        shapes), at most ``batch_size``, and a multiple of the data shards under a layout."""
+        """Rows for ``count`` sentences: the next power of two ≤ ``batch_size``, times the data shards."""
         rows = min(self.batch_size, 1 << max(count - 1, 0).bit_length())
         if self.layout is not None:
             multiple = self.layout.data_size * sharding_lib.mesh_processes(self.layout.mesh)[0]
@@ -112,12 +93,10 @@ class Evaluator:
 
     def decode(self, params: Any, sources: Sequence[str], strategy: Any, *, rng: jax.Array | None = None,
                indices: Sequence[int] | None = None, length_limits: bool = True) -> list[list]:
-        """Each source's (translation, score) list, best first, in input order: ``sources``
-        (cut to ``max_len`` tokens) decoded with ``strategy`` in length-sorted fixed-shape
-        batches (:func:`jaxformer.decode.decoding.decode`; ``rng`` and ``indices``, each
-        source's index in the whole input, as its ``rng`` and ``indices_B``).
-        ``length_limits``: at most a·L + b tokens, L the source's length (``False``: the
-        batch's limit only, as Hugging Face ``generate``)."""
+        """Each source's (translation, score) list, best first, in order: ``sources`` (cut to
+        ``max_len`` tokens) decoded with ``strategy`` in length-sorted fixed-shape batches (``rng``,
+        ``indices``: ``decode``'s ``rng``, ``indices_B``); ``length_limits``: at most a·L + b tokens,
+        L the source's length (``False``: the batch's limit only, as ``generate``)."""
         c = self.model.config
         ids = [s[: c.max_len] for s in self.tokenizer.encode_source(sources)]
         indices = np.arange(len(ids)) if indices is None else np.asarray(indices)
@@ -144,9 +123,8 @@ class Evaluator:
         return max(1, min(int(self.max_len_a * source_length + self.max_len_b), self.model.config.max_len))
 
     def loss(self, params: Any, examples: Examples, eval_step: Callable) -> dict[str, float]:
-        """Teacher-forced per-token loss, perplexity and accuracy on tokenized pairs, by
-        ``eval_step(params, batch) -> {"loss_sum", "nll_sum", "correct", "tokens"}`` (jitted
-        for this evaluator's layout: :func:`jaxformer.train.step.jit_eval_step`)."""
+        """Teacher-forced per-token loss, perplexity and accuracy on tokenized pairs by ``eval_step(params,
+        batch) -> {"loss_sum", "nll_sum", "correct", "tokens"}``, jitted for this layout."""
         totals = None
         lengths = [max(len(s), len(t) + 1) for s, t in zip(examples.src, examples.tgt)]
         rows = self._rows(self.batch_size)   # a multiple of the data shards under a layout
@@ -154,8 +132,7 @@ class Evaluator:
             indices = np.concatenate([members, np.full(rows - members.size, -1)])
             batch = collate(examples, length, indices, pad_id=self.model.config.pad_id,
                                      bos_id=self.tokenizer.bos_id, eos_id=self.tokenizer.eos_id)
-            batch = self._place(batch) if self.layout else batch
-            sums = eval_step(params, batch)
+            sums = eval_step(params, self._place(batch) if self.layout else batch)
             totals = sums if totals is None else jax.tree_util.tree_map(jnp.add, totals, sums)
         totals = jax.device_get(totals)
         tokens = max(float(totals["tokens"]), 1.0)
@@ -171,29 +148,23 @@ class Evaluator:
         """The hypotheses that loop (:func:`repeats_ngram` on the BLEU tokenizer's tokens):
         ``{"count", "fraction", "examples"}``, examples the first three indices."""
         found = [i for i, h in enumerate(hypotheses) if repeats_ngram(self.bleu.tokenizer(h).split())]
-        return {"count": len(found), "fraction": len(found) / max(len(hypotheses), 1),
-                "examples": found[:3]}
+        return {"count": len(found), "fraction": len(found) / max(len(hypotheses), 1), "examples": found[:3]}
 
     def scores(self, hypotheses: Sequence[str], references: Sequence[str]) -> dict[str, Any]:
-        """Corpus BLEU and chrF with their sacrebleu signatures (to report with the numbers):
-        ``{"bleu", "bleu_signature", "chrf", "chrf_signature"}``.
-
-        Raises:
-          ValueError: the lists differ in length (sacrebleu would drop the extra hypotheses).
-        """
+        """``{"bleu", "bleu_signature", "chrf", "chrf_signature"}``: corpus scores and sacrebleu
+        signatures. ``ValueError`` when the lists differ in length (sacrebleu would drop some)."""
         if len(hypotheses) != len(references):
             raise ValueError(f"{len(hypotheses)} hypotheses but {len(references)} references: scoring "
                              f"needs one reference per hypothesis, in the same order.")
-        refs = [list(references)]
-        return {"bleu": float(self.bleu.corpus_score(list(hypotheses), refs).score),
-                "bleu_signature": str(self.bleu.get_signature()),
-                "chrf": float(self.chrf.corpus_score(list(hypotheses), refs).score),
-                "chrf_signature": str(self.chrf.get_signature())}
+        hyps, refs = list(hypotheses), [list(references)]
+        bleu, chrf = self.bleu.corpus_score(hyps, refs), self.chrf.corpus_score(hyps, refs)
+        return {"bleu": float(bleu.score), "bleu_signature": str(self.bleu.get_signature()),
+                "chrf": float(chrf.score), "chrf_signature": str(self.chrf.get_signature())}
 
 
 def repeats_ngram(tokens: Sequence[str], times: int = 3, max_n: int = 4) -> bool:
-    """Whether an n-gram (n ≤ ``max_n``) with a word (a letter or digit) in it occurs ``times``
-    or more times in a row: ``a , a , a ,`` and ``x x x`` do; ``a b a b`` and ``. . .`` do not."""
+    """Whether an n-gram (n ≤ ``max_n``) with a letter or digit occurs ``times`` in a row
+    (``a , a , a ,`` and ``x x x`` do; ``a b a b`` and ``. . .`` do not)."""
     tokens = list(tokens)
     wordy = [any(c.isalnum() for c in t) for t in tokens]
     for n in range(1, max_n + 1):
@@ -206,9 +177,8 @@ def repeats_ngram(tokens: Sequence[str], times: int = 3, max_n: int = 4) -> bool
 
 
 def make_bleu(target_language: str, tokenize: str | None = None):
-    """sacrebleu's ``BLEU`` for ``target_language`` (its tokenizer choice) or ``tokenize``.
-    Raises ``ValueError`` for an unknown tokenizer or a MeCab one without its package
-    (the message names the install and ``--sacrebleu-tokenize char``)."""
+    """sacrebleu's ``BLEU`` for ``target_language`` (its tokenizer choice) or ``tokenize``;
+    ``ValueError`` for an unknown tokenizer or one that cannot start (naming the install)."""
     from sacrebleu.metrics.bleu import BLEU
 
     try:
@@ -217,8 +187,7 @@ def make_bleu(target_language: str, tokenize: str | None = None):
         chosen = tokenize or BLEU._TOKENIZER_MAP.get(target_language, BLEU.TOKENIZER_DEFAULT)
         extra = {"ja-mecab": "ja", "ko-mecab": "ko"}.get(chosen)
         install = f"pip install 'sacrebleu[{extra}]'" if extra else "install what sacrebleu asks for"
-        reason = ("MeCab is not installed" if extra
-                  else (str(e).strip().splitlines() or [type(e).__name__])[0].strip())
+        reason = "MeCab is not installed" if extra else (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ValueError(
             f"Unknown sacrebleu tokenizer {tokenize!r}; choose one of {sorted(BLEU.TOKENIZERS)}."
             if chosen not in BLEU.TOKENIZERS else

@@ -1,16 +1,9 @@
-"""Decoders and parameter shapes kept in a run directory, so that a later translate
-process neither traces nor compiles.
-
-JAX's persistent compilation cache (``RUN/jax_cache``) saves the compile, but a new
-process still traces the decoder to find its cache key (about 0.5 s for the small
-preset's beam search) and the model's ``init`` for the parameters' shapes (0.3 s).
-Here a decoder is exported (``jax.export``, the lowered StableHLO program) to
-``<key>.jaxexport`` and the parameters' shapes and dtypes to ``<key>.json``; a later
-process reads them in milliseconds. Each key is a SHA-256 of all the entry depends on:
-jaxformer's source files, the jax, jaxlib and flax versions, the JAX settings that
-change a trace, the model config, the decoder's settings and the inputs' shapes and
-dtypes, so a stale entry is never used. Each file starts with its payload's SHA-256;
-one that fails to load or verify is made again.
+"""Exported decoders (``<key>.jaxexport``, ``jax.export``) and parameter shapes (``<key>.json``)
+kept in a run directory, so a later translate process neither traces (the compilation cache
+still does: 0.5 s for the small preset's beam search, 0.3 s for ``init``) nor compiles. A key is
+a SHA-256 of all an entry depends on (jaxformer's sources, jax/jaxlib/flax versions, the JAX
+settings that change a trace, the model config, the settings, the inputs' shapes and dtypes);
+each file starts with its payload's SHA-256, and one that fails to load or verify is made again.
 """
 
 from __future__ import annotations
@@ -40,16 +33,9 @@ def source_digest() -> str:
     return digest.hexdigest()
 
 
-def _signature(tree: Any) -> list[Any]:
-    """A pytree's structure and its leaves' shapes and dtypes, as JSON-able values."""
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    return [str(treedef), [[list(np.shape(x)), str(x.dtype)] for x in leaves]]
-
-
 def _write_atomically(path: Path, data: bytes) -> None:
-    """Writes ``data`` to ``path`` after its SHA-256, through a temporary file and a
-    rename (a reader never sees half a file), with the umask's permissions, not 0600
-    (a group-shared run directory serves other users)."""
+    """Writes ``data`` after its SHA-256 to ``path`` by a temporary file and a rename (no half
+    files), with the umask's permissions, not 0600 (a group-shared run serves other users)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.parent / f".{path.name}-{secrets.token_hex(8)}"   # os.open: 0o666 less the umask
     with os.fdopen(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as f:
@@ -61,10 +47,9 @@ def _read_verified(path: Path) -> bytes:
     """What :func:`_write_atomically` wrote to ``path``; ``OSError`` when unreadable,
     ``ValueError`` when damaged (its SHA-256 does not match)."""
     raw = path.read_bytes()
-    digest, data = raw[:32], raw[32:]
-    if hashlib.sha256(data).digest() != digest:
+    if hashlib.sha256(raw[32:]).digest() != raw[:32]:
         raise ValueError(f"{path} is damaged")
-    return data
+    return raw[32:]
 
 
 class ExportCache:
@@ -87,30 +72,25 @@ class ExportCache:
         """``make()`` (a nested dict of ``jax.ShapeDtypeStruct``: the parameters of a model
         with ``config``), read from this cache when it was made before."""
         path = self.directory / f"{self.key('params', repr(config))}.json"
-        with contextlib.suppress(OSError, ValueError, TypeError, KeyError, AttributeError):   # missing
-            tree: dict[str, Any] = {}
-            for names, shape, dtype in json.loads(_read_verified(path)):
-                node = tree
-                for name in names[:-1]:
-                    node = node.setdefault(name, {})
-                node[names[-1]] = jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype))
-            return tree
+        with contextlib.suppress(OSError, ValueError, TypeError, IndexError):   # missing or damaged
+            return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(tuple(x[0]), np.dtype(x[1])),
+                                          json.loads(_read_verified(path)), is_leaf=lambda x: type(x) is list)
         abstract = make()
-        leaves = [[[k.key for k in names], list(x.shape), str(x.dtype)]
-                  for names, x in jax.tree_util.tree_flatten_with_path(abstract)[0]]
         with contextlib.suppress(OSError):   # an unwritable run directory: made again next time
-            _write_atomically(path, json.dumps(leaves).encode())
+            _write_atomically(path, json.dumps(jax.tree_util.tree_map(
+                lambda x: [list(x.shape), str(x.dtype)], abstract)).encode())
         return abstract
 
     def decoder(self, fn: Callable, name: str, config: Any, **static: Any) -> Callable:
-        """``fn(*arrays)`` (a decoder, its settings ``static`` bound) served from an exported
-        program: exported on the first call with a new input signature, read from disk in
-        later processes. ``name``, ``config`` (the model's), ``static`` (by their ``repr``)
-        and the inputs' shapes and dtypes make the key."""
+        """``fn(*arrays)`` (its settings ``static`` bound) as an exported program, exported at the
+        first call with a new input signature, read from disk in later processes; ``name``,
+        ``config``, ``static`` (by ``repr``) and the inputs' shapes and dtypes make the key."""
         compiled: dict[str, Callable] = {}
 
         def call(*args):
-            key = self.key("decoder", name, repr(config), sorted(static.items()), _signature(args))
+            key = self.key("decoder", name, repr(config), sorted(static.items()),   # and the inputs' shapes
+                           str(jax.tree_util.tree_structure(args)),
+                           [[list(np.shape(x)), str(x.dtype)] for x in jax.tree_util.tree_leaves(args)])
             if key not in compiled:
                 compiled[key] = jax.jit(self._load_or_export(key, fn, args).call)
             return compiled[key](*args)

@@ -1,10 +1,8 @@
-"""Logit processors against repetition, as fairseq, CTranslate2 and Hugging Face offer them.
-
-A processor is a hashable callable ``(scores_RV, seqs_RM, step) -> scores_RV``: float
-scores ``[R, V]`` (R rows: batch × beams) for position ``step``, given the tokens generated
-before it, ``seqs_RM`` (int ``[R, M]``; later positions ignored; never the start token).
-Strategies apply their ``processors`` in order (transformers' ``LogitsProcessorList``) to
-the logits, or to beam search's log-probabilities; banned tokens get ``-inf``.
+"""Logit processors against repetition (as fairseq, CTranslate2, Hugging Face): hashable
+callables ``(scores_RV, seqs_RM, step) -> scores_RV`` on float scores ``[R, V]`` (R = batch ×
+beams) for position ``step``, given the tokens generated before it (int ``[R, M]``, later
+positions ignored). Strategies apply them in order (transformers' ``LogitsProcessorList``) to
+logits or beam log-probabilities; a banned token gets ``-inf``.
 """
 
 from __future__ import annotations
@@ -19,10 +17,9 @@ from jaxformer.model.validation import check_count, check_real
 
 @dataclasses.dataclass(frozen=True)
 class RepetitionPenalty:
-    """CTRL's repetition penalty (Keskar et al. 2019, §4.1; transformers
-    ``RepetitionPenaltyLogitsProcessor``): the score of a token generated before is divided
-    by ``penalty`` where positive, multiplied where negative (> 1: fewer repeats).
-    Raises ``ValueError`` unless ``penalty`` is a finite number > 0."""
+    """CTRL's repetition penalty (Keskar et al. 2019, §4.1; transformers'
+    ``RepetitionPenaltyLogitsProcessor``): a token generated before has its score divided by
+    ``penalty`` where positive, multiplied where negative. ``ValueError`` unless finite > 0."""
 
     penalty: float
 
@@ -37,9 +34,8 @@ class RepetitionPenalty:
 
 @dataclasses.dataclass(frozen=True)
 class NoRepeatNGram:
-    """Bans each token that would repeat an n-gram of ``size`` (fairseq
-    ``--no-repeat-ngram-size``, transformers ``NoRepeatNGramLogitsProcessor``; 1: every
-    token generated before). Raises ``ValueError`` unless ``size`` is an integer ≥ 1."""
+    """Bans each token that would repeat an n-gram of ``size`` (fairseq ``--no-repeat-ngram-size``,
+    transformers' ``NoRepeatNGramLogitsProcessor``). ``ValueError`` unless an integer ≥ 1."""
 
     size: int
 
@@ -47,8 +43,7 @@ class NoRepeatNGram:
         object.__setattr__(self, "size", check_count("no_repeat_ngram_size", self.size))
 
     def __call__(self, scores_RV: jax.Array, seqs_RM: jax.Array, step: jax.Array) -> jax.Array:
-        banned = banned_ngram_mask(seqs_RM, step, self.size, scores_RV.shape[-1])
-        return jnp.where(banned, -jnp.inf, scores_RV)
+        return jnp.where(banned_ngram_mask(seqs_RM, step, self.size, scores_RV.shape[1]), -jnp.inf, scores_RV)
 
 
 def penalties(no_repeat_ngram_size: int = 0, repetition_penalty: float = 1.0) -> tuple:
@@ -75,15 +70,13 @@ def _scatter_mask(ids_RJ: jax.Array, keep_RJ: jax.Array, vocab: int) -> jax.Arra
 
 
 def banned_ngram_mask(seqs_RM: jax.Array, step: jax.Array, n: int, vocab: int) -> jax.Array:
-    """bool ``[R, V]``: the tokens that would repeat an n-gram at position ``step``: an
-    n-gram ``seqs[j : j+n]`` complete before ``step`` bans its last token when its first
-    n-1 equal ``seqs[step-n+1 : step]``. O(M · n) per row, one scatter."""
+    """bool ``[R, V]``: the tokens that would repeat an n-gram at ``step`` (an n-gram complete
+    before ``step`` whose first n-1 equal ``seqs[step-n+1 : step]`` bans its last)."""
     length = seqs_RM.shape[1]
     if n > length:
         return jnp.zeros((seqs_RM.shape[0], vocab), jnp.bool_)
     windows = length - n + 1                                    # J: n-gram start positions
-    starts = jnp.arange(windows)[None, :]
-    match_RJ = starts + n - 1 < step                            # the n-gram ends before `step`
+    match_RJ = jnp.arange(windows)[None, :] + n - 1 < step      # the n-gram ends before `step`
     for i in range(n - 1):                                      # its prefix equals the suffix
         suffix_R = jax.lax.dynamic_index_in_dim(seqs_RM, jnp.maximum(step - n + 1 + i, 0), axis=1,
                                                 keepdims=True)

@@ -1,20 +1,11 @@
-"""Beam search in stages, for bulk decoding: closed sentences leave the batch and the
-self-attention cache grows with the output.
-
-In one fixed-shape ``while_loop`` every step pays for all B·k rows and all M cache
-positions until the batch's last sentence closes, though most close long before a
-straggler does (en-de, beam 4, batch 32: 51% of the rows' steps belonged to open
-sentences) and outputs are far shorter than M. :class:`StagedBeamSearch` runs the same
-:func:`~jaxformer.decode.beam_search.beam_step` in stages driven from the host: a stage
-is a ``while_loop`` over R sentences with arrays and cache of length L that returns once
-at most R/2 sentences are open, or at step L. Between stages the open sentences are
-gathered into R/2 rows (R/4 while at most that many are open: fairseq and CTranslate2
-drop finished sentences the same way); once a stage reaches step L the arrays are
-padded to M. Each (R, L) is one compiled loop, at most 2 × (log2 B + 1) per bucket.
-
-A sentence's steps are the same arithmetic on its own rows as in one loop, so the
-output equals :func:`~jaxformer.decode.decoding.decode`'s up to float rounding (a near-tie
-can flip); the stages are a pure function of the batch, so a resumed bulk run repeats them.
+"""Beam search in stages, for bulk decoding: closed sentences leave the batch (as in fairseq and
+CTranslate2) and the cache grows with the output, where one ``while_loop`` pays for all B·k rows
+and M positions until the last sentence closes (en-de, beam 4, batch 32: 51% of the rows' steps).
+A stage runs :func:`~jaxformer.decode.beam_search.beam_step` over R sentences and length L until
+at most R/2 are open, or step L; the host then gathers the open ones into R/2 rows (R/4 while at
+most that many are open) and, past L, pads to M: at most 2 × (log2 B + 1) compiled loops per
+bucket. The output is ``decode``'s up to float rounding (a near-tie can flip), and a pure
+function of the batch, so a resumed bulk run repeats it.
 """
 
 from __future__ import annotations
@@ -30,16 +21,10 @@ from jaxformer.decode.beam_search import Beam, beam_output, beam_step, init_beam
 from jaxformer.decode.decoding import _model_callback, decode_step_callback, source_limits
 from jaxformer.model.transformer import DecodeCache, Transformer
 
-_SENTENCE_KEYS = ("live_seqs", "live_logprobs", "last_ids", "finished_seqs", "finished_scores",
-                  "finished_flags", "open", "limit", "origin")
-_LENGTH_KEYS = ("live_seqs", "finished_seqs")
-
 
 class StagedBeamSearch:
-    """``beam``'s search of ``model`` over batches of sources, stage by stage (the module
-    docstring): ``bos_id``, ``eos_id``, ``len_a``, ``extra_len`` as
-    :func:`jaxformer.decode.decoding.decode`'s; ``first_length``: the first stage's L (≥ 1).
-    ``stages``: the last call's, ``(rows, length, step at its end)`` each."""
+    """``beam``'s search of ``model`` in stages (settings as ``decode``'s; ``first_length``: the
+    first stage's L ≥ 1); ``stages``: the last call's ``(rows, length, step at its end)``."""
 
     def __init__(self, model: Transformer, beam: Beam, *, bos_id: int, eos_id: int, len_a: float = 1.0,
                  extra_len: int | None = 50, first_length: int = 32):
@@ -66,11 +51,8 @@ class StagedBeamSearch:
         Returns ``(state, (seqs [R, k, L], scores [R, k], origin [R], open count, step))``."""
         tokens_to_logits = decode_step_callback(self.model, params)
         length = state["live_seqs"].shape[2]
-
-        def cond(state):
-            return (state["step"] < length) & (jnp.sum(state["open"]) > stop_at)
-
-        state = jax.lax.while_loop(cond, lambda s: self._step(s, tokens_to_logits), state)
+        state = jax.lax.while_loop(lambda s: (s["step"] < length) & (jnp.sum(s["open"]) > stop_at),
+                                   lambda s: self._step(s, tokens_to_logits), state)
         seqs, scores = beam_output(state, self.beam, pad_id=self.pad_id)
         return state, (seqs, scores, state["origin"], jnp.sum(state["open"]), state["step"])
 
@@ -79,8 +61,8 @@ class StagedBeamSearch:
         order_R = jnp.argsort(~state["open"], stable=True)[:rows]
         beam_rows = (order_R[:, None] * self.beam_size + jnp.arange(self.beam_size)[None, :]).reshape(-1)
         cache: DecodeCache = state["cache"].select_rows(beam_rows).with_length(length)
-        new = {key: state[key][order_R] for key in _SENTENCE_KEYS}
-        for key in _LENGTH_KEYS:
+        new = {key: value[order_R] for key, value in state.items() if key not in ("step", "cache")}
+        for key in ("live_seqs", "finished_seqs"):
             grow = length - new[key].shape[2]
             new[key] = jnp.pad(new[key], [(0, 0), (0, 0), (0, grow)], constant_values=self.pad_id)
         return dict(new, step=state["step"], cache=cache)

@@ -1,14 +1,10 @@
-"""Decoding strategies: small frozen values that say how the next tokens are chosen.
-
-A strategy checks its settings when made, is hashable (a static argument of the
-jitted decoder) and has ``beams`` (the rows each sentence takes in the cache: 1 or
-the beam width) and ``search(tokens_to_logits, cache, *, batch_size, bos_id, eos_id,
-pad_id, max_decode_len, max_lengths, keys_B)`` → ``(sequences [B, N, M] int32, scores
-[B, N] float32)``, best first, eos then pad after each end. ``tokens_to_logits(ids
-[B*N, 1], cache) -> (logits [B*N, V], cache)`` is the model, ``max_lengths`` (int
-``[B]`` or ``None``) each sentence's most tokens, ``keys_B`` one PRNG key per sentence.
-:func:`jaxformer.decode.decoding.decode` runs any of them; a new one is one such class
-(``tests/test_decoding.py`` defines one), token by token through :func:`autoregress`.
+"""Decoding strategies: frozen, hashable values (static arguments of the jitted decoder) that
+check their settings when made. A strategy has ``beams`` (cache rows per sentence) and
+``search(tokens_to_logits, cache, *, batch_size, bos_id, eos_id, pad_id, max_decode_len,
+max_lengths, keys_B)`` → ``(sequences [B, N, M] int32, scores [B, N] float32)``, best first, eos
+then pad after each end; ``tokens_to_logits(ids [B*N, 1], cache) -> (logits [B*N, V], cache)``
+is the model, ``max_lengths`` (int ``[B]`` or ``None``) each sentence's most tokens, ``keys_B``
+a PRNG key per sentence. A new strategy is one such class (``tests/test_decoding.py`` has one).
 """
 
 from __future__ import annotations
@@ -28,10 +24,9 @@ from jaxformer.model.validation import check_count, check_real
 def autoregress(tokens_to_logits: TokensToLogits, cache: Any, pick, *, batch_size: int, bos_id: int,
                 eos_id: int, pad_id: int, max_decode_len: int,
                 max_lengths: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """The token-by-token search (one ``lax.while_loop``): ``(sequences [B, 1, M] int32, scores
-    [B, 1] float32 zeros)``, generated ids, eos then pad. ``pick(logits_BV, step, out_BM,
-    at_limit_B) -> ids_B`` picks each token (``out_BM``: those so far; ``at_limit_B``: the
-    sentence's last); a sentence stops at eos or min(its ``max_lengths``, M) ≥ 1."""
+    """Token by token (one ``lax.while_loop``): ``(sequences [B, 1, M] int32, zero scores [B, 1])``;
+    ``pick(logits_BV, step, out_BM, at_limit_B) -> ids_B`` picks each token given those so far
+    and whether it is the sentence's last; a sentence stops at eos or min(``max_lengths``, M) ≥ 1."""
     limit_B = (jnp.full((batch_size,), max_decode_len, jnp.int32) if max_lengths is None
                else jnp.clip(jnp.asarray(max_lengths, jnp.int32), 1, max_decode_len))
 
@@ -51,9 +46,8 @@ def autoregress(tokens_to_logits: TokensToLogits, cache: Any, pick, *, batch_siz
 
 
 def first_argmax(logits_BV: jax.Array) -> jax.Array:
-    """``jnp.argmax(logits, axis=-1)`` (int32, the first maximal id; a row with a NaN gets
-    the last id) as two plain reductions: XLA's variadic (value, index) reduce is slow on
-    CPU (0.6 ms for ``[32, 8000]``, a tenth of a greedy step)."""
+    """int32 ``jnp.argmax(logits, axis=-1)`` (a NaN row: the last id) by two plain reductions:
+    XLA's variadic reduce is slow on CPU (0.6 ms for ``[32, 8000]``, a tenth of a greedy step)."""
     vocab = logits_BV.shape[-1]
     best_B1 = jnp.max(logits_BV, axis=-1, keepdims=True)
     ids_1V = jnp.arange(vocab, dtype=jnp.int32).reshape((1,) * (logits_BV.ndim - 1) + (vocab,))
@@ -70,9 +64,8 @@ def allowed_logits(logits_BV: jax.Array, out_BM: jax.Array, step: jax.Array, pro
 
 @dataclasses.dataclass(frozen=True)
 class Greedy:
-    """The most likely token at each step (the first of a tie); scores 0. ``forced_eos``: a
-    sentence's last allowed token is eos (as Hugging Face's ``forced_eos_token_id``);
-    ``processors``: logit processors applied in order (:mod:`jaxformer.decode.penalties`)."""
+    """The most likely token at each step (the first of a tie); scores 0. ``forced_eos``: eos at a
+    sentence's limit (Hugging Face's ``forced_eos_token_id``); ``processors``: logit processors."""
 
     forced_eos: bool = False
     processors: tuple = ()
@@ -89,19 +82,11 @@ class Greedy:
 
 @dataclasses.dataclass(frozen=True)
 class Sample:
-    """Ancestral sampling with temperature, top-k and nucleus (top-p) filtering; scores 0.
-    Sentence b's token at step t is drawn with ``fold_in(keys_B[b], t)``, whatever its batch.
-
-    Args:
-      temperature: ≥ 0; logits are divided by it. 0 is :class:`Greedy`.
-      top_k: keep only the k most likely tokens (``None`` = all).
-      top_p: keep the smallest set of tokens whose probability reaches p (``None`` = all).
-      processors: logit processors, before the temperature (transformers' order).
-
-    Raises:
-      ValueError: ``temperature`` not a finite number ≥ 0, ``top_k`` not an integer ≥ 1,
-        ``top_p`` outside (0, 1].
-    """
+    """Ancestral sampling, scores 0; sentence b's token at step t draws with ``fold_in(keys_B[b], t)``.
+    ``temperature`` ≥ 0 divides the logits (0 is :class:`Greedy`); ``top_k``, ``top_p``: keep the
+    k most likely tokens, or the fewest whose probability reaches p (``None``: all); ``processors``
+    apply before the temperature (transformers' order). ``ValueError`` for a ``temperature`` not
+    finite ≥ 0, a ``top_k`` not an integer ≥ 1, a ``top_p`` outside (0, 1]."""
 
     temperature: float = 1.0
     top_k: int | None = None
@@ -141,12 +126,10 @@ class Sample:
         return autoregress(tokens_to_logits, cache, pick, **loop)
 
 
-def strategy_for(beam_size: int, alpha: float = 0.6, length_normalization: str = "gnmt",
-                 early_stopping: bool = False, no_repeat_ngram_size: int = 0,
-                 repetition_penalty: float = 1.0) -> Greedy | Beam:
-    """The strategy of the decoding flags (every one checked, used or not): :class:`Greedy`
-    for ``beam_size`` 1 (with ``"hf"``, eos forced at the last step, as ``generate``),
-    else :class:`Beam`."""
+def strategy_for(beam_size: int, alpha: float = 0.6, length_normalization: str = "gnmt", early_stopping=False,
+                 no_repeat_ngram_size: int = 0, repetition_penalty: float = 1.0) -> Greedy | Beam:
+    """The decoding flags' strategy (all checked): :class:`Beam`, or for ``beam_size`` 1
+    :class:`Greedy` (with ``"hf"``, eos forced at the last step, as ``generate``)."""
     beam = Beam(beam_size, alpha, length_normalization, early_stopping,
                 penalties(no_repeat_ngram_size, repetition_penalty))
     return Greedy(length_normalization == "hf", beam.processors) if beam.beam_size == 1 else beam

@@ -1,10 +1,9 @@
-"""A trained run as a translator: its config, tokenizer and parameters, restored onto one
-device, with beam search, n-best lists, sampling and cross-attention maps
-(:class:`Translator`). The command line around it: :mod:`jaxformer.cli.translate`.
-"""
+"""A trained run as a :class:`Translator`: beam search, n-best lists, sampling and
+cross-attention maps (the command line around it: :mod:`jaxformer.cli.translate`)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 from pathlib import Path
@@ -13,6 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import linen as nn
 
 from jaxformer.data.tokenizer import load_tokenizer
 from jaxformer.decode.evaluation import Evaluator
@@ -30,76 +30,59 @@ from jaxformer.run.directory import RunDir
 
 
 class Translator:
-    """A trained run ready to translate: its config, tokenizer and parameters.
-
-    Decoding options left ``None`` take :attr:`defaults`: an imported model's generation
-    config, else what the run decoded its dev and test sets with, else beam 4, α 0.6 (§6.1).
+    """A trained run (``workdir``) ready to translate: its config, tokenizer and parameters on one
+    device or a ``mesh`` (data-parallel, parameters laid out as in training). Decoding options left
+    ``None`` take :attr:`defaults`: an imported model's generation config, else the run's dev/test
+    decoding, else §6.1's beam 4, α 0.6.
 
     Args:
-      workdir: the run directory.
       batch_size: the most sentences per decoding batch.
       checkpoint: ``"auto"`` (best by dev BLEU, else latest), ``"best"``, ``"latest"``,
         ``"averaged"`` or a training step (int).
-      max_len_a, max_len_b: output limit ``a * source length + b`` tokens (eos included).
-        ``None`` (both): an imported model's generation ``max_length`` (``a = 0``,
-        ``b = max_length - 1``: Hugging Face counts the decoder start token), else 1 and 50.
-      exported: keep the parameters' shapes and the exported decoders in
-        ``RUN/jax_cache/exported`` (:mod:`jaxformer.decode.exported`), so a later process
-        traces neither the model nor the decoders. Not with a ``mesh``.
-      mesh: decode data-parallel over this mesh's devices (sentences over ``data`` ×
-        ``fsdp``, parameters laid out as in training); ``None`` = one device.
-      staged: beam search in stages (:mod:`jaxformer.decode.staged`), for bulk
-        translation; one device only (ignored with a ``mesh``).
+      max_len_a, max_len_b: at most ``a * source length + b`` tokens (eos included); ``None``
+        (both): an imported model's ``max_length`` (a = 0, b = max_length - 1: Hugging Face
+        counts the decoder start token), else 1 and 50.
+      exported, staged: keep exported decoders in ``RUN/jax_cache/exported``; beam search in
+        stages (:mod:`jaxformer.decode.exported`, :mod:`~jaxformer.decode.staged`); not with a mesh.
       matmul_dtype: the weight matmuls' dtype (:mod:`jaxformer.model.matmul`); ``None``: the run's.
 
-    Raises:
-      FileNotFoundError: the run directory lacks ``config.json``, the tokenizer or the
-        checkpoint asked for.
-      ValueError: ``config.json`` is damaged or a Hugging Face model's, ``batch_size`` not
-        an integer ≥ 1, ``max_len_a`` not a finite number ≥ 0, ``max_len_b`` not an
-        integer or a + b < 1 (no output token).
+    Raises ``FileNotFoundError`` without ``config.json``, the tokenizer or the checkpoint asked for;
+    ``ValueError`` for a damaged (or Hugging Face's) ``config.json``, a ``batch_size`` not an integer
+    ≥ 1, a ``max_len_a`` not a finite number ≥ 0, a ``max_len_b`` not an integer, a + b < 1.
     """
 
     def __init__(self, workdir: str | Path, batch_size: int = 32, checkpoint: str | int = "auto",
                  max_len_a: float | None = None, max_len_b: int | None = None, exported: bool = False,
                  mesh: jax.sharding.Mesh | None = None, staged: bool = False,
                  matmul_dtype: str | None = None):
-        from flax import linen as nn
-
         batch_size = check_count("batch_size", batch_size)
         if isinstance(checkpoint, np.integer) or isinstance(checkpoint, str) and checkpoint.isdigit():
             checkpoint = int(checkpoint)   # "20" (as the command line reads it) or a NumPy 20: a step
-        workdir = Path(workdir)
-        exported = exported and mesh is None   # exported decoders are one-device programs
-        exports = ExportCache(RunDir(workdir).jax_cache / "exported") if exported else None
-        record = RunDir(workdir).read_run_record()
-        self.config = TransformerConfig.from_dict(record["model"])
-        if matmul_dtype is not None:
-            self.config = self.config.replace(matmul_dtype=matmul_dtype)
+        run_dir = RunDir(workdir)
+        exports = ExportCache(run_dir.jax_cache / "exported") if exported and mesh is None else None
+        record = run_dir.read_run_record()
+        config = TransformerConfig.from_dict(record["model"])
+        self.config = config if matmul_dtype is None else config.replace(matmul_dtype=matmul_dtype)
         self.tokenizer = load_tokenizer(workdir, record)
         self.model = Transformer(self.config)
-        ids = jnp.ones((1, 8), jnp.int32)
+        ids, layout = jnp.ones((1, 8), jnp.int32), None
+
+        def boxed_shapes():
+            return jax.eval_shape(lambda: self.model.init(jax.random.key(0), ids, ids)["params"])
+
         # Restore onto one device (or this mesh), whatever mesh the run was trained on.
-        one_device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-
-        def params_shapes():
-            return jax.eval_shape(lambda: nn.unbox(self.model.init(jax.random.key(0), ids, ids)["params"]))
-
-        layout = None
         if mesh is not None:
-            boxed = jax.eval_shape(lambda: self.model.init(jax.random.key(0), ids, ids)["params"])
-            layout = Layout.for_params(mesh, boxed)
-            abstract_params = jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(
-                x.shape, x.dtype, sharding=s), nn.unbox(boxed), layout.params)
+            layout = Layout.for_params(mesh, boxed := boxed_shapes())
+            shapes, shardings = nn.unbox(boxed), layout.params
         else:
-            abstract_params = jax.tree_util.tree_map(
-                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one_device),
-                params_shapes() if exports is None else exports.abstract_params(self.config, params_shapes))
-        checkpoints = RunCheckpoints(workdir, read_only=True)
-        try:   # parameters only: the optimizer state is never read
+            shapes = (nn.unbox(boxed_shapes()) if exports is None
+                      else exports.abstract_params(self.config, lambda: nn.unbox(boxed_shapes())))
+            one_device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+            shardings = jax.tree_util.tree_map(lambda _: one_device, shapes)
+        abstract_params = jax.tree_util.tree_map(
+            lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), shapes, shardings)
+        with contextlib.closing(RunCheckpoints(workdir, read_only=True)) as checkpoints:   # parameters only
             self.params, self.step, self.kind = checkpoints.restore_params_from(checkpoint, abstract_params)
-        finally:
-            checkpoints.close()
         self.params = cast_matmul_weights(self.params, self.config)
         generation = record.get("generation", {})
         if max_len_a is None and max_len_b is None and generation.get("max_length"):
@@ -107,41 +90,30 @@ class Translator:
         self.max_len_a = check_real("max_len_a", 1.0 if max_len_a is None else max_len_a, minimum=0.0)
         self.max_len_b = check_count("max_len_b", 50 if max_len_b is None else max_len_b,
                                      minimum=math.ceil(1 - self.max_len_a))   # a + b ≥ 1: room for a token
-        self.evaluator = Evaluator(self.model, self.tokenizer, batch_size=batch_size, scoring=False,
-                                   layout=layout, target_language=record.get("target_language", "xx"),
+        self.evaluator = Evaluator(self.model, self.tokenizer, batch_size=batch_size, layout=layout,
+                                   target_language=record.get("target_language", "xx"), scoring=False,
                                    max_len_a=self.max_len_a, max_len_b=self.max_len_b, exports=exports,
                                    staged=staged)
-        train, fallback = record.get("train", {}), dict(beam_size=4, alpha=0.6, length_normalization="gnmt",
-                                                        early_stopping=False,
+        train = record.get("train", {})
+        fallback = dict(beam_size=4, alpha=0.6, length_normalization="gnmt", early_stopping=False,
                         no_repeat_ngram_size=0, repetition_penalty=1.0)   # §6.1's beam 4 and α 0.6
         self.defaults = {name: generation.get("length_penalty" if name == "alpha" else name,
                                               train.get(name, value)) for name, value in fallback.items()}
 
     def decode(self, sentences: list[str], strategy: Any, *, seed: int | None = None,
                indices: list[int] | None = None, length_limits: bool = True) -> list[list[tuple[str, float]]]:
-        """(translation, score) lists of ``sentences`` decoded with ``strategy``
-        (:mod:`jaxformer.decode.strategies`), best first, in order; an empty or blank
-        sentence gets one empty pair (score 0), as the command line writes an empty line.
-
-        Args:
-          seed: a sampling strategy's (``None``: 0); sentence i draws from ``fold_in(key(seed),
-            indices[i])``, its index in the whole input (default: in ``sentences``), whatever
-            its batch or input path.
-          length_limits: as :meth:`jaxformer.decode.evaluation.Evaluator.decode`.
-
-        Raises:
-          TypeError: ``sentences`` is one string, not a list of them.
-          ValueError: ``seed`` not an integer in [0, 2**32).
-        """
+        """(translation, score) lists of ``sentences`` decoded with ``strategy``, best first, in
+        order (a blank one: ``[("", 0.0)]``). Sentence i samples with ``fold_in(key(seed or 0),
+        indices[i])``, its index in the whole input (default: in ``sentences``), on any path;
+        ``length_limits`` as ``Evaluator.decode``'s. ``TypeError`` unless ``sentences`` is a list
+        of strings; ``ValueError`` for a ``seed`` not an integer in [0, 2**32)."""
         if isinstance(sentences, str) or not hasattr(sentences, "__len__") \
                 or not all(isinstance(s, str) for s in sentences):   # (a generator would be used up)
             raise TypeError(f"sentences must be a list of strings, got {type(sentences).__name__}"
                             + (": wrap one sentence in a list" if isinstance(sentences, str) else ""))
-        rng = None   # key(0) in the decoder, which can then be an exported one
-        if seed is not None:
-            if not 0 <= check_count("seed", seed, minimum=-(1 << 63)) < 1 << 32:   # what --seed takes
-                raise ValueError(f"seed must be in [0, 2**32), got {seed}.")
-            rng = jax.random.key(int(seed))
+        if seed is not None and not 0 <= check_count("seed", seed, minimum=-(1 << 63)) < 1 << 32:
+            raise ValueError(f"seed must be in [0, 2**32), got {seed}.")   # what --seed takes
+        rng = None if seed is None else jax.random.key(int(seed))   # None: key(0), so an exported decoder
         indices = range(len(sentences)) if indices is None else indices
         todo = [i for i, sentence in enumerate(sentences) if sentence.strip()]
         out = [[("", 0.0)] for _ in sentences]
@@ -152,29 +124,25 @@ class Translator:
         return out
 
     def n_best(self, sentences: list[str], *, best_only: bool = False, **options) -> list[list]:
-        """``beam_size`` (translation, score) pairs per sentence, best first: :meth:`decode`
-        with a :class:`~jaxformer.decode.strategies.Beam` of ``options`` (``beam_size``,
-        ``alpha``, ``length_normalization``, ``early_stopping``, ``no_repeat_ngram_size``,
-        ``repetition_penalty``; left out or ``None``: the run's :attr:`defaults`); with
-        ``best_only``, :func:`~jaxformer.decode.strategies.strategy_for`'s (beam 1: greedy)."""
+        """``beam_size`` (translation, score) pairs per sentence, best first: :meth:`decode` with
+        the :class:`~jaxformer.decode.strategies.Beam` of ``options`` (:attr:`defaults`' names;
+        left out or ``None``: the default); ``best_only``: beam 1 is greedy (``strategy_for``)."""
         rules = {**self.defaults, **{k: v for k, v in options.items() if v is not None}}
         strategy = strategy_for(**rules)
         if not best_only and not isinstance(strategy, Beam):   # beam 1: its one hypothesis, scored
-            strategy = Beam(1, rules["alpha"], rules["length_normalization"], rules["early_stopping"],
-                            strategy.processors)
+            strategy = Beam(1, *(rules[k] for k in ("alpha", "length_normalization", "early_stopping")),
+                            processors=strategy.processors)
         return self.decode(sentences, strategy, length_limits=rules["length_normalization"] != "hf")
 
     def __call__(self, sentences: list[str], **options) -> list[str]:
-        """Best translations of ``sentences``, in order (options as :meth:`n_best`;
-        ``beam_size=1`` = greedy)."""
+        """Best translations of ``sentences``, in order (options as :meth:`n_best`; beam 1: greedy)."""
         return [n_best[0][0] for n_best in self.n_best(sentences, **options, best_only=True)]
 
     def sample(self, sentences: list[str], *, seed: int = 0, temperature: float = 1.0,
                top_k: int | None = None, top_p: float | None = None, no_repeat_ngram_size: int | None = None,
                repetition_penalty: float | None = None, indices: list[int] | None = None) -> list[str]:
-        """One sampled translation per sentence: :meth:`decode` with a
-        :class:`~jaxformer.decode.strategies.Sample` and, left ``None``, the run's
-        repetition rules (``seed``, ``indices``: as :meth:`decode`)."""
+        """One sampled translation per sentence: :meth:`decode` with a ``Sample`` and, left
+        ``None``, the run's repetition rules (``seed``, ``indices``: as :meth:`decode`)."""
         processors = penalties(
             self.defaults["no_repeat_ngram_size"] if no_repeat_ngram_size is None else no_repeat_ngram_size,
             self.defaults["repetition_penalty"] if repetition_penalty is None else repetition_penalty)
@@ -182,8 +150,7 @@ class Translator:
             sentences, Sample(temperature, top_k, top_p, processors), seed=seed, indices=indices)]
 
     def params_digest(self) -> str:
-        """SHA-256 of the parameters as decoded (every leaf's path, dtype, shape and bytes):
-        what a bulk job records, so its resume refuses a run retrained to the same step."""
+        """SHA-256 of the decoded parameters' paths, dtypes, shapes and bytes (a bulk job's record)."""
         digest = hashlib.sha256()
         for path, leaf in jax.tree_util.tree_leaves_with_path(self.params):
             array = np.ascontiguousarray(leaf)
@@ -215,8 +182,8 @@ class Translator:
 
 
 def save_attention_png(path: str | Path, weights, src_pieces, tgt_pieces, title: str = "") -> None:
-    """Heat map of cross-attention ``weights [T, S]`` (source × target pieces), drawn on a
-    matplotlib ``Figure``, not through ``pyplot``: an application's figures are left alone."""
+    """Heat map of cross-attention ``weights [T, S]`` on a matplotlib ``Figure`` (not ``pyplot``,
+    which would touch an application's figures)."""
     from matplotlib.figure import Figure
 
     height, width = weights.shape
