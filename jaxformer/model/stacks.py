@@ -68,7 +68,8 @@ class Encoder(_Stack):
         self._setup(EncoderLayer, self.config.num_encoder_layers, num_args=3)
 
     def __call__(self, x_BSD, src_mask, deterministic: bool):
-        """Embedded source ``[B, S, D]`` → ``[B, S, D]``; ``src_mask`` as :class:`EncoderLayer`'s."""
+        """Embedded source ``[B, S, D]`` → ``[B, S, D]``; ``src_mask [B, 1, 1, S]`` bool,
+        True = may attend."""
         return self._run(x_BSD, src_mask, deterministic)
 
 
@@ -81,7 +82,7 @@ class Decoder(_Stack):
 
     def __call__(self, x_BTD, encoder_output_BSD, tgt_mask, src_mask, deterministic: bool):
         """Embedded shifted target ``[B, T, D]`` and ``encoder_output_BSD [B, S, D]`` →
-        ``[B, T, D]``; masks as :class:`DecoderLayer`'s."""
+        ``[B, T, D]``; ``tgt_mask [B, 1, T, T]`` and ``src_mask [B, 1, 1, S]`` bool, True = may attend."""
         return self._run(x_BTD, encoder_output_BSD, tgt_mask, src_mask, deterministic)
 
     def cross_key_values(self, encoder_output_BSD):
