@@ -83,10 +83,11 @@ class Greedy:
 @dataclasses.dataclass(frozen=True)
 class Sample:
     """Ancestral sampling, scores 0; sentence b's token at step t draws with ``fold_in(keys_B[b], t)``.
-    ``temperature`` ≥ 0 divides the logits (0 is :class:`Greedy`); ``top_k``, ``top_p``: keep the
+    ``temperature`` > 0 divides the logits (for none, :class:`Greedy`); ``top_k``, ``top_p``: keep the
     k most likely tokens, or the fewest whose probability reaches p (``None``: all); ``processors``
     apply before the temperature (transformers' order). ``ValueError`` for a ``temperature`` not
-    finite ≥ 0, a ``top_k`` not an integer ≥ 1, a ``top_p`` outside (0, 1]."""
+    finite > 0 (as ``--temperature``, and transformers), a ``top_k`` not an integer ≥ 1, a ``top_p``
+    outside (0, 1]."""
 
     temperature: float = 1.0
     top_k: int | None = None
@@ -95,7 +96,7 @@ class Sample:
     beams: ClassVar[int] = 1
 
     def __post_init__(self):
-        object.__setattr__(self, "temperature", check_real("temperature", self.temperature, minimum=0.0))
+        object.__setattr__(self, "temperature", check_real("temperature", self.temperature, above=0.0))
         if self.top_k is not None:
             object.__setattr__(self, "top_k", check_count("top_k", self.top_k))
         if self.top_p is not None:
@@ -104,9 +105,6 @@ class Sample:
                 raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
 
     def search(self, tokens_to_logits, cache, *, keys_B, **loop):
-        if self.temperature == 0:
-            return Greedy(processors=self.processors).search(tokens_to_logits, cache, **loop)
-
         def pick(logits_BV, step, out_BM, at_limit_B):
             logits = allowed_logits(logits_BV, out_BM, step, self.processors, bos_id=loop["bos_id"],
                                     pad_id=loop["pad_id"]) / self.temperature
