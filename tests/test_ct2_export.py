@@ -123,3 +123,5 @@ def test_int8_export_through_the_command_and_refusals(tmp_path, tokenizer):
         export_ct2(tmp_path / "run", tmp_path / "bf16", quantization="bfloat16")
     with pytest.raises(ConversionError, match="is not empty"):
         export_ct2(tmp_path / "run", tmp_path / "int8")
+    with pytest.raises(SystemExit):   # a CT2 flag with --to-hf would be ignored: an error
+        convert_main(["--to-hf", str(tmp_path / "run"), "--out", str(tmp_path / "hf"), "--quantization", "q"])

@@ -48,13 +48,18 @@ def export_ct2(workdir: str | Path, out_dir: str | Path, *, quantization: str = 
     """Writes ``checkpoint`` (``"auto"``, ``"best"``, ``"latest"`` or a step) of run ``workdir`` as
     CTranslate2 model directory ``out_dir`` (``model.bin``, ``config.json``, the vocabularies,
     ``source.spm``, ``target.spm``), weights as ``quantization``; returns ``out_dir``. Raises
-    ``ConversionError``: a quantization refused by :func:`check_quantization`; an ``out_dir`` that
-    is a file or not empty; parameters the spec has no place for. ``FileNotFoundError`` /
+    ``ConversionError``: ctranslate2 not installed; a quantization refused by
+    :func:`check_quantization`; an ``out_dir`` that is a file or not empty; parameters the spec
+    has no place for. ``FileNotFoundError`` /
     ``ValueError``: not a run, no checkpoint (the run directory's errors)."""
     from jaxformer.decode.translator import Translator
     from jaxformer.model.scan import unstack_layers
 
     check_quantization(quantization)
+    try:
+        import ctranslate2  # noqa: F401
+    except ImportError as e:
+        raise ConversionError(f"--to-ct2 needs the ctranslate2 package ({e}): pip install ctranslate2") from e
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         what = "is not empty" if out_dir.is_dir() else "is a file"
