@@ -50,8 +50,8 @@ def export_ct2(workdir: str | Path, out_dir: str | Path, *, quantization: str = 
     ``source.spm``, ``target.spm``), weights as ``quantization``; returns ``out_dir``. Raises
     ``ConversionError``: ctranslate2 not installed; a quantization refused by
     :func:`check_quantization`; an ``out_dir`` that is a file or not empty; parameters the spec
-    has no place for. ``FileNotFoundError`` /
-    ``ValueError``: not a run, no checkpoint (the run directory's errors)."""
+    has no place for. ``FileNotFoundError`` / ``ValueError``: not a run, no checkpoint (the run
+    directory's errors)."""
     from jaxformer.decode.translator import Translator
     from jaxformer.model.scan import unstack_layers
 
@@ -103,9 +103,7 @@ def transformer_spec(params: dict[str, np.ndarray], config: TransformerConfig):
     import ctranslate2.specs as specs
 
     c, p = config, dict(params)
-
-    def take(name: str) -> np.ndarray:
-        return p.pop(name)
+    take = p.pop   # each parameter placed once; what is left has no place in the spec
 
     spec = specs.TransformerSpec.from_config(
         (c.num_encoder_layers, c.num_decoder_layers), c.num_heads, pre_norm=c.norm_position == "pre",
