@@ -2,14 +2,16 @@
 
 ``--from-hf DIR --workdir RUN`` reads a local Hugging Face Marian folder into a run
 directory (for ``jaxformer-translate`` and ``train.py --init-from``); ``--to-hf RUN --out
-DIR`` writes a post-norm run as a ``MarianMTModel`` folder. Neither needs torch; the
-mapping: :mod:`jaxformer.interop.marian`.
+DIR`` writes a post-norm run as a ``MarianMTModel`` folder; ``--to-ct2 RUN --out DIR
+[--quantization Q]`` writes any run as a CTranslate2 model directory. None needs torch;
+the mappings: :mod:`jaxformer.interop.marian`, :mod:`jaxformer.interop.ct2`.
 """
 
 from __future__ import annotations
 
 import argparse
 
+from jaxformer.interop.ct2 import export_ct2
 from jaxformer.interop.marian import export_marian, import_marian
 from jaxformer.run.platform import skip_absent_tpu
 
@@ -21,19 +23,30 @@ def main(argv=None) -> None:
     direction = parser.add_mutually_exclusive_group(required=True)
     direction.add_argument("--from-hf", metavar="DIR", help="local Hugging Face Marian model folder")
     direction.add_argument("--to-hf", metavar="RUN", help="jaxformer run directory to export")
+    direction.add_argument("--to-ct2", metavar="RUN", help="jaxformer run directory to export to CTranslate2")
     parser.add_argument("--workdir", help="run directory to write (with --from-hf)")
-    parser.add_argument("--out", help="Hugging Face model folder to write (with --to-hf)")
+    parser.add_argument("--out", help="model folder to write (with --to-hf, --to-ct2)")
+    parser.add_argument("--quantization", help="CTranslate2 weight type (with --to-ct2): float32 "
+                        "(default), int8, int8_float32, int16, float16, int8_float16")
+    parser.add_argument("--checkpoint", help="which checkpoint (with --to-ct2): auto (default), best, "
+                        "latest or a step")
     args = parser.parse_args(argv)
     skip_absent_tpu()   # libtpu installed on a CPU host: never start the TPU backend
     if args.from_hf and not args.workdir:
         parser.error("--from-hf needs --workdir RUN")
-    if args.to_hf and not args.out:
-        parser.error("--to-hf needs --out DIR")
+    if (args.to_hf or args.to_ct2) and not args.out:
+        parser.error(f"{'--to-hf' if args.to_hf else '--to-ct2'} needs --out DIR")
+    if not args.to_ct2 and (args.quantization or args.checkpoint):
+        parser.error("--quantization and --checkpoint go with --to-ct2")
     try:
         if args.from_hf:
             config = import_marian(args.from_hf, args.workdir)
             print(f"wrote {args.workdir}: {config.num_encoder_layers}+{config.num_decoder_layers} layers, "
                   f"d_model {config.d_model}, vocab {config.src_vocab_size}/{config.tgt_vocab_size}")
+        elif args.to_ct2:
+            quantization = args.quantization or "float32"
+            export_ct2(args.to_ct2, args.out, quantization=quantization, checkpoint=args.checkpoint or "auto")
+            print(f"wrote {args.out} ({quantization}): ctranslate2.Translator({args.out!r}) serves it")
         else:
             export_marian(args.to_hf, args.out)
             print(f"wrote {args.out}")
