@@ -25,6 +25,7 @@ import pytest
 from jaxformer.cli import translate as translate_lib
 from jaxformer.cli.train import main as train_main
 from jaxformer.cli.translate import main as translate_main
+from jaxformer.decode.strategies import Greedy
 from jaxformer.decode.translator import Translator
 from jaxformer.run.checkpoints import RunCheckpoints
 from jaxformer.run.config import DEFAULT_CPU_RUN, TrainConfig
@@ -281,6 +282,16 @@ def test_translate_refuses_a_config_that_no_longer_matches_the_checkpoint(run, t
     with pytest.raises(SystemExit) as stop:
         translate_main(["--workdir", str(copy), SENTENCES[0]])
     assert stop.value.code == 2 and "does not hold this model's parameters" in capsys.readouterr().err
+
+
+def test_translator_decode_names_sentences_and_indices_that_do_not_fit(run):
+    workdir, _, _ = run
+    translator = Translator(workdir)
+    for sentences, options, words in ((["a"], dict(indices=[0.5]), "indices must be one integer"),
+                                      (["a", "b"], dict(indices=[0]), "indices must be one integer"),
+                                      ({"a": 1}, {}, "sentences must be a list of strings")):
+        with pytest.raises((TypeError, ValueError), match=words):
+            translator.decode(sentences, Greedy(), **options)
 
 
 def test_greedy_and_sampled_translations_keep_each_sentences_length_limit(run):

@@ -184,6 +184,9 @@ def test_one_line_reader_for_every_file(tmp_path):
     (tmp_path / "u16").write_bytes("a\tb\n".encode("utf-16"))
     with pytest.raises(lines.TextError, match="is UTF-16.*iconv -f UTF-16 -t UTF-8"):
         list(lines.read_lines(tmp_path / "u16"))
+    (tmp_path / "u16le").write_bytes("a\tb\nc\n".encode("utf-16-le"))   # no byte-order mark
+    with pytest.raises(lines.TextError, match="is UTF-16 .*NUL bytes"):
+        list(lines.read_lines(tmp_path / "u16le"))
 
 
 def test_tokenizer_ids_and_roundtrip(tokenizer):

@@ -145,6 +145,7 @@ def test_sampling_is_reproducible_and_cold_sampling_is_greedy():
     with pytest.raises(ValueError, match="temperature must be greater than 0"):   # Greedy() is that
         Sample(temperature=0.0)
     np.testing.assert_array_equal(sample(5, temperature=1e-4), greedy)
+    np.testing.assert_array_equal(sample(5, temperature=1e-38), greedy)   # no float32 overflow
     # top_k=1 and a tiny top_p are greedy too.
     for extra in (dict(top_k=1), dict(top_p=1e-6)):
         np.testing.assert_array_equal(sample(9, **extra), greedy)

@@ -272,7 +272,8 @@ def test_config_file_fills_settings_and_flags_override(tmp_path, capsys):
     from jaxformer.run.train_flags import parse_train_args
 
     (tmp_path / "run.yaml").write_text("preset: tiny\nbatch-tokens: 512\nmax_minutes: 2\npack: false\n")
-    (tmp_path / "run.json").write_text(json.dumps({"model": {}, "train": {"preset": "base", "seed": 7}}))
+    record = {"model": {"src_vocab_size": 8000}, "train": {"preset": "base", "seed": 7}}   # a run's
+    (tmp_path / "run.json").write_text(json.dumps(record))
     args = parse_train_args(["--config", str(tmp_path / "run.yaml"), "--batch-tokens", "1024"],
                             DEFAULT_CPU_RUN)
     cfg = args.cfg
@@ -313,6 +314,22 @@ def test_config_file_fills_settings_and_flags_override(tmp_path, capsys):
         with pytest.raises(SystemExit):
             parse_train_args(["--config", str(tmp_path / name)])
         assert message in capsys.readouterr().err
+    # A file in TrainConfig's own sections reads as the flat names; two --config files are refused.
+    (tmp_path / "parts.yaml").write_text("model:\n  preset: tiny\n  d_model: 64\ntrain:\n  max_steps: 7\n"
+                                         "decode:\n  beam_size: 1\n")
+    args = parse_train_args(["--config", str(tmp_path / "parts.yaml")])
+    assert (args.cfg.model.preset, args.cfg.model.d_model, args.cfg.train.max_steps,
+            args.cfg.decode.beam_size) == ("tiny", 64, 7, 1) and "preset" in args.chosen
+    for argv, message in ((["--config", str(tmp_path / "parts.yaml")] * 2, "--config is given twice"),):
+        with pytest.raises(SystemExit):
+            parse_train_args(argv)
+        assert message in capsys.readouterr().err
+    (tmp_path / "misplaced.yaml").write_text("train:\n  preset: tiny\n")
+    with pytest.raises(SystemExit):
+        parse_train_args(["--config", str(tmp_path / "misplaced.yaml")])
+    assert "unknown setting(s) 'train.preset'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="model must be a ModelOverrides, got dict"):
+        TrainConfig(model={"preset": "tiny"})
     (tmp_path / "bom.json").write_bytes(b"\xef\xbb\xbf" + json.dumps({"seed": 5}).encode())   # a BOM
     assert parse_train_args(["--config", str(tmp_path / "bom.json")]).cfg.run.seed == 5
     with pytest.raises(ValueError, match="--preset must be one of"):

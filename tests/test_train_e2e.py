@@ -131,6 +131,10 @@ def test_translate_cli_uses_the_run(tmp_path, trained_run, capsys):
                                      "x"],
         "--temperature must be a positive finite number": ["--workdir", str(workdir), "--sample",
                                                            "--temperature", "0", "x"],
+        "is one of the run's own files": ["--workdir", str(workdir), "--output",
+                                          str(workdir / "config.json"), "x"],
+        "as arguments or in --input, not both": ["--workdir", str(workdir), "--input",
+                                                 str(workdir / "config.json"), "x"],
     }
     for message, argv in bad_calls.items():
         with pytest.raises(SystemExit) as exit_info:

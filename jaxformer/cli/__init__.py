@@ -1,8 +1,14 @@
 """The command-line programs, each a thin ``main`` over the wings: ``train``, ``prepare``,
 ``translate`` (its flags: ``translate_flags``; bulk mode: ``bulk``), ``convert``, ``compile``."""
 
+import re
 import sys
 from pathlib import Path
+
+
+def plain(doc: str) -> str:
+    """A docstring as ``--help`` text: reST roles and double backquotes dropped."""
+    return re.sub(r":\w+:`~?([^`]+)`", r"\1", doc).replace("``", "")
 
 
 def fail(prog: str, message: str, status: int = 2) -> None:

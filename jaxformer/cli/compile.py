@@ -22,7 +22,7 @@ from annotated_types import Ge
 
 from jaxformer.aot.programs import DEFAULT_CACHE, compile_all
 from jaxformer.aot.report import format_report
-from jaxformer.cli import fail, unwritable
+from jaxformer.cli import fail, plain, unwritable
 from jaxformer.run.config import DEFAULT_CPU_RUN, TrainConfig, check_fields
 
 PROG = "jaxformer-compile"
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     # (and the CUDA plugin registers its compile-only devices without a driver).
     if not jax.config.jax_platforms:
         jax.config.update("jax_platforms", "cpu")
-    args = tyro.cli(CompileArgs, args=argv, prog=PROG, description=__doc__,
+    args = tyro.cli(CompileArgs, args=argv, prog=PROG, description=plain(__doc__),
                     config=(tyro.conf.OmitArgPrefixes,))
     # JAX's persistent cache would store executables that a compile-only client cannot
     # load back (a warning on every later read); the reports are cached instead.

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import tyro
 
-from jaxformer.cli import fail
+from jaxformer.cli import fail, plain
 from jaxformer.data.distillation import write_training_sources
 from jaxformer.data.run_data import prepare_run_data
 from jaxformer.run.config import DataConfig, RunConfig, TrainConfig, shown
@@ -33,7 +33,7 @@ class PrepareArgs:
 
 def main(argv: list[str] | None = None) -> None:
     """``jaxformer-prepare``: prepares a run directory's data ahead of ``train.py``."""
-    args = tyro.cli(PrepareArgs, args=argv, prog=PROG, description=__doc__.split("\n\n")[0],
+    args = tyro.cli(PrepareArgs, args=argv, prog=PROG, description=plain(__doc__.split("\n\n")[0]),
                     config=(tyro.conf.OmitArgPrefixes,))
     skip_absent_tpu()   # libtpu installed on a CPU host: never start the TPU backend
     console_logging()   # the data report (read, kept, skipped by reason) and the timings, as train.py

@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 import tyro
 from annotated_types import Ge, Gt, Interval
 
-from jaxformer.cli import fail, unwritable
+from jaxformer.cli import fail, plain, unwritable
 from jaxformer.run.config import Finite, Flag, check_fields, shown
 
 PROG = "jaxformer-translate"
@@ -85,6 +85,7 @@ class TranslateArgs:
                                          f"beam search; --sample draws one translation per sentence: "
                                          f"drop {_pl(beam_rules, 'them', 'it')}"),
             (self.beam_size is not None and self.n_best > self.beam_size, "need --n-best <= --beam-size"),
+            (self.input and self.sentences, "give the sentences as arguments or in --input, not both"),
             (a + b < 1, "need --max-len-a + --max-len-b >= 1 (room for one token)"),
             (sampling and not self.sample, f"{' and '.join(sampling)} {_pl(sampling, 'are', 'is')} for "
                                            f"sampling: add --sample (beam search and greedy would ignore "
@@ -113,6 +114,13 @@ class TranslateArgs:
         return bool(self.distributed or _given(self, "coordinator_address", "num_processes", "process_id"))
 
 
+def _translate_doc() -> str:
+    """The tool's description: :mod:`jaxformer.cli.translate`'s docstring (also under ``python -m``)."""
+    import importlib
+
+    return importlib.import_module("jaxformer.cli.translate").__doc__
+
+
 def _given(args: TranslateArgs, *names: str, falsy: bool = True) -> list[str]:
     """The flags of ``names`` given (not ``None``; with ``falsy=False`` not 0 or off either)."""
     return [f"--{name.replace('_', '-')}" for name in names
@@ -126,7 +134,7 @@ def _pl(flags: list[str], many: str, one: str) -> str:
 def parse_translate_args(argv: list[str] | None = None) -> TranslateArgs:
     """The checked flags of ``jaxformer-translate``; bad ones exit with status 2 and a message."""
     args = tyro.cli(TranslateArgs, args=sys.argv[1:] if argv is None else argv, prog=PROG,
-                    description=sys.modules["jaxformer.cli.translate"].__doc__.replace("``", ""))
+                    description=plain(_translate_doc()))
     try:
         problem = args.problems() or _path_problem(args)
     except OSError as e:   # a name longer than the filesystem allows, a folder that cannot be searched
@@ -171,6 +179,11 @@ def _output_problem(args: TranslateArgs) -> str | None:
         return "is a folder; name a file in it"
     if args.input and out.exists() and out.resolve() == Path(args.input).resolve():
         return "is the --input file, which it would overwrite; write to another file"
+    from jaxformer.run.directory import RunDir
+
+    run = Path(args.workdir).resolve()
+    if any(out.resolve() == run / name or run / name in out.resolve().parents for name in RunDir.NAMES):
+        return "is one of the run's own files, which it would overwrite; write to another file"
     if out.suffix == ".gz":
         return "ends in .gz, but translations are written as plain text; drop .gz (or gzip the file after)"
     if out.exists() and not out.is_file():   # a pipe or a device is written as it is

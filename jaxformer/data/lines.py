@@ -70,8 +70,8 @@ class LineSplitter:
     def _decode(self, raw: bytes) -> str | None:
         self.number += 1
         if self.number == 1:
-            if raw.startswith((b"\xff\xfe", b"\xfe\xff")):   # ASCII in UTF-16 passes as UTF-8 with NULs
-                raise TextError(f"{self.where} is UTF-16 (it starts with a UTF-16 byte-order mark); "
+            if raw.startswith((b"\xff\xfe", b"\xfe\xff")) or b"\x00" in raw:   # UTF-16: NULs in ASCII
+                raise TextError(f"{self.where} is UTF-16 (a UTF-16 byte-order mark or NUL bytes); "
                                 f"convert it to UTF-8, e.g. iconv -f UTF-16 -t UTF-8 (zcat it first if "
                                 f"it is gzipped).")
             raw = raw.removeprefix(b"\xef\xbb\xbf")

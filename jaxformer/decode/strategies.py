@@ -107,7 +107,9 @@ class Sample:
     def search(self, tokens_to_logits, cache, *, keys_B, **loop):
         def pick(logits_BV, step, out_BM, at_limit_B):
             logits = allowed_logits(logits_BV, out_BM, step, self.processors, bos_id=loop["bos_id"],
-                                    pad_id=loop["pad_id"]) / self.temperature
+                                    pad_id=loop["pad_id"])
+            # shifted to a maximum of 0 first, so a tiny temperature cannot overflow float32
+            logits = (logits - jnp.max(logits, axis=-1, keepdims=True)) / self.temperature
             if self.top_k is not None and self.top_k < logits.shape[-1]:
                 kth = jax.lax.top_k(logits, self.top_k)[0][:, -1:]
                 logits = jnp.where(logits < kth, -jnp.inf, logits)

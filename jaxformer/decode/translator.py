@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
+import numbers
 from pathlib import Path
 from typing import Any
 
@@ -106,13 +107,21 @@ class Translator:
         order (a blank one: ``[("", 0.0)]``). Sentence i samples with ``fold_in(key(seed or 0),
         indices[i])``, its index in the whole input (default: in ``sentences``), on any path;
         ``length_limits`` as ``Evaluator.decode``'s. ``TypeError`` unless ``sentences`` is a list
-        of strings; ``ValueError`` for a ``seed`` not an integer in [0, 2**32)."""
-        if isinstance(sentences, str) or not hasattr(sentences, "__len__") \
-                or not all(isinstance(s, str) for s in sentences):   # (a generator would be used up)
+        of strings; ``ValueError`` for a ``seed`` not an integer in [0, 2**32), or ``indices`` not
+        one integer in [0, 2**31) per sentence."""
+        if not isinstance(sentences, (list, tuple)) or not all(isinstance(s, str) for s in sentences):
             raise TypeError(f"sentences must be a list of strings, got {type(sentences).__name__}"
                             + (": wrap one sentence in a list" if isinstance(sentences, str) else ""))
         if seed is not None and not 0 <= check_count("seed", seed, minimum=-(1 << 63)) < 1 << 32:
-            raise ValueError(f"seed must be in [0, 2**32), got {seed}.")   # what --seed takes
+            problem = f"seed must be in [0, 2**32), got {seed}"   # what --seed takes
+        elif indices is not None and (len(indices) != len(sentences) or not all(
+                isinstance(i, numbers.Integral) and not isinstance(i, bool) and 0 <= i < 1 << 31
+                for i in indices)):
+            problem = f"indices must be one integer in [0, 2**31) per sentence, got {list(indices)[:8]}"
+        else:
+            problem = None
+        if problem:
+            raise ValueError(problem + ".")
         rng = None if seed is None else jax.random.key(int(seed))   # None: key(0), so an exported decoder
         indices = range(len(sentences)) if indices is None else indices
         todo = [i for i, sentence in enumerate(sentences) if sentence.strip()]

@@ -229,6 +229,9 @@ class TrainConfig:
     def __post_init__(self):
         if not CHECKING.get():
             return
+        wrong = [f"{part} must be a {kind.__name__}, got {type(getattr(self, part)).__name__}"
+                 for part, kind in SECTIONS.items() if not isinstance(getattr(self, part), kind)]
+        _refuse([w + " (TrainConfig.flat builds the sections from flat names)" for w in wrong])
         problems = []
         average, keep = self.train.average_last, self.run.keep_checkpoints
         if average is not None and not 2 <= average <= keep:

@@ -40,6 +40,10 @@ def parse_train_args(argv: list[str] | None = None, defaults: dict[str, Any] | N
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--config")
     path = pre.parse_known_args(argv)[0].config
+    if sum(t == "--config" or t.startswith("--config=") for t in argv) > 1:
+        print(f"{prog}: error: --config is given twice; put the settings in one file (flags on the "
+              f"command line override it)", file=sys.stderr)
+        sys.exit(2)
     settings, replay = {}, False
     try:
         if path is not None:
@@ -84,8 +88,12 @@ def read_settings(path: str | Path) -> tuple[dict[str, Any], bool]:
                 if path.suffix == ".json" else yaml.load(text, Loader=_loader(twice))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, yaml.YAMLError) as e:
             problem = f"cannot be read: {e}"
-    replay = isinstance(data, dict) and isinstance(data.get("train"), dict) and "model" in data
-    data = data["train"] if replay else data
+    replay = (isinstance(data, dict) and isinstance(data.get("train"), dict)
+              and "src_vocab_size" in (data.get("model") or {}))   # a run's config.json
+    if replay:
+        data = data["train"]
+    elif isinstance(data, dict) and any(isinstance(data.get(part), dict) for part in SECTIONS):
+        data = dict(_sections(data, twice))   # TrainConfig's own sections: model:, train:, ...
     names = [str(key).replace("-", "_") for key in data] if isinstance(data, dict) else []
     if problem is None and twice:
         problem = f"{', '.join(map(repr, sorted(set(twice))))} given twice; keep one"
@@ -101,6 +109,21 @@ def read_settings(path: str | Path) -> tuple[dict[str, Any], bool]:
         if isinstance(value, str) and ("int" in kind or "float" in kind):
             flat[name] = _number(value)
     return flat, replay
+
+
+def _sections(data: dict[str, Any], twice: list) -> list[tuple[str, Any]]:
+    """The settings of a file written in :class:`TrainConfig`'s sections (``train: {max_steps: 5}``),
+    flat; a setting under another section than its own, or outside any, is left to be named."""
+    pairs = []
+    for key, value in data.items():
+        if key in SECTIONS and isinstance(value, dict):
+            pairs += [(name if SECTION_OF.get(str(name).replace("-", "_")) == key else f"{key}.{name}", v)
+                      for name, v in value.items()]
+        else:
+            pairs.append((key, value))
+    keys = [str(k).replace("-", "_") for k, _ in pairs]
+    twice += [k for k in keys if keys.count(k) > 1]
+    return pairs
 
 
 def _number(text: str) -> Any:
