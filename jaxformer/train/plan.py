@@ -31,7 +31,6 @@ class RunPlan:
     run_dir: RunDir
     saved: dict[str, Any] | None   # a resume's config.json record (what it is checked against)
     mesh: jax.sharding.Mesh   # --mesh over --devices
-    platform: str   # jax.default_backend()
     data_workers: int   # --data-workers, or 0 on the CPU (the step needs its cores), else 2
     row_multiple: int   # batch rows divide by it: data axis x --grad-accum-steps, and processes
     t_start: float   # time.perf_counter() at the start (--max-minutes)
@@ -63,14 +62,13 @@ def plan_run(cfg: TrainConfig, fresh: bool = False) -> RunPlan:
         log(f"using {cfg.run.devices} of {len(jax.devices())} devices (--devices)")
     if cfg.train.warmup_steps >= cfg.train.max_steps:   # legal (short test runs), but rarely what is meant
         log(f"note: --warmup-steps {cfg.train.warmup_steps} >= --max-steps {cfg.train.max_steps}: "
-            f"the learning rate "
-            f"rises for the whole run and never reaches its peak or decays; lower --warmup-steps "
+            f"the learning rate rises for the whole run and never reaches its peak or decays; "
+            f"lower --warmup-steps "
             f"(e.g. {max(1, cfg.train.max_steps // 10)}) for a full schedule")
-    platform = jax.default_backend()
-    return RunPlan(cfg=cfg, start=start, run_dir=run_dir, saved=saved, mesh=mesh,
-                   platform=platform, t_start=t_start,
-                   data_workers=cfg.train.data_workers if cfg.train.data_workers is not None else (
-                       0 if platform == "cpu" else 2),
+    workers = cfg.train.data_workers   # default: none on the CPU, whose cores the step needs
+    return RunPlan(cfg=cfg, start=start, run_dir=run_dir, saved=saved, mesh=mesh, t_start=t_start,
+                   data_workers=workers if workers is not None else (
+                       0 if jax.default_backend() == "cpu" else 2),
                    row_multiple=math.lcm(sharding_lib.batch_shards(mesh) * cfg.train.grad_accum_steps,
                                          jax.process_count()))
 
