@@ -47,7 +47,7 @@ def autoregress(tokens_to_logits: TokensToLogits, cache: Any, pick, *, batch_siz
 
 def first_argmax(logits_BV: jax.Array) -> jax.Array:
     """int32 ``jnp.argmax(logits, axis=-1)`` (a NaN row: the last id) by two plain reductions:
-    XLA's variadic reduce is slow on CPU (benchmarks/decode.py measures it)."""
+    XLA's variadic reduce is slow on CPU (benchmarks/README.md, "Greedy pick as a max and a min")."""
     vocab = logits_BV.shape[-1]
     best_B1 = jnp.max(logits_BV, axis=-1, keepdims=True)
     ids_1V = jnp.arange(vocab, dtype=jnp.int32).reshape((1,) * (logits_BV.ndim - 1) + (vocab,))
