@@ -1,20 +1,12 @@
-"""jaxformer: the encoder-decoder Transformer of "Attention Is All You Need" in JAX/Flax."""
+"""jaxformer: the encoder-decoder Transformer of "Attention Is All You Need" in JAX/Flax.
 
-from jaxformer.model.attention import MultiHeadAttention, scaled_dot_product_attention
-from jaxformer.model.config import PRESETS, TransformerConfig, preset
-from jaxformer.model.layers import (
-    AddNorm,
-    DecoderLayer,
-    Embedding,
-    EncoderLayer,
-    PositionalEncoding,
-    PositionwiseFeedForward,
-    sinusoidal_positional_encoding,
-)
-from jaxformer.model.masks import create_causal_mask, create_decoder_mask, create_padding_mask
-from jaxformer.model.stacks import Decoder, Encoder
-from jaxformer.model.transformer import DecodeCache, LayerCache, Transformer
-from jaxformer.model.validation import check_token_ids
+The functional API (``import jaxformer as jf``; ``jf.Transformer``, ``jf.preset``, ...) is
+loaded on first use (PEP 562), so a command that needs no JAX (translating through
+CTranslate2) starts without importing it.
+"""
+
+import importlib
+
 from jaxformer.run.platform import skip_absent_tpu
 
 # With libtpu installed (the test and tpu extras) but no TPU attached, JAX would start the
@@ -23,11 +15,29 @@ from jaxformer.run.platform import skip_absent_tpu
 # TPU or a GPU plugin leave JAX's own choice alone (jaxformer.run.platform).
 skip_absent_tpu()
 
-__all__ = [
-    "AddNorm", "DecodeCache", "Decoder", "DecoderLayer", "Embedding", "Encoder", "EncoderLayer",
-    "LayerCache", "MultiHeadAttention", "PRESETS", "PositionalEncoding", "PositionwiseFeedForward",
-    "Transformer", "TransformerConfig", "check_token_ids", "create_causal_mask",
-    "create_decoder_mask", "create_padding_mask", "preset", "scaled_dot_product_attention",
-    "sinusoidal_positional_encoding",
-]
+_HOMES = {
+    "jaxformer.model.attention": ("MultiHeadAttention", "scaled_dot_product_attention"),
+    "jaxformer.model.config": ("PRESETS", "TransformerConfig", "preset"),
+    "jaxformer.model.layers": ("AddNorm", "DecoderLayer", "Embedding", "EncoderLayer", "PositionalEncoding",
+                               "PositionwiseFeedForward", "sinusoidal_positional_encoding"),
+    "jaxformer.model.masks": ("create_causal_mask", "create_decoder_mask", "create_padding_mask"),
+    "jaxformer.model.stacks": ("Decoder", "Encoder"),
+    "jaxformer.model.transformer": ("DecodeCache", "LayerCache", "Transformer"),
+    "jaxformer.model.validation": ("check_token_ids",),
+}
+_HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
+__all__ = sorted(_HOME_OF)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """``jaxformer.<name>`` of the functional API, imported from its module on first use."""
+    if name not in _HOME_OF:
+        raise AttributeError(f"module 'jaxformer' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_HOME_OF[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

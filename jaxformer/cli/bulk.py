@@ -16,6 +16,7 @@ from pathlib import Path
 from jaxformer.cli import fail, warn_replaced
 from jaxformer.cli.translate_flags import PROG
 from jaxformer.decode import bulk
+from jaxformer.serve.ct2_engine import CT2Engine
 
 # Everything a chunk's bytes depend on, recorded in the manifest: a resume with other
 # values is refused (the process count is not among them: it does not change a byte).
@@ -36,7 +37,10 @@ def job_record(args, translator) -> dict:
     record = {"workdir": str(Path(args.workdir).resolve()),
               "checkpoint": f"{translator.kind} step {translator.step}",
               "params_sha256": translator.params_digest(),   # a run retrained to the same step differs
-              **{name: getattr(args, name) for name in SETTINGS}}
+              "engine": "jax", **{name: getattr(args, name) for name in SETTINGS}}
+    if isinstance(translator, CT2Engine):   # its weights' type and threads change the bytes too
+        record.update(engine="ct2", quantization=translator.quantization,
+                      ct2_threads=list(translator.threads))
     # The decoding options the run supplies, as decoded: a job resumed after the run's
     # defaults changed (another jaxformer) is refused, not finished with other settings.
     record.update({name: value if record[name] is None else record[name]
@@ -52,17 +56,19 @@ def translate(args, translator, translate_lines: Callable) -> int:
     """Translates ``--input`` into ``--output`` (this process's share of it) with
     ``translate_lines(translator, args, lines, first_index, out) -> (best, counts)``; process 0
     prints the report. Input and resume errors exit with status 2. Returns the process index."""
-    import jax
-
-    from jaxformer.model.sharding import process_barrier
-
     def translate_chunk(lines, first_index, index):
         buffer = io.StringIO()
         _, counts = translate_lines(translator, args, lines, first_index, buffer)
         return buffer.getvalue(), counts
 
     record = job_record(args, translator)
-    process, processes = jax.process_index(), jax.process_count()
+    process, processes, barrier = 0, 1, None
+    if args.multi_process:   # the JAX engine's (the CTranslate2 engine imports no JAX)
+        import jax
+
+        from jaxformer.model.sharding import process_barrier
+
+        process, processes, barrier = jax.process_index(), jax.process_count(), process_barrier
     try:
         info = bulk.scan_input(args.input)
         if args.input_errors == "replace" and process == 0:
@@ -70,7 +76,7 @@ def translate(args, translator, translate_lines: Callable) -> int:
         report = bulk.translate_file(translate_chunk, args.input, args.output, record=record, info=info,
                                      chunk_lines=args.chunk_lines, errors=args.input_errors,
                                      process_index=process, process_count=processes,
-                                     barrier=process_barrier if processes > 1 else None)
+                                     barrier=barrier if processes > 1 else None)
     except (bulk.BulkInputError, bulk.BulkResumeError) as e:
         fail(PROG, str(e))
     except OSError as e:   # a full disk, a folder gone: the chunks written so far stay

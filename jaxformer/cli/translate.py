@@ -22,18 +22,13 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import jax
-
 from jaxformer.cli import bulk as bulk_cli
 from jaxformer.cli import fail, warn_replaced
+from jaxformer.cli.engine import choose_engine, rules
 from jaxformer.cli.translate_flags import PROG, TranslateArgs, parse_translate_args
 from jaxformer.data import lines as lines_lib
-from jaxformer.decode.penalties import penalties
-from jaxformer.decode.strategies import Sample, strategy_for
-from jaxformer.decode.translator import Translator, save_attention_png
-from jaxformer.model.sharding import initialize_distributed, make_mesh
-from jaxformer.run.directory import RunDir, enable_compilation_cache
 from jaxformer.run.platform import skip_absent_tpu
+from jaxformer.serve.ct2_engine import CT2Engine, CT2Search
 
 
 def _is_stream(stream) -> bool:   # a terminal or a pipe, not a regular file
@@ -88,17 +83,26 @@ def _read_lines(args: TranslateArgs) -> list[str]:
     return lines
 
 
-def _strategy(args: TranslateArgs, defaults: dict):
+def _strategy(args: TranslateArgs, translator):
     """The flags' decoding strategy (the run's :attr:`Translator.defaults` where a flag is
-    not given) and whether each sentence keeps its own length limit (not with ``hf``)."""
+    not given; for :class:`CT2Engine` a :class:`CT2Search`) and whether each sentence keeps its
+    own length limit (not with ``hf``)."""
+    defaults = translator.defaults
     rules = {**defaults, **{k: getattr(args, k) for k in defaults if getattr(args, k) is not None}}
+    if isinstance(translator, CT2Engine):
+        return CT2Search(rules["beam_size"], rules["alpha"], rules["repetition_penalty"],
+                         rules["no_repeat_ngram_size"], args.n_best, args.sample, args.temperature or 1.0,
+                         args.top_k, args.top_p), True
+    from jaxformer.decode.penalties import penalties
+    from jaxformer.decode.strategies import Sample, strategy_for
+
     if args.sample:
         processors = penalties(rules["no_repeat_ngram_size"], rules["repetition_penalty"])
         return Sample(args.temperature, args.top_k, args.top_p, processors), True
     return strategy_for(**rules), rules["length_normalization"] != "hf"
 
 
-def _translate_lines(translator: Translator, args, lines: list[str], first_index: int,
+def _translate_lines(translator, args, lines: list[str], first_index: int,
                      out) -> tuple[list[str], dict[str, int]]:
     """Translates and writes ``lines``, lines ``first_index`` on of the input (sampling keys
     come from the line index); empty lines stay empty, and lines over ``max_len`` tokens too
@@ -110,7 +114,7 @@ def _translate_lines(translator: Translator, args, lines: list[str], first_index
     keep = [n <= max_len or args.long_lines == "truncate" for n in lengths]
     counts = {"empty": sum(not line.strip() for line in lines), "long": sum(n > max_len for n in lengths),
               "tokens": sum(min(n, max_len) for n, kept in zip(lengths, keep) if kept)}
-    strategy, length_limits = _strategy(args, translator.defaults)
+    strategy, length_limits = _strategy(args, translator)
     results = translator.decode([line if kept else "" for line, kept in zip(lines, keep)], strategy,
                                 seed=args.seed if args.sample else None, length_limits=length_limits,
                                 indices=list(range(first_index, first_index + len(lines))))
@@ -124,8 +128,26 @@ def _translate_lines(translator: Translator, args, lines: list[str], first_index
     return [n_best[0][0] for n_best in results], counts
 
 
-def _load(args: TranslateArgs) -> Translator:
-    """The run's translator (on ``--mesh``'s devices), the flags checked against its model."""
+def _load_ct2(args: TranslateArgs) -> CT2Engine:
+    """The run's CTranslate2 engine (its model converted on first use), or exit status 2."""
+    try:
+        return CT2Engine(args.workdir, checkpoint=args.checkpoint,
+                         quantization=args.quantization or "float32", batch_size=args.batch_size,
+                         max_len_a=args.max_len_a, max_len_b=args.max_len_b,
+                         throughput=bool(args.input) or not (args.sentences or _is_stream(sys.stdin)),
+                         inter_threads=args.inter_threads, intra_threads=args.intra_threads)
+    except (ImportError, ValueError, OSError) as e:   # ConversionError is a ValueError
+        fail(PROG, str(e))
+
+
+def _load(args: TranslateArgs):
+    """The run's JAX translator (on ``--mesh``'s devices), the flags checked against its model."""
+    import jax
+
+    from jaxformer.decode.translator import Translator
+    from jaxformer.model.sharding import initialize_distributed, make_mesh
+    from jaxformer.run.directory import RunDir, enable_compilation_cache
+
     skip_absent_tpu()   # libtpu installed on a CPU host: never start the TPU backend
     if args.multi_process:   # before any other JAX use
         initialize_distributed(args.coordinator_address, args.num_processes, args.process_id, auto=True)
@@ -145,14 +167,10 @@ def _load(args: TranslateArgs) -> Translator:
                                ("--head", args.head, translator.config.num_heads)):
         if value is not None and not 0 <= value < count:
             fail(PROG, f"{flag} {value} is out of range; this model has {count} (0..{count - 1})")
-    beam_size = args.beam_size or translator.defaults["beam_size"]
-    if not args.sample and args.n_best > beam_size:
-        fail(PROG, f"--n-best {args.n_best} needs a beam at least as wide; this run decodes with beam "
-                   f"{beam_size}: pass --beam-size {args.n_best}")
     return translator
 
 
-def _translate_text(args: TranslateArgs, translator: Translator):
+def _translate_text(args: TranslateArgs, translator):
     """The arguments, stdin or a file read whole (or stdin's lines as they arrive), to
     stdout or ``--output``. Returns the first non-empty line and its translation."""
     try:
@@ -187,8 +205,16 @@ def _translate_text(args: TranslateArgs, translator: Translator):
 
 def main(argv=None) -> None:
     args = parse_translate_args(argv)
-    translator = _load(args)
-    print(f"[{translator.kind} checkpoint, step {translator.step}]", file=sys.stderr)
+    engine, why = choose_engine(args)
+    translator = _load_ct2(args) if engine == "ct2" else _load(args)
+    beam_size = args.beam_size or translator.defaults["beam_size"]
+    if not args.sample and args.n_best > beam_size:
+        fail(PROG, f"--n-best {args.n_best} needs a beam at least as wide; this run decodes with beam "
+                   f"{beam_size}: pass --beam-size {args.n_best}")
+    described = f"; {translator.describe()}" if engine == "ct2" else ""
+    decoding = rules(engine, _strategy(args, translator)[0], 1 if args.sample else beam_size)
+    print(f"[{translator.kind} checkpoint, step {translator.step}; engine {engine} ({why}){described}; "
+          f"{decoding}]", file=sys.stderr)
     if not bulk_cli.bulk_mode(args):
         first = _translate_text(args, translator)
     elif bulk_cli.translate(args, translator, _translate_lines) == 0 and args.attention_png:
@@ -198,6 +224,8 @@ def main(argv=None) -> None:
     else:
         first = None
     if args.attention_png and first:
+        from jaxformer.decode.translator import save_attention_png
+
         weights, src_pieces, tgt_pieces = translator.cross_attention(*first, args.layer, args.head)
         which = (f"layer {args.layer}" if args.layer is not None else "mean of layers") + ", " + \
                 (f"head {args.head}" if args.head is not None else "mean of heads")

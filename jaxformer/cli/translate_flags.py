@@ -64,6 +64,16 @@ class TranslateArgs:
     num_processes: Annotated[int | None, Ge(1)] = None   # bulk mode on several processes: how many
     process_id: int | None = None   # bulk mode on several processes: this one's index
     distributed: Annotated[bool, Switch] = False   # several processes found by jax.distributed
+    # ct2: CTranslate2 on the CPU; jax: ours, any device; auto: ct2 on a CPU where it is installed
+    # and the flags allow it, else jax (docs/translation.md, "Serving with CTranslate2")
+    engine: Literal["auto", "ct2", "jax"] = "auto"
+    # CTranslate2 weights (converted once per checkpoint into RUN/ct2/); int8 on a CPU is faster
+    quantization: Annotated[Literal["float32", "int8", "int8_float32", "int16"] | None,
+                            shown("float32")] = None
+    # CTranslate2 translators, each on its own batches
+    inter_threads: Annotated[int | None, Ge(1), shown("the cores for a file, else 1")] = None
+    # CTranslate2 threads per translator
+    intra_threads: Annotated[int | None, Ge(1), shown("the cores left")] = None
     attention_png: str | None = None   # write the first sentence's cross-attention heat map
     layer: Annotated[int | None, shown("mean")] = None   # decoder layer for the heat map
     head: Annotated[int | None, shown("mean")] = None   # head for the heat map
@@ -105,8 +115,28 @@ class TranslateArgs:
              "--distributed for auto-detection)"),
             (self.num_processes is not None and not 0 <= (self.process_id or 0) < self.num_processes,
              f"--process-id {self.process_id} is not in 0..{(self.num_processes or 1) - 1}"),
+            (self.engine != "ct2" and self.ct2_flags and (self.engine == "jax" or self.jax_flags),
+             f"{' and '.join(self.ct2_flags)} {_pl(self.ct2_flags, 'are', 'is')} for --engine ct2"
+             + (f", and {' and '.join(self.jax_flags)} for jax" if self.jax_flags else "")
+             + ": choose one engine's flags"),
+            (self.engine == "ct2" and self.jax_flags,
+             f"--engine ct2 cannot honour {' and '.join(self.jax_flags)} (docs/translation.md, "
+             f"\"Serving with CTranslate2\"): use --engine jax, or drop {_pl(self.jax_flags, 'them', 'it')}"),
         )
         return next((message for broken, message in rules if broken), None)
+
+    @property
+    def jax_flags(self) -> list[str]:
+        """The flags given that only the JAX engine honours."""
+        return (_given(self, "mesh", "matmul_dtype", "attention_png") + (["multi-process flags"] if
+                self.multi_process else [])
+                + ["--length-normalization gnmt"] * (self.length_normalization == "gnmt")
+                + ["--no-early-stopping"] * (self.early_stopping is False))
+
+    @property
+    def ct2_flags(self) -> list[str]:
+        """The flags given that only the CTranslate2 engine honours."""
+        return _given(self, "quantization", "inter_threads", "intra_threads")
 
     @property
     def multi_process(self) -> bool:

@@ -141,6 +141,7 @@ class MarianTokenizer:
         self.source_vocab = read("vocab.json")
         self.target_vocab = read("target_vocab.json") if separate_vocabs else self.source_vocab
         self.pieces_of = {i: p for p, i in self.target_vocab.items()}
+        self.source_pieces_of = {i: p for p, i in self.source_vocab.items()}
         self.source_spm, self.target_spm = read("source.spm"), read("target.spm")
         self.pad_id, self.eos_id = self.source_vocab["<pad>"], self.source_vocab["</s>"]
         self.unk_id = self.source_vocab["<unk>"]
@@ -180,8 +181,7 @@ class MarianTokenizer:
                 for seq in ids]
 
     def source_pieces(self, ids: Sequence[int]) -> list[str]:
-        source_of = {i: p for p, i in self.source_vocab.items()}
-        return [source_of.get(int(i), "<unk>") for i in ids]
+        return [self.source_pieces_of.get(int(i), "<unk>") for i in ids]
 
     def target_pieces(self, ids: Sequence[int]) -> list[str]:
         return [self.pieces_of.get(int(i), "<unk>") for i in ids]

@@ -47,7 +47,8 @@ class Beam:
       ``generate(early_stopping=True)``; faster, not exact.
 
     ``processors`` (:mod:`jaxformer.decode.penalties`) apply to the log-probabilities before
-    ranking, as in fairseq and ``generate``. Raises ``ValueError`` for a ``beam_size`` not an
+    ranking, as in fairseq and ``generate``; with ``penalize_logits`` to the logits, then
+    renormalized, as in CTranslate2's beam search. Raises ``ValueError`` for a ``beam_size`` not an
     integer ≥ 1, an ``alpha`` not finite, another ``length_normalization`` or ``early_stopping``.
     """
 
@@ -56,6 +57,7 @@ class Beam:
     length_normalization: Literal["gnmt", "hf"] = "gnmt"
     early_stopping: bool = False
     processors: tuple = ()
+    penalize_logits: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "beam_size", check_count("beam_size", self.beam_size))
@@ -169,11 +171,13 @@ def beam_step(state: dict[str, Any], tokens_to_logits: TokensToLogits, beam: Bea
     batch_size, k = state["live_logprobs"].shape
     step = state["step"]
     logits, cache = tokens_to_logits(_flatten_beams(state["last_ids"])[:, None], state["cache"])
-    logp_BNV = _unflatten_beams(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), batch_size)
-    if beam.processors:   # a banned token's -inf becomes NEG_INF, as every excluded token's
-        logp_RV = apply_processors(beam.processors, _flatten_beams(logp_BNV),
-                                   _flatten_beams(state["live_seqs"]), step)
-        logp_BNV = _unflatten_beams(jnp.maximum(logp_RV, NEG_INF), batch_size)
+    scores_RV, seqs_RM = logits.astype(jnp.float32), _flatten_beams(state["live_seqs"])
+    if beam.processors and beam.penalize_logits:
+        scores_RV = apply_processors(beam.processors, scores_RV, seqs_RM, step)
+    scores_RV = jax.nn.log_softmax(scores_RV, axis=-1)
+    if beam.processors and not beam.penalize_logits:
+        scores_RV = apply_processors(beam.processors, scores_RV, seqs_RM, step)
+    logp_BNV = _unflatten_beams(jnp.maximum(scores_RV, NEG_INF), batch_size)   # a ban's -inf: NEG_INF
     # Pad and bos are never generated; at its limit a sentence gets eos only (with "hf" at
     # log-probability 0: transformers' ForcedEOSTokenLogitsProcessor).
     vocab = logp_BNV.shape[-1]

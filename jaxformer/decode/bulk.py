@@ -64,7 +64,7 @@ class BulkJob:
         self.record = record
         manifest = self.parts / "manifest.json"
         if manifest.exists():
-            saved = json.loads(manifest.read_text())
+            saved = {"engine": "jax", **json.loads(manifest.read_text())}   # older manifests: JAX's
             differing = sorted(k for k in set(saved) | set(record) if saved.get(k) != record.get(k))
             if differing:
                 changes = "; ".join(f"{k}: then {saved.get(k)!r}, now {record.get(k)!r}" for k in differing)

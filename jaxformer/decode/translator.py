@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import math
 import numbers
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ import numpy as np
 from flax import linen as nn
 
 from jaxformer.data.tokenizer import load_tokenizer
+from jaxformer.decode.defaults import decoding_defaults, length_limits
 from jaxformer.decode.evaluation import Evaluator
 from jaxformer.decode.exported import ExportCache
 from jaxformer.decode.penalties import penalties
@@ -25,7 +25,7 @@ from jaxformer.model.matmul import cast_matmul_weights
 from jaxformer.model.scan import unrolled
 from jaxformer.model.sharding import Layout
 from jaxformer.model.transformer import Transformer
-from jaxformer.model.validation import check_count, check_real
+from jaxformer.model.validation import check_count
 from jaxformer.run.checkpoints import RunCheckpoints
 from jaxformer.run.directory import RunDir
 
@@ -85,21 +85,12 @@ class Translator:
         with contextlib.closing(RunCheckpoints(workdir, read_only=True)) as checkpoints:   # parameters only
             self.params, self.step, self.kind = checkpoints.restore_params_from(checkpoint, abstract_params)
         self.params = cast_matmul_weights(self.params, self.config)
-        generation = record.get("generation", {})
-        if max_len_a is None and max_len_b is None and generation.get("max_length"):
-            max_len_a, max_len_b = 0.0, int(generation["max_length"]) - 1
-        self.max_len_a = check_real("max_len_a", 1.0 if max_len_a is None else max_len_a, minimum=0.0)
-        self.max_len_b = check_count("max_len_b", 50 if max_len_b is None else max_len_b,
-                                     minimum=math.ceil(1 - self.max_len_a))   # a + b ≥ 1: room for a token
+        self.max_len_a, self.max_len_b = length_limits(record, max_len_a, max_len_b)
         self.evaluator = Evaluator(self.model, self.tokenizer, batch_size=batch_size, layout=layout,
                                    target_language=record.get("target_language", "xx"), scoring=False,
                                    max_len_a=self.max_len_a, max_len_b=self.max_len_b, exports=exports,
                                    staged=staged)
-        train = record.get("train", {})
-        fallback = dict(beam_size=4, alpha=0.6, length_normalization="gnmt", early_stopping=False,
-                        no_repeat_ngram_size=0, repetition_penalty=1.0)   # §6.1's beam 4 and α 0.6
-        self.defaults = {name: generation.get("length_penalty" if name == "alpha" else name,
-                                              train.get(name, value)) for name, value in fallback.items()}
+        self.defaults = decoding_defaults(record)
 
     def decode(self, sentences: list[str], strategy: Any, *, seed: int | None = None,
                indices: list[int] | None = None, length_limits: bool = True) -> list[list[tuple[str, float]]]:

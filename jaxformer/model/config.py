@@ -8,7 +8,6 @@ import numbers
 import typing
 from typing import Any, Literal
 
-import jax.numpy as jnp
 import numpy as np
 
 NormPosition = Literal["post", "pre"]
@@ -134,10 +133,14 @@ class TransformerConfig:
 
     @property
     def compute_dtype(self) -> Any:
+        import jax.numpy as jnp  # here: the config module (flags, run records) imports no JAX
+
         return jnp.dtype(self.dtype)
 
     @property
     def parameter_dtype(self) -> Any:
+        import jax.numpy as jnp
+
         return jnp.dtype(self.param_dtype)
 
     def to_dict(self) -> dict[str, Any]:

@@ -9,7 +9,6 @@ import math
 import numbers
 from typing import Any
 
-import jax
 import numpy as np
 
 
@@ -29,6 +28,8 @@ def token_id_problem(tokens, *, name: str, vocab_size: int, max_len: int | None 
     if max_len is not None and shape[1] > max_len:
         return (f"{name} has length {shape[1]} > max_len={max_len}: truncate the sequence or build "
                 f"the model with a larger max_len")
+    import jax  # here, not at the top: the tokenizer's checks import this module without JAX
+
     if isinstance(tokens, jax.core.Tracer) or tokens.size == 0:
         return None
     values = np.asarray(tokens)

@@ -44,7 +44,7 @@ class RunDir:
     # Every name a run writes; ``fresh`` moves exactly these.
     NAMES = ("checkpoints", "best", "averaged", "corrupt", "config.json", "tokenizer", "prepared",
              "metrics.jsonl", "metrics.redone.jsonl", "tensorboard", "plots", "samples.txt",
-             "results.json", "test.src", "test.ref", "test.hyp", "train.log")
+             "results.json", "test.src", "test.ref", "test.hyp", "train.log", "ct2")
     config, tokenizer_dir, prepared = _file("config.json"), _file("tokenizer"), _file("prepared")
     checkpoints, best, averaged = _file("checkpoints"), _file("best"), _file("averaged")
     corrupt = _file("corrupt")
