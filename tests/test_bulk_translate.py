@@ -19,12 +19,18 @@ import pytest
 
 from jaxformer.cli import translate as translate_lib
 from jaxformer.cli.prepare import main as prepare_main
-from jaxformer.cli.translate import main as translate_main
+from jaxformer.cli.translate import main as translate_cli
 from jaxformer.data import corpus
 from jaxformer.data.distillation import write_training_sources
 from jaxformer.decode import bulk
 from jaxformer.run.config import TrainConfig
 from jaxformer.train.trainer import train
+
+
+def translate_main(argv):
+    """``jaxformer-translate`` on the JAX engine (the CTranslate2 engine's: tests/test_ct2_serving.py)."""
+    return translate_cli(["--engine", "jax", *argv])
+
 
 TINY_RUN = dict(vocab_size=200, max_len=32, eval_every=1000, dev_bleu_sentences=4, beam_size=1,
                 progress=False, devices=1,
@@ -101,7 +107,8 @@ def test_one_line_out_per_line_in_whatever_the_bytes(workdir, tmp_path, capsys):
 
 
 def _command(workdir, source, out, *flags):
-    return [sys.executable, "-m", "jaxformer.translate", "--workdir", str(workdir), "--input", str(source),
+    return [sys.executable, "-m", "jaxformer.translate", "--engine", "jax", "--workdir", str(workdir),
+            "--input", str(source),
             "--output", str(out), "--chunk-lines", "2", "--input-errors", "replace", *flags]
 
 

@@ -24,13 +24,19 @@ import pytest
 
 from jaxformer.cli import translate as translate_lib
 from jaxformer.cli.train import main as train_main
-from jaxformer.cli.translate import main as translate_main
+from jaxformer.cli.translate import main as translate_cli
 from jaxformer.decode.strategies import Greedy
 from jaxformer.decode.translator import Translator
 from jaxformer.run.checkpoints import RunCheckpoints
 from jaxformer.run.config import DEFAULT_CPU_RUN, TrainConfig
 from jaxformer.run.train_flags import parse_train_args
 from jaxformer.train.averaging import average_last_checkpoints
+
+
+def translate_main(argv):
+    """``jaxformer-translate`` on the JAX engine (the CTranslate2 engine's: tests/test_ct2_serving.py)."""
+    return translate_cli(["--engine", "jax", *argv])
+
 
 REPO = Path(__file__).resolve().parents[1]
 SENTENCES = ["Click OK.", "Choose Format - Cells.", "Enter the name of the new table."]
@@ -474,7 +480,7 @@ def counted(name, real):   # counts the Python traces of beam search and of the 
 beam_search.Beam.search = counted("beam_search_traces", beam_search.Beam.search)
 model.Transformer.init = counted("init_traces", model.Transformer.init)
 from jaxformer.cli.translate import main
-main(sys.argv[1:])
+main(["--engine", "jax", *sys.argv[1:]])
 print(json.dumps({k.rsplit("/", 1)[-1]: v for k, v in events.items()}), file=sys.stderr)
 """.replace("import collections, sys", "import collections, json, sys")
 

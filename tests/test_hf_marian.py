@@ -394,7 +394,10 @@ def test_marian_tokenizer_matches_transformers(converted, tokenizer_files):
 def test_translate_cli_prints_what_transformers_generates(converted, tokenizer_files, capsys):
     """``jaxformer-translate`` on the converted run (its defaults: the model's generation
     config, here greedy; then beam 4) prints MarianTokenizer + generate's strings."""
-    from jaxformer.cli.translate import main
+    from jaxformer.cli.translate import main as translate_cli
+
+    def main(argv):   # the JAX engine; the CTranslate2 engine's are in tests/test_ct2_serving.py
+        return translate_cli(["--engine", "jax", *argv])
 
     _, model, hf_dir, run, *_ = converted
     _, pairs, _ = tokenizer_files
@@ -411,7 +414,10 @@ def test_repetition_rules_match_generate(converted, tokenizer_files, capsys):
     """``--no-repeat-ngram-size`` and ``--repetition-penalty``, greedy and beam 4, print what
     ``generate`` prints with ``no_repeat_ngram_size`` / ``repetition_penalty``: the
     processors act on the same scores (logits in greedy, log-probabilities in beam search)."""
-    from jaxformer.cli.translate import main
+    from jaxformer.cli.translate import main as translate_cli
+
+    def main(argv):   # the JAX engine; the CTranslate2 engine's are in tests/test_ct2_serving.py
+        return translate_cli(["--engine", "jax", *argv])
 
     name, model, hf_dir, run, *_ = converted
     if name != "tied":
@@ -436,7 +442,10 @@ def test_an_imported_model_decodes_with_its_own_generation_limit(tokenizer_files
     ``jaxformer-translate --input`` with no decoding flags prints what ``generate`` prints
     with that config, greedy and beam, on sentences that run to the limit (max_length
     counts the decoder start token)."""
-    from jaxformer.cli.translate import main
+    from jaxformer.cli.translate import main as translate_cli
+
+    def main(argv):   # the JAX engine; the CTranslate2 engine's are in tests/test_ct2_serving.py
+        return translate_cli(["--engine", "jax", *argv])
 
     tok_dir, pairs, vocab_size = tokenizer_files
     model = _hf_model("tied", vocab_size, seed=3, eos_bias=1.0)   # most hypotheses reach the limit

@@ -82,7 +82,10 @@ def test_train_checkpoints_and_resumes(tmp_path, trained_run, corpus_slice, caps
 
 
 def test_translate_cli_uses_the_run(tmp_path, trained_run, capsys):
-    from jaxformer.cli.translate import main
+    from jaxformer.cli.translate import main as translate_cli
+
+    def main(argv):   # the JAX engine; the CTranslate2 engine's are in tests/test_ct2_serving.py
+        return translate_cli(["--engine", "jax", *argv])
 
     workdir = tmp_path / "run"
     shutil.copytree(trained_run, workdir)

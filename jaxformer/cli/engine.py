@@ -14,15 +14,20 @@ from jaxformer.run.platform import accelerator_present
 from jaxformer.serve.ct2_engine import INSTALL
 
 
+def ct2_installed() -> bool:
+    """Whether ``ctranslate2`` can be imported (found, not imported)."""
+    return importlib.util.find_spec("ctranslate2") is not None
+
+
 def choose_engine(args: TranslateArgs) -> tuple[str, str]:
     """``("ct2" | "jax", why)`` for these (checked) flags; ``why`` is a few words."""
     if args.engine != "auto":
         return args.engine, "--engine"
     if args.jax_flags:
-        return "jax", f"{' and '.join(args.jax_flags)} need it"
+        return "jax", f"{' and '.join(args.jax_flags)} need{'s' * (len(args.jax_flags) == 1)} it"
     if args.ct2_flags:
-        return "ct2", f"{' and '.join(args.ct2_flags)} ask for it"
-    if importlib.util.find_spec("ctranslate2") is None:
+        return "ct2", f"{' and '.join(args.ct2_flags)} ask{'s' * (len(args.ct2_flags) == 1)} for it"
+    if not ct2_installed():
         return "jax", f"ctranslate2 is not installed; for CPU serving: {INSTALL}"
     if accelerator_present():
         return "jax", "a GPU or TPU is here"

@@ -140,13 +140,21 @@ def _load_ct2(args: TranslateArgs) -> CT2Engine:
         fail(PROG, str(e))
 
 
+def enable_compilation_cache(run_dir) -> bool:
+    """JAX's compilation cache in ``run_dir`` (:func:`jaxformer.run.directory.enable_compilation_cache`,
+    imported on the JAX engine's path only)."""
+    from jaxformer.run.directory import enable_compilation_cache as enable
+
+    return enable(run_dir)
+
+
 def _load(args: TranslateArgs):
     """The run's JAX translator (on ``--mesh``'s devices), the flags checked against its model."""
     import jax
 
     from jaxformer.decode.translator import Translator
     from jaxformer.model.sharding import initialize_distributed, make_mesh
-    from jaxformer.run.directory import RunDir, enable_compilation_cache
+    from jaxformer.run.directory import RunDir
 
     skip_absent_tpu()   # libtpu installed on a CPU host: never start the TPU backend
     if args.multi_process:   # before any other JAX use

@@ -48,8 +48,9 @@ class Beam:
 
     ``processors`` (:mod:`jaxformer.decode.penalties`) apply to the log-probabilities before
     ranking, as in fairseq and ``generate``; with ``penalize_logits`` to the logits, then
-    renormalized, as in CTranslate2's beam search. Raises ``ValueError`` for a ``beam_size`` not an
-    integer ≥ 1, an ``alpha`` not finite, another ``length_normalization`` or ``early_stopping``.
+    renormalized with pad and bos left out, as in CTranslate2's beam search. Raises
+    ``ValueError`` for a ``beam_size`` not an integer ≥ 1, an ``alpha`` not finite, another
+    ``length_normalization`` or ``early_stopping``.
     """
 
     beam_size: int = 4
@@ -172,8 +173,9 @@ def beam_step(state: dict[str, Any], tokens_to_logits: TokensToLogits, beam: Bea
     step = state["step"]
     logits, cache = tokens_to_logits(_flatten_beams(state["last_ids"])[:, None], state["cache"])
     scores_RV, seqs_RM = logits.astype(jnp.float32), _flatten_beams(state["live_seqs"])
-    if beam.processors and beam.penalize_logits:
-        scores_RV = apply_processors(beam.processors, scores_RV, seqs_RM, step)
+    never_1V = ((jnp.arange(logits.shape[-1]) == pad_id) | (jnp.arange(logits.shape[-1]) == bos_id))[None]
+    if beam.penalize_logits:   # penalties and bans before the softmax renormalizes, as in CTranslate2
+        scores_RV = jnp.where(never_1V, -jnp.inf, apply_processors(beam.processors, scores_RV, seqs_RM, step))
     scores_RV = jax.nn.log_softmax(scores_RV, axis=-1)
     if beam.processors and not beam.penalize_logits:
         scores_RV = apply_processors(beam.processors, scores_RV, seqs_RM, step)
@@ -182,8 +184,7 @@ def beam_step(state: dict[str, Any], tokens_to_logits: TokensToLogits, beam: Bea
     # log-probability 0: transformers' ForcedEOSTokenLogitsProcessor).
     vocab = logp_BNV.shape[-1]
     ids_11V, at_limit_B11 = jnp.arange(vocab)[None, None, :], (step + 1 >= state["limit"])[:, None, None]
-    logp_BNV = jnp.where((at_limit_B11 & (ids_11V != eos_id)) | (ids_11V == pad_id) | (ids_11V == bos_id),
-                         NEG_INF, logp_BNV)
+    logp_BNV = jnp.where((at_limit_B11 & (ids_11V != eos_id)) | never_1V[None], NEG_INF, logp_BNV)
     if beam.length_normalization == "hf":
         logp_BNV = jnp.where(at_limit_B11 & (ids_11V == eos_id), 0.0, logp_BNV)
     candidates = (state["live_logprobs"][:, :, None] + logp_BNV).reshape(batch_size, k * vocab)

@@ -1,0 +1,157 @@
+"""Serving through CTranslate2 (jaxformer.serve, ``jaxformer-translate --engine``): tiny runs
+of both norm positions trained here, decoded by both engines token for token alike under
+rules both honour; the cached model, the command's engine choice, bulk mode and refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("ctranslate2")
+
+from jaxformer.cli import engine as engine_lib  # noqa: E402
+from jaxformer.cli import translate as translate_lib  # noqa: E402
+from jaxformer.cli.translate import main as translate_main  # noqa: E402
+from jaxformer.data import corpus  # noqa: E402
+from jaxformer.decode.penalties import penalties  # noqa: E402
+from jaxformer.decode.strategies import Beam, Greedy  # noqa: E402
+from jaxformer.decode.translator import Translator  # noqa: E402
+from jaxformer.run.config import TrainConfig  # noqa: E402
+from jaxformer.serve.ct2_engine import CT2Engine, CT2Search  # noqa: E402
+from jaxformer.serve.ct2_model import find_checkpoint  # noqa: E402
+from jaxformer.train.trainer import train  # noqa: E402
+
+PAIRS = [p for p in corpus.read_tsv(corpus.builtin_corpus_path("en-de"))[0]
+         if len(p[0]) < 50 and len(p[1]) < 50]
+SOURCES = [s for s, _ in PAIRS[:24]]
+LIMIT = 24   # one fixed output limit (a = 0, b = LIMIT) for the parity tests
+
+
+@pytest.fixture(scope="module", params=["pre", "post"])
+def run(request, tmp_path_factory):
+    """A tiny run of 120 steps on 300 short pairs of the shipped en-de corpus, with ``norm_position``."""
+    root = tmp_path_factory.mktemp(f"run-{request.param}")
+    (root / "corpus.tsv").write_text("".join(f"{s}\t{t}\n" for s, t in PAIRS[:300]))
+    train(TrainConfig.flat(workdir=str(root / "run"), train_file=str(root / "corpus.tsv"), preset="tiny",
+                           norm_position=request.param, max_steps=120, warmup_steps=20, lr_scale=0.3,
+                           batch_tokens=512,
+                           vocab_size=300, max_len=32, eval_every=1000, dev_bleu_sentences=4, beam_size=1,
+                           progress=False, devices=1))
+    return root / "run"
+
+
+@pytest.mark.parametrize("beam_size, repetition_penalty, no_repeat_ngram_size",
+                         [(1, 1.0, 0), (1, 1.3, 2), (4, 1.0, 0), (4, 1.3, 2)])
+def test_both_engines_give_the_same_tokens_under_shared_rules(run, beam_size, repetition_penalty,
+                                                              no_repeat_ngram_size):
+    """float32, one length limit, |Y|^α, the k-finished stop, the repetition rules applied as
+    CTranslate2 applies them (to the logits, then renormalized, in beam search)."""
+    engine = CT2Engine(run, max_len_a=0, max_len_b=LIMIT, batch_size=8)
+    translator = Translator(run, batch_size=8, max_len_a=0, max_len_b=LIMIT)
+    processors = penalties(no_repeat_ngram_size, repetition_penalty)
+    strategy = (Greedy(False, processors) if beam_size == 1 else
+                Beam(beam_size, 0.6, "hf", True, processors, penalize_logits=True))
+    ours = translator.decode(SOURCES, strategy)
+    theirs = engine.decode(SOURCES, CT2Search(beam_size, 0.6, repetition_penalty, no_repeat_ngram_size))
+    assert [n_best[0][0] for n_best in theirs] == [n_best[0][0] for n_best in ours]
+    assert len({n_best[0][0] for n_best in ours}) > len(SOURCES) // 2   # the model tells them apart
+
+
+def test_the_model_is_cached_per_checkpoint_and_rebuilt_when_the_checkpoint_changes(run, tmp_path, capsys):
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy, ignore=shutil.ignore_patterns("ct2"))
+    argv = ["--workdir", str(copy), "--engine", "ct2", SOURCES[0], SOURCES[1]]
+    translate_main(argv)
+    first = capsys.readouterr()
+    assert "converting best checkpoint" in first.err and "engine ct2 (--engine)" in first.err
+    [entry] = (copy / "ct2").iterdir()
+    assert entry.name.startswith("float32-best-") and (entry / "model.bin").is_file()
+    translate_main(argv)
+    again = capsys.readouterr()
+    assert "converting" not in again.err and again.out == first.out
+    checkpoint = find_checkpoint(copy)
+    for path in checkpoint.files.rglob("*"):   # the checkpoint written anew: same bytes, new files
+        if path.is_file():
+            os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
+    translate_main(argv)
+    assert "converting" in capsys.readouterr().err
+    assert [p.name for p in (copy / "ct2").iterdir()] != [entry.name] and not entry.exists()
+    translate_main([*argv, "--quantization", "int8"])   # its own entry beside float32's
+    assert len(capsys.readouterr().out.splitlines()) == 2
+    assert sorted(p.name.split("-")[0] for p in (copy / "ct2").iterdir()) == ["float32", "int8"]
+
+
+def test_the_ct2_path_imports_no_jax(run):
+    CT2Engine(run)   # the model cached
+    code = ("import sys\nfrom jaxformer.cli.translate import main\n"
+            f"main(['--workdir', {str(run)!r}, '--engine', 'ct2', {SOURCES[0]!r}])\n"
+            "print('jax' in sys.modules, 'flax' in sys.modules, file=sys.stderr)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.splitlines()[-1] == "False False" and len(done.stdout.splitlines()) == 1
+
+
+def test_bulk_mode_records_the_engine_resumes_byte_for_byte_and_never_mixes_engines(run, tmp_path, capsys,
+                                                                                 monkeypatch):
+    source, whole, out = tmp_path / "in.txt", tmp_path / "whole.txt", tmp_path / "out.txt"
+    source.write_text("\n".join(SOURCES[:10] + ["", *SOURCES[10:20]]) + "\n")
+    flags = ["--workdir", str(run), "--input", str(source), "--chunk-lines", "4", "--sample", "--seed", "3",
+             "--top-k", "8"]
+    translate_main([*flags, "--output", str(whole)])
+    assert "engine ct2 (a CPU, ctranslate2 installed)" in capsys.readouterr().err
+    real, calls = translate_lib._translate_lines, []
+
+    def interrupted(*args, **kwargs):   # the third chunk never finishes
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(translate_lib, "_translate_lines", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        translate_main([*flags, "--output", str(out)])
+    manifest = json.loads((tmp_path / "out.txt.parts" / "manifest.json").read_text())
+    assert manifest["engine"] == "ct2" and manifest["quantization"] == "float32"
+    monkeypatch.setattr(translate_lib, "_translate_lines", real)
+    with pytest.raises(SystemExit) as stop:   # the other engine never finishes it
+        translate_main([*flags, "--output", str(out), "--engine", "jax"])
+    assert stop.value.code == 2 and "engine: then 'ct2', now 'jax'" in capsys.readouterr().err
+    translate_main([*flags, "--output", str(out)])
+    assert "6 chunk(s), 2 found finished" in capsys.readouterr().err
+    assert out.read_bytes() == whole.read_bytes() and out.read_text().split("\n")[10] == ""
+    translate_main(["--workdir", str(run), "--input", str(source), "--output", str(tmp_path / "n.txt"),
+                    "--n-best", "2", "--beam-size", "2"])
+    rows = (tmp_path / "n.txt").read_text().splitlines()
+    assert len(rows) == 2 * 21 and rows[0].split("\t")[0] == "0" and rows[-1].split("\t")[0] == "20"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--engine", "ct2", "--mesh", "data=1"], "--engine ct2 cannot honour --mesh"),
+    (["--engine", "ct2", "--length-normalization", "gnmt"], "cannot honour --length-normalization gnmt"),
+    (["--engine", "ct2", "--no-early-stopping"], "cannot honour --no-early-stopping"),
+    (["--engine", "jax", "--quantization", "int8"], "--quantization is for --engine ct2"),
+    (["--matmul-dtype", "bfloat16", "--inter-threads", "2"], "--inter-threads is for --engine ct2, and "
+                                                             "--matmul-dtype for jax"),
+])
+def test_flags_one_engine_cannot_honour_are_refused(flags, message, capsys):
+    with pytest.raises(SystemExit) as stop:
+        translate_main(["--workdir", "unused", *flags, "x"])
+    assert stop.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_auto_says_why_it_picks_jax(run, capsys, monkeypatch):
+    translate_main(["--workdir", str(run), "--matmul-dtype", "float32", "--beam-size", "1", "x"])
+    assert "engine jax (--matmul-dtype needs it)" in capsys.readouterr().err
+    monkeypatch.setattr(engine_lib, "ct2_installed", lambda: False)
+    translate_main(["--workdir", str(run), "--beam-size", "1", "x"])
+    assert "not installed; for CPU serving: pip install -e '.[serve]'" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "ctranslate2", None)
+    with pytest.raises(SystemExit):
+        translate_main(["--workdir", str(run), "--engine", "ct2", "x"])
+    assert "--engine ct2 needs the ctranslate2 package" in capsys.readouterr().err
