@@ -172,4 +172,6 @@ def final_test(run: Run, loop: LoopState) -> dict[str, Any]:
     for (source, reference), hypothesis in list(zip(test, hyps))[:3]:
         log(f"  {source}\n  → {hypothesis}\n  (reference: {reference})")
     log(f"total wall time {results['wall_minutes']:.1f} min; run directory {run.run_dir.root}")
+    log(f"serve it: jaxformer-translate --workdir {run.run_dir.root} --input FILE --output FILE  "
+        f"(CTranslate2 on a CPU: pip install -e '.[serve]'; docs/translation.md)")
     return results
