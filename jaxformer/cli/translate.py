@@ -221,7 +221,7 @@ def main(argv=None) -> None:
                    f"{beam_size}: pass --beam-size {args.n_best}")
     described = f"; {translator.describe()}" if engine == "ct2" else ""
     decoding = rules(engine, _strategy(args, translator)[0], 1 if args.sample else beam_size)
-    print(f"[{translator.kind} checkpoint, step {translator.step}; engine {engine} ({why}){described}; "
+    print(f"[{translator.kind} checkpoint, step {translator.step}]\n[engine {engine} ({why}){described}; "
           f"{decoding}]", file=sys.stderr)
     if not bulk_cli.bulk_mode(args):
         first = _translate_text(args, translator)
