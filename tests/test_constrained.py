@@ -1,0 +1,149 @@
+"""Issue 47: lexically constrained beam search (jaxformer.decode.constrained), on stubs with
+known answers and on one tiny trained run shared by the module (library and command line)."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxformer.decode.beam_search import Beam
+from jaxformer.decode.constrained import Constrained, advance
+from jaxformer.decode.penalties import penalties
+
+PAD, BOS, EOS = 0, 1, 2
+VOCAB = 6          # pad, bos, eos and three real tokens 3, 4, 5
+
+
+def _stub(table):
+    """tokens_to_logits whose log-probs depend on (step, previous token) only."""
+    table = jnp.asarray(table, jnp.float32)        # [M, V(prev), V(next)]
+
+    def tokens_to_logits(ids_B1, cache):
+        return table[cache["index"], ids_B1[:, 0]], {"index": cache["index"] + 1}
+
+    return tokens_to_logits
+
+
+def _random_table(seed, max_len):
+    logits = np.random.default_rng(seed).normal(size=(max_len, VOCAB, VOCAB)) * 2.0
+    return np.asarray(jax.nn.log_softmax(jnp.asarray(logits)), np.float64)
+
+
+def _search(strategy, table, max_len, batch=1, **data):
+    cache = {"index": jnp.zeros((), jnp.int32)}
+    return jax.jit(lambda data: strategy.search(
+        _stub(table), cache, batch_size=batch, bos_id=BOS, eos_id=EOS, pad_id=PAD, max_decode_len=max_len,
+        **({"constraints": data} if data else {})))(data)
+
+
+def _contains(seq, phrase):
+    return any(tuple(seq[i:i + len(phrase)]) == tuple(phrase) for i in range(len(seq)))
+
+
+def _exhaustive(table, max_len, alpha, phrases):
+    """The best hypothesis ending in eos within max_len that holds every phrase."""
+    best = None
+    for n in range(1, max_len + 1):
+        for body in itertools.product((3, 4, 5), repeat=n - 1):
+            if not all(_contains(body, p) for p in phrases):
+                continue
+            seq, prev, logp = (*body, EOS), BOS, 0.0
+            for t, tok in enumerate(seq):
+                logp, prev = logp + table[t, prev, tok], tok
+            score = logp / ((5 + n) / 6) ** alpha
+            best = max(best, (score, seq)) if best else (score, seq)
+    return best
+
+
+def _padded(phrases_per_row, width=3, count=2):
+    out = np.full((len(phrases_per_row), count, width), -1, np.int32)
+    for b, phrases in enumerate(phrases_per_row):
+        for c, phrase in enumerate(phrases):
+            out[b, c, :len(phrase)] = phrase
+    return out
+
+
+def test_shift_and_finds_an_overlapping_phrase():
+    # "a a b" inside "a a a b": a matcher that restarts only at the first token misses it.
+    tokens = jnp.asarray([[[3, 3, 4]]], jnp.int32)
+    bits, met = jnp.zeros((1, 1, 1, 3), jnp.bool_), jnp.zeros((1, 1, 1), jnp.bool_)
+    counts = []
+    for token in (3, 3, 3, 4):
+        bits, met, count = advance(bits, met, jnp.asarray([[token]], jnp.int32), tokens, jnp.asarray([[3]]))
+        counts.append(int(count[0, 0]))
+    assert counts == [1, 2, 2, 3] and bool(met[0, 0, 0])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_wide_beam_finds_the_best_hypothesis_holding_the_phrases(seed):
+    # Depth 3 has 27 prefixes: a beam of 64 keeps them all, so the search is exhaustive.
+    max_len, alpha = 5, 0.6
+    table = _random_table(seed, max_len)
+    phrases = [(4, 3), (5,)] if seed % 2 else [(3, 4, 4)]
+    seqs, scores = _search(Constrained(64, alpha), table, max_len, tokens=_padded([phrases]))
+    score, expected = _exhaustive(table, max_len, alpha, phrases)
+    got = tuple(int(t) for t in np.asarray(seqs[0, 0]) if t != PAD)
+    assert got == expected
+    np.testing.assert_allclose(float(scores[0, 0]), score, rtol=1e-5)
+
+
+def test_a_phrase_started_naturally_does_not_trap_the_hypothesis():
+    # Constraint "3 4": 3 comes first naturally, but 4 right after it is very unlikely; the best
+    # hypothesis holding it leaves the started phrase (3 5) and meets it later (3 4).
+    table = np.full((5, VOCAB, VOCAB), -20.0)
+    table[0, BOS, 3] = table[1, 3, 5] = table[2, 5, 3] = table[3, 3, 4] = table[4, 4, EOS] = -0.1
+    table[1, 3, 4] = -10.0
+    seqs, _ = _search(Constrained(4, 0.6), table, 5, tokens=_padded([[(3, 4)]]))
+    assert [int(t) for t in np.asarray(seqs[0, 0])] == [3, 5, 3, 4, EOS]
+
+
+@pytest.mark.parametrize("processors", [(), penalties(no_repeat_ngram_size=2, repetition_penalty=1.3)])
+@pytest.mark.parametrize("normalization", ["gnmt", "hf"])
+def test_no_constraints_decode_as_beam_search_byte_for_byte(processors, normalization):
+    # Row 1 has constraints, rows 0 and 2 none: those two are Beam's output exactly.
+    max_len = 7
+    table = _random_table(7, max_len)
+    settings = (3, 0.6, normalization, False, processors)
+    beam_seqs, beam_scores = _search(Beam(*settings), table, max_len, batch=3)
+    seqs, scores = _search(Constrained(*settings), table, max_len, batch=3,
+                           tokens=_padded([[], [(4, 5), (3,)], []]))
+    for row in (0, 2):
+        assert np.asarray(seqs[row]).tobytes() == np.asarray(beam_seqs[row]).tobytes()
+        assert np.asarray(scores[row]).tobytes() == np.asarray(beam_scores[row]).tobytes()
+    best = [int(t) for t in np.asarray(seqs[1, 0])]
+    assert _contains(best, (4, 5)) and _contains(best, (3,))
+    alone, _ = _search(Constrained(*settings), table, max_len, batch=3)   # no constraint data at all
+    assert np.asarray(alone).tobytes() == np.asarray(beam_seqs).tobytes()
+
+
+def test_constraint_tokens_are_exempt_from_no_repeat_ngram():
+    # The model repeats "3 4"; the constraint asks for "3 4" once more, which the 2-gram ban forbids.
+    table = np.full((6, VOCAB, VOCAB), -5.0)
+    table[:, BOS, 3] = table[:, 3, 4] = table[:, 4, 3] = -0.2
+    table[4:, :, EOS] = -0.1
+    beam = Constrained(4, 0.6, processors=penalties(no_repeat_ngram_size=2))
+    seqs, _ = _search(beam, table, 6, tokens=_padded([[(3, 4, 3, 4)]], width=4, count=1))
+    assert _contains([int(t) for t in np.asarray(seqs[0, 0])], (3, 4, 3, 4))
+
+
+def test_prefix_comes_first_and_combines_with_constraints():
+    max_len = 7
+    table = _random_table(3, max_len)
+    prefix = np.asarray([[5, 5, -1], [-1, -1, -1]], np.int32)
+    seqs, _ = _search(Constrained(4, 0.6), table, max_len, batch=2, prefix=prefix,
+                      tokens=_padded([[(4, 3)], [(4, 3)]]))
+    first = [int(t) for t in np.asarray(seqs[0, 0])]
+    assert first[:2] == [5, 5] and _contains(first, (4, 3))
+    assert _contains([int(t) for t in np.asarray(seqs[1, 0])], (4, 3))
+
+
+def test_a_constraint_longer_than_the_limit_ends_at_the_limit():
+    # No hypothesis can hold 5 tokens in a limit of 4: the search stops there (no hang) and
+    # returns the best that ended at the limit, which misses the phrase.
+    table = _random_table(1, 4)
+    too_long = _padded([[(3, 3, 3, 3, 3)]], width=5, count=1)
+    seqs, scores = _search(Constrained(4, 0.6), table, 4, tokens=too_long)
+    best = [int(t) for t in np.asarray(seqs[0, 0])]
+    assert len(best) == 4 and best[-1] == EOS and np.isfinite(float(scores[0, 0]))
