@@ -147,3 +147,61 @@ def test_a_constraint_longer_than_the_limit_ends_at_the_limit():
     seqs, scores = _search(Constrained(4, 0.6), table, 4, tokens=too_long)
     best = [int(t) for t in np.asarray(seqs[0, 0])]
     assert len(best) == 4 and best[-1] == EOS and np.isfinite(float(scores[0, 0]))
+
+
+# ------------------------------------------------------------------ a tiny trained run
+TINY_RUN = dict(vocab_size=200, max_len=32, eval_every=1000, dev_bleu_sentences=4, beam_size=1,
+                progress=False, devices=1, num_layers=1)
+SENTENCES = ["the house is small", "we go home", "click ok", "choose format cells", "", "enter name table"]
+PHRASES = [["Haus"], ["nach Hause", "wir"], [], ["Zellen", "Format"], ["egal"], ["Tabelle"]]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A tiny run of 2 steps on 200 short pairs of the shipped en-de corpus: it translates
+    badly, so each phrase it holds is the search's doing."""
+    from jaxformer.data import corpus
+    from jaxformer.run.config import TrainConfig
+    from jaxformer.train.trainer import train
+
+    pairs, _ = corpus.read_tsv(corpus.builtin_corpus_path("en-de"))
+    root = tmp_path_factory.mktemp("constrained")
+    corpus_file = root / "corpus.tsv"
+    corpus_file.write_text("".join(f"{s}\t{t}\n" for s, t in
+                                   [p for p in pairs if len(p[0]) < 60 and len(p[1]) < 60][:200]))
+    train(TrainConfig.flat(workdir=str(root / "run"), train_file=str(corpus_file), preset="tiny", max_steps=2,
+                           warmup_steps=1, batch_tokens=256, **TINY_RUN))
+    return root / "run"
+
+
+@pytest.fixture(scope="module")
+def translator(run):
+    from jaxformer.decode.translator import Translator
+
+    return Translator(run, batch_size=4)
+
+
+def test_translator_output_holds_every_phrase_and_plain_lines_are_beam_search(translator):
+    results, notes = translator.constrained(SENTENCES, Constrained(13), PHRASES)   # up to 12 tokens: 13 banks
+    for sentence, phrases, n_best in zip(SENTENCES, PHRASES, results):
+        if sentence:
+            assert all(phrase in n_best[0][0] for phrase in phrases), (phrases, n_best[0][0])
+    assert notes == []
+    plain = translator.decode(SENTENCES, Beam(13))
+    assert results[2] == plain[2] and results[4] == plain[4] == [("", 0.0)]
+    with_prefix, _ = translator.constrained(SENTENCES[:2], Constrained(12), PHRASES[:2],
+                                            prefixes=["Das", ""])
+    assert with_prefix[0][0][0].startswith("Das") and "Haus" in with_prefix[0][0][0]
+
+
+def test_a_constraint_longer_than_the_limit_is_reported_for_its_line(translator):
+    long = " ".join(["Tabelle"] * 40)
+    results, notes = translator.constrained(SENTENCES[:3], Constrained(6), [[], [long], ["Haus"]],
+                                            indices=[10, 11, 12])
+    assert len(notes) == 1 and notes[0].startswith("line 12: its constraints and prefix need"), notes
+    assert "Haus" in results[2][0][0]
+
+
+def test_a_beam_too_small_for_the_banks_is_named(translator):
+    _, notes = translator.constrained(["click ok"], Constrained(2), [["Zellen Format"]])
+    assert any("--beam-size" in note and "banks" in note for note in notes), notes

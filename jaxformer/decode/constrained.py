@@ -123,8 +123,8 @@ def init_constraint_state(constraints: dict | None, batch_size: int, beam_size: 
 def advance(bits_BKCP: jax.Array, met_BKC: jax.Array, token_BK: jax.Array, tokens_BCP: jax.Array,
             lengths_BC: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One token's Shift-And update of each candidate's constraint state: ``(bits [B, K, C, P],
-    met [B, K, C], tokens met [B, K] int32)``; a met phrase counts its length, an unmet one its
-    longest progress (bits cleared once met)."""
+    met [B, K, C], tokens met [B, K] int32)``: the met phrases' lengths and the longest progress
+    of an unmet one (bits cleared once met)."""
     match = tokens_BCP[:, None, :, :] == token_BK[:, :, None, None]
     shifted = jnp.concatenate([jnp.ones_like(bits_BKCP[..., :1]), bits_BKCP[..., :-1]], axis=-1)
     bits = shifted & match
@@ -133,7 +133,10 @@ def advance(bits_BKCP: jax.Array, met_BKC: jax.Array, token_BK: jax.Array, token
     met = met_BKC | jnp.any(bits & last, axis=-1)
     bits = bits & ~met[..., None]
     progress = jnp.max(jnp.where(bits, positions_P + 1, 0), axis=-1)
-    count = jnp.sum(jnp.where(met, lengths_BC[:, None, :], progress), axis=-1)
+    # One phrase in progress counts, as fairseq's ConstraintState (a trie walk) has one: a token
+    # that starts two phrases is one step, and leaving one phrase for another gains nothing.
+    count = (jnp.sum(jnp.where(met, lengths_BC[:, None, :], 0), axis=-1)
+             + jnp.max(jnp.where(met, 0, progress), axis=-1))
     return bits, met, count.astype(jnp.int32)
 
 
