@@ -205,3 +205,88 @@ def test_a_constraint_longer_than_the_limit_is_reported_for_its_line(translator)
 def test_a_beam_too_small_for_the_banks_is_named(translator):
     _, notes = translator.constrained(["click ok"], Constrained(2), [["Zellen Format"]])
     assert any("--beam-size" in note and "banks" in note for note in notes), notes
+
+
+# ------------------------------------------------------------------ the command line
+@pytest.fixture
+def cli(run, monkeypatch):
+    """``cli(*flags)``: jaxformer-translate on the tiny run, without the process-wide cache."""
+    from jaxformer.cli import translate as translate_lib
+
+    monkeypatch.setattr(translate_lib, "enable_compilation_cache", lambda run_dir: False)
+    return lambda *flags: translate_lib.main(["--workdir", str(run), *map(str, flags)])
+
+
+def test_cli_constraints_terminology_and_prefix(cli, tmp_path, capsys):
+    source, out = tmp_path / "in.txt", tmp_path / "out.txt"
+    source.write_text("the house is small\nwe go home\nclick ok\n")
+    (constraints := tmp_path / "constraints.txt").write_text("Haus\n\nwir\tnach Hause\n")
+    (terms := tmp_path / "terms.tsv").write_text("click\tKlicken\nhouse is\tGebäude\nHouse\tnie\n")
+    (prefix := tmp_path / "prefix.txt").write_text("\nWir\n\n")
+    cli("--input", source, "--output", out, "--beam-size", 14, "--constraints", constraints,
+        "--terminology", terms, "--prefix", prefix)
+    first, second, third = out.read_text(encoding="utf-8").splitlines()
+    assert "Haus" in first and "Gebäude" in first and "nie" not in first   # case as written
+    assert second.startswith("Wir")
+    assert "wir" in third and "nach Hause" in third and "Klicken" in third
+    assert "misses" not in capsys.readouterr().err
+
+
+def test_cli_streams_stdin_with_a_constraints_file_and_reports_a_line_that_cannot_hold_it(
+        cli, tmp_path, capsys, monkeypatch):
+    import io
+
+    (constraints := tmp_path / "constraints.txt").write_text("Haus\n" + "Tabelle " * 40 + "\n")
+    monkeypatch.setattr("sys.stdin", io.StringIO("the house is small\nclick ok\n"))
+    cli("--beam-size", 6, "--constraints", constraints)
+    captured = capsys.readouterr()
+    assert "Haus" in captured.out.splitlines()[0]
+    assert "warning: line 2: its constraints and prefix need" in captured.err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--sample"], "--constraints need beam search"),
+    (["--n-best", "3", "--beam-size", "4"], "--n-best 3 with constraints needs --beam-size 6"),
+])
+def test_cli_refuses_constraints_with_sampling_or_more_n_best_than_banks_give(cli, tmp_path, capsys, flags,
+                                                                             message):
+    (constraints := tmp_path / "constraints.txt").write_text("Haus\n")
+    with pytest.raises(SystemExit) as stop:
+        cli("hello", "--constraints", constraints, *flags)
+    assert stop.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_bulk_records_the_constraint_file_and_refuses_a_resume_with_another(cli, tmp_path, capsys,
+                                                                            monkeypatch):
+    from jaxformer.cli import translate as translate_lib
+
+    source, out = tmp_path / "in.txt", tmp_path / "out.txt"
+    source.write_text("the house is small\nwe go home\nclick ok\nchoose format cells\n")
+    (constraints := tmp_path / "constraints.txt").write_text("Haus\n\n\nZellen\n")
+    flags = ["--input", source, "--output", out, "--beam-size", 8, "--chunk-lines", 2,
+             "--constraints", constraints]
+    real, calls = translate_lib._translate_lines, []
+
+    def interrupted(*args, **kwargs):   # the second chunk never finishes
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(translate_lib, "_translate_lines", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        cli(*flags)
+    monkeypatch.setattr(translate_lib, "_translate_lines", real)
+    constraints.write_text("Haus\n\n\nFormat\n")
+    with pytest.raises(SystemExit) as stop:
+        cli(*flags)
+    assert stop.value.code == 2 and "constraints_sha256: then" in capsys.readouterr().err
+    constraints.write_text("Haus\n\n\nZellen\n")
+    cli(*flags)
+    assert "2 chunk(s), 1 found finished" in capsys.readouterr().err
+    lines = out.read_text(encoding="utf-8").splitlines()
+    assert "Haus" in lines[0] and "Zellen" in lines[3]
+    constraints.write_text("Haus\n")
+    with pytest.raises(SystemExit) as stop:   # not one line per input line
+        cli(*flags[:3], tmp_path / "other.txt", *flags[4:])
+    assert stop.value.code == 2 and "has 1 lines but the input 4" in capsys.readouterr().err

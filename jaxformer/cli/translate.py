@@ -25,11 +25,12 @@ from pathlib import Path
 import jax
 
 from jaxformer.cli import bulk as bulk_cli
-from jaxformer.cli import fail, warn_replaced
+from jaxformer.cli import constraint_files, fail, warn_replaced
 from jaxformer.cli.translate_flags import PROG, TranslateArgs, parse_translate_args
 from jaxformer.data import lines as lines_lib
+from jaxformer.decode.constrained import Constrained
 from jaxformer.decode.penalties import penalties
-from jaxformer.decode.strategies import Sample, strategy_for
+from jaxformer.decode.strategies import Beam, Sample, strategy_for
 from jaxformer.decode.translator import Translator, save_attention_png
 from jaxformer.model.sharding import initialize_distributed, make_mesh
 from jaxformer.run.directory import RunDir, enable_compilation_cache
@@ -95,6 +96,11 @@ def _strategy(args: TranslateArgs, defaults: dict):
     if args.sample:
         processors = penalties(rules["no_repeat_ngram_size"], rules["repetition_penalty"])
         return Sample(args.temperature, args.top_k, args.top_p, processors), True
+    if args.constrained_by:   # a beam of any width, 1 included
+        processors = penalties(rules["no_repeat_ngram_size"], rules["repetition_penalty"])
+        beam = Beam(*(rules[k] for k in ("beam_size", "alpha", "length_normalization", "early_stopping")),
+                    processors=processors)
+        return Constrained.of(beam), rules["length_normalization"] != "hf"
     return strategy_for(**rules), rules["length_normalization"] != "hf"
 
 
@@ -111,9 +117,19 @@ def _translate_lines(translator: Translator, args, lines: list[str], first_index
     counts = {"empty": sum(not line.strip() for line in lines), "long": sum(n > max_len for n in lengths),
               "tokens": sum(min(n, max_len) for n, kept in zip(lengths, keep) if kept)}
     strategy, length_limits = _strategy(args, translator.defaults)
-    results = translator.decode([line if kept else "" for line, kept in zip(lines, keep)], strategy,
-                                seed=args.seed if args.sample else None, length_limits=length_limits,
-                                indices=list(range(first_index, first_index + len(lines))))
+    sentences, indices = [line if kept else "" for line, kept in zip(lines, keep)], list(
+        range(first_index, first_index + len(lines)))
+    if isinstance(strategy, Constrained):   # --constraints, --terminology, --prefix: notes per line
+        try:
+            constraints, prefixes = constraint_files.for_lines(args, translator.tokenizer, lines, first_index)
+        except constraint_files.SideFileError as e:
+            fail(PROG, str(e))
+        results, notes = translator.constrained(sentences, strategy, constraints, prefixes, indices=indices,
+                                                length_limits=length_limits)
+        print("".join(f"warning: {note}\n" for note in notes), end="", file=sys.stderr)
+    else:
+        results = translator.decode(sentences, strategy, seed=args.seed if args.sample else None,
+                                    length_limits=length_limits, indices=indices)
     if args.n_best > 1:   # n lines per input line; an empty line's are empty (score 0)
         for i, hypotheses in enumerate(results, first_index):
             hypotheses = hypotheses[: args.n_best] + hypotheses[-1:] * (args.n_best - len(hypotheses))
@@ -149,6 +165,10 @@ def _load(args: TranslateArgs) -> Translator:
     if not args.sample and args.n_best > beam_size:
         fail(PROG, f"--n-best {args.n_best} needs a beam at least as wide; this run decodes with beam "
                    f"{beam_size}: pass --beam-size {args.n_best}")
+    if args.needs_jax_only and args.n_best > beam_size // 2:
+        fail(PROG, f"--n-best {args.n_best} with constraints needs a beam of {2 * args.n_best} or more (the "
+                   f"finished hypotheses come from the top bank, at most half the beam); this run decodes "
+                   f"with beam {beam_size}: pass --beam-size {2 * args.n_best}")
     return translator
 
 
