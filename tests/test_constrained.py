@@ -194,6 +194,20 @@ def test_translator_output_holds_every_phrase_and_plain_lines_are_beam_search(tr
     assert with_prefix[0][0][0].startswith("Das") and "Haus" in with_prefix[0][0][0]
 
 
+def test_data_parallel_on_eight_devices_gives_the_one_device_output(run, translator):
+    from jaxformer.decode.translator import Translator
+    from jaxformer.model.sharding import make_mesh
+
+    sharded = Translator(run, batch_size=8, mesh=make_mesh("data=8", jax.devices()))
+    prefixes = ["", "Wir", "", "", "", ""]
+    (got, got_notes), (want, notes) = (t.constrained(SENTENCES, Constrained(5), PHRASES, prefixes)
+                                       for t in (sharded, translator))
+    assert got_notes == notes
+    for mine, theirs in zip(got, want):   # other batch shapes: float rounding
+        assert [text for text, _ in mine] == [text for text, _ in theirs]
+        np.testing.assert_allclose([score for _, score in mine], [score for _, score in theirs], rtol=1e-5)
+
+
 def test_a_constraint_longer_than_the_limit_is_reported_for_its_line(translator):
     long = " ".join(["Tabelle"] * 40)
     results, notes = translator.constrained(SENTENCES[:3], Constrained(6), [[], [long], ["Haus"]],

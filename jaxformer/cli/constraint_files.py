@@ -9,6 +9,7 @@ holds the source term as whole words, after the tokenizer's normalisation, case 
 from __future__ import annotations
 
 import functools
+import os
 import re
 import unicodedata
 from collections.abc import Callable
@@ -104,8 +105,9 @@ class Terminology:
 
 
 @functools.lru_cache(maxsize=4)
-def _sources(constraints: str | None, terminology: str | None, prefix: str | None, tokenizer):
-    """The open files of one command (kept for all its batches)."""
+def _sources(constraints: str | None, terminology: str | None, prefix: str | None, tokenizer, stamps: tuple):
+    """The open files of one command (kept for all its batches; ``stamps``: the files' sizes and
+    times, so a file changed since is opened again)."""
     return (constraints and SideFile(constraints, "--constraints"),
             terminology and Terminology(terminology, normaliser(tokenizer)),
             prefix and SideFile(prefix, "--prefix"))
@@ -115,7 +117,10 @@ def for_lines(args, tokenizer, lines: list[str],
               first: int) -> tuple[list[list[str]] | None, list[str] | None]:
     """Input lines ``first`` … of ``args``' files: ``(constraints, prefixes)``, each ``None``
     without its flag. Raises :class:`SideFileError` (see :class:`SideFile`, :class:`Terminology`)."""
-    side, terms, prefix = _sources(args.constraints, args.terminology, args.prefix, tokenizer)
+    paths = (args.constraints, args.terminology, args.prefix)
+    stamps = tuple((os.stat(p).st_size, os.stat(p).st_mtime_ns) if p and Path(p).is_file() else None
+                   for p in paths)
+    side, terms, prefix = _sources(*paths, tokenizer, stamps)
     constraints = None
     if side or terms:
         given = side.lines(first, len(lines)) if side else [""] * len(lines)

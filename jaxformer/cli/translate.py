@@ -165,7 +165,7 @@ def _load(args: TranslateArgs) -> Translator:
     if not args.sample and args.n_best > beam_size:
         fail(PROG, f"--n-best {args.n_best} needs a beam at least as wide; this run decodes with beam "
                    f"{beam_size}: pass --beam-size {args.n_best}")
-    if args.needs_jax_only and args.n_best > beam_size // 2:
+    if args.needs_jax_only and 1 < args.n_best > beam_size // 2:
         fail(PROG, f"--n-best {args.n_best} with constraints needs a beam of {2 * args.n_best} or more (the "
                    f"finished hypotheses come from the top bank, at most half the beam); this run decodes "
                    f"with beam {beam_size}: pass --beam-size {2 * args.n_best}")
