@@ -259,7 +259,7 @@ def test_cli_streams_stdin_with_a_constraints_file_and_reports_a_line_that_canno
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--sample"], "--constraints need beam search"),
+    (["--sample"], "--constraints needs (constrained) beam search; drop --sample"),
     (["--n-best", "3", "--beam-size", "4"], "--n-best 3 with constraints needs --beam-size 6"),
 ])
 def test_cli_refuses_constraints_with_sampling_or_more_n_best_than_banks_give(cli, tmp_path, capsys, flags,
@@ -304,3 +304,16 @@ def test_bulk_records_the_constraint_file_and_refuses_a_resume_with_another(cli,
     with pytest.raises(SystemExit) as stop:   # not one line per input line
         cli(*flags[:3], tmp_path / "other.txt", *flags[4:])
     assert stop.value.code == 2 and "has 1 lines but the input 4" in capsys.readouterr().err
+
+
+def test_terminology_matches_whole_words_as_written_and_names_bad_lines(tmp_path):
+    from jaxformer.cli.constraint_files import SideFileError, Terminology
+
+    (terms := tmp_path / "terms.tsv").write_text("house\tHaus\n\nFormat Cells\tZellen formatieren\n")
+    glossary = Terminology(str(terms), lambda text: " ".join(text.split()))
+    assert glossary.targets("the house") == ["Haus"] and glossary.targets("two houses") == []
+    assert glossary.targets("choose Format  Cells.") == ["Zellen formatieren"]
+    assert glossary.targets("choose format cells") == []   # case as written
+    terms.write_bytes(b"house\tHaus\nno tab here\nok\t\n\xff\tx\n")
+    with pytest.raises(SideFileError, match=r"lines \[2, 3, 4\]"):
+        Terminology(str(terms), str.strip)

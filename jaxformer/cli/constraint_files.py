@@ -29,7 +29,7 @@ class SideFileError(ValueError):
 class SideFile:
     """A text file of one line per input line: ``lines(first, count)`` reads lines ``first`` …
     ``first + count - 1`` (0-based), seeking from offsets kept every 1,024 lines (a file of any
-    size in little memory); a pipe is read forward only. Raises :class:`SideFileError` for a
+    size in little memory); a pipe only forward. Raises :class:`SideFileError` for a
     line that is not UTF-8 or a file with fewer lines than asked for."""
 
     def __init__(self, path: str, flag: str):
@@ -50,9 +50,7 @@ class SideFile:
             self.file.seek(self.offsets[first // _EVERY])
             for _ in range(first % _EVERY):
                 self.file.readline()
-        elif first != self.next_line:
-            raise SideFileError(f"{self.flag} {self.path!r} is a pipe, read forward only, but line "
-                                f"{first + 1} was asked for after line {self.next_line}")
+        assert self.seekable or first == self.next_line, "a pipe is read forward only (bulk mode needs files)"
         raw = [self.file.readline() for _ in range(count)]
         self.next_line = first + count
         texts = [_text(line, first + i) if line else None for i, line in enumerate(raw)]
@@ -83,18 +81,16 @@ def normaliser(tokenizer) -> Callable[[str], str]:
 class Terminology:
     """A TSV of ``source term<TAB>target term`` (blank lines skipped): :meth:`targets` gives the
     target terms whose source term a sentence holds. Raises :class:`SideFileError` for lines
-    without exactly one tab or an empty side (their numbers named), or text not UTF-8."""
+    without exactly one tab, with an empty side or not UTF-8 (their numbers named)."""
 
     def __init__(self, path: str, normalise: Callable[[str], str]):
-        try:
-            rows = Path(path).read_text(encoding="utf-8-sig").splitlines()
-        except UnicodeDecodeError as e:
-            raise SideFileError(f"--terminology {path!r} is not UTF-8 text ({e.reason})") from e
+        rows = Path(path).read_text(encoding="utf-8-sig", errors="replace").splitlines()
         pairs = [(n, row.split("\t")) for n, row in enumerate(rows, 1) if row.strip()]
-        bad = [n for n, cells in pairs if len(cells) != 2 or not all(c.strip() for c in cells)]
+        bad = [n for n, cells in pairs
+               if len(cells) != 2 or not all(c.strip() for c in cells) or "\ufffd" in "".join(cells)]
         if bad:
             raise SideFileError(f"--terminology {path!r} lines {bad[:5]} are not 'source term<TAB>target "
-                                f"term'")
+                                f"term' in UTF-8")
         self.normalise = normalise
         self.terms = [(re.compile(rf"(?<!\w){re.escape(normalise(src))}(?!\w)"), tgt.strip())
                       for _, (src, tgt) in pairs]

@@ -90,8 +90,9 @@ class TranslateArgs:
                                          f"beam search; --sample draws one translation per sentence: "
                                          f"drop {_pl(beam_rules, 'them', 'it')}"),
             (self.beam_size is not None and self.n_best > self.beam_size, "need --n-best <= --beam-size"),
-            (self.sample and self.constrained_by, f"{' and '.join(self.constrained_by)} need beam search "
-                                                  f"(constrained beam search); --sample cannot honour them"),
+            (self.sample and self.constrained_by,
+             f"{' and '.join(self.constrained_by)} {_pl(self.constrained_by, 'need', 'needs')} (constrained) "
+             f"beam search; drop --sample"),
             (self.needs_jax_only and self.beam_size is not None and 1 < self.n_best > self.beam_size // 2,
              f"--n-best {self.n_best} with constraints needs --beam-size {2 * self.n_best} or more: finished "
              f"hypotheses come from the top bank, at most half the beam (docs/translation.md, Constraints)"),

@@ -1,8 +1,10 @@
 """Lexically constrained beam search (:class:`Constrained`): every hypothesis that ends holds
 each of its sentence's target phrases, and an optional forced target prefix comes first.
 
-The search is Post & Vilar 2018's dynamic beam allocation in the vectorized form of Hu et al.
-2019 ("Improved lexically constrained decoding ..., NAACL 2019), with the semantics of fairseq's
+The search is dynamic beam allocation (Post & Vilar, "Fast Lexically Constrained Decoding with
+Dynamic Beam Allocation for Neural Machine Translation", NAACL 2018) in the vectorized form of
+Hu et al. ("Improved Lexically Constrained Decoding for Translation and Monolingual Rewriting",
+NAACL 2019), with the semantics of fairseq's
 ``LexicallyConstrainedBeamSearch`` (fairseq/search.py) and ``ConstraintState``
 (fairseq/token_generation_constraints.py): constraints are unordered; a hypothesis that started a
 phrase may leave it (its progress on that phrase resets); eos is allowed only once every
