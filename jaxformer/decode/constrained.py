@@ -43,6 +43,7 @@ from jaxformer.decode.beam_search import (
     still_open,
 )
 from jaxformer.decode.penalties import NoRepeatNGram, apply_processors
+from jaxformer.decode.strategies import first_argmax
 
 # A finished hypothesis that misses a constraint (only at its length limit) ranks below every
 # one that meets them all: its merge key is its score plus this.
@@ -184,7 +185,7 @@ def _candidates(state: dict[str, Any], full: jax.Array, lifted: jax.Array) -> tu
     live = state["live_logprobs"][:, :, None]
     top_logprobs, top_idx = blocked_top_k((live + full).reshape(batch_size, k * vocab), 2 * k)
     # Each hypothesis' best token, and for each unmet phrase the tokens that start and continue it.
-    best = jax.lax.top_k(full, 1)[1]                                                   # [B, k, 1]
+    best = first_argmax(full)[..., None]                                               # [B, k, 1]
     tokens_BCP, met = state["c_tokens"], state["c_met"]
     progress = jnp.max(jnp.where(state["c_bits"], jnp.arange(tokens_BCP.shape[2]) + 1, 0), axis=-1)
     width = tokens_BCP.shape[2]
