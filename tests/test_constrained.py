@@ -189,6 +189,7 @@ def test_translator_output_holds_every_phrase_and_plain_lines_are_beam_search(tr
     assert notes == []
     plain = translator.decode(SENTENCES, Beam(13))
     assert results[2] == plain[2] and results[4] == plain[4] == [("", 0.0)]
+    assert translator.constrained(SENTENCES, Constrained(13)) == (plain, [])   # no constraints at all
     with_prefix, _ = translator.constrained(SENTENCES[:2], Constrained(12), PHRASES[:2],
                                             prefixes=["Das", ""])
     assert with_prefix[0][0][0].startswith("Das") and "Haus" in with_prefix[0][0][0]

@@ -17,7 +17,9 @@ so an overlap such as ``a a b`` inside ``a a a b`` is found, and a met flag.
 
 Constraints are data, not settings: int32 ``tokens [B, C, P]`` (C phrases of at most P tokens)
 and ``prefix [B, Q]``, padded with -1, one compile per (C, P, Q). A sentence without constraints
-or prefix decodes exactly as :class:`~jaxformer.decode.beam_search.Beam` (the same bytes).
+or prefix gets :class:`~jaxformer.decode.beam_search.Beam`'s search: from the same log-probabilities,
+the same hypotheses and scores, bit for bit (``tests/test_constrained.py``); the Evaluator runs a
+batch without any as ``Beam`` itself (:attr:`Constrained.plain`).
 """
 
 from __future__ import annotations
@@ -88,6 +90,11 @@ class Constrained:
         """The constrained search with ``beam``'s settings."""
         return cls(**{field.name: getattr(beam, field.name) for field in dataclasses.fields(beam)})
 
+    @property
+    def plain(self) -> Beam:
+        """:class:`Beam` with these settings: what a batch without constraints or prefix runs."""
+        return Beam(**{field.name: getattr(self, field.name) for field in dataclasses.fields(self)})
+
     def search(self, tokens_to_logits: TokensToLogits, cache: Any, *, batch_size: int, bos_id: int,
                eos_id: int, pad_id: int, max_decode_len: int, max_lengths: jax.Array | None = None,
                keys_B: jax.Array | None = None,
@@ -153,8 +160,11 @@ def _step_logprobs(state: dict[str, Any], logits_RV: jax.Array, beam: Constraine
     logp_RV = jax.nn.log_softmax(logits_RV.astype(jnp.float32), axis=-1)
     seqs_RM = _flatten_beams(state["live_seqs"])
     kept = tuple(p for p in beam.processors if not isinstance(p, NoRepeatNGram))
-    lifted = jnp.maximum(apply_processors(kept, logp_RV, seqs_RM, step), NEG_INF)
-    full = jnp.maximum(apply_processors(beam.processors, logp_RV, seqs_RM, step), NEG_INF)
+    full = lifted = logp_RV   # Beam's operations exactly, so a line without constraints gets its bytes
+    if beam.processors:
+        full = jnp.maximum(apply_processors(beam.processors, logp_RV, seqs_RM, step), NEG_INF)
+        lifted = full if kept == beam.processors else jnp.maximum(
+            apply_processors(kept, logp_RV, seqs_RM, step), NEG_INF)
     vocab = logp_RV.shape[-1]
     ids_11V = jnp.arange(vocab)[None, None, :]
     at_limit_B = step + 1 >= state["limit"]
@@ -165,13 +175,13 @@ def _step_logprobs(state: dict[str, Any], logits_RV: jax.Array, beam: Constraine
     banned = ((at_limit_B[:, None, None] & (ids_11V != eos_id)) | (ids_11V == pad_id) | (ids_11V == bos_id)
               | (forcing_B[:, None, None] & (ids_11V != forced_B[:, None, None]))
               | (~eos_ok_BN[:, :, None] & (ids_11V == eos_id)))
-    out = []
-    for logp in (full, lifted):
-        logp_BNV = jnp.where(banned, NEG_INF, _unflatten_beams(logp, batch_size))
+    def masked(logp_RV):
+        logp_BNV = jnp.where(banned, NEG_INF, _unflatten_beams(logp_RV, batch_size))
         if beam.length_normalization == "hf":
             logp_BNV = jnp.where(at_limit_B[:, None, None] & (ids_11V == eos_id), 0.0, logp_BNV)
-        out.append(logp_BNV)
-    full, lifted = out
+        return logp_BNV
+
+    full, lifted = (masked(full), masked(lifted)) if lifted is not full else (masked(full),) * 2
     full = jnp.where(forcing_B[:, None, None], lifted, full)   # a forced token is never banned
     chex.assert_shape([full, lifted], (batch_size, k, vocab))
     return full, lifted, at_limit_B

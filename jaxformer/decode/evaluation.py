@@ -115,11 +115,14 @@ class Evaluator:
                      "index": np.zeros((rows, 1), np.int32)}   # rank 2, as the batch sharding wants
             for r, i in enumerate(members):
                 batch["src"][r, : len(ids[i])], batch["index"][r, 0] = ids[i], indices[i]
-            if requests is not None:
+            chosen = strategy
+            if requests is not None and any(requests[i].phrases or requests[i].prefix for i in members):
                 batch.update(batch_arrays([requests[i] for i in members], rows))
+            elif isinstance(strategy, Constrained):   # none in this batch: Beam's own program, its bytes
+                chosen = strategy.plain
             check_token_ids(batch["src"], name="src", vocab_size=c.src_vocab_size, max_len=c.max_len)
             batch = self._place(batch) if self.layout else jax.tree_util.tree_map(jnp.asarray, batch)
-            decoder = self._decoder(strategy, rng is not None, max_decode_len=self.max_decode_len(length),
+            decoder = self._decoder(chosen, rng is not None, max_decode_len=self.max_decode_len(length),
                                     **static)
             constraints = {k: batch[k] for k in ("tokens", "prefix") if k in batch} or None
             hyps, scores = sharding_lib.to_host(decoder(params, batch["src"], batch["index"], rng,
