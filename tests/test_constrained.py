@@ -318,3 +318,20 @@ def test_terminology_matches_whole_words_as_written_and_names_bad_lines(tmp_path
     terms.write_bytes(b"house\tHaus\nno tab here\nok\t\n\xff\tx\n")
     with pytest.raises(SideFileError, match=r"lines \[2, 3, 4\]"):
         Terminology(str(terms), str.strip)
+
+
+def test_decode_checks_the_constraint_arrays_where_they_enter(translator):
+    from jaxformer.decode.decoding import decode
+
+    src = jnp.ones((2, 4), jnp.int32)
+    settings = dict(bos_id=translator.tokenizer.bos_id, eos_id=translator.tokenizer.eos_id, max_decode_len=8)
+    for strategy, constraints, message in (
+            (Beam(4), {"tokens": np.full((2, 1, 2), 5)}, "need a Constrained strategy"),
+            (Constrained(4), {"tokens": np.full((3, 1, 2), 5)}, "with rank 3 and 2 rows"),
+            (Constrained(4), {"prefix": np.full((2, 2), 10_000)}, r"token ids in \[0, 200\) or -1"),
+            (Constrained(4), {"phrases": np.full((2, 2), 5)}, "must be one of")):
+        with pytest.raises(ValueError, match=message):
+            decode(translator.model, translator.params, src, strategy, constraints=constraints, **settings)
+    seqs, _ = decode(translator.model, translator.params, src, Constrained(4), **settings,
+                     constraints={"tokens": np.asarray([[[7, 8]], [[-1, -1]]])})
+    assert _contains([int(t) for t in np.asarray(seqs[0, 0])], (7, 8))
