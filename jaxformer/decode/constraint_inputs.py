@@ -78,12 +78,14 @@ def _bucket(n: int) -> int:
 
 
 def batch_arrays(requests: Sequence[Request | None], rows: int) -> dict[str, np.ndarray]:
-    """``{"tokens": int32 [rows, C, P], "prefix": int32 [rows, Q]}``, -1 padded (C, P, Q powers
-    of two), row r from ``requests[r]`` (``None`` and the rows past them: none)."""
+    """``{"tokens": int32 [rows, C, P], "prefix": int32 [rows, Q]}``, -1 padded, row r from
+    ``requests[r]`` (``None`` and the rows past them: none). C, P and Q are powers of two, at
+    least 2, 8 and 8 where the batch has any (1 where none), so that few programs compile."""
     real = [r for r in requests if r is not None]
-    phrases = _bucket(max((len(r.phrases) for r in real), default=1))
-    width = _bucket(max((len(p) for r in real for p in r.phrases), default=1))
-    prefix_width = _bucket(max((len(r.prefix) for r in real), default=1))
+    any_phrase, any_prefix = any(r.phrases for r in real), any(r.prefix for r in real)
+    phrases = _bucket(max([len(r.phrases) for r in real] + [2])) if any_phrase else 1
+    width = _bucket(max([len(p) for r in real for p in r.phrases] + [8])) if any_phrase else 1
+    prefix_width = _bucket(max([len(r.prefix) for r in real] + [8])) if any_prefix else 1
     tokens = np.full((rows, phrases, width), -1, np.int32)
     prefix = np.full((rows, prefix_width), -1, np.int32)
     for row, request in enumerate(requests):
