@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from jaxformer.cli import fail, warn_replaced
+from jaxformer.cli import constraint_files, fail, warn_replaced
 from jaxformer.cli.translate_flags import PROG
 from jaxformer.decode import bulk
 from jaxformer.serve.ct2_engine import CT2Engine
@@ -45,6 +45,7 @@ def job_record(args, translator) -> dict:
     # defaults changed (another jaxformer) is refused, not finished with other settings.
     record.update({name: value if record[name] is None else record[name]
                    for name, value in translator.defaults.items()})
+    record.update(constraint_files.digests(args))   # only the files given: older manifests still resume
     if not args.sample:
         record.update(dict.fromkeys(("seed", "temperature", "top_k", "top_p")))
     else:   # a job sampled with one key per chunk (an older jaxformer) is not finished with these
@@ -71,6 +72,9 @@ def translate(args, translator, translate_lines: Callable) -> int:
         process, processes, barrier = jax.process_index(), jax.process_count(), process_barrier
     try:
         info = bulk.scan_input(args.input)
+        problem = constraint_files.count_problem(args, info.lines)
+        if problem:
+            fail(PROG, problem)
         if args.input_errors == "replace" and process == 0:
             warn_replaced(args.input, info.bad_lines)
         report = bulk.translate_file(translate_chunk, args.input, args.output, record=record, info=info,

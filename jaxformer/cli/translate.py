@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from jaxformer.cli import bulk as bulk_cli
-from jaxformer.cli import fail, warn_replaced
+from jaxformer.cli import constraint_files, fail, warn_replaced
 from jaxformer.cli.engine import choose_engine, rules
 from jaxformer.cli.translate_flags import PROG, TranslateArgs, parse_translate_args
 from jaxformer.data import lines as lines_lib
@@ -93,12 +93,18 @@ def _strategy(args: TranslateArgs, translator):
         return CT2Search(rules["beam_size"], rules["alpha"], rules["repetition_penalty"],
                          rules["no_repeat_ngram_size"], args.n_best, args.sample, args.temperature or 1.0,
                          args.top_k, args.top_p), True
+    from jaxformer.decode.constrained import Constrained
     from jaxformer.decode.penalties import penalties
-    from jaxformer.decode.strategies import Sample, strategy_for
+    from jaxformer.decode.strategies import Beam, Sample, strategy_for
 
     if args.sample:
         processors = penalties(rules["no_repeat_ngram_size"], rules["repetition_penalty"])
         return Sample(args.temperature, args.top_k, args.top_p, processors), True
+    if args.constrained_by:   # a beam of any width, 1 included
+        processors = penalties(rules["no_repeat_ngram_size"], rules["repetition_penalty"])
+        beam = Beam(*(rules[k] for k in ("beam_size", "alpha", "length_normalization", "early_stopping")),
+                    processors=processors)
+        return Constrained.of(beam), rules["length_normalization"] != "hf"
     return strategy_for(**rules), rules["length_normalization"] != "hf"
 
 
@@ -115,9 +121,19 @@ def _translate_lines(translator, args, lines: list[str], first_index: int,
     counts = {"empty": sum(not line.strip() for line in lines), "long": sum(n > max_len for n in lengths),
               "tokens": sum(min(n, max_len) for n, kept in zip(lengths, keep) if kept)}
     strategy, length_limits = _strategy(args, translator)
-    results = translator.decode([line if kept else "" for line, kept in zip(lines, keep)], strategy,
-                                seed=args.seed if args.sample else None, length_limits=length_limits,
-                                indices=list(range(first_index, first_index + len(lines))))
+    sentences, indices = [line if kept else "" for line, kept in zip(lines, keep)], list(
+        range(first_index, first_index + len(lines)))
+    if args.constrained_by:   # --constraints, --terminology, --prefix (the JAX engine): notes per line
+        try:
+            constraints, prefixes = constraint_files.for_lines(args, translator.tokenizer, lines, first_index)
+        except constraint_files.SideFileError as e:
+            fail(PROG, str(e))
+        results, notes = translator.constrained(sentences, strategy, constraints, prefixes, indices=indices,
+                                                length_limits=length_limits)
+        print("".join(f"warning: {note}\n" for note in notes), end="", file=sys.stderr)
+    else:
+        results = translator.decode(sentences, strategy, seed=args.seed if args.sample else None,
+                                    length_limits=length_limits, indices=indices)
     if args.n_best > 1:   # n lines per input line; an empty line's are empty (score 0)
         for i, hypotheses in enumerate(results, first_index):
             hypotheses = hypotheses[: args.n_best] + hypotheses[-1:] * (args.n_best - len(hypotheses))
@@ -219,6 +235,10 @@ def main(argv=None) -> None:
     if not args.sample and args.n_best > beam_size:
         fail(PROG, f"--n-best {args.n_best} needs a beam at least as wide; this run decodes with beam "
                    f"{beam_size}: pass --beam-size {args.n_best}")
+    if args.needs_jax_only and 1 < args.n_best > beam_size // 2:
+        fail(PROG, f"--n-best {args.n_best} with constraints needs a beam of {2 * args.n_best} or more (the "
+                   f"finished hypotheses come from the top bank, at most half the beam); this run decodes "
+                   f"with beam {beam_size}: pass --beam-size {2 * args.n_best}")
     described = f"; {translator.describe()}" if engine == "ct2" else ""
     decoding = rules(engine, _strategy(args, translator)[0], 1 if args.sample else beam_size)
     print(f"[{translator.kind} checkpoint, step {translator.step}]\n[engine {engine} ({why}){described}; "

@@ -74,6 +74,11 @@ class TranslateArgs:
     inter_threads: Annotated[int | None, Ge(1), shown("the cores for a file, else 1")] = None
     # CTranslate2 threads per translator
     intra_threads: Annotated[int | None, Ge(1), shown("the cores left")] = None
+    # target phrases each translation must hold: one line per input line, phrases tab-separated
+    constraints: str | None = None
+    # TSV of source term<TAB>target term: the target term is a constraint where the source has the term
+    terminology: str | None = None
+    prefix: str | None = None   # target prefix each translation starts with: one line per input line
     attention_png: str | None = None   # write the first sentence's cross-attention heat map
     layer: Annotated[int | None, shown("mean")] = None   # decoder layer for the heat map
     head: Annotated[int | None, shown("mean")] = None   # head for the heat map
@@ -95,6 +100,12 @@ class TranslateArgs:
                                          f"beam search; --sample draws one translation per sentence: "
                                          f"drop {_pl(beam_rules, 'them', 'it')}"),
             (self.beam_size is not None and self.n_best > self.beam_size, "need --n-best <= --beam-size"),
+            (self.sample and self.constrained_by,
+             f"{' and '.join(self.constrained_by)} {_pl(self.constrained_by, 'need', 'needs')} (constrained) "
+             f"beam search; drop --sample"),
+            (self.needs_jax_only and self.beam_size is not None and 1 < self.n_best > self.beam_size // 2,
+             f"--n-best {self.n_best} with constraints needs --beam-size {2 * self.n_best} or more: finished "
+             f"hypotheses come from the top bank, at most half the beam (docs/translation.md, Constraints)"),
             (self.input and self.sentences, "give the sentences as arguments or in --input, not both"),
             (a + b < 1, "need --max-len-a + --max-len-b >= 1 (room for one token)"),
             (sampling and not self.sample, f"{' and '.join(sampling)} {_pl(sampling, 'are', 'is')} for "
@@ -128,8 +139,8 @@ class TranslateArgs:
     @property
     def jax_flags(self) -> list[str]:
         """The flags given that only the JAX engine honours."""
-        return (_given(self, "mesh", "matmul_dtype", "attention_png") + (["multi-process flags"] if
-                self.multi_process else [])
+        return (_given(self, "mesh", "matmul_dtype", "attention_png", "constraints", "terminology", "prefix")
+                + (["multi-process flags"] if self.multi_process else [])
                 + ["--length-normalization gnmt"] * (self.length_normalization == "gnmt")
                 + ["--no-early-stopping"] * (self.early_stopping is False))
 
@@ -137,6 +148,14 @@ class TranslateArgs:
     def ct2_flags(self) -> list[str]:
         """The flags given that only the CTranslate2 engine honours."""
         return _given(self, "quantization", "inter_threads", "intra_threads")
+    def constrained_by(self) -> list[str]:
+        """The constraint flags given (``--constraints``, ``--terminology``, ``--prefix``)."""
+        return _given(self, "constraints", "terminology", "prefix")
+
+    @property
+    def needs_jax_only(self) -> bool:
+        """Whether only the JAX engine can serve these flags (constrained beam search)."""
+        return bool(self.constraints or self.terminology)
 
     @property
     def multi_process(self) -> bool:
@@ -185,6 +204,12 @@ def _path_problem(args: TranslateArgs) -> str | None:
     if args.input and not Path(args.input).is_file():
         return (f"--input {args.input!r} is not a regular file (a folder, a pipe?); give a file, or pipe "
                 f"the text to stdin without --input")
+    for flag in args.constrained_by:
+        path = getattr(args, flag[2:])
+        if not Path(path).exists() or Path(path).is_dir():
+            return f"{flag} file {path!r} " + ("is a folder" if Path(path).is_dir() else "does not exist")
+        if args.input and args.output and not args.sentences and not Path(path).is_file():
+            return f"{flag} {path!r} is not a regular file; bulk mode records its digest: give a file"
     for flag, path in (("--output", args.output), ("--attention-png", args.attention_png)):
         if path and not Path(path).absolute().parent.is_dir():
             return f"the folder of {flag} {path!r} does not exist"

@@ -1,4 +1,5 @@
 """The decode wing (imports ``model``, ``run``, ``data``): ``decoding`` (``decode``), ``strategies``
-and ``beam_search`` (``Greedy``, ``Sample``, ``Beam``), ``penalties``, ``staged``, ``evaluation``
+and ``beam_search`` (``Greedy``, ``Sample``, ``Beam``), ``constrained`` (``Constrained``) and
+``constraint_inputs``, ``penalties``, ``staged``, ``evaluation``
 (batches, BLEU/chrF), ``exported``, ``translator`` (``Translator``), ``bulk`` (whole files).
 """

@@ -12,6 +12,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxformer.decode.beam_search import TokensToLogits, tile_beams
 from jaxformer.decode.strategies import Beam, Greedy, Sample
@@ -23,7 +24,8 @@ from jaxformer.model.validation import check_count, check_real, check_token_ids
 
 def decode(model: Transformer, params: Any, src_BS: jax.Array, strategy: Any, *, bos_id: int, eos_id: int,
            max_decode_len: int, len_a: float = 1.0, extra_len: int | None = None,
-           rng: jax.Array | None = None, indices_B: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+           rng: jax.Array | None = None, indices_B: jax.Array | None = None,
+           constraints: dict[str, jax.Array] | None = None) -> tuple[jax.Array, jax.Array]:
     """``(sequences [B, N, M] int32, scores [B, N] float32)``, best first (N = 1 but for beams):
     ``src [B, S]`` encoded once and decoded with ``strategy``, jitted (one compile per shape and
     settings). ``bos_id``, ``eos_id``: the tokenizer's (an eos outside the vocabulary never
@@ -31,14 +33,20 @@ def decode(model: Transformer, params: Any, src_BS: jax.Array, strategy: Any, *,
     length + ``extra_len`` (fairseq's ``--max-len-a/b``; §6.1: 1 and 50; ``None``: no such
     limit). ``rng`` (default ``key(0)``): sentence b samples from ``fold_in(rng, indices_B[b])``,
     its index in the whole input (int ``[B]`` or ``[B, 1]``, default 0..B-1), whatever its batch.
+    ``constraints``: a :class:`~jaxformer.decode.constrained.Constrained` strategy's target
+    phrases and prefix, ``{"tokens": int [B, C, P], "prefix": int [B, Q]}`` padded with -1.
     Raises ``ValueError`` (before dispatch) for concrete ids outside ``[0, V_src)``, a ``bos_id``
-    outside ``[0, V_tgt)``, a size not an integer or a limit not finite.
+    outside ``[0, V_tgt)``, a size not an integer, a limit not finite, or constraints for
+    another strategy or not of that form.
     """
     config = model.config
     if not isinstance(src_BS, jax.Array) or src_BS.is_fully_addressable:
         check_token_ids(src_BS, name="src_BS", vocab_size=config.src_vocab_size, max_len=config.max_len)
+    if constraints is not None:
+        constraints = check_constraints(constraints, strategy, batch=src_BS.shape[0],
+                                        vocab_size=config.tgt_vocab_size)
     return _decode_jit(
-        model, params, src_BS, indices_B, rng, strategy=strategy,
+        model, params, src_BS, indices_B, rng, constraints, strategy=strategy,
         bos_id=check_count("bos_id", bos_id, minimum=0, maximum=config.tgt_vocab_size - 1),
         eos_id=check_count("eos_id", eos_id, minimum=-(1 << 31), maximum=(1 << 31) - 1),   # an int32
         max_decode_len=check_count("max_decode_len", max_decode_len),
@@ -47,14 +55,16 @@ def decode(model: Transformer, params: Any, src_BS: jax.Array, strategy: Any, *,
 
 
 def _decode(model: Transformer, params: Any, src_BS: jax.Array, indices_B: jax.Array | None = None,
-            rng: jax.Array | None = None, *, strategy: Any, bos_id: int, eos_id: int, max_decode_len: int,
+            rng: jax.Array | None = None, constraints: dict[str, jax.Array] | None = None, *,
+            strategy: Any, bos_id: int, eos_id: int, max_decode_len: int,
             len_a: float = 1.0, extra_len: int | None = None) -> tuple[jax.Array, jax.Array]:
     """:func:`decode` without the host checks: the traced program."""
     batch = src_BS.shape[0]
     tokens_to_logits, cache = _model_callback(model, params, src_BS, max_decode_len, strategy.beams)
     indices_B = jnp.arange(batch) if indices_B is None else indices_B.reshape(batch)
     keys_B = jax.vmap(jax.random.fold_in, (None, 0))(jax.random.key(0) if rng is None else rng, indices_B)
-    return strategy.search(tokens_to_logits, cache, batch_size=batch, bos_id=bos_id, eos_id=eos_id,
+    data = {} if constraints is None else {"constraints": constraints}
+    return strategy.search(tokens_to_logits, cache, **data, batch_size=batch, bos_id=bos_id, eos_id=eos_id,
                            pad_id=model.config.pad_id, max_decode_len=max_decode_len, keys_B=keys_B,
                            max_lengths=source_limits(src_BS, pad_id=model.config.pad_id, len_a=len_a,
                                                      extra_len=extra_len))
@@ -75,6 +85,29 @@ def jit_decoder(model: Transformer, strategy: Any, layout: Any = None, **static)
         return functools.partial(_decode_jit, model, strategy=strategy, **static)
     return under_mesh(jax.jit(functools.partial(_decode, model, strategy=strategy, **static),
                               out_shardings=layout.batch), layout.mesh)
+
+
+def check_constraints(constraints: dict, strategy: Any, *, batch: int, vocab_size: int) -> dict:
+    """``constraints`` as int32 arrays, checked where they enter :func:`decode`: ``tokens [B, C,
+    P]`` and ``prefix [B, Q]`` (either may be left out), ids in ``[0, V_tgt)`` or -1 (padding), for
+    a strategy that takes them (:class:`~jaxformer.decode.constrained.Constrained`). ``ValueError``
+    otherwise, naming what is wrong."""
+    from jaxformer.decode.constrained import Constrained
+
+    arrays = {name: np.asarray(value) for name, value in constraints.items()}
+    ranks, problems = {"tokens": 3, "prefix": 2}, []
+    if not isinstance(strategy, Constrained):
+        problems.append(f"constraints need a Constrained strategy, not {type(strategy).__name__}")
+    for name, value in arrays.items():
+        if name not in ranks or value.ndim != ranks[name] or value.shape[0] != batch:
+            problems.append(f"{name!r} must be one of {sorted(ranks)} with rank {ranks.get(name, '2 or 3')} "
+                            f"and {batch} rows, got shape {value.shape}")
+        elif value.size and (not np.issubdtype(value.dtype, np.integer) or value.min() < -1
+                             or value.max() >= vocab_size):
+            problems.append(f"{name!r} must hold token ids in [0, {vocab_size}) or -1 (padding)")
+    if problems:
+        raise ValueError("; ".join(problems) + ".")
+    return {name: jnp.asarray(value, jnp.int32) for name, value in arrays.items()}
 
 
 def _model_callback(model: Transformer, params: Any, src_BS: jax.Array, max_decode_len: int,

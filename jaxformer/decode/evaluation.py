@@ -17,6 +17,8 @@ import numpy as np
 
 from jaxformer.data.batching import Examples, bucket_boundaries, collate
 from jaxformer.data.tokenizer import Tokenizer
+from jaxformer.decode.constrained import Constrained
+from jaxformer.decode.constraint_inputs import batch_arrays
 from jaxformer.decode.decoding import _decode, jit_decoder
 from jaxformer.decode.exported import ExportCache
 from jaxformer.decode.staged import StagedBeamSearch
@@ -56,7 +58,9 @@ class Evaluator:
         """``fn(params, src_BS, indices_B, rng)``, cached: staged, exported (``rng`` ``None``) or jitted."""
         key = (strategy, sampled, tuple(sorted(static.items())))
         if key not in self._decoders:
-            if self.staged and isinstance(strategy, Beam):
+            if isinstance(strategy, Constrained):   # its constraints are a fifth argument
+                self._decoders[key] = jit_decoder(self.model, strategy, self.layout, **static)
+            elif self.staged and isinstance(strategy, Beam):
                 max_decode_len = static.pop("max_decode_len")
                 staged = StagedBeamSearch(self.model, strategy, **static)
                 self._decoders[key] = lambda params, src, index, rng: staged(params, src, max_decode_len)
@@ -92,11 +96,13 @@ class Evaluator:
         return rows
 
     def decode(self, params: Any, sources: Sequence[str], strategy: Any, *, rng: jax.Array | None = None,
-               indices: Sequence[int] | None = None, length_limits: bool = True) -> list[list]:
+               indices: Sequence[int] | None = None, length_limits: bool = True,
+               requests: Sequence[Any] | None = None) -> list[list]:
         """Each source's (translation, score) list, best first, in order: ``sources`` (cut to
         ``max_len`` tokens) decoded with ``strategy`` in length-sorted fixed-shape batches (``rng``,
         ``indices``: ``decode``'s ``rng``, ``indices_B``); ``length_limits``: at most a·L + b tokens,
-        L the source's length (``False``: the batch's limit only, as ``generate``)."""
+        L the source's length (``False``: the batch's limit only, as ``generate``); ``requests``:
+        each source's :class:`~jaxformer.decode.constraint_inputs.Request`, for a ``Constrained``."""
         c = self.model.config
         ids = [s[: c.max_len] for s in self.tokenizer.encode_source(sources)]
         indices = np.arange(len(ids)) if indices is None else np.asarray(indices)
@@ -109,11 +115,18 @@ class Evaluator:
                      "index": np.zeros((rows, 1), np.int32)}   # rank 2, as the batch sharding wants
             for r, i in enumerate(members):
                 batch["src"][r, : len(ids[i])], batch["index"][r, 0] = ids[i], indices[i]
+            chosen = strategy
+            if requests is not None and any(requests[i].phrases or requests[i].prefix for i in members):
+                batch.update(batch_arrays([requests[i] for i in members], rows))
+            elif isinstance(strategy, Constrained):   # none in this batch: Beam's own program, its bytes
+                chosen = strategy.plain
             check_token_ids(batch["src"], name="src", vocab_size=c.src_vocab_size, max_len=c.max_len)
             batch = self._place(batch) if self.layout else jax.tree_util.tree_map(jnp.asarray, batch)
-            decoder = self._decoder(strategy, rng is not None, max_decode_len=self.max_decode_len(length),
+            decoder = self._decoder(chosen, rng is not None, max_decode_len=self.max_decode_len(length),
                                     **static)
-            hyps, scores = sharding_lib.to_host(decoder(params, batch["src"], batch["index"], rng))
+            constraints = {k: batch[k] for k in ("tokens", "prefix") if k in batch} or None
+            hyps, scores = sharding_lib.to_host(decoder(params, batch["src"], batch["index"], rng,
+                                                        *[constraints] * (constraints is not None)))
             for r, i in enumerate(members):
                 out[i] = list(zip(self.tokenizer.decode(hyps[r]), (float(x) for x in scores[r])))
         return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import numbers
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ import numpy as np
 from flax import linen as nn
 
 from jaxformer.data.tokenizer import load_tokenizer
+from jaxformer.decode import constraint_inputs
 from jaxformer.decode.defaults import decoding_defaults, length_limits
 from jaxformer.decode.evaluation import Evaluator
 from jaxformer.decode.exported import ExportCache
@@ -122,6 +124,39 @@ class Translator:
                 indices=[indices[i] for i in todo], length_limits=length_limits) if todo else []):
             out[i] = result
         return out
+
+    def constrained(self, sentences: list[str], strategy: Any, constraints: list[list[str]] | None = None,
+                    prefixes: list[str] | None = None, *, indices: list[int] | None = None,
+                    length_limits: bool = True) -> tuple[list[list[tuple[str, float]]], list[str]]:
+        """:meth:`decode` with a :class:`~jaxformer.decode.constrained.Constrained` ``strategy``:
+        sentence i's translations hold each target phrase of ``constraints[i]`` and start with
+        ``prefixes[i]`` (``""``: none). Returns the (translation, score) lists and notes, one per
+        line (``indices[i] + 1``) that needs one: constraints that cannot fit its output limit
+        (dropped), phrases the best translation misses, a beam too small for the banks
+        (:func:`~jaxformer.decode.constrained.bank_rule`). ``ValueError``: lists not one per
+        sentence, or another strategy."""
+        from jaxformer.decode.constrained import Constrained
+
+        if not isinstance(strategy, Constrained) or any(
+                x is not None and len(x) != len(sentences) for x in (constraints, prefixes)):
+            raise ValueError(f"constrained() needs a Constrained strategy (got {type(strategy).__name__}) "
+                             f"and at most one constraint list and prefix per sentence ({len(sentences)}).")
+        indices = list(range(len(sentences)) if indices is None else indices)
+        requests = constraint_inputs.encode_requests(self.tokenizer, constraints, prefixes, len(sentences))
+        source_lengths = [min(len(ids), self.config.max_len)
+                          for ids in self.tokenizer.encode_source(sentences)]
+        limits = [min(math.floor(self.max_len_a * n) + self.max_len_b, self.evaluator.max_decode_len(n))
+                  if length_limits else self.evaluator.max_decode_len(n) for n in source_lengths]
+        lines = [i + 1 for i in indices]
+        notes = constraint_inputs.fit_requests(requests, limits, strategy.beam_size, lines)
+        todo = [i for i, sentence in enumerate(sentences) if sentence.strip()]
+        out = [[("", 0.0)] for _ in sentences]
+        for i, result in zip(todo, self.evaluator.decode(
+                self.params, [sentences[i] for i in todo], strategy, indices=[indices[i] for i in todo],
+                length_limits=length_limits, requests=[requests[i] for i in todo]) if todo else []):
+            out[i] = result
+        return out, notes + constraint_inputs.missing_notes(
+            [requests[i] for i in todo], [out[i][0][0] for i in todo], [lines[i] for i in todo])
 
     def n_best(self, sentences: list[str], *, best_only: bool = False, **options) -> list[list]:
         """``beam_size`` (translation, score) pairs per sentence, best first: :meth:`decode` with

@@ -88,7 +88,7 @@ def cached_model(workdir: str | Path, checkpoint: Checkpoint, quantization: str)
     key = f"{quantization}-{checkpoint.kind}-{checkpoint.step}-{checkpoint.fingerprint()[:16]}"
     if (cache / key / "model.bin").is_file():
         return cache / key
-    from jaxformer.interop.ct2 import export_ct2   # a miss: JAX, and the quantization checked there
+    from jaxformer.interop.ct2 import export_ct2  # a miss: JAX, and the quantization checked there
 
     try:
         cache.mkdir(exist_ok=True)
