@@ -17,8 +17,8 @@ Each measurement is a fresh process, one at a time; run it alone on the machine.
    a process that loads the same model directory with the same layout, then times only a
    loop over ``translate_batch`` on input tokenized beforehand (not timed), in the
    command's batches (sorted by length, ``--batch-size`` 32, each with its longest source's
-   limit) with the same options. Beam 4 and the run's decoding defaults (α, repetition
-   penalty) on both.
+   limit) with the same options. Beam 4 and the command's defaults on both (the run's α;
+   no repetition penalty, docs/translation.md).
 4. The JAX engine (float32) on the first ``--jax-lines`` lines, with CTranslate2's rules
    (``--length-normalization hf --early-stopping``), after one untimed run on the same file
    (compiles into ``RUN/jax_cache``).
@@ -99,7 +99,8 @@ def bare_loop(spec: dict) -> None:
                for s in range(0, len(ids), 32)]
     limits = [engine.max_decode_len(len(batch[-1])) - 1 for batch in batches]
     d = engine.defaults
-    options = CT2Search(4, d["alpha"], d["repetition_penalty"], d["no_repeat_ngram_size"]).options()
+    # the command's CT2 settings: the run's α and n-gram rule; no repetition penalty unless given
+    options = CT2Search(4, d["alpha"], 1.0, d["no_repeat_ngram_size"]).options()
     suppress = [[p] for p in engine._suppress]
     inter, intra = engine.threads
     translator = ctranslate2.Translator(str(engine.model_dir), device="cpu", inter_threads=inter,

@@ -42,7 +42,8 @@ def rules(engine: str, search, beam_size: int) -> str:
         return "greedy"
     if engine == "ct2":
         return (f"beam {beam_size}, CTranslate2's rules: length penalty |Y|^{search.alpha}, a sentence ends "
-                f"once {beam_size} hypotheses ended, one length limit per batch of similar sources")
+                f"once {beam_size} hypotheses ended, one length limit per batch of similar sources, "
+                f"repetition penalty {search.repetition_penalty:g} on the logits")
     penalty = "|Y|" if search.length_normalization == "hf" else "((5+|Y|)/6)"
     stop = "ends once k hypotheses ended" if search.early_stopping else "exact stop"
     return f"beam {beam_size}, length penalty {penalty}^{search.alpha}, {stop}, a length limit per sentence"

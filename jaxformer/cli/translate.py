@@ -89,8 +89,9 @@ def _strategy(args: TranslateArgs, translator):
     own length limit (not with ``hf``)."""
     defaults = translator.defaults
     rules = {**defaults, **{k: getattr(args, k) for k in defaults if getattr(args, k) is not None}}
-    if isinstance(translator, CT2Engine):
-        return CT2Search(rules["beam_size"], rules["alpha"], rules["repetition_penalty"],
+    if isinstance(translator, CT2Engine):   # the run's repetition penalty was tuned on log-probabilities:
+        # on CT2's logits 1.4 is far stronger (docs/translation.md), so CT2 takes it from the flag alone
+        return CT2Search(rules["beam_size"], rules["alpha"], args.repetition_penalty or 1.0,
                          rules["no_repeat_ngram_size"], args.n_best, args.sample, args.temperature or 1.0,
                          args.top_k, args.top_p), True
     from jaxformer.decode.constrained import Constrained
