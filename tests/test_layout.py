@@ -1,7 +1,7 @@
 """The package's wings and the one way their imports run (issue #21).
 
-Bottom to top: ``model`` < ``run`` < ``data`` < ``decode`` < ``interop`` < ``train`` < ``aot`` <
-``cli``; a module may import its own wing and the wings below it, never one above, and
+Bottom to top: ``model`` < ``run`` < ``data`` < ``decode`` < ``interop`` < ``serve`` < ``train`` <
+``aot`` < ``cli``; a module may import its own wing and the wings below it, never one above, and
 no chain of imports between modules comes back to where it started. Every import
 counts: at module level, inside a function, or for type checking only.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 import jaxformer
 
 PACKAGE = Path(jaxformer.__file__).parent
-WINGS = ("model", "run", "data", "decode", "interop", "train", "aot", "cli")
+WINGS = ("model", "run", "data", "decode", "interop", "serve", "train", "aot", "cli")
 ENTRY = len(WINGS)   # jaxformer/__init__.py and the ``python -m`` shims sit above every wing
 
 

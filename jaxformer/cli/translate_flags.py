@@ -148,6 +148,8 @@ class TranslateArgs:
     def ct2_flags(self) -> list[str]:
         """The flags given that only the CTranslate2 engine honours."""
         return _given(self, "quantization", "inter_threads", "intra_threads")
+
+    @property
     def constrained_by(self) -> list[str]:
         """The constraint flags given (``--constraints``, ``--terminology``, ``--prefix``)."""
         return _given(self, "constraints", "terminology", "prefix")
