@@ -56,6 +56,10 @@ class Tokenizer:
     """A joint sentencepiece vocabulary for source and target, special ids from the model. Raises
     ValueError: an unreadable model, no pad, bos or eos id, or a pad id shared."""
 
+    # Generation rules (:mod:`jaxformer.decode.generation`): pad and bos banned, no forced first token.
+    banned_ids: tuple[int, ...] | None = None
+    forced_first_id: int | None = None
+
     def __init__(self, model_file: str | os.PathLike):
         self.model_file = Path(model_file)
         self.sp = _load(self.model_file, "it must be the sentencepiece model the run was trained with: "
@@ -127,6 +131,9 @@ class MarianTokenizer:
     ``>>xx<<`` passes as one token; sources end in ``</s>``. ``bos_id`` (the decoder start) is
     the pad id unless ``decoder_start_id`` says otherwise. Raises FileNotFoundError: no
     ``vocab.json``. ValueError: a damaged file."""
+
+    banned_ids: tuple[int, ...] | None = None   # pad (= the decoder start) banned, as OPUS-MT's bad_words_ids
+    forced_first_id: int | None = None
 
     def __init__(self, directory: str | os.PathLike, *, separate_vocabs: bool = False,
                  decoder_start_id: int | None = None):

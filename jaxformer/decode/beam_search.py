@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxformer.decode.generation import banned_mask
 from jaxformer.decode.penalties import apply_processors
 from jaxformer.model.validation import check_count, check_real
 
@@ -70,14 +71,16 @@ class Beam:
 
     def search(self, tokens_to_logits: TokensToLogits, cache: Any, *, batch_size: int, bos_id: int,
                eos_id: int, pad_id: int, max_decode_len: int, max_lengths: jax.Array | None = None,
-               keys_B: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-        """``(sequences [B, k, M] int32, scores [B, k] float32)``, best first; ``cache`` has ``B*k`` rows."""
+               keys_B: jax.Array | None = None,
+               banned_ids: tuple | None = None) -> tuple[jax.Array, jax.Array]:
+        """``(sequences [B, k, M] int32, scores [B, k] float32)``, best first; ``cache`` has ``B*k`` rows;
+        ``banned_ids``: never generated (default pad and ``bos_id``)."""
         state = init_beam_state(cache, self, batch_size=batch_size, bos_id=bos_id, pad_id=pad_id,
                                 length=max_decode_len, max_decode_len=max_decode_len, max_lengths=max_lengths)
         state = jax.lax.while_loop(
             lambda state: (state["step"] < max_decode_len) & jnp.any(state["open"]),
             lambda state: beam_step(state, tokens_to_logits, self, bos_id=bos_id, eos_id=eos_id,
-                                    pad_id=pad_id),
+                                    pad_id=pad_id, banned_ids=banned_ids),
             state)
         return beam_output(state, self, pad_id=pad_id)
 
@@ -163,9 +166,10 @@ def init_beam_state(cache: Any, beam: Beam, *, batch_size: int, bos_id: int, pad
 
 
 def beam_step(state: dict[str, Any], tokens_to_logits: TokensToLogits, beam: Beam, *, bos_id: int,
-              eos_id: int, pad_id: int) -> dict[str, Any]:
+              eos_id: int, pad_id: int, banned_ids: tuple | None = None) -> dict[str, Any]:
     """One step of :class:`Beam`'s search: extend, rank, merge the finished, re-check each
-    sentence's stopping rule; any B and any token-array length greater than ``state["step"]``."""
+    sentence's stopping rule; any B and any token-array length greater than ``state["step"]``;
+    ``banned_ids`` never generated (default pad and ``bos_id``, the decoder start)."""
     batch_size, k = state["live_logprobs"].shape
     step = state["step"]
     logits, cache = tokens_to_logits(_flatten_beams(state["last_ids"])[:, None], state["cache"])
@@ -174,12 +178,12 @@ def beam_step(state: dict[str, Any], tokens_to_logits: TokensToLogits, beam: Bea
         logp_RV = apply_processors(beam.processors, _flatten_beams(logp_BNV),
                                    _flatten_beams(state["live_seqs"]), step)
         logp_BNV = _unflatten_beams(jnp.maximum(logp_RV, NEG_INF), batch_size)
-    # Pad and bos are never generated; at its limit a sentence gets eos only (with "hf" at
+    # The banned ids are never generated; at its limit a sentence gets eos only (with "hf" at
     # log-probability 0: transformers' ForcedEOSTokenLogitsProcessor).
     vocab = logp_BNV.shape[-1]
     ids_11V, at_limit_B11 = jnp.arange(vocab)[None, None, :], (step + 1 >= state["limit"])[:, None, None]
-    logp_BNV = jnp.where((at_limit_B11 & (ids_11V != eos_id)) | (ids_11V == pad_id) | (ids_11V == bos_id),
-                         NEG_INF, logp_BNV)
+    never_11V = banned_mask(vocab, bos_id=bos_id, pad_id=pad_id, banned_ids=banned_ids)[None, None, :]
+    logp_BNV = jnp.where((at_limit_B11 & (ids_11V != eos_id)) | never_11V, NEG_INF, logp_BNV)
     if beam.length_normalization == "hf":
         logp_BNV = jnp.where(at_limit_B11 & (ids_11V == eos_id), 0.0, logp_BNV)
     candidates = (state["live_logprobs"][:, :, None] + logp_BNV).reshape(batch_size, k * vocab)

@@ -23,7 +23,8 @@ from jaxformer.model.validation import check_count, check_real, check_token_ids
 
 def decode(model: Transformer, params: Any, src_BS: jax.Array, strategy: Any, *, bos_id: int, eos_id: int,
            max_decode_len: int, len_a: float = 1.0, extra_len: int | None = None,
-           rng: jax.Array | None = None, indices_B: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+           rng: jax.Array | None = None, indices_B: jax.Array | None = None,
+           banned_ids: tuple[int, ...] | None = None) -> tuple[jax.Array, jax.Array]:
     """``(sequences [B, N, M] int32, scores [B, N] float32)``, best first (N = 1 but for beams):
     ``src [B, S]`` encoded once and decoded with ``strategy``, jitted (one compile per shape and
     settings). ``bos_id``, ``eos_id``: the tokenizer's (an eos outside the vocabulary never
@@ -31,8 +32,10 @@ def decode(model: Transformer, params: Any, src_BS: jax.Array, strategy: Any, *,
     length + ``extra_len`` (fairseq's ``--max-len-a/b``; §6.1: 1 and 50; ``None``: no such
     limit). ``rng`` (default ``key(0)``): sentence b samples from ``fold_in(rng, indices_B[b])``,
     its index in the whole input (int ``[B]`` or ``[B, 1]``, default 0..B-1), whatever its batch.
-    Raises ``ValueError`` (before dispatch) for concrete ids outside ``[0, V_src)``, a ``bos_id``
-    outside ``[0, V_tgt)``, a size not an integer or a limit not finite.
+    ``banned_ids``: the ids never generated (the model's generation settings,
+    :mod:`jaxformer.decode.generation`; ``None``: pad and ``bos_id``). Raises ``ValueError``
+    (before dispatch) for concrete ids outside ``[0, V_src)``, a ``bos_id`` or banned id outside
+    ``[0, V_tgt)``, a size not an integer or a limit not finite.
     """
     config = model.config
     if not isinstance(src_BS, jax.Array) or src_BS.is_fully_addressable:
@@ -43,12 +46,15 @@ def decode(model: Transformer, params: Any, src_BS: jax.Array, strategy: Any, *,
         eos_id=check_count("eos_id", eos_id, minimum=-(1 << 31), maximum=(1 << 31) - 1),   # an int32
         max_decode_len=check_count("max_decode_len", max_decode_len),
         len_a=check_real("len_a", len_a, minimum=0.0),
-        extra_len=None if extra_len is None else check_count("extra_len", extra_len, minimum=-(1 << 30)))
+        extra_len=None if extra_len is None else check_count("extra_len", extra_len, minimum=-(1 << 30)),
+        banned_ids=None if banned_ids is None else tuple(
+            check_count("banned_ids", i, minimum=0, maximum=config.tgt_vocab_size - 1) for i in banned_ids))
 
 
 def _decode(model: Transformer, params: Any, src_BS: jax.Array, indices_B: jax.Array | None = None,
             rng: jax.Array | None = None, *, strategy: Any, bos_id: int, eos_id: int, max_decode_len: int,
-            len_a: float = 1.0, extra_len: int | None = None) -> tuple[jax.Array, jax.Array]:
+            len_a: float = 1.0, extra_len: int | None = None,
+            banned_ids: tuple[int, ...] | None = None) -> tuple[jax.Array, jax.Array]:
     """:func:`decode` without the host checks: the traced program."""
     batch = src_BS.shape[0]
     tokens_to_logits, cache = _model_callback(model, params, src_BS, max_decode_len, strategy.beams)
@@ -57,11 +63,12 @@ def _decode(model: Transformer, params: Any, src_BS: jax.Array, indices_B: jax.A
     return strategy.search(tokens_to_logits, cache, batch_size=batch, bos_id=bos_id, eos_id=eos_id,
                            pad_id=model.config.pad_id, max_decode_len=max_decode_len, keys_B=keys_B,
                            max_lengths=source_limits(src_BS, pad_id=model.config.pad_id, len_a=len_a,
-                                                     extra_len=extra_len))
+                                                     extra_len=extra_len),
+                           **({} if banned_ids is None else {"banned_ids": banned_ids}))
 
 
 _decode_jit = jax.jit(_decode, static_argnames=("model", "strategy", "bos_id", "eos_id", "max_decode_len",
-                                                 "len_a", "extra_len"))
+                                                 "len_a", "extra_len", "banned_ids"))
 
 
 def jit_decoder(model: Transformer, strategy: Any, layout: Any = None, **static) -> Callable:
