@@ -105,7 +105,7 @@ def transformer_spec(params: dict[str, np.ndarray], config: TransformerConfig):
     spec = specs.TransformerSpec.from_config(
         (c.num_encoder_layers, c.num_decoder_layers), c.num_heads, pre_norm=c.norm_position == "pre",
         activation=getattr(specs.Activation, _ACTIVATIONS[c.activation]))
-    table_ND = sinusoidal_positional_encoding(c.max_len, c.d_model, c.positional_layout)[0]
+    table_ND = sinusoidal_positional_encoding(c.max_len, c.d_model, c.positional_layout, c.pad_id)[0]
     source_VD = take("src_embedding/embedding")
     target_VD = source_VD if c.share_embeddings else take("tgt_embedding/embedding")
     spec.encoder.embeddings[0].weight, spec.decoder.embeddings.weight = source_VD, target_VD

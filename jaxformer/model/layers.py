@@ -32,10 +32,19 @@ def layer_norm(config: TransformerConfig, name: str | None = None) -> nn.LayerNo
                         bias_init=_partitioned(nn.initializers.zeros_init(), "embed"), name=name)
 
 
-def sinusoidal_positional_encoding(max_len: int, d_model: int, layout: str = "interleaved") -> np.ndarray:
+def sinusoidal_positional_encoding(max_len: int, d_model: int, layout: str = "interleaved",
+                                   pad_id: int = 0) -> np.ndarray:
     """The positional table of §3.5, float32 NumPy ``[1, max_len, D]``: ``"interleaved"``
     (paper) PE(pos, 2i) = sin(pos / 10000^(2i/D)), PE(pos, 2i+1) = cos(…); ``"split"``
-    (Marian's ``MarianSinusoidalPositionalEmbedding``) sines in ``[0, D/2)``, cosines after."""
+    (Marian's ``MarianSinusoidalPositionalEmbedding``) sines in ``[0, D/2)``, cosines after;
+    ``"fairseq"`` (transformers' ``M2M100SinusoidalPositionalEmbedding.get_embedding``, from
+    fairseq): sin(p · e^(-i·ln(10000)/(D/2 - 1))) then the cosines, for p = ``pad_id`` + 1 + pos
+    (fairseq counts positions past the padding index), in float32 as torch computes it."""
+    if layout == "fairseq":
+        half = d_model // 2
+        rate = np.exp(np.arange(half, dtype=np.float32) * np.float32(-np.log(10000.0) / (half - 1)))
+        angle = np.arange(pad_id + 1, pad_id + 1 + max_len, dtype=np.float32)[:, None] * rate[None, :]
+        return np.concatenate([np.sin(angle), np.cos(angle)], axis=1)[None].astype(np.float32)
     position = np.arange(max_len, dtype=np.float64)[:, None]
     angle = position / np.power(10000.0, np.arange(0, d_model, 2, dtype=np.float64) / d_model)
     sin, cos = np.sin(angle), np.cos(angle[:, : d_model // 2])
@@ -97,7 +106,8 @@ class PositionalEncoding(nn.Module):
 
     def setup(self):
         c = self.config
-        self.table = sinusoidal_positional_encoding(c.max_len, c.d_model, c.positional_layout)  # [1, N, D]
+        self.table = sinusoidal_positional_encoding(c.max_len, c.d_model, c.positional_layout,   # [1, N, D]
+                                                    c.pad_id)
         self.dropout = Dropout(c.dropout_rate)
 
     def __call__(self, x_BLD, deterministic: bool, offset=0, positions_BL=None):
