@@ -35,8 +35,8 @@ TOKENIZER_FILES = ("source.spm", "target.spm", "vocab.json", "target_vocab.json"
 def _config_problems(hf: dict[str, Any]) -> list[str]:
     """What a Hugging Face config asks that jaxformer's Marian model cannot do."""
     if hf.get("model_type") != "marian":
-        return [f"config.json has model_type={hf.get('model_type')!r}; only Marian (OPUS-MT) models "
-                f"convert. Is this a MarianMTModel directory?"]
+        return [f"config.json has model_type={hf.get('model_type')!r}; only Marian (OPUS-MT) and "
+                f"M2M100/NLLB-200 (model_type 'm2m_100') models convert"]
     missing = [k for k in ("vocab_size", "d_model", "encoder_attention_heads", "decoder_attention_heads",
                            "encoder_ffn_dim", "decoder_ffn_dim", "encoder_layers", "decoder_layers",
                            "max_position_embeddings", "pad_token_id") if hf.get(k) is None]

@@ -110,9 +110,11 @@ class PositionalEncoding(nn.Module):
                                                     c.pad_id)
         self.dropout = Dropout(c.dropout_rate)
 
-    def __call__(self, x_BLD, deterministic: bool, offset=0, positions_BL=None):
+    def __call__(self, x_BLD, deterministic: bool, offset=0, positions_BL=None, ids_BL=None):
         """Adds PE rows ``offset .. offset+L-1`` (``offset`` may be traced), or rows ``positions_BL``
-        (int ``[B, L]``, packed rows)."""
+        (int ``[B, L]``, packed rows). ``ids_BL`` (int ``[B, L]``): with the ``"fairseq"`` layout a
+        pad token gets no position (transformers' zero row at ``padding_idx``; a pad that M2M100
+        generates is embedded so)."""
         length = x_BLD.shape[1]
         pe_1LD = jnp.asarray(self.table)
         if positions_BL is not None:
@@ -122,6 +124,8 @@ class PositionalEncoding(nn.Module):
             pe_1LD = pe_1LD[:, :length]
         else:
             pe_1LD = jax.lax.dynamic_slice_in_dim(pe_1LD, offset, length, axis=1)
+        if ids_BL is not None and self.config.positional_layout == "fairseq":
+            pe_1LD = jnp.where((ids_BL == self.config.pad_id)[:, :, None], 0.0, pe_1LD)
         return self.dropout(x_BLD + pe_1LD.astype(x_BLD.dtype), deterministic=deterministic)
 
 
