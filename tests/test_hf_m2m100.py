@@ -316,3 +316,37 @@ def test_unsupported_hf_configs_are_named(converted):
     with pytest.raises(m2m100.ConversionError, match="norm_position='post'"):
         m2m100.config_to_hf(m2m100.config_from_hf(hf).replace(norm_position="post"),
                             dict(bos=0, eos=2, pad=1, decoder_start=2))
+
+
+def test_finetune_changes_weights_and_still_exports(converted, tmp_path):
+    """``train.py --init-from RUN --src-lang --tgt-lang`` on a TSV: the language tokens join
+    every pair, a few steps change the weights, the run translates and exports (loads in
+    transformers with the fine-tuned weights)."""
+    from jaxformer.run.config import TrainConfig
+    from jaxformer.train.trainer import train
+
+    kind, _, tok, _, run = converted
+    if kind != "nllb":
+        pytest.skip("one tokenizer is enough for the trainer path (each costs a trainer compile)")
+    src_lang, tgt_lang = LANGUAGES[kind]
+    tsv = tmp_path / "mine.tsv"
+    tsv.write_text("".join(f"{b}\t{a}\n" for a, b in _pairs(120)))   # German → English here
+    workdir = tmp_path / "finetuned"
+    cfg = TrainConfig.flat(workdir=str(workdir), train_file=str(tsv), init_from=str(run), src_lang=tgt_lang,
+                           tgt_lang=src_lang, batch_tokens=600, max_steps=4, warmup_steps=1, lr_scale=3.0,
+                           eval_every=1000, dev_bleu_sentences=4, eval_batch_size=8, beam_size=1, log_every=2,
+                           checkpoint_every=1000, progress=False, devices=1)
+    train(cfg)
+    record = json.loads((workdir / "config.json").read_text())
+    assert (record["tokenizer"]["src_lang"], record["tokenizer"]["tgt_lang"]) == (tgt_lang, src_lang)
+    tuned, original = Translator(workdir, batch_size=4), Translator(run, batch_size=4)
+    assert tuned.tokenizer.encode_source(["Danke"])[0][0] == tok.convert_tokens_to_ids(tgt_lang)
+    changed = jax.tree_util.tree_map(lambda a, b: bool(np.any(np.asarray(a) != np.asarray(b))),
+                                     tuned.params, original.params)
+    assert all(jax.tree_util.tree_leaves(changed))
+    assert len(tuned(FIXTURE[:2])) == 2
+    out = tmp_path / "exported"
+    convert_cli.main(["--to-hf", str(workdir), "--out", str(out)])
+    reloaded = transformers.M2M100ForConditionalGeneration.from_pretrained(out).eval()
+    np.testing.assert_array_equal(reloaded.model.shared.weight.detach().numpy(),
+                                  np.asarray(tuned.params["src_embedding"]["embedding"]))
