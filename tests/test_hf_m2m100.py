@@ -350,3 +350,26 @@ def test_finetune_changes_weights_and_still_exports(converted, tmp_path):
     reloaded = transformers.M2M100ForConditionalGeneration.from_pretrained(out).eval()
     np.testing.assert_array_equal(reloaded.model.shared.weight.detach().numpy(),
                                   np.asarray(tuned.params["src_embedding"]["embedding"]))
+
+
+def test_ct2_export_decodes_as_generate(converted, tmp_path):
+    """``--to-ct2``: CTranslate2 (target language as ``target_prefix``) decodes greedily as
+    ``generate`` does, token for token."""
+    ctranslate2 = pytest.importorskip("ctranslate2", reason="pip install ctranslate2 (in the test extra)")
+    kind, model, tok, _, run = converted
+    out = tmp_path / "ct2"
+    convert_cli.main(["--to-ct2", str(run), "--out", str(out)])
+    ours = Translator(run, batch_size=4).tokenizer.with_languages(*LANGUAGES[kind])
+    tok.src_lang = LANGUAGES[kind][0]
+    texts = _texts(kind)
+    forced = ours.forced_first_id
+    expected = [_strip(row) for row in
+                _generate(model, _padded(tok, texts), forced, num_beams=1).sequences.numpy()]
+    translator = ctranslate2.Translator(str(out), device="cpu")
+    sources = [ours.source_pieces(ids) for ids in ours.encode_source(texts)]
+    prefix = [[ours.piece_of[forced]]] * len(texts)
+    # generate forces eos at max_length; CTranslate2 has no such rule: compare before it.
+    results = translator.translate_batch(sources, target_prefix=prefix, beam_size=1,
+                                         max_decoding_length=MAX_LENGTH - 2, min_decoding_length=0)
+    got = [ours.source_pieces([i for i in ids if i != EOS][: MAX_LENGTH - 2]) for ids in expected]
+    assert [r.hypotheses[0] for r in results] == got
