@@ -22,6 +22,17 @@ from jaxformer.model.scan import unstack_layers
 from jaxformer.run.directory import RunDir
 
 M2M100_LAYER_NORM_EPSILON = 1e-5   # torch.nn.LayerNorm's default, fixed in modeling_m2m_100.py
+# NLLB-200's dense checkpoints (their config.json): (d_model, heads, d_ff, layers per stack), one
+# 256,206-piece table; pre-norm, ReLU. The distilled 600M and 1.3B share the shapes of their teachers'.
+NLLB200_SHAPES = {"600M": (1024, 16, 4096, 12), "1.3B": (1024, 16, 8192, 24), "3.3B": (2048, 16, 8192, 24)}
+NLLB200_VOCAB = 256_206
+
+
+def nllb200_flags(size: str) -> list[str]:
+    """``jaxformer-compile`` flags of NLLB-200 ``size``'s shape (``--preset big``: one shared table)."""
+    d_model, heads, d_ff, layers = NLLB200_SHAPES[size]
+    return ["--preset", "big", "--d-model", str(d_model), "--num-heads", str(heads), "--d-ff", str(d_ff),
+            "--num-layers", str(layers), "--norm-position", "pre", "--vocab-size", str(NLLB200_VOCAB)]
 _SIZES = ("vocab_size", "d_model", "encoder_attention_heads", "decoder_attention_heads", "encoder_ffn_dim",
           "decoder_ffn_dim", "encoder_layers", "decoder_layers", "max_position_embeddings", "pad_token_id")
 
