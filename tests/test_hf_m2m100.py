@@ -321,7 +321,7 @@ def test_unsupported_hf_configs_are_named(converted):
 def test_finetune_changes_weights_and_still_exports(converted, tmp_path):
     """``train.py --init-from RUN --src-lang --tgt-lang`` on a TSV: the language tokens join
     every pair, a few steps change the weights, the run translates and exports (loads in
-    transformers with the fine-tuned weights)."""
+    transformers with the fine-tuned weights); a resume in other languages is refused."""
     from jaxformer.run.config import TrainConfig
     from jaxformer.train.trainer import train
 
@@ -337,6 +337,8 @@ def test_finetune_changes_weights_and_still_exports(converted, tmp_path):
                            eval_every=1000, dev_bleu_sentences=4, eval_batch_size=8, beam_size=1, log_every=2,
                            checkpoint_every=1000, progress=False, devices=1)
     train(cfg)
+    with pytest.raises(ValueError, match="resume it without --src-lang/--tgt-lang"):
+        train(cfg.replace(max_steps=5, tgt_lang="fra_Latn"))   # its prepared data holds eng_Latn's token
     record = json.loads((workdir / "config.json").read_text())
     assert (record["tokenizer"]["src_lang"], record["tokenizer"]["tgt_lang"]) == (tgt_lang, src_lang)
     tuned, original = Translator(workdir, batch_size=4), Translator(run, batch_size=4)
@@ -373,3 +375,25 @@ def test_ct2_export_decodes_as_generate(converted, tmp_path):
                                          max_decoding_length=MAX_LENGTH - 2, min_decoding_length=0)
     got = [ours.source_pieces([i for i in ids if i != EOS][: MAX_LENGTH - 2]) for ids in expected]
     assert [r.hypotheses[0] for r in results] == got
+
+
+def test_translate_command_takes_the_languages(converted, tmp_path, capsys):
+    """jaxformer-translate: sentences and a bulk job (--input/--output) with --src-lang and
+    --tgt-lang give the Translator's translations; an unknown code names the nearest."""
+    from jaxformer.cli.translate import main as translate_main
+
+    kind, _, _, _, run = converted
+    src_lang, tgt_lang = LANGUAGES[kind]
+    expected = Translator(run, batch_size=4, src_lang=src_lang, tgt_lang=tgt_lang)(FIXTURE[:2])
+    capsys.readouterr()
+    translate_main(["--workdir", str(run), "--src-lang", src_lang, "--tgt-lang", tgt_lang, *FIXTURE[:2]])
+    assert capsys.readouterr().out.splitlines() == expected
+    source, out = tmp_path / "in.txt", tmp_path / "out.txt"
+    source.write_text("\n".join(FIXTURE[:2]) + "\n")
+    translate_main(["--workdir", str(run), "--src-lang", src_lang, "--tgt-lang", tgt_lang,
+                    "--input", str(source), "--output", str(out)])
+    assert out.read_text().splitlines() == expected
+    with pytest.raises(SystemExit):
+        wrong = "xx_Yyyy" if kind == "nllb" else "xx"
+        translate_main(["--workdir", str(run), "--src-lang", src_lang, "--tgt-lang", wrong, *FIXTURE[:1]])
+    assert "nearest" in capsys.readouterr().err

@@ -74,7 +74,6 @@ class MultilingualTokenizer:
         self._special = {self.id_of[t] for t in ("<s>", "<pad>", "</s>", "<unk>", "<mask>")
                          if t in self.id_of}
         self._special |= set(self.language_ids.values())
-        self.src_lang = self.tgt_lang = None
         self.src_lang = self.language(src_lang) if src_lang else None
         self.tgt_lang = self.language(tgt_lang) if tgt_lang else None
 
@@ -107,14 +106,18 @@ class MultilingualTokenizer:
 
     src_vocab_size = tgt_vocab_size = property(lambda self: self.vocab_size)
 
-    def language(self, code: str) -> str:
-        """``code`` if it is one of the model's languages; ``ValueError`` naming the nearest."""
+    def language(self, code: str | None, side: str = "target") -> str:
+        """``code`` if it is one of the model's languages; ``ValueError`` naming the nearest, or for
+        ``None`` asking for the ``side``'s language."""
         if code in self.codes:
             return code
-        near = difflib.get_close_matches(code, list(self.codes), n=5, cutoff=0.4)
         example = "en, de" if self.kind == "m2m100" else "eng_Latn, deu_Latn"
-        raise ValueError(f"{code!r} is not a language of this {self.kind} model (codes such as {example}); "
-                         f"nearest: {', '.join(near) or 'none'}.")
+        near = difflib.get_close_matches(code or "", list(self.codes), n=5, cutoff=0.4)
+        raise ValueError(
+            f"this {self.kind} model translates between many languages: name the {side} language "
+            f"(--{side[:3]}-lang, codes such as {example})." if code is None else
+            f"{code!r} is not a language of this {self.kind} model (codes such as {example}); "
+            f"nearest: {', '.join(near) or 'none'}.")
 
     def with_languages(self, src_lang: str | None, tgt_lang: str | None) -> MultilingualTokenizer:
         """This tokenizer translating ``src_lang`` → ``tgt_lang`` (``None``: as now); raises as
@@ -126,11 +129,7 @@ class MultilingualTokenizer:
         return other
 
     def _language_id(self, code: str | None, side: str) -> int:
-        if code is None:
-            raise ValueError(f"this {self.kind} model translates between many languages: name the "
-                             f"{side} language (--{side[:3]}-lang, e.g. "
-                             f"{'de' if self.kind == 'm2m100' else 'deu_Latn'}).")
-        return self.language_ids[self.codes[code]]
+        return self.language_ids[self.codes[self.language(code, side)]]
 
     @property
     def forced_first_id(self) -> int:

@@ -15,8 +15,19 @@ from pathlib import Path
 from typing import Any
 
 from jaxformer.data.multilingual import TOKENIZER_FILES, MultilingualTokenizer, scoring_language
-from jaxformer.interop.marian import _ACTIVATION_FROM_HF, _check_export_folder, _generation_defaults
-from jaxformer.interop.marian_weights import ConversionError, params_from_hf, params_to_hf, read_hf_weights
+from jaxformer.interop.marian import (
+    _ACTIVATION_FROM_HF,
+    _check_export_folder,
+    _generation_defaults,
+    check_new_workdir,
+)
+from jaxformer.interop.marian_weights import (  # noqa: F401  (ConversionError: what this module raises)
+    ConversionError,
+    params_from_hf,
+    params_to_hf,
+    read_hf_weights,
+    refuse,
+)
 from jaxformer.model.config import TransformerConfig
 from jaxformer.model.scan import unstack_layers
 from jaxformer.run.directory import RunDir
@@ -61,9 +72,7 @@ def config_from_hf(hf: dict[str, Any]) -> TransformerConfig:
     """The :class:`TransformerConfig` computing what an ``M2M100Config`` does; dropout rates kept for
     fine-tuning (layerdrop and activation dropout act in training only and are not reproduced).
     Raises ``ConversionError``: options jaxformer lacks, in one message."""
-    problems = config_problems(hf)
-    if problems:
-        raise ConversionError("; ".join(problems) + ".")
+    refuse(config_problems(hf))
     return TransformerConfig(
         src_vocab_size=hf["vocab_size"], tgt_vocab_size=hf["vocab_size"], d_model=hf["d_model"],
         num_heads=hf["encoder_attention_heads"], d_ff=hf["encoder_ffn_dim"],
@@ -83,10 +92,8 @@ def config_to_hf(config: TransformerConfig, ids: dict[str, int]) -> dict[str, An
         ("norm_position", c.norm_position, "pre"), ("positional_layout", c.positional_layout, "fairseq"),
         ("share_embeddings", c.share_embeddings, True), ("final_logits_bias", c.final_logits_bias, False))
         if value != needed]
-    if wrong:
-        raise ConversionError(f"this run is not an M2M100/NLLB model: {', '.join(wrong)}. Only runs "
-                              f"imported (or fine-tuned) from such a model export as "
-                              f"M2M100ForConditionalGeneration.")
+    refuse([f"this run is not an M2M100/NLLB model: {', '.join(wrong)}. Only runs imported (or "
+            f"fine-tuned) from such a model export as M2M100ForConditionalGeneration"] if wrong else [])
     return {
         "model_type": "m2m_100", "architectures": ["M2M100ForConditionalGeneration"],
         "vocab_size": c.src_vocab_size, "d_model": c.d_model, "encoder_attention_heads": c.num_heads,
@@ -140,8 +147,7 @@ def _read_folder(hf_dir: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str
     bad = gen.get("bad_words_ids") or []
     if any(len(ids) != 1 for ids in bad):
         problems.append(f"generation config bad_words_ids={bad}: jaxformer bans single tokens only")
-    if problems:
-        raise ConversionError("; ".join(problems) + ".")
+    refuse(problems)
     return hf, gen, tokenizer_config, kind
 
 
@@ -152,8 +158,7 @@ def import_m2m100(hf_dir: str | Path, workdir: str | Path) -> TransformerConfig:
     from jaxformer.run.checkpoints import RunCheckpoints
 
     hf_dir, workdir = Path(hf_dir), Path(workdir)
-    if any((workdir / name).exists() for name in ("config.json", "best", "checkpoints")):
-        raise ConversionError(f"{workdir} already holds a run; choose a new --workdir.")
+    check_new_workdir(workdir)
     hf, gen, tokenizer_config, kind = _read_folder(hf_dir)
     config = config_from_hf(hf)
     params = params_from_hf(read_hf_weights(hf_dir), config)

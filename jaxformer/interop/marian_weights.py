@@ -24,6 +24,12 @@ class ConversionError(ValueError):
     """The model cannot be converted; the message says why and what to do."""
 
 
+def refuse(problems: list[str]) -> None:
+    """Raises ``ConversionError`` listing every one of ``problems`` (each with its fix), if any."""
+    if problems:
+        raise ConversionError("; ".join(p.rstrip(".") for p in problems) + ".")
+
+
 # How each kind of tensor maps: (Marian → ours, ours → Marian).
 _KINDS = {
     "plain": (lambda w, c: w, lambda w: w),

@@ -112,6 +112,12 @@ def tokenizer_and_model_config(cfg: TrainConfig, run_dir: RunDir, *,
             multihost_utils.sync_global_devices("tokenizer")
     tokenizer = load_tokenizer(run_dir.root, record)
     if hasattr(tokenizer, "with_languages"):   # M2M100/NLLB: the data's languages, kept in the record
+        kept = (tokenizer.src_lang, tokenizer.tgt_lang)
+        asked = (cfg.decode.src_lang or kept[0], cfg.decode.tgt_lang or kept[1])
+        if resumed and asked != kept:   # its prepared data holds the recorded languages' tokens
+            raise ValueError(f"this run fine-tunes {kept[0]} → {kept[1]}, not {asked[0]} → {asked[1]}: "
+                             f"resume it without --src-lang/--tgt-lang, or fine-tune into another "
+                             f"--workdir.")
         tokenizer = tokenizer.with_languages(cfg.decode.src_lang, cfg.decode.tgt_lang)
         record = {**record, "tokenizer": {**record["tokenizer"], "src_lang": tokenizer.src_lang,
                                           "tgt_lang": tokenizer.tgt_lang}}
