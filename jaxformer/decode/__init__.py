@@ -1,4 +1,5 @@
 """The decode wing (imports ``model``, ``run``, ``data``): ``decoding`` (``decode``), ``strategies``
-and ``beam_search`` (``Greedy``, ``Sample``, ``Beam``), ``penalties``, ``staged``, ``evaluation``
+and ``beam_search`` (``Greedy``, ``Sample``, ``Beam``), ``penalties``, ``generation`` (a model's
+banned ids and forced first token), ``staged``, ``evaluation``
 (batches, BLEU/chrF), ``exported``, ``translator`` (``Translator``), ``bulk`` (whole files).
 """

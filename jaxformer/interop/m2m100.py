@@ -166,6 +166,9 @@ def import_m2m100(hf_dir: str | Path, workdir: str | Path) -> TransformerConfig:
         if hf.get(key):
             print(f"note: {key}={hf[key]} acts in training only; jaxformer's fine-tuning does without it",
                   file=sys.stderr)
+    if gen.get("max_length") and gen.get("forced_eos_token_id") is None:
+        print(f"note: a translation that reaches max_length={gen['max_length']} ends with </s> here; "
+              f"generate (no forced_eos_token_id) cuts it without one", file=sys.stderr)
     (workdir / "tokenizer").mkdir(parents=True, exist_ok=True)
     for name in TOKENIZER_FILES[kind]:
         if (hf_dir / name).is_file():
