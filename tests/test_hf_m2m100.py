@@ -391,8 +391,9 @@ def test_translate_command_takes_the_languages(converted, tmp_path, capsys):
     source, out = tmp_path / "in.txt", tmp_path / "out.txt"
     source.write_text("\n".join(FIXTURE[:2]) + "\n")
     translate_main(["--workdir", str(run), "--src-lang", src_lang, "--tgt-lang", tgt_lang,
-                    "--input", str(source), "--output", str(out)])
-    assert out.read_text().splitlines() == expected
+                    "--input", str(source), "--output", str(out), "--beam-size", "4"])   # staged beams
+    beams = Translator(run, batch_size=4, src_lang=src_lang, tgt_lang=tgt_lang)(FIXTURE[:2], beam_size=4)
+    assert out.read_text().splitlines() == beams
     with pytest.raises(SystemExit):
         wrong = "xx_Yyyy" if kind == "nllb" else "xx"
         translate_main(["--workdir", str(run), "--src-lang", src_lang, "--tgt-lang", wrong, *FIXTURE[:1]])
