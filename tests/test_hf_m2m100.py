@@ -304,7 +304,7 @@ def test_exported_run_loads_in_transformers(converted, tmp_path):
                            _generate(model, src, forced, num_beams=beams).sequences)
 
 
-def test_unsupported_hf_configs_are_named(converted):
+def test_unsupported_hf_configs_are_named(converted, tmp_path):
     hf = converted[1].config.to_dict()
     assert m2m100.config_from_hf(hf).positional_layout == "fairseq"
     for change, match in ((dict(scale_embedding=False), "scale_embedding"),
@@ -313,6 +313,17 @@ def test_unsupported_hf_configs_are_named(converted):
                           (dict(tie_word_embeddings=False), "tie_word_embeddings")):
         with pytest.raises(m2m100.ConversionError, match=match):
             m2m100.config_from_hf({**hf, **change})
+    hf_dir, folder = converted[3], tmp_path / "bin_only"
+    folder.mkdir()
+    for f in hf_dir.iterdir():
+        if f.name != "model.safetensors":
+            (folder / f.name).write_bytes(f.read_bytes())
+    (folder / "pytorch_model.bin").write_bytes(b"not read")
+    with pytest.raises(m2m100.ConversionError, match="AutoModelForSeq2SeqLM"):   # the command that fixes it
+        m2m100.import_m2m100(folder, tmp_path / "run")
+    (folder / "config.json").write_text(json.dumps({**hf, "eos_token_id": 0}))
+    with pytest.raises(m2m100.ConversionError, match="eos_token_id=0 is not the tokenizer's </s>"):
+        m2m100.import_m2m100(folder, tmp_path / "run")
     with pytest.raises(m2m100.ConversionError, match="norm_position='post'"):
         m2m100.config_to_hf(m2m100.config_from_hf(hf).replace(norm_position="post"),
                             dict(bos=0, eos=2, pad=1, decoder_start=2))

@@ -141,7 +141,12 @@ def _read_folder(hf_dir: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str
                         f"weights")
     else:
         try:
-            MultilingualTokenizer(hf_dir, kind)
+            tok = MultilingualTokenizer(hf_dir, kind)
+            problems += [f"config.json's {key}={hf.get(key)} is not the tokenizer's {piece} ({want}): "
+                         f"the tokenizer files belong to another model"
+                         for key, piece, want in (("pad_token_id", "<pad>", tok.pad_id),
+                                                  ("eos_token_id", "</s>", tok.eos_id))
+                         if hf.get(key, want) != want]
         except ValueError as e:
             problems.append(str(e).rstrip("."))
     bad = gen.get("bad_words_ids") or []
