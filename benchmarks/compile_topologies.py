@@ -28,9 +28,11 @@ import time
 
 from _common import write_between_markers
 
+from jaxformer.interop.m2m100 import nllb200_flags
+
 COMMON = ["--vocab-size", "32000", "--batch-tokens", "25600", "--max-train-len", "128",
           "--dtype", "bfloat16", "--no-decode"]
-ROWS = {   # name: (preset, topology, mesh, extra flags)
+ROWS = {   # name: (preset, topology, mesh, extra flags; a later --preset or --vocab-size wins)
     "base-v4-8": ("base", "v4-8", "data=4", []),
     "base-v5e-16": ("base", "v5e-16", "data=16", []),
     "base-v5p-64": ("base", "v5p-64", "data=32", []),
@@ -39,6 +41,11 @@ ROWS = {   # name: (preset, topology, mesh, extra flags)
     "big-v5p-64": ("big", "v5p-64", "data=32", []),
     "base-h100-8": ("base", "h100-8", "data=8", []),
     "base-h200-8": ("base", "h200-8", "data=8", []),
+    # NLLB-200's shapes (256k shared vocabulary, pre-norm, 12+12 or 24+24 layers): fine-tuning
+    "nllb600m-v5e-16": ("big", "v5e-16", "data=4,fsdp=4", nllb200_flags("600M")),
+    "nllb600m-h100-8": ("big", "h100-8", "data=8", nllb200_flags("600M")),
+    "nllb1.3b-v5p-64": ("big", "v5p-64", "data=8,fsdp=4", nllb200_flags("1.3B")),
+    "nllb3.3b-v5p-64": ("big", "v5p-64", "data=4,fsdp=8", nllb200_flags("3.3B") + ["--remat"]),
 }
 MARKERS = ("<!-- compile_topologies: begin -->", "<!-- compile_topologies: end -->")
 STEPS = 100_000   # the base recipe (§5.3)

@@ -46,6 +46,9 @@ def job_record(args, translator) -> dict:
     record.update({name: value if record[name] is None else record[name]
                    for name, value in translator.defaults.items()})
     record.update(constraint_files.digests(args))   # only the files given: older manifests still resume
+    languages = [getattr(translator.tokenizer, name, None) for name in ("src_lang", "tgt_lang")]
+    if any(languages):   # a multilingual model's (M2M100/NLLB); other jobs' records stay as they were
+        record["languages"] = languages
     if not args.sample:
         record.update(dict.fromkeys(("seed", "temperature", "top_k", "top_p")))
     else:   # a job sampled with one key per chunk (an older jaxformer) is not finished with these

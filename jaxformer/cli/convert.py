@@ -1,10 +1,13 @@
-"""OPUS-MT/Marian models in, jaxformer models out: ``jaxformer-convert``.
+"""OPUS-MT/Marian, M2M100 and NLLB-200 models in, jaxformer models out: ``jaxformer-convert``.
 
-``--from-hf DIR --workdir RUN`` reads a local Hugging Face Marian folder into a run
-directory (for ``jaxformer-translate`` and ``train.py --init-from``); ``--to-hf RUN --out
-DIR`` writes a post-norm run as a ``MarianMTModel`` folder; ``--to-ct2 RUN --out DIR
+``--from-hf DIR --workdir RUN`` reads a local Hugging Face Marian or M2M100/NLLB folder (by
+its model_type) into a run directory (for ``jaxformer-translate`` and ``train.py
+--init-from``); ``--to-hf RUN --out DIR`` writes a run back as the model it came from (an
+M2M100/NLLB run as ``M2M100ForConditionalGeneration``, any other post-norm run as a
+``MarianMTModel``); ``--to-ct2 RUN --out DIR
 [--quantization Q]`` writes any run as a CTranslate2 model directory. None needs torch;
-the mappings: :mod:`jaxformer.interop.marian`, :mod:`jaxformer.interop.ct2`.
+the mappings: :mod:`jaxformer.interop.marian`, :mod:`jaxformer.interop.m2m100`,
+:mod:`jaxformer.interop.ct2`.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 import argparse
 
 from jaxformer.interop.ct2 import export_ct2
-from jaxformer.interop.marian import export_marian, import_marian
+from jaxformer.interop.hf import export_hf, import_hf
 from jaxformer.run.platform import skip_absent_tpu
 
 
@@ -21,7 +24,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="jaxformer-convert", allow_abbrev=False, description=description,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     direction = parser.add_mutually_exclusive_group(required=True)
-    direction.add_argument("--from-hf", metavar="DIR", help="local Hugging Face Marian model folder")
+    direction.add_argument("--from-hf", metavar="DIR",
+                           help="local Hugging Face Marian, M2M100 or NLLB model folder")
     direction.add_argument("--to-hf", metavar="RUN", help="jaxformer run directory to export")
     direction.add_argument("--to-ct2", metavar="RUN", help="jaxformer run directory to export to CTranslate2")
     parser.add_argument("--workdir", help="run directory to write (with --from-hf)")
@@ -40,7 +44,7 @@ def main(argv=None) -> None:
         parser.error("--quantization and --checkpoint go with --to-ct2")
     try:
         if args.from_hf:
-            config = import_marian(args.from_hf, args.workdir)
+            config = import_hf(args.from_hf, args.workdir)
             print(f"wrote {args.workdir}: {config.num_encoder_layers}+{config.num_decoder_layers} layers, "
                   f"d_model {config.d_model}, vocab {config.src_vocab_size}/{config.tgt_vocab_size}")
         elif args.to_ct2:
@@ -48,7 +52,7 @@ def main(argv=None) -> None:
             export_ct2(args.to_ct2, args.out, quantization=quantization, checkpoint=args.checkpoint or "auto")
             print(f"wrote {args.out} ({quantization}): ctranslate2.Translator({args.out!r}) serves it")
         else:
-            export_marian(args.to_hf, args.out)
+            export_hf(args.to_hf, args.out)
             print(f"wrote {args.out}")
     except (ValueError, OSError) as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")

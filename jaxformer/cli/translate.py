@@ -185,7 +185,8 @@ def _load(args: TranslateArgs):
         mesh = make_mesh(args.mesh, jax.local_devices()) if args.mesh else None
         translator = Translator(args.workdir, batch_size=args.batch_size, checkpoint=args.checkpoint,
                                 max_len_a=args.max_len_a, max_len_b=args.max_len_b, exported=cached,
-                                mesh=mesh, staged=bulk_cli.bulk_mode(args), matmul_dtype=args.matmul_dtype)
+                                mesh=mesh, staged=bulk_cli.bulk_mode(args), matmul_dtype=args.matmul_dtype,
+                                src_lang=args.src_lang, tgt_lang=args.tgt_lang)
     except (ValueError, OSError) as e:
         fail(PROG, str(e))
     for flag, value, count in (("--layer", args.layer, translator.config.num_decoder_layers),

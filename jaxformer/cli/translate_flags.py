@@ -34,6 +34,9 @@ class TranslateArgs:
     # parameters: auto = best by dev BLEU, else latest; best, latest, averaged or a step number
     checkpoint: str = "auto"
     batch_size: Annotated[int, Ge(1)] = 32   # most sentences per batch
+    # a multilingual model's source and target language, its codes (M2M100: en, de; NLLB: eng_Latn)
+    src_lang: Annotated[str | None, shown("the run's")] = None
+    tgt_lang: Annotated[str | None, shown("the run's")] = None
     beam_size: Annotated[int | None, Ge(1), shown("the run's, else 4")] = None   # beam width; 1 = greedy
     alpha: Annotated[float | None, Finite, shown("the run's, else 0.6")] = None   # length penalty exponent
     # gnmt: ((5+|Y|)/6)^alpha (paper); hf: |Y|^alpha with Hugging Face generate's stopping rule

@@ -56,6 +56,10 @@ class Tokenizer:
     """A joint sentencepiece vocabulary for source and target, special ids from the model. Raises
     ValueError: an unreadable model, no pad, bos or eos id, or a pad id shared."""
 
+    # Generation rules (:mod:`jaxformer.decode.generation`): pad and bos banned, no forced first token.
+    banned_ids: tuple[int, ...] | None = None
+    forced_first_id: int | None = None
+
     def __init__(self, model_file: str | os.PathLike):
         self.model_file = Path(model_file)
         self.sp = _load(self.model_file, "it must be the sentencepiece model the run was trained with: "
@@ -127,6 +131,9 @@ class MarianTokenizer:
     ``>>xx<<`` passes as one token; sources end in ``</s>``. ``bos_id`` (the decoder start) is
     the pad id unless ``decoder_start_id`` says otherwise. Raises FileNotFoundError: no
     ``vocab.json``. ValueError: a damaged file."""
+
+    banned_ids: tuple[int, ...] | None = None   # pad (= the decoder start) banned, as OPUS-MT's bad_words_ids
+    forced_first_id: int | None = None
 
     def __init__(self, directory: str | os.PathLike, *, separate_vocabs: bool = False,
                  decoder_start_id: int | None = None):
@@ -215,7 +222,9 @@ def save_joint_as_marian(model_file: Path, out_dir: Path, *, target_language: st
 def load_tokenizer(workdir: str | os.PathLike, record: dict[str, Any]):
     """The tokenizer a run's ``config.json`` names: ``{"file": ...}`` (the trainer's) a
     :class:`Tokenizer`, ``{"kind": "marian", "dir": ...}`` (``jaxformer-convert``'s) a
-    :class:`MarianTokenizer`. Raises ValueError: an unknown kind or a damaged file.
+    :class:`MarianTokenizer`, ``"m2m100"`` or ``"nllb"`` a
+    :class:`~jaxformer.data.multilingual.MultilingualTokenizer`. Raises ValueError: an unknown
+    kind or a damaged file.
     FileNotFoundError: a missing vocabulary."""
     workdir, info = Path(workdir), record.get("tokenizer", {})
     kind = info.get("kind", "sentencepiece")
@@ -225,8 +234,25 @@ def load_tokenizer(workdir: str | os.PathLike, record: dict[str, Any]):
         return MarianTokenizer(workdir / info.get("dir", "tokenizer"),
                                separate_vocabs=bool(info.get("separate_vocabs", False)),
                                decoder_start_id=info.get("decoder_start_id"))
+    if kind in ("m2m100", "nllb"):
+        from jaxformer.data.multilingual import MultilingualTokenizer
+
+        return MultilingualTokenizer(
+            workdir / info.get("dir", "tokenizer"), kind, src_lang=info.get("src_lang"),
+            tgt_lang=info.get("tgt_lang"), decoder_start_id=info.get("decoder_start_id"),
+            banned_ids=record.get("generation", {}).get("banned_ids", ()))
     raise ValueError(f"{workdir / 'config.json'} names tokenizer kind {kind!r}; "
-                     f"known: 'sentencepiece', 'marian'.")
+                     f"known: 'sentencepiece', 'marian', 'm2m100', 'nllb'.")
+
+
+def with_languages(tokenizer, src_lang: str | None, tgt_lang: str | None):
+    """A multilingual ``tokenizer`` set to translate ``src_lang`` → ``tgt_lang``. Raises ValueError: a
+    code not the model's, or a tokenizer of one language pair (whose languages are fixed)."""
+    if not hasattr(tokenizer, "with_languages"):
+        raise ValueError(f"--src-lang/--tgt-lang ({src_lang}, {tgt_lang}) choose the languages of a "
+                         f"multilingual model (M2M100, NLLB); this run's model translates one language "
+                         f"pair: leave them out.")
+    return tokenizer.with_languages(src_lang, tgt_lang)
 
 
 # What translate and the trainer ask of a tokenizer: ``pad_id``, ``eos_id``, ``unk_id``, ``bos_id``

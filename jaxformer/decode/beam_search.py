@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxformer.decode.generation import banned_mask
 from jaxformer.decode.penalties import apply_processors
 from jaxformer.model.validation import check_count, check_real
 
@@ -73,14 +74,16 @@ class Beam:
 
     def search(self, tokens_to_logits: TokensToLogits, cache: Any, *, batch_size: int, bos_id: int,
                eos_id: int, pad_id: int, max_decode_len: int, max_lengths: jax.Array | None = None,
-               keys_B: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-        """``(sequences [B, k, M] int32, scores [B, k] float32)``, best first; ``cache`` has ``B*k`` rows."""
+               keys_B: jax.Array | None = None,
+               banned_ids: tuple | None = None) -> tuple[jax.Array, jax.Array]:
+        """``(sequences [B, k, M] int32, scores [B, k] float32)``, best first; ``cache`` has ``B*k`` rows;
+        ``banned_ids``: never generated (default pad and ``bos_id``)."""
         state = init_beam_state(cache, self, batch_size=batch_size, bos_id=bos_id, pad_id=pad_id,
                                 length=max_decode_len, max_decode_len=max_decode_len, max_lengths=max_lengths)
         state = jax.lax.while_loop(
             lambda state: (state["step"] < max_decode_len) & jnp.any(state["open"]),
             lambda state: beam_step(state, tokens_to_logits, self, bos_id=bos_id, eos_id=eos_id,
-                                    pad_id=pad_id),
+                                    pad_id=pad_id, banned_ids=banned_ids),
             state)
         return beam_output(state, self, pad_id=pad_id)
 
@@ -166,21 +169,22 @@ def init_beam_state(cache: Any, beam: Beam, *, batch_size: int, bos_id: int, pad
 
 
 def beam_step(state: dict[str, Any], tokens_to_logits: TokensToLogits, beam: Beam, *, bos_id: int,
-              eos_id: int, pad_id: int) -> dict[str, Any]:
+              eos_id: int, pad_id: int, banned_ids: tuple | None = None) -> dict[str, Any]:
     """One step of :class:`Beam`'s search: extend, rank, merge the finished, re-check each
-    sentence's stopping rule; any B and any token-array length greater than ``state["step"]``."""
+    sentence's stopping rule; any B and any token-array length greater than ``state["step"]``;
+    ``banned_ids`` never generated (default pad and ``bos_id``, the decoder start)."""
     batch_size, k = state["live_logprobs"].shape
     step = state["step"]
     logits, cache = tokens_to_logits(_flatten_beams(state["last_ids"])[:, None], state["cache"])
     scores_RV, seqs_RM = logits.astype(jnp.float32), _flatten_beams(state["live_seqs"])
-    never_1V = ((jnp.arange(logits.shape[-1]) == pad_id) | (jnp.arange(logits.shape[-1]) == bos_id))[None]
+    never_1V = banned_mask(logits.shape[-1], bos_id=bos_id, pad_id=pad_id, banned_ids=banned_ids)[None]
     if beam.penalize_logits:   # penalties and bans before the softmax renormalizes, as in CTranslate2
         scores_RV = jnp.where(never_1V, -jnp.inf, apply_processors(beam.processors, scores_RV, seqs_RM, step))
     scores_RV = jax.nn.log_softmax(scores_RV, axis=-1)
     if beam.processors and not beam.penalize_logits:
         scores_RV = apply_processors(beam.processors, scores_RV, seqs_RM, step)
     logp_BNV = _unflatten_beams(jnp.maximum(scores_RV, NEG_INF), batch_size)   # a ban's -inf: NEG_INF
-    # Pad and bos are never generated; at its limit a sentence gets eos only (with "hf" at
+    # The banned ids are never generated; at its limit a sentence gets eos only (with "hf" at
     # log-probability 0: transformers' ForcedEOSTokenLogitsProcessor).
     vocab = logp_BNV.shape[-1]
     ids_11V, at_limit_B11 = jnp.arange(vocab)[None, None, :], (step + 1 >= state["limit"])[:, None, None]

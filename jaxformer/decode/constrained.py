@@ -44,6 +44,7 @@ from jaxformer.decode.beam_search import (
     length_penalty,
     still_open,
 )
+from jaxformer.decode.generation import banned_mask
 from jaxformer.decode.penalties import NoRepeatNGram, apply_processors
 from jaxformer.decode.strategies import first_argmax
 
@@ -97,8 +98,8 @@ class Constrained:
 
     def search(self, tokens_to_logits: TokensToLogits, cache: Any, *, batch_size: int, bos_id: int,
                eos_id: int, pad_id: int, max_decode_len: int, max_lengths: jax.Array | None = None,
-               keys_B: jax.Array | None = None,
-               constraints: dict | None = None) -> tuple[jax.Array, jax.Array]:
+               keys_B: jax.Array | None = None, constraints: dict | None = None,
+               banned_ids: tuple[int, ...] | None = None) -> tuple[jax.Array, jax.Array]:
         """``(sequences [B, k, M] int32, scores [B, k] float32)``; ``cache`` has ``B*k`` rows."""
         state = init_beam_state(cache, self, batch_size=batch_size, bos_id=bos_id, pad_id=pad_id,
                                 length=max_decode_len, max_decode_len=max_decode_len, max_lengths=max_lengths)
@@ -106,7 +107,7 @@ class Constrained:
         state = jax.lax.while_loop(
             lambda state: (state["step"] < max_decode_len) & jnp.any(state["open"]),
             lambda state: constrained_step(state, tokens_to_logits, self, bos_id=bos_id, eos_id=eos_id,
-                                           pad_id=pad_id),
+                                           pad_id=pad_id, banned_ids=banned_ids),
             state)
         return beam_output(state, self, pad_id=pad_id)
 
@@ -151,10 +152,12 @@ def advance(bits_BKCP: jax.Array, met_BKC: jax.Array, token_BK: jax.Array, token
 
 
 def _step_logprobs(state: dict[str, Any], logits_RV: jax.Array, beam: Constrained, *, bos_id: int,
-                   eos_id: int, pad_id: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+                   eos_id: int, pad_id: int, banned_ids: tuple[int, ...] | None = None
+                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(logp [B, k, V], logp with no n-gram ban [B, k, V], at_limit [B])``: the step's
-    log-probabilities after the processors, pad and bos never, the prefix forced, eos only where
-    every constraint is met (or at the limit, where it is the only token)."""
+    log-probabilities after the processors, the banned ids (default pad and bos) never, the
+    prefix forced, eos only where every constraint is met (or at the limit, where it is the only
+    token)."""
     batch_size, k = state["live_logprobs"].shape
     step = state["step"]
     logp_RV = jax.nn.log_softmax(logits_RV.astype(jnp.float32), axis=-1)
@@ -172,7 +175,8 @@ def _step_logprobs(state: dict[str, Any], logits_RV: jax.Array, beam: Constraine
     forced_B = jax.lax.dynamic_index_in_dim(state["prefix"], jnp.minimum(step, state["prefix"].shape[1] - 1),
                                             axis=1, keepdims=False)
     eos_ok_BN = (jnp.all(state["c_met"], axis=2) & ~forcing_B[:, None]) | at_limit_B[:, None]
-    banned = ((at_limit_B[:, None, None] & (ids_11V != eos_id)) | (ids_11V == pad_id) | (ids_11V == bos_id)
+    never_11V = banned_mask(vocab, bos_id=bos_id, pad_id=pad_id, banned_ids=banned_ids)[None, None, :]
+    banned = ((at_limit_B[:, None, None] & (ids_11V != eos_id)) | never_11V
               | (forcing_B[:, None, None] & (ids_11V != forced_B[:, None, None]))
               | (~eos_ok_BN[:, :, None] & (ids_11V == eos_id)))
     def masked(logp_RV):
@@ -235,13 +239,15 @@ def _bank_order(count_BK: jax.Array, alive_BK: jax.Array, banks: int) -> jax.Arr
 
 
 def constrained_step(state: dict[str, Any], tokens_to_logits: TokensToLogits, beam: Constrained, *,
-                     bos_id: int, eos_id: int, pad_id: int) -> dict[str, Any]:
+                     bos_id: int, eos_id: int, pad_id: int,
+                     banned_ids: tuple[int, ...] | None = None) -> dict[str, Any]:
     """One step of :class:`Constrained`'s search (``beam_step`` with candidates from
     :func:`_candidates` ranked by :func:`_bank_order`); any B, token arrays longer than the step."""
     batch_size, k = state["live_logprobs"].shape
     step = state["step"]
     logits, cache = tokens_to_logits(_flatten_beams(state["last_ids"])[:, None], state["cache"])
-    full, lifted, _ = _step_logprobs(state, logits, beam, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id)
+    full, lifted, _ = _step_logprobs(state, logits, beam, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id,
+                                     banned_ids=banned_ids)
     parents, tokens, logprobs = _candidates(state, full, lifted)
     def take(x, index):   # [B, K or k, ...] rows of x [B, k, ...]
         return jnp.take_along_axis(x, index.reshape(index.shape + (1,) * (x.ndim - 2)), axis=1)

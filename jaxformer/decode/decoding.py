@@ -25,7 +25,8 @@ from jaxformer.model.validation import check_count, check_real, check_token_ids
 def decode(model: Transformer, params: Any, src_BS: jax.Array, strategy: Any, *, bos_id: int, eos_id: int,
            max_decode_len: int, len_a: float = 1.0, extra_len: int | None = None,
            rng: jax.Array | None = None, indices_B: jax.Array | None = None,
-           constraints: dict[str, jax.Array] | None = None) -> tuple[jax.Array, jax.Array]:
+           constraints: dict[str, jax.Array] | None = None,
+           banned_ids: tuple[int, ...] | None = None) -> tuple[jax.Array, jax.Array]:
     """``(sequences [B, N, M] int32, scores [B, N] float32)``, best first (N = 1 but for beams):
     ``src [B, S]`` encoded once and decoded with ``strategy``, jitted (one compile per shape and
     settings). ``bos_id``, ``eos_id``: the tokenizer's (an eos outside the vocabulary never
@@ -35,9 +36,11 @@ def decode(model: Transformer, params: Any, src_BS: jax.Array, strategy: Any, *,
     its index in the whole input (int ``[B]`` or ``[B, 1]``, default 0..B-1), whatever its batch.
     ``constraints``: a :class:`~jaxformer.decode.constrained.Constrained` strategy's target
     phrases and prefix, ``{"tokens": int [B, C, P], "prefix": int [B, Q]}`` padded with -1.
-    Raises ``ValueError`` (before dispatch) for concrete ids outside ``[0, V_src)``, a ``bos_id``
-    outside ``[0, V_tgt)``, a size not an integer, a limit not finite, or constraints for
-    another strategy or not of that form.
+    ``banned_ids``: the ids never generated (the model's generation settings,
+    :mod:`jaxformer.decode.generation`; ``None``: pad and ``bos_id``). Raises ``ValueError``
+    (before dispatch) for concrete ids outside ``[0, V_src)``, a ``bos_id`` or banned id outside
+    ``[0, V_tgt)``, a size not an integer, a limit not finite, or constraints for another
+    strategy or not of that form.
     """
     config = model.config
     if not isinstance(src_BS, jax.Array) or src_BS.is_fully_addressable:
@@ -51,13 +54,16 @@ def decode(model: Transformer, params: Any, src_BS: jax.Array, strategy: Any, *,
         eos_id=check_count("eos_id", eos_id, minimum=-(1 << 31), maximum=(1 << 31) - 1),   # an int32
         max_decode_len=check_count("max_decode_len", max_decode_len),
         len_a=check_real("len_a", len_a, minimum=0.0),
-        extra_len=None if extra_len is None else check_count("extra_len", extra_len, minimum=-(1 << 30)))
+        extra_len=None if extra_len is None else check_count("extra_len", extra_len, minimum=-(1 << 30)),
+        banned_ids=None if banned_ids is None else tuple(
+            check_count("banned_ids", i, minimum=0, maximum=config.tgt_vocab_size - 1) for i in banned_ids))
 
 
 def _decode(model: Transformer, params: Any, src_BS: jax.Array, indices_B: jax.Array | None = None,
             rng: jax.Array | None = None, constraints: dict[str, jax.Array] | None = None, *,
             strategy: Any, bos_id: int, eos_id: int, max_decode_len: int,
-            len_a: float = 1.0, extra_len: int | None = None) -> tuple[jax.Array, jax.Array]:
+            len_a: float = 1.0, extra_len: int | None = None,
+            banned_ids: tuple[int, ...] | None = None) -> tuple[jax.Array, jax.Array]:
     """:func:`decode` without the host checks: the traced program."""
     batch = src_BS.shape[0]
     tokens_to_logits, cache = _model_callback(model, params, src_BS, max_decode_len, strategy.beams)
@@ -67,11 +73,12 @@ def _decode(model: Transformer, params: Any, src_BS: jax.Array, indices_B: jax.A
     return strategy.search(tokens_to_logits, cache, **data, batch_size=batch, bos_id=bos_id, eos_id=eos_id,
                            pad_id=model.config.pad_id, max_decode_len=max_decode_len, keys_B=keys_B,
                            max_lengths=source_limits(src_BS, pad_id=model.config.pad_id, len_a=len_a,
-                                                     extra_len=extra_len))
+                                                     extra_len=extra_len),
+                           **({} if banned_ids is None else {"banned_ids": banned_ids}))
 
 
 _decode_jit = jax.jit(_decode, static_argnames=("model", "strategy", "bos_id", "eos_id", "max_decode_len",
-                                                 "len_a", "extra_len"))
+                                                 "len_a", "extra_len", "banned_ids"))
 
 
 def jit_decoder(model: Transformer, strategy: Any, layout: Any = None, **static) -> Callable:

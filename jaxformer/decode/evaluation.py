@@ -21,6 +21,7 @@ from jaxformer.decode.constrained import Constrained
 from jaxformer.decode.constraint_inputs import batch_arrays
 from jaxformer.decode.decoding import _decode, jit_decoder
 from jaxformer.decode.exported import ExportCache
+from jaxformer.decode.generation import with_forced_first
 from jaxformer.decode.staged import StagedBeamSearch
 from jaxformer.decode.strategies import Beam
 from jaxformer.model import sharding as sharding_lib
@@ -108,6 +109,11 @@ class Evaluator:
         indices = np.arange(len(ids)) if indices is None else np.asarray(indices)
         static = dict(bos_id=self.tokenizer.bos_id, eos_id=self.tokenizer.eos_id, len_a=self.max_len_a,
                       extra_len=self.max_len_b if length_limits else None)
+        # The model's generation rules, where its tokenizer states them (M2M100: nothing banned, the
+        # target language forced first); a tokenizer without them: pad and bos banned.
+        if (banned := getattr(self.tokenizer, "banned_ids", None)) is not None:
+            static["banned_ids"] = tuple(banned)
+        strategy = with_forced_first(strategy, getattr(self.tokenizer, "forced_first_id", None))
         out: list[list[tuple[str, float]]] = [[] for _ in ids]
         for length, members in self._length_batches([max(1, len(s)) for s in ids]):
             rows = self._rows(members.size)

@@ -1,10 +1,12 @@
 """Decoding strategies: frozen, hashable values (static arguments of the jitted decoder) that
 check their settings when made. A strategy has ``beams`` (cache rows per sentence) and
 ``search(tokens_to_logits, cache, *, batch_size, bos_id, eos_id, pad_id, max_decode_len,
-max_lengths, keys_B)`` → ``(sequences [B, N, M] int32, scores [B, N] float32)``, best first, eos
-then pad after each end; ``tokens_to_logits(ids [B*N, 1], cache) -> (logits [B*N, V], cache)``
+max_lengths, keys_B[, banned_ids])`` → ``(sequences [B, N, M] int32, scores [B, N] float32)``,
+best first, eos then pad after each end; ``tokens_to_logits(ids [B*N, 1], cache) -> (logits [B*N, V], cache)``
 is the model, ``max_lengths`` (int ``[B]`` or ``None``) each sentence's most tokens, ``keys_B``
-a PRNG key per sentence. A new strategy is one such class (``tests/test_decoding.py`` has one).
+a PRNG key per sentence, ``banned_ids`` (passed only when a model's generation settings name
+them) the ids never generated, default pad and ``bos_id`` (the decoder start). A new
+strategy is one such class (``tests/test_decoding.py`` has one).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer.decode.beam_search import Beam, TokensToLogits
+from jaxformer.decode.generation import banned_mask
 from jaxformer.decode.penalties import apply_processors, penalties
 from jaxformer.model.validation import check_count, check_real
 
@@ -55,10 +58,10 @@ def first_argmax(logits_BV: jax.Array) -> jax.Array:
 
 
 def allowed_logits(logits_BV: jax.Array, out_BM: jax.Array, step: jax.Array, processors: tuple, *,
-                   bos_id: int, pad_id: int) -> jax.Array:
-    """float32 ``logits_BV`` after the ``processors``, with pad and bos (never generated) at -inf."""
-    vocab_ids = jnp.arange(logits_BV.shape[-1])
-    never_1V = ((vocab_ids == pad_id) | (vocab_ids == bos_id))[None, :]
+                   bos_id: int, pad_id: int, banned_ids: tuple | None = None) -> jax.Array:
+    """float32 ``logits_BV`` after the ``processors``, the banned ids
+    (:func:`~jaxformer.decode.generation.banned_mask`) at -inf."""
+    never_1V = banned_mask(logits_BV.shape[-1], bos_id=bos_id, pad_id=pad_id, banned_ids=banned_ids)[None, :]
     return jnp.where(never_1V, -jnp.inf, apply_processors(processors, logits_BV, out_BM, step))
 
 
@@ -71,10 +74,11 @@ class Greedy:
     processors: tuple = ()
     beams: ClassVar[int] = 1
 
-    def search(self, tokens_to_logits, cache, *, keys_B=None, **loop):
+    def search(self, tokens_to_logits, cache, *, keys_B=None, banned_ids=None, **loop):
         def pick(logits_BV, step, out_BM, at_limit_B):
             best_B = first_argmax(allowed_logits(logits_BV, out_BM, step, self.processors,
-                                                 bos_id=loop["bos_id"], pad_id=loop["pad_id"]))
+                                                 bos_id=loop["bos_id"], pad_id=loop["pad_id"],
+                                                 banned_ids=banned_ids))
             return jnp.where(at_limit_B, loop["eos_id"], best_B) if self.forced_eos else best_B
 
         return autoregress(tokens_to_logits, cache, pick, **loop)
@@ -104,10 +108,10 @@ class Sample:
             if self.top_p > 1.0:
                 raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
 
-    def search(self, tokens_to_logits, cache, *, keys_B, **loop):
+    def search(self, tokens_to_logits, cache, *, keys_B, banned_ids=None, **loop):
         def pick(logits_BV, step, out_BM, at_limit_B):
             logits = allowed_logits(logits_BV, out_BM, step, self.processors, bos_id=loop["bos_id"],
-                                    pad_id=loop["pad_id"])
+                                    pad_id=loop["pad_id"], banned_ids=banned_ids)
             # shifted to a maximum of 0 first, so a tiny temperature cannot overflow float32
             logits = (logits - jnp.max(logits, axis=-1, keepdims=True)) / self.temperature
             if self.top_k is not None and self.top_k < logits.shape[-1]:

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
-from jaxformer.data.tokenizer import load_tokenizer
+from jaxformer.data.tokenizer import load_tokenizer, with_languages
 from jaxformer.decode import constraint_inputs
 from jaxformer.decode.defaults import decoding_defaults, length_limits
 from jaxformer.decode.evaluation import Evaluator
@@ -48,16 +48,19 @@ class Translator:
       exported, staged: keep exported decoders in ``RUN/jax_cache/exported``; beam search in
         stages (:mod:`jaxformer.decode.exported`, :mod:`~jaxformer.decode.staged`); not with a mesh.
       matmul_dtype: the weight matmuls' dtype (:mod:`jaxformer.model.matmul`); ``None``: the run's.
+      src_lang, tgt_lang: a multilingual run's languages (M2M100 ``en``, NLLB ``eng_Latn``; the
+        target is forced as the first token); ``None``: the run's. Others refuse them.
 
     Raises ``FileNotFoundError`` without ``config.json``, the tokenizer or the checkpoint asked for;
-    ``ValueError`` for a damaged (or Hugging Face's) ``config.json``, a ``batch_size`` not an integer
-    ≥ 1, a ``max_len_a`` not a finite number ≥ 0, a ``max_len_b`` not an integer, a + b < 1.
+    ``ValueError`` for a damaged (or Hugging Face's) ``config.json``, a language not the model's,
+    a ``batch_size`` not an integer ≥ 1, a ``max_len_a`` not a finite number ≥ 0, a ``max_len_b``
+    not an integer, a + b < 1.
     """
 
     def __init__(self, workdir: str | Path, batch_size: int = 32, checkpoint: str | int = "auto",
                  max_len_a: float | None = None, max_len_b: int | None = None, exported: bool = False,
                  mesh: jax.sharding.Mesh | None = None, staged: bool = False,
-                 matmul_dtype: str | None = None):
+                 matmul_dtype: str | None = None, src_lang: str | None = None, tgt_lang: str | None = None):
         batch_size = check_count("batch_size", batch_size)
         if isinstance(checkpoint, np.integer) or isinstance(checkpoint, str) and checkpoint.isdigit():
             checkpoint = int(checkpoint)   # "20" (as the command line reads it) or a NumPy 20: a step
@@ -67,6 +70,8 @@ class Translator:
         config = TransformerConfig.from_dict(record["model"])
         self.config = config if matmul_dtype is None else config.replace(matmul_dtype=matmul_dtype)
         self.tokenizer = load_tokenizer(workdir, record)
+        if src_lang or tgt_lang:   # a multilingual model's languages (M2M100/NLLB: its own codes)
+            self.tokenizer = with_languages(self.tokenizer, src_lang, tgt_lang)
         self.model = Transformer(self.config)
         ids, layout = jnp.ones((1, 8), jnp.int32), None
 

@@ -9,7 +9,10 @@ LayerNorm), the FFN activation (ReLU, erf GELU, swish), embeddings scaled by √
 sinusoidal table written as the spec's ``position_encodings`` (so the layout is ours, row
 for row), the LayerNorm ε, shared or separate tables, the output projection (the target table
 or our kernel) with its bias. The directory also gets the run's sentencepiece model(s) as
-``source.spm`` and ``target.spm``; CTranslate2 takes their pieces as tokens.
+``source.spm`` and ``target.spm``; CTranslate2 takes their pieces as tokens. An M2M100/NLLB run
+(fairseq positions, whose table starts at ``pad_id + 1`` as CTranslate2's converter slices
+it) keeps its tokenizer files; its decoder starts with ``</s>`` and a caller passes the source
+language token and ``</s>`` in the source and the target language as ``target_prefix``.
 """
 
 from __future__ import annotations
@@ -69,8 +72,10 @@ def export_ct2(workdir: str | Path, out_dir: str | Path, *, quantization: str = 
                       (("source", config.src_vocab_size), ("target", config.tgt_vocab_size)))
     spec.register_source_vocabulary(source)
     spec.register_target_vocabulary(target)
+    # M2M100/NLLB: bos is <s>, the decoder starts with </s> (as CTranslate2's own M2M100 converter)
+    bos_id = getattr(tokenizer, "id_of", {}).get("<s>", tokenizer.bos_id)
     spec.config.unk_token, spec.config.bos_token, spec.config.eos_token = (
-        target[tokenizer.unk_id], target[tokenizer.bos_id], target[tokenizer.eos_id])
+        target[tokenizer.unk_id], target[bos_id], target[tokenizer.eos_id])
     spec.config.decoder_start_token = target[tokenizer.decoder_start_id]
     spec.config.add_source_eos = isinstance(tokenizer, MarianTokenizer)   # it ends sources in </s>
     spec.config.layer_norm_epsilon = config.layer_norm_epsilon
@@ -105,7 +110,7 @@ def transformer_spec(params: dict[str, np.ndarray], config: TransformerConfig):
     spec = specs.TransformerSpec.from_config(
         (c.num_encoder_layers, c.num_decoder_layers), c.num_heads, pre_norm=c.norm_position == "pre",
         activation=getattr(specs.Activation, _ACTIVATIONS[c.activation]))
-    table_ND = sinusoidal_positional_encoding(c.max_len, c.d_model, c.positional_layout)[0]
+    table_ND = sinusoidal_positional_encoding(c.max_len, c.d_model, c.positional_layout, c.pad_id)[0]
     source_VD = take("src_embedding/embedding")
     target_VD = source_VD if c.share_embeddings else take("tgt_embedding/embedding")
     spec.encoder.embeddings[0].weight, spec.decoder.embeddings.weight = source_VD, target_VD
@@ -172,6 +177,8 @@ def vocabulary(tokenizer, side: str, size: int) -> list[str]:
     vocabulary, a gap in a Marian ``vocab.json``) gets a unique ``<unused_ID>``, never produced."""
     if isinstance(tokenizer, MarianTokenizer):     # vocab.json (and target_vocab.json)
         pieces = {i: p for p, i in getattr(tokenizer, f"{side}_vocab").items()}
+    elif hasattr(tokenizer, "piece_of"):           # M2M100/NLLB: pieces and language tokens
+        pieces = tokenizer.piece_of
     else:                                          # a joint sentencepiece model
         sp = tokenizer.sp
         pieces = {i: sp.id_to_piece(i) for i in range(sp.get_piece_size())}
@@ -179,7 +186,11 @@ def vocabulary(tokenizer, side: str, size: int) -> list[str]:
 
 
 def _copy_sentencepiece(tokenizer, out_dir: Path) -> None:
-    """The run's sentencepiece model(s) as ``source.spm`` and ``target.spm`` (a joint model twice)."""
+    """The run's sentencepiece model(s) as ``source.spm`` and ``target.spm`` (a joint model twice);
+    an M2M100/NLLB run's tokenizer files as they are."""
+    if hasattr(tokenizer, "save_hf"):
+        tokenizer.save_hf(out_dir)
+        return
     if isinstance(tokenizer, MarianTokenizer):
         files = {name: tokenizer.directory / name for name in ("source.spm", "target.spm")}
     else:

@@ -18,6 +18,7 @@ from jaxformer.interop.marian_weights import (  # noqa: F401  (the public names 
     params_from_hf,
     params_to_hf,
     read_hf_weights,
+    refuse,
 )
 from jaxformer.model.config import TransformerConfig
 from jaxformer.model.scan import unstack_layers
@@ -35,8 +36,8 @@ TOKENIZER_FILES = ("source.spm", "target.spm", "vocab.json", "target_vocab.json"
 def _config_problems(hf: dict[str, Any]) -> list[str]:
     """What a Hugging Face config asks that jaxformer's Marian model cannot do."""
     if hf.get("model_type") != "marian":
-        return [f"config.json has model_type={hf.get('model_type')!r}; only Marian (OPUS-MT) models "
-                f"convert. Is this a MarianMTModel directory?"]
+        return [f"config.json has model_type={hf.get('model_type')!r}; only Marian (OPUS-MT) and "
+                f"M2M100/NLLB-200 (model_type 'm2m_100') models convert"]
     missing = [k for k in ("vocab_size", "d_model", "encoder_attention_heads", "decoder_attention_heads",
                            "encoder_ffn_dim", "decoder_ffn_dim", "encoder_layers", "decoder_layers",
                            "max_position_embeddings", "pad_token_id") if hf.get(k) is None]
@@ -59,9 +60,7 @@ def config_from_hf(hf: dict[str, Any]) -> TransformerConfig:
     """The :class:`TransformerConfig` computing what a ``MarianConfig`` does (swish FFN, split positions,
     ``final_logits_bias``, ε 1e-5); dropout rates kept for fine-tuning. Raises ``ConversionError``: not a
     Marian config, or options jaxformer lacks, in one message."""
-    problems = _config_problems(hf)
-    if problems:
-        raise ConversionError("; ".join(problems) + ".")
+    refuse(_config_problems(hf))
     shared = hf.get("share_encoder_decoder_embeddings", True)
     share = bool(shared and hf.get("tie_word_embeddings", True))
     src_vocab = hf["vocab_size"]
@@ -138,8 +137,7 @@ def _read_folder(hf_dir: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str
             MarianTokenizer(hf_dir, separate_vocabs=bool(tokenizer_config.get("separate_vocabs", False)))
         except (ValueError, OSError) as e:
             problems.append(str(e).rstrip("."))
-    if problems:
-        raise ConversionError("; ".join(problems) + ".")
+    refuse(problems)
     return hf, gen, tokenizer_config
 
 
@@ -179,6 +177,12 @@ def _generation_defaults(gen: dict[str, Any], pad: int) -> dict[str, Any]:
             "repetition_penalty": float(gen.get("repetition_penalty") or 1.0)}
 
 
+def check_new_workdir(workdir: Path) -> None:
+    """Refuses (``ConversionError``) a ``workdir`` that already holds a run."""
+    refuse([f"{workdir} already holds a run; choose a new --workdir"]
+           if any((workdir / name).exists() for name in ("config.json", "best", "checkpoints")) else [])
+
+
 def import_marian(hf_dir: str | Path, workdir: str | Path) -> TransformerConfig:
     """Writes run ``workdir`` from Marian folder ``hf_dir``: ``config.json`` (model, tokenizer, generation
     defaults), ``tokenizer/``, the parameters as the best checkpoint of step 0. Raises ``ConversionError``:
@@ -186,8 +190,7 @@ def import_marian(hf_dir: str | Path, workdir: str | Path) -> TransformerConfig:
     from jaxformer.run.checkpoints import RunCheckpoints
 
     hf_dir, workdir = Path(hf_dir), Path(workdir)
-    if any((workdir / name).exists() for name in ("config.json", "best", "checkpoints")):
-        raise ConversionError(f"{workdir} already holds a run; choose a new --workdir.")
+    check_new_workdir(workdir)
     hf, gen, tokenizer_config = _read_folder(hf_dir)
     config = config_from_hf(hf)
     params = params_from_hf(read_hf_weights(hf_dir), config)

@@ -1,5 +1,6 @@
-"""Marian (``MarianMTModel``) weights ⇄ jaxformer parameters, in NumPy, named after
-transformers' ``models/marian/modeling_marian.py``. PyTorch ``nn.Linear`` stores
+"""Marian (``MarianMTModel``) and M2M100/NLLB (``M2M100ForConditionalGeneration``, the same
+layer names plus a final LayerNorm per stack) weights ⇄ jaxformer parameters, in NumPy, named
+after transformers' ``models/marian/modeling_marian.py``. PyTorch ``nn.Linear`` stores
 ``weight [out, in]``; our kernels are ``[in, ...]`` with head axes. D d_model, H heads,
 K = D / H, V vocabulary.
 """
@@ -21,6 +22,12 @@ from jaxformer.model.transformer import Transformer
 
 class ConversionError(ValueError):
     """The model cannot be converted; the message says why and what to do."""
+
+
+def refuse(problems: list[str]) -> None:
+    """Raises ``ConversionError`` listing every one of ``problems`` (each with its fix), if any."""
+    if problems:
+        raise ConversionError("; ".join(p.rstrip(".") for p in problems) + ".")
 
 
 # How each kind of tensor maps: (Marian → ours, ours → Marian).
@@ -88,10 +95,16 @@ def _params_from_hf(t: dict[str, np.ndarray], c: TransformerConfig) -> dict[str,
         for key in path[:-1]:
             node = node.setdefault(key, {})
         node[path[-1]] = np.ascontiguousarray(_KINDS[kind][0](t[name], c))
-    bias_V, shared = t["final_logits_bias"].reshape(-1), "model.shared.weight"
+    if c.norm_position == "pre":   # M2M100/NLLB: a final LayerNorm per stack
+        for stack in ("encoder", "decoder"):
+            params[stack]["final_norm"] = {"scale": t[f"model.{stack}.layer_norm.weight"],
+                                           "bias": t[f"model.{stack}.layer_norm.bias"]}
+    shared = "model.shared.weight"
+    bias_V = t["final_logits_bias"].reshape(-1) if c.final_logits_bias or not c.share_embeddings else None
     if c.share_embeddings:
         params["src_embedding"] = {"embedding": _first(t, shared, "model.encoder.embed_tokens.weight")}
-        params["final_logits_bias"] = bias_V
+        if c.final_logits_bias:
+            params["final_logits_bias"] = bias_V
     else:
         head_VD = _first(t, "lm_head.weight", "model.decoder.embed_tokens.weight", shared)
         params["src_embedding"] = {"embedding": _first(t, "model.encoder.embed_tokens.weight", shared)}
@@ -105,6 +118,10 @@ def params_to_hf(params: dict[str, Any], config: TransformerConfig) -> dict[str,
     c, p = config, _to_numpy(params)
     out = {name: _KINDS[kind][1](functools.reduce(lambda node, key: node[key], path, p))
            for path, name, kind in _layer_tensors(c)}
+    if c.norm_position == "pre":
+        for stack in ("encoder", "decoder"):
+            out[f"model.{stack}.layer_norm.weight"] = p[stack]["final_norm"]["scale"]
+            out[f"model.{stack}.layer_norm.bias"] = p[stack]["final_norm"]["bias"]
     if c.share_embeddings:
         out["model.shared.weight"] = p["src_embedding"]["embedding"]
         bias = p.get("final_logits_bias", np.zeros((c.tgt_vocab_size,), np.float32))
@@ -178,7 +195,7 @@ def read_hf_weights(hf_dir: Path) -> dict[str, np.ndarray]:
         problem = (f"{hf_dir} has only pytorch_model.bin, a torch pickle that cannot be read without torch. "
                    f"Get the safetensors weights (`hf download MODEL model.safetensors`, or the repo's "
                    f"refs/pr/N branch), or convert once where torch is installed: `python -c \"from "
-                   f"transformers import MarianMTModel as M; M.from_pretrained('{hf_dir}')"
+                   f"transformers import AutoModelForSeq2SeqLM as M; M.from_pretrained('{hf_dir}')"
                    f".save_pretrained('{hf_dir}')\"`.")
     elif not paths:
         problem = f"{hf_dir} has no model.safetensors (nor pytorch_model.bin)."

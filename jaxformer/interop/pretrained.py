@@ -96,8 +96,10 @@ def load_params(init_from: str | Path, abstract_params: Any) -> Any:
 def tokenizer_and_model_config(cfg: TrainConfig, run_dir: RunDir, *,
                                own_record: dict[str, Any] | None = None):
     """``(tokenizer, model_config, record)`` of ``--init-from RUN``, its tokenizer folder copied
-    into this run's ``tokenizer/``. ``own_record`` (a resume's ``config.json``) gives both
-    without ``RUN``, which may be gone since. Raises as :func:`read_run` and :func:`model_config`."""
+    into this run's ``tokenizer/``; a multilingual one set to ``--src-lang``/``--tgt-lang`` (its
+    codes; ``ValueError`` naming the nearest for another), which the record keeps. ``own_record``
+    (a resume's ``config.json``) gives both without ``RUN``, which may be gone since. Raises as
+    :func:`read_run` and :func:`model_config`."""
     resumed = own_record is not None and "model" in own_record and "tokenizer" in own_record
     record = own_record if resumed else read_run(cfg.run.init_from)
     config = model_config(record, cfg.model.overrides())
@@ -108,7 +110,18 @@ def tokenizer_and_model_config(cfg: TrainConfig, run_dir: RunDir, *,
             from jax.experimental import multihost_utils
 
             multihost_utils.sync_global_devices("tokenizer")
-    return load_tokenizer(run_dir.root, record), config, record
+    tokenizer = load_tokenizer(run_dir.root, record)
+    if hasattr(tokenizer, "with_languages"):   # M2M100/NLLB: the data's languages, kept in the record
+        kept = (tokenizer.src_lang, tokenizer.tgt_lang)
+        asked = (cfg.decode.src_lang or kept[0], cfg.decode.tgt_lang or kept[1])
+        if resumed and asked != kept:   # its prepared data holds the recorded languages' tokens
+            raise ValueError(f"this run fine-tunes {kept[0]} → {kept[1]}, not {asked[0]} → {asked[1]}: "
+                             f"resume it without --src-lang/--tgt-lang, or fine-tune into another "
+                             f"--workdir.")
+        tokenizer = tokenizer.with_languages(cfg.decode.src_lang, cfg.decode.tgt_lang)
+        record = {**record, "tokenizer": {**record["tokenizer"], "src_lang": tokenizer.src_lang,
+                                          "tgt_lang": tokenizer.tgt_lang}}
+    return tokenizer, config, record
 
 
 def with_saved_init_from(cfg: TrainConfig, run_dir: RunDir) -> TrainConfig:

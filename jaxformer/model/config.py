@@ -13,7 +13,7 @@ import numpy as np
 NormPosition = Literal["post", "pre"]
 FloatDtype = Literal["float32", "bfloat16", "float16"]
 Activation = Literal["relu", "swish", "gelu"]
-PositionalLayout = Literal["interleaved", "split"]
+PositionalLayout = Literal["interleaved", "split", "fairseq"]
 AttentionBackend = Literal["reference", "xla", "cudnn", "pallas"]
 _FLOAT_DTYPES = typing.get_args(FloatDtype)
 ATTENTION_BACKENDS = typing.get_args(AttentionBackend)
@@ -54,8 +54,9 @@ class TransformerConfig:
       scan_layers: each stack as one ``nn.scan`` over parameters stacked on a leading
         ``layers`` axis: compile time stops growing with depth (:mod:`jaxformer.model.scan`).
       activation: FFN non-linearity: ``"relu"`` (Eq. 2), ``"swish"`` (Marian), ``"gelu"`` (erf).
-      positional_layout: ``"interleaved"`` (§3.5) or ``"split"`` (Marian: sines, then
-        cosines; needs an even d_model).
+      positional_layout: ``"interleaved"`` (§3.5), ``"split"`` (Marian: sines, then
+        cosines; needs an even d_model) or ``"fairseq"`` (M2M100/NLLB: sines then cosines at
+        fairseq's frequencies, positions counted from ``pad_id + 1``; an even d_model ≥ 4).
       final_logits_bias: a bias ``[V]`` on the tied output projection (Marian's).
       layer_norm_epsilon: LayerNorm ε in (0, 1); Marian (PyTorch) uses 1e-5.
 
@@ -99,8 +100,8 @@ class TransformerConfig:
              f"attention_backend={c.attention_backend!r} (a fused kernel) has no attention dropout, but "
              f"attention_dropout_rate={c.attention_dropout_rate}; use attention_backend='reference' or "
              f"attention_dropout_rate=0"),
-            (c.positional_layout == "split" and c.d_model % 2,
-             f"positional_layout='split' needs an even d_model, got {c.d_model}"),
+            (c.positional_layout in ("split", "fairseq") and (c.d_model % 2 or c.d_model < 4),
+             f"positional_layout={c.positional_layout!r} needs an even d_model, got {c.d_model}"),
             (c.share_embeddings and c.src_vocab_size != c.tgt_vocab_size,
              f"share_embeddings=True needs one joint vocabulary, but src_vocab_size={c.src_vocab_size} != "
              f"tgt_vocab_size={c.tgt_vocab_size}; use a joint tokenizer or share_embeddings=False"),

@@ -32,10 +32,19 @@ def layer_norm(config: TransformerConfig, name: str | None = None) -> nn.LayerNo
                         bias_init=_partitioned(nn.initializers.zeros_init(), "embed"), name=name)
 
 
-def sinusoidal_positional_encoding(max_len: int, d_model: int, layout: str = "interleaved") -> np.ndarray:
+def sinusoidal_positional_encoding(max_len: int, d_model: int, layout: str = "interleaved",
+                                   pad_id: int = 0) -> np.ndarray:
     """The positional table of §3.5, float32 NumPy ``[1, max_len, D]``: ``"interleaved"``
     (paper) PE(pos, 2i) = sin(pos / 10000^(2i/D)), PE(pos, 2i+1) = cos(…); ``"split"``
-    (Marian's ``MarianSinusoidalPositionalEmbedding``) sines in ``[0, D/2)``, cosines after."""
+    (Marian's ``MarianSinusoidalPositionalEmbedding``) sines in ``[0, D/2)``, cosines after;
+    ``"fairseq"`` (transformers' ``M2M100SinusoidalPositionalEmbedding.get_embedding``, from
+    fairseq): sin(p · e^(-i·ln(10000)/(D/2 - 1))) then the cosines, for p = ``pad_id`` + 1 + pos
+    (fairseq counts positions past the padding index), in float32 as torch computes it."""
+    if layout == "fairseq":
+        half = d_model // 2
+        rate = np.exp(np.arange(half, dtype=np.float32) * np.float32(-np.log(10000.0) / (half - 1)))
+        angle = np.arange(pad_id + 1, pad_id + 1 + max_len, dtype=np.float32)[:, None] * rate[None, :]
+        return np.concatenate([np.sin(angle), np.cos(angle)], axis=1)[None].astype(np.float32)
     position = np.arange(max_len, dtype=np.float64)[:, None]
     angle = position / np.power(10000.0, np.arange(0, d_model, 2, dtype=np.float64) / d_model)
     sin, cos = np.sin(angle), np.cos(angle[:, : d_model // 2])
@@ -97,12 +106,15 @@ class PositionalEncoding(nn.Module):
 
     def setup(self):
         c = self.config
-        self.table = sinusoidal_positional_encoding(c.max_len, c.d_model, c.positional_layout)  # [1, N, D]
+        self.table = sinusoidal_positional_encoding(c.max_len, c.d_model, c.positional_layout,   # [1, N, D]
+                                                    c.pad_id)
         self.dropout = Dropout(c.dropout_rate)
 
-    def __call__(self, x_BLD, deterministic: bool, offset=0, positions_BL=None):
+    def __call__(self, x_BLD, deterministic: bool, offset=0, positions_BL=None, ids_BL=None):
         """Adds PE rows ``offset .. offset+L-1`` (``offset`` may be traced), or rows ``positions_BL``
-        (int ``[B, L]``, packed rows)."""
+        (int ``[B, L]``, packed rows). ``ids_BL`` (int ``[B, L]``): with the ``"fairseq"`` layout a
+        pad token gets no position (transformers' zero row at ``padding_idx``; a pad that M2M100
+        generates is embedded so)."""
         length = x_BLD.shape[1]
         pe_1LD = jnp.asarray(self.table)
         if positions_BL is not None:
@@ -112,6 +124,8 @@ class PositionalEncoding(nn.Module):
             pe_1LD = pe_1LD[:, :length]
         else:
             pe_1LD = jax.lax.dynamic_slice_in_dim(pe_1LD, offset, length, axis=1)
+        if ids_BL is not None and self.config.positional_layout == "fairseq":
+            pe_1LD = jnp.where((ids_BL == self.config.pad_id)[:, :, None], 0.0, pe_1LD)
         return self.dropout(x_BLD + pe_1LD.astype(x_BLD.dtype), deterministic=deterministic)
 
 

@@ -123,7 +123,8 @@ class Transformer(nn.Module):
             chex.assert_shape(src_segments, src.shape)
             positions = segment_positions(src_segments)
         src_mask = encoder_mask(src, c.pad_id, src_segments)
-        src_x = self.positional_encoding(self.src_embedding(src), deterministic, positions_BL=positions)
+        src_x = self.positional_encoding(self.src_embedding(src), deterministic, positions_BL=positions,
+                                       ids_BL=src)
         encoder_output = self.encoder(src_x, src_mask, deterministic)
         chex.assert_shape(encoder_output, src.shape + (c.d_model,))
         return encoder_output
@@ -165,7 +166,8 @@ class Transformer(nn.Module):
             positions = segment_positions(tgt_segments)
         # [B,1,T,T] and [B,1,1,S] ([B,1,T,S] packed), with their segment-id forms
         tgt_mask, src_mask = decoder_masks(src, tgt, c.pad_id, src_segments, tgt_segments)
-        tgt_x = self.positional_encoding(self.tgt_embedding(tgt), deterministic, positions_BL=positions)
+        tgt_x = self.positional_encoding(self.tgt_embedding(tgt), deterministic, positions_BL=positions,
+                                       ids_BL=tgt)
         decoder_output = self.decoder(tgt_x, encoder_output, tgt_mask, src_mask, deterministic)
         chex.assert_shape(decoder_output, tgt.shape + (c.d_model,))
         return decoder_output
@@ -215,7 +217,7 @@ class Transformer(nn.Module):
                  full and f"decode_step: the cache holds {room} positions and all are used (index "
                           f"{int(index)}); make it with init_cache(..., max_decode_len) large enough "
                           f"for every step"])
-        x_B1D = self.positional_encoding(self.tgt_embedding(ids_B1), True, offset=cache.index)
+        x_B1D = self.positional_encoding(self.tgt_embedding(ids_B1), True, offset=cache.index, ids_BL=ids_B1)
         y_B1D, layers = self.decoder.step(x_B1D, cache.layers, cache.index, cache.src_mask)
         logits_B1V = self._logits(y_B1D)
         return logits_B1V[:, 0], cache.replace(layers=layers, index=cache.index + 1)

@@ -11,6 +11,7 @@ from typing import Any, Literal
 import jax
 
 from jaxformer.data.corpus import target_language_of
+from jaxformer.data.multilingual import scoring_language
 from jaxformer.decode.evaluation import make_bleu
 from jaxformer.interop import pretrained
 from jaxformer.model import sharding as sharding_lib
@@ -45,7 +46,8 @@ def plan_run(cfg: TrainConfig, fresh: bool = False) -> RunPlan:
     data (BLEU's tokenizer, the mesh against devices and widths, the fine-tune's source).
     Raises ``ValueError`` / ``FileNotFoundError`` / ``OSError`` naming the flag and the fix."""
     t_start = time.perf_counter()
-    make_bleu(cfg.decode.tgt_lang or target_language_of(cfg), cfg.decode.sacrebleu_tokenize)
+    make_bleu(scoring_language(cfg.decode.tgt_lang or target_language_of(cfg)),   # deu_Latn: as German
+              cfg.decode.sacrebleu_tokenize)
     sharding_lib.initialize_distributed(cfg.run.coordinator_address, cfg.run.num_processes,
                                         cfg.run.process_id, auto=cfg.run.distributed)
     mesh = sharding_lib.make_mesh(cfg.run.mesh, sharding_lib.first_devices(cfg.run.devices))

@@ -14,6 +14,7 @@ import jax
 
 from jaxformer.data.batching import bucket_boundaries, check_batch_rows, rows_per_batch, tokenize_pairs
 from jaxformer.data.corpus import target_language_of
+from jaxformer.data.multilingual import scoring_language
 from jaxformer.data.prepared import PreparedCorpus
 from jaxformer.data.run_data import prepare_run_data
 from jaxformer.data.streaming import BatchStream, kept_records, stream_dataset
@@ -70,7 +71,7 @@ def setup(cfg: TrainConfig, *, fresh: bool = False) -> tuple[Run, LoopState]:
         metrics_log = MetricsLog(run_dir)
         closer.callback(metrics_log.close)
         evaluator = Evaluator(programs.model, tokenizer, batch_size=cfg.decode.eval_batch_size,
-                              target_language=cfg.decode.tgt_lang or target_language,
+                              target_language=scoring_language(cfg.decode.tgt_lang or target_language),
                               tokenize=cfg.decode.sacrebleu_tokenize, layout=programs.layout,
                               decoders=programs.decoders)
         run = Run(plan=plan, programs=programs, data=data, tokenizer=tokenizer, checkpoints=checkpoints,
