@@ -101,13 +101,12 @@ def bare_loop(spec: dict) -> None:
     d = engine.defaults
     # the command's CT2 settings: the run's α and n-gram rule; no repetition penalty unless given
     options = CT2Search(4, d["alpha"], 1.0, d["no_repeat_ngram_size"]).options()
-    suppress = [[p] for p in engine._suppress]
     inter, intra = engine.threads
     translator = ctranslate2.Translator(str(engine.model_dir), device="cpu", inter_threads=inter,
                                         intra_threads=intra)
     start = time.perf_counter()
     pending = [translator.translate_batch(batch, asynchronous=True, max_decoding_length=limit,
-                                          suppress_sequences=suppress, **options)
+                                          suppress_sequences=engine._suppress, **options)
                for batch, limit in zip(batches, limits)]
     done = sum(len(r.result().hypotheses[0]) >= 0 for results in pending for r in results)
     print(f"LOOP {done} {time.perf_counter() - start:.3f}")

@@ -397,12 +397,15 @@ def test_translate_command_takes_the_languages(converted, tmp_path, capsys):
     src_lang, tgt_lang = LANGUAGES[kind]
     expected = Translator(run, batch_size=4, src_lang=src_lang, tgt_lang=tgt_lang)(FIXTURE[:2])
     capsys.readouterr()
-    translate_main(["--workdir", str(run), "--src-lang", src_lang, "--tgt-lang", tgt_lang, *FIXTURE[:2]])
+    languages = ["--workdir", str(run), "--src-lang", src_lang, "--tgt-lang", tgt_lang]
+    translate_main([*languages, "--engine", "jax", *FIXTURE[:2]])
+    assert capsys.readouterr().out.splitlines() == expected
+    translate_main([*languages, "--engine", "ct2", "--beam-size", "1", *FIXTURE[:2]])   # CT2 greedy alike
     assert capsys.readouterr().out.splitlines() == expected
     source, out = tmp_path / "in.txt", tmp_path / "out.txt"
     source.write_text("\n".join(FIXTURE[:2]) + "\n")
-    translate_main(["--workdir", str(run), "--src-lang", src_lang, "--tgt-lang", tgt_lang,
-                    "--input", str(source), "--output", str(out), "--beam-size", "4"])   # staged beams
+    translate_main([*languages, "--engine", "jax", "--input", str(source), "--output", str(out),
+                    "--beam-size", "4"])   # staged beams
     beams = Translator(run, batch_size=4, src_lang=src_lang, tgt_lang=tgt_lang)(FIXTURE[:2], beam_size=4)
     assert out.read_text().splitlines() == beams
     with pytest.raises(SystemExit):

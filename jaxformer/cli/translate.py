@@ -152,7 +152,8 @@ def _load_ct2(args: TranslateArgs) -> CT2Engine:
                          quantization=args.quantization or "float32", batch_size=args.batch_size,
                          max_len_a=args.max_len_a, max_len_b=args.max_len_b,
                          throughput=bool(args.input) or not (args.sentences or _is_stream(sys.stdin)),
-                         inter_threads=args.inter_threads, intra_threads=args.intra_threads)
+                         inter_threads=args.inter_threads, intra_threads=args.intra_threads,
+                         src_lang=args.src_lang, tgt_lang=args.tgt_lang)
     except (ImportError, ValueError, OSError) as e:   # ConversionError is a ValueError
         fail(PROG, str(e))
 

@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from jaxformer.data.tokenizer import load_tokenizer
+from jaxformer.data.tokenizer import load_tokenizer, with_languages
 from jaxformer.decode.defaults import decoding_defaults, length_limits
 from jaxformer.model.config import TransformerConfig
 from jaxformer.serve.ct2_model import cached_model, find_checkpoint
@@ -104,7 +104,7 @@ class CT2Engine:
     def __init__(self, workdir: str | Path, *, checkpoint: str | int = "auto", quantization: str = "float32",
                  batch_size: int = 32, max_len_a: float | None = None, max_len_b: int | None = None,
                  throughput: bool = False, inter_threads: int | None = None,
-                 intra_threads: int | None = None):
+                 intra_threads: int | None = None, src_lang: str | None = None, tgt_lang: str | None = None):
         try:
             import ctranslate2
         except ImportError as e:
@@ -113,6 +113,8 @@ class CT2Engine:
         record = _read_record(self.workdir)
         self.config = TransformerConfig.from_dict(record["model"])
         self.tokenizer = load_tokenizer(self.workdir, record)
+        if src_lang or tgt_lang:   # a multilingual model's languages (M2M100/NLLB: its own codes)
+            self.tokenizer = with_languages(self.tokenizer, src_lang, tgt_lang)
         self.defaults = decoding_defaults(record)
         self.max_len_a, self.max_len_b = length_limits(record, max_len_a, max_len_b)
         self.batch_size, self.quantization = batch_size, quantization
@@ -126,8 +128,11 @@ class CT2Engine:
                                                              "shared_vocabulary.json")
                           if (self.model_dir / name).is_file())
         self._target_ids = {piece: i for i, piece in enumerate(json.loads(vocab_file.read_text()))}
-        self._suppress = sorted({self.tokenizer.target_pieces([i])[0]
-                                 for i in (self.config.pad_id, self.tokenizer.bos_id)})
+        banned = getattr(self.tokenizer, "banned_ids", None)   # a model's generation rules, else pad, bos
+        banned = (self.config.pad_id, self.tokenizer.bos_id) if banned is None else banned
+        self._suppress = [[piece] for piece in sorted(set(self.tokenizer.target_pieces(list(banned))))]
+        forced = getattr(self.tokenizer, "forced_first_id", None)   # M2M100/NLLB: the target language
+        self._prefix = None if forced is None else self.tokenizer.target_pieces([forced])
         self._ctranslate2 = ctranslate2
         self._translator = self._new_translator(*self.threads)
 
@@ -157,16 +162,19 @@ class CT2Engine:
                 hashlib.sha256(f"{seed or 0} {first}".encode()).digest()[:4], "little"))
             translator = self._new_translator(1, self.threads[1])
         order = sorted(range(len(todo)), key=lambda j: len(ids[j]))
-        # The JAX beam's M tokens include the eos that ends each hypothesis; CT2 stops at M without one.
-        beam_counts_eos = int(search.beam_size > 1 and not search.sample)
+        # The JAX engine's M tokens include the eos that ends a beam hypothesis (and, with the "hf"
+        # rule of imported models, greedy's forced eos); CT2 stops at M without one.
+        hf = self.defaults["length_normalization"] == "hf"
+        beam_counts_eos = int(not search.sample and (search.beam_size > 1 or hf))
         pending = []
         for start in range(0, len(order), self.batch_size):
             members = order[start: start + self.batch_size]
             pieces = [self.tokenizer.source_pieces(ids[j][:-1] if self._cut_eos else ids[j]) for j in members]
             limit = self.max_decode_len(max(len(ids[j]) for j in members))
+            prefix = None if self._prefix is None else [self._prefix] * len(pieces)
             pending.append((members, translator.translate_batch(
-                pieces, asynchronous=True, max_decoding_length=limit - beam_counts_eos, suppress_sequences=[
-                    [piece] for piece in self._suppress], **search.options())))
+                pieces, prefix, asynchronous=True, max_decoding_length=limit - beam_counts_eos,
+                suppress_sequences=self._suppress or None, **search.options())))
         out = [[("", 0.0)] for _ in sentences]
         for members, results in pending:
             for j, result in zip(members, results):
