@@ -88,8 +88,9 @@ class Constrained:
 
     @classmethod
     def of(cls, beam: Beam) -> Constrained:
-        """The constrained search with ``beam``'s settings."""
-        return cls(**{field.name: getattr(beam, field.name) for field in dataclasses.fields(beam)})
+        """The constrained search with ``beam``'s settings (its processors on the log-probabilities:
+        ``penalize_logits``, CTranslate2's order, is plain beam search's alone)."""
+        return cls(**{field.name: getattr(beam, field.name) for field in dataclasses.fields(cls)})
 
     @property
     def plain(self) -> Beam:
