@@ -365,6 +365,33 @@ def test_finetune_changes_weights_and_still_exports(converted, tmp_path):
                                   np.asarray(tuned.params["src_embedding"]["embedding"]))
 
 
+def test_prepare_for_a_fine_tune_adds_the_language_tokens_and_encodes_again_for_others(converted, tmp_path,
+                                                                                      capsys):
+    """``jaxformer-prepare --init-from RUN --src-lang --tgt-lang``: every prepared pair starts with
+    its language's token; other languages in the same folder encode the data again (the
+    languages are part of the tokenizer's digest), never reuse the first ones' ids."""
+    from jaxformer.cli.prepare import main as prepare_main
+    from jaxformer.data.prepared import PreparedCorpus
+    from jaxformer.data.tokenizer import load_tokenizer
+
+    kind, _, _, _, run = converted
+    src_lang, tgt_lang = LANGUAGES[kind]
+    tsv = tmp_path / "mine.tsv"
+    tsv.write_text("".join(f"{a}\t{b}\n" for a, b in _pairs(60)))
+    flags = ["--workdir", str(tmp_path / "tune"), "--train-file", str(tsv), "--init-from", str(run)]
+    for source, target in ((src_lang, tgt_lang), (tgt_lang, src_lang)):
+        prepare_main([*flags, "--src-lang", source, "--tgt-lang", target])
+        prepared = PreparedCorpus.open(tmp_path / "tune" / "prepared")
+        first = {(int(prepared.src[i][0]), int(prepared.tgt[i][0])) for i in range(len(prepared))}
+        ours = load_tokenizer(run, json.loads((run / "config.json").read_text()))
+        ours = ours.with_languages(source, target)
+        assert first == {(ours.encode_source(["x"])[0][0], ours.encode_target(["x"])[0][0])}
+        assert ours.encode_source(["x"])[0][0] != ours.encode_target(["x"])[0][0]
+    assert "encoding again" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        prepare_main(["--train-file", str(tsv), "--src-lang", src_lang])   # languages need --init-from
+
+
 def test_ct2_export_decodes_as_generate(converted, tmp_path):
     """``--to-ct2``: CTranslate2 (target language as ``target_prefix``) decodes greedily as
     ``generate`` does, token for token."""

@@ -12,7 +12,7 @@ import tyro
 from jaxformer.cli import fail, plain
 from jaxformer.data.distillation import write_training_sources
 from jaxformer.data.run_data import prepare_run_data
-from jaxformer.run.config import DataConfig, RunConfig, TrainConfig, shown
+from jaxformer.run.config import DataConfig, DecodeConfig, RunConfig, TrainConfig, shown
 from jaxformer.run.directory import RunDir, topmost_missing
 from jaxformer.run.logs import console_logging
 from jaxformer.run.platform import skip_absent_tpu
@@ -26,6 +26,11 @@ class PrepareArgs:
 
     data: DataConfig = DataConfig()
     workdir: Annotated[str | None, shown("derived from the data, as train.py")] = None   # run directory
+    # prepare a fine-tune's data (train.py --init-from RUN): encoded with RUN's tokenizer
+    init_from: str | None = None
+    # an --init-from multilingual model's (M2M100, NLLB) language codes: each pair gets their tokens
+    src_lang: str | None = None
+    tgt_lang: str | None = None
     # instead of preparing: write the sources of --workdir's training split, one per line
     # (a teacher's input for distillation; docs, "Distillation")
     write_train_sources: str | None = None
@@ -51,14 +56,23 @@ def main(argv: list[str] | None = None) -> None:
             fail(PROG, str(e))
         print(f"wrote {lines} training sources of {args.workdir} to {args.write_train_sources}")
         return
+    if (args.src_lang or args.tgt_lang) and not args.init_from:
+        fail(PROG, "--src-lang/--tgt-lang choose the languages of a multilingual model to fine-tune: give "
+                   "its run as --init-from RUN")
     created = None   # the topmost folder this call makes: removed again if preparing fails
     try:
-        cfg = TrainConfig(data=args.data, run=RunConfig(workdir=args.workdir))
+        cfg = TrainConfig(data=args.data, run=RunConfig(workdir=args.workdir, init_from=args.init_from),
+                          decode=DecodeConfig(src_lang=args.src_lang, tgt_lang=args.tgt_lang))
         run_dir = RunDir(cfg.workdir)
         created = topmost_missing(run_dir.root)
         run_dir.create()   # a --workdir that is a file or cannot be written is named
+        tokenizer = None
+        if args.init_from:   # its tokenizer copied in (set to the languages), as train.py does
+            from jaxformer.interop.pretrained import tokenizer_and_model_config
+
+            tokenizer = tokenizer_and_model_config(cfg, run_dir)[0]
         prepare_run_data(cfg, run_dir, has_checkpoints=run_dir.checkpoints.exists()
-                         and any(run_dir.checkpoints.iterdir()))
+                         and any(run_dir.checkpoints.iterdir()), tokenizer=tokenizer)
     except (ValueError, OSError) as e:
         if created is not None:   # what this call made holds nothing worth keeping
             shutil.rmtree(created, ignore_errors=True)

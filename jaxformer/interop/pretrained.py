@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -119,8 +120,10 @@ def tokenizer_and_model_config(cfg: TrainConfig, run_dir: RunDir, *,
                              f"resume it without --src-lang/--tgt-lang, or fine-tune into another "
                              f"--workdir.")
         tokenizer = tokenizer.with_languages(cfg.decode.src_lang, cfg.decode.tgt_lang)
-        record = {**record, "tokenizer": {**record["tokenizer"], "src_lang": tokenizer.src_lang,
-                                          "tgt_lang": tokenizer.tgt_lang}}
+        languages = {"src_lang": tokenizer.src_lang, "tgt_lang": tokenizer.tgt_lang}
+        record = {**record, "tokenizer": {**record["tokenizer"], **languages}}
+        if is_main_process():   # in the tokenizer folder's digest: data of other languages is encoded anew
+            (run_dir.tokenizer_dir / "languages.json").write_text(json.dumps(languages) + "\n")
     return tokenizer, config, record
 
 
