@@ -217,6 +217,15 @@ def test_a_constraint_longer_than_the_limit_is_reported_for_its_line(translator)
     assert "Haus" in results[2][0][0]
 
 
+def test_a_phrase_the_tokenizer_writes_otherwise_is_named_and_held_in_that_form(translator):
+    """NFKC (sentencepiece's default) writes ``…`` as ``...``: the note says so, and the
+    translation holds the phrase as the tokenizer writes it."""
+    results, notes = translator.constrained(SENTENCES[:1], Constrained(12), [["Format…"]], indices=[4])
+    assert notes == ["line 5: this model's tokenizer writes 'Format…' as 'Format...'; that form is what "
+                     "the translation holds"], notes
+    assert "Format..." in results[0][0][0]
+
+
 def test_a_beam_too_small_for_the_banks_is_named(translator):
     _, notes = translator.constrained(["click ok"], Constrained(2), [["Zellen Format"]])
     assert any("--beam-size" in note and "banks" in note for note in notes), notes

@@ -16,11 +16,13 @@ from jaxformer.decode.constrained import bank_rule
 @dataclasses.dataclass
 class Request:
     """One sentence's constraints as token ids: ``phrases`` (each ≥ 1 token) and ``prefix``
-    (``[]`` for none), and its text ``texts`` (the phrases as the tokenizer gives them back)."""
+    (``[]`` for none), and its text ``texts`` (the phrases as the tokenizer gives them back;
+    ``asked``: as given)."""
 
     phrases: list[list[int]]
     prefix: list[int]
     texts: list[str]
+    asked: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def tokens(self) -> int:
@@ -42,7 +44,7 @@ def encode_requests(tokenizer, constraints: Sequence[Sequence[str]] | None,
         kept = [(text, i) for text, i in zip(phrases, ids) if i]
         prefix_ids = list(map(int, tokenizer.encode_target([prefix])[0])) if prefix.strip() else []
         requests.append(Request([i for _, i in kept], prefix_ids,
-                                tokenizer.decode([i for _, i in kept]) if kept else []))
+                                tokenizer.decode([i for _, i in kept]) if kept else [], [t for t, _ in kept]))
     return requests
 
 
@@ -51,9 +53,14 @@ def fit_requests(requests: list[Request], limits: Sequence[int], beam_size: int,
     """Makes each request fit its sentence's output limit, in place, and returns the notes, one
     per line that needs one (``lines``: its 1-based number): constraints and prefix that need
     more tokens than the limit (eos included) are dropped, the prefix cut to fit; a beam below
-    :func:`bank_rule` is named (the lower banks get no slot)."""
+    :func:`bank_rule` is named (the lower banks get no slot); a phrase the tokenizer writes
+    otherwise (its normalisation: ``…`` as ``...``, a character it lacks as ``⁇``) is named."""
     notes, small = [], []
     for request, limit, line in zip(requests, limits, lines):
+        changed = [f"{a!r} as {t!r}" for a, t in zip(request.asked, request.texts) if a != t]
+        if changed:
+            notes.append(f"line {line}: this model's tokenizer writes {', '.join(changed)}; that form is "
+                         f"what the translation holds")
         needed = request.tokens + len(request.prefix) + 1
         if needed > limit:
             notes.append(f"line {line}: its constraints and prefix need {needed} tokens with eos, but its "
