@@ -91,7 +91,7 @@ def main() -> None:
         score = bleu.corpus_score(outputs[key], [references]).score
         rows.append(f"| {name} {args.beam_size} | {score:.2f} | {time:.2f} s |")
     subset = f" --sentences {args.sentences}" if args.sentences else ""
-    lines = [f"`python benchmarks/constrained.py --workdir {Path(args.workdir).name} "
+    lines = [f"`python benchmarks/constrained.py --workdir runs/{Path(args.workdir).name} "
              f"--beam-size {args.beam_size}{subset}` "
              f"({datetime.date.today()}, "
              f"float32 2048³ matmul {flops / 1e9:.0f} GFLOP/s):", "",
