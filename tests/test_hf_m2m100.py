@@ -435,9 +435,9 @@ def test_translate_command_takes_the_languages(converted, tmp_path, capsys):
                     "--beam-size", "4"])   # staged beams
     beams = Translator(run, batch_size=4, src_lang=src_lang, tgt_lang=tgt_lang)(FIXTURE[:2], beam_size=4)
     assert out.read_text().splitlines() == beams
-    on_mesh = tmp_path / "mesh.txt"   # bulk, data-parallel over 2 of the 8 test devices
+    on_mesh = tmp_path / "mesh.txt"   # bulk, data-parallel over the 8 test devices
     translate_main([*languages, "--input", str(source), "--output", str(on_mesh), "--beam-size", "4",
-                    "--mesh", "data=2", "--batch-size", "2"])
+                    "--mesh", "data=8", "--batch-size", "8"])
     assert on_mesh.read_text().splitlines() == beams
     with pytest.raises(SystemExit):
         wrong = "xx_Yyyy" if kind == "nllb" else "xx"

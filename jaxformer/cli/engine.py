@@ -34,9 +34,9 @@ def choose_engine(args: TranslateArgs) -> tuple[str, str]:
     return "ct2", "a CPU, ctranslate2 installed"
 
 
-def rules(engine: str, search, beam_size: int) -> str:
+def rules(engine: str, search, beam_size: int, sampling: bool) -> str:
     """The decoding rules ``engine`` applies with ``search`` (a strategy or ``CT2Search``)."""
-    if getattr(search, "sample", False) is True or type(search).__name__ == "Sample":
+    if sampling:
         return "sampling"
     if beam_size == 1:
         return "greedy"

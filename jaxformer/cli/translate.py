@@ -243,7 +243,7 @@ def main(argv=None) -> None:
                    f"finished hypotheses come from the top bank, at most half the beam); this run decodes "
                    f"with beam {beam_size}: pass --beam-size {2 * args.n_best}")
     described = f"; {translator.describe()}" if engine == "ct2" else ""
-    decoding = rules(engine, _strategy(args, translator)[0], 1 if args.sample else beam_size)
+    decoding = rules(engine, _strategy(args, translator)[0], beam_size, args.sample)
     print(f"[{translator.kind} checkpoint, step {translator.step}]\n[engine {engine} ({why}){described}; "
           f"{decoding}]", file=sys.stderr)
     if not bulk_cli.bulk_mode(args):
