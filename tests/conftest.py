@@ -97,6 +97,35 @@ _LONGEST_FIRST = ("test_multiprocess.py", "test_compile.py", "test_bulk_translat
                   "test_cli.py", "test_scan.py", "test_decoding.py", "test_model.py", "test_packing.py")
 
 
+@pytest.fixture
+def killed_at_chunk(monkeypatch):
+    """``with killed_at_chunk(n): translate(...)``: the translate tool's n-th chunk raises
+    ``KeyboardInterrupt`` (a bulk job killed mid-file, its earlier chunks written), which the
+    block expects; after it, the real chunk translator is back."""
+    import contextlib
+
+    from jaxformer.cli import translate as translate_lib
+
+    @contextlib.contextmanager
+    def kill(n: int):
+        real, calls = translate_lib._translate_lines, []
+
+        def interrupted(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == n:
+                raise KeyboardInterrupt
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(translate_lib, "_translate_lines", interrupted)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                yield
+        finally:
+            monkeypatch.setattr(translate_lib, "_translate_lines", real)
+
+    return kill
+
+
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))   # stable within a module

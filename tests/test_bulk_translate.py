@@ -171,7 +171,7 @@ def test_a_beam_job_records_no_sampling_settings_so_another_seed_resumes_it(work
 
 
 def test_bfloat16_matmuls_in_bulk_and_a_resume_with_other_matmuls_is_refused(workdir, tmp_path, capsys,
-                                                                              monkeypatch):
+                                                                              killed_at_chunk):
     """``--matmul-dtype bfloat16``: the run's weight matrices are cast once, the file gets one
     line per line; the dtype is in the manifest, so finishing an interrupted bulk run with
     float32 matmuls (other bytes) is refused."""
@@ -187,18 +187,8 @@ def test_bfloat16_matmuls_in_bulk_and_a_resume_with_other_matmuls_is_refused(wor
     _input(source, lines=40)
     flags = ["--workdir", str(workdir), "--input", str(source), "--output", str(out), "--beam-size", "2",
              "--chunk-lines", "8", "--input-errors", "replace", "--early-stopping"]
-    real, calls = translate_lib._translate_lines, []
-
-    def interrupted(*args, **kwargs):   # the third chunk never finishes
-        calls.append(1)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(translate_lib, "_translate_lines", interrupted)
-    with pytest.raises(KeyboardInterrupt):
+    with killed_at_chunk(3):
         translate_main([*flags, "--matmul-dtype", "bfloat16"])
-    monkeypatch.setattr(translate_lib, "_translate_lines", real)
     with pytest.raises(SystemExit) as stop:
         translate_main(flags)
     assert stop.value.code == 2 and "matmul_dtype: then 'bfloat16', now None" in capsys.readouterr().err

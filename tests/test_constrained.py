@@ -281,26 +281,14 @@ def test_cli_refuses_constraints_with_sampling_or_more_n_best_than_banks_give(cl
 
 
 def test_bulk_records_the_constraint_file_and_refuses_a_resume_with_another(cli, tmp_path, capsys,
-                                                                            monkeypatch):
-    from jaxformer.cli import translate as translate_lib
-
+                                                                            killed_at_chunk):
     source, out = tmp_path / "in.txt", tmp_path / "out.txt"
     source.write_text("the house is small\nwe go home\nclick ok\nchoose format cells\n")
     (constraints := tmp_path / "constraints.txt").write_text("Haus\n\n\nZellen\n")
     flags = ["--input", source, "--output", out, "--beam-size", 8, "--chunk-lines", 2,
              "--constraints", constraints]
-    real, calls = translate_lib._translate_lines, []
-
-    def interrupted(*args, **kwargs):   # the second chunk never finishes
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(translate_lib, "_translate_lines", interrupted)
-    with pytest.raises(KeyboardInterrupt):
+    with killed_at_chunk(2):
         cli(*flags)
-    monkeypatch.setattr(translate_lib, "_translate_lines", real)
     constraints.write_text("Haus\n\n\nFormat\n")
     with pytest.raises(SystemExit) as stop:
         cli(*flags)

@@ -14,7 +14,6 @@ import pytest
 pytest.importorskip("ctranslate2")
 
 from jaxformer.cli import engine as engine_lib  # noqa: E402
-from jaxformer.cli import translate as translate_lib  # noqa: E402
 from jaxformer.cli.translate import main as translate_main  # noqa: E402
 from jaxformer.data import corpus  # noqa: E402
 from jaxformer.decode.penalties import penalties  # noqa: E402
@@ -98,27 +97,17 @@ def test_the_ct2_path_imports_no_jax(run):
 
 
 def test_bulk_mode_records_the_engine_resumes_byte_for_byte_and_never_mixes_engines(run, tmp_path, capsys,
-                                                                                 monkeypatch):
+                                                                                 killed_at_chunk):
     source, whole, out = tmp_path / "in.txt", tmp_path / "whole.txt", tmp_path / "out.txt"
     source.write_text("\n".join(SOURCES[:10] + ["", *SOURCES[10:20]]) + "\n")
     flags = ["--workdir", str(run), "--input", str(source), "--chunk-lines", "4", "--sample", "--seed", "3",
              "--top-k", "8"]
     translate_main([*flags, "--output", str(whole)])
     assert "engine ct2 (a CPU, ctranslate2 installed)" in capsys.readouterr().err
-    real, calls = translate_lib._translate_lines, []
-
-    def interrupted(*args, **kwargs):   # the third chunk never finishes
-        calls.append(1)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(translate_lib, "_translate_lines", interrupted)
-    with pytest.raises(KeyboardInterrupt):
+    with killed_at_chunk(3):
         translate_main([*flags, "--output", str(out)])
     manifest = json.loads((tmp_path / "out.txt.parts" / "manifest.json").read_text())
     assert manifest["engine"] == "ct2" and manifest["quantization"] == "float32"
-    monkeypatch.setattr(translate_lib, "_translate_lines", real)
     with pytest.raises(SystemExit) as stop:   # the other engine never finishes it
         translate_main([*flags, "--output", str(out), "--engine", "jax"])
     assert stop.value.code == 2 and "engine: then 'ct2', now 'jax'" in capsys.readouterr().err
