@@ -40,6 +40,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -117,7 +118,7 @@ def main() -> None:
     parser.add_argument("--workdir", help="the run to serve (required)")
     parser.add_argument("--lines", type=int, default=10_000)
     parser.add_argument("--jax-lines", type=int, default=10_000)
-    parser.add_argument("--out", type=Path, default=Path("/tmp/jaxformer-bulk-translate"))
+    parser.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "jaxformer-bulk-translate")
     parser.add_argument("--write", help="put the table into this README between its markers")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -25,6 +25,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -140,7 +141,7 @@ def main() -> None:
     parser.add_argument("--sentences", type=int, default=32)
     parser.add_argument("--source-tokens", type=int, default=25)
     parser.add_argument("--tokens", type=int, default=25, help="output tokens per sentence")
-    parser.add_argument("--out", default="/tmp/jaxformer-nllb-cpu")
+    parser.add_argument("--out", default=str(Path(tempfile.gettempdir()) / "jaxformer-nllb-cpu"))
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
