@@ -21,8 +21,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import jax
-
 from jaxformer.model.config import TransformerConfig
 from jaxformer.run.logs import is_main_process, log
 
@@ -218,6 +216,8 @@ def enable_compilation_cache(run_dir: RunDir, make: bool = True) -> bool:
     """JAX's persistent compilation cache in ``run_dir/jax_cache`` for every program, before the
     first compile; returns whether it is used. ``make``: made now (unwritable: no cache);
     else JAX makes it at the first compile and a cache folder chosen already is kept."""
+    import jax  # here: reading a run directory (CTranslate2 serving) imports no JAX
+
     if make:
         try:
             run_dir.jax_cache.mkdir(exist_ok=True)

@@ -8,14 +8,14 @@ import logging.handlers
 import time
 from pathlib import Path
 
-import jax
-
 LOGGER_NAME = "jaxformer"
 logger = logging.getLogger(LOGGER_NAME)
 
 
 def is_main_process() -> bool:
     """Whether this is process 0, which writes the run's logs and records."""
+    import jax  # here: the run directory's readers (CTranslate2 serving) import no JAX
+
     return jax.process_index() == 0
 
 

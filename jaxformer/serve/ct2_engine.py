@@ -23,6 +23,7 @@ from typing import Any
 from jaxformer.data.tokenizer import load_tokenizer, with_languages
 from jaxformer.decode.defaults import decoding_defaults, length_limits
 from jaxformer.model.config import TransformerConfig
+from jaxformer.run.directory import RunDir
 from jaxformer.serve.ct2_model import cached_model, find_checkpoint
 
 INSTALL = "pip install -e '.[serve]'"   # the extra that brings ctranslate2
@@ -70,20 +71,6 @@ def thread_layout(throughput: bool, inter_threads: int | None = None,
     return inter_threads, intra_threads or max(1, cores // inter_threads)
 
 
-def _read_record(workdir: Path) -> dict[str, Any]:
-    """The run's ``config.json``. ``FileNotFoundError``/``ValueError``: none, or not a run's record."""
-    path = workdir / "config.json"
-    try:
-        record = json.loads(path.read_text(encoding="utf-8"))
-        TransformerConfig.from_dict(record["model"])
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{workdir} is not a run directory (no config.json); give the --workdir "
-                                f"of a run written by train.py or jaxformer-convert.") from None
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{path} is not a run record ({e}); put back the file the run wrote.") from None
-    return record
-
-
 class CT2Engine:
     """A run's checkpoint decoded by ``ctranslate2.Translator`` on the CPU, with
     :class:`~jaxformer.decode.translator.Translator`'s face for the translate command:
@@ -110,7 +97,7 @@ class CT2Engine:
         except ImportError as e:
             raise ImportError(f"--engine ct2 needs the ctranslate2 package ({e}): {INSTALL}") from None
         self.workdir = Path(workdir)
-        record = _read_record(self.workdir)
+        record = RunDir(self.workdir).read_run_record()
         self.config = TransformerConfig.from_dict(record["model"])
         self.tokenizer = load_tokenizer(self.workdir, record)
         if src_lang or tgt_lang:   # a multilingual model's languages (M2M100/NLLB: its own codes)
