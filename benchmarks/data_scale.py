@@ -157,8 +157,8 @@ def shipped(args: argparse.Namespace) -> None:
     whole_plan = epoch_batches(examples, settings, True)
     result = {"padding_streamed": 1 - real / processed,
               "padding_old": batching.padding_fraction(examples, whole_plan)["both"]}
-    workers = build_train_data(_cfg(args, data_workers=2), corpus_, run.data.target_language,
-                               tok, run.model.config, row_multiple=1).iterator   # the same batches
+    workers = build_train_data(_cfg(args, data_workers=2), corpus_, tok, run.model.config,
+                               row_multiple=1).iterator   # the same batches
     state = run.state   # donated by each step: one state carried through all turns
     turns = (("streamed", run.data.iterator), ("streamed_2_workers", workers), ("old", old)) * 2
     for name, iterator in turns:   # in turns, so drift hits every pipeline alike

@@ -54,7 +54,7 @@ def test_train_command_exit_status_says_how_the_run_ended(tmp_path, short_corpus
     run itself: the tests above; the same through ``train.py`` children: the slow test)."""
     from jaxformer.cli.train import main as train_main
 
-    def ended(cfg, fresh=False):
+    def ended(cfg, fresh=False, chosen=None):
         if stop.startswith("SIG"):
             raise trainer.Preempted(signal.Signals[stop], 6, "stopped at step 6 with a checkpoint")
         if stop == "diverged":
@@ -140,14 +140,14 @@ def test_an_edited_run_record_with_a_section_of_the_wrong_type_is_named(tmp_path
     in the resume's ``--init-from`` lookup: every reader of the record names the section."""
     import json
 
-    from jaxformer.interop.pretrained import with_saved_init_from
     from jaxformer.run.config import TrainConfig
+    from jaxformer.train.plan import plan_run
 
     run = directory.RunDir(tmp_path)
     run.config.write_text(json.dumps({"model": {"d_model": 8}, "train": {"init_from": "teacher"},
                                       section: value}))
     message = f"its {section!r} section is .*, not a JSON {kind}: .*edited or damaged"
     for read in (run.read_config, run.read_run_record,
-                 lambda: with_saved_init_from(TrainConfig.flat(workdir=str(tmp_path)), run)):
+                 lambda: plan_run(TrainConfig.flat(workdir=str(tmp_path)))):
         with pytest.raises(ValueError, match=message):
             read()

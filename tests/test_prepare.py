@@ -288,13 +288,13 @@ def test_a_library_fine_tune_refuses_a_preset_or_vocab_size_it_would_ignore(corp
     (teacher / "checkpoints" / "5").mkdir(parents=True)
     (teacher / "config.json").write_text(json.dumps({"model": {}, "train": {}}))
     student = tmp_path / "student"
-    with pytest.raises(ValueError, match=r"fine-tunes .*teacher.*preset='tiny' and vocab_size=300 would "
-                                         r"do nothing: leave them at the default"):
+    with pytest.raises(ValueError, match=r"fine-tunes .*teacher.*--preset and --vocab-size would do "
+                                         r"nothing .*: drop them"):
         train(_cfg(corpus_file, student, init_from=str(teacher), preset="tiny", progress=False))
     assert not student.exists()
     student.mkdir()
     (student / "config.json").write_text(json.dumps({"model": {}, "train": {"init_from": str(teacher)}}))
-    with pytest.raises(ValueError, match=r"vocab_size=300 would do nothing: leave it at the default"):
+    with pytest.raises(ValueError, match=r"so --vocab-size would do nothing .*: drop it"):
         train(_cfg(corpus_file, student, progress=False))
     assert sorted(p.name for p in student.iterdir()) == ["config.json"]
 
@@ -316,7 +316,7 @@ def test_a_failed_start_removes_the_run_directory_it_made_unless_the_data_was_pr
         assert workdir.exists() is kept and (tmp_path / "new").exists() is False
     assert (tmp_path / "mine" / "notes.txt").read_text() == "the user's"
     # Another run of a sweep made its folder beside this one meanwhile: only this run's goes.
-    def setup_that_fails(cfg, fresh=False):
+    def setup_that_fails(cfg, fresh=False, chosen=None):
         (tmp_path / "sweep" / "b" / "prepared").mkdir(parents=True)
         RunDir(cfg.workdir).create()
         raise ValueError("a bad flag")

@@ -68,9 +68,10 @@ def main(argv: list[str] | None = None) -> None:
         run_dir.create()   # a --workdir that is a file or cannot be written is named
         tokenizer = None
         if args.init_from:   # its tokenizer copied in (set to the languages), as train.py does
-            from jaxformer.interop.pretrained import tokenizer_and_model_config
+            from jaxformer.interop.pretrained import fine_tune_tokenizer, read_run
 
-            tokenizer = tokenizer_and_model_config(cfg, run_dir)[0]
+            tokenizer = fine_tune_tokenizer(args.init_from, read_run(args.init_from), run_dir, args.src_lang,
+                                            args.tgt_lang)[0]
         prepare_run_data(cfg, run_dir, has_checkpoints=run_dir.checkpoints.exists()
                          and any(run_dir.checkpoints.iterdir()), tokenizer=tokenizer)
     except (ValueError, OSError) as e:

@@ -30,26 +30,14 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     prog = prog or "jaxformer-train"
     args = parse_train_args(argv, DEFAULT_CPU_RUN, DESCRIPTION, prog=prog)
     cfg = args.cfg
-    from jaxformer.interop.pretrained import with_saved_init_from
     from jaxformer.run.directory import RunDir, keep_compilation_cache
-
-    try:   # a resume of a fine-tune, without the flag, is a fine-tune too
-        saved = None if args.fresh else with_saved_init_from(cfg, RunDir(cfg.workdir)).run.init_from
-        loaded = cfg.run.init_from or saved
-    except (ValueError, OSError):   # a damaged config.json: train() names it
-        loaded = cfg.run.init_from
-    if loaded and (ignored := sorted(args.chosen & {"preset", "vocab_size"})):
-        them = "them" if len(ignored) > 1 else "it"
-        named = " and ".join("--" + name.replace("_", "-") for name in ignored)
-        fail(prog, f"this run fine-tunes {loaded} (--init-from), whose architecture and tokenizer it "
-                   f"keeps, so {named} would do nothing (given as a flag or in --config): drop {them}.")
     from jaxformer.train.trainer import Preempted, TrainingDiverged, train
 
     console_logging()
     skip_absent_tpu()   # libtpu installed on a CPU host: never start the TPU backend
     keep_compilation_cache(RunDir(cfg.workdir))   # a resume compiles nothing it compiled before
     try:
-        train(cfg, fresh=args.fresh)
+        train(cfg, fresh=args.fresh, chosen=args.chosen)
     except (ValueError, OSError) as e:   # bad data, paths or checkpoints: a message, not a traceback
         fail(prog, str(e))
     except TrainingDiverged as e:

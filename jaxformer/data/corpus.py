@@ -13,14 +13,11 @@ import itertools
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from jaxformer.data.lines import read_lines
 from jaxformer.data.prepared import file_digest
 from jaxformer.run.config import PAIRS  # noqa: F401  (re-exported: the shipped pairs)
-
-if TYPE_CHECKING:
-    from jaxformer.run.config import TrainConfig
 
 Pair = tuple[str, str]
 
@@ -175,8 +172,3 @@ def check_splits_nonempty(sizes: dict[str, int], n: int, dropped: dict[str, int]
         raise ValueError(f"The {empty[0]} split is empty ({n} pairs in all{filters}; a pair's split is "
                          f"chosen by the hash of its source, so repeated sources share one); give a "
                          f"larger corpus or explicit --dev-file/--test-file.")
-
-
-def target_language_of(cfg: TrainConfig) -> str:
-    """The target language code of a run's data (``"xx"`` for a user's own corpus)."""
-    return cfg.data.pair.split("-")[1] if not (cfg.data.train_file or cfg.data.src_file) else "xx"

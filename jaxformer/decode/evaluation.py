@@ -33,17 +33,18 @@ class Evaluator:
     """Dev/test evaluation and batched translation: teacher-forced loss, decoding, BLEU."""
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, *, batch_size: int,
-                 target_language: str, layout: sharding_lib.Layout | None = None,
+                 target_language: str = "", layout: sharding_lib.Layout | None = None,
                  tokenize: str | None = None, max_len_a: float = 1.0, max_len_b: int = 50,
                  scoring: bool = True, exports: ExportCache | None = None, staged: bool = False,
-                 decoders: dict[Any, Any] | None = None):
+                 decoders: dict[Any, Any] | None = None, bleu: Any = None):
         """``batch_size``: the most sentences per decoding batch (fewer: padded to a power of two);
         ``target_language`` (ISO code) or ``tokenize`` chooses the BLEU tokenizer (:func:`make_bleu`,
         its ``ValueError``); at most ``max_len_a`` × L + ``max_len_b`` tokens (fairseq's
         ``--max-len-a/b``), never ``max_len``; ``scoring``: build the BLEU/chrF scorers; ``exports``:
         serve unsampled decoders from exported programs without a layout; ``staged``: ``Beam`` in
         stages (:mod:`jaxformer.decode.staged`) without a layout; ``decoders``: the compiled
-        decoders by settings, shareable by evaluators of one model, layout, exports and staging."""
+        decoders by settings, shareable by evaluators of one model, layout, exports and staging;
+        ``bleu``: a BLEU scorer made already (:func:`make_bleu`'s) instead of one made here."""
         self.model, self.tokenizer, self.layout, self.batch_size = model, tokenizer, layout, batch_size
         # Coarse buckets: each is one compile of the decode loop and of the eval step.
         self.boundaries = bucket_boundaries(model.config.max_len, step=32)
@@ -53,7 +54,7 @@ class Evaluator:
         if scoring:
             from sacrebleu.metrics import CHRF
 
-            self.bleu, self.chrf = make_bleu(target_language, tokenize), CHRF()
+            self.bleu, self.chrf = bleu or make_bleu(target_language, tokenize), CHRF()
 
     def _decoder(self, strategy: Any, sampled: bool, **static) -> Callable:
         """``fn(params, src_BS, indices_B, rng)``, cached: staged, exported (``rng`` ``None``) or jitted."""

@@ -46,33 +46,31 @@ def copy_tokenizer(init_from: str | Path, record: dict[str, Any], target: Path) 
         shutil.copytree(Path(init_from) / folder, target, dirs_exist_ok=True)
 
 
-def check_fine_tune(cfg: TrainConfig, run_dir: RunDir, *, fresh: bool, starting: bool,
-                    saved: dict[str, Any] | None = None) -> None:
+def check_fine_tune(cfg: TrainConfig, record: dict[str, Any], chosen: frozenset[str], run_dir: RunDir, *,
+                    fresh: bool, starting: bool) -> None:
     """Refuses, before anything is written, a fine-tune with ``--fresh`` into the loaded run
-    itself, a ``preset`` or ``vocab_size`` off their defaults (the loaded run's are kept), a
-    model flag that would change the architecture (of ``saved``, a resume's record, else the
-    loaded run's), and, ``starting`` (no checkpoint of its own yet), a loaded run without one.
+    itself, a ``preset`` or ``vocab_size`` the user ``chosen`` (the loaded run's are kept), a
+    model flag that would change the architecture of ``record`` (a resume's own, else the loaded
+    run's), and, ``starting`` (no checkpoint of its own yet), a loaded run without one.
 
     Raises:
       ValueError: naming the flags and the fix; FileNotFoundError: no checkpoint, or not a run.
     """
-    defaults, settings = TrainConfig().settings(), cfg.settings()
-    ignored = [name for name in ("preset", "vocab_size") if settings[name] != defaults[name]]
-    error, problem = ValueError, None
-    record = saved if saved and "model" in saved else read_run(cfg.run.init_from)   # damage first
-    if starting and not RunDir(cfg.run.init_from).has_checkpoint(or_best=True):
+    init_from, error, problem = cfg.run.init_from, ValueError, None
+    ignored = sorted(chosen & {"preset", "vocab_size"})
+    if starting and not RunDir(init_from).has_checkpoint(or_best=True):
         error, problem = FileNotFoundError, (
-            f"--init-from {str(cfg.run.init_from)!r} has no checkpoint (its best/ and checkpoints/ "
+            f"--init-from {str(init_from)!r} has no checkpoint (its best/ and checkpoints/ "
             f"hold no step): train it first, or start from a run that has one.")
-    elif fresh and Path(cfg.run.init_from).resolve() == run_dir.root.resolve():
-        problem = (f"--init-from {str(cfg.run.init_from)!r} is this run's own --workdir, whose files "
+    elif fresh and Path(init_from).resolve() == run_dir.root.resolve():
+        problem = (f"--init-from {str(init_from)!r} is this run's own --workdir, whose files "
                    f"--fresh would move aside before loading them: fine-tune into another "
                    f"--workdir (nothing was moved).")
     elif ignored:
-        named = " and ".join(f"{name}={settings[name]!r}" for name in ignored)
-        problem = (f"this run fine-tunes {str(cfg.run.init_from)!r} (init_from), whose architecture and "
-                   f"tokenizer it keeps, so {named} would do nothing: leave "
-                   f"{'them' if len(ignored) > 1 else 'it'} at the default.")
+        named = " and ".join("--" + name.replace("_", "-") for name in ignored)
+        problem = (f"this run fine-tunes {init_from} (--init-from), whose architecture and tokenizer it "
+                   f"keeps, so {named} would do nothing (given as a flag or in --config): drop "
+                   f"{'them' if len(ignored) > 1 else 'it'}.")
     elif fixed := sorted(k for k, v in cfg.model.overrides().items() if k not in TUNABLE_FIELDS
                          and getattr(TransformerConfig.from_dict(record["model"]), k) != v):
         flags = ", ".join("--" + k.replace("_", "-").replace("num-encoder-layers", "num-layers")
@@ -94,43 +92,24 @@ def load_params(init_from: str | Path, abstract_params: Any) -> Any:
     return params
 
 
-def tokenizer_and_model_config(cfg: TrainConfig, run_dir: RunDir, *,
-                               own_record: dict[str, Any] | None = None):
-    """``(tokenizer, model_config, record)`` of ``--init-from RUN``, its tokenizer folder copied
-    into this run's ``tokenizer/``; a multilingual one set to ``--src-lang``/``--tgt-lang`` (its
-    codes; ``ValueError`` naming the nearest for another), which the record keeps. ``own_record``
-    (a resume's ``config.json``) gives both without ``RUN``, which may be gone since. Raises as
-    :func:`read_run` and :func:`model_config`."""
-    resumed = own_record is not None and "model" in own_record and "tokenizer" in own_record
-    record = own_record if resumed else read_run(cfg.run.init_from)
-    config = model_config(record, cfg.model.overrides())
-    if not resumed:   # this run's tokenizer/ is the loaded run's, copied once
-        if is_main_process():
-            copy_tokenizer(cfg.run.init_from, record, run_dir.tokenizer_dir)
-        if jax.process_count() > 1:   # the others load the files process 0 copied
-            from jax.experimental import multihost_utils
+def fine_tune_tokenizer(init_from: str | Path, record: dict[str, Any], run_dir: RunDir,
+                        src_lang: str | None, tgt_lang: str | None) -> tuple[Any, dict[str, Any]]:
+    """``(tokenizer, its config.json record)`` of fine-tune ``record`` (``--init-from RUN``'s, or a
+    resumed fine-tune's own), RUN's tokenizer folder copied into this run's ``tokenizer/`` unless
+    there; a multilingual one set to ``src_lang`` → ``tgt_lang`` (``None``: the record's), which
+    the record keeps. Raises ``ValueError`` naming the nearest code for a language not the
+    model's; as :func:`jaxformer.data.tokenizer.load_tokenizer`."""
+    if is_main_process():
+        copy_tokenizer(init_from, record, run_dir.tokenizer_dir)
+    if jax.process_count() > 1:   # the others load the files process 0 copied
+        from jax.experimental import multihost_utils
 
-            multihost_utils.sync_global_devices("tokenizer")
-    tokenizer = load_tokenizer(run_dir.root, record)
+        multihost_utils.sync_global_devices("tokenizer")
+    tokenizer, info = load_tokenizer(run_dir.root, record), record["tokenizer"]
     if hasattr(tokenizer, "with_languages"):   # M2M100/NLLB: the data's languages, kept in the record
-        kept = (tokenizer.src_lang, tokenizer.tgt_lang)
-        asked = (cfg.decode.src_lang or kept[0], cfg.decode.tgt_lang or kept[1])
-        if resumed and asked != kept:   # its prepared data holds the recorded languages' tokens
-            raise ValueError(f"this run fine-tunes {kept[0]} → {kept[1]}, not {asked[0]} → {asked[1]}: "
-                             f"resume it without --src-lang/--tgt-lang, or fine-tune into another "
-                             f"--workdir.")
-        tokenizer = tokenizer.with_languages(cfg.decode.src_lang, cfg.decode.tgt_lang)
+        tokenizer = tokenizer.with_languages(src_lang, tgt_lang)
         languages = {"src_lang": tokenizer.src_lang, "tgt_lang": tokenizer.tgt_lang}
-        record = {**record, "tokenizer": {**record["tokenizer"], **languages}}
+        info = {**info, **languages}
         if is_main_process():   # in the tokenizer folder's digest: data of other languages is encoded anew
             (run_dir.tokenizer_dir / "languages.json").write_text(json.dumps(languages) + "\n")
-    return tokenizer, config, record
-
-
-def with_saved_init_from(cfg: TrainConfig, run_dir: RunDir) -> TrainConfig:
-    """``cfg`` with the ``--init-from`` its run directory was started with, when resumed without it."""
-    saved = run_dir.read_config() or {}
-    init_from = saved.get("train", {}).get("init_from")
-    if cfg.run.init_from or not init_from:
-        return cfg
-    return cfg.replace(init_from=init_from)
+    return tokenizer, info

@@ -10,7 +10,6 @@ from typing import Any, Literal
 
 import jax
 
-from jaxformer.data.corpus import target_language_of
 from jaxformer.data.multilingual import scoring_language
 from jaxformer.decode.evaluation import make_bleu
 from jaxformer.interop import pretrained
@@ -26,11 +25,21 @@ class RunPlan:
     """What a run's start decided (:func:`plan_run`)."""
 
     cfg: TrainConfig   # with the --init-from the run began with (a resumed fine-tune keeps it)
+    chosen: frozenset[str]   # the settings the user gave (flags, --config keys), by flat name
     # resume: checkpoints/ holds a step; fine-tune: none yet, cfg.run.init_from's weights;
     # fresh: none yet, initialised from cfg.run.seed
     start: Literal["fresh", "resume", "fine-tune"]
     run_dir: RunDir
     saved: dict[str, Any] | None   # a resume's config.json record (what it is checked against)
+    # a fine-tune's --init-from record, read once: a resumed fine-tune's own (its source may be
+    # gone since), else the loaded run's; None: no fine-tune
+    source: dict[str, Any] | None
+    # a fine-tune's: the loaded run's, tunable fields overridden; else the preset with the model
+    # flags, sized to --vocab-size until model_config() sizes it to the trained tokenizer
+    architecture: TransformerConfig
+    src_lang: str | None   # the data's languages as codes (en, eng_Latn); None: not known
+    tgt_lang: str | None
+    bleu: Any   # sacrebleu's BLEU for the target language or --sacrebleu-tokenize
     mesh: jax.sharding.Mesh   # --mesh over --devices
     data_workers: int   # --data-workers, or 0 on the CPU (the step needs its cores), else 2
     row_multiple: int   # batch rows divide by it: data axis x --grad-accum-steps, and processes
@@ -40,26 +49,48 @@ class RunPlan:
     def resuming(self) -> bool:
         return self.start == "resume"
 
+    def model_config(self, tokenizer: Any) -> TransformerConfig:
+        """The architecture to train: a fresh run's sized to its ``tokenizer`` (known once trained)."""
+        if self.source is not None:
+            return self.architecture
+        return self.architecture.replace(src_vocab_size=tokenizer.src_vocab_size,
+                                         tgt_vocab_size=tokenizer.tgt_vocab_size, pad_id=tokenizer.pad_id)
 
-def plan_run(cfg: TrainConfig, fresh: bool = False) -> RunPlan:
-    """Decides the start from ``cfg``, ``fresh`` and the run directory, and checks what needs no
-    data (BLEU's tokenizer, the mesh against devices and widths, the fine-tune's source).
+    def languages(self) -> dict[str, str]:
+        """``config.json``'s ``target_language`` and ``source_language`` (:func:`recorded_languages`)."""
+        return recorded_languages(self.src_lang, self.tgt_lang)
+
+
+def plan_run(cfg: TrainConfig, fresh: bool = False, chosen: frozenset[str] | None = None) -> RunPlan:
+    """Decides the start from ``cfg``, ``fresh``, the settings the user ``chosen`` (``None``: those
+    off :class:`TrainConfig`'s defaults) and the run directory, and checks what needs no data
+    (BLEU's tokenizer, the mesh against devices and widths, the fine-tune's source).
     Raises ``ValueError`` / ``FileNotFoundError`` / ``OSError`` naming the flag and the fix."""
     t_start = time.perf_counter()
-    make_bleu(scoring_language(cfg.decode.tgt_lang or target_language_of(cfg)),   # deu_Latn: as German
-              cfg.decode.sacrebleu_tokenize)
+    defaults = TrainConfig().settings()
+    chosen = frozenset(k for k, v in cfg.settings().items() if v != defaults[k]) if chosen is None else chosen
     sharding_lib.initialize_distributed(cfg.run.coordinator_address, cfg.run.num_processes,
                                         cfg.run.process_id, auto=cfg.run.distributed)
     mesh = sharding_lib.make_mesh(cfg.run.mesh, sharding_lib.first_devices(cfg.run.devices))
     run_dir = RunDir(cfg.workdir)
-    saved = None if fresh else run_dir.read_config()   # a damaged record is refused, never overwritten
-    cfg = cfg if fresh else pretrained.with_saved_init_from(cfg, run_dir)
+    own = None if fresh else run_dir.read_config()   # a damaged record is refused, never overwritten
+    if own and not cfg.run.init_from and own.get("train", {}).get("init_from"):   # resumed without the flag
+        cfg = cfg.replace(init_from=own["train"]["init_from"])
     resuming = not fresh and run_dir.has_checkpoint()
-    saved = saved if resuming else None
+    saved = own if resuming else None
     start = "resume" if resuming else "fine-tune" if cfg.run.init_from else "fresh"
+    source = None
     if cfg.run.init_from:
-        pretrained.check_fine_tune(cfg, run_dir, fresh=fresh, starting=start == "fine-tune", saved=saved)
-    sharding_lib.check_mesh_divides(mesh, _architecture(cfg, saved), loaded_from=cfg.run.init_from)
+        own_source = saved is not None and "model" in saved and "tokenizer" in saved
+        source = saved if own_source else pretrained.read_run(cfg.run.init_from)
+        pretrained.check_fine_tune(cfg, source, chosen, run_dir, fresh=fresh, starting=start == "fine-tune")
+        architecture = pretrained.model_config(source, cfg.model.overrides())
+    else:
+        architecture = preset(cfg.model.preset, src_vocab_size=cfg.data.vocab_size, **cfg.model.overrides())
+    resumed_model = TransformerConfig.from_dict(saved["model"]) if saved and "model" in saved else None
+    sharding_lib.check_mesh_divides(mesh, resumed_model or architecture, loaded_from=cfg.run.init_from)
+    src_lang, tgt_lang = _languages(cfg, source, resumed=source is not None and source is saved)
+    bleu = make_bleu(recorded_languages(src_lang, tgt_lang)["target_language"], cfg.decode.sacrebleu_tokenize)
     if cfg.run.devices is not None:
         log(f"using {cfg.run.devices} of {len(jax.devices())} devices (--devices)")
     if cfg.train.warmup_steps >= cfg.train.max_steps:   # legal (short test runs), but rarely what is meant
@@ -68,17 +99,41 @@ def plan_run(cfg: TrainConfig, fresh: bool = False) -> RunPlan:
             f"lower --warmup-steps "
             f"(e.g. {max(1, cfg.train.max_steps // 10)}) for a full schedule")
     workers = cfg.train.data_workers   # default: none on the CPU, whose cores the step needs
-    return RunPlan(cfg=cfg, start=start, run_dir=run_dir, saved=saved, mesh=mesh, t_start=t_start,
+    return RunPlan(cfg=cfg, chosen=chosen, start=start, run_dir=run_dir, saved=saved, source=source,
+                   architecture=architecture, src_lang=src_lang, tgt_lang=tgt_lang, bleu=bleu,
+                   mesh=mesh, t_start=t_start,
                    data_workers=workers if workers is not None else (
                        0 if jax.default_backend() == "cpu" else 2),
                    row_multiple=math.lcm(sharding_lib.batch_shards(mesh) * cfg.train.grad_accum_steps,
                                          jax.process_count()))
 
 
-def _architecture(cfg: TrainConfig, saved: dict[str, Any] | None) -> TransformerConfig:
-    """The widths the mesh must split: the resumed run's, the fine-tune's source's, or the preset's."""
-    if saved is not None and "model" in saved:
-        return TransformerConfig.from_dict(saved["model"])
-    if cfg.run.init_from:
-        return pretrained.model_config(pretrained.read_run(cfg.run.init_from), cfg.model.overrides())
-    return preset(cfg.model.preset, src_vocab_size=cfg.data.vocab_size, **cfg.model.overrides())
+def _languages(cfg: TrainConfig, source: dict[str, Any] | None,
+               resumed: bool) -> tuple[str | None, str | None]:
+    """The data's ``(source, target)`` language codes: ``--src-lang``/``--tgt-lang``, else a
+    multilingual model's (its tokenizer's codes), the shipped pair's, or the loaded run's record;
+    ``None`` where none says. Raises ``ValueError`` for other languages on a multilingual
+    fine-tune's resume (its prepared data holds the first ones' language tokens)."""
+    source = source or {}
+    tokenizer = source.get("tokenizer", {})
+    multilingual = tokenizer.get("kind") in ("m2m100", "nllb")
+    if multilingual:
+        known = tokenizer.get("src_lang"), tokenizer.get("tgt_lang")
+    elif not (cfg.data.train_file or cfg.data.src_file):   # the shipped corpus of --pair
+        known = tuple(cfg.data.pair.split("-"))
+    else:   # a run of one pair: its recorded languages ("xx": not known)
+        target = source.get("target_language")
+        known = source.get("source_language"), None if target == "xx" else target
+    asked = cfg.decode.src_lang or known[0], cfg.decode.tgt_lang or known[1]
+    if multilingual and resumed and asked != known:
+        raise ValueError(f"this run fine-tunes {known[0]} → {known[1]}, not {asked[0]} → {asked[1]}: "
+                         f"resume it without --src-lang/--tgt-lang, or fine-tune into another --workdir.")
+    return asked
+
+
+def recorded_languages(src_lang: str | None, tgt_lang: str | None) -> dict[str, str]:
+    """``target_language`` (``"xx"``: not known) and ``source_language`` (left out when not known)
+    as ``config.json`` records them: the language part of the codes, as BLEU reads it
+    (``eng_Latn`` → ``eng``, ``zho_Hans`` → ``zh``)."""
+    target = {"target_language": scoring_language(tgt_lang) if tgt_lang else "xx"}
+    return target | ({"source_language": scoring_language(src_lang)} if src_lang else {})

@@ -13,15 +13,13 @@ from typing import Any
 import jax
 
 from jaxformer.data.batching import bucket_boundaries, check_batch_rows, rows_per_batch, tokenize_pairs
-from jaxformer.data.corpus import target_language_of
-from jaxformer.data.multilingual import scoring_language
 from jaxformer.data.prepared import PreparedCorpus
 from jaxformer.data.run_data import prepare_run_data
 from jaxformer.data.streaming import BatchStream, kept_records, stream_dataset
 from jaxformer.data.tokenizer import Tokenizer
 from jaxformer.decode.evaluation import Evaluator
 from jaxformer.interop import pretrained
-from jaxformer.model.config import TransformerConfig, preset
+from jaxformer.model.config import TransformerConfig
 from jaxformer.run.checkpoints import RunCheckpoints
 from jaxformer.run.config import TrainConfig, save_json
 from jaxformer.run.directory import check_resume_compatible, resume_record, set_aside_metrics_after
@@ -35,11 +33,13 @@ from jaxformer.train.step import TrainState
 __all__ = ["setup", "build_train_data"]
 
 
-def setup(cfg: TrainConfig, *, fresh: bool = False) -> tuple[Run, LoopState]:
-    """Plans the run, makes its directory (``fresh``: the previous run's files moved aside),
-    prepares data and tokenizer, restores, loads or initialises the train state and writes
-    ``config.json``. Returns ``(run, loop state at the start step)``."""
-    plan = plan_run(cfg, fresh)
+def setup(cfg: TrainConfig, *, fresh: bool = False, chosen: frozenset[str] | None = None
+          ) -> tuple[Run, LoopState]:
+    """Plans the run (:func:`plan_run`, with the settings the user ``chosen``), makes its
+    directory (``fresh``: the previous run's files moved aside), prepares data and tokenizer,
+    restores, loads or initialises the train state and writes ``config.json``. Returns
+    ``(run, loop state at the start step)``."""
+    plan = plan_run(cfg, fresh, chosen)
     cfg, run_dir = plan.cfg, plan.run_dir
     previous = run_dir.create(fresh)   # --fresh: where the previous run's files went
     if jax.process_count() > 1:   # every process sees the directory after --fresh moved things
@@ -50,13 +50,13 @@ def setup(cfg: TrainConfig, *, fresh: bool = False) -> tuple[Run, LoopState]:
         checkpoints = RunCheckpoints(run_dir.root, keep=cfg.run.keep_checkpoints)
         closer.callback(checkpoints.close)   # else orbax's cleanup thread prints a traceback at exit
         closer.callback(checkpoints.wait)
-        prepared, tokenizer, model_config, tokenizer_record = _data_and_model(plan, previous)
+        prepared, tokenizer, tokenizer_record = _data_and_tokenizer(plan, previous)
+        model_config = plan.model_config(tokenizer)
         batch_rows = _batch_rows(cfg, model_config, plan.row_multiple)
         if plan.saved is not None:
             check_resume_compatible(plan.saved, model_config)
             _check_same_batches(plan, batch_rows)
-        target_language = target_language_of(cfg)
-        data = build_train_data(cfg, prepared, target_language, tokenizer, model_config, plan.row_multiple,
+        data = build_train_data(cfg, prepared, tokenizer, model_config, plan.row_multiple,
                                 workers=plan.data_workers)
         closer.callback(data.iterator.close)   # stops the data worker processes, if any
         programs = run_programs(cfg, model_config, plan.mesh)
@@ -66,14 +66,12 @@ def setup(cfg: TrainConfig, *, fresh: bool = False) -> tuple[Run, LoopState]:
         init_key, dropout_key = jax.random.split(jax.random.key(cfg.run.seed))
         state, step = _start_state(plan, programs, checkpoints, data, init_key)
         data.iterator.start_prefetch()   # data workers (if any) start now, while the step compiles
-        _write_run_record(plan, model_config, tokenizer, target_language, batch_rows,
-                          data=data.iterator.fingerprint(), tokenizer_record=tokenizer_record)
+        _write_run_record(plan, model_config, tokenizer, batch_rows, data=data.iterator.fingerprint(),
+                          tokenizer_record=tokenizer_record)
         metrics_log = MetricsLog(run_dir)
         closer.callback(metrics_log.close)
         evaluator = Evaluator(programs.model, tokenizer, batch_size=cfg.decode.eval_batch_size,
-                              target_language=scoring_language(cfg.decode.tgt_lang or target_language),
-                              tokenize=cfg.decode.sacrebleu_tokenize, layout=programs.layout,
-                              decoders=programs.decoders)
+                              bleu=plan.bleu, layout=programs.layout, decoders=programs.decoders)
         run = Run(plan=plan, programs=programs, data=data, tokenizer=tokenizer, checkpoints=checkpoints,
                   evaluator=evaluator, metrics_log=metrics_log, dropout_key=dropout_key,
                   closer=closer.pop_all())
@@ -83,21 +81,16 @@ def setup(cfg: TrainConfig, *, fresh: bool = False) -> tuple[Run, LoopState]:
                                                        -math.inf if best is None else best))
 
 
-def _data_and_model(plan: RunPlan, previous: Path | None
-                    ) -> tuple[PreparedCorpus, Tokenizer, TransformerConfig, dict[str, Any] | None]:
-    """The prepared data, its tokenizer, the architecture and a fine-tune's tokenizer record."""
-    cfg, run_dir = plan.cfg, plan.run_dir
-    if cfg.run.init_from:
-        tokenizer, model_config, record = pretrained.tokenizer_and_model_config(cfg, run_dir,
-                                                                                own_record=plan.saved)
-        prepared = prepare_run_data(cfg, run_dir, has_checkpoints=plan.resuming, tokenizer=tokenizer,
-                                    previous=previous)
-        return prepared, tokenizer, model_config, record["tokenizer"]
-    prepared = prepare_run_data(cfg, run_dir, has_checkpoints=plan.resuming, previous=previous)
-    tokenizer = Tokenizer(run_dir.tokenizer_dir / "spm.model")
-    model_config = preset(cfg.model.preset, src_vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id,
-                          **cfg.model.overrides())
-    return prepared, tokenizer, model_config, None
+def _data_and_tokenizer(plan: RunPlan, previous: Path | None
+                        ) -> tuple[PreparedCorpus, Tokenizer, dict[str, Any] | None]:
+    """The prepared data, its tokenizer and a fine-tune's tokenizer record."""
+    cfg, run_dir, tokenizer, record = plan.cfg, plan.run_dir, None, None
+    if plan.source is not None:
+        tokenizer, record = pretrained.fine_tune_tokenizer(cfg.run.init_from, plan.source, run_dir,
+                                                           plan.src_lang, plan.tgt_lang)
+    prepared = prepare_run_data(cfg, run_dir, has_checkpoints=plan.resuming, tokenizer=tokenizer,
+                                previous=previous)
+    return prepared, tokenizer or Tokenizer(run_dir.tokenizer_dir / "spm.model"), record
 
 
 def _start_state(plan: RunPlan, programs: RunPrograms, checkpoints: RunCheckpoints, data: TrainData,
@@ -118,8 +111,8 @@ def _start_state(plan: RunPlan, programs: RunPrograms, checkpoints: RunCheckpoin
     return programs.init(init_key), 0
 
 
-def build_train_data(cfg: TrainConfig, prepared: PreparedCorpus, target_language: str,
-                     tokenizer: Tokenizer, model_config: TransformerConfig, row_multiple: int,
+def build_train_data(cfg: TrainConfig, prepared: PreparedCorpus, tokenizer: Tokenizer,
+                     model_config: TransformerConfig, row_multiple: int,
                      workers: int = 0) -> TrainData:
     """The endless pipeline of this process's rows (collated in ``workers`` processes) and the
     dev/test pairs."""
@@ -137,7 +130,7 @@ def build_train_data(cfg: TrainConfig, prepared: PreparedCorpus, target_language
         boundaries=bucket_boundaries(max_train_len), seed=cfg.run.seed, pad_id=tokenizer.pad_id,
         bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, row_multiple=row_multiple,
         process_index=jax.process_index(), process_count=jax.process_count(), pack=cfg.train.pack)
-    return TrainData(splits=splits, target_language=target_language,
+    return TrainData(splits=splits,
                      iterator=BatchStream(lambda start: build(start=start), workers=workers,
                                           fingerprint=prepared.manifest["fingerprint"]),
                      dev_examples=tokenize_pairs(splits["dev"], tokenizer, model_config.max_len))
@@ -184,10 +177,10 @@ def _check_same_batches(plan: RunPlan, batch_rows: dict[str, int]) -> None:
 
 
 def _write_run_record(plan: RunPlan, model_config: TransformerConfig, tokenizer: Tokenizer,
-                      target_language: str, batch_rows: dict[str, int], data: dict[str, Any],
+                      batch_rows: dict[str, int], data: dict[str, Any],
                       tokenizer_record: dict[str, Any] | None = None) -> None:
     """Writes ``config.json``: architecture, settings (their history on resume), tokenizer ids
-    (``tokenizer_record``: an --init-from run's) and the data's fingerprint."""
+    (``tokenizer_record``: an --init-from run's), the target language and the data's fingerprint."""
     cfg, run_dir = plan.cfg, plan.run_dir
     record = {"model": model_config.to_dict(), "train": cfg.to_dict(),
               "tokenizer": tokenizer_record or {
@@ -195,7 +188,8 @@ def _write_run_record(plan: RunPlan, model_config: TransformerConfig, tokenizer:
                   "pad_id": tokenizer.pad_id, "bos_id": tokenizer.bos_id,
                   "eos_id": tokenizer.eos_id, "unk_id": tokenizer.unk_id,
                   "vocab_size": tokenizer.vocab_size},
-              "target_language": target_language, "batch_rows": batch_rows, "data": data}
+              "target_language": plan.languages()["target_language"], "batch_rows": batch_rows,
+              "data": data}
     if is_main_process():
         save_json(run_dir.config, resume_record(plan.saved, record, plan.resuming))
     log("model config: " + json.dumps(record["model"]))

@@ -33,7 +33,6 @@ class TrainData:
     """The data of a run: the dev/test pairs (text), the training pipeline and the dev examples."""
 
     splits: dict[str, list[Pair]]   # "dev", "test"
-    target_language: str
     iterator: BatchStream   # a DataSource (jaxformer.data.sources): records, fingerprint, position
     dev_examples: Examples
 

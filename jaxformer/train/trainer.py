@@ -26,10 +26,12 @@ from jaxformer.train.step import add_metrics
 __all__ = ["Preempted", "TrainingDiverged", "train", "setup", "train_loop", "evaluate", "final_test"]
 
 
-def train(cfg: TrainConfig, *, fresh: bool = False) -> dict[str, Any]:
+def train(cfg: TrainConfig, *, fresh: bool = False, chosen: frozenset[str] | None = None) -> dict[str, Any]:
     """Trains, evaluates and checkpoints one run; a workdir with a checkpoint resumes exactly
     (state and data position are saved, dropout keys are ``fold_in(key, step)``: N steps equal
-    N/2 + N/2, bit for bit on CPU). Returns the results (also ``results.json``).
+    N/2 + N/2, bit for bit on CPU). ``chosen``: the settings the user gave (the command's flags
+    and ``--config`` keys; ``None``: those off :class:`TrainConfig`'s defaults). Returns the
+    results (also ``results.json``).
 
     Raises:
       ValueError / FileNotFoundError / OSError: bad corpus, paths or checkpoints, before any
@@ -42,7 +44,7 @@ def train(cfg: TrainConfig, *, fresh: bool = False) -> dict[str, Any]:
     with RunLog(run_dir.log) as run_log:   # train.log: everything printed
         with contextlib.ExitStack() as undo:   # a failed setup removes a folder this call made (no data)
             undo.callback(run_dir.remove_if_made_and_unprepared, made)
-            run, loop = setup(cfg, fresh=fresh)
+            run, loop = setup(cfg, fresh=fresh, chosen=chosen)
             undo.pop_all()
         run_log.open()   # after --fresh moved the previous run's log aside
         with run.closer:   # also on Preempted / TrainingDiverged: pending saves finish, files close
