@@ -131,6 +131,28 @@ def test_bleu_tokenizer_follows_the_target_language():
             make_bleu("ja")
 
 
+def test_the_run_plan_decides_the_languages_and_their_bleu_once(tmp_path):
+    """The shipped pair's languages, or --src-lang/--tgt-lang for a user's corpus (without
+    them: target "xx", no source), are what config.json records and what BLEU tokenizes
+    for; --sacrebleu-tokenize wins. Planning makes no folder."""
+    from jaxformer.run.config import TrainConfig
+    from jaxformer.train.plan import plan_run
+
+    (pairs := tmp_path / "pairs.tsv").write_text("Hello.\tHallo.\n")
+    for settings, languages, tokenizer in (
+            ({}, {"source_language": "en", "target_language": "de"}, "13a"),
+            ({"pair": "en-zh"}, {"source_language": "en", "target_language": "zh"}, "zh"),
+            ({"train_file": str(pairs)}, {"target_language": "xx"}, "13a"),
+            ({"train_file": str(pairs), "src_lang": "de", "tgt_lang": "zh"},
+             {"source_language": "de", "target_language": "zh"}, "zh"),
+            ({"train_file": str(pairs), "tgt_lang": "zh", "sacrebleu_tokenize": "char"},
+             {"target_language": "zh"}, "char")):
+        plan = plan_run(TrainConfig.flat(workdir=str(tmp_path / "run"), **settings))
+        plan.bleu.corpus_score(["x"], [["x"]])
+        assert plan.languages() == languages and f"tok:{tokenizer}|" in str(plan.bleu.get_signature())
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_bleu_tokenizer_that_cannot_start_stops_training_before_the_run_directory_is_made(tmp_path):
     """An unknown --sacrebleu-tokenize (or, without MeCab, a Japanese target) is refused by
     train() before it makes the run directory or prepares any data."""

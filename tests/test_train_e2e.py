@@ -47,13 +47,18 @@ def test_train_checkpoints_and_resumes(tmp_path, trained_run, corpus_slice, caps
     workdir = tmp_path / "run"
     shutil.copytree(trained_run, workdir)
     capsys.readouterr()
+    record = json.loads((workdir / "config.json").read_text())   # the user's corpus: languages not known
+    assert record["target_language"] == "xx" and "source_language" not in record
     # The second half runs its layers under nn.scan (issue #19): the unrolled checkpoint of
-    # step 30 converts on restore; evaluation decodes through the unrolled view.
-    second = train(_config(workdir, corpus_slice, 60).replace(scan_layers=True))
+    # step 30 converts on restore; evaluation decodes through the unrolled view. The
+    # languages given now are recorded.
+    second = train(_config(workdir, corpus_slice, 60).replace(scan_layers=True, src_lang="en", tgt_lang="de"))
     out = capsys.readouterr().out
     assert "resumed" in out and "at step 30" in out
     assert second["final_step"] == 60
-    assert json.loads((workdir / "config.json").read_text())["model"]["scan_layers"]
+    record = json.loads((workdir / "config.json").read_text())
+    assert record["model"]["scan_layers"]
+    assert (record["source_language"], record["target_language"]) == ("en", "de")
     rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in rows]
     assert min(s for s in steps if s > 30) == 40, "the resumed run must continue, not start over"

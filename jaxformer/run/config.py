@@ -182,10 +182,10 @@ class DecodeConfig(_Section):
     eval_batch_size: Annotated[int, Ge(1)] = 64   # sentences per decoding batch in evaluation
     dev_bleu_sentences: Annotated[int, Ge(1)] = 300   # dev sentences decoded for BLEU per evaluation
     num_samples: Annotated[int, Ge(0)] = 5   # dev translations written to samples.txt per evaluation
-    # target language code that picks the BLEU tokenizer (a multilingual model's: its code, e.g. deu_Latn)
-    tgt_lang: Annotated[str | None, shown("the corpus's")] = None
-    # a multilingual model's (M2M100, NLLB) source language code, e.g. en or eng_Latn
-    src_lang: Annotated[str | None, shown("the model's")] = None
+    # target language code, kept in config.json; picks the BLEU tokenizer (M2M100/NLLB: its code, deu_Latn)
+    tgt_lang: Annotated[str | None, shown("the shipped pair's, else the --init-from run's")] = None
+    # source language code, kept in config.json (a multilingual model's: its code, e.g. eng_Latn)
+    src_lang: Annotated[str | None, shown("the shipped pair's, else the --init-from run's")] = None
     # sacrebleu tokenizer for BLEU
     sacrebleu_tokenize: Annotated[Literal[tuple(BLEU.TOKENIZERS)] | None, shown("by target language")] = None
 
