@@ -329,30 +329,49 @@ def test_unsupported_hf_configs_are_named(converted, tmp_path):
                             dict(bos=0, eos=2, pad=1, decoder_start=2))
 
 
-def test_finetune_changes_weights_and_still_exports(converted, tmp_path):
+def test_finetune_changes_weights_keeps_generation_and_still_exports(converted, tmp_path, capsys):
     """``train.py --init-from RUN --src-lang --tgt-lang`` on a TSV: the language tokens join
     every pair, a few steps change the weights, the run translates and exports (loads in
-    transformers with the fine-tuned weights); a resume in other languages is refused."""
-    from jaxformer.run.config import TrainConfig
-    from jaxformer.train.trainer import train
+    transformers with the fine-tuned weights). It keeps RUN's generation settings (its
+    ``max_length``, forced eos, length penalty, repetition penalty; not train.py's own defaults)
+    but for the decoding flags given (``--beam-size``), on a resume too, so it translates and
+    exports as RUN's model does; a resume in other languages is refused."""
+    import shutil
+
+    from jaxformer.cli.train import main as train_main
 
     kind, _, tok, _, run = converted
     if kind != "nllb":
         pytest.skip("one tokenizer is enough for the trainer path (each costs a trainer compile)")
     src_lang, tgt_lang = LANGUAGES[kind]
+    teacher = shutil.copytree(run, tmp_path / "teacher")   # a model whose generate uses 3 beams
+    record = json.loads((teacher / "config.json").read_text())
+    record["generation"].update(beam_size=3, length_penalty=1.3)
+    (teacher / "config.json").write_text(json.dumps(record))
     tsv = tmp_path / "mine.tsv"
     tsv.write_text("".join(f"{b}\t{a}\n" for a, b in _pairs(120)))   # German → English here
     workdir = tmp_path / "finetuned"
-    cfg = TrainConfig.flat(workdir=str(workdir), train_file=str(tsv), init_from=str(run), src_lang=tgt_lang,
-                           tgt_lang=src_lang, batch_tokens=600, max_steps=4, warmup_steps=1, lr_scale=3.0,
-                           eval_every=1000, dev_bleu_sentences=4, eval_batch_size=8, beam_size=1, log_every=2,
-                           checkpoint_every=1000, progress=False, devices=1)
-    train(cfg)
-    with pytest.raises(ValueError, match="resume it without --src-lang/--tgt-lang"):
-        train(cfg.replace(max_steps=5, tgt_lang="fra_Latn"))   # its prepared data holds eng_Latn's token
-    record = json.loads((workdir / "config.json").read_text())
-    assert (record["tokenizer"]["src_lang"], record["tokenizer"]["tgt_lang"]) == (tgt_lang, src_lang)
+    flags = ["--workdir", str(workdir), "--train-file", str(tsv), "--init-from", str(teacher),
+             "--src-lang", tgt_lang, "--tgt-lang", src_lang, "--batch-tokens", "600", "--warmup-steps", "1",
+             "--lr-scale", "3.0", "--eval-every", "1000", "--dev-bleu-sentences", "4",
+             "--eval-batch-size", "8", "--beam-size", "1", "--log-every", "2", "--checkpoint-every", "1000",
+             "--no-progress", "--devices", "1"]
+    train_main([*flags, "--max-steps", "4"])
+    with pytest.raises(SystemExit) as stop:   # its prepared data holds eng_Latn's token
+        train_main([*flags, "--max-steps", "5", "--tgt-lang", "fra_Latn"])
+    assert stop.value.code == 2 and "resume it without --src-lang/--tgt-lang" in capsys.readouterr().err
+    inherited = {**record["generation"], "beam_size": 1}   # the flag given wins
+    for steps in (4, 6):   # the start, and a resume
+        if steps == 6:
+            train_main([*flags, "--max-steps", "6"])
+        tuned = json.loads((workdir / "config.json").read_text())
+        assert (tuned["tokenizer"]["src_lang"], tuned["tokenizer"]["tgt_lang"]) == (tgt_lang, src_lang)
+        assert (tuned["source_language"], tuned["target_language"]) == ("deu", "eng")
+        assert tuned["generation"] == inherited and inherited["max_length"] == MAX_LENGTH
+    assert json.loads((workdir / "results.json").read_text())["final_step"] == 6
     tuned, original = Translator(workdir, batch_size=4), Translator(run, batch_size=4)
+    assert (tuned.defaults["beam_size"], tuned.defaults["alpha"], tuned.defaults["repetition_penalty"],
+            tuned.max_len_b) == (1, 1.3, 1.0, MAX_LENGTH - 1)
     assert tuned.tokenizer.encode_source(["Danke"])[0][0] == tok.convert_tokens_to_ids(tgt_lang)
     changed = jax.tree_util.tree_map(lambda a, b: bool(np.any(np.asarray(a) != np.asarray(b))),
                                      tuned.params, original.params)
@@ -363,6 +382,10 @@ def test_finetune_changes_weights_and_still_exports(converted, tmp_path):
     reloaded = transformers.M2M100ForConditionalGeneration.from_pretrained(out).eval()
     np.testing.assert_array_equal(reloaded.model.shared.weight.detach().numpy(),
                                   np.asarray(tuned.params["src_embedding"]["embedding"]))
+    exported = json.loads((out / "generation_config.json").read_text())
+    assert (exported["max_length"], exported["forced_eos_token_id"], exported["length_penalty"]) == \
+        (MAX_LENGTH, EOS, 1.3)
+    assert "num_beams" not in exported and "repetition_penalty" not in exported   # 1 and 1.0: generate's
 
 
 def test_prepare_for_a_fine_tune_adds_the_language_tokens_and_encodes_again_for_others(converted, tmp_path,

@@ -545,8 +545,9 @@ def test_train_init_from_converted_run(converted, tokenizer_files, tmp_path, cap
 
 
 def test_resuming_a_finetuning_run_keeps_its_init_from(converted, tmp_path):
-    """Resumed without --init-from, a fine-tuning run still takes its architecture and
-    tokenizer from the run it started from (recorded in its config.json); a flag names another."""
+    """Resumed without --init-from, a fine-tuning run still takes its architecture,
+    tokenizer and generation rules from the run it started from (recorded in its
+    config.json); a flag names another."""
     from jaxformer.run.config import TrainConfig
     from jaxformer.train.plan import plan_run
 
@@ -555,11 +556,16 @@ def test_resuming_a_finetuning_run_keeps_its_init_from(converted, tmp_path):
         pytest.skip("one variant is enough for the plan")
     cfg = TrainConfig.flat(workdir=str(tmp_path), progress=False)
     fresh = plan_run(cfg)   # a fresh run dir
-    assert (fresh.start, fresh.source) == ("fresh", None)
+    assert (fresh.start, fresh.source, fresh.generation) == ("fresh", None, None)
     (tmp_path / "config.json").write_text(json.dumps({"train": {"init_from": str(run)}}))
     plan = plan_run(cfg)
     assert (plan.start, plan.cfg.run.init_from, plan.architecture) == ("fine-tune", str(run), config)
     assert plan.source == json.loads((run / "config.json").read_text())
+    # It inherits the imported generation rules; a decoding setting given (here off its default,
+    # as a library call gives one) replaces its key.
+    assert plan.generation == plan.source["generation"]
+    given = plan_run(cfg.replace(beam_size=2, alpha=0.3)).generation
+    assert given == {**plan.source["generation"], "beam_size": 2, "length_penalty": 0.3}
     explicit = cfg.replace(init_from=str(tmp_path / "other"))
     with pytest.raises(FileNotFoundError, match="--init-from '.*other'"):
         plan_run(explicit)

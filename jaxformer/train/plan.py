@@ -19,6 +19,12 @@ from jaxformer.run.config import TrainConfig
 from jaxformer.run.directory import RunDir
 from jaxformer.run.logs import log
 
+# The evaluation flags that, given, replace a fine-tune's inherited generation keys (--alpha is
+# the imported length_penalty: jaxformer.decode.defaults reads it so).
+GENERATION_FLAGS = {"beam_size": "beam_size", "alpha": "length_penalty",
+                    "no_repeat_ngram_size": "no_repeat_ngram_size",
+                    "repetition_penalty": "repetition_penalty"}
+
 
 @dataclasses.dataclass(frozen=True)
 class RunPlan:
@@ -40,6 +46,8 @@ class RunPlan:
     src_lang: str | None   # the data's languages as codes (en, eng_Latn); None: not known
     tgt_lang: str | None
     bleu: Any   # sacrebleu's BLEU for the target language or --sacrebleu-tokenize
+    # a fine-tune's generation rules (its source's, the decoding flags given over them); None: none
+    generation: dict[str, Any] | None
     mesh: jax.sharding.Mesh   # --mesh over --devices
     data_workers: int   # --data-workers, or 0 on the CPU (the step needs its cores), else 2
     row_multiple: int   # batch rows divide by it: data axis x --grad-accum-steps, and processes
@@ -101,7 +109,7 @@ def plan_run(cfg: TrainConfig, fresh: bool = False, chosen: frozenset[str] | Non
     workers = cfg.train.data_workers   # default: none on the CPU, whose cores the step needs
     return RunPlan(cfg=cfg, chosen=chosen, start=start, run_dir=run_dir, saved=saved, source=source,
                    architecture=architecture, src_lang=src_lang, tgt_lang=tgt_lang, bleu=bleu,
-                   mesh=mesh, t_start=t_start,
+                   generation=_generation(cfg, source, chosen), mesh=mesh, t_start=t_start,
                    data_workers=workers if workers is not None else (
                        0 if jax.default_backend() == "cpu" else 2),
                    row_multiple=math.lcm(sharding_lib.batch_shards(mesh) * cfg.train.grad_accum_steps,
@@ -137,3 +145,14 @@ def recorded_languages(src_lang: str | None, tgt_lang: str | None) -> dict[str, 
     (``eng_Latn`` → ``eng``, ``zho_Hans`` → ``zh``)."""
     target = {"target_language": scoring_language(tgt_lang) if tgt_lang else "xx"}
     return target | ({"source_language": scoring_language(src_lang)} if src_lang else {})
+
+
+def _generation(cfg: TrainConfig, source: dict[str, Any] | None,
+                chosen: frozenset[str]) -> dict[str, Any] | None:
+    """A fine-tune's generation rules: its source's ``generation`` record (an imported model's
+    ``generate`` settings), each key of :data:`GENERATION_FLAGS` whose flag was given replaced."""
+    generation = (source or {}).get("generation")
+    if generation is None:
+        return None
+    return {**generation, **{key: getattr(cfg.decode, flag) for flag, key in GENERATION_FLAGS.items()
+                             if flag in chosen}}

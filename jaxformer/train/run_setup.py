@@ -180,7 +180,8 @@ def _write_run_record(plan: RunPlan, model_config: TransformerConfig, tokenizer:
                       batch_rows: dict[str, int], data: dict[str, Any],
                       tokenizer_record: dict[str, Any] | None = None) -> None:
     """Writes ``config.json``: architecture, settings (their history on resume), tokenizer ids
-    (``tokenizer_record``: an --init-from run's), the languages and the data's fingerprint."""
+    (``tokenizer_record``: an --init-from run's), languages, a fine-tune's generation rules and
+    the data's fingerprint."""
     cfg, run_dir = plan.cfg, plan.run_dir
     record = {"model": model_config.to_dict(), "train": cfg.to_dict(),
               "tokenizer": tokenizer_record or {
@@ -189,6 +190,8 @@ def _write_run_record(plan: RunPlan, model_config: TransformerConfig, tokenizer:
                   "eos_id": tokenizer.eos_id, "unk_id": tokenizer.unk_id,
                   "vocab_size": tokenizer.vocab_size},
               **plan.languages(), "batch_rows": batch_rows, "data": data}
+    if plan.generation is not None:
+        record["generation"] = plan.generation
     if is_main_process():
         save_json(run_dir.config, resume_record(plan.saved, record, plan.resuming))
     log("model config: " + json.dumps(record["model"]))

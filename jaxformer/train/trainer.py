@@ -30,8 +30,8 @@ def train(cfg: TrainConfig, *, fresh: bool = False, chosen: frozenset[str] | Non
     """Trains, evaluates and checkpoints one run; a workdir with a checkpoint resumes exactly
     (state and data position are saved, dropout keys are ``fold_in(key, step)``: N steps equal
     N/2 + N/2, bit for bit on CPU). ``chosen``: the settings the user gave (the command's flags
-    and ``--config`` keys; ``None``: those off :class:`TrainConfig`'s defaults). Returns the
-    results (also ``results.json``).
+    and ``--config`` keys; ``None``: those off :class:`TrainConfig`'s defaults), which win over
+    what a fine-tune inherits. Returns the results (also ``results.json``).
 
     Raises:
       ValueError / FileNotFoundError / OSError: bad corpus, paths or checkpoints, before any
