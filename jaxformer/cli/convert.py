@@ -50,7 +50,8 @@ def main(argv=None) -> None:
         elif args.to_ct2:
             quantization = args.quantization or "float32"
             export_ct2(args.to_ct2, args.out, quantization=quantization, checkpoint=args.checkpoint or "auto")
-            print(f"wrote {args.out} ({quantization}): ctranslate2.Translator({args.out!r}) serves it")
+            print(f"wrote {args.out} ({quantization}): ctranslate2.Translator({args.out!r}) serves it; its "
+                  f"README.md shows how")
         else:
             export_hf(args.to_hf, args.out)
             print(f"wrote {args.out}")

@@ -18,6 +18,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from jaxformer.interop.ct2 import EXPORTER_VERSION
+
 CACHE = "ct2"   # the folder of a run that holds its CTranslate2 models
 
 
@@ -85,7 +87,8 @@ def cached_model(workdir: str | Path, checkpoint: Checkpoint, quantization: str)
     cache = Path(workdir) / CACHE
     # one entry per quantization and kind (and step, for a step asked by number): the older go
     stale = f"{quantization}-{checkpoint.kind}-{f'{checkpoint.step}-' if checkpoint.kind == 'step' else ''}"
-    key = f"{quantization}-{checkpoint.kind}-{checkpoint.step}-{checkpoint.fingerprint()[:16]}"
+    key = (f"{quantization}-{checkpoint.kind}-{checkpoint.step}-{checkpoint.fingerprint()[:16]}"
+           f"-v{EXPORTER_VERSION}")   # a newer exporter's model is converted again
     if (cache / key / "model.bin").is_file():
         return cache / key
     from jaxformer.interop.ct2 import export_ct2  # a miss: JAX, and the quantization checked there
