@@ -22,7 +22,6 @@ def package_readme(workdir: Path, record: dict[str, Any], source, target, quanti
     ``checkpoint`` (kind, step), sentences split by spaCy's ``spacy_lang`` rules."""
     config = TransformerConfig.from_dict(record["model"])
     kind, step = checkpoint
-    pair = f"{source.code}→{target.code}"
     lines = [f"# {source.name} → {target.name} ({source.code} → {target.code}), trained with jaxformer", "",
              "An Argos Translate package: argostranslate and LibreTranslate install it as it is.", "",
              "## Model", "",
@@ -46,13 +45,16 @@ def package_readme(workdir: Path, record: dict[str, Any], source, target, quanti
              "fails offline. With `ARGOS_CHUNK_TYPE=SPACY` it loads `spacy/`, a blank spaCy pipeline "
              f"(spaCy's `{spacy_lang}` tokenizer rules, no trained component), and splits with spaCy's "
              "rule-based sentencizer.", "",
-             f"argostranslate translates each line's sentences with `translate_batch` at beam size "
-             f"max(N, 4) for N hypotheses, length penalty 0.2 (log-probability / length^0.2), at most "
-             f"1024 source and 256 output tokens, and replaces `<unk>` by the source token it attends to "
-             f"most. The model was trained on sentences of up to {config.max_len} tokens: "
-             f"`jaxformer-translate --engine ct2 --beam-size 4 --alpha 0.2 --length-normalization hf "
-             f"--early-stopping` gives the same {pair} translation of such a sentence "
-             f"(docs/argos.md in jaxformer).", ""]
+             "argostranslate translates a line's sentences in one `translate_batch` call: beam size "
+             "max(N, 4) for N hypotheses, length penalty 0.2 (log-probability / length^0.2), at most 1024 "
+             "source and 256 output tokens, `<unk>` replaced by the source piece it attends to most. "
+             "argostranslate from PyPI loads the model with `compute_type=\"auto\"` (int8 on most CPUs; "
+             "`ARGOS_COMPUTE_TYPE=float32` keeps these weights' type); LibreTranslate's fork keeps the "
+             f"model's type. A sentence of up to {config.max_len} tokens (the model saw no longer one in "
+             "training) translates as `jaxformer-translate --engine ct2 --quantization Q --beam-size 4 "
+             "--alpha 0.2 --length-normalization hf --early-stopping --repetition-penalty 1 "
+             "--no-repeat-ngram-size 0` does (Q: the weights' type, int8 for argostranslate's auto); "
+             "jaxformer's docs/argos.md has the measurements.", ""]
     return "\n".join(lines)
 
 
