@@ -150,10 +150,12 @@ def test_what_argostranslate_cannot_express_is_refused_by_name(run, package, tmp
                  "multilingual: each source starts with a target-language token (>>deu<<, >>fra<<)"),
              "NLLB": (_fake_run(tmp_path / "nllb", {"kind": "nllb"}, {}), "multilingual NLLB run"),
              "an existing --out": (run, "exists; remove it or choose a new file"),
-             "a --out not .argosmodel": (run, "must end in .argosmodel")}
+             "a --out not .argosmodel": (run, "must end in .argosmodel"),
+             "a --out in no folder": (run, "is in no folder; create the folder first")}
+    outs = {"an existing --out": package, "a --out not .argosmodel": tmp_path / "x.zip",
+            "a --out in no folder": tmp_path / "none" / "x.argosmodel"}
     for name, (workdir, message) in cases.items():
-        out = {"an existing --out": package, "a --out not .argosmodel": tmp_path / "x.zip"}.get(
-            name, tmp_path / "x.argosmodel")
+        out = outs.get(name, tmp_path / "x.argosmodel")
         with pytest.raises(SystemExit) as stop:
             convert_main(["--to-argos", str(workdir), "--out", str(out), "--from-code", "en",
                           "--to-code", "de"])

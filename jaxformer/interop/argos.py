@@ -59,7 +59,7 @@ def export_argos(workdir: str | Path, out_file: str | Path, *, quantization: str
     ``.argosmodel`` file), CTranslate2 weights as ``quantization``; returns ``out_file``. The
     languages are ``from_code``/``to_code``, else those the run records (:func:`run_languages`).
 
-    Raises ``ConversionError``: ``out_file`` exists or is not ``.argosmodel``; the run has no
+    Raises ``ConversionError``: ``out_file`` exists, is not ``.argosmodel`` or has no folder; the run has no
     languages and none are given, or a code is not a language; a run argostranslate cannot
     express (:func:`one_sentencepiece_model`); spaCy or langcodes missing; what
     :func:`jaxformer.interop.ct2.export_ct2` raises. ``FileNotFoundError`` / ``ValueError``: not a
@@ -67,10 +67,7 @@ def export_argos(workdir: str | Path, out_file: str | Path, *, quantization: str
     from jaxformer.run.directory import RunDir
 
     workdir, out_file = Path(workdir), Path(out_file)
-    if out_file.suffix != ".argosmodel" or out_file.exists():
-        why = "exists; remove it or choose a new file" if out_file.exists() else (
-            "must end in .argosmodel (the name argostranslate and LibreTranslate install)")
-        raise ConversionError(f"--out {str(out_file)!r} {why}.")
+    _check_out(out_file)
     record = RunDir(workdir).read_run_record()
     spm_file = one_sentencepiece_model(workdir, record)
     source, target = package_languages(record, from_code, to_code)
@@ -90,6 +87,20 @@ def export_argos(workdir: str | Path, out_file: str | Path, *, quantization: str
         (root / "README.md").write_text(readme, encoding="utf-8")
         _zip(root, Path(tmp) / "package.zip").replace(out_file)
     return out_file
+
+
+def _check_out(out_file: Path) -> None:
+    """Raises ``ConversionError`` naming the fix: ``out_file`` is not a new ``.argosmodel`` file in
+    an existing folder."""
+    if out_file.suffix != ".argosmodel":
+        problem = "must end in .argosmodel (the name argostranslate and LibreTranslate install)"
+    elif out_file.exists():
+        problem = "exists; remove it or choose a new file"
+    elif not out_file.parent.is_dir():
+        problem = "is in no folder; create the folder first"
+    else:
+        return
+    raise ConversionError(f"--out {str(out_file)!r} {problem}.")
 
 
 def _write_model(workdir: Path, model_dir: Path, quantization: str, checkpoint: str | int) -> tuple[str, int]:
