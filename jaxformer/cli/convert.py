@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 
+from jaxformer.decode.served_run import ServedRun
 from jaxformer.interop.ct2 import export_ct2
 from jaxformer.interop.hf import export_hf, import_hf
 from jaxformer.run.platform import skip_absent_tpu
@@ -47,13 +48,15 @@ def main(argv=None) -> None:
             config = import_hf(args.from_hf, args.workdir)
             print(f"wrote {args.workdir}: {config.num_encoder_layers}+{config.num_decoder_layers} layers, "
                   f"d_model {config.d_model}, vocab {config.src_vocab_size}/{config.tgt_vocab_size}")
-        elif args.to_ct2:
+            return
+        run = ServedRun.load(args.to_ct2 or args.to_hf, checkpoint=args.checkpoint or "auto")   # read once
+        if args.to_ct2:
             quantization = args.quantization or "float32"
-            export_ct2(args.to_ct2, args.out, quantization=quantization, checkpoint=args.checkpoint or "auto")
+            export_ct2(run, args.out, quantization=quantization)
             print(f"wrote {args.out} ({quantization}): ctranslate2.Translator({args.out!r}) serves it; its "
                   f"README.md shows how")
         else:
-            export_hf(args.to_hf, args.out)
+            export_hf(run, args.out)
             print(f"wrote {args.out}")
     except (ValueError, OSError) as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
