@@ -22,10 +22,12 @@ pytest.importorskip("langcodes")
 
 from jaxformer.cli.convert import main as convert_main  # noqa: E402
 from jaxformer.data import corpus  # noqa: E402
+from jaxformer.decode.engine import Request  # noqa: E402
+from jaxformer.decode.served_run import ServedRun  # noqa: E402
 from jaxformer.interop.argos import language, run_languages  # noqa: E402
 from jaxformer.model.config import preset  # noqa: E402
 from jaxformer.run.config import TrainConfig  # noqa: E402
-from jaxformer.serve.ct2_engine import CT2Engine, CT2Search  # noqa: E402
+from jaxformer.serve.ct2_engine import CT2Engine  # noqa: E402
 from jaxformer.train.trainer import train  # noqa: E402
 
 PAIRS = [p for p in corpus.read_tsv(corpus.builtin_corpus_path("en-de"))[0]
@@ -98,8 +100,8 @@ def test_the_model_decodes_as_argostranslate_calls_it_to_our_ct2_engine_s_text(r
     results = translator.translate_batch([sp.encode(s, out_type=str) for s in SOURCES], **options)
     theirs = [sp.decode_pieces(r.hypotheses[0]).replace("▁", " ").replace("_", " ") for r in results]
     theirs = [text[1:] if text.startswith(" ") else text for text in theirs]
-    engine = CT2Engine(run, max_len_a=0, max_len_b=256, batch_size=8)
-    ours = [n_best[0][0] for n_best in engine.decode(SOURCES, CT2Search(beam_size=4, alpha=0.2))]
+    engine = CT2Engine(ServedRun.load(run, max_len_a=0, max_len_b=256), batch_size=8)
+    ours = [t.text for t in engine.translate(SOURCES, Request(4, 0.2, "hf", True, 0, 1.0))]
     comparable = [i for i, text in enumerate(ours) if "⁇" not in text and len(sp.encode(text)) < 31
                   and len(sp.encode(SOURCES[i])) <= 32]   # the tiny run's max_len: we cut longer sources
     assert len(comparable) >= len(SOURCES) // 2

@@ -443,3 +443,56 @@ def test_translate_command_takes_the_languages(converted, tmp_path, capsys):
         wrong = "xx_Yyyy" if kind == "nllb" else "xx"
         translate_main(["--workdir", str(run), "--src-lang", src_lang, "--tgt-lang", wrong, *FIXTURE[:1]])
     assert "nearest" in capsys.readouterr().err
+
+
+def test_a_run_without_languages_names_the_flags_before_any_work(converted, tmp_path, capsys):
+    """Issue 51, item 4: a multilingual run that records no languages (the Hub's NLLB folders name
+    none) is refused where the command starts, naming --src-lang/--tgt-lang, on either engine, with
+    only one of them given, and before the default engine converts anything."""
+    import shutil
+
+    from jaxformer.cli.translate import main as translate_main
+
+    kind, _, _, _, run = converted
+    bare = tmp_path / "bare"
+    shutil.copytree(run, bare, ignore=shutil.ignore_patterns("ct2", "jax_cache"))
+    record = json.loads((bare / "config.json").read_text())
+    record["tokenizer"].update(src_lang=None, tgt_lang=None)
+    (bare / "config.json").write_text(json.dumps(record))
+    src_lang, tgt_lang = LANGUAGES[kind]
+    for flags, named in (([], "pass --src-lang and --tgt-lang"),
+                         (["--tgt-lang", tgt_lang], "pass --src-lang "),
+                         (["--engine", "jax"], "pass --src-lang and --tgt-lang"),
+                         (["--src-lang", src_lang, "--engine", "jax"], "pass --tgt-lang ")):
+        with pytest.raises(SystemExit) as stop:
+            translate_main(["--workdir", str(bare), *flags, FIXTURE[0]])
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and named in err and "Traceback" not in err, (flags, err)
+        assert "--tar-lang" not in err and "--sou-lang" not in err
+    assert not (bare / "ct2").exists()   # refused before a conversion
+    translate_main(["--workdir", str(bare), "--src-lang", src_lang, "--tgt-lang", tgt_lang, "--engine", "jax",
+                    *FIXTURE])
+    named = capsys.readouterr().out
+    translate_main(["--workdir", str(run), "--engine", "jax", *FIXTURE])   # the languages it records
+    assert named == capsys.readouterr().out and named.count("\n") == len(FIXTURE)
+
+
+def test_constraint_phrases_are_target_pieces_without_the_language_token(converted, translator):
+    """Issue 51, item 5: a phrase of a multilingual run is its pieces alone (the target language is
+    forced first, never met again), so its banks count its own tokens; a prefix keeps the language
+    token first, as generation forces it."""
+    from jaxformer.decode import constraint_inputs
+    from jaxformer.decode.constrained import Constrained, bank_rule
+
+    kind = converted[0]
+    tok = translator.tokenizer.with_languages(*LANGUAGES[kind])
+    phrases = ["Haus", "Straße"]
+    [request] = constraint_inputs.encode_requests(tok, [phrases], ["Der"], 1)
+    assert request.phrases == [tok.encode_phrases([p])[0] for p in phrases]
+    assert all(tok.forced_first_id not in phrase for phrase in request.phrases)
+    assert request.prefix[0] == tok.forced_first_id
+    beam = bank_rule(request.tokens)   # exactly enough banks: no note asks for one more
+    tuned = Translator(converted[4], batch_size=4, src_lang=LANGUAGES[kind][0], tgt_lang=LANGUAGES[kind][1])
+    results, notes = tuned.constrained(FIXTURE[:1], Constrained(beam, length_normalization="hf"), [phrases])
+    assert not [note for note in notes if "--beam-size" in note], notes
+    assert all(phrase in results[0][0][0] for phrase in phrases), (results[0][0][0], notes)

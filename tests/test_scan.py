@@ -140,7 +140,7 @@ def test_checkpoints_restore_across_layer_layouts_and_meshes(tmp_path):
     abstract_params = jax.tree_util.tree_map(
         lambda s, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_params, restored.params)
     for kind in ("best", 1):   # parameters alone: the best checkpoint, a training step's
-        params, _, _ = checkpoints.restore_params_from(kind, abstract_params)
+        params, _ = checkpoints.restore_params(abstract_params, kind)
         jax.tree_util.tree_map(np.testing.assert_array_equal, jax.device_get(params), expected.params)
     checkpoints.close()
 

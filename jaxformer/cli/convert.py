@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 
+from jaxformer.decode.served_run import ServedRun
 from jaxformer.interop.ct2 import export_ct2
 from jaxformer.interop.hf import export_hf, import_hf
 from jaxformer.run.platform import skip_absent_tpu
@@ -74,19 +75,19 @@ def _convert(args: argparse.Namespace) -> None:
         config = import_hf(args.from_hf, args.workdir)
         print(f"wrote {args.workdir}: {config.num_encoder_layers}+{config.num_decoder_layers} layers, "
               f"d_model {config.d_model}, vocab {config.src_vocab_size}/{config.tgt_vocab_size}")
-    elif args.to_ct2:
-        export_ct2(args.to_ct2, args.out, quantization=quantization, checkpoint=checkpoint)
-        print(f"wrote {args.out} ({quantization}): ctranslate2.Translator({args.out!r}) serves it; its "
-              f"README.md shows how")
-    elif args.to_argos:
+    elif args.to_argos:   # the run is loaded after what a package cannot hold is refused
         from jaxformer.interop.argos import export_argos
 
         export_argos(args.to_argos, args.out, quantization=quantization, checkpoint=checkpoint,
                      from_code=args.from_code, to_code=args.to_code)
         print(f"wrote {args.out} ({quantization}): argostranslate.package.install_from_path({args.out!r}) "
               f"installs it; translate offline with ARGOS_CHUNK_TYPE=SPACY (its README.md)")
+    elif args.to_ct2:
+        export_ct2(ServedRun.load(args.to_ct2, checkpoint=checkpoint), args.out, quantization=quantization)
+        print(f"wrote {args.out} ({quantization}): ctranslate2.Translator({args.out!r}) serves it; its "
+              f"README.md shows how")
     else:
-        export_hf(args.to_hf, args.out)
+        export_hf(ServedRun.load(args.to_hf, checkpoint=checkpoint), args.out)
         print(f"wrote {args.out}")
 
 

@@ -33,7 +33,12 @@ import zipfile
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from jaxformer.decode.served_run import ServedRun
 from jaxformer.interop import ConversionError
+from jaxformer.interop.argos_readme import package_readme
+from jaxformer.interop.ct2 import check_quantization, write_ct2
+from jaxformer.run.checkpoint_files import Checkpoint
+from jaxformer.run.directory import RunDir
 
 ARGOS_VERSION = "1.11"   # the argostranslate release whose package format this follows (tests/test_argos.py)
 PACKAGE_VERSION = "1.0"
@@ -52,38 +57,39 @@ class Language(NamedTuple):
     name: str
 
 
-def export_argos(workdir: str | Path, out_file: str | Path, *, quantization: str = "float32",
+def export_argos(run: ServedRun | str | Path, out_file: str | Path, *, quantization: str = "float32",
                  checkpoint: str | int = "auto", from_code: str | None = None,
                  to_code: str | None = None) -> Path:
-    """Writes ``checkpoint`` of run ``workdir`` as Argos Translate package ``out_file`` (a new
-    ``.argosmodel`` file), CTranslate2 weights as ``quantization``; returns ``out_file``. The
-    languages are ``from_code``/``to_code``, else those the run records (:func:`run_languages`).
+    """Writes ``run`` (a :class:`~jaxformer.decode.served_run.ServedRun`, or its folder and
+    ``checkpoint``, as :func:`jaxformer.interop.ct2.export_ct2` takes them) as Argos Translate
+    package ``out_file`` (a new ``.argosmodel`` file), CTranslate2 weights as ``quantization``;
+    returns ``out_file``. The languages are ``from_code``/``to_code``, else those the run records
+    (:func:`run_languages`). A folder is loaded only after what a package cannot hold is refused.
 
-    Raises ``ConversionError``: ``out_file`` exists, is not ``.argosmodel`` or has no folder; the run has no
-    languages and none are given, or a code is not a language; a run argostranslate cannot
-    express (:func:`one_sentencepiece_model`); spaCy or langcodes missing; what
+    Raises ``ConversionError``: ``out_file`` exists, is not ``.argosmodel`` or has no folder; the
+    run has no languages and none are given, or a code is not a language; a run argostranslate
+    cannot express (:func:`one_sentencepiece_model`); spaCy or langcodes missing; what
     :func:`jaxformer.interop.ct2.export_ct2` raises. ``FileNotFoundError`` / ``ValueError``: not a
     run, no such checkpoint (the run directory's errors)."""
-    from jaxformer.run.directory import RunDir
-
-    workdir, out_file = Path(workdir), Path(out_file)
+    out_file = Path(out_file)
     _check_out(out_file)
-    record = RunDir(workdir).read_run_record()
+    check_quantization(quantization)
+    workdir = run.root if isinstance(run, ServedRun) else Path(run)
+    record = run.record if isinstance(run, ServedRun) else RunDir(workdir).read_run_record()
     spm_file = one_sentencepiece_model(workdir, record)
     source, target = package_languages(record, from_code, to_code)
+    run = run if isinstance(run, ServedRun) else ServedRun.load(workdir, checkpoint=checkpoint)
     with tempfile.TemporaryDirectory(prefix=".argos-", dir=out_file.parent) as tmp:
         root = Path(tmp) / f"jaxformer-{source.code}_{target.code}-{PACKAGE_VERSION.replace('.', '_')}"
         root.mkdir()
         spacy_lang = write_sentence_splitter(root / "spacy", source.code)
-        chosen = _write_model(workdir, root / "model", quantization, checkpoint)
+        chosen = _write_model(run, root / "model", quantization)
         shutil.copyfile(spm_file, root / "sentencepiece.model")
         metadata = {"package_version": PACKAGE_VERSION, "argos_version": ARGOS_VERSION, "type": "translate",
                     "from_code": source.code, "from_name": source.name,
                     "to_code": target.code, "to_name": target.name, "links": []}
         (root / "metadata.json").write_text(json.dumps(metadata, indent=2, ensure_ascii=False) + "\n")
-        from jaxformer.interop.argos_readme import package_readme
-
-        readme = package_readme(workdir, record, source, target, quantization, chosen, spacy_lang)
+        readme = package_readme(run, source, target, quantization, chosen, spacy_lang)
         (root / "README.md").write_text(readme, encoding="utf-8")
         _zip(root, Path(tmp) / "package.zip").replace(out_file)
     return out_file
@@ -103,17 +109,12 @@ def _check_out(out_file: Path) -> None:
     raise ConversionError(f"--out {str(out_file)!r} {problem}.")
 
 
-def _write_model(workdir: Path, model_dir: Path, quantization: str, checkpoint: str | int) -> tuple[str, int]:
-    """Writes the package's ``model/`` (the one call to the CTranslate2 exporter); returns the
-    checkpoint's kind and step, for the README."""
-    from jaxformer.decode.translator import Translator
-    from jaxformer.interop.ct2 import export_ct2
-
-    export_ct2(workdir, model_dir, quantization=quantization, checkpoint=checkpoint)
-    # The exporter picks the checkpoint and keeps its choice; until one run loader hands it to
-    # every exporter (issue 51), the translator's own pick (the same function) tells it.
-    chosen = Translator(workdir, batch_size=1, checkpoint=checkpoint)
-    return chosen.kind, chosen.step
+def _write_model(run: ServedRun, model_dir: Path, quantization: str) -> Checkpoint:
+    """Writes the package's ``model/`` (the one use of the CTranslate2 exporter); returns the
+    checkpoint it holds (the first readable of the run's)."""
+    params, chosen = run.restore_params()
+    write_ct2(run, params, model_dir, quantization)
+    return chosen
 
 
 def one_sentencepiece_model(workdir: Path, record: dict[str, Any]) -> Path:

@@ -9,19 +9,17 @@ import json
 from pathlib import Path
 from typing import Any
 
-from jaxformer.model.config import TransformerConfig
-
 SHIPPED_DATA = ("LibreOffice Help (the corpus shipped with jaxformer, jaxformer/corpora/README.md), "
                 "© The Document Foundation and contributors, licensed MPL-2.0")
 
 
-def package_readme(workdir: Path, record: dict[str, Any], source, target, quantization: str,
-                   checkpoint: tuple[str, int], spacy_lang: str) -> str:
-    """The README's Markdown for run ``workdir`` (its ``record``) packaged as ``source`` →
-    ``target`` (:class:`~jaxformer.interop.argos.Language`) with weights ``quantization`` from
-    ``checkpoint`` (kind, step), sentences split by spaCy's ``spacy_lang`` rules."""
-    config = TransformerConfig.from_dict(record["model"])
-    kind, step = checkpoint
+def package_readme(run, source, target, quantization: str, checkpoint, spacy_lang: str) -> str:
+    """The README's Markdown for ``run`` (a :class:`~jaxformer.decode.served_run.ServedRun`)
+    packaged as ``source`` → ``target`` (:class:`~jaxformer.interop.argos.Language`) with weights
+    ``quantization`` from ``checkpoint`` (a :class:`~jaxformer.run.checkpoint_files.Checkpoint`),
+    sentences split by spaCy's ``spacy_lang`` rules."""
+    config, record, workdir = run.config, run.record, run.root
+    kind, step = checkpoint.kind, checkpoint.step
     lines = [f"# {source.name} → {target.name} ({source.code} → {target.code}), trained with jaxformer", "",
              "An Argos Translate package: argostranslate and LibreTranslate install it as it is.", "",
              "## Model", "",

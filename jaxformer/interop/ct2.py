@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from jaxformer.data.tokenizer import MarianTokenizer
+from jaxformer.decode.served_run import ServedRun
 from jaxformer.interop import ConversionError
 from jaxformer.model.config import TransformerConfig
 
@@ -54,31 +55,39 @@ def check_quantization(quantization: str) -> None:
         raise ConversionError(f"--quantization {quantization!r} is refused: {why}.")
 
 
-def export_ct2(workdir: str | Path, out_dir: str | Path, *, quantization: str = "float32",
+def export_ct2(run: ServedRun | str | Path, out_dir: str | Path, *, quantization: str = "float32",
                checkpoint: str | int = "auto") -> Path:
-    """Writes ``checkpoint`` (``"auto"``, ``"best"``, ``"latest"`` or a step) of run ``workdir`` as
-    CTranslate2 model directory ``out_dir`` (``model.bin``, ``config.json``, the vocabularies,
-    ``source.spm``, ``target.spm``), weights as ``quantization``; returns ``out_dir``. Raises
+    """Writes ``run`` (a :class:`~jaxformer.decode.served_run.ServedRun`, or its folder and
+    ``checkpoint``: ``"auto"``, ``"best"``, ``"latest"``, ``"averaged"`` or a step) as CTranslate2
+    model directory ``out_dir`` (``model.bin``, ``config.json``, the vocabularies, ``source.spm``,
+    ``target.spm``, ``README.md``), weights as ``quantization``; returns ``out_dir``. Raises
     ``ConversionError``: ctranslate2 not installed; a quantization refused by
     :func:`check_quantization`; an ``out_dir`` that is a file or not empty; parameters the spec
     has no place for. ``FileNotFoundError`` / ``ValueError``: not a run, no checkpoint (the run
     directory's errors)."""
-    from jaxformer.decode.translator import Translator
-    from jaxformer.model.scan import unstack_layers
-
     check_quantization(quantization)
-    try:
-        import ctranslate2  # noqa: F401
-    except ImportError as e:
-        raise ConversionError(f"--to-ct2 needs the ctranslate2 package ({e}): pip install ctranslate2") from e
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         what = "is not empty" if out_dir.is_dir() else "is a file"
         raise ConversionError(f"--out {str(out_dir)!r} {what}; choose a new folder (the export writes a "
                               f"whole model directory).")
-    translator = Translator(workdir, batch_size=1, checkpoint=checkpoint)
-    config, tokenizer = translator.config, translator.tokenizer
-    spec = transformer_spec(_flatten(unstack_layers(translator.params)), config)
+    run = run if isinstance(run, ServedRun) else ServedRun.load(run, checkpoint=checkpoint)
+    params, _ = run.restore_params()
+    write_ct2(run, params, out_dir, quantization)
+    return out_dir
+
+
+def write_ct2(run: ServedRun, params: Any, out_dir: Path, quantization: str) -> None:
+    """Writes ``params`` (the parameter tree of ``run``'s model) as CTranslate2 model directory
+    ``out_dir`` (made here); raises as :func:`export_ct2`."""
+    from jaxformer.model.scan import unstack_layers
+
+    try:
+        import ctranslate2  # noqa: F401
+    except ImportError as e:
+        raise ConversionError(f"--to-ct2 needs the ctranslate2 package ({e}): pip install ctranslate2") from e
+    config, tokenizer = run.config, run.tokenizer
+    spec = transformer_spec(_flatten(unstack_layers(params)), config)
     source, target = (vocabulary(tokenizer, side, size) for side, size in
                       (("source", config.src_vocab_size), ("target", config.tgt_vocab_size)))
     spec.register_source_vocabulary(source)
@@ -95,9 +104,7 @@ def export_ct2(workdir: str | Path, out_dir: str | Path, *, quantization: str = 
     out_dir.mkdir(parents=True, exist_ok=True)
     spec.save(str(out_dir))
     _copy_sentencepiece(tokenizer, out_dir)
-    readme = usage(out_dir, config, tokenizer, translator.defaults)
-    (out_dir / "README.md").write_text(readme, encoding="utf-8")
-    return out_dir
+    (out_dir / "README.md").write_text(usage(out_dir, config, tokenizer, run.defaults), encoding="utf-8")
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, np.ndarray]:
