@@ -73,13 +73,14 @@ def worker(venv: Path, request: dict, env: dict[str, str], scratch: Path) -> dic
     return json.loads(answer.read_text(encoding="utf-8"))
 
 
-def ours(workdir: Path, lines: list[str], quantization: str, scratch: Path) -> list[str]:
+def ours(workdir: Path, lines: list[str], quantization: str, checkpoint: str, scratch: Path) -> list[str]:
     """``jaxformer-translate --engine ct2`` of ``lines`` under argostranslate's rules."""
     source = scratch / f"ours-{time.monotonic_ns()}.txt"
     source.write_text("\n".join(lines) + "\n", encoding="utf-8")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     done = subprocess.run([sys.executable, "-m", "jaxformer.cli.translate", "--workdir", str(workdir),
-                           "--engine", "ct2", "--quantization", quantization, *ARGOS_RULES,
+                           "--engine", "ct2", "--quantization", quantization, "--checkpoint", checkpoint,
+                           *ARGOS_RULES,
                            "--input", str(source)], capture_output=True, text=True, env=env, check=True)
     return done.stdout.splitlines()
 
@@ -199,8 +200,8 @@ def build(args, scratch: Path) -> tuple[Path, dict, object, int]:
     from jaxformer.interop.argos import export_argos
     from jaxformer.run.directory import RunDir
 
-    package = export_argos(args.workdir, scratch / "package.argosmodel", from_code=args.from_code,
-                           to_code=args.to_code)
+    package = export_argos(args.workdir, scratch / "package.argosmodel", checkpoint=args.checkpoint,
+                           from_code=args.from_code, to_code=args.to_code)
     with zipfile.ZipFile(package) as z:
         def member(name: str) -> bytes:
             return z.read(next(n for n in z.namelist() if n.endswith(f"/{name}")))
@@ -217,6 +218,8 @@ def main() -> None:
     parser.add_argument("--lt-venv", type=Path, help="virtual environment with libretranslate (and spaCy)")
     parser.add_argument("--input", type=Path, help="sources, one per line (default: RUN/test.src)")
     parser.add_argument("--sentences", type=int, default=200, help="the first N lines")
+    parser.add_argument("--checkpoint", default="auto", help="the checkpoint packaged and translated with "
+                        "(default auto; name a step while the run still trains)")
     parser.add_argument("--from-code", help="the package's source language (default: the run's)")
     parser.add_argument("--to-code", help="the package's target language (default: the run's)")
     parser.add_argument("--port", type=int, default=5099, help="LibreTranslate's port on 127.0.0.1")
@@ -244,11 +247,11 @@ def main() -> None:
     split = [s for parts in sentences if len(parts) > 1 for s in parts]
     mine, expected = {}, {}
     for quantization in ("float32", "int8"):
-        mine[quantization] = ours(args.workdir, lines, quantization, scratch)
-        mine_sentences = ours(args.workdir, split, quantization, scratch) if split else []
+        mine[quantization] = ours(args.workdir, lines, quantization, args.checkpoint, scratch)
+        mine_sentences = ours(args.workdir, split, quantization, args.checkpoint, scratch) if split else []
         expected[quantization] = predicted(mine[quantization], sentences, mine_sentences)
-    report = {"run": str(args.workdir), "package": metadata, "lines": len(lines),
-              "split_lines": sum(len(parts) > 1 for parts in sentences), "checks": []}
+    report = {"run": str(args.workdir), "checkpoint": args.checkpoint, "package": metadata,
+              "lines": len(lines), "split_lines": sum(len(parts) > 1 for parts in sentences), "checks": []}
     for compute, quantization in (("float32", "float32"), ("auto", "int8")) if args.argos_venv else ():
         env = venv_env(scratch / f"argos-home-{compute}", index, ARGOS_COMPUTE_TYPE=compute)
         theirs = worker(args.argos_venv, request, env, scratch)["translations"]
@@ -264,7 +267,8 @@ def main() -> None:
 
 
 def _print(report: dict) -> None:
-    print(f"run {report['run']}: package {report['package']['from_code']}→{report['package']['to_code']}, "
+    print(f"run {report['run']} ({report['checkpoint']} checkpoint): package "
+          f"{report['package']['from_code']}→{report['package']['to_code']}, "
           f"{report['lines']} lines, {report.get('split_lines', '?')} split into several sentences by spaCy")
     for check in report["checks"]:
         reasons: dict[str, int] = {}
