@@ -38,6 +38,7 @@ import argparse
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import tempfile
@@ -138,7 +139,11 @@ def http(url: str, data: dict | None = None, form: bool = False) -> tuple[int, o
 def start_libretranslate(venv: Path, env: dict[str, str], codes: tuple[str, str], port: int,
                          log: Path, timeout: float = 600) -> tuple[subprocess.Popen, float]:
     """LibreTranslate on 127.0.0.1:``port`` loading only ``codes``; waits until ``/languages``
-    answers. Returns the process and the seconds it took to start."""
+    answers from it (another server on the port is an error). Returns the process and the
+    seconds it took to start."""
+    with socket.socket() as probe:
+        if probe.connect_ex(("127.0.0.1", port)) == 0:
+            raise RuntimeError(f"port {port} already answers on 127.0.0.1: choose another --port")
     start = time.perf_counter()
     process = subprocess.Popen([str(venv / "bin" / "libretranslate"), "--host", "127.0.0.1", "--port",
                                 str(port), "--load-only", ",".join(codes)], env=env,
@@ -147,7 +152,7 @@ def start_libretranslate(venv: Path, env: dict[str, str], codes: tuple[str, str]
         if process.poll() is not None:
             raise RuntimeError(f"LibreTranslate exited ({process.returncode}):\n{log.read_text()[-3000:]}")
         try:
-            if http(f"http://127.0.0.1:{port}/languages")[0] == 200:
+            if http(f"http://127.0.0.1:{port}/languages")[0] == 200 and process.poll() is None:
                 return process, time.perf_counter() - start
         except OSError:
             time.sleep(0.5)
@@ -222,11 +227,19 @@ def main() -> None:
                         "(default auto; name a step while the run still trains)")
     parser.add_argument("--from-code", help="the package's source language (default: the run's)")
     parser.add_argument("--to-code", help="the package's target language (default: the run's)")
-    parser.add_argument("--port", type=int, default=5099, help="LibreTranslate's port on 127.0.0.1")
+    parser.add_argument("--port", type=int, default=0, help="LibreTranslate's port on 127.0.0.1 (default: a "
+                        "free one)")
     parser.add_argument("--json", type=Path, help="write the results here too")
     args = parser.parse_args()
+    if not args.port:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            args.port = probe.getsockname()[1]
     if not (args.argos_venv or args.lt_venv):
         parser.error("give --argos-venv, --lt-venv or both")
+    args.input = args.input or args.workdir / "test.src"
+    if not args.input.is_file():
+        parser.error(f"{args.input} is missing (a run writes test.src when it finishes): give --input FILE")
     sys.path.insert(0, str(REPO))
     scratch = Path(tempfile.mkdtemp(prefix="argos-lt-"))
     index = scratch / "index"
@@ -238,7 +251,7 @@ def main() -> None:
     def limits(source: str, output: str) -> bool:
         return len(sp.encode(source)) > max_len or len(sp.encode(output)) >= max_len - 1
 
-    text = (args.input or args.workdir / "test.src").read_text(encoding="utf-8")
+    text = args.input.read_text(encoding="utf-8")
     lines = [line for line in text.splitlines() if line.strip()][: args.sentences]
     request = {"do": "translate", "package": str(package), "from": codes[0], "to": codes[1], "lines": lines}
     venv = args.argos_venv or args.lt_venv   # the same spaCy rules split in either
