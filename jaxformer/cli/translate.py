@@ -103,9 +103,12 @@ def _translate_lines(engine: Engine, args, lines: list[str], first_index: int,
             request, constraints=None if constraints is None else tuple(map(tuple, constraints)),
             prefixes=None if prefixes is None else tuple(prefixes))
     translations = engine.translate(sentences, request, first_index=first_index)
-    notes = [(line, note) for line, translation in enumerate(translations, first_index + 1)
-             for note in translation.notes]
-    print("".join(f"warning: line {line}: {note}\n" for line, note in notes), end="", file=sys.stderr)
+    lines_of: dict[str, list[int]] = {}   # each note once, with the lines it is about
+    for line, translation in enumerate(translations, first_index + 1):
+        for note in translation.notes:
+            lines_of.setdefault(note, []).append(line)
+    print("".join(f"warning: line{'s' * (len(at) > 1)} {lines_lib.line_numbers(at)}: {note}\n"
+                  for note, at in lines_of.items()), end="", file=sys.stderr)
     if args.n_best > 1:   # n lines per input line; an empty line's are empty (score 0)
         for i, translation in enumerate(translations, first_index):
             hypotheses = list(translation.hypotheses)
@@ -200,11 +203,13 @@ def main(argv=None) -> None:
     run = _load_run(args)
     engine_name, why = choose_engine(args)
     with contextlib.closing(_open(args, run, engine_name)) as engine:
-        _main(args, engine, f"engine {engine_name} ({why})")
+        translate_with(args, engine, f"engine {engine_name} ({why})")
 
 
-def _main(args: TranslateArgs, engine: Engine, chosen: str) -> None:
-    """Checks the request against the engine's run, says what decodes, and translates."""
+def translate_with(args: TranslateArgs, engine: Engine, chosen: str) -> None:
+    """The command's work with any :class:`~jaxformer.decode.engine.Engine` (``chosen``: why it
+    decodes, for the engine line): checks the request against its run, says what decodes, and
+    translates the arguments, stdin or a file (bulk mode), as the flags say."""
     beam_size = args.beam_size or engine.run.defaults["beam_size"]
     if not args.sample and args.n_best > beam_size:
         fail(PROG, f"--n-best {args.n_best} needs a beam at least as wide; this run decodes with beam "
