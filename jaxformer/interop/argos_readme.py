@@ -26,7 +26,7 @@ def package_readme(run, source, target, quantization: str, checkpoint, spacy_lan
              f"- An encoder-decoder Transformer: {config.num_encoder_layers}+{config.num_decoder_layers} "
              f"layers, d_model {config.d_model}, {config.num_heads} heads, d_ff {config.d_ff}, "
              f"{config.norm_position}-norm, vocabulary {config.src_vocab_size} (one sentencepiece model for "
-             f"both sides), trained on sentences of up to {config.max_len} tokens.",
+             f"both sides), max_len {config.max_len} tokens.",
              f"- Checkpoint: {kind}, step {step}; CTranslate2 weights in `model/` as "
              f"{quantization}.",
              *_results(workdir), "",
@@ -48,9 +48,9 @@ def package_readme(run, source, target, quantization: str, checkpoint, spacy_lan
              "source and 256 output tokens, `<unk>` replaced by the source piece it attends to most. "
              "argostranslate from PyPI loads the model with `compute_type=\"auto\"` (int8 on most CPUs; "
              "`ARGOS_COMPUTE_TYPE=float32` keeps these weights' type); LibreTranslate's fork keeps the "
-             f"model's type. A sentence of up to {config.max_len} tokens (the model saw no longer one in "
-             "training) translates as `jaxformer-translate --engine ct2 --quantization Q --beam-size 4 "
-             "--alpha 0.2 --length-normalization hf --early-stopping --repetition-penalty 1 "
+             f"model's type. A sentence of up to {config.max_len} tokens (`jaxformer-translate` cuts a "
+             "longer source there) translates as `jaxformer-translate --engine ct2 --quantization Q "
+             "--beam-size 4 --alpha 0.2 --length-normalization hf --early-stopping --repetition-penalty 1 "
              "--no-repeat-ngram-size 0` does (Q: the weights' type, int8 for argostranslate's auto); "
              "jaxformer's docs/argos.md has the measurements.", ""]
     return "\n".join(lines)
