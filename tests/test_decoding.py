@@ -13,7 +13,7 @@ import pytest
 
 import jaxformer as jf
 from jaxformer.decode import decoding
-from jaxformer.decode.beam_search import _gather_beams, blocked_top_k
+from jaxformer.decode.beam_search import blocked_top_k, gather_beams
 from jaxformer.decode.strategies import Beam, Greedy, Sample, autoregress, first_argmax
 
 PAD, BOS, EOS = 0, 1, 2
@@ -294,7 +294,7 @@ def test_beam_search_reorders_the_cache_like_recomputing_the_prefix(tiny_model):
     _, cache = decoding._model_callback(model, params, src, 9, 4)
     cache = cache.map_beam_state(lambda x: jax.random.normal(jax.random.key(0), x.shape))   # not zeros
     order = jnp.array([[3, 0, 0, 1]] * 3)
-    moved = _gather_beams(cache, order, 3)
+    moved = gather_beams(cache, order, 3)
     assert moved.layers[0].cross_k is cache.layers[0].cross_k      # not copied
     rows = (np.arange(3)[:, None] * 4 + np.asarray(order)).reshape(-1)
     np.testing.assert_array_equal(np.asarray(moved.layers[1].self_v),

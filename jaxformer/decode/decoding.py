@@ -97,13 +97,11 @@ def jit_decoder(model: Transformer, strategy: Any, layout: Any = None, **static)
 def check_constraints(constraints: dict, strategy: Any, *, batch: int, vocab_size: int) -> dict:
     """``constraints`` as int32 arrays, checked where they enter :func:`decode`: ``tokens [B, C,
     P]`` and ``prefix [B, Q]`` (either may be left out), ids in ``[0, V_tgt)`` or -1 (padding), for
-    a strategy that takes them (:class:`~jaxformer.decode.constrained.Constrained`). ``ValueError``
-    otherwise, naming what is wrong."""
-    from jaxformer.decode.constrained import Constrained
-
+    a strategy that takes them (``supports_constraints``: :class:`~jaxformer.decode.constrained.Constrained`).
+    ``ValueError`` otherwise, naming what is wrong."""
     arrays = {name: np.asarray(value) for name, value in constraints.items()}
     ranks, problems = {"tokens": 3, "prefix": 2}, []
-    if not isinstance(strategy, Constrained):
+    if not getattr(strategy, "supports_constraints", False):
         problems.append(f"constraints need a Constrained strategy, not {type(strategy).__name__}")
     for name, value in arrays.items():
         if name not in ranks or value.ndim != ranks[name] or value.shape[0] != batch:

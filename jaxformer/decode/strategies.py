@@ -6,7 +6,14 @@ best first, eos then pad after each end; ``tokens_to_logits(ids [B*N, 1], cache)
 is the model, ``max_lengths`` (int ``[B]`` or ``None``) each sentence's most tokens, ``keys_B``
 a PRNG key per sentence, ``banned_ids`` (passed only when a model's generation settings name
 them) the ids never generated, default pad and ``bos_id`` (the decoder start). A new
-strategy is one such class (``tests/test_decoding.py`` has one).
+strategy is one such class (``tests/test_decoding.py`` has one); a beam-like one supplies a
+``candidates`` step to :func:`~jaxformer.decode.beam_search.beam_loop` (fairseq's ``Search.step``).
+
+A strategy says what it supports by class attributes (absent: ``False``), so callers never
+branch on its type: ``supports_constraints`` (``decode(..., constraints=...)`` takes target
+phrases and a prefix, and ``plain`` is the strategy without them:
+:class:`~jaxformer.decode.constrained.Constrained`), ``stageable`` (bulk decoding may run it in
+stages, :mod:`jaxformer.decode.staged`: :class:`Beam`).
 """
 
 from __future__ import annotations
