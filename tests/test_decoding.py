@@ -57,9 +57,9 @@ def test_beam_search_equals_exhaustive_search(seed, alpha):
     # candidate is within the top k, so the beam search is exhaustive.
     max_len, k = 4, 12
     table = _random_table(seed, max_len)
-    seqs, scores = jax.jit(lambda: decoding.beam_search(
-        _stub(table), {"index": jnp.zeros((), jnp.int32)}, batch_size=1, beam_size=k, bos_id=BOS,
-        eos_id=EOS, pad_id=PAD, max_decode_len=max_len, alpha=alpha))()
+    seqs, scores = jax.jit(lambda: Beam(k, alpha).search(
+        _stub(table), {"index": jnp.zeros((), jnp.int32)}, batch_size=1, bos_id=BOS, eos_id=EOS, pad_id=PAD,
+        max_decode_len=max_len))()
     expected = _exhaustive(table, max_len, alpha)[:k]
     for rank, (score, seq) in enumerate(expected):
         got = [int(t) for t in np.asarray(seqs[0, rank]) if t != PAD]
@@ -71,11 +71,10 @@ def test_beam_size_one_equals_greedy():
     for seed in range(5):
         table = _random_table(seed, 6)
         cache = {"index": jnp.zeros((), jnp.int32)}
-        greedy = decoding.greedy_search(_stub(table), cache, batch_size=1, bos_id=BOS, eos_id=EOS,
-                                        pad_id=PAD, max_decode_len=6)
-        beam, _ = decoding.beam_search(_stub(table), cache, batch_size=1, beam_size=1, bos_id=BOS,
-                                       eos_id=EOS, pad_id=PAD, max_decode_len=6, alpha=0.0)
-        np.testing.assert_array_equal(np.asarray(beam[:, 0]), np.asarray(greedy))
+        loop = dict(batch_size=1, bos_id=BOS, eos_id=EOS, pad_id=PAD, max_decode_len=6)
+        greedy, _ = Greedy().search(_stub(table), cache, **loop)
+        beam, _ = Beam(1, 0.0).search(_stub(table), cache, **loop)
+        np.testing.assert_array_equal(np.asarray(beam), np.asarray(greedy))
 
 
 def test_length_penalty_lets_a_longer_hypothesis_beat_an_early_eos():
@@ -88,9 +87,8 @@ def test_length_penalty_lets_a_longer_hypothesis_beat_an_early_eos():
     table[1, 3, [EOS, 4]] = np.log([0.638, 0.362])
     table[2, :, EOS] = 0.0
     cache = {"index": jnp.zeros((), jnp.int32)}
-    run = lambda alpha: decoding.beam_search(  # noqa: E731
-        _stub(table), cache, batch_size=1, beam_size=2, bos_id=BOS, eos_id=EOS, pad_id=PAD,
-        max_decode_len=3, alpha=alpha)[0][0, 0]
+    run = lambda alpha: Beam(2, alpha).search(  # noqa: E731
+        _stub(table), cache, batch_size=1, bos_id=BOS, eos_id=EOS, pad_id=PAD, max_decode_len=3)[0][0, 0]
     assert [int(t) for t in run(0.0)] == [EOS, PAD, PAD]
     assert [int(t) for t in run(0.6)] == [3, EOS, PAD]
 
@@ -107,9 +105,8 @@ def test_early_stopping_closes_a_sentence_at_k_finished_hypotheses():
     table[1, 4, [EOS, 3]] = np.log([0.9, 0.1])
     table[2, :, EOS] = 0.0
     cache = {"index": jnp.zeros((), jnp.int32)}
-    run = lambda early: decoding.beam_search(  # noqa: E731
-        _stub(table), cache, batch_size=1, beam_size=2, bos_id=BOS, eos_id=EOS, pad_id=PAD,
-        max_decode_len=3, alpha=0.0, early_stopping=early)
+    run = lambda early: Beam(2, 0.0, early_stopping=early).search(  # noqa: E731
+        _stub(table), cache, batch_size=1, bos_id=BOS, eos_id=EOS, pad_id=PAD, max_decode_len=3)
     early, exact = run(True), run(False)
     assert [int(t) for t in early[0][0, 0]] == [EOS, PAD, PAD]
     assert [int(t) for t in early[0][0, 1]] == [4, EOS, PAD]
@@ -120,9 +117,8 @@ def test_early_stopping_closes_a_sentence_at_k_finished_hypotheses():
 def test_per_sentence_length_limit_forces_eos():
     table = np.zeros((8, VOCAB, VOCAB))
     table[:, :, EOS] = -20.0                 # eos is very unlikely
-    seqs, _ = decoding.beam_search(_stub(table), {"index": jnp.zeros((), jnp.int32)}, batch_size=2,
-                                   beam_size=2, bos_id=BOS, eos_id=EOS, pad_id=PAD, max_decode_len=8,
-                                   max_lengths=jnp.array([3, 8]))
+    seqs, _ = Beam(2).search(_stub(table), {"index": jnp.zeros((), jnp.int32)}, batch_size=2, bos_id=BOS,
+                             eos_id=EOS, pad_id=PAD, max_decode_len=8, max_lengths=jnp.array([3, 8]))
     lengths = np.sum(np.asarray(seqs[:, 0]) != PAD, axis=1)
     np.testing.assert_array_equal(lengths, [3, 8])
     assert int(seqs[0, 0, 2]) == EOS and int(seqs[1, 0, 7]) == EOS
@@ -141,7 +137,7 @@ def test_sampling_is_reproducible_and_cold_sampling_is_greedy():
     a, b, c = sample(0), sample(0), sample(1)
     np.testing.assert_array_equal(a, b)
     assert not np.array_equal(a, c)
-    greedy = decoding.greedy_search(stub, cache, **kwargs)
+    greedy = np.asarray(Greedy().search(stub, cache, **kwargs)[0][:, 0])
     with pytest.raises(ValueError, match="temperature must be greater than 0"):   # Greedy() is that
         Sample(temperature=0.0)
     np.testing.assert_array_equal(sample(5, temperature=1e-4), greedy)
@@ -178,11 +174,11 @@ def test_a_sentence_decodes_the_same_alone_in_a_batch_and_padded(tiny_model):
     alone = jnp.array([sentence])
     batch = jnp.array([[9, 10, 11, 12, 13, 14, 0, 0], sentence + [0] * 4, [15, 16, 0, 0, 0, 0, 0, 0]])
     kw = dict(max_decode_len=10, bos_id=BOS, eos_id=EOS)
-    g_alone = decoding.greedy_translate(model, params, alone, **kw)
-    g_batch = decoding.greedy_translate(model, params, batch, **kw)
+    g_alone = decoding.decode(model, params, alone, Greedy(), **kw)[0]
+    g_batch = decoding.decode(model, params, batch, Greedy(), **kw)[0]
     np.testing.assert_array_equal(np.asarray(g_alone[0]), np.asarray(g_batch[1]))
-    b_alone, s_alone = decoding.beam_translate(model, params, alone, beam_size=3, **kw)
-    b_batch, s_batch = decoding.beam_translate(model, params, batch, beam_size=3, **kw)
+    b_alone, s_alone = decoding.decode(model, params, alone, Beam(3), extra_len=50, **kw)
+    b_batch, s_batch = decoding.decode(model, params, batch, Beam(3), extra_len=50, **kw)
     np.testing.assert_array_equal(np.asarray(b_alone[0]), np.asarray(b_batch[1]))
     np.testing.assert_allclose(np.asarray(s_alone[0]), np.asarray(s_batch[1]), rtol=1e-5)
 
@@ -285,9 +281,9 @@ def test_beam_search_reorders_the_cache_like_recomputing_the_prefix(tiny_model):
     shared by a sentence's beams) gives the beams of a decoder re-run on each prefix."""
     model, params = tiny_model
     src = jnp.array([[5, 6, 7, 8, 0, 0], [9, 10, 11, 12, 13, 14], [15, 16, 17, 0, 0, 0]])
-    kw = dict(batch_size=3, beam_size=4, bos_id=BOS, eos_id=EOS, pad_id=PAD, max_decode_len=9)
-    cached = decoding.beam_search(*decoding._model_callback(model, params, src, 9, 4), **kw)
-    prefix = decoding.beam_search(*decoding.uncached_model_callback(model, params, src, 9, 4), **kw)
+    kw = dict(batch_size=3, bos_id=BOS, eos_id=EOS, pad_id=PAD, max_decode_len=9)
+    cached = Beam(4).search(*decoding._model_callback(model, params, src, 9, 4), **kw)
+    prefix = Beam(4).search(*decoding.uncached_model_callback(model, params, src, 9, 4), **kw)
     np.testing.assert_array_equal(np.asarray(cached[0]), np.asarray(prefix[0]))
     np.testing.assert_allclose(np.asarray(cached[1]), np.asarray(prefix[1]), rtol=1e-5)
 

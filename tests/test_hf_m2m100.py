@@ -22,8 +22,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from jaxformer.cli import convert as convert_cli  # noqa: E402
-from jaxformer.decode.decoding import beam_translate, greedy_translate  # noqa: E402
+from jaxformer.decode.decoding import decode  # noqa: E402
 from jaxformer.decode.generation import ForcedFirstToken  # noqa: E402
+from jaxformer.decode.strategies import Beam, Greedy  # noqa: E402
 from jaxformer.decode.translator import Translator  # noqa: E402
 from jaxformer.interop import m2m100  # noqa: E402
 from jaxformer.model.layers import sinusoidal_positional_encoding  # noqa: E402
@@ -233,16 +234,17 @@ def test_greedy_and_beam_match_generate(converted, translator, direction):
     forced = ours_tok.forced_first_id
     steps, k = MAX_LENGTH - 1, 4
     model_ = Transformer(translator.config)
-    rules = dict(bos_id=EOS, eos_id=EOS, max_decode_len=steps, banned_ids=(),
-                 processors=(ForcedFirstToken(forced),))
-    greedy = np.asarray(greedy_translate(model_, translator.params, jnp.asarray(src, jnp.int32),
-                                         forced_eos=True, **rules))
+    rules = dict(bos_id=EOS, eos_id=EOS, max_decode_len=steps, banned_ids=())
+    processors = (ForcedFirstToken(forced),)
+    greedy, _ = decode(model_, translator.params, jnp.asarray(src, jnp.int32),
+                       Greedy(forced_eos=True, processors=processors), **rules)
+    greedy = np.asarray(greedy[:, 0])
     expected = _generate(model, src, forced, num_beams=1).sequences.numpy()
     assert [_ours(r) for r in greedy] == [_strip(r) for r in expected]
     assert all(r[0] == forced for r in greedy)
     out = _generate(model, src, forced, num_beams=k, num_return_sequences=k, length_penalty=1.0)
-    seqs, scores = beam_translate(model_, translator.params, jnp.asarray(src, jnp.int32), beam_size=k,
-                                  alpha=1.0, extra_len=None, length_normalization="hf", **rules)
+    seqs, scores = decode(model_, translator.params, jnp.asarray(src, jnp.int32),
+                          Beam(k, 1.0, "hf", processors=processors), **rules)
     expected = out.sequences.numpy().reshape(len(src), k, -1)
     for row in range(len(src)):
         assert [_ours(s) for s in np.asarray(seqs)[row]] == [_strip(s) for s in expected[row]]
