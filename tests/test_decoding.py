@@ -14,7 +14,7 @@ import pytest
 import jaxformer as jf
 from jaxformer.decode import decoding
 from jaxformer.decode.beam_search import blocked_top_k, gather_beams
-from jaxformer.decode.strategies import Beam, Greedy, Sample, autoregress, first_argmax
+from jaxformer.decode.strategies import Beam, Greedy, Sample, autoregress, first_argmax, strategy_for
 
 PAD, BOS, EOS = 0, 1, 2
 VOCAB = 5          # pad, bos, eos and two real tokens 3, 4
@@ -37,12 +37,14 @@ def _random_table(seed, max_len):
     return np.asarray(jax.nn.log_softmax(jnp.asarray(logits)), np.float64)
 
 
-def _exhaustive(table, max_len, alpha):
-    """Every hypothesis ending in eos within max_len, scored like the beam search."""
+def _exhaustive(table, max_len, alpha, cut=False):
+    """Every hypothesis ending in eos within max_len (``cut``: and every one of max_len tokens
+    without eos), scored like the beam search."""
     hyps = []
     for n in range(1, max_len + 1):
-        for body in itertools.product((3, 4), repeat=n - 1):
-            seq, prev, logp = (*body, EOS), BOS, 0.0
+        ends = ((3,), (4,), (EOS,)) if cut and n == max_len else ((EOS,),)
+        for body, end in itertools.product(itertools.product((3, 4), repeat=n - 1), ends):
+            seq, prev, logp = (*body, *end), BOS, 0.0
             for t, tok in enumerate(seq):
                 logp += table[t, prev, tok]
                 prev = tok
@@ -50,17 +52,20 @@ def _exhaustive(table, max_len, alpha):
     return sorted(hyps, reverse=True)
 
 
+@pytest.mark.parametrize("forced_eos", [True, False], ids=["forced_eos", "cut"])
 @pytest.mark.parametrize("alpha", [0.0, 0.6, 1.5])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_beam_search_equals_exhaustive_search(seed, alpha):
+def test_beam_search_equals_exhaustive_search(seed, alpha, forced_eos):
     # At most 4 live prefixes × 3 tokens = 12 candidates per step: with k = 12 every
-    # candidate is within the top k, so the beam search is exhaustive.
+    # candidate is within the top k, so the beam search is exhaustive. At the limit (4 tokens)
+    # eos is forced, or (cut) the 12 best of 8 × 3 extensions end there, and those all share
+    # one length penalty: the best k overall are among them.
     max_len, k = 4, 12
     table = _random_table(seed, max_len)
-    seqs, scores = jax.jit(lambda: Beam(k, alpha).search(
+    seqs, scores = jax.jit(lambda: Beam(k, alpha, forced_eos=forced_eos).search(
         _stub(table), {"index": jnp.zeros((), jnp.int32)}, batch_size=1, bos_id=BOS, eos_id=EOS, pad_id=PAD,
         max_decode_len=max_len))()
-    expected = _exhaustive(table, max_len, alpha)[:k]
+    expected = _exhaustive(table, max_len, alpha, cut=not forced_eos)[:k]
     for rank, (score, seq) in enumerate(expected):
         got = [int(t) for t in np.asarray(seqs[0, rank]) if t != PAD]
         assert tuple(got) == seq, (rank, got, seq)
@@ -114,14 +119,17 @@ def test_early_stopping_closes_a_sentence_at_k_finished_hypotheses():
     np.testing.assert_allclose(float(exact[1][0, 0]), np.log(0.49), rtol=1e-4)   # eps mass aside
 
 
-def test_per_sentence_length_limit_forces_eos():
+@pytest.mark.parametrize("forced_eos", [True, False], ids=["forced_eos", "cut"])
+def test_per_sentence_length_limit_ends_each_sentence(forced_eos):
     table = np.zeros((8, VOCAB, VOCAB))
     table[:, :, EOS] = -20.0                 # eos is very unlikely
-    seqs, _ = Beam(2).search(_stub(table), {"index": jnp.zeros((), jnp.int32)}, batch_size=2, bos_id=BOS,
-                             eos_id=EOS, pad_id=PAD, max_decode_len=8, max_lengths=jnp.array([3, 8]))
-    lengths = np.sum(np.asarray(seqs[:, 0]) != PAD, axis=1)
-    np.testing.assert_array_equal(lengths, [3, 8])
-    assert int(seqs[0, 0, 2]) == EOS and int(seqs[1, 0, 7]) == EOS
+    seqs, _ = Beam(2, forced_eos=forced_eos).search(
+        _stub(table), {"index": jnp.zeros((), jnp.int32)}, batch_size=2, bos_id=BOS, eos_id=EOS, pad_id=PAD,
+        max_decode_len=8, max_lengths=jnp.array([3, 8]))
+    lengths = np.sum(np.asarray(seqs[:, :]) != PAD, axis=2)
+    np.testing.assert_array_equal(lengths, [[3, 3], [8, 8]])
+    assert np.all((np.asarray(seqs[0, :, 2]) == EOS) == forced_eos)
+    assert np.all((np.asarray(seqs[1, :, 7]) == EOS) == forced_eos)
 
 
 def test_sampling_is_reproducible_and_cold_sampling_is_greedy():
@@ -268,12 +276,24 @@ def test_strategies_check_their_settings_when_made():
                         (lambda: Beam(beam_size=2.0), r"beam_size must be an integer, got 2.0 \(float\)"),
                         (lambda: Beam(early_stopping="no"), "early_stopping must be True or False"),
                         (lambda: Beam(length_normalization="fairseq"), "length_normalization must be"),
+                        (lambda: Beam(forced_eos=None), "forced_eos must be True or False"),
                         (lambda: Sample(temperature=float("nan")), "temperature must be a finite number"),
                         (lambda: Sample(top_k=2.5), "top_k must be an integer"),
                         (lambda: Sample(top_p=True), "top_p must be a finite number, got True")):
         with pytest.raises(ValueError, match=words):
             make()
     assert Beam(4, np.float32(0.5), early_stopping=np.bool_(True)) == Beam(4, 0.5, early_stopping=True)
+
+
+def test_strategy_for_keeps_our_runs_rule_unless_the_model_states_one():
+    """No rule (our runs): eos at the limit for beams, for greedy only with "hf" (OPUS-MT's
+    forced_eos_token_id); an imported model's rule (decode.defaults.forced_eos) for both."""
+    assert strategy_for(4) == Beam(4) and Beam(4).forced_eos
+    assert strategy_for(1) == Greedy(False) and strategy_for(1, 1.0, "hf") == Greedy(True)
+    for rule in (False, True):
+        assert strategy_for(4, 1.0, "hf", forced_eos=rule) == Beam(4, 1.0, "hf", forced_eos=rule)
+        assert strategy_for(1, 1.0, "hf", forced_eos=rule) == Greedy(rule)
+    assert strategy_for(1, scored=True) == Beam(1)   # n-best lists: beam 1 scores its hypothesis
 
 
 def test_beam_search_reorders_the_cache_like_recomputing_the_prefix(tiny_model):

@@ -138,9 +138,16 @@ class Sample:
 
 
 def strategy_for(beam_size: int, alpha: float = 0.6, length_normalization: str = "gnmt", early_stopping=False,
-                 no_repeat_ngram_size: int = 0, repetition_penalty: float = 1.0) -> Greedy | Beam:
-    """The decoding flags' strategy (all checked): :class:`Beam`, or for ``beam_size`` 1
-    :class:`Greedy` (with ``"hf"``, eos forced at the last step, as ``generate``)."""
+                 no_repeat_ngram_size: int = 0, repetition_penalty: float = 1.0, *,
+                 forced_eos: bool | None = None, scored: bool = False) -> Greedy | Beam:
+    """The decoding flags' strategy (all checked): :class:`Beam`, or for ``beam_size`` 1 (unless
+    ``scored``: its one hypothesis scored) :class:`Greedy`. ``forced_eos``: eos at a sentence's
+    limit, as an imported model's ``forced_eos_token_id`` says (:func:`jaxformer.decode.defaults.forced_eos`),
+    else a cut there without eos; ``None`` (no such rule: our runs): eos for beams, and for
+    greedy with ``"hf"`` only."""
     beam = Beam(beam_size, alpha, length_normalization, early_stopping,
-                penalties(no_repeat_ngram_size, repetition_penalty))
-    return Greedy(length_normalization == "hf", beam.processors) if beam.beam_size == 1 else beam
+                penalties(no_repeat_ngram_size, repetition_penalty),
+                forced_eos=True if forced_eos is None else forced_eos)
+    if beam.beam_size > 1 or scored:
+        return beam
+    return Greedy(length_normalization == "hf" if forced_eos is None else beam.forced_eos, beam.processors)
