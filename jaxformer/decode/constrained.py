@@ -63,6 +63,8 @@ class Constrained:
     hypotheses that meet every constraint first, then (only where none could, at the length
     limit) the best that end there. With k < T + 1 (T a sentence's constraint tokens,
     :func:`bank_rule`) the lower banks get no slot and a phrase may be found late or not at all.
+    The loop and the finished-hypothesis merge are :class:`Beam`'s
+    (:func:`~jaxformer.decode.beam_search.beam_loop`); :meth:`candidates` is this search's step.
     Sources: Post & Vilar 2018 §3; Hu et al. 2019 §4-5; fairseq ``LexicallyConstrainedBeamSearch``.
     """
 
