@@ -4,6 +4,9 @@ and scored by CTranslate2 against our teacher-forced log-probabilities. Offline,
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
 
 import flax.linen as nn
 import jax
@@ -125,3 +128,25 @@ def test_int8_export_through_the_command_and_refusals(tmp_path, tokenizer):
         export_ct2(tmp_path / "run", tmp_path / "int8")
     with pytest.raises(SystemExit):   # a CT2 flag with --to-hf would be ignored: an error
         convert_main(["--to-hf", str(tmp_path / "run"), "--out", str(tmp_path / "hf"), "--quantization", "q"])
+
+
+def test_an_export_works_in_plain_ctranslate2_at_its_default_limits(tmp_path, tokenizer):
+    """Issue 51, item 1: a model with ``max_len`` 16 translates a source of over 16 pieces and a
+    random model's long outputs with ``translate_batch``'s defaults (1024 source and 256 output
+    tokens), in a process that imports only ctranslate2 and sentencepiece and runs the export's
+    README as written."""
+    _run(tmp_path / "run", tokenizer, seed=5, norm_position="pre", share_embeddings=True, max_len=16)
+    convert_main(["--to-ct2", str(tmp_path / "run"), "--out", str(tmp_path / "model")])
+    readme = (tmp_path / "model" / "README.md").read_text()
+    [code] = re.findall(r"```python\n(.*?)```", readme, re.S)
+    assert "max_input_length=16" in code
+    long = " ".join(SENTENCES * 3)
+    script = code.replace('sentences = ["Click OK."]', f"sentences = {[long, SENTENCES[0]]!r}") + (
+        "plain = translator.translate_batch([source.encode(s, out_type=str) for s in sentences])\n"
+        "assert len(plain[1].hypotheses[0]) > 16, plain[1].hypotheses   # random weights: a long output\n"
+        "import sys\n"
+        "print(sorted(m for m in ('jax', 'flax', 'jaxformer', 'torch') if m in sys.modules))\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines()[-1] == "[]"

@@ -10,6 +10,7 @@ trained on the shipped corpus. Each is saved as transformers saves it, converted
 import gzip
 import io
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -22,8 +23,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from jaxformer.cli import convert as convert_cli  # noqa: E402
-from jaxformer.decode.decoding import beam_translate, greedy_translate  # noqa: E402
-from jaxformer.decode.generation import ForcedFirstToken  # noqa: E402
+from jaxformer.decode.decoding import decode  # noqa: E402
+from jaxformer.decode.defaults import decoding_defaults, forced_eos, length_limits  # noqa: E402
+from jaxformer.decode.generation import ForcedFirstToken, with_forced_first  # noqa: E402
+from jaxformer.decode.strategies import Beam, Greedy, strategy_for  # noqa: E402
 from jaxformer.decode.translator import Translator  # noqa: E402
 from jaxformer.interop import m2m100  # noqa: E402
 from jaxformer.model.layers import sinusoidal_positional_encoding  # noqa: E402
@@ -98,8 +101,9 @@ def _hf_tokenizer(kind, root):
     return tok
 
 
-def _hf_model(kind, vocab_size, seed):
-    """A random M2M100ForConditionalGeneration whose logits are far from ties."""
+def _hf_model(kind, vocab_size, seed, eos_boost=None):
+    """A random M2M100ForConditionalGeneration whose logits are far from ties; eos made likelier
+    by ``eos_boost`` (default :data:`EOS_BOOST`; negative: unlikelier)."""
     torch.manual_seed(seed)
     config = transformers.M2M100Config(
         vocab_size=vocab_size, max_position_embeddings=MAX_LEN, pad_token_id=PAD, bos_token_id=BOS,
@@ -112,7 +116,7 @@ def _hf_model(kind, vocab_size, seed):
         # eos likelier everywhere (EOS_BOOST)
         direction = torch.randn(config.d_model)
         model.model.decoder.layer_norm.bias.add_(direction)
-        model.model.shared.weight[EOS].add_(direction * EOS_BOOST[kind])
+        model.model.shared.weight[EOS].add_(direction * (EOS_BOOST[kind] if eos_boost is None else eos_boost))
     model.generation_config.max_length = MAX_LENGTH
     model.generation_config.forced_eos_token_id = EOS
     return model
@@ -233,16 +237,17 @@ def test_greedy_and_beam_match_generate(converted, translator, direction):
     forced = ours_tok.forced_first_id
     steps, k = MAX_LENGTH - 1, 4
     model_ = Transformer(translator.config)
-    rules = dict(bos_id=EOS, eos_id=EOS, max_decode_len=steps, banned_ids=(),
-                 processors=(ForcedFirstToken(forced),))
-    greedy = np.asarray(greedy_translate(model_, translator.params, jnp.asarray(src, jnp.int32),
-                                         forced_eos=True, **rules))
+    rules = dict(bos_id=EOS, eos_id=EOS, max_decode_len=steps, banned_ids=())
+    processors = (ForcedFirstToken(forced),)
+    greedy, _ = decode(model_, translator.params, jnp.asarray(src, jnp.int32),
+                       Greedy(forced_eos=True, processors=processors), **rules)
+    greedy = np.asarray(greedy[:, 0])
     expected = _generate(model, src, forced, num_beams=1).sequences.numpy()
     assert [_ours(r) for r in greedy] == [_strip(r) for r in expected]
     assert all(r[0] == forced for r in greedy)
     out = _generate(model, src, forced, num_beams=k, num_return_sequences=k, length_penalty=1.0)
-    seqs, scores = beam_translate(model_, translator.params, jnp.asarray(src, jnp.int32), beam_size=k,
-                                  alpha=1.0, extra_len=None, length_normalization="hf", **rules)
+    seqs, scores = decode(model_, translator.params, jnp.asarray(src, jnp.int32),
+                          Beam(k, 1.0, "hf", processors=processors), **rules)
     expected = out.sequences.numpy().reshape(len(src), k, -1)
     for row in range(len(src)):
         assert [_ours(s) for s in np.asarray(seqs)[row]] == [_strip(s) for s in expected[row]]
@@ -250,6 +255,45 @@ def test_greedy_and_beam_match_generate(converted, translator, direction):
     assert error <= 1e-4
     lengths = {len(_ours(s)) for s in np.asarray(seqs).reshape(-1, steps)}
     assert len(lengths) >= 2, lengths    # hypotheses end early and at the limit: the test is not weak
+
+
+@pytest.mark.parametrize("forced", [False, True], ids=["cut", "forced_eos"])
+def test_outputs_at_max_length_follow_the_imported_rule(converted, tmp_path, forced):
+    """A model whose outputs all reach max_length: without ``forced_eos_token_id`` (as the Hub's
+    NLLB and M2M100 configs) ``generate`` cuts each hypothesis there without eos and ranks the cut
+    ones by their length; with it, eos ends each. The run's record carries the rule
+    (``defaults.forced_eos``), ``strategy_for`` follows it: beam 4 (4-best tokens and scores) and
+    greedy equal ``generate``'s for 20 sentences."""
+    kind, original, tok, hf_dir, _ = converted
+    folder, run = tmp_path / "hf", tmp_path / "run"
+    shutil.copytree(hf_dir, folder)   # the tokenizer files; the model is saved over them
+    model = _hf_model(kind, original.config.vocab_size, seed=len(kind) + 1, eos_boost=-0.3)
+    model.generation_config.forced_eos_token_id = EOS if forced else None
+    model.save_pretrained(folder)
+    convert_cli.main(["--from-hf", str(folder), "--workdir", str(run)])
+    record = json.loads((run / "config.json").read_text())
+    assert forced_eos(record) is forced
+    translator = Translator(run, batch_size=4, src_lang=LANGUAGES[kind][0], tgt_lang=LANGUAGES[kind][1])
+    ours, steps = translator.tokenizer, length_limits(record, None, None)[1]
+    tok.src_lang = LANGUAGES[kind][0]
+    pairs = _pairs()
+    src = _padded(tok, FIXTURE + [a for a, _ in pairs[:8]] + [b for _, b in pairs[:8]])
+    assert src.shape[0] == 20 and steps == MAX_LENGTH - 1
+    rules = dict(decoding_defaults(record), forced_eos=forced_eos(record))
+    for beams in (1, 4):
+        strategy = with_forced_first(strategy_for(**{**rules, "beam_size": beams}), ours.forced_first_id)
+        seqs, scores = decode(Transformer(translator.config), translator.params, jnp.asarray(src, jnp.int32),
+                              strategy, bos_id=ours.decoder_start_id, eos_id=ours.eos_id,
+                              banned_ids=ours.banned_ids, max_decode_len=steps)
+        out = _generate(model, src, ours.forced_first_id, num_beams=beams, num_return_sequences=beams)
+        expected = out.sequences.numpy()[:, 1:].reshape(20, beams, -1)   # without the start token
+        ends = expected == EOS
+        assert expected.shape[2] == steps and not ends[:, :, :-1].any() and np.all(ends[:, :, -1] == forced)
+        np.testing.assert_array_equal(np.asarray(seqs), expected)   # every hypothesis at the limit
+        if beams > 1:
+            expected_scores = out.sequences_scores.numpy().reshape(20, beams)
+            error = float(np.max(np.abs(np.asarray(scores) - expected_scores)))
+            assert error <= 1e-4, error
 
 
 @pytest.mark.parametrize("direction", [0, 1], ids=["forward", "backward"])
@@ -466,3 +510,56 @@ def test_translate_command_takes_the_languages(converted, tmp_path, capsys):
         wrong = "xx_Yyyy" if kind == "nllb" else "xx"
         translate_main(["--workdir", str(run), "--src-lang", src_lang, "--tgt-lang", wrong, *FIXTURE[:1]])
     assert "nearest" in capsys.readouterr().err
+
+
+def test_a_run_without_languages_names_the_flags_before_any_work(converted, tmp_path, capsys):
+    """Issue 51, item 4: a multilingual run that records no languages (the Hub's NLLB folders name
+    none) is refused where the command starts, naming --src-lang/--tgt-lang, on either engine, with
+    only one of them given, and before the default engine converts anything."""
+    import shutil
+
+    from jaxformer.cli.translate import main as translate_main
+
+    kind, _, _, _, run = converted
+    bare = tmp_path / "bare"
+    shutil.copytree(run, bare, ignore=shutil.ignore_patterns("ct2", "jax_cache"))
+    record = json.loads((bare / "config.json").read_text())
+    record["tokenizer"].update(src_lang=None, tgt_lang=None)
+    (bare / "config.json").write_text(json.dumps(record))
+    src_lang, tgt_lang = LANGUAGES[kind]
+    for flags, named in (([], "pass --src-lang and --tgt-lang"),
+                         (["--tgt-lang", tgt_lang], "pass --src-lang "),
+                         (["--engine", "jax"], "pass --src-lang and --tgt-lang"),
+                         (["--src-lang", src_lang, "--engine", "jax"], "pass --tgt-lang ")):
+        with pytest.raises(SystemExit) as stop:
+            translate_main(["--workdir", str(bare), *flags, FIXTURE[0]])
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and named in err and "Traceback" not in err, (flags, err)
+        assert "--tar-lang" not in err and "--sou-lang" not in err
+    assert not (bare / "ct2").exists()   # refused before a conversion
+    translate_main(["--workdir", str(bare), "--src-lang", src_lang, "--tgt-lang", tgt_lang, "--engine", "jax",
+                    *FIXTURE])
+    named = capsys.readouterr().out
+    translate_main(["--workdir", str(run), "--engine", "jax", *FIXTURE])   # the languages it records
+    assert named == capsys.readouterr().out and named.count("\n") == len(FIXTURE)
+
+
+def test_constraint_phrases_are_target_pieces_without_the_language_token(converted, translator):
+    """Issue 51, item 5: a phrase of a multilingual run is its pieces alone (the target language is
+    forced first, never met again), so its banks count its own tokens; a prefix keeps the language
+    token first, as generation forces it."""
+    from jaxformer.decode import constraint_inputs
+    from jaxformer.decode.constrained import Constrained, bank_rule
+
+    kind = converted[0]
+    tok = translator.tokenizer.with_languages(*LANGUAGES[kind])
+    phrases = ["Haus", "Straße"]
+    [request] = constraint_inputs.encode_requests(tok, [phrases], ["Der"], 1)
+    assert request.phrases == [tok.encode_phrases([p])[0] for p in phrases]
+    assert all(tok.forced_first_id not in phrase for phrase in request.phrases)
+    assert request.prefix[0] == tok.forced_first_id
+    beam = bank_rule(request.tokens)   # exactly enough banks: no note asks for one more
+    tuned = Translator(converted[4], batch_size=4, src_lang=LANGUAGES[kind][0], tgt_lang=LANGUAGES[kind][1])
+    results, notes = tuned.constrained(FIXTURE[:1], Constrained(beam, length_normalization="hf"), [phrases])
+    assert not [note for note in notes if "--beam-size" in note], notes
+    assert all(phrase in results[0][0][0] for phrase in phrases), (results[0][0][0], notes)

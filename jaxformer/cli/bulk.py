@@ -16,7 +16,7 @@ from pathlib import Path
 from jaxformer.cli import constraint_files, fail, warn_replaced
 from jaxformer.cli.translate_flags import PROG
 from jaxformer.decode import bulk
-from jaxformer.serve.ct2_engine import CT2Engine
+from jaxformer.decode.engine import Engine
 
 # Everything a chunk's bytes depend on, recorded in the manifest: a resume with other
 # values is refused (the process count is not among them: it does not change a byte).
@@ -30,25 +30,28 @@ def bulk_mode(args) -> bool:
     return bool(args.input and args.output and not args.sentences)
 
 
-def job_record(args, translator) -> dict:
+def job_record(args, engine: Engine) -> dict:
     """What a bulk job's bytes depend on (its ``.parts/manifest.json``; a resume whose record
-    differs is refused): the model and the decoding settings, the sampling ones only with
-    ``--sample`` (a beam job resumed with another ``--seed`` gives the same bytes)."""
+    differs is refused): the model and the engine (:meth:`Engine.digest`: its name, the
+    parameters' digest, a run retrained to the same step differing, and the engine's own
+    settings), the decoding settings, the sampling ones only with ``--sample`` (a beam job
+    resumed with another ``--seed`` gives the same bytes)."""
     record = {"workdir": str(Path(args.workdir).resolve()),
-              "checkpoint": f"{translator.kind} step {translator.step}",
-              "params_sha256": translator.params_digest(),   # a run retrained to the same step differs
-              "engine": "jax", **{name: getattr(args, name) for name in SETTINGS}}
-    if isinstance(translator, CT2Engine):   # its weights' type and threads change the bytes too
-        record.update(engine="ct2", quantization=translator.quantization,
-                      ct2_threads=list(translator.threads))
+              "checkpoint": f"{engine.checkpoint.kind} step {engine.checkpoint.step}",
+              **engine.digest(), **{name: getattr(args, name) for name in SETTINGS}}
     # The decoding options the run supplies, as decoded: a job resumed after the run's
     # defaults changed (another jaxformer) is refused, not finished with other settings.
-    record.update({name: value if record[name] is None else record[name]
-                   for name, value in translator.defaults.items()})
+    record.update({name: value if record.get(name) is None else record[name]
+                   for name, value in engine.run.defaults.items()})
     record.update(constraint_files.digests(args))   # only the files given: older manifests still resume
-    languages = [getattr(translator.tokenizer, name, None) for name in ("src_lang", "tgt_lang")]
+    languages = [getattr(engine.run.tokenizer, name, None) for name in ("src_lang", "tgt_lang")]
     if any(languages):   # a multilingual model's (M2M100/NLLB); other jobs' records stay as they were
         record["languages"] = languages
+        if args.constrained_by:   # its phrases became pieces without the language token (issue 51)
+            record["phrases"] = "target pieces"
+    if "generation" in engine.run.record:   # an imported model's rules (or a fine-tune's, inherited)
+        run = engine.run                    # as decoded: a job begun under older rules is refused
+        record["generation_rules"] = {"forced_eos": run.forced_eos, "max_len": [run.max_len_a, run.max_len_b]}
     if not args.sample:
         record.update(dict.fromkeys(("seed", "temperature", "top_k", "top_p")))
     else:   # a job sampled with one key per chunk (an older jaxformer) is not finished with these
@@ -56,16 +59,16 @@ def job_record(args, translator) -> dict:
     return record
 
 
-def translate(args, translator, translate_lines: Callable) -> int:
+def translate(args, engine: Engine, translate_lines: Callable) -> int:
     """Translates ``--input`` into ``--output`` (this process's share of it) with
-    ``translate_lines(translator, args, lines, first_index, out) -> (best, counts)``; process 0
+    ``translate_lines(engine, args, lines, first_index, out) -> (best, counts)``; process 0
     prints the report. Input and resume errors exit with status 2. Returns the process index."""
     def translate_chunk(lines, first_index, index):
         buffer = io.StringIO()
-        _, counts = translate_lines(translator, args, lines, first_index, buffer)
+        _, counts = translate_lines(engine, args, lines, first_index, buffer)
         return buffer.getvalue(), counts
 
-    record = job_record(args, translator)
+    record = job_record(args, engine)
     process, processes, barrier = 0, 1, None
     if args.multi_process:   # the JAX engine's (the CTranslate2 engine imports no JAX)
         import jax

@@ -13,10 +13,22 @@ from typing import Annotated, Literal
 import tyro
 from annotated_types import Ge, Gt, Interval
 
-from jaxformer.cli import fail, plain, unwritable
+from jaxformer.cli import fail, unwritable
 from jaxformer.run.config import Finite, Flag, check_fields, shown
 
 PROG = "jaxformer-translate"
+DESCRIPTION = """\
+Translate with a trained run: jaxformer-translate --workdir RUN "sentence".
+
+Translates the arguments, --input FILE or stdin, one line out per line in, to stdout or
+--output. With both --input and --output (bulk mode) a file of any size is translated in
+chunks of --chunk-lines lines written to OUTPUT.parts/: the same command resumes a killed
+run; --mesh and several processes (--coordinator-address, --num-processes, --process-id)
+share the chunks. Stdin from a terminal or a pipe is answered as lines arrive. Checkpoint:
+--checkpoint (default the best by dev BLEU, else the latest). Decoding: beam search,
+--n-best lists with scores, or --sample; a line's sampling key comes from --seed and its
+line number. The engine: CTranslate2 on a CPU where it is installed, else JAX (--engine).
+The run's jax_cache/ keeps the compiled and exported decoders for the next call."""
 Switch = tyro.conf.FlagCreatePairsOff   # a bool flag that is off unless given
 
 
@@ -168,13 +180,6 @@ class TranslateArgs:
         return bool(self.distributed or _given(self, "coordinator_address", "num_processes", "process_id"))
 
 
-def _translate_doc() -> str:
-    """The tool's description: :mod:`jaxformer.cli.translate`'s docstring (also under ``python -m``)."""
-    import importlib
-
-    return importlib.import_module("jaxformer.cli.translate").__doc__
-
-
 def _given(args: TranslateArgs, *names: str, falsy: bool = True) -> list[str]:
     """The flags of ``names`` given (not ``None``; with ``falsy=False`` not 0 or off either)."""
     return [f"--{name.replace('_', '-')}" for name in names
@@ -188,7 +193,7 @@ def _pl(flags: list[str], many: str, one: str) -> str:
 def parse_translate_args(argv: list[str] | None = None) -> TranslateArgs:
     """The checked flags of ``jaxformer-translate``; bad ones exit with status 2 and a message."""
     args = tyro.cli(TranslateArgs, args=sys.argv[1:] if argv is None else argv, prog=PROG,
-                    description=plain(_translate_doc()))
+                    description=DESCRIPTION)
     try:
         problem = args.problems() or _path_problem(args)
     except OSError as e:   # a name longer than the filesystem allows, a folder that cannot be searched

@@ -113,9 +113,10 @@ class MultilingualTokenizer:
             return code
         example = "en, de" if self.kind == "m2m100" else "eng_Latn, deu_Latn"
         near = difflib.get_close_matches(code or "", list(self.codes), n=5, cutoff=0.4)
+        flag = "--src-lang" if side == "source" else "--tgt-lang"
         raise ValueError(
             f"this {self.kind} model translates between many languages: name the {side} language "
-            f"(--{side[:3]}-lang, codes such as {example})." if code is None else
+            f"({flag}, codes such as {example})." if code is None else
             f"{code!r} is not a language of this {self.kind} model (codes such as {example}); "
             f"nearest: {', '.join(near) or 'none'}.")
 
@@ -150,6 +151,11 @@ class MultilingualTokenizer:
         """Target ids without start or eos: ``[tgt_lang] pieces`` (``text_target=`` labels less ``</s>``)."""
         first = self._language_id(self.tgt_lang, "target")
         return [[first, *ids] for ids in self._pieces(texts)]
+
+    def encode_phrases(self, texts: Sequence[str]) -> list[list[int]]:
+        """A target phrase's pieces alone, without the language token (a constraint phrase: the
+        language token is forced first, never part of a phrase met later)."""
+        return self._pieces(texts)
 
     def decode(self, ids: Iterable[Sequence[int]]) -> list[str]:
         """Text of each id sequence up to the first eos, special and language tokens dropped

@@ -80,7 +80,7 @@ class Tokenizer:
         """Token ids (no bos/eos) for each text."""
         return self.sp.encode(list(texts))
 
-    encode_source = encode_target = encode
+    encode_source = encode_target = encode_phrases = encode
 
     def source_pieces(self, ids: Sequence[int]) -> list[str]:
         return [self.sp.id_to_piece(int(i)) for i in ids]
@@ -179,6 +179,8 @@ class MarianTokenizer:
         """Target ids without start or eos (``text_target=`` labels less their ``</s>``)."""
         return [self._encode(t, self.target_spm, self.target_vocab) for t in texts]
 
+    encode_phrases = encode_target   # a constraint phrase: target ids alone
+
     def decode(self, ids: Iterable[Sequence[int]]) -> list[str]:
         """Text of each id sequence, up to the first eos, without special tokens
         (``batch_decode(..., skip_special_tokens=True)``)."""
@@ -257,5 +259,6 @@ def with_languages(tokenizer, src_lang: str | None, tgt_lang: str | None):
 
 # What translate and the trainer ask of a tokenizer: ``pad_id``, ``eos_id``, ``unk_id``, ``bos_id``
 # (the decoder start id), ``src_vocab_size``, ``tgt_vocab_size``, ``encode_source`` (the encoder
-# input as trained), ``encode_target`` (no start or eos), ``decode``, ``*_pieces``, ``save_marian``.
+# input as trained), ``encode_target`` (no start or eos), ``encode_phrases`` (a target phrase's pieces
+# alone, for constraints), ``decode``, ``*_pieces``, ``save_marian``.
 TextTokenizer = Tokenizer | MarianTokenizer

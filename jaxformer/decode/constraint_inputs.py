@@ -32,15 +32,17 @@ class Request:
 
 def encode_requests(tokenizer, constraints: Sequence[Sequence[str]] | None,
                     prefixes: Sequence[str] | None, count: int) -> list[Request]:
-    """Each of ``count`` sentences' :class:`Request`: phrases encoded as targets, alone (as
+    """Each of ``count`` sentences' :class:`Request`: phrases encoded as target pieces, alone (as
     fairseq's ``--constraints``: a phrase is matched as the tokenizer segments it out of
-    context), empty ones and repeats dropped; ``None`` lists: no constraints, no prefix."""
+    context; a multilingual model's language token, forced first, is no part of one), empty
+    ones and repeats dropped; a prefix as the decoder's first tokens (the language token
+    first); ``None`` lists: no constraints, no prefix."""
     constraints = constraints if constraints is not None else [[]] * count
     prefixes = prefixes if prefixes is not None else [""] * count
     requests = []
     for phrases, prefix in zip(constraints, prefixes):
         phrases = list(dict.fromkeys(p.strip() for p in phrases if p.strip()))
-        ids = [list(map(int, x)) for x in tokenizer.encode_target(phrases)] if phrases else []
+        ids = [list(map(int, x)) for x in tokenizer.encode_phrases(phrases)] if phrases else []
         kept = [(text, i) for text, i in zip(phrases, ids) if i]
         prefix_ids = list(map(int, tokenizer.encode_target([prefix])[0])) if prefix.strip() else []
         requests.append(Request([i for _, i in kept], prefix_ids,
@@ -48,34 +50,32 @@ def encode_requests(tokenizer, constraints: Sequence[Sequence[str]] | None,
     return requests
 
 
-def fit_requests(requests: list[Request], limits: Sequence[int], beam_size: int,
-                 lines: Sequence[int]) -> list[str]:
-    """Makes each request fit its sentence's output limit, in place, and returns the notes, one
-    per line that needs one (``lines``: its 1-based number): constraints and prefix that need
-    more tokens than the limit (eos included) are dropped, the prefix cut to fit; a beam below
-    :func:`bank_rule` is named (the lower banks get no slot); a phrase the tokenizer writes
-    otherwise (its normalisation: ``…`` as ``...``, a character it lacks as ``⁇``) is named."""
-    notes, small = [], []
-    for request, limit, line in zip(requests, limits, lines):
+def fit_requests(requests: list[Request], limits: Sequence[int], beam_size: int) -> list[list[str]]:
+    """Makes each request fit its sentence's output limit, in place, and returns each one's notes:
+    constraints and prefix that need more tokens than the limit (eos included) are dropped, the
+    prefix cut to fit; a beam below :func:`bank_rule` is named (the lower banks get no slot); a
+    phrase the tokenizer writes otherwise (its normalisation: ``…`` as ``...``, a character it
+    lacks as ``⁇``) is named."""
+    notes = []
+    for request, limit in zip(requests, limits):
+        mine = []
         changed = [f"{a!r} as {t!r}" for a, t in zip(request.asked, request.texts) if a != t]
         if changed:
-            notes.append(f"line {line}: this model's tokenizer writes {', '.join(changed)}; that form is "
-                         f"what the translation holds")
+            mine.append(f"this model's tokenizer writes {', '.join(changed)}; that form is what the "
+                        f"translation holds")
         needed = request.tokens + len(request.prefix) + 1
         if needed > limit:
-            notes.append(f"line {line}: its constraints and prefix need {needed} tokens with eos, but its "
-                         f"output limit is {limit} (--max-len-a, --max-len-b, the model's max_len): "
-                         f"translated without its constraints"
-                         + (", its prefix cut" if len(request.prefix) >= limit else ""))
+            mine.append(f"its constraints and prefix need {needed} tokens with eos, but its output limit is "
+                        f"{limit} (--max-len-a, --max-len-b, the model's max_len): translated without its "
+                        f"constraints" + (", its prefix cut" if len(request.prefix) >= limit else ""))
             request.phrases, request.texts = [], []
             request.prefix = request.prefix[: max(limit - 1, 0)]
         if bank_rule(request.tokens) > beam_size:
-            small.append((line, request.tokens))
-    if small:
-        most = max(tokens for _, tokens in small)
-        notes.append(f"{len(small)} line(s) (first: line {small[0][0]}) have more constraint tokens than "
-                     f"--beam-size {beam_size} leaves banks for (up to {most}): pass --beam-size "
-                     f"{bank_rule(most)} or more, or a phrase may be missed")
+            banks = bank_rule(request.tokens)
+            mine.append(f"its {request.tokens} constraint tokens need --beam-size {banks} or more (a bank "
+                        f"per count of tokens met; --beam-size {beam_size} leaves fewer banks): a phrase may "
+                        f"be missed")
+        notes.append(mine)
     return notes
 
 
@@ -104,14 +104,12 @@ def batch_arrays(requests: Sequence[Request | None], rows: int) -> dict[str, np.
     return {"tokens": tokens, "prefix": prefix}
 
 
-def missing_notes(requests: Sequence[Request], translations: Sequence[str],
-                  lines: Sequence[int]) -> list[str]:
-    """A note for each line whose translation misses one of its phrases (the search ran out of
-    room, or the beam was too small for its banks)."""
+def missing_notes(requests: Sequence[Request], translations: Sequence[str]) -> list[list[str]]:
+    """Each request's note that its translation misses one of its phrases (the search ran out of
+    room, or the beam was too small for its banks), if it does."""
     notes = []
-    for request, text, line in zip(requests, translations, lines):
+    for request, text in zip(requests, translations):
         missing = [phrase for phrase in request.texts if phrase not in text]
-        if missing:
-            notes.append(f"line {line}: the translation misses {', '.join(map(repr, missing))} (no "
-                         f"hypothesis holding it ended within the output limit)")
+        notes.append([f"the translation misses {', '.join(map(repr, missing))} (no hypothesis holding it "
+                      f"ended within the output limit)"] if missing else [])
     return notes

@@ -1,9 +1,10 @@
-"""A trained run as a :class:`Translator`: beam search, n-best lists, sampling and
+"""A trained run as a :class:`Translator`: the JAX engine (:class:`jaxformer.decode.engine.Engine`)
+and the library's face of it: beam search, n-best lists, sampling, constraints and
 cross-attention maps (the command line around it: :mod:`jaxformer.cli.translate`)."""
 
 from __future__ import annotations
 
-import contextlib
+import copy
 import hashlib
 import math
 import numbers
@@ -15,89 +16,156 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
-from jaxformer.data.tokenizer import load_tokenizer, with_languages
 from jaxformer.decode import constraint_inputs
-from jaxformer.decode.defaults import decoding_defaults, length_limits
+from jaxformer.decode.constrained import Constrained
+from jaxformer.decode.engine import FEATURES, Request, Translation, translate_nonblank
 from jaxformer.decode.evaluation import Evaluator
 from jaxformer.decode.exported import ExportCache
 from jaxformer.decode.penalties import penalties
-from jaxformer.decode.strategies import Beam, Sample, strategy_for
-from jaxformer.model.config import TransformerConfig
+from jaxformer.decode.served_run import ServedRun
+from jaxformer.decode.strategies import Sample, strategy_for
 from jaxformer.model.matmul import cast_matmul_weights
 from jaxformer.model.scan import unrolled
 from jaxformer.model.sharding import Layout
 from jaxformer.model.transformer import Transformer
 from jaxformer.model.validation import check_count
-from jaxformer.run.checkpoints import RunCheckpoints
 from jaxformer.run.directory import RunDir
 
 
 class Translator:
-    """A trained run (``workdir``) ready to translate: its config, tokenizer and parameters on one
-    device or a ``mesh`` (data-parallel, parameters laid out as in training). Decoding options left
-    ``None`` take :attr:`defaults`: an imported model's generation config, else the run's dev/test
-    decoding, else §6.1's beam 4, α 0.6.
+    """The JAX engine: a run (a :class:`~jaxformer.decode.served_run.ServedRun`, or the folder
+    to load one from) ready to translate on one device or a ``mesh`` (data-parallel, parameters
+    laid out as in training). It honours every request (:data:`~jaxformer.decode.engine.FEATURES`).
+    Decoding options left ``None`` take :attr:`defaults`: an imported model's generation
+    config, else the run's dev/test decoding, else §6.1's beam 4, α 0.6.
 
     Args:
+      run: the run, or its folder (then ``checkpoint``, ``max_len_a``, ``max_len_b``,
+        ``src_lang``, ``tgt_lang`` are :meth:`ServedRun.load`'s).
       batch_size: the most sentences per decoding batch.
-      checkpoint: ``"auto"`` (best by dev BLEU, else latest), ``"best"``, ``"latest"``,
-        ``"averaged"`` or a training step (int).
-      max_len_a, max_len_b: at most ``a * source length + b`` tokens (eos included); ``None``
-        (both): an imported model's ``max_length`` (a = 0, b = max_length - 1: Hugging Face
-        counts the decoder start token), else 1 and 50.
       exported, staged: keep exported decoders in ``RUN/jax_cache/exported``; beam search in
         stages (:mod:`jaxformer.decode.exported`, :mod:`~jaxformer.decode.staged`); not with a mesh.
       matmul_dtype: the weight matmuls' dtype (:mod:`jaxformer.model.matmul`); ``None``: the run's.
-      src_lang, tgt_lang: a multilingual run's languages (M2M100 ``en``, NLLB ``eng_Latn``; the
-        target is forced as the first token); ``None``: the run's. Others refuse them.
 
     Raises ``FileNotFoundError`` without ``config.json``, the tokenizer or the checkpoint asked for;
     ``ValueError`` for a damaged (or Hugging Face's) ``config.json``, a language not the model's,
-    a ``batch_size`` not an integer ≥ 1, a ``max_len_a`` not a finite number ≥ 0, a ``max_len_b``
-    not an integer, a + b < 1.
+    a ``batch_size`` not an integer ≥ 1, limits out of range, load options beside a loaded run.
     """
 
-    def __init__(self, workdir: str | Path, batch_size: int = 32, checkpoint: str | int = "auto",
+    name = "jax"
+    honours = FEATURES
+
+    def __init__(self, run: ServedRun | str | Path, batch_size: int = 32, checkpoint: str | int = "auto",
                  max_len_a: float | None = None, max_len_b: int | None = None, exported: bool = False,
                  mesh: jax.sharding.Mesh | None = None, staged: bool = False,
                  matmul_dtype: str | None = None, src_lang: str | None = None, tgt_lang: str | None = None):
         batch_size = check_count("batch_size", batch_size)
-        if isinstance(checkpoint, np.integer) or isinstance(checkpoint, str) and checkpoint.isdigit():
-            checkpoint = int(checkpoint)   # "20" (as the command line reads it) or a NumPy 20: a step
-        run_dir = RunDir(workdir)
-        exports = ExportCache(run_dir.jax_cache / "exported") if exported and mesh is None else None
-        record = run_dir.read_run_record()
-        config = TransformerConfig.from_dict(record["model"])
-        self.config = config if matmul_dtype is None else config.replace(matmul_dtype=matmul_dtype)
-        self.tokenizer = load_tokenizer(workdir, record)
-        if src_lang or tgt_lang:   # a multilingual model's languages (M2M100/NLLB: its own codes)
-            self.tokenizer = with_languages(self.tokenizer, src_lang, tgt_lang)
-        self.model = Transformer(self.config)
-        ids, layout = jnp.ones((1, 8), jnp.int32), None
-
-        def boxed_shapes():
-            return jax.eval_shape(lambda: self.model.init(jax.random.key(0), ids, ids)["params"])
-
-        # Restore onto one device (or this mesh), whatever mesh the run was trained on.
-        if mesh is not None:
-            layout = Layout.for_params(mesh, boxed := boxed_shapes())
-            shapes, shardings = nn.unbox(boxed), layout.params
+        load = dict(checkpoint=checkpoint, max_len_a=max_len_a, max_len_b=max_len_b, src_lang=src_lang,
+                    tgt_lang=tgt_lang)
+        if isinstance(run, ServedRun):
+            if load != dict(checkpoint="auto", max_len_a=None, max_len_b=None, src_lang=None, tgt_lang=None):
+                raise ValueError("a loaded run's checkpoint, limits and languages are ServedRun.load's: give "
+                                 "them there, or give the run's folder here.")
         else:
-            shapes = (nn.unbox(boxed_shapes()) if exports is None
-                      else exports.abstract_params(self.config, lambda: nn.unbox(boxed_shapes())))
-            one_device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-            shardings = jax.tree_util.tree_map(lambda _: one_device, shapes)
-        abstract_params = jax.tree_util.tree_map(
-            lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), shapes, shardings)
-        with contextlib.closing(RunCheckpoints(workdir, read_only=True)) as checkpoints:   # parameters only
-            self.params, self.step, self.kind = checkpoints.restore_params_from(checkpoint, abstract_params)
+            run = ServedRun.load(run, **load)
+        self.run, self.tokenizer, self.defaults = run, run.tokenizer, run.defaults
+        self.config = run.config if matmul_dtype is None else run.config.replace(matmul_dtype=matmul_dtype)
+        self.model = Transformer(self.config)
+        exports = ExportCache(RunDir(run.root).jax_cache / "exported") if exported and mesh is None else None
+        self.params, self.checkpoint = run.restore_params(self._abstract_params(mesh, exports))
         self.params = cast_matmul_weights(self.params, self.config)
-        self.max_len_a, self.max_len_b = length_limits(record, max_len_a, max_len_b)
-        self.evaluator = Evaluator(self.model, self.tokenizer, batch_size=batch_size, layout=layout,
-                                   target_language=record.get("target_language", "xx"), scoring=False,
+        self.step, self.kind = self.checkpoint.step, self.checkpoint.kind
+        self.max_len_a, self.max_len_b = run.max_len_a, run.max_len_b
+        self.evaluator = Evaluator(self.model, self.tokenizer, batch_size=batch_size,
+                                   layout=Layout.for_params(mesh, self._boxed_shapes()) if mesh else None,
+                                   target_language=run.record.get("target_language", "xx"), scoring=False,
                                    max_len_a=self.max_len_a, max_len_b=self.max_len_b, exports=exports,
                                    staged=staged)
-        self.defaults = decoding_defaults(record)
+        self.mesh = mesh
+
+    def _boxed_shapes(self):
+        ids = jnp.ones((1, 8), jnp.int32)
+        return jax.eval_shape(lambda: self.model.init(jax.random.key(0), ids, ids)["params"])
+
+    def _abstract_params(self, mesh: jax.sharding.Mesh | None, exports: ExportCache | None) -> Any:
+        """The parameters' shapes laid out on one device, or on ``mesh`` as in training, whatever
+        mesh the run was trained on."""
+        if mesh is not None:
+            boxed = self._boxed_shapes()
+            shapes, shardings = nn.unbox(boxed), Layout.for_params(mesh, boxed).params
+        else:
+            shapes = (nn.unbox(self._boxed_shapes()) if exports is None
+                      else exports.abstract_params(self.config, lambda: nn.unbox(self._boxed_shapes())))
+            one_device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+            shardings = jax.tree_util.tree_map(lambda _: one_device, shapes)
+        return jax.tree_util.tree_map(
+            lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), shapes, shardings)
+
+    # -- the engine (jaxformer.decode.engine.Engine) -------------------------------------------
+
+    def translate(self, sentences: list[str], request: Request, *, first_index: int = 0) -> list[Translation]:
+        """:meth:`Engine.translate <jaxformer.decode.engine.Engine.translate>`: the request's
+        strategy (greedy, beam search, sampling, or constrained beam search when it carries
+        constraints or prefixes, the run's defaults where it says nothing), sentence i sampling
+        with ``fold_in(key(seed), first_index + i)``."""
+        return translate_nonblank(sentences, request, first_index, self._translate)
+
+    def _translate(self, sentences: list[str], request: Request, indices: list[int]) -> list[Translation]:
+        rules = request.rules(self.defaults)
+        evaluator = self._evaluator_for(request.src_lang, request.tgt_lang)
+        notes: list[list[str]] = [[] for _ in sentences]
+        if request.sample:
+            processors = penalties(rules["no_repeat_ngram_size"], rules["repetition_penalty"])
+            strategy = Sample(request.temperature, request.top_k, request.top_p, processors)
+            results = evaluator.decode(self.params, sentences, strategy, indices=indices,
+                                       rng=jax.random.key(request.seed))
+        elif request.constraints is not None or request.prefixes is not None:   # a beam of any width
+            beam = strategy_for(**rules, forced_eos=self.run.forced_eos, scored=True)
+            results, notes = self._constrained(sentences, Constrained.of(beam), request.constraints,
+                                               request.prefixes, indices, evaluator=evaluator,
+                                               length_limits=rules["length_normalization"] != "hf")
+        else:
+            strategy = strategy_for(**rules, forced_eos=self.run.forced_eos)
+            results = evaluator.decode(self.params, sentences, strategy, indices=indices,
+                                       length_limits=rules["length_normalization"] != "hf")
+        return [Translation(tuple(hyps[: request.n_best]), tuple(mine)) for hyps, mine in zip(results, notes)]
+
+    def _evaluator_for(self, src_lang: str | None, tgt_lang: str | None) -> Evaluator:
+        """The evaluator of a request's languages (a multilingual run's): the run's own, or a copy
+        with that tokenizer sharing its compiled decoders."""
+        if src_lang is None and tgt_lang is None:
+            return self.evaluator
+        evaluator = copy.copy(self.evaluator)   # shares the dict of compiled decoders
+        evaluator.tokenizer = self.run.tokenizer_for(src_lang, tgt_lang)
+        return evaluator
+
+    def rules(self, request: Request) -> str:
+        """The rules line of the translate command: the strategy, its length penalty and stop."""
+        rules = request.rules(self.defaults)
+        if request.sample:
+            return "sampling"
+        if rules["beam_size"] == 1 and request.constraints is None and request.prefixes is None:
+            return "greedy"
+        penalty = "|Y|" if rules["length_normalization"] == "hf" else "((5+|Y|)/6)"
+        stop = "ends once k hypotheses ended" if rules["early_stopping"] else "exact stop"
+        return f"beam {rules['beam_size']}, length penalty {penalty}^{rules['alpha']}, {stop}, a length " \
+               f"limit per sentence"
+
+    def describe(self) -> str:
+        """The engine and its devices, in one line."""
+        where = (f"a mesh of {self.mesh.size} devices" if self.mesh is not None
+                 else f"{jax.local_devices()[0].platform} device {jax.local_devices()[0].id}")
+        return f"JAX {jax.__version__} on {where}, {self.config.matmul_dtype or self.config.dtype}"
+
+    def digest(self) -> dict[str, Any]:
+        """``{"engine": "jax", "params_sha256": ...}`` (:meth:`params_digest`)."""
+        return {"engine": "jax", "params_sha256": self.params_digest()}
+
+    def close(self) -> None:
+        """Drops the parameters and compiled decoders."""
+        self.params, self.evaluator = None, None
+
+    # -- the library's face ----------------------------------------------------------------------
 
     def decode(self, sentences: list[str], strategy: Any, *, seed: int | None = None,
                indices: list[int] | None = None, length_limits: bool = True) -> list[list[tuple[str, float]]]:
@@ -107,71 +175,73 @@ class Translator:
         ``length_limits`` as ``Evaluator.decode``'s. ``TypeError`` unless ``sentences`` is a list
         of strings; ``ValueError`` for a ``seed`` not an integer in [0, 2**32), or ``indices`` not
         one integer in [0, 2**31) per sentence."""
-        if not isinstance(sentences, (list, tuple)) or not all(isinstance(s, str) for s in sentences):
-            raise TypeError(f"sentences must be a list of strings, got {type(sentences).__name__}"
-                            + (": wrap one sentence in a list" if isinstance(sentences, str) else ""))
         if seed is not None and not 0 <= check_count("seed", seed, minimum=-(1 << 63)) < 1 << 32:
-            problem = f"seed must be in [0, 2**32), got {seed}"   # what --seed takes
-        elif indices is not None and (len(indices) != len(sentences) or not all(
+            raise ValueError(f"seed must be in [0, 2**32), got {seed}.")   # what --seed takes
+        if indices is not None and (len(indices) != len(sentences) or not all(
                 isinstance(i, numbers.Integral) and not isinstance(i, bool) and 0 <= i < 1 << 31
                 for i in indices)):
-            problem = f"indices must be one integer in [0, 2**31) per sentence, got {list(indices)[:8]}"
-        else:
-            problem = None
-        if problem:
-            raise ValueError(problem + ".")
+            raise ValueError(f"indices must be one integer in [0, 2**31) per sentence, got "
+                             f"{list(indices)[:8]}.")
         rng = None if seed is None else jax.random.key(int(seed))   # None: key(0), so an exported decoder
-        indices = range(len(sentences)) if indices is None else indices
-        todo = [i for i, sentence in enumerate(sentences) if sentence.strip()]
-        out = [[("", 0.0)] for _ in sentences]
-        for i, result in zip(todo, self.evaluator.decode(
-                self.params, [sentences[i] for i in todo], strategy, rng=rng,
-                indices=[indices[i] for i in todo], length_limits=length_limits) if todo else []):
-            out[i] = result
-        return out
+        indices = list(range(len(sentences))) if indices is None else list(indices)
+
+        def run(todo: list[str], _: Request, at: list[int]) -> list[Translation]:
+            results = self.evaluator.decode(self.params, todo, strategy, rng=rng, length_limits=length_limits,
+                                            indices=[indices[i] for i in at])
+            return [Translation(tuple(hypotheses)) for hypotheses in results]
+
+        return [list(t.hypotheses) for t in translate_nonblank(sentences, Request(), 0, run)]
 
     def constrained(self, sentences: list[str], strategy: Any, constraints: list[list[str]] | None = None,
                     prefixes: list[str] | None = None, *, indices: list[int] | None = None,
                     length_limits: bool = True) -> tuple[list[list[tuple[str, float]]], list[str]]:
         """:meth:`decode` with a :class:`~jaxformer.decode.constrained.Constrained` ``strategy``:
         sentence i's translations hold each target phrase of ``constraints[i]`` and start with
-        ``prefixes[i]`` (``""``: none). Returns the (translation, score) lists and notes, one per
-        line (``indices[i] + 1``) that needs one: constraints that cannot fit its output limit
-        (dropped), phrases the best translation misses, a beam too small for the banks
-        (:func:`~jaxformer.decode.constrained.bank_rule`). ``ValueError``: lists not one per
-        sentence, or another strategy."""
-        from jaxformer.decode.constrained import Constrained
-
-        if not isinstance(strategy, Constrained) or any(
+        ``prefixes[i]`` (``""``: none). Returns the (translation, score) lists and the notes,
+        ``"line N: …"`` (N = ``indices[i] + 1``) for each sentence that needs one: constraints that
+        cannot fit its output limit (dropped), phrases the best translation misses, a beam too
+        small for the banks (:func:`~jaxformer.decode.constrained.bank_rule`). ``ValueError``:
+        lists not one per sentence, or another strategy."""
+        if not getattr(strategy, "supports_constraints", False) or any(
                 x is not None and len(x) != len(sentences) for x in (constraints, prefixes)):
             raise ValueError(f"constrained() needs a Constrained strategy (got {type(strategy).__name__}) "
                              f"and at most one constraint list and prefix per sentence ({len(sentences)}).")
         indices = list(range(len(sentences)) if indices is None else indices)
-        requests = constraint_inputs.encode_requests(self.tokenizer, constraints, prefixes, len(sentences))
-        source_lengths = [min(len(ids), self.config.max_len)
-                          for ids in self.tokenizer.encode_source(sentences)]
-        limits = [min(math.floor(self.max_len_a * n) + self.max_len_b, self.evaluator.max_decode_len(n))
-                  if length_limits else self.evaluator.max_decode_len(n) for n in source_lengths]
-        lines = [i + 1 for i in indices]
-        notes = constraint_inputs.fit_requests(requests, limits, strategy.beam_size, lines)
-        todo = [i for i, sentence in enumerate(sentences) if sentence.strip()]
-        out = [[("", 0.0)] for _ in sentences]
-        for i, result in zip(todo, self.evaluator.decode(
-                self.params, [sentences[i] for i in todo], strategy, indices=[indices[i] for i in todo],
-                length_limits=length_limits, requests=[requests[i] for i in todo]) if todo else []):
-            out[i] = result
-        return out, notes + constraint_inputs.missing_notes(
-            [requests[i] for i in todo], [out[i][0][0] for i in todo], [lines[i] for i in todo])
+        request = Request(constraints=None if constraints is None else tuple(map(tuple, constraints)),
+                          prefixes=None if prefixes is None else tuple(prefixes))
+
+        def run(todo: list[str], picked: Request, at: list[int]) -> list[Translation]:
+            results, notes = self._constrained(todo, strategy, picked.constraints, picked.prefixes,
+                                               [indices[i] for i in at], length_limits)
+            return [Translation(tuple(result), tuple(mine)) for result, mine in zip(results, notes)]
+
+        done = translate_nonblank(sentences, request, 0, run)
+        return ([list(t.hypotheses) for t in done],
+                [f"line {indices[i] + 1}: {note}" for i, t in enumerate(done) for note in t.notes])
+
+    def _constrained(self, sentences: list[str], strategy: Constrained, constraints, prefixes,
+                     indices: list[int], length_limits: bool,
+                     evaluator: Evaluator | None = None) -> tuple[list[list], list[list[str]]]:
+        """Non-blank ``sentences`` decoded with constraints (by ``evaluator``, default the run's):
+        their results and notes."""
+        evaluator = evaluator or self.evaluator
+        tokenizer = evaluator.tokenizer
+        requests = constraint_inputs.encode_requests(tokenizer, constraints, prefixes, len(sentences))
+        source_lengths = [min(len(ids), self.config.max_len) for ids in tokenizer.encode_source(sentences)]
+        limits = [min(math.floor(self.max_len_a * n) + self.max_len_b, evaluator.max_decode_len(n))
+                  if length_limits else evaluator.max_decode_len(n) for n in source_lengths]
+        notes = constraint_inputs.fit_requests(requests, limits, strategy.beam_size)
+        results = evaluator.decode(self.params, sentences, strategy, indices=indices,
+                                   length_limits=length_limits, requests=requests)
+        missing = constraint_inputs.missing_notes(requests, [result[0][0] for result in results])
+        return results, [a + b for a, b in zip(notes, missing)]
 
     def n_best(self, sentences: list[str], *, best_only: bool = False, **options) -> list[list]:
         """``beam_size`` (translation, score) pairs per sentence, best first: :meth:`decode` with
         the :class:`~jaxformer.decode.strategies.Beam` of ``options`` (:attr:`defaults`' names;
         left out or ``None``: the default); ``best_only``: beam 1 is greedy (``strategy_for``)."""
         rules = {**self.defaults, **{k: v for k, v in options.items() if v is not None}}
-        strategy = strategy_for(**rules)
-        if not best_only and not isinstance(strategy, Beam):   # beam 1: its one hypothesis, scored
-            strategy = Beam(1, *(rules[k] for k in ("alpha", "length_normalization", "early_stopping")),
-                            processors=strategy.processors)
+        strategy = strategy_for(**rules, forced_eos=self.run.forced_eos, scored=not best_only)
         return self.decode(sentences, strategy, length_limits=rules["length_normalization"] != "hf")
 
     def __call__(self, sentences: list[str], **options) -> list[str]:

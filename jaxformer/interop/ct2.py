@@ -7,12 +7,14 @@ K = D / H, F d_ff, V vocabulary, N ``max_len``. CTranslate2's linear weights are
 What the spec holds, from the config: post-norm or pre-norm (with each stack's final
 LayerNorm), the FFN activation (ReLU, erf GELU, swish), embeddings scaled by √D, our
 sinusoidal table written as the spec's ``position_encodings`` (so the layout is ours, row
-for row), the LayerNorm ε, shared or separate tables, the output projection (the target table
+for row; :data:`POSITIONS` rows at least, so CTranslate2's default limits never index past
+it), the LayerNorm ε, shared or separate tables, the output projection (the target table
 or our kernel) with its bias. The directory also gets the run's sentencepiece model(s) as
 ``source.spm`` and ``target.spm``; CTranslate2 takes their pieces as tokens. An M2M100/NLLB run
 (fairseq positions, whose table starts at ``pad_id + 1`` as CTranslate2's converter slices
 it) keeps its tokenizer files; its decoder starts with ``</s>`` and a caller passes the source
 language token and ``</s>`` in the source and the target language as ``target_prefix``.
+Its ``README.md`` shows the few lines of Python that translate with CTranslate2 alone.
 """
 
 from __future__ import annotations
@@ -24,14 +26,24 @@ from typing import Any
 import numpy as np
 
 from jaxformer.data.tokenizer import MarianTokenizer
-from jaxformer.interop.marian_weights import ConversionError
+from jaxformer.decode.served_run import ServedRun
+from jaxformer.interop import ConversionError
 from jaxformer.model.config import TransformerConfig
-from jaxformer.model.layers import sinusoidal_positional_encoding
 
 # Weight types CTranslate2 converts to in NumPy; its bfloat16 conversion goes through torch.
 QUANTIZATIONS = ("float32", "int8", "int8_float32", "int16", "float16", "int8_float16")
 NEEDS_TORCH = ("bfloat16", "int8_bfloat16")
 _ACTIVATIONS = {"relu": "RELU", "gelu": "GELU", "swish": "SWISH"}   # ours → ctranslate2.specs.Activation
+# The position table's rows: CTranslate2's defaults take up to 1024 source tokens
+# (``max_input_length``) and 256 decoded ones (``max_decoding_length``) after the decoder
+# start and a forced prefix (M2M100/NLLB's target language), whatever the model's max_len; a
+# position past the table is an error there ("No position encodings are defined for
+# positions >= N"). Sinusoids are defined at any position.
+CT2_MAX_INPUT_LENGTH, CT2_MAX_DECODING_LENGTH, FORCED_PREFIX = 1024, 256, 1
+POSITIONS = max(CT2_MAX_INPUT_LENGTH, 1 + FORCED_PREFIX + CT2_MAX_DECODING_LENGTH)
+# What an exported directory holds changes with this number (2: the table of POSITIONS rows
+# and README.md); serving's cache (jaxformer.serve.ct2_model) converts again when it moves.
+EXPORTER_VERSION = 2
 
 
 def check_quantization(quantization: str) -> None:
@@ -43,31 +55,39 @@ def check_quantization(quantization: str) -> None:
         raise ConversionError(f"--quantization {quantization!r} is refused: {why}.")
 
 
-def export_ct2(workdir: str | Path, out_dir: str | Path, *, quantization: str = "float32",
+def export_ct2(run: ServedRun | str | Path, out_dir: str | Path, *, quantization: str = "float32",
                checkpoint: str | int = "auto") -> Path:
-    """Writes ``checkpoint`` (``"auto"``, ``"best"``, ``"latest"`` or a step) of run ``workdir`` as
-    CTranslate2 model directory ``out_dir`` (``model.bin``, ``config.json``, the vocabularies,
-    ``source.spm``, ``target.spm``), weights as ``quantization``; returns ``out_dir``. Raises
+    """Writes ``run`` (a :class:`~jaxformer.decode.served_run.ServedRun`, or its folder and
+    ``checkpoint``: ``"auto"``, ``"best"``, ``"latest"``, ``"averaged"`` or a step) as CTranslate2
+    model directory ``out_dir`` (``model.bin``, ``config.json``, the vocabularies, ``source.spm``,
+    ``target.spm``, ``README.md``), weights as ``quantization``; returns ``out_dir``. Raises
     ``ConversionError``: ctranslate2 not installed; a quantization refused by
     :func:`check_quantization`; an ``out_dir`` that is a file or not empty; parameters the spec
     has no place for. ``FileNotFoundError`` / ``ValueError``: not a run, no checkpoint (the run
     directory's errors)."""
-    from jaxformer.decode.translator import Translator
-    from jaxformer.model.scan import unstack_layers
-
     check_quantization(quantization)
-    try:
-        import ctranslate2  # noqa: F401
-    except ImportError as e:
-        raise ConversionError(f"--to-ct2 needs the ctranslate2 package ({e}): pip install ctranslate2") from e
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         what = "is not empty" if out_dir.is_dir() else "is a file"
         raise ConversionError(f"--out {str(out_dir)!r} {what}; choose a new folder (the export writes a "
                               f"whole model directory).")
-    translator = Translator(workdir, batch_size=1, checkpoint=checkpoint)
-    config, tokenizer = translator.config, translator.tokenizer
-    spec = transformer_spec(_flatten(unstack_layers(translator.params)), config)
+    run = run if isinstance(run, ServedRun) else ServedRun.load(run, checkpoint=checkpoint)
+    params, _ = run.restore_params()
+    write_ct2(run, params, out_dir, quantization)
+    return out_dir
+
+
+def write_ct2(run: ServedRun, params: Any, out_dir: Path, quantization: str) -> None:
+    """Writes ``params`` (the parameter tree of ``run``'s model) as CTranslate2 model directory
+    ``out_dir`` (made here); raises as :func:`export_ct2`."""
+    from jaxformer.model.scan import unstack_layers
+
+    try:
+        import ctranslate2  # noqa: F401
+    except ImportError as e:
+        raise ConversionError(f"--to-ct2 needs the ctranslate2 package ({e}): pip install ctranslate2") from e
+    config, tokenizer = run.config, run.tokenizer
+    spec = transformer_spec(_flatten(unstack_layers(params)), config)
     source, target = (vocabulary(tokenizer, side, size) for side, size in
                       (("source", config.src_vocab_size), ("target", config.tgt_vocab_size)))
     spec.register_source_vocabulary(source)
@@ -84,7 +104,7 @@ def export_ct2(workdir: str | Path, out_dir: str | Path, *, quantization: str = 
     out_dir.mkdir(parents=True, exist_ok=True)
     spec.save(str(out_dir))
     _copy_sentencepiece(tokenizer, out_dir)
-    return out_dir
+    (out_dir / "README.md").write_text(usage(out_dir, config, tokenizer, run.defaults), encoding="utf-8")
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, np.ndarray]:
@@ -110,7 +130,10 @@ def transformer_spec(params: dict[str, np.ndarray], config: TransformerConfig):
     spec = specs.TransformerSpec.from_config(
         (c.num_encoder_layers, c.num_decoder_layers), c.num_heads, pre_norm=c.norm_position == "pre",
         activation=getattr(specs.Activation, _ACTIVATIONS[c.activation]))
-    table_ND = sinusoidal_positional_encoding(c.max_len, c.d_model, c.positional_layout, c.pad_id)[0]
+    from jaxformer.model.layers import sinusoidal_positional_encoding
+
+    table_ND = sinusoidal_positional_encoding(max(c.max_len, POSITIONS), c.d_model, c.positional_layout,
+                                              c.pad_id)[0]
     source_VD = take("src_embedding/embedding")
     target_VD = source_VD if c.share_embeddings else take("tgt_embedding/embedding")
     spec.encoder.embeddings[0].weight, spec.decoder.embeddings.weight = source_VD, target_VD
@@ -197,3 +220,51 @@ def _copy_sentencepiece(tokenizer, out_dir: Path) -> None:
         files = {"source.spm": tokenizer.model_file, "target.spm": tokenizer.model_file}
     for name, path in files.items():
         shutil.copyfile(path, out_dir / name)
+
+
+def usage(out_dir: Path, config: TransformerConfig, tokenizer, defaults: dict[str, Any]) -> str:
+    """The exported directory's ``README.md``: how to translate with CTranslate2 and sentencepiece
+    alone, sources cut at the model's ``max_len`` tokens as ``jaxformer-translate`` cuts them."""
+    name = out_dir.name
+    beam, alpha = defaults["beam_size"], defaults["alpha"]
+    if hasattr(tokenizer, "save_hf"):   # M2M100/NLLB: a language token first, the target's forced
+        src, tgt = tokenizer.src_lang or "SRC", tokenizer.tgt_lang or "TGT"
+        src_token, tgt_token = tokenizer.codes.get(src, src), tokenizer.codes.get(tgt, tgt)
+        code = (f'sp = spm.SentencePieceProcessor(model_file="{name}/sentencepiece.bpe.model")\n'
+                f'sources = [["{src_token}", *sp.encode(s, out_type=str), "</s>"] for s in sentences]\n'
+                f"results = translator.translate_batch(sources, target_prefix=[[\"{tgt_token}\"]] * "
+                f"len(sources),\n"
+                f"                                     beam_size={beam}, max_input_length={config.max_len})\n"
+                f"print([sp.decode(r.hypotheses[0][1:]) for r in results])   # the language token dropped")
+        words = (f"Sources are `[source language] pieces </s>`; the target language ({tgt_token} here) "
+                 f"is forced as `target_prefix`, its token dropped from the output.")
+    else:
+        code = (f'source = spm.SentencePieceProcessor(model_file="{name}/source.spm")\n'
+                f'target = spm.SentencePieceProcessor(model_file="{name}/target.spm")\n'
+                f"results = translator.translate_batch(source.encode(sentences, out_type=str), "
+                f"beam_size={beam},\n"
+                f"                                     max_input_length={config.max_len})\n"
+                f"print([target.decode(r.hypotheses[0]) for r in results])")
+        words = "CTranslate2 takes the sentencepiece pieces as tokens (and adds `</s>` itself where the " \
+                "model wants it)."
+    return f"""# {name}: a jaxformer run as a CTranslate2 model
+
+Written by `jaxformer-convert --to-ct2`. Translate with `ctranslate2` and `sentencepiece`
+alone (`pip install ctranslate2 sentencepiece`):
+
+```python
+import ctranslate2
+import sentencepiece as spm
+
+translator = ctranslate2.Translator("{name}", device="cpu")
+sentences = ["Click OK."]
+{code}
+```
+
+{words} `max_input_length={config.max_len}` cuts a longer source at the model's `max_len`
+tokens, as `jaxformer-translate` does (the model saw no longer one in training); the
+position table covers CTranslate2's defaults (1024 source and 256 output tokens), so any
+limit up to those works. The run decodes with beam {beam}; CTranslate2's `length_penalty`
+is |Y|^α (the run's α is {alpha}). `jaxformer-translate --engine ct2` serves this model
+with the run's own rules (docs/translation.md, "Serving with CTranslate2").
+"""

@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from jaxformer.decode.served_run import ServedRun
 from jaxformer.interop.m2m100 import export_m2m100, import_m2m100
 from jaxformer.interop.marian import export_marian, import_marian
 from jaxformer.model.config import TransformerConfig
-from jaxformer.run.directory import RunDir
 
 
 def import_hf(hf_dir: str | Path, workdir: str | Path) -> TransformerConfig:
@@ -23,7 +23,8 @@ def import_hf(hf_dir: str | Path, workdir: str | Path) -> TransformerConfig:
     return (import_m2m100 if model_type == "m2m_100" else import_marian)(hf_dir, workdir)
 
 
-def export_hf(workdir: str | Path, out_dir: str | Path) -> None:
-    """An M2M100/NLLB run (its tokenizer's kind) as that model, any other as a ``MarianMTModel``."""
-    kind = RunDir(workdir).read_run_record().get("tokenizer", {}).get("kind")
-    (export_m2m100 if kind in ("m2m100", "nllb") else export_marian)(workdir, out_dir)
+def export_hf(run: ServedRun | str | Path, out_dir: str | Path) -> None:
+    """An M2M100/NLLB run (a :class:`~jaxformer.decode.served_run.ServedRun` or its folder) as that
+    model, any other as a ``MarianMTModel``."""
+    run = run if isinstance(run, ServedRun) else ServedRun.load(run)
+    (export_m2m100 if run.multilingual else export_marian)(run, out_dir)

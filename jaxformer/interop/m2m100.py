@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxformer.data.multilingual import TOKENIZER_FILES, MultilingualTokenizer, scoring_language
+from jaxformer.decode.served_run import ServedRun
 from jaxformer.interop.marian import (
     _ACTIVATION_FROM_HF,
     _check_export_folder,
@@ -30,7 +31,6 @@ from jaxformer.interop.marian_weights import (  # noqa: F401  (ConversionError: 
 )
 from jaxformer.model.config import TransformerConfig
 from jaxformer.model.scan import unstack_layers
-from jaxformer.run.directory import RunDir
 
 M2M100_LAYER_NORM_EPSILON = 1e-5   # torch.nn.LayerNorm's default, fixed in modeling_m2m_100.py
 # NLLB-200's dense checkpoints (their config.json): (d_model, heads, d_ff, layers per stack), one
@@ -171,9 +171,6 @@ def import_m2m100(hf_dir: str | Path, workdir: str | Path) -> TransformerConfig:
         if hf.get(key):
             print(f"note: {key}={hf[key]} acts in training only; jaxformer's fine-tuning does without it",
                   file=sys.stderr)
-    if gen.get("max_length") and gen.get("forced_eos_token_id") is None:
-        print(f"note: a translation that reaches max_length={gen['max_length']} ends with </s> here; "
-              f"generate (no forced_eos_token_id) cuts it without one", file=sys.stderr)
     (workdir / "tokenizer").mkdir(parents=True, exist_ok=True)
     for name in TOKENIZER_FILES[kind]:
         if (hf_dir / name).is_file():
@@ -203,24 +200,23 @@ def import_m2m100(hf_dir: str | Path, workdir: str | Path) -> TransformerConfig:
     return config
 
 
-def export_m2m100(workdir: str | Path, out_dir: str | Path) -> None:
-    """Writes run ``workdir`` (an imported or fine-tuned M2M100/NLLB model) as an
-    ``M2M100ForConditionalGeneration`` folder ``out_dir`` with its tokenizer files. Raises
+def export_m2m100(run: ServedRun | str | Path, out_dir: str | Path) -> None:
+    """Writes ``run`` (an imported or fine-tuned M2M100/NLLB model: a
+    :class:`~jaxformer.decode.served_run.ServedRun` or its folder) as an
+    ``M2M100ForConditionalGeneration`` folder ``out_dir`` with its tokenizer files and its
+    generation config (the record's ``generation``, which a fine-tune inherits). Raises
     ``ConversionError``: a run of another architecture; an ``out_dir`` holding a run or a model."""
     from safetensors.numpy import save_file
 
-    from jaxformer.decode.translator import Translator
-
-    workdir, out_dir = Path(workdir), Path(out_dir)
-    record = RunDir(workdir).read_run_record()
-    config = TransformerConfig.from_dict(record["model"])
-    _check_export_folder(workdir, out_dir)
-    translator = Translator(workdir, batch_size=1)
-    tok = translator.tokenizer
+    run = run if isinstance(run, ServedRun) else ServedRun.load(run)
+    out_dir, record, config = Path(out_dir), run.record, run.config
+    _check_export_folder(run.root, out_dir)
+    config_to_hf(config, {"bos": 0, "eos": 0, "pad": 0, "decoder_start": 0})   # another architecture: now
+    tok = run.tokenizer
     ids = {"bos": tok.id_of.get("<s>", 0), "eos": tok.eos_id, "pad": tok.pad_id,
            "decoder_start": tok.decoder_start_id}
     hf = config_to_hf(config, ids)
-    params = unstack_layers(translator.params)   # transformers names each layer; a scanned run is unrolled
+    params = unstack_layers(run.restore_params()[0])   # transformers names each layer; a scanned run unrolled
     config = config.replace(scan_layers=False)
     tensors = params_to_hf(params, config)
     del tensors["final_logits_bias"]             # M2M100 has none

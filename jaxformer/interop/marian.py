@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxformer.data.tokenizer import MarianTokenizer
+from jaxformer.decode.served_run import ServedRun
 from jaxformer.interop.marian_weights import (  # noqa: F401  (the public names of the conversion)
     ConversionError,
     interleaved_to_split,
@@ -22,7 +23,6 @@ from jaxformer.interop.marian_weights import (  # noqa: F401  (the public names 
 )
 from jaxformer.model.config import TransformerConfig
 from jaxformer.model.scan import unstack_layers
-from jaxformer.run.directory import RunDir
 
 # Marian keys that name behaviour jaxformer does not have, with the value it needs.
 _REQUIRED_HF = {"scale_embedding": True, "normalize_before": False, "normalize_embedding": False,
@@ -234,21 +234,18 @@ def _check_export_folder(workdir: Path, out_dir: Path) -> None:
         raise ConversionError(f"--out {str(out_dir)!r} {problem}.")
 
 
-def export_marian(workdir: str | Path, out_dir: str | Path) -> None:
-    """Writes run ``workdir`` as a ``MarianMTModel`` folder ``out_dir`` (a joint sentencepiece model as
-    ``source.spm = target.spm`` with a ``vocab.json`` built from it). Raises ``ConversionError``: a pre-norm
+def export_marian(run: ServedRun | str | Path, out_dir: str | Path) -> None:
+    """Writes ``run`` (a :class:`~jaxformer.decode.served_run.ServedRun` or its folder) as a
+    ``MarianMTModel`` folder ``out_dir`` (a joint sentencepiece model as ``source.spm =
+    target.spm`` with a ``vocab.json`` built from it). Raises ``ConversionError``: a pre-norm
     run; an ``out_dir`` holding a run or a model."""
     from safetensors.numpy import save_file
 
-    from jaxformer.decode.translator import Translator
-
-    workdir, out_dir = Path(workdir), Path(out_dir)
-    record = RunDir(workdir).read_run_record()
-    config = TransformerConfig.from_dict(record["model"])
-    _check_export_folder(workdir, out_dir)
+    run = run if isinstance(run, ServedRun) else ServedRun.load(run)
+    out_dir, record, config = Path(out_dir), run.record, run.config
+    _check_export_folder(run.root, out_dir)
     config_to_hf(config, eos_id=0, decoder_start_id=0)   # fails early on a pre-norm run
-    translator = Translator(workdir, batch_size=1)
-    params = unstack_layers(translator.params)   # Marian names each layer; a scanned run is unrolled
+    params = unstack_layers(run.restore_params()[0])   # Marian names each layer; a scanned run is unrolled
     config = config.replace(scan_layers=False)
     if config.positional_layout != "split":
         # Marian computes the split table; permuting D turns ours into it exactly.
@@ -257,7 +254,7 @@ def export_marian(workdir: str | Path, out_dir: str | Path) -> None:
     if config.layer_norm_epsilon != MARIAN_LAYER_NORM_EPSILON:
         print(f"warning: this run's LayerNorm epsilon is {config.layer_norm_epsilon}; transformers' "
               f"Marian uses {MARIAN_LAYER_NORM_EPSILON}, so its outputs differ slightly", file=sys.stderr)
-    tok = translator.tokenizer
+    tok = run.tokenizer
     hf = config_to_hf(config, eos_id=tok.eos_id, decoder_start_id=tok.decoder_start_id)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(params_to_hf(params, config), str(out_dir / "model.safetensors"),

@@ -16,19 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxformer.interop import ConversionError, refuse  # noqa: F401  (raised here; named by importers)
 from jaxformer.model.config import TransformerConfig
 from jaxformer.model.transformer import Transformer
-
-
-class ConversionError(ValueError):
-    """The model cannot be converted; the message says why and what to do."""
-
-
-def refuse(problems: list[str]) -> None:
-    """Raises ``ConversionError`` listing every one of ``problems`` (each with its fix), if any."""
-    if problems:
-        raise ConversionError("; ".join(p.rstrip(".") for p in problems) + ".")
-
 
 # How each kind of tensor maps: (Marian → ours, ours → Marian).
 _KINDS = {

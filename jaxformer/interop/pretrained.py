@@ -86,7 +86,7 @@ def load_params(init_from: str | Path, abstract_params: Any) -> Any:
     """The run's best (else latest) parameters, laid out as ``abstract_params``."""
     checkpoints = RunCheckpoints(init_from, read_only=True)
     try:
-        params, _, _ = checkpoints.restore_params(abstract_params)
+        params, _ = checkpoints.restore_params(abstract_params)
     finally:
         checkpoints.close()
     return params

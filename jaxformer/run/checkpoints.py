@@ -11,7 +11,7 @@ import functools
 import shutil
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ import orbax.checkpoint as ocp
 
 from jaxformer.model import scan
 from jaxformer.model.validation import DataPositionError
+from jaxformer.run.checkpoint_files import Checkpoint, candidates
 from jaxformer.run.positions import position_for_other_process_count
 
 
@@ -264,54 +265,11 @@ class RunCheckpoints:
             manager.close()
 
     def restore_params(self, abstract_params: Any, which: str | int = "auto",
-                       report: Callable[[str], None] = _stderr) -> tuple[Any, int, str]:
-        """``(params, step, kind)`` of one checkpoint, only its parameters read into
-        ``abstract_params``: ``which`` is ``"auto"`` (the best, else the newest readable training
-        checkpoint), ``"best"``, ``"latest"``, ``"averaged"`` or a training step.
-
-        Raises:
-          FileNotFoundError: no such checkpoint; the message lists what the run has.
-          CheckpointError: there is one, but it (or, for ``"auto"``, none) is readable.
-          CheckpointMismatchError: a checkpoint holds other parameters than the model's.
-        """
-        _ignore_stray_read_callbacks()
-        steps, best = self.steps(), self.best.best_step()
-        averaged = sorted(int(p.name) for p in (self.workdir / "averaged").glob("*") if p.name.isdigit())
-        candidates = {"auto": [("best", best)] * (best is not None) + [("latest", s) for s in steps[::-1]],
-                      "best": [("best", best)] * (best is not None),
-                      "latest": [("latest", s) for s in steps[-1:]],
-                      "averaged": [("averaged", s) for s in averaged[-1:]]}.get(
-            which, [("step", which)] * (which in steps))
-        failures, mismatch = [], None
-        for kind, step in candidates:
-            name = f"{'best checkpoint' if kind == 'best' else 'checkpoint'} step {step}"
-            path, key = ((self.workdir / kind / str(step) / "params", None) if kind in ("best", "averaged")
-                         else (self.latest.directory / str(step) / "state", "params"))
-            try:
-                saved = saved_params(path, key)
-                check_params_match(saved, scan.to_layout(abstract_params, bool(scan.layout_of(saved))), name)
-                read = functools.partial(_read_params, path, key)
-                return in_layout(saved, abstract_params, read), step, kind
-            except Exception as error:  # any failure to read: this checkpoint is unusable
-                if isinstance(error, CheckpointMismatchError):   # not damage: another run's config
-                    mismatch = error
-                    break
-                failures.append(f"step {step}: {_first_line(error)}")
-                fallback = kind == "best" and which == "auto"
-                report(f"{name} is unreadable ({_first_line(error)})"
-                       + ("; using the latest training checkpoint" if fallback else ""))
-        what = ("checkpoint" if which == "auto" else f"checkpoint of step {which}" if isinstance(which, int)
-                else f"{which!r} checkpoint")
-        available = (f"training steps {steps}" if steps else "no training checkpoints") + (
-            ", best" if best is not None else "") + (", averaged" if averaged else "")
-        raise mismatch or (
-            CheckpointError(f"No readable {what} in {self.workdir} ({'; '.join(failures)}).") if failures
-            else FileNotFoundError(f"No {what} in {self.workdir}; it has {available}."))
-
-    def restore_params_from(self, which: str | int, abstract_params: Any,
-                            report: Callable[[str], None] = _stderr) -> tuple[Any, int, str]:
-        """:meth:`restore_params` of checkpoint ``which``."""
-        return self.restore_params(abstract_params, which, report)
+                       report: Callable[[str], None] = _stderr) -> tuple[Any, Checkpoint]:
+        """:func:`restore_params` of checkpoint ``which`` (``"auto"``, ``"best"``, ``"latest"``,
+        ``"averaged"`` or a training step: :func:`jaxformer.run.checkpoint_files.candidates`, whose
+        ``FileNotFoundError`` names what the run has)."""
+        return restore_params(candidates(self.workdir, which), abstract_params, report)
 
     def wait(self) -> None:
         """Waits for pending saves."""
@@ -323,3 +281,36 @@ class RunCheckpoints:
         self.latest.close()
         self.best.close()
 
+
+
+def restore_params(chosen: Sequence[Checkpoint], abstract_params: Any,
+                   report: Callable[[str], None] = _stderr) -> tuple[Any, Checkpoint]:
+    """``(params, checkpoint)``: only the parameters of the first readable checkpoint of ``chosen``
+    (:func:`jaxformer.run.checkpoint_files.candidates`' list, preferred first) read into
+    ``abstract_params``, and which one they came from; an unreadable one is reported and the
+    next tried (an unreadable best: the latest training checkpoint).
+
+    Raises:
+      CheckpointError: none of them is readable.
+      CheckpointMismatchError: a checkpoint holds other parameters than the model's.
+    """
+    _ignore_stray_read_callbacks()
+    failures = []
+    for checkpoint in chosen:
+        try:
+            saved = saved_params(checkpoint.path, checkpoint.key)
+            check_params_match(saved, scan.to_layout(abstract_params, bool(scan.layout_of(saved))),
+                               checkpoint.name)
+            read = functools.partial(_read_params, checkpoint.path, checkpoint.key)
+            return in_layout(saved, abstract_params, read), checkpoint
+        except CheckpointMismatchError:   # not damage: another run's config
+            raise
+        except Exception as error:  # any failure to read: this checkpoint is unusable
+            failures.append(f"step {checkpoint.step}: {_first_line(error)}")
+            fallback = checkpoint.kind == "best" and len(chosen) > 1
+            report(f"{checkpoint.name} is unreadable ({_first_line(error)})"
+                   + ("; using the latest training checkpoint" if fallback else ""))
+    kind = chosen[0].kind if chosen else "auto"
+    what = "checkpoint" if len(chosen) > 1 else f"{kind!r} checkpoint"
+    where = chosen[0].path.parents[2] if chosen else "the run"
+    raise CheckpointError(f"No readable {what} in {where} ({'; '.join(failures)}).")

@@ -14,17 +14,16 @@ first line index: reproducible for the same input and batches, but other draws t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
 from pathlib import Path
 from typing import Any
 
-from jaxformer.data.tokenizer import load_tokenizer, with_languages
-from jaxformer.decode.defaults import decoding_defaults, length_limits
-from jaxformer.model.config import TransformerConfig
-from jaxformer.run.directory import RunDir
-from jaxformer.serve.ct2_model import cached_model, find_checkpoint
+from jaxformer.decode.engine import Request, Translation, refusal, translate_nonblank
+from jaxformer.decode.served_run import ServedRun
+from jaxformer.serve.ct2_model import cached_model
 
 INSTALL = "pip install -e '.[serve]'"   # the extra that brings ctranslate2
 
@@ -44,6 +43,16 @@ class CT2Search:
     temperature: float = 1.0
     top_k: int | None = None
     top_p: float | None = None
+
+    @classmethod
+    def of(cls, request: Request, defaults: dict[str, Any]) -> CT2Search:
+        """``request``'s settings over a run's ``defaults``, but for the repetition penalty: the
+        run's was tuned on log-probabilities, and on CT2's logits it is far stronger
+        (docs/translation.md), so CT2 takes it from the request alone."""
+        rules = request.rules(defaults)
+        return cls(rules["beam_size"], rules["alpha"], request.repetition_penalty or 1.0,
+                   rules["no_repeat_ngram_size"], request.n_best, request.sample, request.temperature,
+                   request.top_k, request.top_p)
 
     def options(self) -> dict[str, Any]:
         """``translate_batch``'s keyword arguments for these settings."""
@@ -71,43 +80,54 @@ def thread_layout(throughput: bool, inter_threads: int | None = None,
     return inter_threads, intra_threads or max(1, cores // inter_threads)
 
 
+def import_ctranslate2():
+    """The ``ctranslate2`` module. Raises ``ImportError`` naming what failed: not installed (and
+    :data:`INSTALL`), or installed but not importable here (a missing shared library, a build
+    for other CPUs), with the import's own error."""
+    try:
+        import ctranslate2
+    except ImportError as e:
+        if e.name == "ctranslate2":   # not there at all
+            raise ImportError(f"--engine ct2 needs the ctranslate2 package, which is not installed: "
+                              f"{INSTALL}") from None
+        raise ImportError(f"ctranslate2 is installed but cannot be imported here ({e}); reinstall it "
+                          f"(pip install --force-reinstall ctranslate2) or use --engine jax") from None
+    except OSError as e:   # a shared library that cannot be loaded
+        raise ImportError(f"ctranslate2 is installed but cannot be imported here ({e}); reinstall it "
+                          f"(pip install --force-reinstall ctranslate2) or use --engine jax") from None
+    return ctranslate2
+
+
 class CT2Engine:
-    """A run's checkpoint decoded by ``ctranslate2.Translator`` on the CPU, with
-    :class:`~jaxformer.decode.translator.Translator`'s face for the translate command:
-    ``config``, ``tokenizer``, ``defaults``, ``kind``, ``step``, :meth:`decode`,
-    :meth:`params_digest`.
+    """The CTranslate2 engine (:class:`jaxformer.decode.engine.Engine`): a run's checkpoint
+    decoded by ``ctranslate2.Translator`` on the CPU, its model converted once per checkpoint
+    (:func:`~jaxformer.serve.ct2_model.cached_model`). It honours sampling and n-best lists;
+    constraints, prefixes, GNMT's length penalty, the exact stop and attention maps are the JAX
+    engine's.
 
     Args:
-      workdir, checkpoint, batch_size, max_len_a, max_len_b: as ``Translator``'s.
+      run: the run (:class:`~jaxformer.decode.served_run.ServedRun`), or its folder (then
+        ``load`` holds :meth:`ServedRun.load`'s options).
       quantization: the weights' type (:data:`jaxformer.interop.ct2.QUANTIZATIONS`).
+      batch_size: the most sentences per ``translate_batch`` call.
       throughput, inter_threads, intra_threads: the thread layout (:func:`thread_layout`).
 
-    Raises ``ImportError`` (naming :data:`INSTALL`) without ctranslate2; ``FileNotFoundError``:
-    not a run, no such checkpoint; ``ValueError``: a damaged record;
-    ``jaxformer.interop.marian_weights.ConversionError``: a quantization or model CTranslate2
-    cannot take.
+    Raises ``ImportError`` (:func:`import_ctranslate2`); ``FileNotFoundError``: not a run, no
+    such checkpoint; ``ValueError``: a damaged record;
+    ``jaxformer.interop.ConversionError``: a quantization or model CTranslate2 cannot take.
     """
 
-    def __init__(self, workdir: str | Path, *, checkpoint: str | int = "auto", quantization: str = "float32",
-                 batch_size: int = 32, max_len_a: float | None = None, max_len_b: int | None = None,
+    name = "ct2"
+    honours = frozenset({"sampling", "n_best"})
+
+    def __init__(self, run: ServedRun | str | Path, *, quantization: str = "float32", batch_size: int = 32,
                  throughput: bool = False, inter_threads: int | None = None,
-                 intra_threads: int | None = None, src_lang: str | None = None, tgt_lang: str | None = None):
-        try:
-            import ctranslate2
-        except ImportError as e:
-            raise ImportError(f"--engine ct2 needs the ctranslate2 package ({e}): {INSTALL}") from None
-        self.workdir = Path(workdir)
-        record = RunDir(self.workdir).read_run_record()
-        self.config = TransformerConfig.from_dict(record["model"])
-        self.tokenizer = load_tokenizer(self.workdir, record)
-        if src_lang or tgt_lang:   # a multilingual model's languages (M2M100/NLLB: its own codes)
-            self.tokenizer = with_languages(self.tokenizer, src_lang, tgt_lang)
-        self.defaults = decoding_defaults(record)
-        self.max_len_a, self.max_len_b = length_limits(record, max_len_a, max_len_b)
+                 intra_threads: int | None = None, **load):
+        self._ctranslate2 = import_ctranslate2()
+        self.run = run if isinstance(run, ServedRun) else ServedRun.load(run, **load)
+        self.config, self.tokenizer, self.defaults = self.run.config, self.run.tokenizer, self.run.defaults
         self.batch_size, self.quantization = batch_size, quantization
-        self.checkpoint = find_checkpoint(self.workdir, checkpoint)
-        self.kind, self.step = self.checkpoint.kind, self.checkpoint.step
-        self.model_dir = cached_model(self.workdir, self.checkpoint, quantization)
+        self.model_dir, self.checkpoint = cached_model(self.run, quantization)
         self.threads = thread_layout(throughput, inter_threads, intra_threads)
         ct2_config = json.loads((self.model_dir / "config.json").read_text())
         self._cut_eos = bool(ct2_config.get("add_source_eos"))   # CT2 appends the source's </s> itself
@@ -115,12 +135,6 @@ class CT2Engine:
                                                              "shared_vocabulary.json")
                           if (self.model_dir / name).is_file())
         self._target_ids = {piece: i for i, piece in enumerate(json.loads(vocab_file.read_text()))}
-        banned = getattr(self.tokenizer, "banned_ids", None)   # a model's generation rules, else pad, bos
-        banned = (self.config.pad_id, self.tokenizer.bos_id) if banned is None else banned
-        self._suppress = [[piece] for piece in sorted(set(self.tokenizer.target_pieces(list(banned))))]
-        forced = getattr(self.tokenizer, "forced_first_id", None)   # M2M100/NLLB: the target language
-        self._prefix = None if forced is None else self.tokenizer.target_pieces([forced])
-        self._ctranslate2 = ctranslate2
         self._translator = self._new_translator(*self.threads)
 
     def _new_translator(self, inter_threads: int, intra_threads: int):
@@ -130,50 +144,77 @@ class CT2Engine:
     def max_decode_len(self, source_length: int) -> int:
         """The most tokens of a sentence's output, eos included, for a source of ``source_length``
         tokens: a·L + b, within [1, max_len] (the JAX engine's limit)."""
-        return max(1, min(int(self.max_len_a * source_length + self.max_len_b), self.config.max_len))
+        return max(1, min(int(self.run.max_len_a * source_length + self.run.max_len_b), self.config.max_len))
 
-    def decode(self, sentences: list[str], search: CT2Search, *, seed: int | None = None,
-               indices: list[int] | None = None, length_limits: bool = True) -> list[list[tuple[str, float]]]:
-        """(translation, score) lists of ``sentences``, best first, in order (a blank one:
-        ``[("", 0.0)]``); scores are CTranslate2's (log-probability over |Y|^α). Sources are cut
-        to ``max_len`` tokens; ``seed`` and the first of ``indices`` seed sampling (a fresh
-        one-thread translator per call); ``length_limits`` is accepted for the JAX engine's face
-        (CTranslate2 always limits by batch)."""
-        del length_limits
-        todo = [i for i, sentence in enumerate(sentences) if sentence.strip()]
-        ids = [s[: self.config.max_len] for s in self.tokenizer.encode_source([sentences[i] for i in todo])]
+    def translate(self, sentences: list[str], request: Request, *, first_index: int = 0) -> list[Translation]:
+        """:meth:`Engine.translate <jaxformer.decode.engine.Engine.translate>`; scores are
+        CTranslate2's (log-probability over |Y|^α). Sources are cut to ``max_len`` tokens;
+        sampling is seeded from the request's seed and ``first_index`` (a fresh one-thread
+        translator per call: CT2's generator is per thread, seeded when the thread first draws).
+        Raises ``ValueError`` for a request it cannot honour."""
+        problem = refusal(self, request)
+        if problem:
+            raise ValueError(problem + ": use the JAX engine (--engine jax).")
+        return translate_nonblank(sentences, request, first_index,
+                                  functools.partial(self._translate, first_index=first_index))
+
+    def _translate(self, sentences: list[str], request: Request, indices: list[int], *,
+                   first_index: int) -> list[Translation]:
+        tokenizer = self.run.tokenizer_for(request.src_lang, request.tgt_lang)
+        search = CT2Search.of(request, self.defaults)
+        ids = [s[: self.config.max_len] for s in tokenizer.encode_source(sentences)]
         translator = self._translator
         if search.sample:   # CT2's generator is per thread, seeded when the thread first draws
-            first = (indices or [0])[0]
             self._ctranslate2.set_random_seed(int.from_bytes(
-                hashlib.sha256(f"{seed or 0} {first}".encode()).digest()[:4], "little"))
+                hashlib.sha256(f"{request.seed} {first_index}".encode()).digest()[:4], "little"))
             translator = self._new_translator(1, self.threads[1])
-        order = sorted(range(len(todo)), key=lambda j: len(ids[j]))
-        # The JAX engine's M tokens include the eos that ends a beam hypothesis (and, with the "hf"
-        # rule of imported models, greedy's forced eos); CT2 stops at M without one.
+        order = sorted(range(len(ids)), key=lambda j: len(ids[j]))
+        # CTranslate2 never forces eos: at its last step it finishes the best candidates whatever
+        # their token, its M counting the eos step. Where the JAX engine forces eos at the limit (a
+        # beam hypothesis of our runs, greedy's with the "hf" rule; an imported model's
+        # forced_eos_token_id) CT2 stops one step earlier, so both put their last word at M - 1.
+        forced = self.run.forced_eos
         hf = self.defaults["length_normalization"] == "hf"
-        beam_counts_eos = int(not search.sample and (search.beam_size > 1 or hf))
+        eos_at_limit = not search.sample and ((search.beam_size > 1 or hf) if forced is None else forced)
+        prefix, suppress = self.generation_rules(tokenizer)
         pending = []
         for start in range(0, len(order), self.batch_size):
             members = order[start: start + self.batch_size]
-            pieces = [self.tokenizer.source_pieces(ids[j][:-1] if self._cut_eos else ids[j]) for j in members]
+            pieces = [tokenizer.source_pieces(ids[j][:-1] if self._cut_eos else ids[j]) for j in members]
             limit = self.max_decode_len(max(len(ids[j]) for j in members))
-            prefix = None if self._prefix is None else [self._prefix] * len(pieces)
             pending.append((members, translator.translate_batch(
-                pieces, prefix, asynchronous=True, max_decoding_length=limit - beam_counts_eos,
-                suppress_sequences=self._suppress or None, **search.options())))
-        out = [[("", 0.0)] for _ in sentences]
+                pieces, None if prefix is None else [prefix] * len(pieces), asynchronous=True,
+                max_decoding_length=limit - eos_at_limit, suppress_sequences=suppress,
+                **search.options())))
+        out: list[Translation] = [None] * len(ids)
         for members, results in pending:
             for j, result in zip(members, results):
                 result = result.result()
-                texts = self.tokenizer.decode([[self._target_ids.get(p, self.tokenizer.unk_id) for p in hyp]
-                                               for hyp in result.hypotheses])
-                out[todo[j]] = list(zip(texts, (float(s) for s in result.scores)))
+                texts = tokenizer.decode([[self._target_ids.get(p, tokenizer.unk_id) for p in hyp]
+                                          for hyp in result.hypotheses])
+                out[j] = Translation(tuple(zip(texts, (float(s) for s in result.scores))))
         return out
 
-    def params_digest(self) -> str:
-        """The checkpoint's fingerprint and the quantization (a bulk job's record)."""
-        return f"{self.checkpoint.fingerprint()} {self.quantization}"
+    def generation_rules(self, tokenizer) -> tuple[list[str] | None, list[list[str]] | None]:
+        """``(target prefix, suppressed sequences)`` as ``translate_batch`` takes them: a
+        multilingual model's target language forced first (M2M100/NLLB), and the ids its
+        generation rules never produce (by default pad and the decoder start), as pieces."""
+        forced = getattr(tokenizer, "forced_first_id", None)
+        prefix = None if forced is None else tokenizer.target_pieces([forced])
+        banned = getattr(tokenizer, "banned_ids", None)
+        banned = (self.config.pad_id, tokenizer.bos_id) if banned is None else banned
+        return prefix, [[piece] for piece in sorted(set(tokenizer.target_pieces(list(banned))))] or None
+
+    def rules(self, request: Request) -> str:
+        """The rules line of the translate command: CTranslate2's beam search rules."""
+        search = CT2Search.of(request, self.defaults)
+        if search.sample:
+            return "sampling"
+        if search.beam_size == 1:
+            return "greedy"
+        return (f"beam {search.beam_size}, CTranslate2's rules: length penalty |Y|^{search.alpha}, a "
+                f"sentence ends once {search.beam_size} hypotheses ended, one length limit per batch of "
+                f"similar sources, repetition penalty {search.repetition_penalty:g} on the logits")
 
     def describe(self) -> str:
         """One line: the engine, its model and thread layout."""
@@ -181,3 +222,12 @@ class CT2Engine:
         return (f"CTranslate2 {self._ctranslate2.__version__}, {self.quantization}, {inter} translator(s) × "
                 f"{intra} thread(s), model {self.model_dir}")
 
+    def digest(self) -> dict[str, Any]:
+        """The engine, the checkpoint's fingerprint with the quantization, and the thread layout
+        (a bulk job's record: each changes the bytes)."""
+        return {"engine": "ct2", "params_sha256": f"{self.checkpoint.fingerprint()} {self.quantization}",
+                "quantization": self.quantization, "ct2_threads": list(self.threads)}
+
+    def close(self) -> None:
+        """Releases the CTranslate2 translator and its threads."""
+        self._translator = None

@@ -127,7 +127,8 @@ def final_test(run: Run, loop: LoopState) -> dict[str, Any]:
     if run.checkpoints.saved_best_step == step == run.checkpoints.best_step():   # saved now: not read back
         params, best_step, kind = loop.state.params, step, "best"
     else:
-        params, best_step, kind = run.checkpoints.restore_params(abstract_params, report=log)
+        params, checkpoint = run.checkpoints.restore_params(abstract_params, report=log)
+        best_step, kind = checkpoint.step, checkpoint.kind
     averaged = None
     if cfg.train.average_last:
         averaged, averaged_params = average_and_compare(run, loop, abstract_params)
