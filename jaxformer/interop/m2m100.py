@@ -187,6 +187,7 @@ def import_m2m100(hf_dir: str | Path, workdir: str | Path) -> TransformerConfig:
                             "decoder_start_id": hf.get("decoder_start_token_id", tok.eos_id),
                             "src_lang": src_lang, "tgt_lang": tgt_lang},
               "target_language": scoring_language(tgt_lang) if tgt_lang else "xx",
+              **({"source_language": scoring_language(src_lang)} if src_lang else {}),
               "generation": generation,
               "imported_from": {"format": f"huggingface-{kind}",
                                 "name": hf.get("_name_or_path", hf_dir.name)}}

@@ -204,6 +204,8 @@ def import_marian(hf_dir: str | Path, workdir: str | Path) -> TransformerConfig:
                             "decoder_start_id": hf.get("decoder_start_token_id", config.pad_id),
                             "separate_vocabs": bool(tokenizer_config.get("separate_vocabs", False))},
               "target_language": tokenizer_config.get("target_lang") or "xx",
+              **({"source_language": tokenizer_config["source_lang"]} if tokenizer_config.get("source_lang")
+                 else {}),
               "generation": _generation_defaults(gen, config.pad_id),
               "imported_from": {"format": "huggingface-marian", "name": hf.get("_name_or_path", hf_dir.name)}}
     checkpoints = RunCheckpoints(workdir)
