@@ -55,7 +55,7 @@ def main() -> None:
 
     from jaxformer.data.prepared import PreparedCorpus
     from jaxformer.decode.beam_search import Beam
-    from jaxformer.decode.constrained import Constrained
+    from jaxformer.decode.engine import Request
     from jaxformer.decode.evaluation import make_bleu
     from jaxformer.decode.translator import Translator
     from jaxformer.run.directory import RunDir
@@ -66,15 +66,18 @@ def main() -> None:
     bleu = make_bleu(RunDir(args.workdir).read_run_record().get("target_language", "xx"))
     translator = Translator(args.workdir, batch_size=args.batch_size)
     beam = Beam(args.beam_size, translator.defaults["alpha"], translator.defaults["length_normalization"])
-    constrained = Constrained.of(beam)
+    request = Request(beam_size=args.beam_size, alpha=beam.alpha, early_stopping=False,
+                      length_normalization=beam.length_normalization, no_repeat_ngram_size=0,
+                      repetition_penalty=1.0, constraints=tuple(map(tuple, phrases)))   # the same beam
     outputs = {}
 
     def plain():
         outputs["plain"] = [n_best[0][0] for n_best in translator.decode(sources, beam)]
 
     def with_constraints():
-        results, outputs["notes"] = translator.constrained(sources, constrained, phrases)
-        outputs["constrained"] = [n_best[0][0] for n_best in results]
+        results = translator.translate(sources, request)
+        outputs["notes"] = [f"line {i + 1}: {note}" for i, t in enumerate(results) for note in t.notes]
+        outputs["constrained"] = [t.text for t in results]
 
     flops = matmul_flops_per_s(2048, 3)
     seconds = alternating_median_seconds([plain, with_constraints], args.repeats)

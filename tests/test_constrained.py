@@ -10,6 +10,7 @@ import pytest
 
 from jaxformer.decode.beam_search import Beam
 from jaxformer.decode.constrained import Constrained, advance
+from jaxformer.decode.engine import Request
 from jaxformer.decode.penalties import penalties
 
 PAD, BOS, EOS = 0, 1, 2
@@ -184,8 +185,19 @@ def translator(run):
     return Translator(run, batch_size=4)
 
 
+def constrained(translator, sentences, beam_size, constraints=None, prefixes=None, first_index=0):
+    """The engine's translations with constraints at ``beam_size`` (the run's other defaults:
+    alpha 0.6, GNMT, the exact stop, no penalties, as ``Constrained(beam_size)``): ``(the n-best
+    lists, the notes as "line N: note")``."""
+    request = Request(beam_size=beam_size, n_best=beam_size, prefixes=prefixes and tuple(prefixes),
+                      constraints=constraints and tuple(map(tuple, constraints)))
+    done = translator.translate(sentences, request, first_index=first_index)
+    return ([list(t.hypotheses) for t in done],
+            [f"line {first_index + i + 1}: {note}" for i, t in enumerate(done) for note in t.notes])
+
+
 def test_translator_output_holds_every_phrase_and_plain_lines_are_beam_search(translator):
-    results, notes = translator.constrained(SENTENCES, Constrained(13), PHRASES)   # up to 12 tokens: 13 banks
+    results, notes = constrained(translator, SENTENCES, 13, PHRASES)   # up to 12 tokens: 13 banks
     for sentence, phrases, n_best in zip(SENTENCES, PHRASES, results):
         if sentence:
             assert all(phrase in n_best[0][0] for phrase in phrases), (phrases, n_best[0][0])
@@ -200,9 +212,8 @@ def test_translator_output_holds_every_phrase_and_plain_lines_are_beam_search(tr
     np.testing.assert_allclose(scores, plain_scores, rtol=1e-5)
     assert results[4] == plain[4] == [("", 0.0)]
     # A batch without phrases runs plain Beam's program itself (Constrained.plain): its bytes.
-    assert translator.constrained(SENTENCES, Constrained(13)) == (plain, [])
-    with_prefix, _ = translator.constrained(SENTENCES[:2], Constrained(12), PHRASES[:2],
-                                            prefixes=["Das", ""])
+    assert constrained(translator, SENTENCES, 13, [[]] * len(SENTENCES)) == (plain, [])
+    with_prefix, _ = constrained(translator, SENTENCES[:2], 12, PHRASES[:2], prefixes=["Das", ""])
     assert with_prefix[0][0][0].startswith("Das") and "Haus" in with_prefix[0][0][0]
 
 
@@ -212,7 +223,7 @@ def test_data_parallel_on_eight_devices_gives_the_one_device_output(run, transla
 
     sharded = Translator(run, batch_size=8, mesh=make_mesh("data=8", jax.devices()))
     prefixes = ["", "Wir", "", "", "", ""]
-    (got, got_notes), (want, notes) = (t.constrained(SENTENCES, Constrained(5), PHRASES, prefixes)
+    (got, got_notes), (want, notes) = (constrained(t, SENTENCES, 5, PHRASES, prefixes)
                                        for t in (sharded, translator))
     assert got_notes == notes
     for mine, theirs in zip(got, want):   # other batch shapes: float rounding
@@ -222,8 +233,7 @@ def test_data_parallel_on_eight_devices_gives_the_one_device_output(run, transla
 
 def test_a_constraint_longer_than_the_limit_is_reported_for_its_line(translator):
     long = " ".join(["Tabelle"] * 40)
-    results, notes = translator.constrained(SENTENCES[:3], Constrained(6), [[], [long], ["Haus"]],
-                                            indices=[10, 11, 12])
+    results, notes = constrained(translator, SENTENCES[:3], 6, [[], [long], ["Haus"]], first_index=10)
     assert len(notes) == 1 and notes[0].startswith("line 12: its constraints and prefix need"), notes
     assert "Haus" in results[2][0][0]
 
@@ -231,14 +241,14 @@ def test_a_constraint_longer_than_the_limit_is_reported_for_its_line(translator)
 def test_a_phrase_the_tokenizer_writes_otherwise_is_named_and_held_in_that_form(translator):
     """NFKC (sentencepiece's default) writes ``…`` as ``...``: the note says so, and the
     translation holds the phrase as the tokenizer writes it."""
-    results, notes = translator.constrained(SENTENCES[:1], Constrained(12), [["Format…"]], indices=[4])
+    results, notes = constrained(translator, SENTENCES[:1], 12, [["Format…"]], first_index=4)
     assert notes == ["line 5: this model's tokenizer writes 'Format…' as 'Format...'; that form is what "
                      "the translation holds"], notes
     assert "Format..." in results[0][0][0]
 
 
 def test_a_beam_too_small_for_the_banks_is_named(translator):
-    _, notes = translator.constrained(["click ok"], Constrained(2), [["Zellen Format"]])
+    _, notes = constrained(translator, ["click ok"], 2, [["Zellen Format"]])
     assert any("--beam-size" in note and "banks" in note for note in notes), notes
 
 

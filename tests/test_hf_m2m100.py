@@ -549,7 +549,8 @@ def test_constraint_phrases_are_target_pieces_without_the_language_token(convert
     forced first, never met again), so its banks count its own tokens; a prefix keeps the language
     token first, as generation forces it."""
     from jaxformer.decode import constraint_inputs
-    from jaxformer.decode.constrained import Constrained, bank_rule
+    from jaxformer.decode.constrained import bank_rule
+    from jaxformer.decode.engine import Request
 
     kind = converted[0]
     tok = translator.tokenizer.with_languages(*LANGUAGES[kind])
@@ -560,6 +561,30 @@ def test_constraint_phrases_are_target_pieces_without_the_language_token(convert
     assert request.prefix[0] == tok.forced_first_id
     beam = bank_rule(request.tokens)   # exactly enough banks: no note asks for one more
     tuned = Translator(converted[4], batch_size=4, src_lang=LANGUAGES[kind][0], tgt_lang=LANGUAGES[kind][1])
-    results, notes = tuned.constrained(FIXTURE[:1], Constrained(beam, length_normalization="hf"), [phrases])
-    assert not [note for note in notes if "--beam-size" in note], notes
-    assert all(phrase in results[0][0][0] for phrase in phrases), (results[0][0][0], notes)
+    [result] = tuned.translate(FIXTURE[:1], Request(beam_size=beam, constraints=(tuple(phrases),)))
+    assert not [note for note in result.notes if "--beam-size" in note], result.notes
+    assert all(phrase in result.text for phrase in phrases), (result.text, result.notes)
+
+
+def test_a_bulk_job_begun_under_the_older_limit_rule_is_refused(converted, tmp_path, capsys, killed_at_chunk):
+    """Issues 51 (items 5-7): an imported model's manifest records its generation rules as decoded
+    (forced eos or a cut at the limit, the limits), so a job an older jaxformer began (its
+    manifest without them) is refused on resume, never finished with chunks of both rules."""
+    from jaxformer.cli.translate import main as translate_main
+
+    kind, _, _, _, run = converted
+    source, out = tmp_path / "in.txt", tmp_path / "out.txt"
+    source.write_text("\n".join(FIXTURE * 2) + "\n")
+    flags = ["--workdir", str(run), "--engine", "jax", "--input", str(source), "--output", str(out),
+             "--chunk-lines", "2", "--beam-size", "1"]
+    with killed_at_chunk(2):
+        translate_main(flags)
+    manifest = tmp_path / "out.txt.parts" / "manifest.json"
+    record = json.loads(manifest.read_text())
+    assert record["generation_rules"] == {"forced_eos": True, "max_len": [0.0, MAX_LENGTH - 1]}
+    del record["generation_rules"]   # as a jaxformer before this rule wrote it
+    manifest.write_text(json.dumps(record))
+    with pytest.raises(SystemExit) as stop:
+        translate_main(flags)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "generation_rules" in err and "older jaxformer" in err

@@ -192,33 +192,6 @@ class Translator:
 
         return [list(t.hypotheses) for t in translate_nonblank(sentences, Request(), 0, run)]
 
-    def constrained(self, sentences: list[str], strategy: Any, constraints: list[list[str]] | None = None,
-                    prefixes: list[str] | None = None, *, indices: list[int] | None = None,
-                    length_limits: bool = True) -> tuple[list[list[tuple[str, float]]], list[str]]:
-        """:meth:`decode` with a :class:`~jaxformer.decode.constrained.Constrained` ``strategy``:
-        sentence i's translations hold each target phrase of ``constraints[i]`` and start with
-        ``prefixes[i]`` (``""``: none). Returns the (translation, score) lists and the notes,
-        ``"line N: …"`` (N = ``indices[i] + 1``) for each sentence that needs one: constraints that
-        cannot fit its output limit (dropped), phrases the best translation misses, a beam too
-        small for the banks (:func:`~jaxformer.decode.constrained.bank_rule`). ``ValueError``:
-        lists not one per sentence, or another strategy."""
-        if not getattr(strategy, "supports_constraints", False) or any(
-                x is not None and len(x) != len(sentences) for x in (constraints, prefixes)):
-            raise ValueError(f"constrained() needs a Constrained strategy (got {type(strategy).__name__}) "
-                             f"and at most one constraint list and prefix per sentence ({len(sentences)}).")
-        indices = list(range(len(sentences)) if indices is None else indices)
-        request = Request(constraints=None if constraints is None else tuple(map(tuple, constraints)),
-                          prefixes=None if prefixes is None else tuple(prefixes))
-
-        def run(todo: list[str], picked: Request, at: list[int]) -> list[Translation]:
-            results, notes = self._constrained(todo, strategy, picked.constraints, picked.prefixes,
-                                               [indices[i] for i in at], length_limits)
-            return [Translation(tuple(result), tuple(mine)) for result, mine in zip(results, notes)]
-
-        done = translate_nonblank(sentences, request, 0, run)
-        return ([list(t.hypotheses) for t in done],
-                [f"line {indices[i] + 1}: {note}" for i, t in enumerate(done) for note in t.notes])
-
     def _constrained(self, sentences: list[str], strategy: Constrained, constraints, prefixes,
                      indices: list[int], length_limits: bool,
                      evaluator: Evaluator | None = None) -> tuple[list[list], list[list[str]]]:
