@@ -36,12 +36,12 @@ SPACE = re.compile(r"\s+")
 
 
 class _AsWritten(HTMLFormatter):
-    """Attributes in their order, entities as written (only &, <, > escaped), void elements and
-    empty attributes as HTML writes them (``<br>``, ``<input disabled>``)."""
+    """Attributes in their order, entities as written (only &, <, > escaped), void elements as
+    HTML writes them (``<br>``, not ``<br/>``)."""
 
     def __init__(self):
         super().__init__(entity_substitution=HTMLFormatter.REGISTRY["minimal"].entity_substitution,
-                         void_element_close_prefix=None, empty_attributes_are_booleans=True)
+                         void_element_close_prefix=None)
 
     def attributes(self, tag: Tag):
         return list(tag.attrs.items())   # Beautiful Soup sorts them by default
