@@ -99,6 +99,7 @@ def bare_loop(spec: dict) -> None:
     batches = [[engine.tokenizer.source_pieces(ids[i]) for i in order[s: s + 32]]
                for s in range(0, len(ids), 32)]
     limits = [engine.max_decode_len(len(batch[-1])) - 1 for batch in batches]
+    _, suppress = engine.generation_rules(engine.tokenizer)
     d = engine.defaults
     # the command's CT2 settings: the run's α and n-gram rule; no repetition penalty unless given
     options = CT2Search(4, d["alpha"], 1.0, d["no_repeat_ngram_size"]).options()
@@ -107,7 +108,7 @@ def bare_loop(spec: dict) -> None:
                                         intra_threads=intra)
     start = time.perf_counter()
     pending = [translator.translate_batch(batch, asynchronous=True, max_decoding_length=limit,
-                                          suppress_sequences=engine._suppress, **options)
+                                          suppress_sequences=suppress, **options)
                for batch, limit in zip(batches, limits)]
     done = sum(len(r.result().hypotheses[0]) >= 0 for results in pending for r in results)
     print(f"LOOP {done} {time.perf_counter() - start:.3f}")

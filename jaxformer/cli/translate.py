@@ -200,11 +200,13 @@ def main(argv=None) -> None:
     run = _load_run(args)
     engine_name, why = choose_engine(args)
     with contextlib.closing(_open(args, run, engine_name)) as engine:
-        _main(args, engine, f"engine {engine_name} ({why})")
+        translate_with(args, engine, f"engine {engine_name} ({why})")
 
 
-def _main(args: TranslateArgs, engine: Engine, chosen: str) -> None:
-    """Checks the request against the engine's run, says what decodes, and translates."""
+def translate_with(args: TranslateArgs, engine: Engine, chosen: str) -> None:
+    """The command's work with any :class:`~jaxformer.decode.engine.Engine` (``chosen``: why it
+    decodes, for the engine line): checks the request against its run, says what decodes, and
+    translates the arguments, stdin or a file (bulk mode), as the flags say."""
     beam_size = args.beam_size or engine.run.defaults["beam_size"]
     if not args.sample and args.n_best > beam_size:
         fail(PROG, f"--n-best {args.n_best} needs a beam at least as wide; this run decodes with beam "

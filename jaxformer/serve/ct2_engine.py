@@ -173,11 +173,7 @@ class CT2Engine:
         # rule of imported models, greedy's forced eos); CT2 stops at M without one.
         hf = self.defaults["length_normalization"] == "hf"
         beam_counts_eos = int(not search.sample and (search.beam_size > 1 or hf))
-        forced = getattr(tokenizer, "forced_first_id", None)   # M2M100/NLLB: the target language
-        prefix = None if forced is None else tokenizer.target_pieces([forced])
-        banned = getattr(tokenizer, "banned_ids", None)   # a model's generation rules, else pad, bos
-        banned = (self.config.pad_id, tokenizer.bos_id) if banned is None else banned
-        suppress = [[piece] for piece in sorted(set(tokenizer.target_pieces(list(banned))))] or None
+        prefix, suppress = self.generation_rules(tokenizer)
         pending = []
         for start in range(0, len(order), self.batch_size):
             members = order[start: start + self.batch_size]
@@ -195,6 +191,16 @@ class CT2Engine:
                                           for hyp in result.hypotheses])
                 out[j] = Translation(tuple(zip(texts, (float(s) for s in result.scores))))
         return out
+
+    def generation_rules(self, tokenizer) -> tuple[list[str] | None, list[list[str]] | None]:
+        """``(target prefix, suppressed sequences)`` as ``translate_batch`` takes them: a
+        multilingual model's target language forced first (M2M100/NLLB), and the ids its
+        generation rules never produce (by default pad and the decoder start), as pieces."""
+        forced = getattr(tokenizer, "forced_first_id", None)
+        prefix = None if forced is None else tokenizer.target_pieces([forced])
+        banned = getattr(tokenizer, "banned_ids", None)
+        banned = (self.config.pad_id, tokenizer.bos_id) if banned is None else banned
+        return prefix, [[piece] for piece in sorted(set(tokenizer.target_pieces(list(banned))))] or None
 
     def rules(self, request: Request) -> str:
         """The rules line of the translate command: CTranslate2's beam search rules."""
