@@ -33,7 +33,8 @@ def is_json(request: HttpRequest) -> bool:
 
 async def read_fields(request: HttpRequest) -> dict[str, Any]:
     """The request's fields (module docstring); ``ApiError`` 400 for a body that is not a JSON
-    object under a JSON content type, or a form that cannot be read."""
+    object under a JSON content type (Starlette's ``HTTPException`` 400 for a malformed form;
+    :class:`~jaxformer.serve.limits.BodyTooLarge` for a body over the limit)."""
     if is_json(request):
         try:
             fields = json.loads(await request.body() or b"null")
@@ -44,12 +45,8 @@ async def read_fields(request: HttpRequest) -> dict[str, Any]:
         return fields
     fields: dict[str, Any] = {}
     kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if kind in ("application/x-www-form-urlencoded", "multipart/form-data"):
-        try:
-            form = await request.form()
-        except Exception:   # noqa: BLE001 (python-multipart's errors: a malformed form)
-            raise ApiError(400, "Invalid request: the form cannot be read") from None
-        fields.update((k, v) for k, v in form.items() if isinstance(v, str))
+    if kind in ("application/x-www-form-urlencoded", "multipart/form-data"):   # a malformed one: 400
+        fields.update((k, v) for k, v in (await request.form()).items() if isinstance(v, str))
     fields.update(request.query_params.items())   # the query string first, as Flask's request.values
     if isinstance(fields.get("q"), str):
         fields["q"] = "\n".join(fields["q"].splitlines())

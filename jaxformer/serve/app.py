@@ -121,7 +121,7 @@ def create_app(service: Service) -> FastAPI:
                            allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"],
                            max_age=600)
     app.add_middleware(BodyLimit, max_bytes=settings.body_limit)
-    app.add_middleware(AccessLog, service=service)
+    app.add_middleware(AccessLog, service=service)   # the outermost: every answer logged and counted
     _errors(app)
     _routes(app, service)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")

@@ -59,7 +59,9 @@ class BodyTooLarge(Exception):
 
 class BodyLimit:
     """ASGI middleware: a request body over ``max_bytes`` is answered 413 ``{"error": …}`` (by
-    its Content-Length before it is read, or once the bytes read pass the limit)."""
+    its Content-Length before it is read, or once the bytes read pass the limit). Not FastAPI's
+    ``max_body_size``: Starlette's limiter answers in plain text, which a LibreTranslate client
+    cannot read as an error."""
 
     def __init__(self, app, max_bytes: int):
         self.app, self.max_bytes = app, max_bytes

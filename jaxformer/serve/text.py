@@ -9,6 +9,7 @@ character) until every piece fits: translated in pieces, never truncated, never 
 from __future__ import annotations
 
 import re
+import unicodedata
 from collections.abc import Callable, Sequence
 
 from sentencex import segment
@@ -68,7 +69,11 @@ class TextPlan:
 def fit(sentence: str, count: Counter, max_len: int) -> list[str]:
     """``sentence`` as pieces of at most ``max_len`` tokens each, the spaces between them kept as
     their own pieces (so the pieces join back to ``sentence``): cut at the space nearest the
-    middle, or at the middle character where there is none, until each fits."""
+    middle, or at the middle character where there is none, until each fits. A sentence of
+    fewer UTF-8 bytes (after NFKC) than ``max_len`` - 8 fits uncounted: a piece holds a byte at
+    least, a byte fallback one byte, and the tokens around the pieces are a few."""
+    if len(unicodedata.normalize("NFKC", sentence).encode()) + 8 <= max_len:
+        return [sentence]
     if len(sentence) <= 1 or count([sentence])[0] <= max_len:
         return [sentence]
     middle = len(sentence) // 2
