@@ -34,14 +34,12 @@ from jaxformer.serve import api
 from jaxformer.serve.batcher import QueueFull
 from jaxformer.serve.languages import Catalog, Detector, language_name
 from jaxformer.serve.limits import ApiKeys, BodyLimit, RateLimit
-from jaxformer.serve.metrics import CONTENT_TYPE, Metrics
+from jaxformer.serve.metrics import CONTENT_TYPE, AccessLog, Metrics
 from jaxformer.serve.served_model import Extras, ServedModel
 from jaxformer.serve.text import TextPlan
 
 log = logging.getLogger("jaxformer.serve")
 STATIC = Path(__file__).parent / "static"
-ENDPOINTS = ("/translate", "/detect", "/languages", "/attention", "/health", "/metrics", "/models",
-             "/frontend/settings", "/")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +85,22 @@ class Service:
         self.metrics.ready.set(1)
         log.info("ready")
 
+    def route(self, source: str, target: str, texts: list[str]):
+        """``(route, source code, detected or None)`` of a request's ``source`` (``auto``: detected
+        in ``texts``, LibreTranslate's way: one language for them all) and ``target``;
+        ``ApiError`` 400 for a language or pair not served, in LibreTranslate's words."""
+        detected = self.detector.detect(" ".join(texts))[0] if source == "auto" else None
+        source_code = detected["language"] if detected else self.catalog.code(source)
+        target_code = self.catalog.code(target)
+        for given, code in ((source, source_code), (target, target_code)):
+            if code is None:
+                raise api.ApiError(400, f"{given} is not supported")
+        route = self.catalog.route(source_code, target_code)
+        if route is None:
+            raise api.ApiError(400, f"{language_name(target_code)} ({target_code}) is not available as a "
+                                    f"target language from {language_name(source_code)} ({source_code})")
+        return route, source_code, detected
+
     def admit(self, request: HttpRequest, fields: dict[str, Any], cost: int = 1) -> None:
         """The rate limit (per valid key, else per client) and the key check; ``ApiError`` 429, 403."""
         key, keys = api.api_key(fields), self.settings.api_keys
@@ -121,9 +135,10 @@ def create_app(service: Service) -> FastAPI:
                            allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"],
                            max_age=600)
     app.add_middleware(BodyLimit, max_bytes=settings.body_limit)
-    app.add_middleware(AccessLog, service=service)   # the outermost: every answer logged and counted
+    app.add_middleware(AccessLog, metrics=service.metrics, log_text=settings.log_text)   # outermost
     _errors(app)
     _routes(app, service)
+    _our_routes(app, service)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     return app
 
@@ -151,11 +166,8 @@ def _errors(app: FastAPI) -> None:
 
 
 def _routes(app: FastAPI, service: Service) -> None:
+    """LibreTranslate's endpoints."""
     settings, catalog = service.settings, service.catalog
-
-    @app.get("/", include_in_schema=False)
-    async def page():
-        return FileResponse(STATIC / "index.html")
 
     @app.get("/languages", summary="Supported languages: code, name, targets")
     async def languages():
@@ -169,16 +181,7 @@ def _routes(app: FastAPI, service: Service) -> None:
         body = api.translate_fields(fields)
         texts = body.q if isinstance(body.q, list) else [body.q]
         _check_limits(settings, texts, body)
-        detected = service.detector.detect(" ".join(texts))[0] if body.source == "auto" else None
-        source = detected["language"] if detected else catalog.code(body.source)
-        target = catalog.code(body.target)
-        for given, code in ((body.source, source), (body.target, target)):
-            if code is None:
-                raise api.ApiError(400, f"{given} is not supported")
-        route = catalog.route(source, target)
-        if route is None:
-            raise api.ApiError(400, f"{language_name(target)} ({target}) is not available as a target "
-                                    f"language from {language_name(source)} ({source})")
+        route, source, detected = service.route(body.source, body.target, texts)
         model = route.model
         request.state.model, request.state.texts = model.name, texts
         extras = Extras(tuple((body.terminology or {}).items()), body.prefix or "")
@@ -201,6 +204,26 @@ def _routes(app: FastAPI, service: Service) -> None:
         service.admit(request, fields)
         return service.detector.detect(api.detect_text(fields))
 
+    first = catalog.languages()[0]
+    target = (first["targets"] or [first["code"]])[0]
+
+    @app.get("/frontend/settings", summary="LibreTranslate's settings for web clients")
+    async def frontend_settings():
+        return {"charLimit": settings.char_limit or -1, "frontendTimeout": 500,
+                "apiKeys": settings.api_keys is not None, "keyRequired": settings.api_keys is not None,
+                "suggestions": False, "filesTranslation": False, "supportedFilesFormat": [],
+                "language": {"source": {"code": "auto", "name": "Auto Detect"},
+                             "target": {"code": target, "name": language_name(target)}}}
+
+
+def _our_routes(app: FastAPI, service: Service) -> None:
+    """Ours: the page, health, metrics, the models, the heat map."""
+    settings, catalog = service.settings, service.catalog
+
+    @app.get("/", include_in_schema=False)
+    async def page():
+        return FileResponse(STATIC / "index.html")
+
     @app.get("/health", summary="200 once every model is loaded and warmed up, else 503")
     async def health():
         if service.ready:
@@ -212,22 +235,14 @@ def _routes(app: FastAPI, service: Service) -> None:
     async def metrics():
         return Response(service.metrics.text(), media_type=CONTENT_TYPE)
 
-    @app.get("/frontend/settings", summary="LibreTranslate's settings for web clients")
-    async def frontend_settings():
-        first = catalog.languages()[0]
-        return {"charLimit": settings.char_limit or -1, "frontendTimeout": 500,
-                "apiKeys": settings.api_keys is not None, "keyRequired": settings.api_keys is not None,
-                "suggestions": False, "filesTranslation": False, "supportedFilesFormat": [],
-                "language": {"source": {"code": "auto", "name": "Auto Detect"},
-                             "target": {"code": (first["targets"] or [first["code"]])[0],
-                                        "name": language_name((first["targets"] or [first["code"]])[0])}}}
+    served = [{"name": m.name, "engine": m.engine.name, "features": sorted(m.features),
+               "sources": sorted({src for src, _, _, _ in m.pairs()}),
+               "targets": sorted({tgt for _, tgt, _, _ in m.pairs()}),
+               "alternatives_limit": settings.alternatives_limit} for m in service.models]
 
     @app.get("/models", summary="Ours: the served models, their languages and engine features")
     async def models():
-        return [{"name": m.name, "engine": m.engine.name, "features": sorted(m.features),
-                 "sources": sorted({src for src, _, _, _ in m.pairs()}),
-                 "targets": sorted({tgt for _, tgt, _, _ in m.pairs()}),
-                 "alternatives_limit": settings.alternatives_limit} for m in service.models]
+        return served
 
     @app.post("/attention", summary="Ours: a sentence's cross-attention heat map (PNG; JAX engine)",
               response_class=Response, openapi_extra=_body(None))
@@ -325,43 +340,3 @@ def _translate_response(body: api.TranslateFields, results, detected) -> dict[st
     if any(r.notes for r in results):
         out["notes"] = shape([r.notes for r in results])
     return out
-
-
-class AccessLog:
-    """ASGI middleware: one log line per request (client, method, path without its query string,
-    status, milliseconds, model; the texts only with ``log_text``) and its metrics. A key is never
-    logged."""
-
-    def __init__(self, app, service: Service):
-        self.app, self.service = app, service
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        started, status = time.perf_counter(), 500
-        state = scope.setdefault("state", {})
-
-        async def tracked(message):
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, tracked)
-        finally:
-            self._record(scope, state, 499 if state.get("gone") else status, time.perf_counter() - started)
-
-    def _record(self, scope, state: dict, status: int, seconds: float) -> None:
-        path = scope["path"]
-        endpoint = path if path in ENDPOINTS else "other"
-        model = state.get("model", "")
-        self.service.metrics.observe(endpoint, model, status, seconds)
-        client = scope.get("client") or ("-", 0)
-        line = f'{client[0]} "{scope["method"]} {path}" {status} {1000 * seconds:.1f} ms'
-        if model:
-            texts = state.get("texts") or []
-            line += f" model={model} texts={len(texts)} chars={sum(map(len, texts))}"
-            if self.service.settings.log_text:
-                line += f" q={texts!r} translated={state.get('translations')!r}"
-        log.info(line)
