@@ -358,7 +358,8 @@ def test_jax_engine_extras_alternatives_and_heat_map(jax_server, command):
 
 def test_the_page_translates_in_a_real_browser(jax_server, command, tmp_path):
     """Debian's Chromium (never a downloaded one) opens the page, picks the pair, types, clicks:
-    the shown translation is jaxformer-translate's; the heat map draws."""
+    the shown translation is jaxformer-translate's, Copy puts it on the clipboard, the heat map
+    draws."""
     chromium = shutil.which("chromium") or "/usr/bin/chromium"
     if not Path(chromium).exists():
         pytest.skip("no Chromium here: apt-get install -y chromium chromium-driver (.ci/run does)")
@@ -368,7 +369,7 @@ def test_the_page_translates_in_a_real_browser(jax_server, command, tmp_path):
     with sync_api.sync_playwright() as playwright:
         browser = playwright.chromium.launch_persistent_context(
             tmp_path / "profile", executable_path=chromium, headless=True, args=flags,
-            viewport={"width": 1100, "height": 760})
+            viewport={"width": 1100, "height": 760}, permissions=["clipboard-read", "clipboard-write"])
         try:
             page = browser.new_page()
             page.goto(jax_server.url)
@@ -379,6 +380,9 @@ def test_the_page_translates_in_a_real_browser(jax_server, command, tmp_path):
             page.click("#translate")
             page.wait_for_function("document.getElementById('translation').textContent.length > 0")
             assert page.text_content("#translation") == command("jax")[7]
+            page.click("#copy")
+            page.wait_for_function("document.getElementById('status').textContent === 'copied'")
+            assert page.evaluate("navigator.clipboard.readText()") == command("jax")[7]
             page.click("#heatmap")
             page.wait_for_function("document.getElementById('heatmap-image').naturalWidth > 0")
             page.screenshot(path=str(tmp_path / "page.png"), full_page=True)

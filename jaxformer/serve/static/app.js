@@ -95,8 +95,18 @@ async function heatmap() {
 }
 
 async function copy() {
+  const text = $("translation").textContent;
   try {
-    await navigator.clipboard.writeText($("translation").textContent);
+    if (navigator.clipboard && window.isSecureContext) {
+      await navigator.clipboard.writeText(text);
+    } else {   // a page served over plain http from another host: the clipboard API is not there
+      const area = Object.assign(document.createElement("textarea"), { value: text });
+      document.body.append(area);
+      area.select();
+      const copied = document.execCommand("copy");
+      area.remove();
+      if (!copied) throw new Error("the browser refused");
+    }
     status("copied");
   } catch (e) {
     status(`copy failed: ${e.message}`, true);
