@@ -103,9 +103,12 @@ def _translate_lines(engine: Engine, args, lines: list[str], first_index: int,
             request, constraints=None if constraints is None else tuple(map(tuple, constraints)),
             prefixes=None if prefixes is None else tuple(prefixes))
     translations = engine.translate(sentences, request, first_index=first_index)
-    notes = [(line, note) for line, translation in enumerate(translations, first_index + 1)
-             for note in translation.notes]
-    print("".join(f"warning: line {line}: {note}\n" for line, note in notes), end="", file=sys.stderr)
+    lines_of: dict[str, list[int]] = {}   # each note once, with the lines it is about
+    for line, translation in enumerate(translations, first_index + 1):
+        for note in translation.notes:
+            lines_of.setdefault(note, []).append(line)
+    print("".join(f"warning: line{'s' * (len(at) > 1)} {lines_lib.line_numbers(at)}: {note}\n"
+                  for note, at in lines_of.items()), end="", file=sys.stderr)
     if args.n_best > 1:   # n lines per input line; an empty line's are empty (score 0)
         for i, translation in enumerate(translations, first_index):
             hypotheses = list(translation.hypotheses)

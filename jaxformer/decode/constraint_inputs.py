@@ -71,9 +71,10 @@ def fit_requests(requests: list[Request], limits: Sequence[int], beam_size: int)
             request.phrases, request.texts = [], []
             request.prefix = request.prefix[: max(limit - 1, 0)]
         if bank_rule(request.tokens) > beam_size:
-            mine.append(f"its {request.tokens} constraint tokens need --beam-size "
-                        f"{bank_rule(request.tokens)} or more for a bank each (--beam-size {beam_size}): a "
-                        f"phrase may be missed")
+            banks = bank_rule(request.tokens)
+            mine.append(f"its {request.tokens} constraint tokens need --beam-size {banks} or more (a bank "
+                        f"per count of tokens met; --beam-size {beam_size} leaves fewer banks): a phrase may "
+                        f"be missed")
         notes.append(mine)
     return notes
 
