@@ -117,6 +117,11 @@ class Catalog:
             self.notes.append(f"{pair} serves its pair(s) before {many} ({count} pair(s))")
         if not self.routes:
             raise ValueError("no model to serve: give at least one --workdir.")
+        targets: dict[str, set[str]] = {code: set() for code in self.codes}
+        for src, tgt in self.routes:
+            targets[src].add(self.codes[tgt])
+        self._languages = [{"code": self.codes[key], "name": language_name(self.codes[key]),
+                            "targets": sorted(targets[key])} for key in self.codes]
 
     def code(self, given: str) -> str | None:
         """The served code for a request's ``given`` code (any case, short forms), or ``None``."""
@@ -133,11 +138,7 @@ class Catalog:
     def languages(self) -> list[dict[str, Any]]:
         """``GET /languages``: every served language (sources and targets) as LibreTranslate gives
         it, ``{"code", "name", "targets"}``, targets sorted."""
-        targets: dict[str, set[str]] = {code: set() for code in self.codes}
-        for src, tgt in self.routes:
-            targets[src].add(self.codes[tgt])
-        return [{"code": self.codes[key], "name": language_name(self.codes[key]),
-                 "targets": sorted(targets[key])} for key in self.codes]
+        return self._languages
 
 
 class Detector:

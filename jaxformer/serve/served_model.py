@@ -131,6 +131,7 @@ class ServedModel:
         plan_text = lambda text: TextPlan(text, source, count, max_len)   # noqa: E731
         plans = [HtmlPlan(text, plan_text) if html else plan_text(text) for text in texts]
         sentences = [s for plan in plans for s in plan.sentences]
+        alternatives = 0 if html else alternatives   # none for HTML: the translation stays the one without
         request = self.request(route, alternatives)
         if extras:
             request = dataclasses.replace(request, **_extras_fields(plans, extras))
@@ -139,7 +140,7 @@ class ServedModel:
         for plan in plans:
             mine = translations[at:at + len(plan.sentences)]
             at += len(plan.sentences)
-            results.append(_result(plan, mine, alternatives if not html else 0))
+            results.append(_result(plan, mine, alternatives))
         return results
 
     def warm_up(self) -> int:
