@@ -45,6 +45,7 @@ from _common import add_model_arguments, alternating_median_seconds, matmul_flop
 
 import jaxformer as jf
 from jaxformer.decode import decoding
+from jaxformer.decode.strategies import Beam, Greedy
 from jaxformer.model.matmul import cast_matmul_weights
 
 
@@ -55,9 +56,8 @@ def run(model, params, src, *, out_len, beam_size, cached):
     no_eos = model.config.tgt_vocab_size + 7       # an id never produced: EOS disabled
     common = dict(batch_size=src.shape[0], bos_id=2, eos_id=no_eos, pad_id=model.config.pad_id,
                   max_decode_len=out_len)
-    if beam_size == 1:
-        return decoding.greedy_search(tokens_to_logits, cache, **common)
-    return decoding.beam_search(tokens_to_logits, cache, beam_size=beam_size, **common)[0]
+    strategy = Greedy() if beam_size == 1 else Beam(beam_size)
+    return strategy.search(tokens_to_logits, cache, **common)[0]
 
 
 def decode_flops(*, batch, beam, src_len, out_len, d_model, d_ff, vocab, layers) -> float:

@@ -4,6 +4,7 @@ rules both honour; the cached model, the command's engine choice, bulk mode and 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -48,13 +49,16 @@ def run(request, tmp_path_factory):
                          [(1, 1.0, 0), (1, 1.3, 2), (4, 1.0, 0), (4, 1.3, 2)])
 def test_both_engines_give_the_same_tokens_under_shared_rules(run, beam_size, repetition_penalty,
                                                               no_repeat_ngram_size):
-    """float32, one length limit, |Y|^α, the k-finished stop, the repetition rules applied as
-    CTranslate2 applies them (to the logits, then renormalized, in beam search)."""
-    served = ServedRun.load(run, max_len_a=0, max_len_b=LIMIT)   # one loaded run, both engines
+    """float32, one length limit, a hypothesis cut there without eos, |Y|^α, the k-finished stop,
+    the repetition rules applied as CTranslate2 applies them (to the logits, then renormalized, in
+    beam search)."""
+    # one loaded run for both engines; a hypothesis at the limit is cut there, without eos (CT2's
+    # rule; generate's without forced_eos_token_id)
+    served = dataclasses.replace(ServedRun.load(run, max_len_a=0, max_len_b=LIMIT), forced_eos=False)
     engine, translator = CT2Engine(served, batch_size=8), Translator(served, batch_size=8)
     processors = penalties(no_repeat_ngram_size, repetition_penalty)
     strategy = (Greedy(False, processors) if beam_size == 1 else
-                Beam(beam_size, 0.6, "hf", True, processors, penalize_logits=True))
+                Beam(beam_size, 0.6, "hf", True, processors, penalize_logits=True, forced_eos=False))
     ours = translator.decode(SOURCES, strategy)
     theirs = engine.translate(SOURCES, Request(beam_size, 0.6, "hf", True, no_repeat_ngram_size,
                                                repetition_penalty))

@@ -13,8 +13,8 @@ import pytest
 
 import jaxformer as jf
 from jaxformer.decode import decoding
-from jaxformer.decode.beam_search import _gather_beams, blocked_top_k
-from jaxformer.decode.strategies import Beam, Greedy, Sample, autoregress, first_argmax
+from jaxformer.decode.beam_search import blocked_top_k, gather_beams
+from jaxformer.decode.strategies import Beam, Greedy, Sample, autoregress, first_argmax, strategy_for
 
 PAD, BOS, EOS = 0, 1, 2
 VOCAB = 5          # pad, bos, eos and two real tokens 3, 4
@@ -37,12 +37,14 @@ def _random_table(seed, max_len):
     return np.asarray(jax.nn.log_softmax(jnp.asarray(logits)), np.float64)
 
 
-def _exhaustive(table, max_len, alpha):
-    """Every hypothesis ending in eos within max_len, scored like the beam search."""
+def _exhaustive(table, max_len, alpha, cut=False):
+    """Every hypothesis ending in eos within max_len (``cut``: and every one of max_len tokens
+    without eos), scored like the beam search."""
     hyps = []
     for n in range(1, max_len + 1):
-        for body in itertools.product((3, 4), repeat=n - 1):
-            seq, prev, logp = (*body, EOS), BOS, 0.0
+        ends = ((3,), (4,), (EOS,)) if cut and n == max_len else ((EOS,),)
+        for body, end in itertools.product(itertools.product((3, 4), repeat=n - 1), ends):
+            seq, prev, logp = (*body, *end), BOS, 0.0
             for t, tok in enumerate(seq):
                 logp += table[t, prev, tok]
                 prev = tok
@@ -50,17 +52,20 @@ def _exhaustive(table, max_len, alpha):
     return sorted(hyps, reverse=True)
 
 
+@pytest.mark.parametrize("forced_eos", [True, False], ids=["forced_eos", "cut"])
 @pytest.mark.parametrize("alpha", [0.0, 0.6, 1.5])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_beam_search_equals_exhaustive_search(seed, alpha):
+def test_beam_search_equals_exhaustive_search(seed, alpha, forced_eos):
     # At most 4 live prefixes × 3 tokens = 12 candidates per step: with k = 12 every
-    # candidate is within the top k, so the beam search is exhaustive.
+    # candidate is within the top k, so the beam search is exhaustive. At the limit (4 tokens)
+    # eos is forced, or (cut) the 12 best of 8 × 3 extensions end there, and those all share
+    # one length penalty: the best k overall are among them.
     max_len, k = 4, 12
     table = _random_table(seed, max_len)
-    seqs, scores = jax.jit(lambda: decoding.beam_search(
-        _stub(table), {"index": jnp.zeros((), jnp.int32)}, batch_size=1, beam_size=k, bos_id=BOS,
-        eos_id=EOS, pad_id=PAD, max_decode_len=max_len, alpha=alpha))()
-    expected = _exhaustive(table, max_len, alpha)[:k]
+    seqs, scores = jax.jit(lambda: Beam(k, alpha, forced_eos=forced_eos).search(
+        _stub(table), {"index": jnp.zeros((), jnp.int32)}, batch_size=1, bos_id=BOS, eos_id=EOS, pad_id=PAD,
+        max_decode_len=max_len))()
+    expected = _exhaustive(table, max_len, alpha, cut=not forced_eos)[:k]
     for rank, (score, seq) in enumerate(expected):
         got = [int(t) for t in np.asarray(seqs[0, rank]) if t != PAD]
         assert tuple(got) == seq, (rank, got, seq)
@@ -71,11 +76,10 @@ def test_beam_size_one_equals_greedy():
     for seed in range(5):
         table = _random_table(seed, 6)
         cache = {"index": jnp.zeros((), jnp.int32)}
-        greedy = decoding.greedy_search(_stub(table), cache, batch_size=1, bos_id=BOS, eos_id=EOS,
-                                        pad_id=PAD, max_decode_len=6)
-        beam, _ = decoding.beam_search(_stub(table), cache, batch_size=1, beam_size=1, bos_id=BOS,
-                                       eos_id=EOS, pad_id=PAD, max_decode_len=6, alpha=0.0)
-        np.testing.assert_array_equal(np.asarray(beam[:, 0]), np.asarray(greedy))
+        loop = dict(batch_size=1, bos_id=BOS, eos_id=EOS, pad_id=PAD, max_decode_len=6)
+        greedy, _ = Greedy().search(_stub(table), cache, **loop)
+        beam, _ = Beam(1, 0.0).search(_stub(table), cache, **loop)
+        np.testing.assert_array_equal(np.asarray(beam), np.asarray(greedy))
 
 
 def test_length_penalty_lets_a_longer_hypothesis_beat_an_early_eos():
@@ -88,9 +92,8 @@ def test_length_penalty_lets_a_longer_hypothesis_beat_an_early_eos():
     table[1, 3, [EOS, 4]] = np.log([0.638, 0.362])
     table[2, :, EOS] = 0.0
     cache = {"index": jnp.zeros((), jnp.int32)}
-    run = lambda alpha: decoding.beam_search(  # noqa: E731
-        _stub(table), cache, batch_size=1, beam_size=2, bos_id=BOS, eos_id=EOS, pad_id=PAD,
-        max_decode_len=3, alpha=alpha)[0][0, 0]
+    run = lambda alpha: Beam(2, alpha).search(  # noqa: E731
+        _stub(table), cache, batch_size=1, bos_id=BOS, eos_id=EOS, pad_id=PAD, max_decode_len=3)[0][0, 0]
     assert [int(t) for t in run(0.0)] == [EOS, PAD, PAD]
     assert [int(t) for t in run(0.6)] == [3, EOS, PAD]
 
@@ -107,9 +110,8 @@ def test_early_stopping_closes_a_sentence_at_k_finished_hypotheses():
     table[1, 4, [EOS, 3]] = np.log([0.9, 0.1])
     table[2, :, EOS] = 0.0
     cache = {"index": jnp.zeros((), jnp.int32)}
-    run = lambda early: decoding.beam_search(  # noqa: E731
-        _stub(table), cache, batch_size=1, beam_size=2, bos_id=BOS, eos_id=EOS, pad_id=PAD,
-        max_decode_len=3, alpha=0.0, early_stopping=early)
+    run = lambda early: Beam(2, 0.0, early_stopping=early).search(  # noqa: E731
+        _stub(table), cache, batch_size=1, bos_id=BOS, eos_id=EOS, pad_id=PAD, max_decode_len=3)
     early, exact = run(True), run(False)
     assert [int(t) for t in early[0][0, 0]] == [EOS, PAD, PAD]
     assert [int(t) for t in early[0][0, 1]] == [4, EOS, PAD]
@@ -117,15 +119,17 @@ def test_early_stopping_closes_a_sentence_at_k_finished_hypotheses():
     np.testing.assert_allclose(float(exact[1][0, 0]), np.log(0.49), rtol=1e-4)   # eps mass aside
 
 
-def test_per_sentence_length_limit_forces_eos():
+@pytest.mark.parametrize("forced_eos", [True, False], ids=["forced_eos", "cut"])
+def test_per_sentence_length_limit_ends_each_sentence(forced_eos):
     table = np.zeros((8, VOCAB, VOCAB))
     table[:, :, EOS] = -20.0                 # eos is very unlikely
-    seqs, _ = decoding.beam_search(_stub(table), {"index": jnp.zeros((), jnp.int32)}, batch_size=2,
-                                   beam_size=2, bos_id=BOS, eos_id=EOS, pad_id=PAD, max_decode_len=8,
-                                   max_lengths=jnp.array([3, 8]))
-    lengths = np.sum(np.asarray(seqs[:, 0]) != PAD, axis=1)
-    np.testing.assert_array_equal(lengths, [3, 8])
-    assert int(seqs[0, 0, 2]) == EOS and int(seqs[1, 0, 7]) == EOS
+    seqs, _ = Beam(2, forced_eos=forced_eos).search(
+        _stub(table), {"index": jnp.zeros((), jnp.int32)}, batch_size=2, bos_id=BOS, eos_id=EOS, pad_id=PAD,
+        max_decode_len=8, max_lengths=jnp.array([3, 8]))
+    lengths = np.sum(np.asarray(seqs[:, :]) != PAD, axis=2)
+    np.testing.assert_array_equal(lengths, [[3, 3], [8, 8]])
+    assert np.all((np.asarray(seqs[0, :, 2]) == EOS) == forced_eos)
+    assert np.all((np.asarray(seqs[1, :, 7]) == EOS) == forced_eos)
 
 
 def test_sampling_is_reproducible_and_cold_sampling_is_greedy():
@@ -141,7 +145,7 @@ def test_sampling_is_reproducible_and_cold_sampling_is_greedy():
     a, b, c = sample(0), sample(0), sample(1)
     np.testing.assert_array_equal(a, b)
     assert not np.array_equal(a, c)
-    greedy = decoding.greedy_search(stub, cache, **kwargs)
+    greedy = np.asarray(Greedy().search(stub, cache, **kwargs)[0][:, 0])
     with pytest.raises(ValueError, match="temperature must be greater than 0"):   # Greedy() is that
         Sample(temperature=0.0)
     np.testing.assert_array_equal(sample(5, temperature=1e-4), greedy)
@@ -178,11 +182,11 @@ def test_a_sentence_decodes_the_same_alone_in_a_batch_and_padded(tiny_model):
     alone = jnp.array([sentence])
     batch = jnp.array([[9, 10, 11, 12, 13, 14, 0, 0], sentence + [0] * 4, [15, 16, 0, 0, 0, 0, 0, 0]])
     kw = dict(max_decode_len=10, bos_id=BOS, eos_id=EOS)
-    g_alone = decoding.greedy_translate(model, params, alone, **kw)
-    g_batch = decoding.greedy_translate(model, params, batch, **kw)
+    g_alone = decoding.decode(model, params, alone, Greedy(), **kw)[0]
+    g_batch = decoding.decode(model, params, batch, Greedy(), **kw)[0]
     np.testing.assert_array_equal(np.asarray(g_alone[0]), np.asarray(g_batch[1]))
-    b_alone, s_alone = decoding.beam_translate(model, params, alone, beam_size=3, **kw)
-    b_batch, s_batch = decoding.beam_translate(model, params, batch, beam_size=3, **kw)
+    b_alone, s_alone = decoding.decode(model, params, alone, Beam(3), extra_len=50, **kw)
+    b_batch, s_batch = decoding.decode(model, params, batch, Beam(3), extra_len=50, **kw)
     np.testing.assert_array_equal(np.asarray(b_alone[0]), np.asarray(b_batch[1]))
     np.testing.assert_allclose(np.asarray(s_alone[0]), np.asarray(s_batch[1]), rtol=1e-5)
 
@@ -272,6 +276,7 @@ def test_strategies_check_their_settings_when_made():
                         (lambda: Beam(beam_size=2.0), r"beam_size must be an integer, got 2.0 \(float\)"),
                         (lambda: Beam(early_stopping="no"), "early_stopping must be True or False"),
                         (lambda: Beam(length_normalization="fairseq"), "length_normalization must be"),
+                        (lambda: Beam(forced_eos=None), "forced_eos must be True or False"),
                         (lambda: Sample(temperature=float("nan")), "temperature must be a finite number"),
                         (lambda: Sample(top_k=2.5), "top_k must be an integer"),
                         (lambda: Sample(top_p=True), "top_p must be a finite number, got True")):
@@ -280,21 +285,32 @@ def test_strategies_check_their_settings_when_made():
     assert Beam(4, np.float32(0.5), early_stopping=np.bool_(True)) == Beam(4, 0.5, early_stopping=True)
 
 
+def test_strategy_for_keeps_our_runs_rule_unless_the_model_states_one():
+    """No rule (our runs): eos at the limit for beams, for greedy only with "hf" (OPUS-MT's
+    forced_eos_token_id); an imported model's rule (decode.defaults.forced_eos) for both."""
+    assert strategy_for(4) == Beam(4) and Beam(4).forced_eos
+    assert strategy_for(1) == Greedy(False) and strategy_for(1, 1.0, "hf") == Greedy(True)
+    for rule in (False, True):
+        assert strategy_for(4, 1.0, "hf", forced_eos=rule) == Beam(4, 1.0, "hf", forced_eos=rule)
+        assert strategy_for(1, 1.0, "hf", forced_eos=rule) == Greedy(rule)
+    assert strategy_for(1, scored=True) == Beam(1)   # n-best lists: beam 1 scores its hypothesis
+
+
 def test_beam_search_reorders_the_cache_like_recomputing_the_prefix(tiny_model):
     """The K/V cache reordered per step (self-attention K/V only; the source side is
     shared by a sentence's beams) gives the beams of a decoder re-run on each prefix."""
     model, params = tiny_model
     src = jnp.array([[5, 6, 7, 8, 0, 0], [9, 10, 11, 12, 13, 14], [15, 16, 17, 0, 0, 0]])
-    kw = dict(batch_size=3, beam_size=4, bos_id=BOS, eos_id=EOS, pad_id=PAD, max_decode_len=9)
-    cached = decoding.beam_search(*decoding._model_callback(model, params, src, 9, 4), **kw)
-    prefix = decoding.beam_search(*decoding.uncached_model_callback(model, params, src, 9, 4), **kw)
+    kw = dict(batch_size=3, bos_id=BOS, eos_id=EOS, pad_id=PAD, max_decode_len=9)
+    cached = Beam(4).search(*decoding._model_callback(model, params, src, 9, 4), **kw)
+    prefix = Beam(4).search(*decoding.uncached_model_callback(model, params, src, 9, 4), **kw)
     np.testing.assert_array_equal(np.asarray(cached[0]), np.asarray(prefix[0]))
     np.testing.assert_allclose(np.asarray(cached[1]), np.asarray(prefix[1]), rtol=1e-5)
 
     _, cache = decoding._model_callback(model, params, src, 9, 4)
     cache = cache.map_beam_state(lambda x: jax.random.normal(jax.random.key(0), x.shape))   # not zeros
     order = jnp.array([[3, 0, 0, 1]] * 3)
-    moved = _gather_beams(cache, order, 3)
+    moved = gather_beams(cache, order, 3)
     assert moved.layers[0].cross_k is cache.layers[0].cross_k      # not copied
     rows = (np.arange(3)[:, None] * 4 + np.asarray(order)).reshape(-1)
     np.testing.assert_array_equal(np.asarray(moved.layers[1].self_v),

@@ -10,6 +10,7 @@ trained on the shipped corpus. Each is saved as transformers saves it, converted
 import gzip
 import io
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -22,8 +23,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from jaxformer.cli import convert as convert_cli  # noqa: E402
-from jaxformer.decode.decoding import beam_translate, greedy_translate  # noqa: E402
-from jaxformer.decode.generation import ForcedFirstToken  # noqa: E402
+from jaxformer.decode.decoding import decode  # noqa: E402
+from jaxformer.decode.defaults import decoding_defaults, forced_eos, length_limits  # noqa: E402
+from jaxformer.decode.generation import ForcedFirstToken, with_forced_first  # noqa: E402
+from jaxformer.decode.strategies import Beam, Greedy, strategy_for  # noqa: E402
 from jaxformer.decode.translator import Translator  # noqa: E402
 from jaxformer.interop import m2m100  # noqa: E402
 from jaxformer.model.layers import sinusoidal_positional_encoding  # noqa: E402
@@ -98,8 +101,9 @@ def _hf_tokenizer(kind, root):
     return tok
 
 
-def _hf_model(kind, vocab_size, seed):
-    """A random M2M100ForConditionalGeneration whose logits are far from ties."""
+def _hf_model(kind, vocab_size, seed, eos_boost=None):
+    """A random M2M100ForConditionalGeneration whose logits are far from ties; eos made likelier
+    by ``eos_boost`` (default :data:`EOS_BOOST`; negative: unlikelier)."""
     torch.manual_seed(seed)
     config = transformers.M2M100Config(
         vocab_size=vocab_size, max_position_embeddings=MAX_LEN, pad_token_id=PAD, bos_token_id=BOS,
@@ -112,7 +116,7 @@ def _hf_model(kind, vocab_size, seed):
         # eos likelier everywhere (EOS_BOOST)
         direction = torch.randn(config.d_model)
         model.model.decoder.layer_norm.bias.add_(direction)
-        model.model.shared.weight[EOS].add_(direction * EOS_BOOST[kind])
+        model.model.shared.weight[EOS].add_(direction * (EOS_BOOST[kind] if eos_boost is None else eos_boost))
     model.generation_config.max_length = MAX_LENGTH
     model.generation_config.forced_eos_token_id = EOS
     return model
@@ -233,16 +237,17 @@ def test_greedy_and_beam_match_generate(converted, translator, direction):
     forced = ours_tok.forced_first_id
     steps, k = MAX_LENGTH - 1, 4
     model_ = Transformer(translator.config)
-    rules = dict(bos_id=EOS, eos_id=EOS, max_decode_len=steps, banned_ids=(),
-                 processors=(ForcedFirstToken(forced),))
-    greedy = np.asarray(greedy_translate(model_, translator.params, jnp.asarray(src, jnp.int32),
-                                         forced_eos=True, **rules))
+    rules = dict(bos_id=EOS, eos_id=EOS, max_decode_len=steps, banned_ids=())
+    processors = (ForcedFirstToken(forced),)
+    greedy, _ = decode(model_, translator.params, jnp.asarray(src, jnp.int32),
+                       Greedy(forced_eos=True, processors=processors), **rules)
+    greedy = np.asarray(greedy[:, 0])
     expected = _generate(model, src, forced, num_beams=1).sequences.numpy()
     assert [_ours(r) for r in greedy] == [_strip(r) for r in expected]
     assert all(r[0] == forced for r in greedy)
     out = _generate(model, src, forced, num_beams=k, num_return_sequences=k, length_penalty=1.0)
-    seqs, scores = beam_translate(model_, translator.params, jnp.asarray(src, jnp.int32), beam_size=k,
-                                  alpha=1.0, extra_len=None, length_normalization="hf", **rules)
+    seqs, scores = decode(model_, translator.params, jnp.asarray(src, jnp.int32),
+                          Beam(k, 1.0, "hf", processors=processors), **rules)
     expected = out.sequences.numpy().reshape(len(src), k, -1)
     for row in range(len(src)):
         assert [_ours(s) for s in np.asarray(seqs)[row]] == [_strip(s) for s in expected[row]]
@@ -250,6 +255,45 @@ def test_greedy_and_beam_match_generate(converted, translator, direction):
     assert error <= 1e-4
     lengths = {len(_ours(s)) for s in np.asarray(seqs).reshape(-1, steps)}
     assert len(lengths) >= 2, lengths    # hypotheses end early and at the limit: the test is not weak
+
+
+@pytest.mark.parametrize("forced", [False, True], ids=["cut", "forced_eos"])
+def test_outputs_at_max_length_follow_the_imported_rule(converted, tmp_path, forced):
+    """A model whose outputs all reach max_length: without ``forced_eos_token_id`` (as the Hub's
+    NLLB and M2M100 configs) ``generate`` cuts each hypothesis there without eos and ranks the cut
+    ones by their length; with it, eos ends each. The run's record carries the rule
+    (``defaults.forced_eos``), ``strategy_for`` follows it: beam 4 (4-best tokens and scores) and
+    greedy equal ``generate``'s for 20 sentences."""
+    kind, original, tok, hf_dir, _ = converted
+    folder, run = tmp_path / "hf", tmp_path / "run"
+    shutil.copytree(hf_dir, folder)   # the tokenizer files; the model is saved over them
+    model = _hf_model(kind, original.config.vocab_size, seed=len(kind) + 1, eos_boost=-0.3)
+    model.generation_config.forced_eos_token_id = EOS if forced else None
+    model.save_pretrained(folder)
+    convert_cli.main(["--from-hf", str(folder), "--workdir", str(run)])
+    record = json.loads((run / "config.json").read_text())
+    assert forced_eos(record) is forced
+    translator = Translator(run, batch_size=4, src_lang=LANGUAGES[kind][0], tgt_lang=LANGUAGES[kind][1])
+    ours, steps = translator.tokenizer, length_limits(record, None, None)[1]
+    tok.src_lang = LANGUAGES[kind][0]
+    pairs = _pairs()
+    src = _padded(tok, FIXTURE + [a for a, _ in pairs[:8]] + [b for _, b in pairs[:8]])
+    assert src.shape[0] == 20 and steps == MAX_LENGTH - 1
+    rules = dict(decoding_defaults(record), forced_eos=forced_eos(record))
+    for beams in (1, 4):
+        strategy = with_forced_first(strategy_for(**{**rules, "beam_size": beams}), ours.forced_first_id)
+        seqs, scores = decode(Transformer(translator.config), translator.params, jnp.asarray(src, jnp.int32),
+                              strategy, bos_id=ours.decoder_start_id, eos_id=ours.eos_id,
+                              banned_ids=ours.banned_ids, max_decode_len=steps)
+        out = _generate(model, src, ours.forced_first_id, num_beams=beams, num_return_sequences=beams)
+        expected = out.sequences.numpy()[:, 1:].reshape(20, beams, -1)   # without the start token
+        ends = expected == EOS
+        assert expected.shape[2] == steps and not ends[:, :, :-1].any() and np.all(ends[:, :, -1] == forced)
+        np.testing.assert_array_equal(np.asarray(seqs), expected)   # every hypothesis at the limit
+        if beams > 1:
+            expected_scores = out.sequences_scores.numpy().reshape(20, beams)
+            error = float(np.max(np.abs(np.asarray(scores) - expected_scores)))
+            assert error <= 1e-4, error
 
 
 @pytest.mark.parametrize("direction", [0, 1], ids=["forward", "backward"])

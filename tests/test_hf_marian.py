@@ -24,7 +24,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from jaxformer.cli import convert as convert_cli  # noqa: E402
-from jaxformer.decode.decoding import beam_translate, greedy_translate  # noqa: E402
+from jaxformer.decode.decoding import decode  # noqa: E402
+from jaxformer.decode.strategies import Beam, Greedy  # noqa: E402
 from jaxformer.interop import marian as convert  # noqa: E402
 from jaxformer.model.config import TransformerConfig  # noqa: E402
 from jaxformer.model.transformer import Transformer  # noqa: E402
@@ -200,9 +201,9 @@ def test_greedy_matches_generate(converted):
     src, _ = _padded_batch(config.src_vocab_size, config.pad_id, seed=1)
     steps = 12
     expected = _generate(model, src, num_beams=1, max_new_tokens=steps).sequences.numpy()
-    got = np.asarray(greedy_translate(Transformer(config), params, jnp.asarray(src, jnp.int32),
-                                      max_decode_len=steps, bos_id=config.pad_id, eos_id=EOS,
-                                      forced_eos=True))
+    got, _ = decode(Transformer(config), params, jnp.asarray(src, jnp.int32), Greedy(forced_eos=True),
+                    max_decode_len=steps, bos_id=config.pad_id, eos_id=EOS)
+    got = np.asarray(got[:, 0])
     for row in range(src.shape[0]):
         assert _ours(got[row], config.pad_id) == _strip(expected[row], config.pad_id)
 
@@ -218,10 +219,9 @@ def test_beam_search_matches_generate(converted, length_penalty, early_stopping)
                     length_penalty=length_penalty, early_stopping=early_stopping)
     expected = out.sequences.numpy().reshape(src.shape[0], k, -1)
     expected_scores = out.sequences_scores.numpy().reshape(src.shape[0], k)
-    seqs, scores = beam_translate(Transformer(config), params, jnp.asarray(src, jnp.int32), beam_size=k,
-                                  max_decode_len=steps, bos_id=config.pad_id, eos_id=EOS,
-                                  alpha=length_penalty, extra_len=None, length_normalization="hf",
-                                  early_stopping=early_stopping)
+    seqs, scores = decode(Transformer(config), params, jnp.asarray(src, jnp.int32),
+                          Beam(k, length_penalty, "hf", early_stopping), max_decode_len=steps,
+                          bos_id=config.pad_id, eos_id=EOS)
     seqs, scores = np.asarray(seqs), np.asarray(scores)
     for row in range(src.shape[0]):
         assert [_ours(s, config.pad_id) for s in seqs[row]] == \

@@ -20,13 +20,18 @@ import numpy as np
 import pytest
 
 from jaxformer import Decoder, DecoderLayer, Encoder, EncoderLayer, Transformer, preset
-from jaxformer.decode.decoding import beam_translate, decode, greedy_translate, sample_translate
+from jaxformer.decode.decoding import decode
 from jaxformer.decode.evaluation import Evaluator, make_bleu
-from jaxformer.decode.strategies import Greedy
+from jaxformer.decode.strategies import Beam, Greedy, Sample
 from jaxformer.model.attention import fused_dot_product_attention, scaled_dot_product_attention
 from jaxformer.train.run_state import EarlyStopping
 
 V = 13
+
+
+def _best(model, params, src, strategy, **settings):
+    """``decode``'s best sequences ``[B, M]``."""
+    return decode(model, params, src, strategy, **settings)[0][:, 0]
 
 
 @pytest.fixture(scope="module")
@@ -42,22 +47,23 @@ def test_jitted_decoders_check_concrete_ids_before_dispatch(tiny, bad):
     model, params = tiny
     src = np.array([[3, bad, 5, 0]], np.int32)
     common = dict(max_decode_len=4, bos_id=1, eos_id=2)
-    calls = {"greedy": lambda s: greedy_translate(model, params, s, **common),
-             "beam": lambda s: beam_translate(model, params, s, beam_size=2, **common),
-             "sample": lambda s: sample_translate(model, params, s, jax.random.key(0), **common)}
+    calls = {"greedy": lambda s: _best(model, params, s, Greedy(), **common),
+             "beam": lambda s: decode(model, params, s, Beam(2), extra_len=50, **common),
+             "sample": lambda s: _best(model, params, s, Sample(), rng=jax.random.key(0), **common)}
     for call in calls.values():
         with pytest.raises(ValueError, match=rf"outside \[0, {V}\)"):
             call(src)
         with pytest.raises(ValueError, match=rf"outside \[0, {V}\)"):
             call(jnp.asarray(src))   # a concrete device array is checked too
     good = np.array([[3, 4, 5, 0]], np.int32)
-    assert greedy_translate(model, params, good, **common).shape == (1, 4)
+    assert _best(model, params, good, Greedy(), **common).shape == (1, 4)
     for value in (V + 5, -1, np.int64(V + 5)):   # clamped into another token's embedding; NumPy ints too
         with pytest.raises(ValueError, match=rf"bos_id must be at (most {V - 1}|least 0), got {value}"):
             decode(model, params, good, Greedy(), **{**common, "bos_id": value})
-    assert greedy_translate(model, params, good, **{**common, "bos_id": np.int64(1)}).shape == (1, 4)
-    never_stop = greedy_translate(model, params, good, **{**common, "eos_id": V + 7})   # the idiom
-    sampled = sample_translate(model, params, good, jax.random.key(0), temperature=jnp.float32(0.7), **common)
+    assert _best(model, params, good, Greedy(), **{**common, "bos_id": np.int64(1)}).shape == (1, 4)
+    never_stop = _best(model, params, good, Greedy(), **{**common, "eos_id": V + 7})   # the idiom
+    sampled = _best(model, params, good, Sample(temperature=jnp.float32(0.7)), rng=jax.random.key(0),
+                    **common)
     assert never_stop.shape == sampled.shape == (1, 4)   # a 0-d array is taken as its number
     # The strategies' own settings: tests/test_decoding.py (they check them when made).
     for settings, words in ((dict(max_decode_len=4.5), "max_decode_len must be an integer, got 4.5"),
@@ -183,12 +189,12 @@ def test_greedy_and_sampling_stop_each_sentence_at_its_own_length_limit(tiny):
         assert all((row[end:] == 0).all() for row, end in zip(out, ends))   # pad after the end
         return ends
 
-    for out in (greedy_translate(model, params, src, **common),
-                sample_translate(model, params, src, jax.random.key(3), temperature=2.0, **common)):
+    for out in (_best(model, params, src, Greedy(), **common),
+                _best(model, params, src, Sample(temperature=2.0), rng=jax.random.key(3), **common)):
         assert all(n <= limit for n, limit in zip(lengths(out), (2, 4)))
-    forced = np.asarray(greedy_translate(model, params, src, forced_eos=True, **common))
+    forced = np.asarray(_best(model, params, src, Greedy(forced_eos=True), **common))
     assert [list(row).index(2) <= limit - 1 for row, limit in zip(forced, (2, 4))] == [True, True]
-    unlimited = np.asarray(greedy_translate(model, params, src, max_decode_len=12, bos_id=1, eos_id=2))
+    unlimited = np.asarray(_best(model, params, src, Greedy(), max_decode_len=12, bos_id=1, eos_id=2))
     assert max(lengths(unlimited)) > 4   # the random model runs on without a limit
 
 

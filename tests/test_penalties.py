@@ -10,10 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxformer.decode import decoding
 from jaxformer.decode.evaluation import repeats_ngram
 from jaxformer.decode.penalties import NoRepeatNGram, RepetitionPenalty, banned_ngram_mask, penalties
-from jaxformer.decode.strategies import Sample
+from jaxformer.decode.strategies import Beam, Greedy, Sample
 
 PAD, BOS, EOS = 0, 1, 2
 
@@ -83,17 +82,16 @@ def test_penalties_reject_bad_values():
     (dict(repetition_penalty=4.0), [3, 4, EOS]),                       # 4·log .6 < log .2; then eos
 ])
 def test_greedy_with_penalties_by_hand(rules, expected):
-    out = decoding.greedy_search(_markov, jnp.zeros((1,)), batch_size=1, bos_id=BOS, eos_id=EOS,
-                                 pad_id=PAD, max_decode_len=6, processors=penalties(**rules))
-    assert _tokens(out[0]) == expected
+    out, _ = Greedy(processors=penalties(**rules)).search(_markov, jnp.zeros((1,)), batch_size=1, bos_id=BOS,
+                                                         eos_id=EOS, pad_id=PAD, max_decode_len=6)
+    assert _tokens(out[0, 0]) == expected
 
 
 def test_beam_with_penalties_by_hand():
     """k = 2, α = 0, M = 4, worked out step by step in the comments."""
     def run(processors):
-        return decoding.beam_search(_markov, jnp.zeros((2,)), batch_size=1, beam_size=2, bos_id=BOS,
-                                    eos_id=EOS, pad_id=PAD, max_decode_len=4, alpha=0.0,
-                                    processors=processors)
+        return Beam(2, 0.0, processors=processors).search(_markov, jnp.zeros((2,)), batch_size=1, bos_id=BOS,
+                                                          eos_id=EOS, pad_id=PAD, max_decode_len=4)
 
     seqs, scores = run(())
     # Live (3) .5, (4) .3 → (3 3) .30, (4 3) .15 → (3 3 3) .18, (4 3 3) .09 → eos forced at M.
@@ -142,9 +140,9 @@ def test_beam_search_with_penalties_equals_exhaustive_search(seed, rules):
     def stub(ids_B1, cache):
         return table[cache["index"], ids_B1[:, 0]], {"index": cache["index"] + 1}
 
-    seqs, scores = jax.jit(lambda: decoding.beam_search(
-        stub, {"index": jnp.zeros((), jnp.int32)}, batch_size=1, beam_size=k, bos_id=BOS, eos_id=EOS,
-        pad_id=PAD, max_decode_len=max_len, alpha=0.0, processors=penalties(*rules)))()
+    seqs, scores = jax.jit(lambda: Beam(k, 0.0, processors=penalties(*rules)).search(
+        stub, {"index": jnp.zeros((), jnp.int32)}, batch_size=1, bos_id=BOS, eos_id=EOS, pad_id=PAD,
+        max_decode_len=max_len))()
     expected = _exhaustive(np.asarray(table, np.float64), max_len, *rules)
     got = [(float(s), tuple(_tokens(q))) for s, q in zip(scores[0], seqs[0]) if s > -1e8]
     assert [q for _, q in got] == [q for _, q in expected[:len(got)]]

@@ -14,6 +14,7 @@ import pytest
 
 import jaxformer as jf
 from jaxformer.decode import decoding
+from jaxformer.decode.strategies import Beam
 from jaxformer.model import scan, sharding
 from jaxformer.run.checkpoints import RunCheckpoints
 from jaxformer.train import step as training
@@ -90,9 +91,9 @@ def test_scanned_model_decodes_as_the_unrolled_one():
     """Every decoder enters through the same callback (``decoding._model_callback``), which
     unrolls a scanned model: one decoder shows it."""
     unrolled, variables, scanned, stacked = _unrolled_and_scanned(seed=3)
-    kwargs = dict(max_decode_len=10, bos_id=BOS, eos_id=EOS, beam_size=3)
-    seqs, scores = decoding.beam_translate(scanned, stacked["params"], SRC, **kwargs)
-    ref_seqs, ref_scores = decoding.beam_translate(unrolled, variables["params"], SRC, **kwargs)
+    kwargs = dict(max_decode_len=10, bos_id=BOS, eos_id=EOS, extra_len=50)
+    seqs, scores = decoding.decode(scanned, stacked["params"], SRC, Beam(3), **kwargs)
+    ref_seqs, ref_scores = decoding.decode(unrolled, variables["params"], SRC, Beam(3), **kwargs)
     np.testing.assert_array_equal(seqs, ref_seqs)
     np.testing.assert_allclose(scores, ref_scores, rtol=1e-5)
     encoder_output = scanned.apply(stacked, SRC, method=jf.Transformer.encode)

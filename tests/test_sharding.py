@@ -301,7 +301,8 @@ def test_dot_product_attention_backend_matches_the_reference_core():
 def test_decoders_have_explicit_shardings_and_match_one_device():
     """Greedy and beam decoding on a (data 2, fsdp 2, model 2) mesh: inputs and outputs laid
     out as asked, the same tokens (and beam scores) as the plain decoder on one device."""
-    from jaxformer.decode.decoding import beam_translate, greedy_translate, jit_decoder
+    from jaxformer.decode.decoding import jit_decoder
+    from jaxformer.decode.strategies import Beam, Greedy
 
     model = jf.Transformer(_config())
     mesh = sharding.make_mesh("data=2,fsdp=2,model=2")
@@ -310,11 +311,11 @@ def test_decoders_have_explicit_shardings_and_match_one_device():
     params_1 = jax.device_get(state.params)
     src_1 = np.asarray(jax.device_get(src))
     static = dict(max_decode_len=9, bos_id=BOS, eos_id=EOS)
-    for decoder, extra in ((greedy_translate, {}), (beam_translate, dict(beam_size=3, alpha=0.6))):
-        sharded = jit_decoder(decoder, model, layout, **static, **extra)
+    for strategy, extra in ((Greedy(), {}), (Beam(3, 0.6), dict(extra_len=50))):
+        sharded = jit_decoder(model, strategy, layout, **static, **extra)
         out = sharded(state.params, src)
         for leaf in jax.tree_util.tree_leaves(out):
             assert leaf.sharding.spec[0] == ("data", "fsdp"), leaf.sharding
-        expected = jit_decoder(decoder, model, None, **static, **extra)(params_1, src_1)
+        expected = jit_decoder(model, strategy, None, **static, **extra)(params_1, src_1)
         for a, b in zip(jax.tree_util.tree_leaves(jax.device_get(out)), jax.tree_util.tree_leaves(expected)):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)

@@ -209,10 +209,12 @@ def test_copy_task_learns_in_seconds():
     accuracy = float(metrics["correct"] / metrics["tokens"])
     assert accuracy > 0.9, accuracy
     # Greedy decoding (cached) copies unseen sequences exactly.
-    from jaxformer.decode.decoding import greedy_translate
+    from jaxformer.decode.decoding import decode
+    from jaxformer.decode.strategies import Greedy
 
-    out = greedy_translate(model, state.params, batch["src"][:16], max_decode_len=9, bos_id=bos,
-                           eos_id=eos)
+    seqs, _ = decode(model, state.params, batch["src"][:16], Greedy(), max_decode_len=9, bos_id=bos,
+                     eos_id=eos)
+    out = seqs[:, 0]
     exact = np.mean(np.all(np.asarray(out) == np.asarray(batch["tgt_out"][:16]), axis=1))
     assert exact >= 0.8, exact
 

@@ -27,7 +27,8 @@ from jax.sharding import AxisType, Mesh
 from jaxformer.aot import report
 from jaxformer.aot.chips import CHIPS, SliceSpec, gpu_target_config, slice_spec
 from jaxformer.data.batching import check_batch_rows, rows_per_batch
-from jaxformer.decode.decoding import beam_translate, jit_decoder
+from jaxformer.decode.beam_search import Beam
+from jaxformer.decode.decoding import jit_decoder
 from jaxformer.decode.exported import ExportCache, _read_verified, _write_atomically
 from jaxformer.model.config import TransformerConfig, preset
 from jaxformer.model.sharding import MESH_AXES, make_mesh, parse_mesh
@@ -101,8 +102,8 @@ def lower_beam_search(config: TransformerConfig, mesh: Mesh, batch: int, src_len
     """Beam search on ``mesh`` (parameters laid out as in training, sentences over ``data``)
     of ``batch`` sources of ``src_len`` ids; ``batch`` divides by the data × fsdp axes."""
     model, state, layout = _abstract_state(config, mesh)
-    decoder = jit_decoder(beam_translate, model, layout, beam_size=beam_size,
-                          max_decode_len=max_decode_len, bos_id=1, eos_id=2)
+    decoder = jit_decoder(model, Beam(beam_size), layout, max_decode_len=max_decode_len, bos_id=1, eos_id=2,
+                          extra_len=50)   # the tool's limit: source length + 50
     src = jax.ShapeDtypeStruct((batch, src_len), jnp.int32, sharding=layout.batch)
     return decoder.lower(state.params, src)
 

@@ -47,6 +47,11 @@ def job_record(args, engine: Engine) -> dict:
     languages = [getattr(engine.run.tokenizer, name, None) for name in ("src_lang", "tgt_lang")]
     if any(languages):   # a multilingual model's (M2M100/NLLB); other jobs' records stay as they were
         record["languages"] = languages
+        if args.constrained_by:   # its phrases became pieces without the language token (issue 51)
+            record["phrases"] = "target pieces"
+    if "generation" in engine.run.record:   # an imported model's rules (or a fine-tune's, inherited)
+        run = engine.run                    # as decoded: a job begun under older rules is refused
+        record["generation_rules"] = {"forced_eos": run.forced_eos, "max_len": [run.max_len_a, run.max_len_b]}
     if not args.sample:
         record.update(dict.fromkeys(("seed", "temperature", "top_k", "top_p")))
     else:   # a job sampled with one key per chunk (an older jaxformer) is not finished with these

@@ -25,7 +25,7 @@ batch without any as ``Beam`` itself (:attr:`Constrained.plain`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import chex
 import jax
@@ -34,23 +34,17 @@ import jax.numpy as jnp
 from jaxformer.decode.beam_search import (
     NEG_INF,
     Beam,
+    Candidates,
     TokensToLogits,
-    _flatten_beams,
-    _gather_beams,
-    _unflatten_beams,
-    beam_output,
+    beam_loop,
     blocked_top_k,
-    init_beam_state,
-    length_penalty,
-    still_open,
+    flatten_beams,
+    take_rows,
+    unflatten_beams,
 )
 from jaxformer.decode.generation import banned_mask
 from jaxformer.decode.penalties import NoRepeatNGram, apply_processors
 from jaxformer.decode.strategies import first_argmax
-
-# A finished hypothesis that misses a constraint (only at its length limit) ranks below every
-# one that meets them all: its merge key is its score plus this.
-_UNMET = NEG_INF / 4
 
 
 def bank_rule(constraint_tokens: int) -> int:
@@ -69,6 +63,8 @@ class Constrained:
     hypotheses that meet every constraint first, then (only where none could, at the length
     limit) the best that end there. With k < T + 1 (T a sentence's constraint tokens,
     :func:`bank_rule`) the lower banks get no slot and a phrase may be found late or not at all.
+    The loop and the finished-hypothesis merge are :class:`Beam`'s
+    (:func:`~jaxformer.decode.beam_search.beam_loop`); :meth:`candidates` is this search's step.
     Sources: Post & Vilar 2018 §3; Hu et al. 2019 §4-5; fairseq ``LexicallyConstrainedBeamSearch``.
     """
 
@@ -77,11 +73,13 @@ class Constrained:
     length_normalization: Literal["gnmt", "hf"] = "gnmt"
     early_stopping: bool = False
     processors: tuple = ()
+    forced_eos: bool = True
+    supports_constraints: ClassVar[bool] = True   # decode(..., constraints=...) takes them
 
     def __post_init__(self):
         beam = Beam(self.beam_size, self.alpha, self.length_normalization, self.early_stopping,
-                    self.processors)
-        for field in dataclasses.fields(beam):
+                    self.processors, forced_eos=self.forced_eos)
+        for field in dataclasses.fields(self):
             object.__setattr__(self, field.name, getattr(beam, field.name))
 
     beams = property(lambda self: self.beam_size)
@@ -102,15 +100,25 @@ class Constrained:
                keys_B: jax.Array | None = None, constraints: dict | None = None,
                banned_ids: tuple[int, ...] | None = None) -> tuple[jax.Array, jax.Array]:
         """``(sequences [B, k, M] int32, scores [B, k] float32)``; ``cache`` has ``B*k`` rows."""
-        state = init_beam_state(cache, self, batch_size=batch_size, bos_id=bos_id, pad_id=pad_id,
-                                length=max_decode_len, max_decode_len=max_decode_len, max_lengths=max_lengths)
-        state = dict(state, **init_constraint_state(constraints, batch_size, self.beam_size))
-        state = jax.lax.while_loop(
-            lambda state: (state["step"] < max_decode_len) & jnp.any(state["open"]),
-            lambda state: constrained_step(state, tokens_to_logits, self, bos_id=bos_id, eos_id=eos_id,
-                                           pad_id=pad_id, banned_ids=banned_ids),
-            state)
-        return beam_output(state, self, pad_id=pad_id)
+        extra_state = init_constraint_state(constraints, batch_size, self.beam_size)
+        return beam_loop(self, tokens_to_logits, cache, extra_state, batch_size=batch_size, bos_id=bos_id,
+                         eos_id=eos_id, pad_id=pad_id, max_decode_len=max_decode_len, max_lengths=max_lengths,
+                         banned_ids=banned_ids)
+
+    def candidates(self, state: dict[str, Any], logits_RV: jax.Array, *, at_limit_B: jax.Array, bos_id: int,
+                   eos_id: int, pad_id: int, banned_ids: tuple[int, ...] | None = None) -> Candidates:
+        """The step's candidates (:func:`~jaxformer.decode.beam_search.beam_step`): those of
+        :func:`_candidates` from :func:`_step_logprobs`, ranked by :func:`_bank_order`, each with its
+        constraint state after its token (:func:`advance`)."""
+        full, lifted = _step_logprobs(state, logits_RV, self, at_limit_B=at_limit_B, bos_id=bos_id,
+                                      eos_id=eos_id, pad_id=pad_id, banned_ids=banned_ids)
+        parents, tokens, logprobs = _candidates(state, full, lifted)
+        bits, met, count = advance(take_rows(state["c_bits"], parents), take_rows(state["c_met"], parents),
+                                   tokens, state["c_tokens"], state["c_lengths"])
+        banks = state["c_tokens"].shape[1] * state["c_tokens"].shape[2] + 1
+        order = _bank_order(count, logprobs > NEG_INF / 2, banks=banks)
+        return Candidates(parents, tokens, logprobs, order=order, met=jnp.all(met, axis=2),
+                          carry={"c_bits": bits, "c_met": met})
 
 
 def init_constraint_state(constraints: dict | None, batch_size: int, beam_size: int) -> dict[str, jax.Array]:
@@ -132,17 +140,17 @@ def init_constraint_state(constraints: dict | None, batch_size: int, beam_size: 
                 finished_met=jnp.zeros((batch_size, beam_size), jnp.bool_))
 
 
-def advance(bits_BKCP: jax.Array, met_BKC: jax.Array, token_BK: jax.Array, tokens_BCP: jax.Array,
+def advance(bits_BWCP: jax.Array, met_BWC: jax.Array, token_BW: jax.Array, tokens_BCP: jax.Array,
             lengths_BC: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One token's Shift-And update of each candidate's constraint state: ``(bits [B, K, C, P],
-    met [B, K, C], tokens met [B, K] int32)``: the met phrases' lengths and the longest progress
+    """One token's Shift-And update of each candidate's constraint state: ``(bits [B, W, C, P],
+    met [B, W, C], tokens met [B, W] int32)``: the met phrases' lengths and the longest progress
     of an unmet one (bits cleared once met)."""
-    match = tokens_BCP[:, None, :, :] == token_BK[:, :, None, None]
-    shifted = jnp.concatenate([jnp.ones_like(bits_BKCP[..., :1]), bits_BKCP[..., :-1]], axis=-1)
+    match = tokens_BCP[:, None, :, :] == token_BW[:, :, None, None]
+    shifted = jnp.concatenate([jnp.ones_like(bits_BWCP[..., :1]), bits_BWCP[..., :-1]], axis=-1)
     bits = shifted & match
     positions_P = jnp.arange(bits.shape[-1], dtype=jnp.int32)
     last = positions_P[None, None, None, :] == (lengths_BC[:, None, :, None] - 1)
-    met = met_BKC | jnp.any(bits & last, axis=-1)
+    met = met_BWC | jnp.any(bits & last, axis=-1)
     bits = bits & ~met[..., None]
     progress = jnp.max(jnp.where(bits, positions_P + 1, 0), axis=-1)
     # One phrase in progress counts, as fairseq's ConstraintState (a trie walk) has one: a token
@@ -152,17 +160,17 @@ def advance(bits_BKCP: jax.Array, met_BKC: jax.Array, token_BK: jax.Array, token
     return bits, met, count.astype(jnp.int32)
 
 
-def _step_logprobs(state: dict[str, Any], logits_RV: jax.Array, beam: Constrained, *, bos_id: int,
-                   eos_id: int, pad_id: int, banned_ids: tuple[int, ...] | None = None
-                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``(logp [B, k, V], logp with no n-gram ban [B, k, V], at_limit [B])``: the step's
-    log-probabilities after the processors, the banned ids (default pad and bos) never, the
-    prefix forced, eos only where every constraint is met (or at the limit, where it is the only
-    token)."""
+def _step_logprobs(state: dict[str, Any], logits_RV: jax.Array, beam: Constrained, *, at_limit_B: jax.Array,
+                   bos_id: int, eos_id: int, pad_id: int,
+                   banned_ids: tuple[int, ...] | None = None) -> tuple[jax.Array, jax.Array]:
+    """``(logp [B, k, V], logp with no n-gram ban [B, k, V])``: the step's log-probabilities after
+    the processors, the banned ids (default pad and bos) never, the prefix forced, eos only where
+    every constraint is met (or, with ``forced_eos``, at the limit ``at_limit_B``, where it is the
+    only token)."""
     batch_size, k = state["live_logprobs"].shape
     step = state["step"]
     logp_RV = jax.nn.log_softmax(logits_RV.astype(jnp.float32), axis=-1)
-    seqs_RM = _flatten_beams(state["live_seqs"])
+    seqs_RM = flatten_beams(state["live_seqs"])
     kept = tuple(p for p in beam.processors if not isinstance(p, NoRepeatNGram))
     full = lifted = logp_RV   # Beam's operations exactly, so a line without constraints gets its bytes
     if beam.processors:
@@ -171,29 +179,29 @@ def _step_logprobs(state: dict[str, Any], logits_RV: jax.Array, beam: Constraine
             apply_processors(kept, logp_RV, seqs_RM, step), NEG_INF)
     vocab = logp_RV.shape[-1]
     ids_11V = jnp.arange(vocab)[None, None, :]
-    at_limit_B = step + 1 >= state["limit"]
-    forcing_B = (step < state["prefix_len"]) & ~at_limit_B
+    eos_forced_B = at_limit_B if beam.forced_eos else jnp.zeros_like(at_limit_B)
+    forcing_B = (step < state["prefix_len"]) & ~eos_forced_B
     forced_B = jax.lax.dynamic_index_in_dim(state["prefix"], jnp.minimum(step, state["prefix"].shape[1] - 1),
                                             axis=1, keepdims=False)
-    eos_ok_BN = (jnp.all(state["c_met"], axis=2) & ~forcing_B[:, None]) | at_limit_B[:, None]
+    eos_ok_BN = (jnp.all(state["c_met"], axis=2) & ~forcing_B[:, None]) | eos_forced_B[:, None]
     never_11V = banned_mask(vocab, bos_id=bos_id, pad_id=pad_id, banned_ids=banned_ids)[None, None, :]
-    banned = ((at_limit_B[:, None, None] & (ids_11V != eos_id)) | never_11V
+    banned = ((eos_forced_B[:, None, None] & (ids_11V != eos_id)) | never_11V
               | (forcing_B[:, None, None] & (ids_11V != forced_B[:, None, None]))
               | (~eos_ok_BN[:, :, None] & (ids_11V == eos_id)))
     def masked(logp_RV):
-        logp_BNV = jnp.where(banned, NEG_INF, _unflatten_beams(logp_RV, batch_size))
-        if beam.length_normalization == "hf":
+        logp_BNV = jnp.where(banned, NEG_INF, unflatten_beams(logp_RV, batch_size))
+        if beam.forced_eos and beam.length_normalization == "hf":
             logp_BNV = jnp.where(at_limit_B[:, None, None] & (ids_11V == eos_id), 0.0, logp_BNV)
         return logp_BNV
 
     full, lifted = (masked(full), masked(lifted)) if lifted is not full else (masked(full),) * 2
     full = jnp.where(forcing_B[:, None, None], lifted, full)   # a forced token is never banned
     chex.assert_shape([full, lifted], (batch_size, k, vocab))
-    return full, lifted, at_limit_B
+    return full, lifted
 
 
 def _candidates(state: dict[str, Any], full: jax.Array, lifted: jax.Array) -> tuple[jax.Array, ...]:
-    """The step's candidates, ``(parent beam, token, log-probability)`` each ``[B, K]``, K =
+    """The step's candidates, ``(parent beam, token, log-probability)`` each ``[B, W]``, W =
     2k + k(2C + 1), best first by log-probability (a stable sort: the best 2k extensions in
     ``Beam``'s order, then the others); a duplicate of a better candidate gets ``NEG_INF``."""
     batch_size, k, vocab = full.shape
@@ -223,70 +231,17 @@ def _candidates(state: dict[str, Any], full: jax.Array, lifted: jax.Array) -> tu
     parents, tokens, logprobs = (jnp.take_along_axis(x, order, axis=1) for x in (parents, tokens, logprobs))
     key = parents * vocab + tokens
     count = key.shape[1]
-    earlier = jnp.arange(count)[None, :, None] > jnp.arange(count)[None, None, :]       # [1, K(i), K(j)]
+    earlier = jnp.arange(count)[None, :, None] > jnp.arange(count)[None, None, :]       # [1, W(i), W(j)]
     duplicate = jnp.any((key[:, :, None] == key[:, None, :]) & earlier, axis=2)
     return parents, tokens, jnp.where(duplicate, NEG_INF, logprobs)
 
 
-def _bank_order(count_BK: jax.Array, alive_BK: jax.Array, banks: int) -> jax.Array:
-    """int32 ``[B, K]`` sort keys of dynamic beam allocation: rank r within bank b (by position,
+def _bank_order(count_BW: jax.Array, alive_BW: jax.Array, banks: int) -> jax.Array:
+    """int32 ``[B, W]`` sort keys of dynamic beam allocation: rank r within bank b (by position,
     the candidates being best first) gives ``r · banks + (banks - 1 - b)``: round robin from the
     highest bank down (fairseq's stripes); the dead last."""
-    positions = jnp.arange(count_BK.shape[1])
+    positions = jnp.arange(count_BW.shape[1])
     before = positions[None, None, :] < positions[None, :, None]                        # j before i
-    same = (count_BK[:, :, None] == count_BK[:, None, :]) & alive_BK[:, None, :] & before
+    same = (count_BW[:, :, None] == count_BW[:, None, :]) & alive_BW[:, None, :] & before
     rank = jnp.sum(same, axis=2).astype(jnp.int32)
-    return jnp.where(alive_BK, rank * banks + (banks - 1 - count_BK), jnp.iinfo(jnp.int32).max)
-
-
-def constrained_step(state: dict[str, Any], tokens_to_logits: TokensToLogits, beam: Constrained, *,
-                     bos_id: int, eos_id: int, pad_id: int,
-                     banned_ids: tuple[int, ...] | None = None) -> dict[str, Any]:
-    """One step of :class:`Constrained`'s search (``beam_step`` with candidates from
-    :func:`_candidates` ranked by :func:`_bank_order`); any B, token arrays longer than the step."""
-    batch_size, k = state["live_logprobs"].shape
-    step = state["step"]
-    logits, cache = tokens_to_logits(_flatten_beams(state["last_ids"])[:, None], state["cache"])
-    full, lifted, _ = _step_logprobs(state, logits, beam, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id,
-                                     banned_ids=banned_ids)
-    parents, tokens, logprobs = _candidates(state, full, lifted)
-    def take(x, index):   # [B, K or k, ...] rows of x [B, k, ...]
-        return jnp.take_along_axis(x, index.reshape(index.shape + (1,) * (x.ndim - 2)), axis=1)
-
-    bits, met, count = advance(take(state["c_bits"], parents), take(state["c_met"], parents), tokens,
-                               state["c_tokens"],
-                               state["c_lengths"])
-    all_met = jnp.all(met, axis=2)
-    alive = logprobs > NEG_INF / 2
-    is_eos = tokens == eos_id
-    order = _bank_order(count, alive, banks=state["c_tokens"].shape[1] * state["c_tokens"].shape[2] + 1)
-    seqs = jax.lax.dynamic_update_slice_in_dim(take(state["live_seqs"], parents), tokens[:, :, None], step,
-                                               axis=2)
-
-    # Live: the first k that did not end, by bank order, then best first (Beam's order).
-    live_key = jnp.where(is_eos | ~alive, jnp.iinfo(jnp.int32).max, order)
-    _, pick = jax.lax.top_k(-live_key, k)
-    pick = jnp.take_along_axis(pick, jnp.argsort(-jnp.take_along_axis(logprobs, pick, axis=1), axis=1,
-                                                 stable=True), axis=1)
-    cache = _gather_beams(cache, take(parents, pick), batch_size)
-
-    # Finished: an eos among the first k by bank order (Beam: among the best k); a closed sentence
-    # takes no more. One that misses a constraint (at the limit only) ranks below the rest.
-    first_k = jnp.sum(order[:, None, :] < order[:, :, None], axis=2) < k
-    ended = is_eos & alive & first_k & state["open"][:, None]
-    penalty = length_penalty(step + 1, beam.alpha, beam.length_normalization)
-    ended_scores = jnp.where(ended, logprobs / penalty, NEG_INF)
-    merged_scores = jnp.concatenate([state["finished_scores"], ended_scores], axis=1)
-    merged_flags = jnp.concatenate([state["finished_flags"], ended], axis=1)
-    merged_met = jnp.concatenate([state["finished_met"], all_met], axis=1)
-    merge_key = jnp.where(merged_flags, merged_scores + jnp.where(merged_met, 0.0, _UNMET), NEG_INF)
-    _, finished_pick = jax.lax.top_k(merge_key, k)
-    merged_seqs = jnp.concatenate([state["finished_seqs"], seqs], axis=1)
-    new_state = dict(
-        state, step=step + 1, live_seqs=take(seqs, pick), live_logprobs=take(logprobs, pick),
-        last_ids=take(tokens, pick), c_bits=take(bits, pick), c_met=take(met, pick), cache=cache,
-        finished_seqs=jnp.take_along_axis(merged_seqs, finished_pick[:, :, None], axis=1),
-        finished_scores=jnp.take_along_axis(merged_scores, finished_pick, axis=1),
-        finished_flags=jnp.take_along_axis(merged_flags, finished_pick, axis=1),
-        finished_met=jnp.take_along_axis(merged_met, finished_pick, axis=1))
-    return dict(new_state, open=still_open(new_state, beam))
+    return jnp.where(alive_BW, rank * banks + (banks - 1 - count_BW), jnp.iinfo(jnp.int32).max)

@@ -5,7 +5,6 @@ batch of sources, jitted. Strategies see the model as ``tokens_to_logits(ids [B,
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -15,7 +14,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxformer.decode.beam_search import TokensToLogits, tile_beams
-from jaxformer.decode.strategies import Beam, Greedy, Sample
 from jaxformer.model.scan import unrolled
 from jaxformer.model.sharding import under_mesh
 from jaxformer.model.transformer import Transformer
@@ -82,12 +80,10 @@ _decode_jit = jax.jit(_decode, static_argnames=("model", "strategy", "bos_id", "
 
 
 def jit_decoder(model: Transformer, strategy: Any, layout: Any = None, **static) -> Callable:
-    """``fn(params, src_BS, indices_B=None, rng=None)``: :func:`decode` with its settings bound,
+    """``fn(params, src_BS, indices_B=None, rng=None[, constraints])``: :func:`decode` with
+    ``strategy`` and its settings ``static`` (``bos_id``, ``eos_id``, ``max_decode_len``, …) bound,
     without the host checks; with a ``layout`` (:class:`jaxformer.model.sharding.Layout`) traced
-    under its mesh, inputs as laid out and outputs over ``data``. Also ``jit_decoder(beam_translate,
-    model, layout, **settings)``."""
-    if isinstance(strategy, Transformer):   # jit_decoder(decoder, model, layout, **settings)
-        model, strategy, static = strategy, *model.split(static)
+    under its mesh, inputs as laid out and outputs over ``data``."""
     if layout is None:
         return functools.partial(_decode_jit, model, strategy=strategy, **static)
     return under_mesh(jax.jit(functools.partial(_decode, model, strategy=strategy, **static),
@@ -97,13 +93,11 @@ def jit_decoder(model: Transformer, strategy: Any, layout: Any = None, **static)
 def check_constraints(constraints: dict, strategy: Any, *, batch: int, vocab_size: int) -> dict:
     """``constraints`` as int32 arrays, checked where they enter :func:`decode`: ``tokens [B, C,
     P]`` and ``prefix [B, Q]`` (either may be left out), ids in ``[0, V_tgt)`` or -1 (padding), for
-    a strategy that takes them (:class:`~jaxformer.decode.constrained.Constrained`). ``ValueError``
-    otherwise, naming what is wrong."""
-    from jaxformer.decode.constrained import Constrained
-
+    a strategy that takes them (``supports_constraints``: :class:`~jaxformer.decode.constrained.Constrained`).
+    ``ValueError`` otherwise, naming what is wrong."""
     arrays = {name: np.asarray(value) for name, value in constraints.items()}
     ranks, problems = {"tokens": 3, "prefix": 2}, []
-    if not isinstance(strategy, Constrained):
+    if not getattr(strategy, "supports_constraints", False):
         problems.append(f"constraints need a Constrained strategy, not {type(strategy).__name__}")
     for name, value in arrays.items():
         if name not in ranks or value.ndim != ranks[name] or value.shape[0] != batch:
@@ -158,40 +152,3 @@ def uncached_model_callback(model: Transformer, params: Any, src_BS: jax.Array, 
         return step_logits, dict(state, tokens=tokens, index=state["index"] + 1)
 
     return tokens_to_logits, (tile_beams(state, beam_size) if beam_size > 1 else state)
-
-
-# ---------------------------------------------------------------------- the older names
-def _split(cls: type, settings: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-    """``(cls(the settings that are its fields; penalties as processors), the rest)``."""
-    settings = {("processors" if k == "penalties" else k): v for k, v in settings.items()}
-    fields = {f.name for f in dataclasses.fields(cls)} & settings.keys()
-    return cls(**{k: settings.pop(k) for k in fields}), settings
-
-
-def _older(name: str, cls: type, defaults: dict[str, Any] | None = None, best: bool = True):
-    """``name(model, params, src_BS[, rng], **settings)``: :func:`decode` with the ``cls`` of the
-    settings, the rest ``defaults`` or as given; ``best``: the sequences ``[B, M]`` only."""
-    def decoder(model, params, src_BS, *rng, **settings):
-        strategy, rest = decoder.split(settings)
-        out = decode(model, params, src_BS, strategy, rng=rng[0] if rng else None, **rest)
-        return out[0][:, 0] if best else out
-
-    decoder.split, decoder.__name__ = lambda settings: _split(cls, {**(defaults or {}), **settings}), name
-    return decoder
-
-
-greedy_translate = _older("greedy_translate", Greedy)   # -> sequences [B, M]
-beam_translate = _older("beam_translate", Beam, {"extra_len": 50}, best=False)   # -> ([B, k, M], [B, k])
-sample_translate = _older("sample_translate", Sample)   # (model, params, src_BS, rng, ...) -> [B, M]
-
-
-def greedy_search(tokens_to_logits: TokensToLogits, cache: Any, **settings) -> jax.Array:
-    """``Greedy(**settings).search(tokens_to_logits, cache, **loop)``'s sequences ``[B, M]``."""
-    strategy, loop = _split(Greedy, settings)
-    return strategy.search(tokens_to_logits, cache, **loop)[0][:, 0]
-
-
-def beam_search(tokens_to_logits: TokensToLogits, cache: Any, **settings) -> tuple[jax.Array, jax.Array]:
-    """``Beam(**settings).search(tokens_to_logits, cache, **loop)``: ``([B, k, M], [B, k])``."""
-    strategy, loop = _split(Beam, settings)
-    return strategy.search(tokens_to_logits, cache, **loop)

@@ -22,6 +22,15 @@ def decoding_defaults(record: dict[str, Any]) -> dict[str, Any]:
             for name, value in FALLBACK.items()}
 
 
+def forced_eos(record: dict[str, Any]) -> bool | None:
+    """Whether a hypothesis that reaches the output limit ends with eos there: an imported
+    model's rule (its ``forced_eos_token_id``, transformers' ``ForcedEOSTokenLogitsProcessor``;
+    without one ``generate`` cuts it at ``max_length``); ``None`` for a run without that rule (our
+    own), whose strategies keep their own (:func:`~jaxformer.decode.strategies.strategy_for`)."""
+    value = record.get("generation", {}).get("forced_eos")
+    return None if value is None else bool(value)
+
+
 def length_limits(record: dict[str, Any], max_len_a: float | None,
                   max_len_b: int | None) -> tuple[float, int]:
     """The checked ``(a, b)`` of the output limit a · source length + b: given, else an imported

@@ -17,13 +17,11 @@ import numpy as np
 
 from jaxformer.data.batching import Examples, bucket_boundaries, collate
 from jaxformer.data.tokenizer import Tokenizer
-from jaxformer.decode.constrained import Constrained
 from jaxformer.decode.constraint_inputs import batch_arrays
 from jaxformer.decode.decoding import _decode, jit_decoder
 from jaxformer.decode.exported import ExportCache
 from jaxformer.decode.generation import with_forced_first
 from jaxformer.decode.staged import StagedBeamSearch
-from jaxformer.decode.strategies import Beam
 from jaxformer.model import sharding as sharding_lib
 from jaxformer.model.transformer import Transformer
 from jaxformer.model.validation import check_token_ids
@@ -43,9 +41,10 @@ class Evaluator:
         ``target_language`` (ISO code) or ``tokenize`` chooses the BLEU tokenizer (:func:`make_bleu`,
         its ``ValueError``); at most ``max_len_a`` × L + ``max_len_b`` tokens (fairseq's
         ``--max-len-a/b``), never ``max_len``; ``scoring``: build the BLEU/chrF scorers; ``exports``:
-        serve unsampled decoders from exported programs without a layout; ``staged``: ``Beam`` in
-        stages (:mod:`jaxformer.decode.staged`) without a layout; ``decoders``: the compiled
-        decoders by settings, shareable by evaluators of one model, layout, exports and staging."""
+        serve unsampled decoders from exported programs without a layout; ``staged``: a
+        ``stageable`` strategy (``Beam``) in stages (:mod:`jaxformer.decode.staged`) without a
+        layout; ``decoders``: the compiled decoders by settings, shareable by evaluators of one
+        model, layout, exports and staging."""
         self.model, self.tokenizer, self.layout, self.batch_size = model, tokenizer, layout, batch_size
         self.fixed_rows = fixed_rows
         # Coarse buckets: each is one compile of the decode loop and of the eval step.
@@ -62,9 +61,9 @@ class Evaluator:
         """``fn(params, src_BS, indices_B, rng)``, cached: staged, exported (``rng`` ``None``) or jitted."""
         key = (strategy, sampled, tuple(sorted(static.items())))
         if key not in self._decoders:
-            if isinstance(strategy, Constrained):   # its constraints are a fifth argument
+            if getattr(strategy, "supports_constraints", False):   # its constraints: a fifth argument
                 self._decoders[key] = jit_decoder(self.model, strategy, self.layout, **static)
-            elif self.staged and isinstance(strategy, Beam):
+            elif self.staged and getattr(strategy, "stageable", False):
                 max_decode_len = static.pop("max_decode_len")
                 staged = StagedBeamSearch(self.model, strategy, **static)
                 self._decoders[key] = lambda params, src, index, rng: staged(params, src, max_decode_len)
@@ -108,7 +107,8 @@ class Evaluator:
         ``max_len`` tokens) decoded with ``strategy`` in length-sorted fixed-shape batches (``rng``,
         ``indices``: ``decode``'s ``rng``, ``indices_B``); ``length_limits``: at most a·L + b tokens,
         L the source's length (``False``: the batch's limit only, as ``generate``); ``requests``:
-        each source's :class:`~jaxformer.decode.constraint_inputs.Request`, for a ``Constrained``."""
+        each source's :class:`~jaxformer.decode.constraint_inputs.Request`, for a strategy that
+        ``supports_constraints`` (a batch without any runs its ``plain`` program)."""
         c = self.model.config
         ids = [s[: c.max_len] for s in self.tokenizer.encode_source(sources)]
         indices = np.arange(len(ids)) if indices is None else np.asarray(indices)
@@ -129,7 +129,7 @@ class Evaluator:
             chosen = strategy
             if requests is not None and any(requests[i].phrases or requests[i].prefix for i in members):
                 batch.update(batch_arrays([requests[i] for i in members], rows))
-            elif isinstance(strategy, Constrained):   # none in this batch: Beam's own program, its bytes
+            elif getattr(strategy, "supports_constraints", False):   # none here: the plain program, its bytes
                 chosen = strategy.plain
             check_token_ids(batch["src"], name="src", vocab_size=c.src_vocab_size, max_len=c.max_len)
             batch = self._place(batch) if self.layout else jax.tree_util.tree_map(jnp.asarray, batch)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxformer.data.tokenizer import load_tokenizer, with_languages
-from jaxformer.decode.defaults import decoding_defaults, length_limits
+from jaxformer.decode.defaults import decoding_defaults, forced_eos, length_limits
 from jaxformer.model.config import TransformerConfig
 from jaxformer.run.checkpoint_files import Checkpoint, candidates
 from jaxformer.run.directory import RunDir
@@ -36,6 +36,9 @@ class ServedRun:
         imported model's generation config, else the run's dev/test decoding, else §6.1's.
       max_len_a, max_len_b: the output limit a · source length + b (eos included; never more
         than the model's ``max_len``).
+      forced_eos: an imported model's rule at that limit (:func:`~jaxformer.decode.defaults.forced_eos`:
+        eos there, or a cut without it as ``generate`` without ``forced_eos_token_id``); ``None``
+        for our runs, whose strategies keep their own.
     """
 
     root: Path
@@ -46,6 +49,7 @@ class ServedRun:
     defaults: dict[str, Any]
     max_len_a: float
     max_len_b: int
+    forced_eos: bool | None = None
 
     @classmethod
     def load(cls, workdir: str | Path, *, checkpoint: str | int = "auto", max_len_a: float | None = None,
@@ -66,7 +70,8 @@ class ServedRun:
             tokenizer = with_languages(tokenizer, src_lang, tgt_lang)
         max_len_a, max_len_b = length_limits(record, max_len_a, max_len_b)
         return cls(Path(workdir), record, TransformerConfig.from_dict(record["model"]), tokenizer,
-                   tuple(candidates(workdir, checkpoint)), decoding_defaults(record), max_len_a, max_len_b)
+                   tuple(candidates(workdir, checkpoint)), decoding_defaults(record), max_len_a, max_len_b,
+                   forced_eos(record))
 
     @property
     def checkpoint(self) -> Checkpoint:

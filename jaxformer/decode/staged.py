@@ -30,8 +30,8 @@ class StagedBeamSearch:
                  extra_len: int | None = 50, first_length: int = 32, banned_ids: tuple | None = None):
         self.model, self.beam, self.beam_size, self.first_length = model, beam, beam.beam_size, first_length
         self.pad_id = model.config.pad_id
-        self._step = functools.partial(beam_step, beam=beam, bos_id=bos_id, eos_id=eos_id, pad_id=self.pad_id,
-                                       banned_ids=banned_ids)
+        self._step = functools.partial(beam_step, strategy=beam, bos_id=bos_id, eos_id=eos_id,
+                                       pad_id=self.pad_id, banned_ids=banned_ids)
         self._init = functools.partial(init_beam_state, beam=beam, bos_id=bos_id, pad_id=self.pad_id)
         self._len_a, self._extra_len = len_a, extra_len
         self.stages: list[tuple[int, int, int]] = []

@@ -6,7 +6,14 @@ best first, eos then pad after each end; ``tokens_to_logits(ids [B*N, 1], cache)
 is the model, ``max_lengths`` (int ``[B]`` or ``None``) each sentence's most tokens, ``keys_B``
 a PRNG key per sentence, ``banned_ids`` (passed only when a model's generation settings name
 them) the ids never generated, default pad and ``bos_id`` (the decoder start). A new
-strategy is one such class (``tests/test_decoding.py`` has one).
+strategy is one such class (``tests/test_decoding.py`` has one); a beam-like one supplies a
+``candidates`` step to :func:`~jaxformer.decode.beam_search.beam_loop` (fairseq's ``Search.step``).
+
+A strategy says what it supports by class attributes (absent: ``False``), so callers never
+branch on its type: ``supports_constraints`` (``decode(..., constraints=...)`` takes target
+phrases and a prefix, and ``plain`` is the strategy without them:
+:class:`~jaxformer.decode.constrained.Constrained`), ``stageable`` (bulk decoding may run it in
+stages, :mod:`jaxformer.decode.staged`: :class:`Beam`).
 """
 
 from __future__ import annotations
@@ -131,9 +138,16 @@ class Sample:
 
 
 def strategy_for(beam_size: int, alpha: float = 0.6, length_normalization: str = "gnmt", early_stopping=False,
-                 no_repeat_ngram_size: int = 0, repetition_penalty: float = 1.0) -> Greedy | Beam:
-    """The decoding flags' strategy (all checked): :class:`Beam`, or for ``beam_size`` 1
-    :class:`Greedy` (with ``"hf"``, eos forced at the last step, as ``generate``)."""
+                 no_repeat_ngram_size: int = 0, repetition_penalty: float = 1.0, *,
+                 forced_eos: bool | None = None, scored: bool = False) -> Greedy | Beam:
+    """The decoding flags' strategy (all checked): :class:`Beam`, or for ``beam_size`` 1 (unless
+    ``scored``: its one hypothesis scored) :class:`Greedy`. ``forced_eos``: eos at a sentence's
+    limit, as an imported model's ``forced_eos_token_id`` says (:func:`jaxformer.decode.defaults.forced_eos`),
+    else a cut there without eos; ``None`` (no such rule: our runs): eos for beams, and for
+    greedy with ``"hf"`` only."""
     beam = Beam(beam_size, alpha, length_normalization, early_stopping,
-                penalties(no_repeat_ngram_size, repetition_penalty))
-    return Greedy(length_normalization == "hf", beam.processors) if beam.beam_size == 1 else beam
+                penalties(no_repeat_ngram_size, repetition_penalty),
+                forced_eos=True if forced_eos is None else forced_eos)
+    if beam.beam_size > 1 or scored:
+        return beam
+    return Greedy(length_normalization == "hf" if forced_eos is None else beam.forced_eos, beam.processors)

@@ -23,7 +23,7 @@ from jaxformer.decode.evaluation import Evaluator
 from jaxformer.decode.exported import ExportCache
 from jaxformer.decode.penalties import penalties
 from jaxformer.decode.served_run import ServedRun
-from jaxformer.decode.strategies import Beam, Sample, strategy_for
+from jaxformer.decode.strategies import Sample, strategy_for
 from jaxformer.model.matmul import cast_matmul_weights
 from jaxformer.model.scan import unrolled
 from jaxformer.model.sharding import Layout
@@ -115,21 +115,21 @@ class Translator:
 
     def _translate(self, sentences: list[str], request: Request, indices: list[int]) -> list[Translation]:
         rules = request.rules(self.defaults)
-        processors = penalties(rules["no_repeat_ngram_size"], rules["repetition_penalty"])
         evaluator = self._evaluator_for(request.src_lang, request.tgt_lang)
         notes: list[list[str]] = [[] for _ in sentences]
         if request.sample:
+            processors = penalties(rules["no_repeat_ngram_size"], rules["repetition_penalty"])
             strategy = Sample(request.temperature, request.top_k, request.top_p, processors)
             results = evaluator.decode(self.params, sentences, strategy, indices=indices,
                                        rng=jax.random.key(request.seed))
         elif request.constraints is not None or request.prefixes is not None:   # a beam of any width
-            beam = Beam(*(rules[k] for k in ("beam_size", "alpha", "length_normalization", "early_stopping")),
-                        processors=processors)
+            beam = strategy_for(**rules, forced_eos=self.run.forced_eos, scored=True)
             results, notes = self._constrained(sentences, Constrained.of(beam), request.constraints,
                                                request.prefixes, indices, evaluator=evaluator,
                                                length_limits=rules["length_normalization"] != "hf")
         else:
-            results = evaluator.decode(self.params, sentences, strategy_for(**rules), indices=indices,
+            strategy = strategy_for(**rules, forced_eos=self.run.forced_eos)
+            results = evaluator.decode(self.params, sentences, strategy, indices=indices,
                                        length_limits=rules["length_normalization"] != "hf")
         return [Translation(tuple(hyps[: request.n_best]), tuple(mine)) for hyps, mine in zip(results, notes)]
 
@@ -205,7 +205,7 @@ class Translator:
         cannot fit its output limit (dropped), phrases the best translation misses, a beam too
         small for the banks (:func:`~jaxformer.decode.constrained.bank_rule`). ``ValueError``:
         lists not one per sentence, or another strategy."""
-        if not getattr(strategy, "supports_constraints", isinstance(strategy, Constrained)) or any(
+        if not getattr(strategy, "supports_constraints", False) or any(
                 x is not None and len(x) != len(sentences) for x in (constraints, prefixes)):
             raise ValueError(f"constrained() needs a Constrained strategy (got {type(strategy).__name__}) "
                              f"and at most one constraint list and prefix per sentence ({len(sentences)}).")
@@ -244,10 +244,7 @@ class Translator:
         the :class:`~jaxformer.decode.strategies.Beam` of ``options`` (:attr:`defaults`' names;
         left out or ``None``: the default); ``best_only``: beam 1 is greedy (``strategy_for``)."""
         rules = {**self.defaults, **{k: v for k, v in options.items() if v is not None}}
-        strategy = strategy_for(**rules)
-        if not best_only and not isinstance(strategy, Beam):   # beam 1: its one hypothesis, scored
-            strategy = Beam(1, *(rules[k] for k in ("alpha", "length_normalization", "early_stopping")),
-                            processors=strategy.processors)
+        strategy = strategy_for(**rules, forced_eos=self.run.forced_eos, scored=not best_only)
         return self.decode(sentences, strategy, length_limits=rules["length_normalization"] != "hf")
 
     def __call__(self, sentences: list[str], **options) -> list[str]:

@@ -169,10 +169,13 @@ class CT2Engine:
                 hashlib.sha256(f"{request.seed} {first_index}".encode()).digest()[:4], "little"))
             translator = self._new_translator(1, self.threads[1])
         order = sorted(range(len(ids)), key=lambda j: len(ids[j]))
-        # The JAX engine's M tokens include the eos that ends a beam hypothesis (and, with the "hf"
-        # rule of imported models, greedy's forced eos); CT2 stops at M without one.
+        # CTranslate2 never forces eos: at its last step it finishes the best candidates whatever
+        # their token, its M counting the eos step. Where the JAX engine forces eos at the limit (a
+        # beam hypothesis of our runs, greedy's with the "hf" rule; an imported model's
+        # forced_eos_token_id) CT2 stops one step earlier, so both put their last word at M - 1.
+        forced = self.run.forced_eos
         hf = self.defaults["length_normalization"] == "hf"
-        beam_counts_eos = int(not search.sample and (search.beam_size > 1 or hf))
+        eos_at_limit = not search.sample and ((search.beam_size > 1 or hf) if forced is None else forced)
         prefix, suppress = self.generation_rules(tokenizer)
         pending = []
         for start in range(0, len(order), self.batch_size):
@@ -181,7 +184,7 @@ class CT2Engine:
             limit = self.max_decode_len(max(len(ids[j]) for j in members))
             pending.append((members, translator.translate_batch(
                 pieces, None if prefix is None else [prefix] * len(pieces), asynchronous=True,
-                max_decoding_length=limit - beam_counts_eos, suppress_sequences=suppress,
+                max_decoding_length=limit - eos_at_limit, suppress_sequences=suppress,
                 **search.options())))
         out: list[Translation] = [None] * len(ids)
         for members, results in pending:
