@@ -13,14 +13,14 @@ Run it alone on the machine: the clients share its cores with the server.
    en-de English sources; the first ``--sentences`` distinct ones. The clients take them in
    turn from one shared cursor, so no sentence comes twice in a row (LibreTranslate answers a
    repeat of the last request from its cache).
-2. Ours: ``python -m jaxformer.serve --workdir RUN --engine ct2 --quantization Q`` (its defaults:
+2. Ours: ``python -m jaxformer.serve --workdir RUN --engine ct2 --quantization Q`` (the model
+   converted beforehand by one untimed ``jaxformer-translate --engine ct2``; its defaults:
    one translator per core, one thread each; the run's beam; one fixed output limit), ready
-   by ``/health``. LibreTranslate (``--lt-venv``, set up as /work/notes' libretranslate_setup.md
-   and docs/serving.md say): our package (``jaxformer-convert --to-argos``) installed in a scratch
-   HOME, served offline at its defaults (waitress 4 threads, one translator of CTranslate2's
-   default threads) and at its best layout (one one-thread translator per core,
-   ``LT_THREADS`` 8), beam ``ARGOS_BEAM_SIZE`` = the run's; helpers from
-   benchmarks/argos_libretranslate.py.
+   by ``/health``. LibreTranslate (``--lt-venv``, its venv set up as docs/argos.md says): our
+   package (``jaxformer-convert --to-argos``) installed in a scratch HOME, served offline at its
+   defaults (waitress 4 threads, one translator of CTranslate2's default threads) and at its
+   best layout (one one-thread translator per core, ``LT_THREADS`` 8), beam
+   ``ARGOS_BEAM_SIZE`` = the run's; helpers from benchmarks/argos_libretranslate.py.
 3. For each client count: ``--warmup`` seconds unmeasured, then ``--duration`` seconds of
    closed-loop clients (asyncio in this one process, a keep-alive HTTP/1.1 connection each):
    sentences/s (answered requests / seconds), p50/p95/p99 latency, errors (a status other than
@@ -208,9 +208,14 @@ class Process:
 
 
 def ours(args, q: str, sentences: list[str], pair: tuple[str, str], out: Path) -> list[dict]:
+    # the model converted beforehand (JAX, once per checkpoint): the server's RSS is serving's alone
+    subprocess.run([sys.executable, "-m", "jaxformer.cli.translate", "--workdir", run_path(args), "--engine",
+                    "ct2", "--quantization", q, "convert"], check=True, env=_env(), cwd=REPO,
+                   capture_output=True)
     url = f"http://127.0.0.1:{args.port}"
     server = Process([sys.executable, "-m", "jaxformer.serve", "--workdir", args.workdir, "--engine", "ct2",
-                      "--quantization", q, "--port", str(args.port), "--max-queue", "100000"],
+                      "--quantization", q, "--port", str(args.port), "--max-queue", "100000",
+                      *args.serve_flags.split()],
                      out / f"serve-{q}.log", url, "/health", _env())
     try:
         return load_levels(f"jaxformer-serve, {q}", url, server.proc.pid, args, sentences, pair)
@@ -281,12 +286,13 @@ def bare_child(spec: dict) -> None:
     pieces = [tokenizer.source_pieces(s) for s in ids]
     search = CT2Search.of(Request(), engine.defaults)
     prefix, suppress = engine.generation_rules(tokenizer)
-    counts_eos = int(search.beam_size > 1 or engine.defaults["length_normalization"] == "hf")
+    hf, forced = engine.defaults["length_normalization"] == "hf", engine.run.forced_eos
+    eos_at_limit = int((search.beam_size > 1 or hf) if forced is None else forced)   # as the engine's call
     inter, intra = engine.threads
     translator = ctranslate2.Translator(str(engine.model_dir), device="cpu", inter_threads=inter,
                                         intra_threads=intra)
     options = dict(max_batch_size=32, batch_type="examples", suppress_sequences=suppress,
-                   max_decoding_length=engine.max_decode_len(1) - counts_eos, **search.options())
+                   max_decoding_length=engine.max_decode_len(1) - eos_at_limit, **search.options())
     translator.translate_batch(pieces[:64], None if prefix is None else [prefix] * 64, **options)   # warm
     started = time.perf_counter()
     translator.translate_batch(pieces, None if prefix is None else [prefix] * len(pieces), **options)
@@ -297,7 +303,9 @@ def bare_child(spec: dict) -> None:
 
 def table(args, rows: list[dict], bares: dict[str, dict], sentences: int) -> list[str]:
     cores = usable_cores()
-    lines = [f"`python benchmarks/serve_load.py --workdir {args.workdir} --duration {args.duration:g}` "
+    command = f"python benchmarks/serve_load.py --workdir {args.workdir} --duration {args.duration:g}"
+    command += f" --serve-flags '{args.serve_flags}'" if args.serve_flags else ""
+    lines = [f"`{command}` "
              f"({datetime.date.today()}, {cores} cores, {sentences} distinct one-sentence requests, "
              f"load generator: one asyncio process, a keep-alive connection per client):", "",
              "| server | clients | sentences/s | p50 ms | p95 ms | p99 ms | errors | RSS MiB start→end "
@@ -338,6 +346,7 @@ def main() -> None:
     parser.add_argument("--sentences", type=int, default=2000)
     parser.add_argument("--port", type=int, default=5077)
     parser.add_argument("--lt-venv", type=Path, help="LibreTranslate's venv: measure it too")
+    parser.add_argument("--serve-flags", default="", help="more jaxformer-serve flags ('--batch-wait-ms 2')")
     parser.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "jaxformer-serve-load")
     parser.add_argument("--write", help="put the table into this README between its markers")
     parser.add_argument("--child", help=argparse.SUPPRESS)

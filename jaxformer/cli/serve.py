@@ -57,7 +57,9 @@ class ServeArgs:
     checkpoint: str = "auto"   # auto = best by dev BLEU, else latest; best, latest, averaged or a step
     # one output limit for every sentence (the same as jaxformer-translate --max-len-a 0 --max-len-b N)
     max_output_tokens: Annotated[int | None, Ge(1), shown("an imported model's, else max_len")] = None
-    batch_wait_ms: Annotated[float, Interval(ge=0, lt=math.inf)] = 5.0   # gather requests this long
+    # the oldest waiting sentence waits this long for others before a free engine takes it (0: none;
+    # batches then form from what waits while the engine is busy)
+    batch_wait_ms: Annotated[float, Interval(ge=0, lt=math.inf)] = 0.0
     max_batch_sentences: Annotated[int, Ge(1)] = 32   # most sentences per engine call (JAX: its rows)
     max_queue: Annotated[int, Ge(1)] = 2048   # sentences waiting per model; beyond: 503 Retry-After
     alternatives_limit: Annotated[int, Ge(0)] = 3   # most alternatives; beam widens to N+1 at most
