@@ -92,9 +92,10 @@ def short_corpus(tmp_path_factory):
 # 68-71 GFLOP/s): compile 95, bulk_translate 86, sharding 85, multiprocess 83 (one test,
 # so it starts first), hf_marian 82, train_e2e 76, resilience 71, training 65, cli 53,
 # scan 52, decoding 49, model 48, packing 39; the rest 25 or less.
-_LONGEST_FIRST = ("test_multiprocess.py", "test_compile.py", "test_bulk_translate.py", "test_sharding.py",
-                  "test_hf_marian.py", "test_train_e2e.py", "test_resilience.py", "test_training.py",
-                  "test_cli.py", "test_scan.py", "test_decoding.py", "test_model.py", "test_packing.py")
+_LONGEST_FIRST = ("test_multiprocess.py", "test_compile.py", "test_bulk_translate.py", "test_serve.py",
+                  "test_sharding.py", "test_hf_marian.py", "test_train_e2e.py", "test_resilience.py",
+                  "test_training.py", "test_cli.py", "test_scan.py", "test_decoding.py", "test_model.py",
+                  "test_packing.py")
 
 
 @pytest.fixture

@@ -41,6 +41,8 @@ def _imports(path: Path) -> set[str]:
 
 def _level(module: str) -> int:
     parts = module.split(".")
+    if parts[-1] == "__main__":   # a wing's ``python -m`` shim (serve/__main__.py): an entry point
+        return ENTRY
     return WINGS.index(parts[1]) if len(parts) > 2 or (len(parts) == 2 and parts[1] in WINGS) \
         else ENTRY
 
@@ -106,7 +108,7 @@ def test_public_names_and_entry_points_still_there():
 
     import jaxformer as jf
     from jaxformer.cli import compile as compile_cli
-    from jaxformer.cli import convert, prepare, train, translate
+    from jaxformer.cli import convert, prepare, serve, train, translate
 
     assert {"Transformer", "TransformerConfig", "preset", "create_padding_mask",
             "scaled_dot_product_attention", "check_token_ids"} <= set(jf.__all__)
@@ -114,7 +116,7 @@ def test_public_names_and_entry_points_still_there():
     scripts = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["project"]["scripts"]
     modules = {"jaxformer.cli.train": train, "jaxformer.cli.prepare": prepare,
                "jaxformer.cli.translate": translate, "jaxformer.cli.convert": convert,
-               "jaxformer.cli.compile": compile_cli}
+               "jaxformer.cli.compile": compile_cli, "jaxformer.cli.serve": serve}
     for target in scripts.values():
         module, function = target.split(":")
         assert callable(getattr(modules[module], function)), target
@@ -123,7 +125,10 @@ def test_public_names_and_entry_points_still_there():
     # Every command but training (train.py) also runs as `python -m jaxformer.<name>`.
     for name in scripts:
         if name != "jaxformer-train":
-            assert importlib.util.find_spec(name.replace("-", ".")) is not None, name
+            spec = importlib.util.find_spec(name.replace("-", "."))
+            assert spec is not None, name
+            if spec.submodule_search_locations:   # a package runs as its __main__
+                assert importlib.util.find_spec(name.replace("-", ".") + ".__main__") is not None, name
 
 
 def test_the_readme_python_examples_run():

@@ -52,10 +52,11 @@ def request_of(args: TranslateArgs) -> Request:
 
 
 def open_engine(args: TranslateArgs, run: ServedRun, engine: str, *, throughput: bool,
-                exported: bool) -> Engine:
+                exported: bool, fixed_rows: bool = False) -> Engine:
     """The ``engine`` of ``run`` as the flags set it up: CTranslate2's translators side by side
-    for ``throughput`` (a file), JAX's decoders ``exported`` to the run's cache. Raises as the
-    engines' constructors."""
+    for ``throughput`` (a file), JAX's decoders ``exported`` to the run's cache and, with
+    ``fixed_rows``, every batch padded to ``--batch-size`` rows (the service's warm-up compiles
+    them all). Raises as the engines' constructors."""
     if engine == "ct2":
         from jaxformer.serve.ct2_engine import CT2Engine
 
@@ -70,4 +71,4 @@ def open_engine(args: TranslateArgs, run: ServedRun, engine: str, *, throughput:
     mesh = make_mesh(args.mesh, jax.local_devices()) if args.mesh else None
     return Translator(run, batch_size=args.batch_size, mesh=mesh, exported=exported,
                       staged=bool(args.input and args.output and not args.sentences),
-                      matmul_dtype=args.matmul_dtype)
+                      matmul_dtype=args.matmul_dtype, fixed_rows=fixed_rows)

@@ -34,8 +34,10 @@ class Evaluator:
                  target_language: str = "", layout: sharding_lib.Layout | None = None,
                  tokenize: str | None = None, max_len_a: float = 1.0, max_len_b: int = 50,
                  scoring: bool = True, exports: ExportCache | None = None, staged: bool = False,
-                 decoders: dict[Any, Any] | None = None, bleu: Any = None):
-        """``batch_size``: the most sentences per decoding batch (fewer: padded to a power of two);
+                 decoders: dict[Any, Any] | None = None, bleu: Any = None, fixed_rows: bool = False):
+        """``batch_size``: the most sentences per decoding batch (fewer: padded to a power of two, or
+        with ``fixed_rows`` to ``batch_size`` rows, one program per length bucket whatever a batch
+        holds, so a service's warm-up compiles them all);
         ``target_language`` (ISO code) or ``tokenize`` chooses the BLEU tokenizer (:func:`make_bleu`,
         its ``ValueError``); at most ``max_len_a`` × L + ``max_len_b`` tokens (fairseq's
         ``--max-len-a/b``), never ``max_len``; ``scoring``: build the BLEU/chrF scorers; ``exports``:
@@ -45,6 +47,7 @@ class Evaluator:
         model, layout, exports and staging; ``bleu``: a BLEU scorer made already
         (:func:`make_bleu`'s) instead of one made here."""
         self.model, self.tokenizer, self.layout, self.batch_size = model, tokenizer, layout, batch_size
+        self.fixed_rows = fixed_rows
         # Coarse buckets: each is one compile of the decode loop and of the eval step.
         self.boundaries = bucket_boundaries(model.config.max_len, step=32)
         self._decoders: dict[Any, Any] = {} if decoders is None else decoders
@@ -89,8 +92,10 @@ class Evaluator:
                 yield self.boundaries[b], members[start:start + self.batch_size]
 
     def _rows(self, count: int) -> int:
-        """Rows for ``count`` sentences: the next power of two ≤ ``batch_size``, times the data shards."""
+        """Rows for ``count`` sentences: the next power of two ≤ ``batch_size`` (``fixed_rows``:
+        ``batch_size``), times the data shards."""
         rows = min(self.batch_size, 1 << max(count - 1, 0).bit_length())
+        rows = self.batch_size if self.fixed_rows else rows
         if self.layout is not None:
             multiple = self.layout.data_size * sharding_lib.mesh_processes(self.layout.mesh)[0]
             rows = -(-rows // multiple) * multiple

@@ -46,6 +46,8 @@ class Translator:
       exported, staged: keep exported decoders in ``RUN/jax_cache/exported``; beam search in
         stages (:mod:`jaxformer.decode.exported`, :mod:`~jaxformer.decode.staged`); not with a mesh.
       matmul_dtype: the weight matmuls' dtype (:mod:`jaxformer.model.matmul`); ``None``: the run's.
+      fixed_rows: every batch padded to ``batch_size`` rows (one program per length bucket and
+        strategy, all compiled by a warm-up; a sentence's result never depends on its batch's size).
 
     Raises ``FileNotFoundError`` without ``config.json``, the tokenizer or the checkpoint asked for;
     ``ValueError`` for a damaged (or Hugging Face's) ``config.json``, a language not the model's,
@@ -58,7 +60,8 @@ class Translator:
     def __init__(self, run: ServedRun | str | Path, batch_size: int = 32, checkpoint: str | int = "auto",
                  max_len_a: float | None = None, max_len_b: int | None = None, exported: bool = False,
                  mesh: jax.sharding.Mesh | None = None, staged: bool = False,
-                 matmul_dtype: str | None = None, src_lang: str | None = None, tgt_lang: str | None = None):
+                 matmul_dtype: str | None = None, src_lang: str | None = None, tgt_lang: str | None = None,
+                 fixed_rows: bool = False):
         batch_size = check_count("batch_size", batch_size)
         load = dict(checkpoint=checkpoint, max_len_a=max_len_a, max_len_b=max_len_b, src_lang=src_lang,
                     tgt_lang=tgt_lang)
@@ -80,7 +83,7 @@ class Translator:
                                    layout=Layout.for_params(mesh, self._boxed_shapes()) if mesh else None,
                                    target_language=run.record.get("target_language", "xx"), scoring=False,
                                    max_len_a=self.max_len_a, max_len_b=self.max_len_b, exports=exports,
-                                   staged=staged)
+                                   staged=staged, fixed_rows=fixed_rows)
         self.mesh = mesh
 
     def _boxed_shapes(self):
