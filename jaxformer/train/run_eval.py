@@ -173,6 +173,9 @@ def final_test(run: Run, loop: LoopState) -> dict[str, Any]:
     for (source, reference), hypothesis in list(zip(test, hyps))[:3]:
         log(f"  {source}\n  → {hypothesis}\n  (reference: {reference})")
     log(f"total wall time {results['wall_minutes']:.1f} min; run directory {run.run_dir.root}")
-    log(f"serve it: jaxformer-translate --workdir {run.run_dir.root} --input FILE --output FILE  "
-        f"(CTranslate2 on a CPU: pip install -e '.[serve]'; docs/translation.md)")
+    root, plan = run.run_dir.root, run.plan
+    pair = "" if plan.src_lang and plan.tgt_lang else ":SRC-TGT"   # a user's corpus names no languages
+    log(f"serve it: jaxformer-translate --workdir {root} --input FILE --output FILE, or over HTTP: "
+        f"jaxformer-serve --workdir {root}{pair} (LibreTranslate's API and a web page; CTranslate2 on a CPU: "
+        f"pip install -e '.[serve]'; docs/translation.md, docs/serving.md)")
     return results
