@@ -101,6 +101,8 @@ class ModelOverrides(_Section):
     d_ff: Annotated[int | None, Ge(1), shown("the preset's")] = None   # feed-forward hidden width F
     num_layers: Annotated[int | None, Ge(1), shown("the preset's")] = None   # encoder and decoder layers each
     dropout_rate: Annotated[float | None, shown("the preset's")] = None   # residual and embedding dropout
+    # dropout on the attention weights (tensor2tensor's); needs --attention-backend reference
+    attention_dropout_rate: Annotated[float | None, shown("the preset's")] = None
     max_len: Annotated[int | None, Ge(1), shown("the preset's")] = None   # longest sequence in tokens
     # post = the paper's LayerNorm after the residual, pre = before
     norm_position: Annotated[Literal["post", "pre"] | None, shown("the preset's")] = None
