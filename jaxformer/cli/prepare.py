@@ -5,17 +5,21 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+import sys
 from typing import Annotated
 
 import tyro
 
 from jaxformer.cli import fail, plain
 from jaxformer.data.distillation import write_training_sources
-from jaxformer.data.run_data import prepare_run_data
+from jaxformer.data.prepare import FirstPass
+from jaxformer.data.run_data import corpus_shape, prepare_run_data
+from jaxformer.run import recipe as recipe_lib
 from jaxformer.run.config import DataConfig, DecodeConfig, RunConfig, TrainConfig, shown
 from jaxformer.run.directory import RunDir, topmost_missing
-from jaxformer.run.logs import console_logging
+from jaxformer.run.logs import console_logging, log
 from jaxformer.run.platform import skip_absent_tpu
+from jaxformer.run.train_flags import given_names
 
 PROG = "jaxformer-prepare"
 
@@ -66,18 +70,40 @@ def main(argv: list[str] | None = None) -> None:
         run_dir = RunDir(cfg.workdir)
         created = topmost_missing(run_dir.root)
         run_dir.create()   # a --workdir that is a file or cannot be written is named
-        tokenizer = None
+        tokenizer, first = None, None
+        has_checkpoints = run_dir.checkpoints.exists() and any(run_dir.checkpoints.iterdir())
         if args.init_from:   # its tokenizer copied in (set to the languages), as train.py does
             from jaxformer.interop.pretrained import fine_tune_tokenizer, read_run
 
             tokenizer = fine_tune_tokenizer(args.init_from, read_run(args.init_from), run_dir, args.src_lang,
                                             args.tgt_lang)[0]
-        prepare_run_data(cfg, run_dir, has_checkpoints=run_dir.checkpoints.exists()
-                         and any(run_dir.checkpoints.iterdir()), tokenizer=tokenizer)
+        else:
+            given = given_names(sys.argv[1:] if argv is None else argv)
+            cfg, first = _vocabulary(cfg, run_dir, given, has_checkpoints)
+        prepare_run_data(cfg, run_dir, has_checkpoints=has_checkpoints, tokenizer=tokenizer, first=first)
     except (ValueError, OSError) as e:
         if created is not None:   # what this call made holds nothing worth keeping
             shutil.rmtree(created, ignore_errors=True)
         fail(PROG, str(e))
+
+
+def _vocabulary(cfg: TrainConfig, run_dir: RunDir, given: set[str], has_checkpoints: bool
+                ) -> tuple[TrainConfig, FirstPass | None]:
+    """``cfg`` with train.py's vocabulary size for its data, and the corpus's first pass if read
+    for it: a run with checkpoints keeps its record's (as its resume does); else, under
+    ``--recipe auto``, the rule's (:func:`jaxformer.run.recipe.recipe_for`), unless ``given``."""
+    record = (run_dir.read_config() or {}).get("train", {}) if has_checkpoints else {}
+    if record:
+        kept = recipe_lib.resumed(record, given)
+        return cfg.replace(**{k: v for k, v in kept.items() if k in ("vocab_size", "recipe")}), None
+    if cfg.data.recipe != "auto":
+        return cfg, None
+    shape, first = corpus_shape(cfg, run_dir.prepared)
+    recipe = recipe_lib.recipe_for(shape)
+    cfg = cfg.replace(**{k: v for k, v in recipe_lib.choose(recipe, given, cfg.settings()).items()
+                         if k == "vocab_size"})
+    log(recipe_lib.describe(shape, recipe, {"vocab_size": cfg.data.vocab_size}, given))
+    return cfg, first
 
 
 if __name__ == "__main__":

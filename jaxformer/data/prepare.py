@@ -1,7 +1,8 @@
 """Prepare once: the data of a run (:class:`DataSpec`: its corpus and every setting that
 changes the ids) streamed into token ids on disk (``jaxformer-prepare``, or ``train.py``
 when the run has none), the corpus read twice, never whole: (1) count the usable pairs
-and keep a reservoir sample, on which sentencepiece is trained (unless the run has a
+and keep a reservoir sample (:func:`first_pass`, whose :class:`~jaxformer.run.recipe.CorpusShape`
+the recipe rule reads first), on which sentencepiece is trained (unless the run has a
 tokenizer); (2) split by the hash of the source (:class:`jaxformer.data.corpus.Splitter`),
 encode the training pairs in chunks on all cores, filter them
 (:func:`jaxformer.data.batching.length_filter` with ``max_tokens`` and
@@ -35,6 +36,7 @@ from jaxformer.data.lines import chunks
 from jaxformer.data.prepared import FORMAT_VERSION, file_digest, tokenizer_digest
 from jaxformer.data.tokenizer import BT_TAG, TextTokenizer, Tokenizer
 from jaxformer.run.logs import log
+from jaxformer.run.recipe import CorpusShape
 
 if TYPE_CHECKING:
     from jaxformer.run.config import TrainConfig
@@ -104,20 +106,51 @@ class DataSpec:
         return fingerprint
 
 
+@dataclasses.dataclass(frozen=True)
+class FirstPass:
+    """Prepare's first read of a corpus (:func:`first_pass`): ``n`` usable pairs, the
+    ``splitter`` their number gives, ``train_sample`` (the training pairs of a uniform sample
+    of :data:`SAMPLE_PAIRS`: sentencepiece's input) and ``shape``, the training pairs'
+    :class:`CorpusShape` (exact up to :data:`SAMPLE_PAIRS` pairs; above, the sample's counts
+    scaled to the corpus, its alphabet the one sentencepiece sees)."""
+
+    n: int
+    splitter: Splitter
+    train_sample: list[Pair]
+    shape: CorpusShape
+    seconds: float
+
+
+def first_pass(spec: DataSpec, seed: int = 0) -> FirstPass:
+    """Reads ``spec``'s corpus once, streamed: its :class:`FirstPass` (``seed``: the sample's).
+    Raises OSError: an unreadable input."""
+    start = time.perf_counter()
+    n, sample = _count_and_sample(spec.source().records(), SAMPLE_PAIRS, seed)
+    splitter = Splitter.for_size(n, merged_into_train=tuple(spec.explicit_splits()))
+    train = [pair for pair in sample if splitter(pair[0]) == "train"]
+    shape = CorpusShape.of(train)
+    if n > len(sample):   # a sample of a larger corpus: its counts scaled to the whole
+        scale = n / len(sample)
+        shape = dataclasses.replace(shape, pairs=round(shape.pairs * scale),
+                                    characters=round(shape.characters * scale))
+    return FirstPass(n, splitter, train, shape, time.perf_counter() - start)
+
+
 def prepare(spec: DataSpec, directory: str | os.PathLike, tokenizer_file: str | os.PathLike,
             *, retrain_tokenizer: bool = False, seed: int = 0,
-            tokenizer: TextTokenizer | None = None) -> dict[str, Any]:
+            tokenizer: TextTokenizer | None = None, first: FirstPass | None = None) -> dict[str, Any]:
     """Prepares ``spec``'s corpus into ``directory`` and returns the manifest written there.
     ``tokenizer_file``: the sentencepiece model, trained on the sample if missing or
     ``retrain_tokenizer``; ``tokenizer``: encode with this one instead (e.g. an ``--init-from``
-    run's, in ``tokenizer_file``); ``seed``: the sample's and the mix's. Raises ValueError: no
-    usable pair, or an empty split. OSError: an unreadable input."""
+    run's, in ``tokenizer_file``); ``seed``: the sample's and the mix's; ``first``: the corpus's
+    :func:`first_pass` with this ``seed``, if read already (the recipe rule's). Raises
+    ValueError: no usable pair, or an empty split. OSError: an unreadable input."""
     start = time.perf_counter()
     directory, tokenizer_file = Path(directory), Path(tokenizer_file)
     fingerprint = spec.fingerprint()
-    n, sample = _count_and_sample(spec.source().records(), SAMPLE_PAIRS, seed)
-    splitter = Splitter.for_size(n, merged_into_train=tuple(spec.explicit_splits()))
-    log(f"prepare: read {spec.name}: {n} pairs in {time.perf_counter() - start:.0f}s")
+    first = first or first_pass(spec, seed)
+    n, splitter, shape = first.n, first.splitter, first.shape
+    log(f"prepare: read {spec.name}: {n} pairs in {first.seconds:.0f}s")
     for stale in directory.parent.glob(f"{directory.name}.partial-*"):   # left by a killed prepare
         shutil.rmtree(stale, ignore_errors=True)
     tmp = directory.with_name(f"{directory.name}.partial-{os.getpid()}")
@@ -125,15 +158,16 @@ def prepare(spec: DataSpec, directory: str | os.PathLike, tokenizer_file: str | 
     try:
         trained = None
         if tokenizer is None and (retrain_tokenizer or not tokenizer_file.exists()):
-            tokenizer = trained = _train_tokenizer(spec, sample, splitter, n, new_tokenizer)
+            tokenizer = trained = _train_tokenizer(spec, first.train_sample, n, new_tokenizer)
         elif tokenizer is None:
             tokenizer = Tokenizer(tokenizer_file)
         if spec.bt_file:
             back_translation.tag_id(tokenizer)   # refused before anything is written
-        del sample
+        del first
         tmp.mkdir(parents=True)
         sha256 = tokenizer_digest(tokenizer_file if trained is None else new_tokenizer / "spm.model")
         manifest = {"format_version": FORMAT_VERSION, "fingerprint": fingerprint, "name": spec.name,
+                    "corpus_shape": dataclasses.asdict(shape),   # the recipe rule's, read again
                     **_write_splits(spec, splitter, tokenizer, tmp, n, seed, sha256),
                     "seconds": round(time.perf_counter() - start, 1)}
         if trained is not None:   # travels with the data: the rename below commits both
@@ -160,11 +194,10 @@ def finish_tokenizer_move(directory: Path, tokenizer_file: Path) -> None:
         shutil.move(pending, tokenizer_file)   # a rename on one filesystem
 
 
-def _train_tokenizer(spec: DataSpec, sample: list[Pair], splitter: Splitter, n: int,
-                     model_dir: Path) -> Tokenizer:
+def _train_tokenizer(spec: DataSpec, train_sample: list[Pair], n: int, model_dir: Path) -> Tokenizer:
     """A sentencepiece model trained on the sample's training pairs, into ``model_dir``."""
     t0 = time.perf_counter()
-    sentences = [s for pair in sample if splitter(pair[0]) == "train" for s in pair]
+    sentences = [s for pair in train_sample for s in pair]
     if not sentences:   # sentencepiece would fail with an internal error instead
         corpus.check_splits_nonempty({"train": 0}, n)
     tokenizer = Tokenizer.train(sentences, model_dir, vocab_size=spec.vocab_size,

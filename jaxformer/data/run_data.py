@@ -2,17 +2,20 @@
 refused: every start compares its fingerprint with the one ``prepared/manifest.json``
 records; equal, the prepared data is reused; different in a run with checkpoints, an error
 naming what differs and the fix; different before any checkpoint, prepared again.
+:func:`corpus_shape` is what the recipe rule reads of the corpus before any of that.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from jaxformer.data.prepare import DataSpec, finish_tokenizer_move, prepare
+from jaxformer.data.prepare import DataSpec, FirstPass, finish_tokenizer_move, first_pass, prepare
 from jaxformer.data.prepared import PreparedCorpus, read_manifest, tokenizer_digest
 from jaxformer.run.logs import log
+from jaxformer.run.recipe import CorpusShape
 
 if TYPE_CHECKING:
     from jaxformer.data.tokenizer import TextTokenizer
@@ -116,10 +119,12 @@ def _copy_back(previous: Path | None, fingerprint: dict[str, Any], directory: Pa
 
 def ensure_prepared(spec: DataSpec, directory: Path, tokenizer_file: Path, *, has_checkpoints: bool,
                     seed: int = 0, write: bool = True, tokenizer: TextTokenizer | None = None,
-                    previous: Path | None = None, recorded: dict[str, Any] | None = None) -> None:
+                    previous: Path | None = None, recorded: dict[str, Any] | None = None,
+                    first: FirstPass | None = None) -> None:
     """Makes ``directory`` hold ``spec``'s prepared data: reused, copied back from ``previous``
-    (:func:`_copy_back`) or prepared (:func:`check_prepared`). ``write=False`` (a multi-process
-    run's other processes): only the check, so every process raises the same error.
+    (:func:`_copy_back`) or prepared (:func:`check_prepared`; ``first``: the corpus's first
+    pass, if read already). ``write=False`` (a multi-process run's other processes): only the
+    check, so every process raises the same error.
     """
     if write:   # a prepare killed after committing its data: its tokenizer moves in now
         finish_tokenizer_move(directory, tokenizer_file)
@@ -135,15 +140,16 @@ def ensure_prepared(spec: DataSpec, directory: Path, tokenizer_file: Path, *, ha
             log(f"prepared data: {tokenizer_file} is not the tokenizer {directory} was encoded with; "
                 f"encoding again")
         prepare(spec, directory, tokenizer_file, retrain_tokenizer=action == "retrain" and tokenizer is None,
-                seed=seed, tokenizer=tokenizer)
+                seed=seed, tokenizer=tokenizer, first=first)
 
 
 def prepare_run_data(cfg: TrainConfig, run_dir: RunDir, *, has_checkpoints: bool,
-                     tokenizer: TextTokenizer | None = None, previous: Path | None = None
-                     ) -> PreparedCorpus:
+                     tokenizer: TextTokenizer | None = None, previous: Path | None = None,
+                     first: FirstPass | None = None) -> PreparedCorpus:
     """A run directory's prepared data, prepared first (by process 0) if missing or stale.
     ``tokenizer``: encode with this one (the ``--init-from`` run's) instead of ``spm.model``;
-    ``previous``: the folder ``--fresh`` moved the run's files to. Raises ValueError: bad corpus
+    ``previous``: the folder ``--fresh`` moved the run's files to; ``first``: the corpus's
+    first pass, read for the recipe (:func:`corpus_shape`). Raises ValueError: bad corpus
     flags or corpus, or checkpoints of other data. PreparedDataError: a prepared file is
     truncated or corrupt."""
     import jax
@@ -154,9 +160,31 @@ def prepare_run_data(cfg: TrainConfig, run_dir: RunDir, *, has_checkpoints: bool
     recorded = (run_dir.read_config() or {}).get("data") if has_checkpoints else None
     ensure_prepared(spec, directory, tokenizer_file, has_checkpoints=has_checkpoints,
                     write=jax.process_index() == 0, tokenizer=tokenizer, previous=previous,
-                    recorded=recorded)
+                    recorded=recorded, first=first)
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices("prepared data")
     return PreparedCorpus.open(directory)
+
+
+# The fingerprint's parts that decide which pairs are read and which of them train.
+_SHAPE_INPUTS = ("format_version", "corpus", "aligned", "dev_file", "test_file")
+
+
+def corpus_shape(cfg: TrainConfig, directory: Path) -> tuple[CorpusShape, FirstPass | None]:
+    """The :class:`CorpusShape` of the training pairs ``cfg`` names, and the first pass read for
+    it (to hand to the prepare, which then reads the corpus once more, not twice): the shape
+    ``directory/manifest.json`` records when its data came from the same files and splits
+    (``None``: nothing read), else one streamed pass (:func:`jaxformer.data.prepare.first_pass`).
+    Raises ValueError / FileNotFoundError: bad corpus flags or files; OSError: unreadable."""
+    spec = DataSpec.from_config(cfg)
+    now = spec.fingerprint()   # every input file checked, as the prepare would
+    manifest = read_manifest(directory) or {}
+    shape, before = manifest.get("corpus_shape"), manifest.get("fingerprint", {})
+    fields = {f.name for f in dataclasses.fields(CorpusShape)}
+    if isinstance(shape, dict) and set(shape) == fields and same_data(
+            {k: before.get(k) for k in _SHAPE_INPUTS}, {k: now.get(k) for k in _SHAPE_INPUTS}):
+        return CorpusShape(**shape), None
+    first = first_pass(spec)
+    return first.shape, first

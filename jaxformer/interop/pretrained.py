@@ -18,7 +18,8 @@ from jaxformer.run.directory import RunDir
 from jaxformer.run.logs import is_main_process
 
 # How the weights are computed or regularised may change when fine-tuning; the shapes may not.
-TUNABLE_FIELDS = ("dropout_rate", "dtype", "attention_backend", "remat", "scan_layers")
+TUNABLE_FIELDS = ("dropout_rate", "attention_dropout_rate", "dtype", "attention_backend", "remat",
+                  "scan_layers")
 
 
 def read_run(init_from: str | Path) -> dict[str, Any]:

@@ -101,6 +101,8 @@ class ModelOverrides(_Section):
     d_ff: Annotated[int | None, Ge(1), shown("the preset's")] = None   # feed-forward hidden width F
     num_layers: Annotated[int | None, Ge(1), shown("the preset's")] = None   # encoder and decoder layers each
     dropout_rate: Annotated[float | None, shown("the preset's")] = None   # residual and embedding dropout
+    # dropout on the attention weights (tensor2tensor's); needs --attention-backend reference
+    attention_dropout_rate: Annotated[float | None, shown("the preset's")] = None
     max_len: Annotated[int | None, Ge(1), shown("the preset's")] = None   # longest sequence in tokens
     # post = the paper's LayerNorm after the residual, pre = before
     norm_position: Annotated[Literal["post", "pre"] | None, shown("the preset's")] = None
@@ -132,6 +134,9 @@ class DataConfig(_Section):
     dev_file: str | None = None   # explicit dev set (TSV) instead of a split of the corpus
     test_file: str | None = None   # explicit test set (TSV) instead of a split of the corpus
     vocab_size: Annotated[int, Ge(1)] = 8000   # sentencepiece vocabulary, shared by source and target
+    # auto: a fresh run's vocabulary size, dropouts, label smoothing and model shape not given
+    # as flags follow the corpus (docs/training.md's table); fixed: the defaults, as before
+    recipe: Literal["auto", "fixed"] = "auto"
     # prepare: drop pairs whose token counts differ by more than this factor (Moses clean-corpus-n)
     max_length_ratio: Annotated[float, Ge(1)] = 9.0
     bt_file: str | None = None   # back-translated pairs (TSV), their sources tagged <BT>

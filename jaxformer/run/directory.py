@@ -131,7 +131,7 @@ def check_resume_compatible(saved: dict[str, Any], model_config: TransformerConf
                  if k not in changeable and saved_model.get(k, defaults[k]) != v}
     if differing:
         fields = ", ".join(f"{k}: saved {a!r} vs now {b!r}" for k, (a, b) in sorted(differing.items()))
-        training_only = {"dropout_rate", "dtype"}
+        training_only = {"dropout_rate", "attention_dropout_rate", "dtype"}
         what = "another architecture" if set(differing) - training_only else "other model settings"
         tune = (" To train on with another --dropout-rate or --dtype, fine-tune from this run: "
                 "jaxformer-train --init-from THIS_RUN --workdir NEW_RUN with the new flag."

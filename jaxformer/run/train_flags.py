@@ -15,12 +15,14 @@ import tyro
 import yaml
 
 from jaxformer.run.config import CHECKING, SECTION_OF, SECTIONS, TrainConfig
+from jaxformer.run.recipe import RECIPE_KEYS
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainArgs:
     """A parsed training command line. ``chosen``: the settings given as flags or ``--config``
-    file keys (not a replayed ``config.json``'s, which records every setting)."""
+    file keys (not a replayed ``config.json``'s, which records every setting, but for the
+    recipe's: a replay trains with the values its run's rule chose, unless ``--recipe`` is given)."""
 
     cfg: TrainConfig
     # JSON or YAML file of settings (flag names with _ or -); flags given override it.
@@ -63,10 +65,17 @@ def parse_train_args(argv: list[str] | None = None, defaults: dict[str, Any] | N
     except ValueError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         sys.exit(2)
-    given = {token[2:].split("=")[0].replace("-", "_") for token in argv if token.startswith("--")}
-    given |= {name[3:] for name in given if name.startswith("no_")}
+    given = given_names(argv)
     chosen = (given & (set(SECTION_OF) | {"config"})) | (set() if replay else set(settings))
+    if replay and "recipe" not in given and not args.cfg.run.init_from:
+        chosen |= set(RECIPE_KEYS) & set(settings)   # the values the replayed run's rule chose
     return dataclasses.replace(args, chosen=frozenset(chosen))
+
+
+def given_names(argv: list[str]) -> set[str]:
+    """The flat names of the flags in ``argv`` (``--no-pack``: ``pack`` and ``no_pack``)."""
+    given = {token[2:].split("=")[0].replace("-", "_") for token in argv if token.startswith("--")}
+    return given | {name[3:] for name in given if name.startswith("no_")}
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:

@@ -11,10 +11,13 @@ from typing import Any, Literal
 import jax
 
 from jaxformer.data.multilingual import scoring_language
+from jaxformer.data.prepare import FirstPass
+from jaxformer.data.run_data import corpus_shape
 from jaxformer.decode.evaluation import make_bleu
 from jaxformer.interop import pretrained
 from jaxformer.model import sharding as sharding_lib
 from jaxformer.model.config import TransformerConfig, preset
+from jaxformer.run import recipe as recipe_lib
 from jaxformer.run.config import TrainConfig
 from jaxformer.run.directory import RunDir
 from jaxformer.run.logs import log
@@ -30,7 +33,9 @@ GENERATION_FLAGS = {"beam_size": "beam_size", "alpha": "length_penalty",
 class RunPlan:
     """What a run's start decided (:func:`plan_run`)."""
 
-    cfg: TrainConfig   # with the --init-from the run began with (a resumed fine-tune keeps it)
+    # with the --init-from the run began with (a resumed fine-tune keeps it), and the recipe:
+    # a fresh run's rule (--recipe auto), a resume's own record's
+    cfg: TrainConfig
     chosen: frozenset[str]   # the settings the user gave (flags, --config keys), by flat name
     # resume: checkpoints/ holds a step; fine-tune: none yet, cfg.run.init_from's weights;
     # fresh: none yet, initialised from cfg.run.seed
@@ -52,6 +57,9 @@ class RunPlan:
     data_workers: int   # --data-workers, or 0 on the CPU (the step needs its cores), else 2
     row_multiple: int   # batch rows divide by it: data axis x --grad-accum-steps, and processes
     t_start: float   # time.perf_counter() at the start (--max-minutes)
+    # the corpus's first read, made for the recipe rule: its prepare reads the corpus once more,
+    # not twice (None: not read; setup drops it once the data is prepared)
+    first_pass: FirstPass | None = None
 
     @property
     def resuming(self) -> bool:
@@ -87,6 +95,13 @@ def plan_run(cfg: TrainConfig, fresh: bool = False, chosen: frozenset[str] | Non
     resuming = not fresh and run_dir.has_checkpoint()
     saved = own if resuming else None
     start = "resume" if resuming else "fine-tune" if cfg.run.init_from else "fresh"
+    shape, first = None, None
+    if start == "resume":
+        cfg = cfg.replace(**recipe_lib.resumed((saved or {}).get("train", {}), chosen))
+    elif start == "fresh" and cfg.data.recipe == "auto":
+        shape, first = corpus_shape(cfg, run_dir.prepared)
+        recipe = recipe_lib.recipe_for(shape)
+        cfg = cfg.replace(**recipe_lib.choose(recipe, chosen, cfg.settings()))
     source = None
     if cfg.run.init_from:
         own_source = saved is not None and "model" in saved and "tokenizer" in saved
@@ -95,6 +110,8 @@ def plan_run(cfg: TrainConfig, fresh: bool = False, chosen: frozenset[str] | Non
         architecture = pretrained.model_config(source, cfg.model.overrides())
     else:
         architecture = preset(cfg.model.preset, src_vocab_size=cfg.data.vocab_size, **cfg.model.overrides())
+    if shape is not None:
+        log(recipe_lib.describe(shape, recipe, _recipe_values(cfg, architecture), chosen))
     resumed_model = TransformerConfig.from_dict(saved["model"]) if saved and "model" in saved else None
     sharding_lib.check_mesh_divides(mesh, resumed_model or architecture, loaded_from=cfg.run.init_from)
     src_lang, tgt_lang = _languages(cfg, source, resumed=source is not None and source is saved)
@@ -113,7 +130,15 @@ def plan_run(cfg: TrainConfig, fresh: bool = False, chosen: frozenset[str] | Non
                    data_workers=workers if workers is not None else (
                        0 if jax.default_backend() == "cpu" else 2),
                    row_multiple=math.lcm(sharding_lib.batch_shards(mesh) * cfg.train.grad_accum_steps,
-                                         jax.process_count()))
+                                         jax.process_count()), first_pass=first)
+
+
+def _recipe_values(cfg: TrainConfig, architecture: TransformerConfig) -> dict[str, Any]:
+    """The values of the recipe's settings a run trains with, for the log."""
+    return {"vocab_size": cfg.data.vocab_size, "label_smoothing": cfg.train.label_smoothing,
+            "num_layers": architecture.num_encoder_layers,
+            **{k: getattr(architecture, k) for k in ("dropout_rate", "attention_dropout_rate", "d_model",
+                                                     "num_heads", "d_ff")}}
 
 
 def _languages(cfg: TrainConfig, source: dict[str, Any] | None,

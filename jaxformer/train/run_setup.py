@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import math
@@ -51,6 +52,7 @@ def setup(cfg: TrainConfig, *, fresh: bool = False, chosen: frozenset[str] | Non
         closer.callback(checkpoints.close)   # else orbax's cleanup thread prints a traceback at exit
         closer.callback(checkpoints.wait)
         prepared, tokenizer, tokenizer_record = _data_and_tokenizer(plan, previous)
+        plan = dataclasses.replace(plan, first_pass=None)   # its sample read, not kept for the run
         model_config = plan.model_config(tokenizer)
         batch_rows = _batch_rows(cfg, model_config, plan.row_multiple)
         if plan.saved is not None:
@@ -89,7 +91,7 @@ def _data_and_tokenizer(plan: RunPlan, previous: Path | None
         tokenizer, record = pretrained.fine_tune_tokenizer(cfg.run.init_from, plan.source, run_dir,
                                                            plan.src_lang, plan.tgt_lang)
     prepared = prepare_run_data(cfg, run_dir, has_checkpoints=plan.resuming, tokenizer=tokenizer,
-                                previous=previous)
+                                previous=previous, first=plan.first_pass)
     return prepared, tokenizer or Tokenizer(run_dir.tokenizer_dir / "spm.model"), record
 
 
