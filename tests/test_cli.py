@@ -595,3 +595,36 @@ def test_console_scripts_from_a_wheel_install_train_and_translate(tmp_path, shor
     assert done.returncode == 0, done.stderr
     assert len(done.stdout.splitlines()) == 2
     assert "checkpoint, step 2]" in done.stderr
+
+
+def test_a_line_of_several_sentences_is_translated_sentence_by_sentence(run, tmp_path, capsys,
+                                                                         killed_at_chunk):
+    """Issue 53: a line of three sentences is translated as the three sentences on lines of their
+    own (the same batch), joined with single spaces; --no-split-sentences decodes it whole. A
+    bulk job's manifest records the rule, so a job an older jaxformer began line by line is
+    refused."""
+    workdir, _, _ = run
+    three = [*SENTENCES[1:], "Click the button."]   # sentencex reads "OK." as an abbreviation
+    source, alone, out = tmp_path / "in.txt", tmp_path / "alone.txt", tmp_path / "out.txt"
+    source.write_text("  ".join(three) + "\n\n")
+    alone.write_text("".join(f"{s}\n" for s in three))
+    flags = ["--workdir", str(workdir), "--beam-size", "1", "--output", str(out)]
+    translate_main([*flags, "--input", str(alone)])
+    sentences = out.read_text().splitlines()
+    translate_main([*flags, "--input", str(source)])
+    assert out.read_text().split("\n") == [" ".join(sentences), "", ""]
+    translate_main([*flags, "--input", str(source), "--no-split-sentences"])
+    whole = out.read_text().split("\n")
+    assert len(whole) == 3 and whole[0] not in ("", " ".join(sentences))   # decoded whole
+    bulk = [*flags, "--input", str(source), "--chunk-lines", "1"]
+    with killed_at_chunk(2):
+        translate_main(bulk)
+    manifest = Path(f"{out}.parts") / "manifest.json"
+    record = json.loads(manifest.read_text())
+    assert record["split_sentences"] is True
+    del record["split_sentences"]   # as a jaxformer before this rule wrote it
+    manifest.write_text(json.dumps(record))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        translate_main(bulk)
+    assert stop.value.code == 2 and "split_sentences" in capsys.readouterr().err

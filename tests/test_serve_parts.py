@@ -12,11 +12,11 @@ import pytest
 pytest.importorskip("fastapi", reason="the service's dependencies: pip install -e '.[serve]'")
 
 from jaxformer.decode.engine import Request, Translation  # noqa: E402
+from jaxformer.decode.text import TextPlan, fit  # noqa: E402
 from jaxformer.serve.batcher import Batcher, QueueFull  # noqa: E402
 from jaxformer.serve.languages import Catalog, Detector, lt_codes, parse_pair  # noqa: E402
 from jaxformer.serve.limits import ApiKeys, RateLimit  # noqa: E402
 from jaxformer.serve.markup import HtmlPlan  # noqa: E402
-from jaxformer.serve.text import TextPlan, fit  # noqa: E402
 
 
 def words(sentences):   # a tokenizer of one token per word, plus eos

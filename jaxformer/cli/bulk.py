@@ -52,6 +52,8 @@ def job_record(args, engine: Engine) -> dict:
     if "generation" in engine.run.record:   # an imported model's rules (or a fine-tune's, inherited)
         run = engine.run                    # as decoded: a job begun under older rules is refused
         record["generation_rules"] = {"forced_eos": run.forced_eos, "max_len": [run.max_len_a, run.max_len_b]}
+    if args.by_sentence:   # a job begun line by line (an older jaxformer) is not finished by sentence
+        record["split_sentences"] = True
     if not args.sample:
         record.update(dict.fromkeys(("seed", "temperature", "top_k", "top_p")))
     else:   # a job sampled with one key per chunk (an older jaxformer) is not finished with these

@@ -24,6 +24,7 @@ from jaxformer.cli.translate_flags import PROG, TranslateArgs, parse_translate_a
 from jaxformer.data import lines as lines_lib
 from jaxformer.decode.engine import Engine
 from jaxformer.decode.served_run import ServedRun
+from jaxformer.decode.text import by_sentence
 from jaxformer.run.platform import skip_absent_tpu
 
 
@@ -82,11 +83,14 @@ def _read_lines(args: TranslateArgs) -> list[str]:
 def _translate_lines(engine: Engine, args, lines: list[str], first_index: int,
                      out) -> tuple[list[str], dict[str, int]]:
     """Translates and writes ``lines``, lines ``first_index`` on of the input (sampling keys and
-    notes come from the line index); empty lines stay empty, and lines over ``max_len`` tokens too
+    notes come from the line index); empty lines stay empty. A line is translated sentence by
+    sentence (``TranslateArgs.by_sentence``), else whole, and then lines over ``max_len`` tokens stay empty
     with ``--long-lines empty``. Returns the best translations and counts: ``empty`` and
     ``long`` lines, source ``tokens`` decoded."""
     run = engine.run
     max_len = run.config.max_len
+    if args.by_sentence:
+        return _translate_by_sentence(engine, args, lines, first_index, out)
     lengths = [len(ids) if line.strip() else 0
                for line, ids in zip(lines, run.tokenizer.encode_source(lines))]
     keep = [n <= max_len or args.long_lines == "truncate" for n in lengths]
@@ -118,6 +122,26 @@ def _translate_lines(engine: Engine, args, lines: list[str], first_index: int,
         out.write("".join(f"{translation.text}\n" for translation in translations))
     out.flush()
     return [translation.text for translation in translations], counts
+
+
+def _translate_by_sentence(engine: Engine, args, lines: list[str], first_index: int,
+                           out) -> tuple[list[str], dict[str, int]]:
+    """:func:`_translate_lines` sentence by sentence (:func:`jaxformer.decode.text.by_sentence`,
+    the run's source language's rules); a sentence over ``max_len`` tokens is translated in
+    pieces, so no line is long."""
+    run, decoded = engine.run, []
+    tokenizer = run.tokenizer
+    count = lambda sentences: [len(ids) for ids in tokenizer.encode_source(sentences)]   # noqa: E731
+    language = getattr(tokenizer, "src_lang", None) or next(iter(run.languages[0]), "xx")
+
+    def translate(sentences: list[str]) -> list[str]:
+        decoded.extend(count(sentences))
+        return [t.text for t in engine.translate(sentences, request_of(args), first_index=first_index)]
+
+    texts = by_sentence(lines, language, count, run.config.max_len, translate)
+    out.write("".join(f"{text}\n" for text in texts))
+    out.flush()
+    return texts, {"empty": sum(not line.strip() for line in lines), "long": 0, "tokens": sum(decoded)}
 
 
 def _load_run(args: TranslateArgs) -> ServedRun:

@@ -69,7 +69,12 @@ class TranslateArgs:
     top_k: Annotated[int | None, Ge(1)] = None   # sample from the k most likely tokens
     top_p: Annotated[float | None, Interval(gt=0, le=1)] = None   # sample from the top-p nucleus
     seed: Annotated[int, Interval(ge=0, lt=2**32)] = 0   # rng seed for --sample
-    # sentences longer than max_len tokens: translate their first max_len tokens, or write ""
+    # translate a line of several sentences sentence by sentence (sentencex), as jaxformer-serve
+    # does, a sentence over max_len tokens in pieces; a line is decoded whole with --n-best,
+    # --sample and constraints
+    split_sentences: bool = True
+    # lines decoded whole and longer than max_len tokens: translate their first max_len tokens, or
+    # write ""
     long_lines: Literal["truncate", "empty"] = "truncate"
     chunk_lines: Annotated[int, Ge(1)] = 10_000   # bulk mode: lines per chunk, sorted, written, resumed
     # weight matmuls in this dtype, summed in float32
@@ -168,6 +173,13 @@ class TranslateArgs:
     def constrained_by(self) -> list[str]:
         """The constraint flags given (``--constraints``, ``--terminology``, ``--prefix``)."""
         return _given(self, "constraints", "terminology", "prefix")
+
+    @property
+    def by_sentence(self) -> bool:
+        """Whether lines are translated sentence by sentence: ``--split-sentences`` (the default)
+        and one translation a line (no ``--n-best``, ``--sample`` or constraints, whose options
+        and notes are a line's)."""
+        return self.split_sentences and self.n_best == 1 and not self.sample and not self.constrained_by
 
     @property
     def needs_jax_only(self) -> bool:

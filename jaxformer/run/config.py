@@ -165,10 +165,19 @@ class OptimConfig(_Section):
     label_smoothing: Annotated[float, Interval(ge=0, lt=1)] = 0.1   # label smoothing epsilon (§5.4)
     grad_clip: Annotated[float | None, Positive, shown("no clipping")] = None   # global gradient norm
     eval_every: Annotated[int, Ge(1)] = 1000   # evaluate dev loss and BLEU every this many steps
+    # between those, the dev NLL only (no smoothing, no decoding) every this many steps; 0: never
+    nll_every: Annotated[int | None, Ge(0), shown("a fifth of --eval-every")] = None
     # stop after this many evaluations without a better dev BLEU
     patience: Annotated[int | None, Ge(1), shown("never")] = None
+    # stop after this many dev-NLL evaluations in a row that each rose (overfitting)
+    stop_on_overfit: Annotated[int | None, Ge(1), shown("never")] = None
     # at the end, average the last N checkpoints (§6.1); kept if its dev BLEU is better
     average_last: int | None = None
+
+    def nll_interval(self) -> int:
+        """Steps between dev-NLL evaluations (``--nll-every``, default a fifth of ``--eval-every``,
+        rounded down); 0: none."""
+        return self.nll_every if self.nll_every is not None else self.eval_every // 5
 
     def row_length(self, max_len: int) -> int:
         """Positions of a training row: ``--max-train-len``, never past the model's ``max_len``."""
@@ -184,6 +193,9 @@ class DecodeConfig(_Section):
     no_repeat_ngram_size: Annotated[int, Ge(0)] = 0   # never repeat an n-gram of this size (0 = off)
     # divide the scores of generated tokens by this (1 = off; CTRL, HF generate)
     repetition_penalty: Annotated[float, Gt(0)] = 1.0
+    # translate a dev/test line of several sentences sentence by sentence (sentencex), as
+    # jaxformer-translate and jaxformer-serve do
+    split_sentences: bool = True
     eval_batch_size: Annotated[int, Ge(1)] = 64   # sentences per decoding batch in evaluation
     dev_bleu_sentences: Annotated[int, Ge(1)] = 300   # dev sentences decoded for BLEU per evaluation
     num_samples: Annotated[int, Ge(0)] = 5   # dev translations written to samples.txt per evaluation

@@ -74,14 +74,24 @@ class MetricsLog:
             self.writer.close()
 
 
+def read_metrics(run_dir: RunDir, key: str | None = None) -> list[dict[str, float]]:
+    """``metrics.jsonl``'s records in order (none if missing); ``key``: only those holding it."""
+    if not run_dir.metrics.exists():
+        return []
+    rows = [json.loads(line) for line in run_dir.metrics.read_text().splitlines() if line.strip()]
+    return [row for row in rows if key is None or key in row]
+
+
 def write_plots(run_dir: RunDir) -> None:
-    """``plots/{loss,lr,bleu}.png`` from ``metrics.jsonl`` (``Figure`` objects: ``pyplot`` untouched)."""
+    """``plots/{loss,nll,lr,bleu}.png`` from ``metrics.jsonl`` (``Figure`` objects: ``pyplot``
+    untouched); ``nll``: without label smoothing, the dev points of every evaluation."""
     from matplotlib.figure import Figure
 
-    rows = [json.loads(line) for line in run_dir.metrics.read_text().splitlines() if line]
+    rows = read_metrics(run_dir)
     plots = run_dir.plots
     plots.mkdir(exist_ok=True)
-    series = {"loss": [("train", "train/loss"), ("dev", "dev/loss")], "lr": [("learning rate", "train/lr")],
+    series = {"loss": [("train", "train/loss"), ("dev", "dev/loss")],
+              "nll": [("train", "train/nll"), ("dev", "dev/nll")], "lr": [("learning rate", "train/lr")],
               "bleu": [("dev BLEU", "dev/bleu")]}
     for name, curves in series.items():
         fig = Figure(figsize=(6, 4))
@@ -89,7 +99,7 @@ def write_plots(run_dir: RunDir) -> None:
         for label, key in curves:
             points = [(r["step"], r[key]) for r in rows if key in r]
             if points:
-                dots = name == "bleu" or len(points) == 1   # BLEU's few points; a line needs two
+                dots = key.startswith("dev/") or len(points) == 1   # the evaluations' few points
                 ax.plot(*zip(*points), label=label, marker="o" if dots else None)
         ax.set_xlabel("step")
         ax.set_ylabel(name)

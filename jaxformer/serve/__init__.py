@@ -6,7 +6,7 @@ CTranslate2 model converted once into ``RUN/ct2/``), ``ct2_engine`` (the engine
 ``jaxformer-translate --engine ct2`` decodes with). The service, over any engine
 (:mod:`jaxformer.decode.engine`): ``app`` (the HTTP routes), ``api`` (LibreTranslate's fields
 and errors), ``served_model`` (a run served: its pairs, texts in, texts out), ``batcher``
-(dynamic batching), ``text`` and ``markup`` (sentences and HTML), ``languages``
+(dynamic batching), ``markup`` (HTML; sentences: :mod:`jaxformer.decode.text`), ``languages``
 (LibreTranslate's codes, detection), ``limits`` (keys, rate, body size), ``metrics``
 (Prometheus), ``static/`` (the web page). Imports ``data`` (the tokenizer) and ``decode``;
 the conversion itself (``interop.ct2``) loads JAX, once per checkpoint.

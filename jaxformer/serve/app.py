@@ -30,13 +30,13 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.staticfiles import StaticFiles
 
+from jaxformer.decode.text import TextPlan
 from jaxformer.serve import api
 from jaxformer.serve.batcher import QueueFull
 from jaxformer.serve.languages import Catalog, Detector, language_name
 from jaxformer.serve.limits import ApiKeys, BodyLimit, RateLimit
 from jaxformer.serve.metrics import CONTENT_TYPE, AccessLog, Metrics
 from jaxformer.serve.served_model import Extras, ServedModel
-from jaxformer.serve.text import TextPlan
 
 log = logging.getLogger("jaxformer.serve")
 STATIC = Path(__file__).parent / "static"

@@ -2,7 +2,7 @@
 ``html.parser`` (:class:`HtmlPlan`).
 
 The text of each block (a paragraph, a list item, a cell: the inline content between block
-elements and line breaks) is translated as sentences (:class:`~jaxformer.serve.text.TextPlan`),
+elements and line breaks) is translated as sentences (:class:`~jaxformer.decode.text.TextPlan`),
 in context, with its whitespace collapsed as a browser shows it. An inline element (``<b>``,
 ``<a href>``, ``<span>``…) then goes around the words that translate its own text where the
 block's translation holds them (its text translated alone, found there, or its source words
@@ -22,7 +22,7 @@ from bs4 import BeautifulSoup, NavigableString, PageElement, Tag
 from bs4.element import PreformattedString
 from bs4.formatter import HTMLFormatter
 
-from jaxformer.serve.text import TextPlan
+from jaxformer.decode.text import TextPlan
 
 BLOCKS = frozenset(
     "address article aside blockquote body caption center dd details dialog dir div dl dt fieldset "

@@ -22,10 +22,10 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from jaxformer.decode.engine import Engine, Request, Translation, refusal
+from jaxformer.decode.text import TextPlan
 from jaxformer.serve.batcher import Batcher
 from jaxformer.serve.languages import Route, lt_codes
 from jaxformer.serve.markup import HtmlPlan
-from jaxformer.serve.text import TextPlan
 
 
 @dataclasses.dataclass

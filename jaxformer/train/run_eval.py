@@ -1,8 +1,10 @@
-"""A training run's evaluations: the periodic dev evaluation (keeps the best parameters),
-checkpoint averaging and the final test (sacrebleu's BLEU and chrF; ``test.src/ref/hyp``)."""
+"""A training run's evaluations: the periodic dev evaluation (keeps the best parameters), the
+dev NLL between them (watched for overfitting), checkpoint averaging and the final test
+(sacrebleu's BLEU and chrF; ``test.src/ref/hyp``)."""
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -10,22 +12,36 @@ import jax
 import numpy as np
 
 from jaxformer.decode.strategies import strategy_for
+from jaxformer.decode.text import by_sentence
 from jaxformer.run.config import save_json
+from jaxformer.run.directory import RunDir
 from jaxformer.run.logs import is_main_process, log
-from jaxformer.run.metrics import write_plots
+from jaxformer.run.metrics import read_metrics, write_plots
 from jaxformer.train.averaging import average_last_checkpoints
-from jaxformer.train.run_state import LoopState, Run
+from jaxformer.train.run_state import LoopState, OverfitWatch, Run
 
 DEGENERATE_WARNING = 0.02   # warn when more test hypotheses than this loop on an n-gram
+OVERFIT_REPORT = 3   # dev-NLL evaluations in a row that rose: the log reports overfitting
 
 
 def _translate(run: Run, params: Any, sources: list[str]) -> list[str]:
-    """Dev/test decoding with the run's beam, length penalty and repetition rules."""
+    """Dev/test decoding with the run's beam, length penalty and repetition rules, a line of
+    several sentences sentence by sentence with ``--split-sentences`` (as ``jaxformer-translate``
+    and ``jaxformer-serve`` translate it)."""
     cfg = run.cfg
     strategy = strategy_for(cfg.decode.beam_size, cfg.decode.alpha,
                             no_repeat_ngram_size=cfg.decode.no_repeat_ngram_size,
                             repetition_penalty=cfg.decode.repetition_penalty)
-    return [n_best[0][0] for n_best in run.evaluator.decode(params, sources, strategy)]
+
+    def decode(sentences: list[str]) -> list[str]:
+        return [n_best[0][0] for n_best in run.evaluator.decode(params, sentences, strategy)]
+
+    if not cfg.decode.split_sentences:
+        return decode(sources)
+    tokenizer = run.evaluator.tokenizer
+    return by_sentence(sources, run.plan.src_lang or "xx",
+                       lambda sentences: [len(ids) for ids in tokenizer.encode_source(sentences)],
+                       run.programs.model.config.max_len, decode)
 
 
 def evaluate(run: Run, loop: LoopState, keep_best: bool = True) -> float:
@@ -34,12 +50,13 @@ def evaluate(run: Run, loop: LoopState, keep_best: bool = True) -> float:
     cfg, step, params, t0 = run.cfg, loop.step, loop.state.params, time.perf_counter()
     dev_subset = run.data.splits["dev"][: cfg.decode.dev_bleu_sentences]
     dev_loss = run.evaluator.loss(params, run.data.dev_examples, run.programs.eval_step)
+    nll = _nll(dev_loss)
     hyps = _translate(run, params, [p[0] for p in dev_subset])
     scores = run.evaluator.scores(hyps, [p[1] for p in dev_subset])
     bleu = scores["bleu"]
-    run.metrics_log.write(step, {"dev/loss": dev_loss["loss"], "dev/ppl": dev_loss["ppl"],
-                                 "dev/accuracy": dev_loss["accuracy"], "dev/bleu": bleu,
-                                 "dev/chrf": scores["chrf"]})
+    run.metrics_log.write(step, {"dev/loss": dev_loss["loss"], "dev/nll": nll,
+                                 "dev/ppl": dev_loss["ppl"], "dev/accuracy": dev_loss["accuracy"],
+                                 "dev/bleu": bleu, "dev/chrf": scores["chrf"]})
     if is_main_process():
         with run.run_dir.samples.open("a") as f:
             f.write(f"== step {step} dev BLEU {bleu:.2f}\n")
@@ -51,10 +68,69 @@ def evaluate(run: Run, loop: LoopState, keep_best: bool = True) -> float:
     elif bleu > loop.best_bleu:
         loop.best_bleu = bleu
         run.checkpoints.save_best(step, params, bleu)
-    log(f"step {step}: dev loss {dev_loss['loss']:.3f} ppl {dev_loss['ppl']:.1f} "
+    log(f"step {step}: dev loss {dev_loss['loss']:.3f} NLL {nll:.3f} ppl {dev_loss['ppl']:.1f} "
         f"BLEU {bleu:.2f} chrF {scores['chrf']:.2f} ({len(dev_subset)} sentences, "
         f"{time.perf_counter() - t0:.0f}s)")
+    _watch_nll(run, loop, nll)
     return bleu
+
+
+def _nll(dev_loss: dict[str, float]) -> float:
+    """The per-token NLL of :meth:`~jaxformer.decode.evaluation.Evaluator.loss`'s results (its
+    perplexity's log; without label smoothing, unlike its ``loss``)."""
+    return math.log(dev_loss["ppl"])
+
+
+def evaluate_nll(run: Run, loop: LoopState) -> float:
+    """The dev NLL of the loop's parameters alone (teacher-forced, no label smoothing, no
+    decoding: ``--nll-every``), recorded as ``dev/nll`` and watched for overfitting. One host
+    sync. Returns the NLL."""
+    t0 = time.perf_counter()
+    nll = _nll(run.evaluator.loss(loop.state.params, run.data.dev_examples, run.programs.eval_step))
+    run.metrics_log.write(loop.step, {"dev/nll": nll})
+    log(f"step {loop.step}: dev NLL {nll:.3f} ({time.perf_counter() - t0:.1f}s)")
+    _watch_nll(run, loop, nll)
+    return nll
+
+
+def _watch_nll(run: Run, loop: LoopState, nll: float) -> None:
+    """Counts the dev NLL's rises in a row; the :data:`OVERFIT_REPORT`-th (or the
+    ``--stop-on-overfit``-th, if fewer) is reported with what to try."""
+    cfg = run.cfg
+    rises = loop.overfit.update(loop.step, nll)
+    if rises != min(OVERFIT_REPORT, cfg.train.stop_on_overfit or OVERFIT_REPORT):
+        return
+    base_step, base_nll = loop.overfit.base
+    tries = ["more dropout (--dropout-rate, --attention-dropout-rate)", "a smaller model (--preset, "
+             "--d-model, --num-layers)", "fewer steps (--max-steps)"]
+    if cfg.data.recipe == "fixed":
+        tries.append("--recipe auto (the recipe that follows the corpus)")
+    stop = ("" if cfg.train.stop_on_overfit else
+            " --stop-on-overfit N stops a run after N rises in a row;")
+    log(f"step {loop.step}: the dev NLL rose in each of the last {rises} evaluations ({base_nll:.3f} at "
+        f"step {base_step} → {nll:.3f}): the model is overfitting its training data. Try "
+        f"{', '.join(tries[:-1])} or {tries[-1]};{stop} the best checkpoint by dev BLEU is the one tested.")
+
+
+def resumed_overfit_watch(run_dir: RunDir, step: int) -> OverfitWatch:
+    """A resume's :class:`OverfitWatch` at ``step``: the dev NLL of ``metrics.jsonl`` up to it
+    replayed (process 0's, in every process), so the rises in a row count on."""
+    watch = OverfitWatch()
+    if is_main_process():
+        for row in read_metrics(run_dir, "dev/nll"):
+            if row["step"] <= step:
+                watch.update(row["step"], row["dev/nll"])
+    if jax.process_count() > 1:   # as float32: every process compares the same values
+        from jax.experimental import multihost_utils
+
+        flat = np.array([watch.last is not None, watch.rises, *(watch.base or (0, 0.0)),
+                         *(watch.last or (0, 0.0))], np.float32)
+        known, rises, base_step, base_nll, last_step, last_nll = \
+            multihost_utils.broadcast_one_to_all(flat).tolist()
+        watch = OverfitWatch()
+        if known:
+            watch = OverfitWatch(int(rises), (int(base_step), base_nll), (int(last_step), last_nll))
+    return watch
 
 
 def average_and_compare(run: Run, loop: LoopState, abstract_params: Any) -> tuple[dict[str, Any] | None, Any]:

@@ -28,6 +28,7 @@ from jaxformer.run.logs import is_main_process, log
 from jaxformer.run.metrics import MetricsLog
 from jaxformer.train.plan import RunPlan, plan_run
 from jaxformer.train.programs import RunPrograms, run_programs
+from jaxformer.train.run_eval import resumed_overfit_watch
 from jaxformer.train.run_state import EarlyStopping, LoopState, Run, TrainData
 from jaxformer.train.step import TrainState
 
@@ -80,7 +81,8 @@ def setup(cfg: TrainConfig, *, fresh: bool = False, chosen: frozenset[str] | Non
     best = checkpoints.best_bleu()   # on resume, the score recorded with the best checkpoint
     return run, LoopState(step=step, state=state, best_bleu=-1.0 if best is None else best,
                           early_stopping=EarlyStopping(cfg.train.patience,
-                                                       -math.inf if best is None else best))
+                                                       -math.inf if best is None else best),
+                          overfit=resumed_overfit_watch(run_dir, step))
 
 
 def _data_and_tokenizer(plan: RunPlan, previous: Path | None

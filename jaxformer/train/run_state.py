@@ -84,6 +84,25 @@ class EarlyStopping:
 
 
 @dataclasses.dataclass
+class OverfitWatch:
+    """The dev NLL's rises in a row (``--stop-on-overfit``): ``rises`` evaluations since ``base``,
+    the last ``(step, nll)`` that did not rise above the one before it; ``last``: the latest."""
+
+    rises: int = 0
+    base: tuple[int, float] | None = None
+    last: tuple[int, float] | None = None
+
+    def update(self, step: int, nll: float) -> int:
+        """Records one evaluation's dev NLL; returns the rises in a row that end with it."""
+        if self.last is not None and nll > self.last[1]:
+            self.rises += 1
+        else:
+            self.rises, self.base = 0, (step, nll)
+        self.last = (step, nll)
+        return self.rises
+
+
+@dataclasses.dataclass
 class LoopState:
     """The host loop's state between steps: the train state and what the loop counts."""
 
@@ -95,6 +114,7 @@ class LoopState:
     recent_skips: float = 0.0   # updates skipped as non-finite in the last logged window
     stopped_by: str = "max_steps"
     early_stopping: EarlyStopping = dataclasses.field(default_factory=lambda: EarlyStopping(None))
+    overfit: OverfitWatch = dataclasses.field(default_factory=OverfitWatch)   # dev NLL's rises
 
     def skips_pending(self) -> float:
         """Updates skipped as non-finite since the last clean window (their parameters are neither

@@ -18,7 +18,7 @@ from jaxformer.run.config import TrainConfig
 from jaxformer.run.directory import RunDir, topmost_missing
 from jaxformer.run.logs import Progress, RunLog, log
 from jaxformer.train.preemption import Preempted, PreemptionGuard, past_deadline
-from jaxformer.train.run_eval import evaluate, final_test
+from jaxformer.train.run_eval import evaluate, evaluate_nll, final_test
 from jaxformer.train.run_setup import setup
 from jaxformer.train.run_state import LoopState, Run, TrainingDiverged
 from jaxformer.train.step import add_metrics
@@ -52,9 +52,10 @@ def train(cfg: TrainConfig, *, fresh: bool = False, chosen: frozenset[str] | Non
 
 
 def train_loop(run: Run, loop: LoopState) -> LoopState:
-    """Steps until ``--max-steps``, ``--max-minutes`` or a signal; logs every ``--log-every``
-    steps (the one host sync), evaluates every ``--eval-every`` and checkpoints every
-    ``--checkpoint-every`` steps and at the end.
+    """Steps until ``--max-steps``, ``--max-minutes``, a signal, ``--patience`` or
+    ``--stop-on-overfit``; logs every ``--log-every`` steps (the one host sync), evaluates every
+    ``--eval-every`` steps, the dev NLL alone every ``--nll-every`` steps between, and
+    checkpoints every ``--checkpoint-every`` steps and at the end.
 
     Raises:
       Preempted: after checkpointing the step at which the signal was honoured.
@@ -62,6 +63,7 @@ def train_loop(run: Run, loop: LoopState) -> LoopState:
         intact), or skipped updates at the end of a run without any checkpoint.
     """
     cfg, c = run.cfg, run.programs.model.config
+    nll_every, stop_on_overfit = cfg.train.nll_interval(), cfg.train.stop_on_overfit
     loop.last_log_time = time.perf_counter()
     deadline = None if cfg.train.max_minutes is None else run.plan.t_start + 60 * cfg.train.max_minutes
     progress = Progress(enabled=cfg.run.progress, step=loop.step, max_steps=cfg.train.max_steps,
@@ -90,10 +92,18 @@ def train_loop(run: Run, loop: LoopState) -> LoopState:
                 break
             if loop.step % cfg.run.checkpoint_every == 0:
                 _save_if_healthy(run, loop)
-            if loop.step % cfg.train.eval_every == 0 and _evaluate_and_stop_early(run, loop):
-                loop.stopped_by = "early_stopping"
-                log(f"early stopping: no better dev BLEU in {cfg.train.patience} evaluations "
-                    f"(best {loop.early_stopping.best:.2f})")
+            if loop.step % cfg.train.eval_every == 0:
+                if _evaluate_and_stop_early(run, loop):
+                    loop.stopped_by = "early_stopping"
+                    log(f"early stopping: no better dev BLEU in {cfg.train.patience} evaluations "
+                        f"(best {loop.early_stopping.best:.2f})")
+                    break
+            elif nll_every and loop.step % nll_every == 0:
+                evaluate_nll(run, loop)
+            if stop_on_overfit and loop.overfit.rises >= stop_on_overfit:
+                loop.stopped_by = "overfitting"
+                log(f"stopping: the dev NLL rose in {loop.overfit.rises} evaluations in a row "
+                    f"(--stop-on-overfit {stop_on_overfit})")
                 break
     refused = (not diverged and run.checkpoints.latest_step() != loop.step
                and not _save_if_healthy(run, loop))
