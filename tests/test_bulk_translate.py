@@ -92,18 +92,21 @@ def test_one_line_out_per_line_in_whatever_the_bytes(workdir, tmp_path, capsys):
     assert stop.value.code == 2 and "line 32, 63, 94" in capsys.readouterr().err
     assert not (tmp_path / "out.txt").exists() and not (tmp_path / "out.txt.parts").exists()
 
-    for long_lines in ("truncate", "empty"):
-        out = tmp_path / f"{long_lines}.txt"
+    long_rows = [i for i in range(len(rows)) if i % 29 == 0 and i % 17]
+    for mode in ("truncate", "empty", "sentences"):   # lines decoded whole, or by sentence (the default)
+        out = tmp_path / f"{mode}.txt"
+        how = [] if mode == "sentences" else ["--no-split-sentences", "--long-lines", mode]
         translate_main([*flags, "--output", str(out), "--chunk-lines", "25", "--input-errors", "replace",
-                        "--long-lines", long_lines])
+                        *how])
         report = capsys.readouterr().err
-        assert ("120 lines in 5 chunk(s), 0 found finished; decoded 120 lines (8 empty, 4 longer than "
+        long = 0 if mode == "sentences" else 4   # by sentence, a long sentence is translated in pieces
+        assert (f"120 lines in 5 chunk(s), 0 found finished; decoded 120 lines (8 empty, {long} longer than "
                 "max_len, 3 with bytes not UTF-8 replaced)") in report, report
         lines = out.read_text(encoding="utf-8").split("\n")
-        assert len(lines) == 121 and lines[-1] == "" and not (tmp_path / f"{long_lines}.txt.parts").exists()
+        assert len(lines) == 121 and lines[-1] == "" and not (tmp_path / f"{mode}.txt.parts").exists()
         assert all(lines[i] == "" for i, row in enumerate(rows) if not row)
-    long_rows = [i for i in range(len(rows)) if i % 29 == 0 and i % 17]
-    assert all(lines[i] == "" for i in long_rows)   # --long-lines empty
+        if mode == "empty":
+            assert all(lines[i] == "" for i in long_rows)
 
 
 def _command(workdir, source, out, *flags):

@@ -66,7 +66,7 @@ RECIPE_KEYS = ("vocab_size", "dropout_rate", "attention_dropout_rate", "label_sm
 @dataclasses.dataclass(frozen=True)
 class Recipe:
     """One row of :data:`RULE`: the values it sets; ``None`` leaves the setting at its default
-    (today's: ``--vocab-size 8000``, the preset's dropout and shape, no attention dropout,
+    (the defaults: ``--vocab-size 8000``, the preset's dropout and shape, no attention dropout,
     ``--label-smoothing 0.1``). ``reason``: the row's condition, in words."""
 
     vocab_size: int | None = None
@@ -89,10 +89,11 @@ class Recipe:
 
 
 # (most training pairs, recipe): the first row whose bound holds the corpus is its recipe.
-# One row until benchmarks/recipes.py has measured the others: every corpus gets today's
-# values, so --recipe auto trains as --recipe fixed.
+# One row while benchmarks/recipes.py has measured no better one at the default budget
+# (benchmarks/README.md, "Recipes for small corpora"): every corpus gets the defaults, so
+# --recipe auto trains as --recipe fixed.
 RULE: tuple[tuple[float, Recipe], ...] = (
-    (math.inf, Recipe(reason="one rule for every size until measured")),
+    (math.inf, Recipe(reason="the defaults at any size; no other row measured better")),
 )
 
 
@@ -107,8 +108,8 @@ def recipe_for(shape: CorpusShape, rule: tuple[tuple[float, Recipe], ...] | None
     any            8000       preset's (0) 0                 0.1             preset (small)
     ============== ========== ============ ================= =============== ==============
 
-    (the values of today's default run, kept until measurements on corpora of several sizes
-    decide the rows; issue 53, benchmarks/recipes.py)."""
+    (the default run's values: benchmarks/recipes.py has measured no other row better at the
+    default budget; issue 53)."""
     for bound, recipe in RULE if rule is None else rule:
         if shape.pairs <= bound:
             return recipe
@@ -131,7 +132,7 @@ def choose(recipe: Recipe, chosen: Iterable[str], settings: dict[str, Any]) -> d
 def resumed(record: dict[str, Any], chosen: Iterable[str]) -> dict[str, Any]:
     """The settings a resume takes from its run's flat ``record`` (``config.json``'s ``"train"``):
     ``recipe`` and each setting it decides, unless ``chosen`` now; the rule is not asked again.
-    An older record has no ``recipe``: its run trained with today's values, ``fixed``."""
+    An older record has no ``recipe``: its run trained with the defaults, ``fixed``."""
     chosen = set(chosen)
     kept = {k: record[k] for k in RECIPE_KEYS if k in record and k not in chosen}
     if record and "recipe" not in chosen:
@@ -153,4 +154,4 @@ def describe(shape: CorpusShape, recipe: Recipe, values: dict[str, Any], chosen:
     if given:
         why += f"; given: {', '.join('--' + k.replace('_', '-') for k in given)}"
     chose = ", ".join(words.format(values[k]) for k, words in _WORDS if k in values)
-    return f"recipe (--recipe auto): {shape}: {chose} ({why}; --recipe fixed: today's values)"
+    return f"recipe (--recipe auto): {shape}: {chose} ({why}; --recipe fixed: the defaults)"
