@@ -151,8 +151,11 @@ class Translator:
             return "greedy"
         penalty = "|Y|" if rules["length_normalization"] == "hf" else "((5+|Y|)/6)"
         stop = "ends once k hypotheses ended" if rules["early_stopping"] else "exact stop"
-        return f"beam {rules['beam_size']}, length penalty {penalty}^{rules['alpha']}, {stop}, a length " \
-               f"limit per sentence"
+        penalty_p, ngram = rules["repetition_penalty"], rules["no_repeat_ngram_size"]
+        repeats = (f", repetition penalty {penalty_p:g}" if penalty_p != 1 else "") + (
+            f", no repeated {ngram}-gram" if ngram else "")
+        return (f"beam {rules['beam_size']}, length penalty {penalty}^{rules['alpha']}, {stop}{repeats}, "
+                f"a length limit per sentence")
 
     def describe(self) -> str:
         """The engine and its devices, in one line."""

@@ -214,7 +214,9 @@ class CT2Engine:
             return "greedy"
         return (f"beam {search.beam_size}, CTranslate2's rules: length penalty |Y|^{search.alpha}, a "
                 f"sentence ends once {search.beam_size} hypotheses ended, one length limit per batch of "
-                f"similar sources, repetition penalty {search.repetition_penalty:g} on the logits")
+                f"similar sources, repetition penalty {search.repetition_penalty:g} on the logits"
+                + (f", no repeated {search.no_repeat_ngram_size}-gram" if search.no_repeat_ngram_size
+                   else ""))
 
     def describe(self) -> str:
         """One line: the engine, its model and thread layout."""
