@@ -84,9 +84,9 @@ def _translate_lines(engine: Engine, args, lines: list[str], first_index: int,
                      out) -> tuple[list[str], dict[str, int]]:
     """Translates and writes ``lines``, lines ``first_index`` on of the input (sampling keys and
     notes come from the line index); empty lines stay empty. A line is translated sentence by
-    sentence (``TranslateArgs.by_sentence``), else whole, and then lines over ``max_len`` tokens stay empty
-    with ``--long-lines empty``. Returns the best translations and counts: ``empty`` and
-    ``long`` lines, source ``tokens`` decoded."""
+    sentence (``TranslateArgs.by_sentence``), else whole, and then a line over ``max_len``
+    tokens stays empty with ``--long-lines empty``. Returns the best translations and counts:
+    ``empty`` and ``long`` lines, source ``tokens`` decoded."""
     run = engine.run
     max_len = run.config.max_len
     if args.by_sentence:

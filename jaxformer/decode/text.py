@@ -91,11 +91,10 @@ def by_sentence(texts: Sequence[str], language: str, count: Counter, max_len: in
     """``texts`` translated sentence by sentence: each a :class:`TextPlan` (``language``,
     ``count``, ``max_len`` as there), all their sentences in one call of ``translate``
     (sentences -> translations, in order), each text's joined back with single spaces (one
-    line out per text: a bare ``\r`` inside it, kept by :class:`TextPlan` as spacing, would make
-    two). A line of two sentences is where
-    a model trained on single sentences drops the second (issue 53: +2.3 test BLEU on the
-    default run's 994 test lines, 216 of them split; argostranslate and LibreTranslate split
-    the same way)."""
+    line out per text: a bare carriage return inside it, which :class:`TextPlan` keeps as
+    spacing, would make two). A line of two sentences is where a model trained on single
+    sentences drops the second (issue 53: +2.3 test BLEU on the default run's 994 test lines,
+    216 of them split; argostranslate and LibreTranslate split the same way)."""
     plans = [TextPlan(text, language, count, max_len) for text in texts]
     done = iter(translate([sentence for plan in plans for sentence in plan.sentences]))
     return [" ".join(plan.join([next(done) for _ in plan.sentences]).split()) for plan in plans]
